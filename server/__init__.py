@@ -1,0 +1,1 @@
+"""PagedLLM engine, models, sampler, HTTP API and CLI."""

@@ -1,0 +1,154 @@
+"""Engine configuration: frozen dataclasses validated once, at the edge.
+
+Every engine argument is a field of exactly one of the sub-configs below. The
+``LLM(...)`` keyword arguments, the ``pagedllm`` CLI flags (``--block-size`` for
+``block_size``) and the operator's rendered command line are all derived from these
+fields (see :mod:`pagedllm.server.args`), so there is one source of truth.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+DEVICES = ("auto", "cpu", "cuda")
+LOAD_FORMATS = ("auto", "safetensors", "pt", "dummy")
+PREEMPTION_MODES = (None, "recompute", "swap")
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
+GiB = 1 << 30
+
+
+def _help(text: str, **extra: Any) -> dict:
+    return {"help": text, **extra}
+
+
+def _check_range(name: str, value, low=None, high=None, *, low_open=False) -> None:
+    if value is None:
+        return
+    too_low = low is not None and (value <= low if low_open else value < low)
+    too_high = high is not None and value > high
+    if too_low or too_high:
+        lo = "" if low is None else (f"> {low}" if low_open else f">= {low}")
+        hi = "" if high is None else f"<= {high}"
+        allowed = " and ".join(s for s in (lo, hi) if s)
+        raise ValueError(f"{name}={value!r} is out of range: must be {allowed}")
+
+
+def _check_choice(name: str, value, choices) -> None:
+    if value not in choices:
+        raise ValueError(f"{name}={value!r} is not allowed: choose one of {list(choices)}")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: Optional[str] = field(
+        default=None, metadata=_help("Hugging Face model directory; None serves the embedded demo model."))
+    tokenizer: Optional[str] = field(
+        default=None, metadata=_help("Tokenizer directory; defaults to the model directory."))
+    dtype: str = field(
+        default="auto", metadata=_help("Weight and activation dtype; auto = the checkpoint's (float32 on CPU).",
+                                       choices=DTYPES))
+    device: str = field(
+        default="auto", metadata=_help("Where the model runs; auto picks cuda when available.", choices=DEVICES))
+    max_model_len: Optional[int] = field(
+        default=None, metadata=_help("Longest prompt plus output, in tokens; defaults to the model's limit."))
+    load_format: str = field(
+        default="auto", metadata=_help("Weight format; dummy draws random weights (benchmarks).",
+                                       choices=LOAD_FORMATS))
+    seed: int = field(default=0, metadata=_help("Seed for random weights and unseeded sampling."))
+    skip_tokenizer_init: bool = field(
+        default=False, metadata=_help("Do not load a tokenizer; prompts must be token ids."))
+    attention_backend: str = field(
+        default="auto", metadata=_help("Attention implementation; auto = triton on CUDA, torch on CPU.",
+                                       choices=ATTENTION_BACKENDS))
+
+    def __post_init__(self) -> None:
+        _check_choice("dtype", self.dtype, DTYPES)
+        _check_choice("device", self.device, DEVICES)
+        _check_choice("load_format", self.load_format, LOAD_FORMATS)
+        _check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
+        _check_range("max_model_len", self.max_model_len, 1)
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = field(default=16, metadata=_help("Tokens per KV cache block (a power of two, 1-256)."))
+    gpu_memory_utilization: float = field(
+        default=0.9, metadata=_help("Fraction of GPU memory the engine may use (weights + activations + KV cache)."))
+    swap_space: float = field(default=4.0, metadata=_help("GiB of host memory for swapped-out KV blocks."))
+    kv_cache_memory: float = field(
+        default=1.0, metadata=_help("GiB of KV cache on CPU (ignored on CUDA, where it is profiled)."))
+    num_gpu_blocks_override: Optional[int] = field(
+        default=None, metadata=_help("Use exactly this many device KV blocks instead of sizing from memory."))
+    enable_prefix_caching: bool = field(
+        default=True, metadata=_help("Reuse KV blocks of prompts that share a prefix."))
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.block_size, int) and 1 <= self.block_size <= 256
+                and self.block_size & (self.block_size - 1) == 0):
+            raise ValueError(f"block_size={self.block_size!r} is not allowed: must be a power of two from 1 to 256")
+        _check_range("gpu_memory_utilization", self.gpu_memory_utilization, 0.0, 1.0, low_open=True)
+        _check_range("swap_space", self.swap_space, 0)
+        _check_range("kv_cache_memory", self.kv_cache_memory, 0.0, low_open=True)
+        _check_range("num_gpu_blocks_override", self.num_gpu_blocks_override, 1)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = field(default=256, metadata=_help("Most sequences running in one iteration."))
+    max_num_batched_tokens: Optional[int] = field(
+        default=None, metadata=_help("Token budget of one iteration (prompt chunks + decodes); default 2048."))
+    preemption_mode: Optional[str] = field(
+        default=None, metadata=_help("How to preempt: None = recompute single sequences, swap groups.",
+                                     choices=PREEMPTION_MODES))
+    enable_chunked_prefill: bool = field(
+        default=True, metadata=_help("Split long prompts over several iterations, batched with decodes."))
+
+    def __post_init__(self) -> None:
+        _check_range("max_num_seqs", self.max_num_seqs, 1)
+        _check_range("max_num_batched_tokens", self.max_num_batched_tokens, 1)
+        _check_choice("preemption_mode", self.preemption_mode, PREEMPTION_MODES)
+
+    @property
+    def token_budget(self) -> int:
+        return self.max_num_batched_tokens or 2048
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tensor_parallel_size: int = field(default=1, metadata=_help("Number of ranks the model is split over."))
+
+    def __post_init__(self) -> None:
+        _check_range("tensor_parallel_size", self.tensor_parallel_size, 1)
+
+
+SUB_CONFIGS = (ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything the engine needs, combined from the four sub-configs."""
+
+    model: ModelConfig
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    parallel: ParallelConfig
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":
+        """Route flat engine arguments (``block_size=16, ...``) to their sub-config."""
+        known = {f.name: sub for sub in SUB_CONFIGS for f in dataclasses.fields(sub)}
+        unknown = sorted(set(kwargs) - set(known))
+        if unknown:
+            raise ValueError(f"unknown engine argument(s) {unknown}: allowed are {sorted(known)}")
+        parts = {sub: {} for sub in SUB_CONFIGS}
+        for name, value in kwargs.items():
+            parts[known[name]][name] = value
+        return cls(*(sub(**parts[sub]) for sub in SUB_CONFIGS))
+
+
+def engine_fields() -> list[dataclasses.Field]:
+    """All engine arguments, in declaration order."""
+    return [f for sub in SUB_CONFIGS for f in dataclasses.fields(sub)]
