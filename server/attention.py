@@ -1,0 +1,92 @@
+"""Paged attention as the models see it: metadata for one step and the layer that uses it.
+
+The step's tokens are laid out decodes first, then prefill chunks::
+
+    tokens:  [d0 d1 d2 | p0 p0 p0 p0 p1 p1]       d = one new token of a decoding sequence
+    decode:   q[:3]  -> paged_decode_attention     p = new tokens of a prompt chunk
+    prefill:  q[3:]  -> paged_prefill_attention (cu_seqlens_q = [0, 4, 6])
+
+Every new token's K/V is written into the cache first (``reshape_and_cache``), so both
+kinds of attention read all keys, old and new, through the block tables.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+import pagedllm.kernels as kernels
+
+
+@dataclass
+class AttentionMetadata:
+    """Where one step's tokens go in the KV cache and what each query attends to."""
+
+    slot_mapping: torch.Tensor  # [num_tokens] int64: block * block_size + offset
+    num_decode_tokens: int  # the first num_decode_tokens tokens are single-token decodes
+    decode_block_tables: torch.Tensor  # [num_decodes, max_blocks] int32
+    decode_context_lens: torch.Tensor  # [num_decodes] int32, including the new token
+    prefill_block_tables: torch.Tensor  # [num_prefills, max_blocks] int32
+    prefill_cu_seqlens_q: torch.Tensor  # [num_prefills + 1] int32
+    prefill_context_lens: torch.Tensor  # [num_prefills] int32, including the new tokens
+
+    @property
+    def num_prefills(self) -> int:
+        return self.prefill_context_lens.numel()
+
+
+@dataclass(frozen=True)
+class AttentionOps:
+    """The three kernels a step needs, either the Triton ones or their torch references."""
+
+    name: str
+    reshape_and_cache: Callable
+    decode: Callable
+    prefill: Callable
+    copy_blocks: Callable
+
+
+def select_attention_ops(backend: str, device: torch.device) -> AttentionOps:
+    """``auto`` picks Triton on CUDA and the torch reference elsewhere.
+
+    The environment variable ``PAGEDLLM_ATTENTION_BACKEND`` (torch|triton) overrides
+    an ``auto`` choice.
+    """
+    if backend == "auto":
+        backend = os.environ.get("PAGEDLLM_ATTENTION_BACKEND") or ("triton" if device.type == "cuda" else "torch")
+    if backend == "triton":
+        return AttentionOps("triton", kernels.reshape_and_cache, kernels.paged_decode_attention,
+                            kernels.paged_prefill_attention, kernels.copy_blocks)
+    if backend == "torch":
+        return AttentionOps("torch", kernels.reshape_and_cache_reference, kernels.paged_decode_attention_reference,
+                            kernels.paged_prefill_attention_reference, kernels.copy_blocks_reference)
+    raise ValueError(f"attention backend {backend!r} is not allowed: choose one of ['auto', 'torch', 'triton']")
+
+
+class PagedAttention(torch.nn.Module):
+    """Multi-head (grouped-query) attention over the paged KV cache of one layer."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim, self.scale = num_heads, num_kv_heads, head_dim, scale
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
+                meta: AttentionMetadata, ops: AttentionOps) -> torch.Tensor:
+        # q: [num_tokens, num_heads * head_dim]; k, v: [num_tokens, num_kv_heads * head_dim]
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        key_cache, value_cache = kv_cache
+        ops.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping)
+        out = torch.empty_like(q)
+        d = meta.num_decode_tokens
+        if d:
+            out[:d] = ops.decode(q[:d], key_cache, value_cache, meta.decode_block_tables,
+                                 meta.decode_context_lens, self.scale)
+        if meta.num_prefills:
+            out[d:] = ops.prefill(q[d:], k[d:], v[d:], key_cache, value_cache, meta.prefill_block_tables,
+                                  meta.prefill_cu_seqlens_q, meta.prefill_context_lens, self.scale)
+        return out.view(-1, self.num_heads * self.head_dim)

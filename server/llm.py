@@ -1,0 +1,65 @@
+"""The offline API, call-compatible with vLLM's ``LLM``."""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence, Union
+
+from tqdm.auto import tqdm
+
+from pagedllm.server.config import EngineConfig
+from pagedllm.server.engine import LLMEngine, PromptType
+from pagedllm.server.outputs import RequestOutput
+from pagedllm.server.sampling_params import SamplingParams
+
+
+class LLM:
+    """Generate completions for a batch of prompts: ``LLM(model=path).generate(prompts, params)``."""
+
+    def __init__(self, model: Optional[str] = None, **engine_args) -> None:
+        self.llm_engine = LLMEngine(EngineConfig.from_kwargs(model=model, **engine_args))
+        self._counter = 0
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> "LLM":
+        llm = cls.__new__(cls)
+        llm.llm_engine = LLMEngine(config)
+        llm._counter = 0
+        return llm
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def generate(self, prompts: Union[PromptType, Sequence[PromptType]],
+                 sampling_params: Union[None, SamplingParams, Sequence[SamplingParams]] = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in prompt order."""
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        params = sampling_params or SamplingParams()
+        params = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts: pass one or one each")
+        engine = self.llm_engine
+        ids = []
+        try:
+            for prompt, p in zip(prompts, params):
+                if isinstance(prompt, list):
+                    prompt = {"prompt_token_ids": prompt}
+                request_id = str(self._counter)
+                self._counter += 1
+                engine.add_request(request_id, prompt, p)
+                ids.append(request_id)
+            return self._run(ids, use_tqdm)
+        finally:
+            engine.abort_request([i for i in ids if i in engine._groups])
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        done: dict[str, RequestOutput] = {}
+        with tqdm(total=len(ids), desc="requests", disable=not use_tqdm) as bar:
+            while self.llm_engine.has_unfinished_requests():
+                for output in self.llm_engine.step():
+                    if output.finished:
+                        done[output.request_id] = output
+                        bar.update(1)
+        return [done[i] for i in ids]

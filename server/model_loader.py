@@ -1,0 +1,57 @@
+"""Reading a Hugging Face model directory: its config and its weight files."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+from typing import Iterator
+
+import torch
+from torch import nn
+
+
+def read_hf_config(model_dir: str) -> dict:
+    path = os.path.join(model_dir, "config.json")
+    if not os.path.isfile(path):
+        raise ValueError(f"model={model_dir!r} is not a model directory: {path} does not exist "
+                         "(models are not downloaded; pass a local Hugging Face directory)")
+    with open(path) as f:
+        return json.load(f)
+
+
+def checkpoint_dtype(hf_config: dict) -> torch.dtype:
+    name = hf_config.get("torch_dtype") or hf_config.get("dtype") or "float32"
+    return getattr(torch, str(name).replace("torch.", ""), torch.float32)
+
+
+def iterate_weights(model_dir: str, load_format: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) pairs from ``*.safetensors`` or, failing that, ``*.bin`` / ``*.pt`` files."""
+    safetensors_files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
+    torch_files = sorted(glob.glob(os.path.join(model_dir, "*.bin")) + glob.glob(os.path.join(model_dir, "*.pt")))
+    use_safetensors = load_format == "safetensors" or (load_format == "auto" and safetensors_files)
+    files = safetensors_files if use_safetensors else torch_files
+    if not files:
+        raise ValueError(f"no {'safetensors' if use_safetensors else '.bin/.pt'} weight files in {model_dir!r} "
+                         f"(load_format={load_format!r})")
+    for path in files:
+        if use_safetensors:
+            from safetensors.torch import load_file
+
+            state = load_file(path)
+        else:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+        yield from state.items()
+
+
+def init_dummy_weights(model: nn.Module, seed: int) -> None:
+    """Random weights for benchmarks: normal(0, 0.02) matrices, unit norms."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight") or "layernorm" in name:
+                param.fill_(1.0)
+            elif name.endswith("bias"):
+                param.zero_()
+            else:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.02)

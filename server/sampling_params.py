@@ -1,0 +1,103 @@
+"""Per-request sampling parameters, named and validated as in vLLM's ``SamplingParams``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Union
+
+_GREEDY_EPS = 1e-5
+
+
+@dataclass
+class SamplingParams:
+    """How to decode one request. Invalid values raise ``ValueError`` naming field and value."""
+
+    n: int = 1
+    """Completions returned for the prompt."""
+    best_of: Optional[int] = None
+    """Completions generated (the ``n`` best by cumulative log-probability are returned)."""
+    temperature: float = 1.0
+    """Softmax temperature; 0 means greedy."""
+    top_p: float = 1.0
+    """Smallest set of tokens whose probability mass reaches ``top_p``."""
+    top_k: int = 0
+    """Keep the ``top_k`` most likely tokens; 0 (or -1) keeps all."""
+    min_p: float = 0.0
+    """Drop tokens whose probability is below ``min_p`` times the most likely one's."""
+    presence_penalty: float = 0.0
+    """Subtracted from the logit of every token already generated."""
+    frequency_penalty: float = 0.0
+    """Subtracted from a token's logit once per time it was generated."""
+    repetition_penalty: float = 1.0
+    """Divides positive (multiplies negative) logits of tokens in the prompt or output."""
+    seed: Optional[int] = None
+    """Seed of this request's own random generator, for reproducible sampling."""
+    stop: Union[None, str, list[str]] = None
+    """Strings that end generation; they are not included in the text."""
+    stop_token_ids: Optional[list[int]] = None
+    """Token ids that end generation (kept in ``token_ids``)."""
+    include_stop_str_in_output: bool = False
+    """Keep the matched stop string at the end of the text."""
+    ignore_eos: bool = False
+    """Keep generating past the end-of-sequence token."""
+    max_tokens: Optional[int] = 16
+    """Most tokens to generate; None means up to the model's length limit."""
+    min_tokens: int = 0
+    """Fewest tokens to generate before EOS or stop token ids may end the sequence."""
+    logprobs: Optional[int] = None
+    """Return this many most likely log-probabilities per generated token (plus the chosen one)."""
+    prompt_logprobs: Optional[int] = None
+    """Return this many most likely log-probabilities per prompt token."""
+    skip_special_tokens: bool = True
+    """Leave special tokens out of the text."""
+    use_beam_search: bool = False
+    """Beam search with ``best_of`` beams, returning the ``n`` best."""
+    length_penalty: float = 1.0
+    """Beam search: scores are divided by length ** length_penalty."""
+    early_stopping: Union[bool, str] = False
+    """Beam search stopping rule, as Hugging Face's (True, False or "never")."""
+
+    stop_list: list[str] = field(init=False, repr=False, default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.best_of is None:
+            self.best_of = self.n
+        if self.top_k == -1:
+            self.top_k = 0
+        self.stop_list = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        self._validate()
+
+    def _validate(self) -> None:
+        checks = [
+            ("n", self.n, isinstance(self.n, int) and self.n >= 1, "an integer >= 1"),
+            ("best_of", self.best_of, isinstance(self.best_of, int) and self.best_of >= self.n,
+             f"an integer >= n ({self.n})"),
+            ("temperature", self.temperature, self.temperature >= 0, ">= 0"),
+            ("top_p", self.top_p, 0 < self.top_p <= 1, "in (0, 1]"),
+            ("top_k", self.top_k, isinstance(self.top_k, int) and self.top_k >= 0, "0, -1 (all) or a positive integer"),
+            ("min_p", self.min_p, 0 <= self.min_p <= 1, "in [0, 1]"),
+            ("presence_penalty", self.presence_penalty, -2 <= self.presence_penalty <= 2, "in [-2, 2]"),
+            ("frequency_penalty", self.frequency_penalty, -2 <= self.frequency_penalty <= 2, "in [-2, 2]"),
+            ("repetition_penalty", self.repetition_penalty, 0 < self.repetition_penalty <= 2, "in (0, 2]"),
+            ("max_tokens", self.max_tokens, self.max_tokens is None or (isinstance(self.max_tokens, int)
+                                                                        and self.max_tokens >= 1), ">= 1 or None"),
+            ("min_tokens", self.min_tokens, isinstance(self.min_tokens, int) and self.min_tokens >= 0
+             and (self.max_tokens is None or self.min_tokens <= self.max_tokens), f">= 0 and <= max_tokens"),
+            ("logprobs", self.logprobs, self.logprobs is None or self.logprobs >= 0, ">= 0 or None"),
+            ("prompt_logprobs", self.prompt_logprobs, self.prompt_logprobs is None or self.prompt_logprobs >= 0,
+             ">= 0 or None"),
+            ("stop", self.stop, all(isinstance(s, str) and s for s in self.stop_list), "non-empty strings"),
+            ("seed", self.seed, self.seed is None or isinstance(self.seed, int), "an integer or None"),
+            ("early_stopping", self.early_stopping, self.early_stopping in (True, False, "never"),
+             'True, False or "never"'),
+        ]
+        for name, value, ok, allowed in checks:
+            if not ok:
+                raise ValueError(f"{name}={value!r} is invalid: must be {allowed}")
+        if self.use_beam_search and self.temperature > _GREEDY_EPS:
+            raise ValueError(f"temperature={self.temperature!r} is invalid with use_beam_search: must be 0")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < _GREEDY_EPS

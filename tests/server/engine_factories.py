@@ -1,0 +1,56 @@
+"""Factories for engine tests: tiny random LLaMA checkpoints and the transformers reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedllm.server.demo import save_tiny_llama
+
+TINY_SHAPES = {
+    # name -> LlamaConfig overrides
+    "mha": dict(num_attention_heads=4, num_key_value_heads=4, hidden_size=64, intermediate_size=128, initializer_range=0.2),
+    "gqa": dict(num_attention_heads=8, num_key_value_heads=2, hidden_size=64, intermediate_size=128,
+                rope_theta=500000.0, initializer_range=0.2),
+}
+
+
+def make_prompts(num: int, vocab: int = 256, min_len: int = 1, max_len: int = 220, seed: int = 0) -> list[list[int]]:
+    """Random token prompts whose lengths span min_len to max_len."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.linspace(min_len, max_len, num).round().int().tolist()
+    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+class HFReference:
+    """Greedy continuations and logits from Hugging Face transformers on the same weights."""
+
+    def __init__(self, model_dir: str) -> None:
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+    @torch.no_grad()
+    def greedy(self, prompt: list[int], max_new_tokens: int) -> list[int]:
+        ids = torch.tensor([prompt])
+        out = self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                                  min_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
+        return out[0, len(prompt):].tolist()
+
+    @torch.no_grad()
+    def logprobs(self, tokens: list[int]) -> torch.Tensor:
+        """[len(tokens), vocab] log-probabilities of the next token after each prefix."""
+        logits = self.model(torch.tensor([tokens])).logits[0].float()
+        return torch.log_softmax(logits, dim=-1)
+
+
+def assert_greedy_matches(ref: HFReference, prompt: list[int], ours: list[int], expected: list[int],
+                          tol: float = 1e-3) -> None:
+    """Tokens must be equal; at a first difference the reference must be a near-tie."""
+    if ours == expected:
+        return
+    i = next(k for k, (a, b) in enumerate(zip(ours, expected)) if a != b)
+    lp = ref.logprobs(prompt + expected[:i])[-1]
+    gap = float(lp[expected[i]] - lp[ours[i]])
+    assert gap < tol, (f"token {i} differs: ours {ours[i]} vs reference {expected[i]}, "
+                       f"logprob gap {gap:.2e} is not a near-tie")

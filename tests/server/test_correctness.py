@@ -1,0 +1,97 @@
+"""Greedy tokens and logprobs against Hugging Face transformers on the same weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedllm.server import LLM, SamplingParams
+from engine_factories import HFReference, assert_greedy_matches, make_prompts
+
+MAX_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def references(tiny_llama_dirs):
+    return {name: HFReference(path) for name, path in tiny_llama_dirs.items()}
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return make_prompts(9, min_len=1, max_len=220)
+
+
+@pytest.fixture(scope="module")
+def expected(references, prompts):
+    return {name: [ref.greedy(p, MAX_TOKENS) for p in prompts] for name, ref in references.items()}
+
+
+def run_greedy(model_dir, prompts, **engine_args):
+    llm = LLM(model=model_dir, **engine_args)
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    return llm, outputs
+
+
+def check(references, expected, name, prompts, outputs):
+    for prompt, want, out in zip(prompts, expected[name], outputs):
+        assert_greedy_matches(references[name], prompt, out.outputs[0].token_ids, want)
+
+
+def assert_all_blocks_free(llm):
+    stats = llm.llm_engine.stats()
+    assert stats.num_free_gpu_blocks == stats.num_gpu_blocks
+    assert stats.num_free_cpu_blocks == stats.num_cpu_blocks
+    assert not llm.llm_engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("name", ["mha", "gqa"])
+def test_greedy_matches_transformers(tiny_llama_dirs, references, expected, prompts, name):
+    llm, outputs = run_greedy(tiny_llama_dirs[name], prompts, block_size=16)
+    check(references, expected, name, prompts, outputs)
+    assert_all_blocks_free(llm)
+
+
+def test_logprobs_close_to_transformers(tiny_llama_dirs, references, expected, prompts):
+    llm, outputs = run_greedy(tiny_llama_dirs["gqa"], prompts[:4], block_size=8)
+    ref = references["gqa"]
+    for prompt, out in zip(prompts[:4], outputs):
+        tokens = out.outputs[0].token_ids
+        lp = ref.logprobs(prompt + tokens)[len(prompt) - 1:-1]
+        want = lp[torch.arange(len(tokens)), torch.tensor(tokens)]
+        got = torch.tensor([out.outputs[0].logprobs[i][t].logprob for i, t in enumerate(tokens)])
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+        assert out.outputs[0].cumulative_logprob == pytest.approx(float(want.sum()), abs=1e-3)
+
+
+def test_chunked_prefill_matches(tiny_llama_dirs, references, expected, prompts):
+    llm, outputs = run_greedy(tiny_llama_dirs["gqa"], prompts, block_size=16, max_num_batched_tokens=64)
+    assert max(len(p) for p in prompts) > 64
+    check(references, expected, "gqa", prompts, outputs)
+    assert_all_blocks_free(llm)
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preemption_matches(tiny_llama_dirs, references, expected, prompts, mode):
+    # 40 blocks of 8 tokens: the longest prompt fits alone, the batch does not.
+    llm, outputs = run_greedy(tiny_llama_dirs["gqa"], prompts, block_size=8, num_gpu_blocks_override=40,
+                              preemption_mode=mode, max_num_batched_tokens=128)
+    assert llm.llm_engine.stats().num_preemptions > 0
+    check(references, expected, "gqa", prompts, outputs)
+    assert_all_blocks_free(llm)
+
+
+def test_prefix_caching_matches_and_hits(tiny_llama_dirs, references):
+    g = torch.Generator().manual_seed(1)
+    shared = torch.randint(0, 256, (70,), generator=g).tolist()
+    prompts = [shared + torch.randint(0, 256, (n,), generator=g).tolist() for n in (1, 5, 17, 33)]
+    ref = references["gqa"]
+    llm = LLM(model=tiny_llama_dirs["gqa"], block_size=16, enable_prefix_caching=True)
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    first = llm.generate([{"prompt_token_ids": prompts[0]}], params)
+    rest = llm.generate([{"prompt_token_ids": p} for p in prompts[1:]], params)
+    stats = llm.llm_engine.stats()
+    assert stats.prefix_cache_hits >= 3 * 64
+    for prompt, out in zip(prompts, first + rest):
+        assert_greedy_matches(ref, prompt, out.outputs[0].token_ids, ref.greedy(prompt, MAX_TOKENS))
+    assert_all_blocks_free(llm)
