@@ -192,10 +192,12 @@ class BlockManager:
     def can_swap_out(self, group: SequenceGroup) -> bool:
         return len(self._unique_blocks(group, SequenceStatus.RUNNING)) <= self.cpu.num_free
 
-    def can_swap_in(self, group: SequenceGroup) -> bool:
+    def can_swap_in(self, group: SequenceGroup) -> AllocStatus:
         seqs = group.get_seqs(SequenceStatus.SWAPPED)
         needed = len(self._unique_blocks(group, SequenceStatus.SWAPPED)) + len(seqs)
-        return self.gpu.num_free - needed >= self.watermark_blocks
+        if needed > self.gpu.num_blocks - self.watermark_blocks:
+            return AllocStatus.NEVER
+        return AllocStatus.OK if self.gpu.num_free - needed >= self.watermark_blocks else AllocStatus.LATER
 
     def swap_out(self, group: SequenceGroup) -> list[tuple[int, int]]:
         """Move the group's running sequences to host blocks: (device, host) pairs."""

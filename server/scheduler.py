@@ -182,7 +182,12 @@ class Scheduler:
     def _schedule_swapped(self, budget: _Budget, out: SchedulerOutput) -> None:
         while self.swapped:
             group = self.swapped[0]
-            if not self.block_manager.can_swap_in(group):
+            status = self.block_manager.can_swap_in(group)
+            if status == AllocStatus.NEVER:  # grew too large for the whole cache: end it
+                self.swapped.popleft()
+                self._give_up(group, SequenceStatus.SWAPPED, out)
+                continue
+            if status == AllocStatus.LATER:
                 break
             seqs = group.get_seqs(SequenceStatus.SWAPPED)
             if budget.seqs + len(seqs) > budget.max_seqs or budget.tokens_left < len(seqs):
@@ -206,9 +211,7 @@ class Scheduler:
                 break
             self.waiting.popleft()
             if status == AllocStatus.NEVER:
-                for seq in seqs:
-                    seq.status = SequenceStatus.FINISHED_LENGTH
-                out.ignored.append(group)
+                self._give_up(group, SequenceStatus.WAITING, out)
                 continue
             for seq in seqs:
                 self.block_manager.allocate(seq, use_cache)
@@ -216,6 +219,13 @@ class Scheduler:
             self._insert_running(group)
             if not self._take(group, budget, out, seqs):
                 break
+
+    def _give_up(self, group: SequenceGroup, status: SequenceStatus, out: SchedulerOutput) -> None:
+        """A group larger than the whole cache finishes with what it has ("length")."""
+        for seq in group.get_seqs(status):
+            self.block_manager.free(seq)
+            seq.status = SequenceStatus.FINISHED_LENGTH
+        out.ignored.append(group)
 
     def _insert_running(self, group: SequenceGroup) -> None:
         index = len(self.running)

@@ -1,0 +1,210 @@
+"""Block manager: exact block ids, reference counts, copy-on-write, swapping, prefix cache."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from hypothesis import settings, strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from pagedllm.server.block_manager import AllocStatus, BlockManager
+from pagedllm.server.sampling_params import SamplingParams
+from pagedllm.server.sequence import Sequence, SequenceGroup, SequenceStatus
+
+
+def make_group(seq_id: int, num_tokens: int, request_id: str = "r") -> SequenceGroup:
+    return SequenceGroup(request_id, [Sequence(seq_id, list(range(num_tokens)))], SamplingParams())
+
+
+def make_manager(num_gpu=8, num_cpu=8, block_size=4, caching=False) -> BlockManager:
+    return BlockManager(block_size, num_gpu, num_cpu, enable_prefix_caching=caching, watermark=0.0)
+
+
+def test_allocate_append_and_free_exact_ids():
+    bm = make_manager()
+    group = make_group(0, 6)
+    seq = group.seqs[0]
+    assert bm.can_allocate(group) == AllocStatus.OK
+    bm.allocate(seq)
+    assert bm.block_table(seq) == [0, 1]
+    seq.status = SequenceStatus.RUNNING
+    seq.num_computed_tokens = 6
+    for token in (6, 7):  # fills block 1
+        seq.append_token(token, 0.0, None)
+        assert bm.append_slots(seq) == []
+        seq.num_computed_tokens += 1
+    seq.append_token(8, 0.0, None)
+    assert bm.append_slots(seq) == []
+    assert bm.block_table(seq) == [0, 1, 2]
+    bm.free(seq)
+    assert bm.gpu.num_free == 8
+
+
+def test_fork_shares_and_copy_on_write_copies_only_the_last_block():
+    bm = make_manager()
+    parent = make_group(0, 6).seqs[0]
+    bm.allocate(parent)
+    parent.num_computed_tokens = 6
+    child = parent.fork(1)
+    bm.fork(parent, child)
+    assert bm.gpu.ref_counts[0] == bm.gpu.ref_counts[1] == 2
+    parent.append_token(100, 0.0, None)
+    child.append_token(200, 0.0, None)
+    assert bm.append_slots(parent) == [(1, 2)]  # shared partial block copied once
+    assert bm.append_slots(child) == []  # now the sole owner of block 1
+    assert bm.block_table(parent) == [0, 2] and bm.block_table(child) == [0, 1]
+    assert bm.gpu.ref_counts[:3] == [2, 1, 1]
+
+
+def test_never_and_later():
+    bm = make_manager(num_gpu=4)
+    assert bm.can_allocate(make_group(0, 17)) == AllocStatus.NEVER
+    bm.allocate(make_group(1, 12).seqs[0])
+    assert bm.can_allocate(make_group(2, 8)) == AllocStatus.LATER
+
+
+def test_swap_out_and_in_moves_shared_blocks_once():
+    bm = make_manager()
+    group = make_group(0, 6)
+    parent = group.seqs[0]
+    bm.allocate(parent)
+    parent.status = SequenceStatus.RUNNING
+    child = parent.fork(1)
+    bm.fork(parent, child)
+    group.seqs.append(child)
+    mapping = bm.swap_out(group)
+    assert mapping == [(0, 0), (1, 1)]
+    assert bm.gpu.num_free == 8 and bm.cpu.ref_counts[:2] == [2, 2]
+    for seq in group.seqs:
+        seq.status = SequenceStatus.SWAPPED
+    assert bm.can_swap_in(group) == AllocStatus.OK
+    back = bm.swap_in(group)
+    assert [h for h, _ in back] == [0, 1]
+    assert bm.cpu.num_free == 8
+
+
+def test_prefix_cache_reuses_full_blocks_and_evicts_lru():
+    bm = make_manager(num_gpu=4, caching=True)
+    a = Sequence(0, list(range(9)))
+    bm.allocate(a)
+    a.num_computed_tokens = 9
+    bm.mark_computed(a)  # blocks 0 and 1 are full and cached
+    b = Sequence(1, list(range(8)) + [99])
+    bm.allocate(b)
+    assert bm.block_table(b)[:2] == bm.block_table(a)[:2]
+    assert b.num_computed_tokens == 8
+    bm.free(a)
+    bm.free(b)
+    assert bm.gpu.num_free == 4 and bm.gpu.num_cached == 2
+    # Exactly-cached prompt: the last block is recomputed so the step has logits.
+    c = Sequence(2, list(range(8)))
+    bm.allocate(c)
+    assert c.num_computed_tokens == 4
+    bm.free(c)
+
+
+class BlockManagerMachine(RuleBasedStateMachine):
+    """Random allocate / append / fork / free / swap keep reference counts exact."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bm = BlockManager(block_size=2, num_gpu_blocks=12, num_cpu_blocks=12, enable_prefix_caching=True,
+                               watermark=0.0)
+        self.groups: list[SequenceGroup] = []
+        self.next_id = 0
+
+    def _running(self):
+        return [g for g in self.groups if g.seqs[0].status == SequenceStatus.RUNNING]
+
+    @rule(length=st.integers(1, 7), shared=st.booleans())
+    def allocate(self, length, shared):
+        tokens = list(range(length)) if shared else [self.next_id * 10 + i for i in range(length)]
+        group = SequenceGroup(str(self.next_id), [Sequence(self.next_id, tokens)], SamplingParams())
+        self.next_id += 1
+        if self.bm.can_allocate(group) != AllocStatus.OK:
+            return
+        self.bm.allocate(group.seqs[0])
+        group.seqs[0].status = SequenceStatus.RUNNING
+        group.seqs[0].num_computed_tokens = length
+        self.bm.mark_computed(group.seqs[0])
+        self.groups.append(group)
+
+    @precondition(lambda self: self._running())
+    @rule(data=st.data())
+    def append(self, data):
+        group = data.draw(st.sampled_from(self._running()))
+        for seq in group.seqs:
+            seq.append_token(7, 0.0, None)
+        if not self.bm.can_append_slots(group):
+            for seq in group.seqs:
+                seq.output_token_ids.pop()
+            return
+        for seq in group.seqs:
+            self.bm.append_slots(seq)
+            seq.num_computed_tokens = len(seq)
+            self.bm.mark_computed(seq)
+
+    @precondition(lambda self: self._running())
+    @rule(data=st.data())
+    def fork(self, data):
+        group = data.draw(st.sampled_from(self._running()))
+        child = group.seqs[0].fork(self.next_id)
+        self.next_id += 1
+        self.bm.fork(group.seqs[0], child)
+        group.seqs.append(child)
+
+    @precondition(lambda self: self.groups)
+    @rule(data=st.data())
+    def free(self, data):
+        group = data.draw(st.sampled_from(self.groups))
+        for seq in group.seqs:
+            self.bm.free(seq)
+        self.groups.remove(group)
+
+    @precondition(lambda self: self._running())
+    @rule(data=st.data())
+    def swap_out(self, data):
+        group = data.draw(st.sampled_from(self._running()))
+        if self.bm.can_swap_out(group):
+            self.bm.swap_out(group)
+            for seq in group.seqs:
+                seq.status = SequenceStatus.SWAPPED
+
+    @precondition(lambda self: any(g.seqs[0].status == SequenceStatus.SWAPPED for g in self.groups))
+    @rule(data=st.data())
+    def swap_in(self, data):
+        group = data.draw(st.sampled_from([g for g in self.groups if g.seqs[0].status == SequenceStatus.SWAPPED]))
+        if self.bm.can_swap_in(group) == AllocStatus.OK:
+            self.bm.swap_in(group)
+            for seq in group.seqs:
+                seq.status = SequenceStatus.RUNNING
+
+    @invariant()
+    def ref_counts_equal_tables_holding_each_block(self):
+        for pool, on_host in ((self.bm.gpu, False), (self.bm.cpu, True)):
+            holders = Counter()
+            for group in self.groups:
+                if (group.seqs[0].status == SequenceStatus.SWAPPED) == on_host:
+                    for seq in group.seqs:
+                        holders.update(self.bm.block_table(seq))
+            assert [pool.ref_counts[b] for b in range(pool.num_blocks)] == [holders[b] for b in
+                                                                          range(pool.num_blocks)]
+            assert pool.num_free == pool.num_blocks - len(holders)
+
+    @invariant()
+    def free_and_evictable_blocks_are_unused(self):
+        pool = self.bm.gpu
+        idle = list(pool._free) + list(pool._evictable)
+        assert len(idle) == len(set(idle))
+        assert all(pool.ref_counts[b] == 0 for b in idle)
+
+    def teardown(self):
+        for group in self.groups:
+            for seq in group.seqs:
+                self.bm.free(seq)
+        assert self.bm.gpu.num_free == self.bm.gpu.num_blocks
+        assert self.bm.cpu.num_free == self.bm.cpu.num_blocks
+
+
+TestBlockManagerMachine = BlockManagerMachine.TestCase
+TestBlockManagerMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
