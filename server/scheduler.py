@@ -123,21 +123,22 @@ class Scheduler:
         return out
 
     def _schedule_running(self, budget: _Budget, out: SchedulerOutput) -> None:
-        decodes = [g for g in self.running if not _in_prefill(g)]
-        prefills = [g for g in self.running if _in_prefill(g)]
-        candidates = list(self.running)  # arrival order; victims come off the end
-        for group in decodes + prefills:
-            if group not in candidates:
+        prefilling = {group: _in_prefill(group) for group in self.running}
+        # NOTE: `pending` keeps arrival order, so popitem() yields the latest-arrived group.
+        pending = dict.fromkeys(self.running)
+        decodes_first = [g for g in self.running if not prefilling[g]] + [g for g in self.running if prefilling[g]]
+        for group in decodes_first:
+            if group not in pending:
                 continue  # already preempted this step
-            if not self._make_room(group, candidates, out):
+            if not self._make_room(group, pending, out):
                 continue
-            candidates.remove(group)
+            del pending[group]
             self._take(group, budget, out, group.get_seqs(SequenceStatus.RUNNING))
 
-    def _make_room(self, group: SequenceGroup, candidates: list[SequenceGroup], out: SchedulerOutput) -> bool:
+    def _make_room(self, group: SequenceGroup, pending: dict, out: SchedulerOutput) -> bool:
         """Preempt the latest arrivals until ``group`` can append; False if it was preempted."""
         while not self.block_manager.can_append_slots(group):
-            victim = candidates.pop()
+            victim, _ = pending.popitem()
             self._preempt(victim, out)
             if victim is group:
                 return False

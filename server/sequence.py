@@ -28,7 +28,7 @@ Logprobs = dict[int, float]
 """Token id -> log-probability, for one position."""
 
 
-@dataclass
+@dataclass(eq=False)  # NOTE: identity semantics; queues find and remove by object
 class Sequence:
     """One token stream: the prompt plus what was generated so far.
 
@@ -92,7 +92,7 @@ class Sequence:
         return child
 
 
-@dataclass
+@dataclass(eq=False)
 class SequenceGroup:
     """One request: its sequences (one at first; forks for n > 1 and beams) and parameters."""
 
@@ -105,12 +105,10 @@ class SequenceGroup:
     first_scheduled_time: Optional[float] = None
     first_token_time: Optional[float] = None
     generator: Optional[object] = None  # torch.Generator when the request has a seed
-    # Sequences that finished and left the running set (kept for the final output).
-    finished_seqs: list[Sequence] = field(default_factory=list)
 
     @property
     def prompt_token_ids(self) -> list[int]:
-        return self.seqs[0].prompt_token_ids if self.seqs else self.finished_seqs[0].prompt_token_ids
+        return self.seqs[0].prompt_token_ids
 
     def get_seqs(self, status: Optional[SequenceStatus] = None) -> list[Sequence]:
         if status is None:
