@@ -1,1 +1,27 @@
-"""Triton PagedAttention kernels and their plain-torch references."""
+"""Triton PagedAttention kernels and their plain-torch references.
+
+Every op comes as a Triton launcher and a ``*_reference`` twin with the same signature:
+the Triton versions run on CUDA (or on CPU through ``TRITON_INTERPRET=1``), the
+references run anywhere torch does. Triton is optional: without it this package still
+imports and the references work; calling a Triton launcher raises a ``RuntimeError``.
+
+All caches are ``[num_blocks, block_size, num_kv_heads, head_dim]`` per layer.
+"""
+
+from ._triton import HAS_TRITON
+from .copy_blocks import copy_blocks, copy_blocks_reference
+from .paged_decode_attention import paged_decode_attention, paged_decode_attention_reference
+from .paged_prefill_attention import paged_prefill_attention, paged_prefill_attention_reference
+from .reshape_and_cache import reshape_and_cache, reshape_and_cache_reference
+
+__all__ = [
+    "HAS_TRITON",
+    "copy_blocks",
+    "copy_blocks_reference",
+    "paged_decode_attention",
+    "paged_decode_attention_reference",
+    "paged_prefill_attention",
+    "paged_prefill_attention_reference",
+    "reshape_and_cache",
+    "reshape_and_cache_reference",
+]

@@ -95,3 +95,17 @@ def test_prefix_caching_matches_and_hits(tiny_llama_dirs, references):
     for prompt, out in zip(prompts, first + rest):
         assert_greedy_matches(ref, prompt, out.outputs[0].token_ids, ref.greedy(prompt, MAX_TOKENS))
     assert_all_blocks_free(llm)
+
+
+def test_triton_backend_matches_torch_backend(tiny_llama_dirs):
+    """The engine's greedy tokens are the same through the Triton kernels (interpreter on CPU)."""
+    prompts = make_prompts(3, min_len=3, max_len=40, seed=5)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    runs = {}
+    for backend in ("torch", "triton"):
+        llm = LLM(model=tiny_llama_dirs["gqa"], block_size=8, num_gpu_blocks_override=32,
+                  attention_backend=backend, max_num_batched_tokens=32)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+        runs[backend] = [o.outputs[0].token_ids for o in outs]
+        assert llm.llm_engine.runner.ops.name == backend
+    assert runs["triton"] == runs["torch"]

@@ -1,0 +1,83 @@
+"""Argument checks and cache gathering shared by the paged attention ops.
+
+Block-table arithmetic, for ``block_size = 4``::
+
+    block_tables[s] = [ 7, 2, 9, ... ]          (logical block -> physical block)
+    token position p  ->  block_tables[s][p // 4], slot p % 4
+    positions 0..3 live in block 7, 4..7 in block 2, 8..11 in block 9, ...
+"""
+
+from __future__ import annotations
+
+import torch
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MAX_BLOCK_SIZE = 256
+
+
+def check_kv_caches(key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
+    """Caches must be ``[num_blocks, block_size, num_kv_heads, head_dim]``, one float dtype."""
+    if key_cache.dim() != 4 or value_cache.shape != key_cache.shape:
+        raise ValueError(
+            "key_cache and value_cache must both be [num_blocks, block_size, num_kv_heads, "
+            f"head_dim], got {tuple(key_cache.shape)} and {tuple(value_cache.shape)}"
+        )
+    if key_cache.dtype not in FLOAT_DTYPES or value_cache.dtype != key_cache.dtype:
+        raise TypeError(
+            f"caches must share one dtype of {FLOAT_DTYPES}, got {key_cache.dtype} and {value_cache.dtype}"
+        )
+    block_size = key_cache.shape[1]
+    if not 1 <= block_size <= MAX_BLOCK_SIZE:
+        raise ValueError(f"block_size must be in [1, {MAX_BLOCK_SIZE}], got {block_size}")
+
+
+def check_query(query: torch.Tensor, key_cache: torch.Tensor, name: str = "query") -> int:
+    """``query`` is ``[tokens, num_heads, head_dim]`` in the cache dtype; returns the GQA group size."""
+    num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
+    if query.dim() != 3 or query.shape[2] != head_dim:
+        raise ValueError(f"{name} must be [tokens, num_heads, head_dim={head_dim}], got {tuple(query.shape)}")
+    if query.shape[1] % num_kv_heads != 0:
+        raise ValueError(
+            f"num_heads ({query.shape[1]}) must be a multiple of num_kv_heads ({num_kv_heads})"
+        )
+    if query.dtype != key_cache.dtype:
+        raise TypeError(f"{name} dtype {query.dtype} differs from the cache dtype {key_cache.dtype}")
+    return query.shape[1] // num_kv_heads
+
+
+def check_int_vector(t: torch.Tensor, name: str, length: int, dtype: torch.dtype = torch.int32) -> None:
+    if t.shape != (length,) or t.dtype != dtype:
+        raise ValueError(f"{name} must be {dtype} [{length}], got {t.dtype} {tuple(t.shape)}")
+
+
+def check_block_tables(block_tables: torch.Tensor, num_seqs: int) -> None:
+    if block_tables.dim() != 2 or block_tables.shape[0] != num_seqs or block_tables.dtype != torch.int32:
+        raise ValueError(
+            f"block_tables must be int32 [num_seqs={num_seqs}, max_blocks], "
+            f"got {block_tables.dtype} {tuple(block_tables.shape)}"
+        )
+
+
+def check_last_dim_contiguous(**tensors: torch.Tensor) -> None:
+    """Triton kernels index ``head_dim`` (and table columns) with unit stride."""
+    for name, t in tensors.items():
+        if t.numel() > 0 and t.stride(-1) != 1:
+            raise ValueError(f"{name} must be contiguous in its last dim, got strides {t.stride()}")
+
+
+def check_tile(name: str, size: int) -> None:
+    """Tile sizes are powers of two >= 16 (tl.dot's smallest reduction dimension)."""
+    if size < 16 or size & (size - 1):
+        raise ValueError(f"{name} must be a power of two >= 16, got {size}")
+
+
+def gather_sequence_kv(
+    cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_table: torch.Tensor,  # [max_blocks] int32
+    length: int,
+) -> torch.Tensor:  # [length, num_kv_heads, head_dim]
+    """The first ``length`` cached positions of one sequence, contiguous."""
+    block_size = cache.shape[1]
+    num_blocks = -(-length // block_size)
+    blocks = cache[block_table[:num_blocks].long()]  # [num_blocks, block_size, kv_heads, d]
+    return blocks.flatten(0, 1)[:length]

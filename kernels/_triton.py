@@ -1,0 +1,70 @@
+"""Optional Triton import and the checks every launcher shares.
+
+Triton is an optional extra (``pip install 'pagedllm[triton]'``): without it the torch
+references still import and run, and the Triton launchers raise a clear error.
+
+NOTE: when Triton is missing, ``triton.jit`` becomes an identity decorator and
+``tl.constexpr`` (evaluated in kernel signatures at definition time) an inert
+placeholder, so the kernel modules keep their plain ``@triton.jit`` definitions.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON = True
+except ImportError:  # pragma: no cover - exercised by a subprocess test
+    HAS_TRITON = False
+
+    class _MissingTriton:
+        """Stands in for ``triton`` / ``triton.language`` at import time only."""
+
+        constexpr = None
+
+        @staticmethod
+        def jit(fn=None, **_kwargs):
+            return fn if fn is not None else (lambda f: f)
+
+        def __getattr__(self, name):
+            return None
+
+    triton = _MissingTriton()  # type: ignore[assignment]
+    tl = _MissingTriton()  # type: ignore[assignment]
+
+__all__ = ["HAS_TRITON", "triton", "tl", "check_can_launch", "next_pow2"]
+
+
+def check_can_launch(kernel, *tensors: torch.Tensor) -> None:
+    """Raise a ``RuntimeError`` a user can act on when ``kernel`` cannot run here."""
+    if not HAS_TRITON:
+        raise RuntimeError(
+            "Triton is not installed: install it with `pip install 'pagedllm[triton]'`, "
+            "or use the torch reference (attention_backend='torch')"
+        )
+    interpreted = type(kernel).__name__ == "InterpretedFunction"
+    device = tensors[0].device
+    for t in tensors:
+        if t.device != device:
+            raise ValueError(f"all tensors must be on one device, got {t.device} and {device}")
+    if device.type != "cuda" and not interpreted:
+        raise RuntimeError(
+            f"Triton kernels need CUDA tensors, got tensors on {device}; set "
+            "TRITON_INTERPRET=1 before importing pagedllm.kernels to run them on CPU "
+            "through Triton's interpreter, or use the *_reference functions"
+        )
+    if interpreted and any(t.dtype == torch.bfloat16 for t in tensors):
+        raise TypeError("Triton's CPU interpreter has no bfloat16; use float16 or float32")
+
+
+def is_interpreted(kernel) -> bool:
+    """Whether ``kernel`` runs through Triton's CPU interpreter (TRITON_INTERPRET=1)."""
+    return type(kernel).__name__ == "InterpretedFunction"
+
+
+def next_pow2(n: int) -> int:
+    """Smallest power of two >= ``n`` (>= 1): Triton tiles must be powers of two."""
+    return 1 << max(0, (int(n) - 1).bit_length())

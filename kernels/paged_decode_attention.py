@@ -1,0 +1,308 @@
+"""Paged decode attention: one new query token per sequence over its cached K/V.
+
+Grid of the main kernel: ``(num_seqs, num_kv_heads, num_splits)``. One program serves
+all ``num_heads // num_kv_heads`` query heads of one KV head (GQA/MQA: each K/V tile is
+read once for the whole group) over one split of the context::
+
+    context of seq s (context_lens[s] tokens, tiles of BLOCK_N positions)
+    |── split 0 ──|── split 1 ──|── split 2 ──|  (split 3: empty -> lse = -inf)
+         │              │             │
+    partial out + log-sum-exp per (seq, head, split)  ──►  reduce kernel ──► out
+
+Positions map to cache slots through the block table (``block_size`` is a compile-time
+constant independent of BLOCK_N, so a tile may span several blocks or part of one).
+With a single split the main kernel writes ``out`` directly and no reduce runs.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+
+from ._paged import (
+    check_block_tables,
+    check_int_vector,
+    check_kv_caches,
+    check_last_dim_contiguous,
+    check_query,
+    check_tile,
+)
+from ._triton import check_can_launch, is_interpreted, next_pow2, tl, triton
+
+LOG2E = math.log2(math.e)
+# NOTE: a split shorter than this costs more in partial-result traffic and the reduce
+# launch than it wins in parallelism.
+MIN_TOKENS_PER_SPLIT = 256
+MAX_SPLITS = 64
+# off CUDA (Triton's interpreter) a small fixed count, which also exercises the reduce
+INTERPRETER_SPLITS = 4
+
+
+@triton.jit
+def paged_decode_attention_kernel(
+    query_ptr,  # [num_seqs, num_heads, head_dim]
+    key_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables_ptr,  # [num_seqs, max_blocks] int32
+    context_lens_ptr,  # [num_seqs] int32
+    out_ptr,  # DIRECT_OUT: [num_seqs, num_heads, head_dim]; else [num_seqs, num_heads, num_splits, head_dim] fp32
+    lse_ptr,  # [num_seqs, num_heads, num_splits] fp32, log2 domain (unused when DIRECT_OUT)
+    qk_scale,  # softmax scale * log2(e)
+    num_splits,
+    head_dim,
+    stride_q_seq, stride_q_head,
+    stride_kc_blk, stride_kc_slot, stride_kc_head,
+    stride_vc_blk, stride_vc_slot, stride_vc_head,
+    stride_bt_seq,
+    stride_o_seq, stride_o_head, stride_o_split,
+    stride_lse_seq, stride_lse_head,
+    QUERIES_PER_KV: tl.constexpr,
+    block_size: tl.constexpr,
+    DIRECT_OUT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    seq = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1).to(tl.int64)
+    split = tl.program_id(2)
+
+    context_len = tl.load(context_lens_ptr + seq)
+    tokens_per_split = tl.cdiv(tl.cdiv(context_len, num_splits), BLOCK_N) * BLOCK_N
+    start = split * tokens_per_split
+    end = tl.minimum(start + tokens_per_split, context_len)
+
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, BLOCK_D)
+    n = tl.arange(0, BLOCK_N)
+    heads = kv_head * QUERIES_PER_KV + g  # int64 [BLOCK_G]
+    g_mask = g < QUERIES_PER_KV
+    d_mask = d < head_dim
+    q = tl.load(  # [BLOCK_G, BLOCK_D]
+        query_ptr + seq * stride_q_seq + heads[:, None] * stride_q_head + d[None, :],
+        mask=g_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )
+
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)  # running max (log2 domain)
+    l_i = tl.zeros([BLOCK_G], tl.float32)  # running sum of exp2
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    block_table = block_tables_ptr + seq * stride_bt_seq
+    k_head = key_cache_ptr + kv_head * stride_kc_head
+    v_head = value_cache_ptr + kv_head * stride_vc_head
+    # NOTE: every tile in [start, end) holds at least one valid position, so m_new is
+    # finite inside the loop; an empty split skips the loop and keeps l_i == 0.
+    for tile_start in range(start, end, BLOCK_N):
+        pos = tile_start + n  # [BLOCK_N]
+        n_mask = pos < end
+        physical = tl.load(block_table + pos // block_size, mask=n_mask, other=0).to(tl.int64)
+        slot = (pos % block_size).to(tl.int64)
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(  # [BLOCK_N, BLOCK_D]
+            k_head + physical[:, None] * stride_kc_blk + slot[:, None] * stride_kc_slot + d[None, :],
+            mask=kv_mask,
+            other=0.0,
+        )
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_G, BLOCK_N]
+        s = tl.where(n_mask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(
+            v_head + physical[:, None] * stride_vc_blk + slot[:, None] * stride_vc_slot + d[None, :],
+            mask=kv_mask,
+            other=0.0,
+        )
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    o_mask = g_mask[:, None] & d_mask[None, :]
+    if DIRECT_OUT:
+        o_ptrs = out_ptr + seq * stride_o_seq + heads[:, None] * stride_o_head + d[None, :]
+        tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=o_mask)
+    else:
+        o_ptrs = out_ptr + seq * stride_o_seq + heads[:, None] * stride_o_head + split * stride_o_split
+        tl.store(o_ptrs + d[None, :], out, mask=o_mask)
+        lse = tl.where(l_i > 0.0, m_i + tl.log2(tl.where(l_i > 0.0, l_i, 1.0)), float("-inf"))
+        tl.store(lse_ptr + seq * stride_lse_seq + heads * stride_lse_head + split, lse, mask=g_mask)
+
+
+@triton.jit
+def paged_decode_reduce_kernel(
+    partial_out_ptr,  # [num_seqs, num_heads, num_splits, head_dim] fp32
+    lse_ptr,  # [num_seqs, num_heads, num_splits] fp32, log2 domain
+    out_ptr,  # [num_seqs, num_heads, head_dim]
+    num_splits,
+    head_dim,
+    stride_p_seq, stride_p_head, stride_p_split,
+    stride_lse_seq, stride_lse_head,
+    stride_o_seq, stride_o_head,
+    BLOCK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    seq = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1).to(tl.int64)
+    s = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, BLOCK_D)
+    s_mask = s < num_splits
+    d_mask = d < head_dim
+    lse = tl.load(lse_ptr + seq * stride_lse_seq + head * stride_lse_head + s, mask=s_mask, other=float("-inf"))
+    # NOTE: empty splits carry lse = -inf and weigh 0; if every split is empty
+    # (context_len == 0) the max is -inf, so shift by 0 instead to avoid inf - inf.
+    m = tl.max(lse, axis=0)
+    weights = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))  # [BLOCK_S]
+    partial = tl.load(
+        partial_out_ptr + seq * stride_p_seq + head * stride_p_head
+        + s[:, None].to(tl.int64) * stride_p_split + d[None, :],
+        mask=s_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )  # [BLOCK_S, BLOCK_D]
+    total = tl.sum(weights, axis=0)
+    out = tl.sum(weights[:, None] * partial, axis=0) / tl.where(total == 0.0, 1.0, total)
+    tl.store(out_ptr + seq * stride_o_seq + head * stride_o_head + d, out.to(out_ptr.dtype.element_ty), mask=d_mask)
+
+
+def _check_args(query, key_cache, value_cache, block_tables, context_lens) -> None:
+    check_kv_caches(key_cache, value_cache)
+    check_query(query, key_cache)
+    check_block_tables(block_tables, query.shape[0])
+    check_int_vector(context_lens, "context_lens", query.shape[0])
+
+
+def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context_len: int, block_n: int, num_sms: int) -> int:
+    """Splits per (seq, KV head): enough programs for ~4 per multiprocessor, none shorter
+    than ``MIN_TOKENS_PER_SPLIT``, at most ``MAX_SPLITS``; a power of two so that few
+    kernel variants get compiled.
+
+    ``max_context_len`` is an upper bound taken from shapes (max_blocks * block_size), so
+    the choice needs no device sync and is stable under CUDA-graph capture.
+    """
+    programs = max(1, num_seqs * num_kv_heads)
+    wanted = -(-4 * num_sms // programs)
+    by_length = max(1, max_context_len // max(MIN_TOKENS_PER_SPLIT, block_n))
+    splits = max(1, min(wanted, by_length, MAX_SPLITS))
+    return 1 << (splits.bit_length() - 1)  # round down to a power of two
+
+
+@functools.cache
+def _multiprocessor_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def paged_decode_attention_launch(
+    query, key_cache, value_cache, block_tables, context_lens, scale,
+    *, num_splits: int | None = None, block_n: int | None = None, num_warps: int = 4,
+) -> torch.Tensor:
+    """:func:`paged_decode_attention` with the tuning knobs exposed (tests, benchmarks)."""
+    _check_args(query, key_cache, value_cache, block_tables, context_lens)
+    check_can_launch(paged_decode_attention_kernel, query, key_cache, value_cache, block_tables, context_lens)
+    check_last_dim_contiguous(
+        query=query, key_cache=key_cache, value_cache=value_cache, block_tables=block_tables, context_lens=context_lens
+    )
+    num_seqs, num_heads, head_dim = query.shape
+    _, block_size, num_kv_heads, _ = key_cache.shape
+    out = torch.empty_like(query, memory_format=torch.contiguous_format)
+    if num_seqs == 0:
+        return out
+    if block_n is None:
+        block_n = 16 if is_interpreted(paged_decode_attention_kernel) else 64
+    check_tile("block_n", block_n)
+    if num_splits is None and query.device.type != "cuda":
+        num_splits = INTERPRETER_SPLITS
+    elif num_splits is None:
+        num_sms = _multiprocessor_count(query.device.index or 0)
+        max_len = block_tables.shape[1] * block_size
+        num_splits = choose_num_splits(num_seqs, num_kv_heads, max_len, block_n, num_sms)
+    if num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    group = num_heads // num_kv_heads
+    block_d = max(16, next_pow2(head_dim))  # tl.dot needs K >= 16
+    direct = num_splits == 1
+    if direct:
+        partial, lse = out, out  # lse_ptr is unused when DIRECT_OUT
+        p_strides, lse_strides = (out.stride(0), out.stride(1), 0), (0, 0)
+    else:
+        partial = torch.empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=query.device)
+        lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=query.device)
+        p_strides, lse_strides = partial.stride()[:3], lse.stride()[:2]
+    paged_decode_attention_kernel[(num_seqs, num_kv_heads, num_splits)](
+        query, key_cache, value_cache, block_tables, context_lens, partial, lse,
+        float(scale) * LOG2E, num_splits, head_dim,
+        query.stride(0), query.stride(1),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+        block_tables.stride(0),
+        *p_strides, *lse_strides,
+        QUERIES_PER_KV=group, block_size=block_size, DIRECT_OUT=direct,
+        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        BLOCK_G=max(16, next_pow2(group)), BLOCK_N=block_n, BLOCK_D=block_d,
+        num_warps=num_warps,
+    )
+    if not direct:
+        paged_decode_reduce_kernel[(num_seqs, num_heads)](
+            partial, lse, out, num_splits, head_dim,
+            *partial.stride()[:3], *lse.stride()[:2], out.stride(0), out.stride(1),
+            BLOCK_S=next_pow2(num_splits), BLOCK_D=block_d,
+        )
+    return out
+
+
+def paged_decode_attention(
+    query: torch.Tensor,  # [num_seqs, num_heads, head_dim]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
+    context_lens: torch.Tensor,  # [num_seqs] int32
+    scale: float,
+) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
+    """Attention of each sequence's single new query over its paged K/V (Triton).
+
+    ``context_lens[s]`` counts the tokens in the cache for sequence ``s``, the current
+    one included (its K/V must already be written with ``reshape_and_cache``). Only the
+    first ``ceil(context_lens[s] / block_size)`` entries of ``block_tables[s]`` are read;
+    the rest may hold anything. A sequence with ``context_lens[s] == 0`` gets zeros.
+    ``num_heads`` must be a multiple of ``num_kv_heads`` (GQA/MQA). The output has the
+    query's dtype; softmax and accumulation run in float32.
+    """
+    return paged_decode_attention_launch(query, key_cache, value_cache, block_tables, context_lens, scale)
+
+
+def paged_decode_attention_reference(
+    query: torch.Tensor,  # [num_seqs, num_heads, head_dim]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
+    context_lens: torch.Tensor,  # [num_seqs] int32
+    scale: float,
+) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
+    """Plain-torch twin of :func:`paged_decode_attention`, vectorized over sequences."""
+    _check_args(query, key_cache, value_cache, block_tables, context_lens)
+    num_seqs, num_heads, head_dim = query.shape
+    _, block_size, num_kv_heads, _ = key_cache.shape
+    if num_seqs == 0:
+        return torch.empty_like(query)
+    max_len = int(context_lens.max())
+    num_blocks = -(-max_len // block_size)
+    lens = context_lens.long()
+    # NOTE: entries past a sequence's last block may be garbage; point them at block 0.
+    needed = torch.arange(num_blocks, device=query.device) * block_size < lens[:, None]  # [num_seqs, num_blocks]
+    tables = torch.where(needed, block_tables[:, :num_blocks].long(), 0)
+    length = num_blocks * block_size
+    keys = key_cache[tables].reshape(num_seqs, length, num_kv_heads, head_dim).float()
+    valid = torch.arange(length, device=query.device) < lens[:, None]  # [num_seqs, length]
+    values = value_cache[tables].reshape(num_seqs, length, num_kv_heads, head_dim).float()
+    # NOTE: slots past the context hold whatever the cache held (NaN included): 0 * NaN
+    # would leak into the output, so they are zeroed, not just given probability 0.
+    values = values.masked_fill(~valid[:, :, None, None], 0.0)
+    q = query.reshape(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim).float()
+    scores = torch.einsum("skgd,slkd->skgl", q, keys) * scale  # [num_seqs, kv_heads, group, length]
+    invalid = ~valid[:, None, None, :]
+    # masked positions get probability 0, which also turns empty rows' NaNs into zeros
+    probs = torch.softmax(scores.masked_fill(invalid, float("-inf")), dim=-1).masked_fill(invalid, 0.0)
+    out = torch.einsum("skgl,slkd->skgd", probs, values)
+    return out.reshape(num_seqs, num_heads, head_dim).to(query.dtype)
