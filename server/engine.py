@@ -299,7 +299,7 @@ def _eos_token_ids(model_dir: str, hf_config: dict, tokenizer) -> tuple[int, ...
 
 
 def _max_model_len(config: EngineConfig, hf_config: dict) -> int:
-    limit = hf_config.get("max_position_embeddings", 2048)
+    limit = hf_config.get("max_position_embeddings") or hf_config.get("n_positions") or 2048
     if hf_config.get("sliding_window"):
         limit = min(limit, hf_config["sliding_window"])
     asked = config.model.max_model_len
