@@ -59,6 +59,7 @@ class BlockManager:
         self._hashes: dict[int, list[int]] = {}
         self.prefix_cache_queries = 0  # prompt tokens looked up
         self.prefix_cache_hits = 0  # of which found cached
+        self.num_copy_on_writes = 0
 
     # -- hashing ------------------------------------------------------------------------
     def _chain_hashes(self, token_ids: list[int], num_blocks: int, start: list[int]) -> list[int]:
@@ -123,9 +124,10 @@ class BlockManager:
 
     def _blocks_to_append(self, seq: Sequence) -> int:
         table = self.tables[seq.seq_id]
-        if len(seq) > len(table) * self.block_size:
-            return _blocks_for(len(seq), self.block_size) - len(table)
-        last = table[(len(seq) - 1) // self.block_size]
+        num_tokens = seq.num_tokens
+        if num_tokens > len(table) * self.block_size:
+            return _blocks_for(num_tokens, self.block_size) - len(table)
+        last = table[(num_tokens - 1) // self.block_size]
         return 1 if self.gpu.ref_counts[last] > 1 else 0
 
     def append_slots(self, seq: Sequence) -> list[tuple[int, int]]:
@@ -143,6 +145,7 @@ class BlockManager:
                 self.gpu.decref(table[i])
                 copies.append((table[i], new))
                 table[i] = new
+        self.num_copy_on_writes += len(copies)
         return copies
 
     def fork(self, parent: Sequence, child: Sequence) -> None:

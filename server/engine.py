@@ -11,6 +11,7 @@ from typing import Optional, Union
 
 import torch
 
+from pagedllm.server.beam_search import BeamState, add_hypotheses, beam_step
 from pagedllm.server.block_manager import BlockManager
 from pagedllm.server.config import EngineConfig
 from pagedllm.server.detokenizer import decode_new_text
@@ -43,6 +44,7 @@ class EngineStats:
     blocks_used: int
     blocks_unshared: int
     sharing_saving: float
+    num_copy_on_writes: int
 
 
 class LLMEngine:
@@ -101,7 +103,7 @@ class LLMEngine:
         generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
         group = SequenceGroup(request_id, [seq], params, prompt=text,
                               arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
-                              generator=generator)
+                              generator=generator, beam=BeamState() if params.use_beam_search else None)
         self._groups[request_id] = group
         self.scheduler.add(group)
 
@@ -132,9 +134,7 @@ class LLMEngine:
             value = getattr(params, name)
             if value is not None and value > MAX_LOGPROBS:
                 raise ValueError(f"{name}={value} is too large: at most {MAX_LOGPROBS}")
-        if params.use_beam_search:
-            raise ValueError("use_beam_search=True is not supported by this engine yet")
-        if params.best_of > 1 and params.greedy:
+        if params.best_of > 1 and params.greedy and not params.use_beam_search:
             raise ValueError(f"best_of={params.best_of} needs random sampling: set temperature > 0")
 
     def abort_request(self, request_id: Union[str, list[str]]) -> None:
@@ -166,15 +166,23 @@ class LLMEngine:
 
     def _process_samples(self, result: StepResult) -> None:
         rows = self.runner.last_inputs.sample_rows
-        if not rows:
-            return
-        requests = [self._sample_request(row.group, row.seq) for row in rows]
-        samples = self.sampler(result.logits, requests)
         now = time.monotonic()
-        for row, sample in zip(rows, samples):
+        beam_rows: dict[SequenceGroup, list[int]] = {}
+        sampled = []
+        for i, row in enumerate(rows):
             if row.group.first_token_time is None:
                 row.group.first_token_time = now
-            self._append(row.group, row.seq, sample)
+            if row.group.beam is not None:
+                beam_rows.setdefault(row.group, []).append(i)
+            else:
+                sampled.append(i)
+        if sampled:
+            requests = [self._sample_request(rows[i].group, rows[i].seq) for i in sampled]
+            samples = self.sampler(result.logits[sampled], requests)
+            for i, sample in zip(sampled, samples):
+                self._append(rows[i].group, rows[i].seq, sample)
+        for group, indices in beam_rows.items():
+            self._beam_step(group, [rows[i].seq for i in indices], result.logits[indices])
 
     def _sample_request(self, group: SequenceGroup, seq: Sequence) -> SampleRequest:
         first = len(group.seqs) == 1 and not seq.output_token_ids
@@ -201,6 +209,53 @@ class LLMEngine:
         if self.tokenizer is not None:
             seq.output_text += decode_new_text(self.tokenizer, seq, params.skip_special_tokens)
         self._check_stop(seq, params)
+
+    def _beam_step(self, group: SequenceGroup, beams: list[Sequence], logits: torch.Tensor) -> None:
+        """Advance a beam search by one token: fork kept beams, free dropped ones, record hypotheses."""
+        params = group.sampling_params
+        gen_len = len(beams[0].output_token_ids) + 1
+        at_limit = (params.max_tokens is not None and gen_len >= params.max_tokens) or \
+            len(beams[0]) + 1 >= self.max_model_len
+        logprobs = torch.log_softmax(logits.float().cpu(), dim=-1)
+        step = beam_step(group.beam, beams, logprobs, params, self.eos_token_ids, at_limit)
+        hypotheses = []
+        for cand in step.finished:
+            hyp = cand.parent.fork(next(self._seq_ids))  # NOTE: holds no blocks; it is only an output
+            self._append_beam_token(hyp, cand.token, cand.logprob, params)
+            hyp.status = SequenceStatus.FINISHED_STOPPED if cand.token in self.eos_token_ids and \
+                not params.ignore_eos else SequenceStatus.FINISHED_LENGTH
+            hypotheses.append((cand.score / gen_len ** params.length_penalty, hyp))
+        add_hypotheses(group.beam, hypotheses, params.best_of)
+        if step.done:
+            for beam in beams:
+                self.block_manager.free(beam)
+            group.seqs = [hyp for _, hyp in group.beam.hypotheses]
+            return
+        group.seqs = self._fork_beams(beams, step.running, params)
+
+    def _fork_beams(self, beams: list[Sequence], running, params: SamplingParams) -> list[Sequence]:
+        children: dict[Sequence, list] = {}
+        for cand in running:
+            children.setdefault(cand.parent, []).append(cand)
+        kept = []
+        for parent in beams:
+            cands = children.get(parent)
+            if not cands:
+                self.block_manager.free(parent)  # a dropped beam: its blocks lose a reference
+                continue
+            for cand in cands[1:]:
+                child = parent.fork(next(self._seq_ids))
+                self.block_manager.fork(parent, child)
+                self._append_beam_token(child, cand.token, cand.logprob, params)
+                kept.append(child)
+            self._append_beam_token(parent, cands[0].token, cands[0].logprob, params)
+            kept.append(parent)
+        return sorted(kept, key=lambda s: s.cumulative_logprob, reverse=True)
+
+    def _append_beam_token(self, seq: Sequence, token: int, logprob: float, params: SamplingParams) -> None:
+        seq.append_token(token, logprob, None)
+        if self.tokenizer is not None:
+            seq.output_text += decode_new_text(self.tokenizer, seq, params.skip_special_tokens)
 
     def _check_stop(self, seq: Sequence, params: SamplingParams) -> None:
         token = seq.output_token_ids[-1]
@@ -246,7 +301,7 @@ class LLMEngine:
         params = group.sampling_params
         finished = group.is_finished()
         seqs = group.seqs
-        if finished and len(seqs) > params.n:
+        if finished and len(seqs) > params.n and group.beam is None:
             seqs = sorted(seqs, key=lambda s: s.cumulative_logprob, reverse=True)
         completions = [
             CompletionOutput(index=i, text=s.output_text, token_ids=list(s.output_token_ids),
@@ -270,7 +325,8 @@ class LLMEngine:
             num_cpu_blocks=bm.cpu.num_blocks, num_free_cpu_blocks=bm.cpu.num_free,
             num_preemptions=self.scheduler.num_preemptions, prefix_cache_hits=bm.prefix_cache_hits,
             prefix_cache_queries=bm.prefix_cache_queries, blocks_used=sharing.used,
-            blocks_unshared=sharing.unshared, sharing_saving=sharing.saving)
+            blocks_unshared=sharing.unshared, sharing_saving=sharing.saving,
+            num_copy_on_writes=bm.num_copy_on_writes)
 
 
 def _replace_model(config: EngineConfig, model_dir: str) -> EngineConfig:

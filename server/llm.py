@@ -54,6 +54,15 @@ class LLM:
         finally:
             engine.abort_request([i for i in ids if i in engine._groups])
 
+    def beam_search(self, prompts: Union[PromptType, Sequence[PromptType]], beam_width: int, max_tokens: int,
+                    length_penalty: float = 1.0, early_stopping: Union[bool, str] = False, ignore_eos: bool = False,
+                    n: Optional[int] = None) -> list[RequestOutput]:
+        """Beam search with ``beam_width`` beams; each output holds the ``n`` (default all) best beams."""
+        params = SamplingParams(use_beam_search=True, best_of=beam_width, n=n or beam_width, temperature=0.0,
+                                max_tokens=max_tokens, length_penalty=length_penalty,
+                                early_stopping=early_stopping, ignore_eos=ignore_eos)
+        return self.generate(prompts, params)
+
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         done: dict[str, RequestOutput] = {}
         with tqdm(total=len(ids), desc="requests", disable=not use_tqdm) as bar:

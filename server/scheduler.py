@@ -146,17 +146,18 @@ class Scheduler:
 
     def _take(self, group: SequenceGroup, budget: _Budget, out: SchedulerOutput, seqs: list[Sequence]) -> bool:
         """Give each sequence its chunk of the token budget and room in the cache."""
-        if budget.seqs + len(seqs) > budget.max_seqs:
+        if not seqs or budget.seqs + len(seqs) > budget.max_seqs:
             return False
+        # NOTE: sequences of one group share the budget equally, so beams of equal length
+        # (all recomputed from scratch) finish their prefill in the same step.
+        share = budget.tokens_left // len(seqs)
         chunks = {}
         for seq in seqs:
-            chunk = min(seq.num_uncomputed_tokens, budget.tokens_left)
+            chunk = min(seq.num_uncomputed_tokens, share)
             if chunk <= 0 or (chunk < seq.num_uncomputed_tokens and not self.config.enable_chunked_prefill):
-                break
+                return False
             chunks[seq.seq_id] = chunk
-            budget.tokens += chunk
-        if not chunks:
-            return False
+        budget.tokens += sum(chunks.values())
         budget.seqs += len(seqs)
         for seq in seqs:
             if seq.seq_id in chunks:
@@ -204,9 +205,11 @@ class Scheduler:
         while self.waiting and budget.tokens_left > 0:
             group = self.waiting[0]
             seqs = group.get_seqs(SequenceStatus.WAITING)
-            if budget.seqs + len(seqs) > budget.max_seqs:
+            if budget.seqs + group.max_num_running_seqs > budget.max_seqs:
                 break
-            use_cache = group.sampling_params.prompt_logprobs is None
+            # NOTE: recomputed beams must restart from equal computed lengths (see _take).
+            use_cache = group.sampling_params.prompt_logprobs is None and not (
+                group.sampling_params.use_beam_search and seqs[0].output_token_ids)
             status = self.block_manager.can_allocate(group, use_cache)
             if status == AllocStatus.LATER:
                 break

@@ -53,6 +53,7 @@ class Sequence:
     num_text_reported: int = 0
 
     def __post_init__(self) -> None:
+        self.num_tokens = len(self.prompt_token_ids) + len(self.output_token_ids)
         self.read_offset = len(self.prompt_token_ids)
         self.prefix_offset = max(self.read_offset - 5, 0)
 
@@ -61,19 +62,20 @@ class Sequence:
         return self.prompt_token_ids + self.output_token_ids
 
     def __len__(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        return self.num_tokens
 
     @property
     def num_uncomputed_tokens(self) -> int:
-        return len(self) - self.num_computed_tokens
+        return self.num_tokens - self.num_computed_tokens
 
     @property
     def is_prefill(self) -> bool:
         """More than the newest token is still to be computed."""
-        return self.num_uncomputed_tokens > 1
+        return self.num_tokens - self.num_computed_tokens > 1
 
     def append_token(self, token_id: int, logprob: float, logprobs: Optional[Logprobs]) -> None:
         self.output_token_ids.append(token_id)
+        self.num_tokens += 1
         self.cumulative_logprob += logprob
         if logprobs is not None:
             self.output_logprobs.append(logprobs)
@@ -105,6 +107,7 @@ class SequenceGroup:
     first_scheduled_time: Optional[float] = None
     first_token_time: Optional[float] = None
     generator: Optional[object] = None  # torch.Generator when the request has a seed
+    beam: Optional[object] = None  # BeamState for beam search requests
 
     @property
     def prompt_token_ids(self) -> list[int]:

@@ -138,6 +138,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         if not self.bm.can_append_slots(group):
             for seq in group.seqs:
                 seq.output_token_ids.pop()
+                seq.num_tokens -= 1
             return
         for seq in group.seqs:
             self.bm.append_slots(seq)
