@@ -5,6 +5,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import re
 from typing import Iterator
 
 import torch
@@ -49,9 +50,14 @@ def init_dummy_weights(model: nn.Module, seed: int) -> None:
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if name.endswith("norm.weight") or "layernorm" in name:
+            if _is_norm_weight(name):
                 param.fill_(1.0)
             elif name.endswith("bias"):
                 param.zero_()
             else:
                 param.copy_(torch.randn(param.shape, generator=generator) * 0.02)
+
+
+def _is_norm_weight(name: str) -> bool:
+    """LayerNorm / RMSNorm scales: ``*norm.weight``, ``*layernorm*`` and GPT-2's ``ln_1`` / ``ln_f``."""
+    return name.endswith("norm.weight") or "layernorm" in name or re.search(r"(^|\.)ln_\w+\.weight$", name) is not None

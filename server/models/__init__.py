@@ -4,11 +4,15 @@ from __future__ import annotations
 
 from torch import nn
 
+from pagedllm.server.models.gpt2 import GPT2LMHeadModel
 from pagedllm.server.models.llama import LlamaForCausalLM
+from pagedllm.server.models.opt import OPTForCausalLM
 
 _REGISTRY = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
+    "OPTForCausalLM": OPTForCausalLM,
+    "GPT2LMHeadModel": GPT2LMHeadModel,
 }
 
 
