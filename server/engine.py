@@ -165,7 +165,7 @@ class LLMEngine:
         return outputs
 
     def _process_samples(self, result: StepResult) -> None:
-        rows = self.runner.last_inputs.sample_rows
+        rows = result.inputs.sample_rows
         now = time.monotonic()
         beam_rows: dict[SequenceGroup, list[int]] = {}
         sampled = []
@@ -281,7 +281,7 @@ class LLMEngine:
         return False
 
     def _record_prompt_logprobs(self, result: StepResult) -> None:
-        rows = self.runner.last_inputs.prompt_rows
+        rows = result.inputs.prompt_rows
         if not rows:
             return
         logprobs = torch.log_softmax(result.prompt_logits.float().cpu(), dim=-1)

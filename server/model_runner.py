@@ -40,8 +40,9 @@ class StepInputs:
 
 @dataclass
 class StepResult:
-    logits: torch.Tensor  # [len(sample_rows), vocab] float32
-    prompt_logits: Optional[torch.Tensor]  # [len(prompt_index), vocab] float32
+    inputs: StepInputs
+    logits: torch.Tensor  # [len(inputs.sample_rows), vocab] float32
+    prompt_logits: Optional[torch.Tensor]  # [len(inputs.prompt_index), vocab] float32
 
 
 def resolve_device(name: str) -> torch.device:
@@ -177,12 +178,11 @@ class ModelRunner:
             self.ops.copy_blocks([k for k, _ in self.kv_caches], [v for _, v in self.kv_caches], mapping)
         inputs = self.prepare_inputs(out, block_tables)
         if inputs.input_ids.numel() == 0:
-            return StepResult(torch.empty(0, 0), None)
+            return StepResult(inputs, torch.empty(0, 0), None)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, self.ops)
         logits = self.model.compute_logits(hidden[inputs.sample_index])
         prompt_logits = self.model.compute_logits(hidden[inputs.prompt_index]) if inputs.prompt_rows else None
-        self.last_inputs = inputs
-        return StepResult(logits, prompt_logits)
+        return StepResult(inputs, logits, prompt_logits)
 
     def prepare_inputs(self, out: SchedulerOutput, block_tables: dict[int, list[int]]) -> StepInputs:
         """Flatten the step: decodes first, then prefill chunks (see attention.py)."""
