@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from pagedllm.server.attention import AttentionMetadata, AttentionOps, PagedAttention
+from pagedllm.server.models.checkpoint import copy_weights
 from pagedllm.server.models.rope import RotaryEmbedding
 
 
@@ -165,20 +166,7 @@ class LlamaForCausalLM(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy checkpoint tensors in by name; every parameter must be found once."""
-        params = dict(self.named_parameters())
-        loaded = set()
-        for name, tensor in weights:
-            if "rotary_emb" in name or (name == "lm_head.weight" and self.arch.tie_word_embeddings):
-                continue
-            if name not in params:
-                raise ValueError(f"checkpoint tensor {name!r} does not belong to a LLaMA model")
-            param = params[name]
-            if param.shape != tensor.shape:
-                raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
-                                 f"expected {tuple(param.shape)}")
-            with torch.no_grad():
-                param.copy_(tensor)
-            loaded.add(name)
-        missing = set(params) - loaded
-        if missing:
-            raise ValueError(f"checkpoint is missing tensors: {sorted(missing)[:5]}")
+        tied = self.arch.tie_word_embeddings
+        kept = ((name, tensor) for name, tensor in weights
+                if "rotary_emb" not in name and not (tied and name == "lm_head.weight"))
+        copy_weights(self, kept, "LLaMA")
