@@ -134,6 +134,12 @@ class LLMEngine:
             value = getattr(params, name)
             if value is not None and value > MAX_LOGPROBS:
                 raise ValueError(f"{name}={value} is too large: at most {MAX_LOGPROBS}")
+        bad_stops = [t for t in params.stop_token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
+        if bad_stops:
+            raise ValueError(f"stop_token_ids contain {bad_stops[:3]}: ids must be integers in [0, {self.vocab_size})")
+        if params.best_of > self.config.scheduler.max_num_seqs:
+            raise ValueError(f"best_of={params.best_of} is larger than max_num_seqs="
+                             f"{self.config.scheduler.max_num_seqs}, so the request could never run")
         if params.best_of > 1 and params.greedy and not params.use_beam_search:
             raise ValueError(f"best_of={params.best_of} needs random sampling: set temperature > 0")
 
@@ -306,7 +312,7 @@ class LLMEngine:
         completions = [
             CompletionOutput(index=i, text=s.output_text, token_ids=list(s.output_token_ids),
                              cumulative_logprob=s.cumulative_logprob,
-                             logprobs=s.output_logprobs if params.logprobs is not None else None,
+                             logprobs=list(s.output_logprobs) if params.logprobs is not None else None,
                              finish_reason=s.status.value if s.status.finished else None,
                              stop_reason=s.stop_reason)
             for i, s in enumerate(seqs[:params.n])

@@ -93,12 +93,17 @@ def top_logprobs(logprobs: torch.Tensor, token: int, num: Optional[int]) -> Opti
     return result
 
 
+_LOGIT_LIMIT = 1e30
+
+
 def _apply_penalties(logits: torch.Tensor, req: SampleRequest) -> None:
     p = req.params
     if p.repetition_penalty != 1.0:
         seen = torch.tensor(sorted(set(req.prompt_token_ids) | set(req.output_token_ids)), dtype=torch.int64)
         values = logits[seen]
-        logits[seen] = torch.where(values > 0, values / p.repetition_penalty, values * p.repetition_penalty)
+        penalized = torch.where(values > 0, values / p.repetition_penalty, values * p.repetition_penalty)
+        # NOTE: a tiny penalty overflows to inf, which sampling cannot draw from.
+        logits[seen] = penalized.clamp(min=-_LOGIT_LIMIT, max=_LOGIT_LIMIT)
     if (p.presence_penalty or p.frequency_penalty) and req.output_token_ids:
         counts = torch.bincount(torch.tensor(req.output_token_ids, dtype=torch.int64), minlength=logits.numel())
         logits -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)

@@ -142,3 +142,17 @@ def assert_all_free(llm):
     stats = llm.llm_engine.stats()
     assert not llm.llm_engine.has_unfinished_requests()
     assert stats.num_free_gpu_blocks == stats.num_gpu_blocks and stats.num_running == 0
+
+
+def test_extreme_repetition_penalty_still_samples(llm):
+    out = generate(llm, temperature=1.0, repetition_penalty=1e-38, seed=1, max_tokens=4, ignore_eos=True)[0]
+    assert len(out.token_ids) == 4
+
+
+def test_requests_that_could_never_run_are_rejected(llm):
+    engine = llm.llm_engine
+    with pytest.raises(ValueError, match="stop_token_ids contain"):
+        engine.add_request("s", PROMPT, SamplingParams(stop_token_ids=[10 ** 6], min_tokens=2))
+    with pytest.raises(ValueError, match="best_of=300 is larger than max_num_seqs"):
+        engine.add_request("b", PROMPT, SamplingParams(n=1, best_of=300, temperature=1.0))
+    assert not engine.has_unfinished_requests()
