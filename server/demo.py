@@ -1,13 +1,21 @@
-"""The embedded default model: a tiny LLaMA with a byte-level tokenizer, built on first use."""
+"""The embedded default model, and the tiny random LLaMA with a byte-level tokenizer that tests use.
+
+``pagedllm serve`` without ``--model`` serves ``demo_model/`` next to this file: a small
+LLaMA trained on the Python standard library's own documentation by
+:mod:`pagedllm.server.demo_train`, with its own BPE tokenizer and chat template.
+"""
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import tempfile
 
 BYTE_SPECIALS = ("<s>", "</s>", "<pad>")
 DEMO_NAME = "demo-llama-bytes-v1"
+SHIPPED_DEMO_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "demo_model")
+logger = logging.getLogger("pagedllm.demo")
 
 
 def build_byte_tokenizer():
@@ -67,7 +75,20 @@ def cache_dir() -> str:
 
 
 def ensure_demo_model() -> str:
-    """The demo model's directory, built the first time it is needed."""
+    """The demo model's directory: the trained one shipped in the package.
+
+    An install without the package data (``demo_model/``) falls back to a random-weight
+    byte-level LLaMA built once in the cache, with a warning: it runs, but says nothing readable.
+    """
+    if os.path.isfile(os.path.join(SHIPPED_DEMO_DIR, "config.json")):
+        return SHIPPED_DEMO_DIR
+    logger.warning("the trained demo model is missing from %s: serving a random-weight model instead "
+                   "(train it with `python -m pagedllm.server.demo_train`)", SHIPPED_DEMO_DIR)
+    return ensure_random_demo_model()
+
+
+def ensure_random_demo_model() -> str:
+    """A random-weight tiny LLaMA with the byte tokenizer, built in the cache the first time."""
     path = os.path.join(cache_dir(), DEMO_NAME)
     if os.path.isfile(os.path.join(path, "config.json")):
         return path
