@@ -1,0 +1,49 @@
+# syntax=docker/dockerfile:1
+# The PagedLLM image: the model server (`pagedllm serve`, the entrypoint) and the
+# operator (`pagedllm operator`, what the Helm chart runs) from one build.
+#
+#   docker build -t ghcr.io/pagedllm/pagedllm:0.1.0 .
+#   docker run --gpus all -p 8000:8000 ghcr.io/pagedllm/pagedllm:0.1.0 --model /models/opt-125m
+#
+# NOTE: the operator renders the server container with command ["pagedllm", "serve"];
+# tests/operator/test_dockerfile.py keeps the ENTRYPOINT below equal to it.
+
+ARG CUDA_VERSION=12.4.1
+ARG UBUNTU_VERSION=22.04
+ARG TORCH_INDEX=https://download.pytorch.org/whl/cu124
+
+FROM nvidia/cuda:${CUDA_VERSION}-runtime-ubuntu${UBUNTU_VERSION} AS build
+ARG TORCH_INDEX
+ENV DEBIAN_FRONTEND=noninteractive PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends python3 python3-venv python3-dev gcc \
+ && rm -rf /var/lib/apt/lists/*
+RUN python3 -m venv /opt/venv
+ENV PATH=/opt/venv/bin:$PATH
+# torch's CUDA wheels first (they bundle cuDNN, NCCL and triton), so the project
+# install below finds torch satisfied instead of pulling the CPU build.
+RUN pip install --index-url ${TORCH_INDEX} "torch>=2.4"
+COPY pyproject.toml README.md /src/
+COPY server /src/server
+COPY kernels /src/kernels
+COPY operator /src/operator
+RUN pip install "/src[triton,operator]"
+
+FROM nvidia/cuda:${CUDA_VERSION}-runtime-ubuntu${UBUNTU_VERSION} AS serve
+ENV DEBIAN_FRONTEND=noninteractive
+# Triton compiles its launcher at run time: it needs a C compiler and Python's headers.
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends python3 python3-dev gcc libc6-dev \
+ && rm -rf /var/lib/apt/lists/*
+COPY --from=build /opt/venv /opt/venv
+RUN useradd --uid 1000 --user-group --create-home --home-dir /home/pagedllm pagedllm \
+ && mkdir -p /models && chown 1000:1000 /models
+ENV PATH=/opt/venv/bin:$PATH \
+    PYTHONUNBUFFERED=1 \
+    HOME=/home/pagedllm \
+    HF_HOME=/home/pagedllm/.cache/huggingface
+# NOTE: numeric, so Kubernetes' runAsNonRoot can verify it without /etc/passwd.
+USER 1000:1000
+WORKDIR /home/pagedllm
+EXPOSE 8000
+ENTRYPOINT ["pagedllm", "serve"]

@@ -1,0 +1,81 @@
+{{/* Name of the chart, overridable. */}}
+{{- define "pagedllm.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* Full name of the release's objects: RELEASE-pagedllm, or RELEASE when it already says pagedllm. */}}
+{{- define "pagedllm.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" }}
+{{- else if contains (include "pagedllm.name" .) .Release.Name }}
+{{- .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name (include "pagedllm.name" .) | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+
+{{/* Labels of every object of the release. */}}
+{{- define "pagedllm.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
+{{ include "pagedllm.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- end }}
+
+{{/* Selector of the operator pod (immutable once installed). */}}
+{{- define "pagedllm.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "pagedllm.name" . }}-operator
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/component: operator
+{{- end }}
+
+{{/* The operator's ServiceAccount. */}}
+{{- define "pagedllm.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- default (include "pagedllm.fullname" .) .Values.serviceAccount.name }}
+{{- else }}
+{{- default "default" .Values.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{/* The operator image, and the default image of the servers it creates. */}}
+{{- define "pagedllm.image" -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
+{{- end }}
+
+{{- define "pagedllm.servingImage" -}}
+{{- default (include "pagedllm.image" .) .Values.servingImage }}
+{{- end }}
+
+{{/*
+Rules the operator needs in each namespace it serves, and nothing more (a test replays
+every API call the operator makes against the emulated cluster and checks it is granted):
+- pagedllms: kopf lists, watches and patches them (its annotations); the operator reads
+  the owner of a changed Deployment;
+- pagedllms/status: the operator writes status (merge patch);
+- deployments, services: server-side applied (patch; the API server also checks create
+  when an apply creates the object), watched to report status and recreate deletions;
+- persistentvolumeclaims: the model cache, server-side applied;
+- events: what the operator did, for kubectl describe.
+Nothing is deleted by the operator: owner references cascade deletion.
+*/}}
+{{- define "pagedllm.namespacedRules" -}}
+- apiGroups: ["pagedllm.dev"]
+  resources: ["pagedllms"]
+  verbs: ["get", "list", "watch", "patch"]
+- apiGroups: ["pagedllm.dev"]
+  resources: ["pagedllms/status"]
+  verbs: ["patch"]
+- apiGroups: ["apps"]
+  resources: ["deployments"]
+  verbs: ["get", "list", "watch", "create", "patch"]
+- apiGroups: [""]
+  resources: ["services"]
+  verbs: ["list", "watch", "create", "patch"]
+- apiGroups: [""]
+  resources: ["persistentvolumeclaims"]
+  verbs: ["create", "patch"]
+- apiGroups: [""]
+  resources: ["events"]
+  verbs: ["create"]
+{{- end }}

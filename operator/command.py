@@ -1,0 +1,132 @@
+"""The server's command line, rendered from a ``PagedLLM`` spec.
+
+Every engine flag is built with :func:`pagedllm.server.args.flag_for` from the engine
+field the spec key maps to (``blockSize`` -> ``block_size`` -> ``--block-size``), so the
+operator and the server cannot drift apart; ``tests/operator/test_server_command.py``
+parses the rendered arguments with the real `pagedllm serve` parser to prove it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Optional
+
+from pagedllm.operator.spec import PagedLLMSpec, SpecError
+from pagedllm.server.args import flag_for
+
+# The container entrypoint; the Dockerfile's ENTRYPOINT must be the same (a test checks it).
+SERVE_COMMAND = ("pagedllm", "serve")
+
+# The API key reaches the server through this variable (from spec.apiKeySecret), never argv.
+API_KEY_ENV = "PAGEDLLM_API_KEY"
+
+# spec key -> engine field (pagedllm.server.config); the flag is flag_for(field).
+ENGINE_FIELDS: Mapping[str, str] = {
+    "model": "model",
+    "dtype": "dtype",
+    "maxModelLen": "max_model_len",
+    "blockSize": "block_size",
+    "gpuMemoryUtilization": "gpu_memory_utilization",
+    "swapSpaceGiB": "swap_space",
+    "enablePrefixCaching": "enable_prefix_caching",
+    "maxNumSeqs": "max_num_seqs",
+    "maxNumBatchedTokens": "max_num_batched_tokens",
+    "preemptionMode": "preemption_mode",
+    "tensorParallelSize": "tensor_parallel_size",
+    "seed": "seed",
+    "loadFormat": "load_format",
+}
+
+# spec key -> flag of `pagedllm serve` that is not an engine field (pagedllm.server.serve).
+SERVE_FIELDS: Mapping[str, str] = {
+    "port": "--port",
+    "servedModelName": "--served-model-name",
+    "maxQueueLen": "--max-queue-len",
+    "drainTimeoutSeconds": "--drain-timeout",
+    "logLevel": "--log-level",
+}
+
+# Flags that extraArgs may not set: those rendered from the spec, plus --host (the probes
+# and the Service need 0.0.0.0) and --api-key (it would show the key in the pod spec).
+OWNED_FLAGS = frozenset(
+    [flag_for(f) for f in ENGINE_FIELDS.values()]
+    + ["--no-" + flag_for(f)[2:] for f in ENGINE_FIELDS.values()]
+    + list(SERVE_FIELDS.values()) + ["--host", "--api-key"])
+
+
+def spec_value(spec: PagedLLMSpec, key: str) -> Any:
+    """The value of the spec field whose CRD key is ``key``."""
+    return getattr(spec, spec_attr(key))
+
+
+def spec_attr(key: str) -> str:
+    for f in PagedLLMSpec.__dataclass_fields__.values():
+        if f.metadata["key"] == key:
+            return f.name
+    raise KeyError(f"no spec field has the CRD key {key!r}")
+
+
+def _flag_args(flag: str, value: Any) -> list[str]:
+    if isinstance(value, bool):
+        return [flag] if value else ["--no-" + flag[2:]]
+    return [flag, str(value)]
+
+
+def server_args(spec: PagedLLMSpec, model_path: str) -> list[str]:
+    """The arguments after ``pagedllm serve``; ``model_path`` is where the pod sees the model."""
+    args = ["--host", "0.0.0.0"]
+    for key, engine_field in ENGINE_FIELDS.items():
+        value = model_path if key == "model" else spec_value(spec, key)
+        if value is not None:
+            args += _flag_args(flag_for(engine_field), value)
+    served_name = spec.served_model_name or spec.model
+    for key, flag in SERVE_FIELDS.items():
+        value = served_name if key == "servedModelName" else spec_value(spec, key)
+        if value is not None:
+            args += _flag_args(flag, value)
+    return args + list(checked_extra_args(spec.extra_args))
+
+
+def checked_extra_args(extra_args: tuple[str, ...]) -> tuple[str, ...]:
+    """``extra_args`` unless one of them sets a flag the spec owns (then :class:`SpecError`)."""
+    for index, arg in enumerate(extra_args):
+        flag = arg.split("=", 1)[0]
+        if flag in OWNED_FLAGS:
+            raise SpecError(f"spec.extraArgs[{index}]={arg!r} is not allowed: {flag} is rendered from "
+                            f"{_owner_of(flag)}; set that instead")
+    return extra_args
+
+
+def _owner_of(flag: str) -> str:
+    bare = flag.replace("--no-", "--")
+    for key, engine_field in ENGINE_FIELDS.items():
+        if flag_for(engine_field) == bare:
+            return f"spec.{key}"
+    for key, serve_flag in SERVE_FIELDS.items():
+        if serve_flag == flag:
+            return f"spec.{key}"
+    return {"--api-key": "spec.apiKeySecret"}.get(flag, "the operator")
+
+
+def engine_kwargs(spec: PagedLLMSpec, model_path: Optional[str] = None) -> dict[str, Any]:
+    """The engine keyword arguments the rendered flags stand for (for validation and tests)."""
+    return {field: (model_path if key == "model" else spec_value(spec, key))
+            for key, field in ENGINE_FIELDS.items()}
+
+
+def check_engine(spec: PagedLLMSpec, model_path: str) -> None:
+    """Validate the rendered engine arguments with the engine's own config classes.
+
+    Raises :class:`SpecError` naming the spec key, so a value the server would refuse at
+    start-up is reported on the resource instead of crash-looping its pods.
+    """
+    from pagedllm.server.config import EngineConfig
+
+    try:
+        EngineConfig.from_kwargs(**engine_kwargs(spec, model_path))
+    except ValueError as exc:
+        message = str(exc)
+        for key, field in ENGINE_FIELDS.items():
+            if message.startswith(f"{field}="):
+                message = f"spec.{key}" + message[len(field):]
+                break
+        raise SpecError(message) from exc

@@ -1,0 +1,297 @@
+"""Rendering: a ``PagedLLM`` resource -> its Deployment, Service and model-cache claim.
+
+Pure functions: the same resource and :class:`RenderConfig` always give the same
+manifests, and nothing here talks to the API. The handlers apply the result.
+
+Volumes of a server pod::
+
+    huggingface id   /models  <- NAME-model-cache claim (spec.modelCache) or an emptyDir;
+                              the fetch-model init container downloads into /models/<id>
+    pvc source       /model   <- spec.modelSource.pvc.claimName, subPath pvc.path, read-only
+    absolute path    (none)      the checkpoint is in the image
+    TP > 1           /dev/shm <- emptyDir(medium=Memory), for NCCL between the ranks
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional
+
+import kopf
+from pagedllm.operator.command import API_KEY_ENV, SERVE_COMMAND, check_engine, server_args
+from pagedllm.operator.spec import GPU_RESOURCE, PagedLLMSpec, SpecError
+
+GROUP, VERSION, PLURAL, KIND = "pagedllm.dev", "v1alpha1", "pagedllms", "PagedLLM"
+MANAGED_BY = "pagedllm-operator"
+GENERATION_ANNOTATION = "pagedllm.dev/generation"
+SERVER_CONTAINER = "server"
+MODELS_DIR = "/models"
+MODEL_MOUNT = "/model"
+HF_HOME = "/models/.hf"
+RUN_AS = 1000  # the image's non-root user (Dockerfile: USER 1000)
+
+# Seconds between the server's drain deadline and the kubelet's SIGKILL.
+GRACE_MARGIN_SECONDS = 30
+# Extra time a rollout may take beyond the startup budget: scheduling, image pull and the
+# model download all happen before the startup probe starts counting.
+PROGRESS_MARGIN_SECONDS = 1800
+STARTUP_PROBE_PERIOD = 10
+
+_DNS_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+
+# The init container's download: the Hub client ships with transformers in the image.
+FETCH_SCRIPT = (
+    "import sys\n"
+    "from huggingface_hub import snapshot_download\n"
+    "snapshot_download(repo_id=sys.argv[1], local_dir=sys.argv[2], ignore_patterns=['original/*'])\n"
+)
+
+
+@dataclass(frozen=True)
+class RenderConfig:
+    """Operator-wide rendering settings (from `pagedllm operator` flags)."""
+
+    default_image: str
+
+
+@dataclass(frozen=True)
+class Manifests:
+    """Everything one resource renders to; ``pvc`` only with spec.modelCache."""
+
+    deployment: dict
+    service: dict
+    pvc: Optional[dict] = None
+
+    def all(self) -> list[dict]:
+        """In apply order: the claim before the pods that mount it."""
+        return [m for m in (self.pvc, self.deployment, self.service) if m is not None]
+
+
+def labels(name: str) -> dict[str, str]:
+    """Labels of everything rendered for the resource ``name``."""
+    return {**selector_labels(name), "app.kubernetes.io/component": "server",
+            "app.kubernetes.io/managed-by": MANAGED_BY}
+
+
+def selector_labels(name: str) -> dict[str, str]:
+    """The Deployment's (immutable) selector and the Service's selector."""
+    return {"app.kubernetes.io/name": "pagedllm", "app.kubernetes.io/instance": name}
+
+
+def selector_string(name: str) -> str:
+    """:func:`selector_labels` in the serialized form of status.selector (for HPAs)."""
+    return ",".join(f"{k}={v}" for k, v in selector_labels(name).items())
+
+
+def endpoint(name: str, namespace: str, port: int) -> str:
+    return f"http://{name}.{namespace}.svc:{port}"
+
+
+def cache_claim_name(name: str) -> str:
+    return f"{name}-model-cache"
+
+
+def model_path(spec: PagedLLMSpec) -> str:
+    """Where the server finds the checkpoint inside its container."""
+    if spec.uses_pvc_source:
+        return MODEL_MOUNT
+    if spec.model_is_path:
+        return spec.model
+    return f"{MODELS_DIR}/{spec.model}"
+
+
+def render(body: Mapping[str, Any], config: RenderConfig) -> Manifests:
+    """Render a ``PagedLLM`` resource; raise :class:`SpecError` if it cannot be served."""
+    meta = body.get("metadata", {})
+    name = meta.get("name", "")
+    if not _DNS_LABEL.match(name) or len(name) > 63:
+        raise SpecError(f"metadata.name={name!r} is not allowed: it names the Service, so it must be a "
+                        "DNS-1035 label (lowercase letters, digits and '-', starting with a letter, at most 63)")
+    spec = PagedLLMSpec.from_dict(body.get("spec"))
+    check_engine(spec, model_path(spec))
+    generation = meta.get("generation")
+    manifests = Manifests(
+        deployment=render_deployment(name, spec, config, generation),
+        service=render_service(name, spec),
+        pvc=render_pvc(name, spec) if spec.model_cache is not None else None,
+    )
+    kopf.adopt(manifests.all(), owner=body)
+    return manifests
+
+
+def render_service(name: str, spec: PagedLLMSpec) -> dict:
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": name, "labels": labels(name)},
+        "spec": {
+            "type": spec.service_type,
+            "selector": selector_labels(name),
+            "ports": [{"name": "http", "port": spec.port, "targetPort": "http", "protocol": "TCP"}],
+        },
+    }
+
+
+def render_pvc(name: str, spec: PagedLLMSpec) -> dict:
+    cache = spec.model_cache
+    assert cache is not None  # only called with spec.modelCache
+    claim_spec: dict[str, Any] = {
+        "accessModes": [cache.access_mode],
+        "resources": {"requests": {"storage": cache.size}},
+    }
+    if cache.storage_class_name is not None:
+        claim_spec["storageClassName"] = cache.storage_class_name
+    return {
+        "apiVersion": "v1",
+        "kind": "PersistentVolumeClaim",
+        "metadata": {"name": cache_claim_name(name), "labels": labels(name)},
+        "spec": claim_spec,
+    }
+
+
+def render_deployment(name: str, spec: PagedLLMSpec, config: RenderConfig, generation: Optional[int]) -> dict:
+    annotations = {GENERATION_ANNOTATION: str(generation)} if generation is not None else {}
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": name, "labels": labels(name), "annotations": annotations},
+        "spec": {
+            "replicas": spec.replicas,
+            "selector": {"matchLabels": selector_labels(name)},
+            "strategy": _strategy(spec),
+            "progressDeadlineSeconds": spec.startup_timeout_seconds + PROGRESS_MARGIN_SECONDS,
+            "revisionHistoryLimit": 3,
+            "template": {"metadata": {"labels": labels(name)}, "spec": _pod_spec(name, spec, config)},
+        },
+    }
+
+
+def _strategy(spec: PagedLLMSpec) -> dict:
+    if spec.rollout_strategy == "Recreate":
+        return {"type": "Recreate"}
+    # NOTE: maxUnavailable 0 keeps serving through a rollout; it needs one replica's GPUs spare.
+    return {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}
+
+
+def _pod_spec(name: str, spec: PagedLLMSpec, config: RenderConfig) -> dict:
+    volumes, mounts = _volumes(name, spec)
+    pod: dict[str, Any] = {
+        "automountServiceAccountToken": False,  # the server never talks to the API
+        "enableServiceLinks": False,
+        "securityContext": {
+            "runAsNonRoot": True, "runAsUser": RUN_AS, "runAsGroup": RUN_AS, "fsGroup": RUN_AS,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+        # NOTE: longer than the server's drain timeout, so in-flight requests finish.
+        "terminationGracePeriodSeconds": spec.drain_timeout_seconds + GRACE_MARGIN_SECONDS,
+        "containers": [_server_container(spec, config, mounts)],
+        "volumes": volumes,
+    }
+    if _downloads(spec):
+        pod["initContainers"] = [_fetch_container(spec, config, mounts)]
+    if spec.node_selector:
+        pod["nodeSelector"] = dict(spec.node_selector)
+    if spec.tolerations:
+        pod["tolerations"] = [dict(t) for t in spec.tolerations]
+    if spec.affinity:
+        pod["affinity"] = dict(spec.affinity)
+    return pod
+
+
+def _downloads(spec: PagedLLMSpec) -> bool:
+    return not spec.uses_pvc_source and not spec.model_is_path
+
+
+def _volumes(name: str, spec: PagedLLMSpec) -> tuple[list[dict], list[dict]]:
+    volumes: list[dict] = []
+    mounts: list[dict] = []
+    if spec.uses_pvc_source:
+        pvc = spec.model_source.pvc
+        assert pvc is not None  # guaranteed by PagedLLMSpec parsing
+        volumes.append({"name": "model", "persistentVolumeClaim": {"claimName": pvc.claim_name, "readOnly": True}})
+        mount = {"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True}
+        mounts.append({**mount, "subPath": pvc.path} if pvc.path else mount)
+    elif _downloads(spec):
+        source = ({"persistentVolumeClaim": {"claimName": cache_claim_name(name)}}
+                  if spec.model_cache is not None else {"emptyDir": {}})
+        volumes.append({"name": "models", **source})
+        mounts.append({"name": "models", "mountPath": MODELS_DIR})
+    if spec.tensor_parallel_size > 1:
+        volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory"}})
+        mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
+    return volumes, mounts
+
+
+def _secret_env(var: str, ref) -> dict:
+    return {"name": var, "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}}
+
+
+def _hub_env(spec: PagedLLMSpec) -> list[dict]:
+    """Environment shared by the download and the server: the Hub token and cache."""
+    env = [_secret_env("HF_TOKEN", spec.hf_token_secret)] if spec.hf_token_secret else []
+    if _downloads(spec):
+        env.append({"name": "HF_HOME", "value": HF_HOME})
+    return env
+
+
+def _server_env(spec: PagedLLMSpec) -> list[dict]:
+    env = _hub_env(spec)
+    if spec.api_key_secret:
+        env.append(_secret_env(API_KEY_ENV, spec.api_key_secret))
+    reserved = {e["name"] for e in env} | {"HF_TOKEN", "HF_HOME", API_KEY_ENV}
+    for index, extra in enumerate(spec.env):
+        if extra["name"] in reserved:
+            raise SpecError(f"spec.env[{index}].name={extra['name']!r} is not allowed: the operator sets it "
+                            "(use hfTokenSecret or apiKeySecret)")
+        env.append(dict(extra))
+    return env
+
+
+def _gpu_resources(spec: PagedLLMSpec) -> dict:
+    gpus = {GPU_RESOURCE: spec.tensor_parallel_size}
+    return {
+        "requests": {**spec.resources.get("requests", {}), **gpus},
+        "limits": {**spec.resources.get("limits", {}), **gpus},
+    }
+
+
+def _container_security() -> dict:
+    return {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
+
+
+def _server_container(spec: PagedLLMSpec, config: RenderConfig, mounts: list[dict]) -> dict:
+    http = {"path": "/ready", "port": "http"}
+    container = {
+        "name": SERVER_CONTAINER,
+        "image": spec.image or config.default_image,
+        "imagePullPolicy": spec.image_pull_policy,
+        "command": list(SERVE_COMMAND),
+        "args": server_args(spec, model_path(spec)),
+        "ports": [{"name": "http", "containerPort": spec.port, "protocol": "TCP"}],
+        "env": _server_env(spec),
+        "resources": _gpu_resources(spec),
+        # The startup budget covers loading weights and profiling memory; /ready answers
+        # only once a forward pass is done. Liveness uses /health, alive while loading.
+        "startupProbe": {"httpGet": http, "periodSeconds": STARTUP_PROBE_PERIOD, "timeoutSeconds": 5,
+                         "failureThreshold": math.ceil(spec.startup_timeout_seconds / STARTUP_PROBE_PERIOD)},
+        "readinessProbe": {"httpGet": http, "periodSeconds": 5, "timeoutSeconds": 5, "failureThreshold": 3},
+        "livenessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 10,
+                          "timeoutSeconds": 5, "failureThreshold": 3},
+        "securityContext": _container_security(),
+        "volumeMounts": mounts,
+    }
+    return container
+
+
+def _fetch_container(spec: PagedLLMSpec, config: RenderConfig, mounts: list[dict]) -> dict:
+    return {
+        "name": "fetch-model",
+        "image": spec.image or config.default_image,
+        "imagePullPolicy": spec.image_pull_policy,
+        "command": ["python", "-c", FETCH_SCRIPT, spec.model, model_path(spec)],
+        "env": _hub_env(spec),
+        "securityContext": _container_security(),
+        "volumeMounts": [m for m in mounts if m["name"] == "models"],
+    }

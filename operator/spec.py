@@ -1,0 +1,299 @@
+"""The ``PagedLLM`` spec as a typed, validated object.
+
+The CRD (``crds/pagedllm.yaml``) is the source of truth for defaults and bounds; every
+scalar field below carries the same default, enum and range in its metadata, and
+``tests/operator/test_spec.py`` checks the two agree. Parsing here is the operator's
+second line of defence: a spec that slipped past the schema (an old CRD, a cluster
+without CEL) is refused with a :class:`SpecError` naming the field, the value and what
+is allowed, and the handlers turn that into a ``Degraded`` condition.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Optional
+
+MODEL_SOURCES = ("huggingface", "pvc")
+TENSOR_PARALLEL_SIZES = (1, 2, 4, 8)
+BLOCK_SIZES = (8, 16, 32, 64, 128)
+DTYPES = ("auto", "float16", "bfloat16", "float32")
+PREEMPTION_MODES = ("recompute", "swap")
+LOAD_FORMATS = ("auto", "safetensors", "pt", "dummy")
+PULL_POLICIES = ("Always", "IfNotPresent", "Never")
+SERVICE_TYPES = ("ClusterIP", "NodePort", "LoadBalancer")
+ACCESS_MODES = ("ReadWriteOnce", "ReadWriteMany")
+LOG_LEVELS = ("debug", "info", "warning", "error")
+ROLLOUT_STRATEGIES = ("Recreate", "RollingUpdate")
+GPU_RESOURCE = "nvidia.com/gpu"
+
+_MODEL_RE = re.compile(r"^[A-Za-z0-9_./-]+$")
+_QUANTITY_RE = re.compile(
+    r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$")
+
+
+class SpecError(ValueError):
+    """A spec value the operator cannot serve; the message names field, value and what is allowed."""
+
+
+@dataclass(frozen=True)
+class SecretKeyRef:
+    """One key of a Secret in the resource's namespace."""
+
+    name: str
+    key: str
+
+
+@dataclass(frozen=True)
+class PvcModelSource:
+    """An existing claim that holds the checkpoint."""
+
+    claim_name: str
+    path: str = ""
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where the checkpoint comes from: the Hugging Face Hub, or an existing claim."""
+
+    type: str = "huggingface"
+    pvc: Optional[PvcModelSource] = None
+
+
+@dataclass(frozen=True)
+class ModelCache:
+    """The claim the operator creates to keep Hugging Face downloads."""
+
+    size: str
+    storage_class_name: Optional[str] = None
+    access_mode: str = "ReadWriteOnce"
+
+
+def _scalar(key: str, kind: type, *, choices: tuple = (), minimum=None, maximum=None) -> dict:
+    return {"key": key, "kind": kind, "choices": choices, "minimum": minimum, "maximum": maximum}
+
+
+def _nested(key: str, parse: Callable[[str, Any], Any]) -> dict:
+    return {"key": key, "parse": parse}
+
+
+def _check_scalar(meta: Mapping[str, Any], value: Any) -> Any:
+    path, kind = f"spec.{meta['key']}", meta["kind"]
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise SpecError(f"{path}={value!r} has the wrong type: must be {kind.__name__}")
+    if meta["choices"] and value not in meta["choices"]:
+        raise SpecError(f"{path}={value!r} is not allowed: choose one of {list(meta['choices'])}")
+    low, high = meta["minimum"], meta["maximum"]
+    if (low is not None and value < low) or (high is not None and value > high):
+        bounds = " and ".join(b for b in (f">= {low}" if low is not None else "",
+                                          f"<= {high}" if high is not None else "") if b)
+        raise SpecError(f"{path}={value!r} is out of range: must be {bounds}")
+    if kind is str and not value:
+        raise SpecError(f"{path}='' is not allowed: must not be empty")
+    return value
+
+
+def _mapping(path: str, value: Any) -> Mapping[str, Any]:
+    if not isinstance(value, Mapping):
+        raise SpecError(f"{path}={value!r} has the wrong type: must be an object")
+    return value
+
+
+def _list(path: str, value: Any) -> list:
+    if not isinstance(value, list):
+        raise SpecError(f"{path}={value!r} has the wrong type: must be a list")
+    return value
+
+
+def _secret_ref(default_key: str) -> Callable[[str, Any], SecretKeyRef]:
+    def parse(path: str, value: Any) -> SecretKeyRef:
+        value = _mapping(path, value)
+        name, key = value.get("name"), value.get("key", default_key)
+        for sub, item in (("name", name), ("key", key)):
+            if not isinstance(item, str) or not item:
+                raise SpecError(f"{path}.{sub}={item!r} is not allowed: must be a non-empty string")
+        return SecretKeyRef(name=name, key=key)
+    return parse
+
+
+def _model_source(path: str, value: Any) -> ModelSource:
+    value = _mapping(path, value)
+    kind = value.get("type", "huggingface")
+    if kind not in MODEL_SOURCES:
+        raise SpecError(f"{path}.type={kind!r} is not allowed: choose one of {list(MODEL_SOURCES)}")
+    pvc = value.get("pvc")
+    if (kind == "pvc") != (pvc is not None):
+        raise SpecError(f"{path}.pvc is required when {path}.type is pvc, and not allowed otherwise "
+                        f"(type={kind!r}, pvc={pvc!r})")
+    if pvc is None:
+        return ModelSource(type=kind)
+    pvc = _mapping(f"{path}.pvc", pvc)
+    claim, sub = pvc.get("claimName"), pvc.get("path", "")
+    if not isinstance(claim, str) or not claim:
+        raise SpecError(f"{path}.pvc.claimName={claim!r} is not allowed: must be a non-empty string")
+    if not isinstance(sub, str) or sub.startswith("/") or ".." in sub:
+        raise SpecError(f"{path}.pvc.path={sub!r} is not allowed: a path relative to the claim, "
+                        "without a leading '/' or '..'")
+    return ModelSource(type=kind, pvc=PvcModelSource(claim_name=claim, path=sub.strip("/")))
+
+
+def _quantity(path: str, value: Any) -> Any:
+    if isinstance(value, bool) or not isinstance(value, (int, str)) or (
+            isinstance(value, str) and not _QUANTITY_RE.match(value)):
+        raise SpecError(f"{path}={value!r} is not a quantity: use e.g. 4, 500m, 32Gi")
+    return value
+
+
+def _resources(path: str, value: Any) -> Mapping[str, Mapping[str, Any]]:
+    value = _mapping(path, value)
+    out = {}
+    for part in ("requests", "limits"):
+        amounts = _mapping(f"{path}.{part}", value.get(part, {}))
+        if GPU_RESOURCE in amounts:
+            raise SpecError(f"{path}.{part}[{GPU_RESOURCE!r}]={amounts[GPU_RESOURCE]!r} is not allowed: "
+                            "GPUs come from tensorParallelSize")
+        if amounts:
+            out[part] = {name: _quantity(f"{path}.{part}[{name!r}]", q) for name, q in amounts.items()}
+    return out
+
+
+def _model_cache(path: str, value: Any) -> ModelCache:
+    value = _mapping(path, value)
+    size = _quantity(f"{path}.size", value.get("size"))
+    mode = value.get("accessMode", "ReadWriteOnce")
+    if mode not in ACCESS_MODES:
+        raise SpecError(f"{path}.accessMode={mode!r} is not allowed: choose one of {list(ACCESS_MODES)}")
+    storage_class = value.get("storageClassName")
+    if storage_class is not None and not isinstance(storage_class, str):
+        raise SpecError(f"{path}.storageClassName={storage_class!r} has the wrong type: must be a string")
+    return ModelCache(size=str(size), storage_class_name=storage_class, access_mode=mode)
+
+
+def _string_map(path: str, value: Any) -> Mapping[str, str]:
+    value = _mapping(path, value)
+    for key, item in value.items():
+        if not isinstance(item, str):
+            raise SpecError(f"{path}[{key!r}]={item!r} has the wrong type: must be a string")
+    return dict(value)
+
+
+def _object_list(path: str, value: Any) -> tuple:
+    items = _list(path, value)
+    for index, item in enumerate(items):
+        _mapping(f"{path}[{index}]", item)
+    return tuple(dict(item) for item in items)
+
+
+def _env(path: str, value: Any) -> tuple:
+    items = _object_list(path, value)
+    for index, item in enumerate(items):
+        if not isinstance(item.get("name"), str) or not item["name"]:
+            raise SpecError(f"{path}[{index}].name={item.get('name')!r} is not allowed: must be a non-empty string")
+    return items
+
+
+def _string_list(path: str, value: Any) -> tuple[str, ...]:
+    items = _list(path, value)
+    for index, item in enumerate(items):
+        if not isinstance(item, str):
+            raise SpecError(f"{path}[{index}]={item!r} has the wrong type: must be a string")
+    return tuple(items)
+
+
+def _plain_object(path: str, value: Any) -> Mapping[str, Any]:
+    return dict(_mapping(path, value))
+
+
+@dataclass(frozen=True)
+class PagedLLMSpec:
+    """The desired model server; one field per CRD spec key (``block_size`` <- ``blockSize``)."""
+
+    model: str = field(metadata=_scalar("model", str))
+    model_source: ModelSource = field(default_factory=ModelSource, metadata=_nested("modelSource", _model_source))
+    hf_token_secret: Optional[SecretKeyRef] = field(
+        default=None, metadata=_nested("hfTokenSecret", _secret_ref("token")))
+    replicas: int = field(default=1, metadata=_scalar("replicas", int, minimum=0))
+    tensor_parallel_size: int = field(
+        default=1, metadata=_scalar("tensorParallelSize", int, choices=TENSOR_PARALLEL_SIZES))
+    block_size: int = field(default=16, metadata=_scalar("blockSize", int, choices=BLOCK_SIZES))
+    gpu_memory_utilization: float = field(
+        default=0.9, metadata=_scalar("gpuMemoryUtilization", float, minimum=0.1, maximum=0.99))
+    max_num_seqs: int = field(default=256, metadata=_scalar("maxNumSeqs", int, minimum=1, maximum=65536))
+    max_num_batched_tokens: Optional[int] = field(
+        default=None, metadata=_scalar("maxNumBatchedTokens", int, minimum=1, maximum=1048576))
+    max_model_len: Optional[int] = field(
+        default=None, metadata=_scalar("maxModelLen", int, minimum=1, maximum=10485760))
+    swap_space_gib: float = field(default=4.0, metadata=_scalar("swapSpaceGiB", float, minimum=0, maximum=1024))
+    dtype: str = field(default="auto", metadata=_scalar("dtype", str, choices=DTYPES))
+    enable_prefix_caching: bool = field(default=True, metadata=_scalar("enablePrefixCaching", bool))
+    preemption_mode: Optional[str] = field(
+        default=None, metadata=_scalar("preemptionMode", str, choices=PREEMPTION_MODES))
+    seed: int = field(default=0, metadata=_scalar("seed", int, minimum=0))
+    load_format: str = field(default="auto", metadata=_scalar("loadFormat", str, choices=LOAD_FORMATS))
+    served_model_name: Optional[str] = field(default=None, metadata=_scalar("servedModelName", str))
+    api_key_secret: Optional[SecretKeyRef] = field(
+        default=None, metadata=_nested("apiKeySecret", _secret_ref("api-key")))
+    image: Optional[str] = field(default=None, metadata=_scalar("image", str))
+    image_pull_policy: str = field(
+        default="IfNotPresent", metadata=_scalar("imagePullPolicy", str, choices=PULL_POLICIES))
+    resources: Mapping[str, Mapping[str, Any]] = field(
+        default_factory=dict, metadata=_nested("resources", _resources))
+    node_selector: Mapping[str, str] = field(default_factory=dict, metadata=_nested("nodeSelector", _string_map))
+    tolerations: tuple = field(default=(), metadata=_nested("tolerations", _object_list))
+    affinity: Optional[Mapping[str, Any]] = field(default=None, metadata=_nested("affinity", _plain_object))
+    env: tuple = field(default=(), metadata=_nested("env", _env))
+    extra_args: tuple[str, ...] = field(default=(), metadata=_nested("extraArgs", _string_list))
+    port: int = field(default=8000, metadata=_scalar("port", int, minimum=1024, maximum=65535))
+    service_type: str = field(default="ClusterIP", metadata=_scalar("serviceType", str, choices=SERVICE_TYPES))
+    model_cache: Optional[ModelCache] = field(default=None, metadata=_nested("modelCache", _model_cache))
+    startup_timeout_seconds: int = field(
+        default=1800, metadata=_scalar("startupTimeoutSeconds", int, minimum=60, maximum=86400))
+    drain_timeout_seconds: int = field(
+        default=30, metadata=_scalar("drainTimeoutSeconds", int, minimum=0, maximum=3600))
+    max_queue_len: Optional[int] = field(default=None, metadata=_scalar("maxQueueLen", int, minimum=1, maximum=1048576))
+    log_level: str = field(default="info", metadata=_scalar("logLevel", str, choices=LOG_LEVELS))
+    rollout_strategy: str = field(
+        default="Recreate", metadata=_scalar("rolloutStrategy", str, choices=ROLLOUT_STRATEGIES))
+
+    @property
+    def model_is_path(self) -> bool:
+        """``model`` names a directory already in the image rather than a Hub id."""
+        return self.model.startswith("/")
+
+    @property
+    def uses_pvc_source(self) -> bool:
+        return self.model_source.type == "pvc"
+
+    @classmethod
+    def from_dict(cls, spec: Optional[Mapping[str, Any]]) -> "PagedLLMSpec":
+        """Parse a resource's ``spec``; raise :class:`SpecError` on the first problem found."""
+        spec = _mapping("spec", spec if spec is not None else {})
+        known = {f.metadata["key"]: f for f in dataclasses.fields(cls)}
+        unknown = sorted(set(spec) - set(known))
+        if unknown:
+            raise SpecError(f"spec has unknown field(s) {unknown}: allowed are {sorted(known)}")
+        if spec.get("model") is None:
+            raise SpecError("spec.model is required: a Hugging Face model id or an absolute path")
+        values = {}
+        for key, f in known.items():
+            if spec.get(key) is None:
+                continue
+            meta = f.metadata
+            path = f"spec.{key}"
+            values[f.name] = meta["parse"](path, spec[key]) if "parse" in meta else _check_scalar(meta, spec[key])
+        parsed = cls(**values)
+        parsed._check_cross_field()
+        return parsed
+
+    def _check_cross_field(self) -> None:
+        # NOTE: these mirror the CRD's x-kubernetes-validations (CEL) rules.
+        if not _MODEL_RE.match(self.model) or ".." in self.model:
+            raise SpecError(f"spec.model={self.model!r} is not allowed: letters, digits and _ . / - only, no '..'")
+        if self.model_cache is not None and self.uses_pvc_source:
+            raise SpecError("spec.modelCache caches Hugging Face downloads: remove it when modelSource.type is pvc")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < self.max_num_seqs:
+            raise SpecError(f"spec.maxNumBatchedTokens={self.max_num_batched_tokens} is out of range: "
+                            f"must be >= maxNumSeqs ({self.max_num_seqs})")

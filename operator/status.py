@@ -1,0 +1,142 @@
+"""A ``PagedLLM``'s status, computed from its Deployment (pure functions).
+
+Phases::
+
+    Pending      no replica ready yet (scheduling, pulling, downloading, loading weights),
+                 or scaled to zero
+    Progressing  some replicas ready; a rollout or a scale-up is under way
+    Ready        every desired replica ready and running the current pod template
+    Degraded     the spec cannot be served (Degraded condition says why), or the
+                 Deployment reports a failed rollout (ProgressDeadlineExceeded, ReplicaFailure)
+
+Conditions ``Ready``, ``Progressing`` and ``Degraded`` are always all three present;
+``lastTransitionTime`` only moves when a condition's status flips.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional
+
+from pagedllm.operator.manifests import GENERATION_ANNOTATION, endpoint, selector_string
+
+PENDING, PROGRESSING, READY, DEGRADED = "Pending", "Progressing", "Ready", "Degraded"
+CONDITION_TYPES = ("Ready", "Progressing", "Degraded")
+
+
+@dataclass(frozen=True)
+class Problem:
+    """Why a resource cannot be served right now (a spec error, a refused apply)."""
+
+    reason: str
+    message: str
+
+
+@dataclass(frozen=True)
+class _Verdict:
+    phase: str
+    reason: str
+    message: str
+
+
+def _int(value: Any, default: int) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) else default
+
+
+def _deployment_failure(deployment: Mapping[str, Any]) -> Optional[Problem]:
+    for cond in deployment.get("status", {}).get("conditions", []) or []:
+        if cond.get("type") == "Progressing" and cond.get("reason") == "ProgressDeadlineExceeded":
+            return Problem("ProgressDeadlineExceeded", cond.get("message") or "the rollout made no progress in time")
+        if cond.get("type") == "ReplicaFailure" and cond.get("status") == "True":
+            return Problem(cond.get("reason") or "ReplicaFailure", cond.get("message") or "pods could not be created")
+    return None
+
+
+def _rolled_out(deployment: Mapping[str, Any]) -> bool:
+    generation = deployment.get("metadata", {}).get("generation")
+    observed = deployment.get("status", {}).get("observedGeneration")
+    return generation is None or (observed is not None and observed >= generation)
+
+
+def _verdict(deployment: Optional[Mapping[str, Any]], desired: int, problem: Optional[Problem]) -> _Verdict:
+    if problem is not None:
+        return _Verdict(DEGRADED, problem.reason, problem.message)
+    if deployment is None:
+        return _Verdict(PENDING, "DeploymentMissing", "the Deployment does not exist yet")
+    failure = _deployment_failure(deployment)
+    if failure is not None:
+        return _Verdict(DEGRADED, failure.reason, failure.message)
+    status = deployment.get("status", {}) or {}
+    ready, updated, current = (_int(status.get(k), 0) for k in ("readyReplicas", "updatedReplicas", "replicas"))
+    if desired == 0:
+        return _Verdict(PENDING, "ScaledToZero", "spec.replicas is 0: scale up to serve")
+    if _rolled_out(deployment) and ready >= desired and updated >= desired and current == desired:
+        return _Verdict(READY, "AllReplicasReady", f"{ready}/{desired} replicas ready")
+    if ready == 0:
+        return _Verdict(PENDING, "WaitingForReplicas",
+                        f"0/{desired} replicas ready: scheduling, downloading or loading the model")
+    return _Verdict(PROGRESSING, "RollingOut", f"{ready}/{desired} replicas ready, {updated} up to date")
+
+
+def _conditions(verdict: _Verdict, previous: list, generation: Optional[int], now: str) -> list[dict]:
+    wanted = {
+        "Ready": verdict.phase == READY,
+        "Progressing": verdict.phase in (PENDING, PROGRESSING) and verdict.reason != "ScaledToZero",
+        "Degraded": verdict.phase == DEGRADED,
+    }
+    before = {c.get("type"): c for c in previous or [] if isinstance(c, Mapping)}
+    out = []
+    for kind in CONDITION_TYPES:
+        status = "True" if wanted[kind] else "False"
+        old = before.get(kind, {})
+        cond = {
+            "type": kind,
+            "status": status,
+            "reason": verdict.reason,
+            "message": verdict.message,
+            "lastTransitionTime": old.get("lastTransitionTime", now) if old.get("status") == status else now,
+        }
+        if generation is not None:
+            cond["observedGeneration"] = generation
+        out.append(cond)
+    return out
+
+
+def status_from(body: Mapping[str, Any], deployment: Optional[Mapping[str, Any]], *, now: str,
+                problem: Optional[Problem] = None) -> dict:
+    """The ``status`` of the resource ``body`` given its Deployment (``None`` if absent).
+
+    ``problem`` overrides everything with ``Degraded`` (a spec the operator refused).
+    ``now`` is an RFC 3339 timestamp, passed in to keep this a pure function.
+    """
+    meta = body.get("metadata", {})
+    spec = body.get("spec") or {}
+    name, namespace = meta.get("name", ""), meta.get("namespace", "")
+    desired = _int(spec.get("replicas"), 1)
+    dep_status = (deployment or {}).get("status", {}) or {}
+    ready = _int(dep_status.get("readyReplicas"), 0)
+    verdict = _verdict(deployment, desired, problem)
+    generation = _observed_generation(meta, deployment, problem)
+    status = {
+        "phase": verdict.phase,
+        "replicas": _int(dep_status.get("replicas"), 0),
+        "readyReplicas": ready,
+        "ready": f"{ready}/{desired}",
+        "selector": selector_string(name),
+        "endpoint": endpoint(name, namespace, _int(spec.get("port"), 8000)),
+        "conditions": _conditions(verdict, (body.get("status") or {}).get("conditions", []), generation, now),
+    }
+    if generation is not None:
+        status["observedGeneration"] = generation
+    return status
+
+
+def _observed_generation(meta: Mapping[str, Any], deployment: Optional[Mapping[str, Any]],
+                         problem: Optional[Problem]) -> Optional[int]:
+    """The generation this status speaks for: the one refused, or the one the Deployment runs."""
+    if problem is None and deployment is not None:
+        applied = deployment.get("metadata", {}).get("annotations", {}).get(GENERATION_ANNOTATION)
+        if applied is not None and str(applied).isdigit():
+            return int(applied)
+    generation = meta.get("generation")
+    return generation if isinstance(generation, int) else None

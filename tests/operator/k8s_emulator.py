@@ -1,0 +1,232 @@
+"""A Kubernetes API for the operator tests: kmock's ``KubernetesEmulator`` over real HTTP.
+
+kmock 0.8 stores objects as given and merges patches. The operator relies on a few
+things a real API server does and kmock does not, which :class:`ApiServer` adds:
+
+- ``metadata.uid`` / ``creationTimestamp`` / ``resourceVersion`` / ``generation`` on
+  create (owner references need the owner's uid), and a name from ``generateName``;
+- ``generation`` bumped when ``spec`` changes (through the object or its ``/scale``);
+- server-side apply (``application/apply-patch+yaml``) of a missing object creates it.
+
+The server runs on its own event loop in a thread, so the operator (a subprocess) and
+the synchronous tests both talk to it over HTTP. Known gaps, harmless here: no schema
+validation or defaulting, no garbage collection, merge instead of apply semantics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import datetime
+import itertools
+import json
+import threading
+import time
+import urllib.error
+import urllib.request
+import uuid
+from typing import Any, Callable, Optional
+
+import attrs
+import kmock
+from kmock._internal import dicts as kmock_dicts
+from pagedllm.operator.kube import APPLY_PATCH, RESOURCES, object_path
+
+RESOURCE_INFOS = {
+    "pagedllm.dev/v1alpha1/pagedllms": kmock.ResourceInfo(
+        kind="PagedLLM", singular="pagedllm", namespaced=True, shortnames={"pllm"},
+        subresources={"status", "scale"}, verbs={"get", "list", "watch", "create", "patch", "update", "delete"}),
+    "apps/v1/deployments": kmock.ResourceInfo(
+        kind="Deployment", singular="deployment", namespaced=True, subresources={"status", "scale"},
+        verbs={"get", "list", "watch", "create", "patch", "update", "delete"}),
+    "v1/services": kmock.ResourceInfo(
+        kind="Service", singular="service", namespaced=True, subresources={"status"},
+        verbs={"get", "list", "watch", "create", "patch", "update", "delete"}),
+    "v1/persistentvolumeclaims": kmock.ResourceInfo(
+        kind="PersistentVolumeClaim", singular="persistentvolumeclaim", namespaced=True, subresources={"status"},
+        verbs={"get", "list", "watch", "create", "patch", "update", "delete"}),
+    # NOTE: kopf waits to discover namespaces before it starts any watch, even cluster-wide
+    # (where it never lists them; listing them from kmock fails).
+    "v1/namespaces": kmock.ResourceInfo(kind="Namespace", singular="namespace", namespaced=False,
+                                        verbs={"get", "list", "watch"}),
+    "v1/events": kmock.ResourceInfo(
+        kind="Event", singular="event", namespaced=True, verbs={"get", "list", "watch", "create", "patch"}),
+    "apiextensions.k8s.io/v1/customresourcedefinitions": kmock.ResourceInfo(
+        kind="CustomResourceDefinition", singular="customresourcedefinition", namespaced=False,
+        verbs={"get", "list", "watch", "create", "patch", "update", "delete"}),
+}
+
+_STEM = {"Event": ("/api/v1", "events")}
+
+
+@attrs.define(kw_only=True)
+class ApiServer(kmock.KubernetesEmulator):
+    """The emulator plus the API-server behaviour listed in the module docstring."""
+
+    _versions: Any = attrs.field(factory=lambda: itertools.count(1), init=False)
+
+    async def _handle(self, request: kmock.Request):
+        if request.resource is not None and isinstance(request.data, dict):
+            if request.action == kmock.action.CREATE:
+                self._stamp_new(request.data)
+            elif request.action == kmock.action.UPDATE and request.name is not None:
+                await self._before_patch(request)
+        return await super()._handle(request)
+
+    def _stamp_new(self, data: dict) -> None:
+        meta = data.setdefault("metadata", {})
+        if not meta.get("name") and meta.get("generateName"):
+            meta["name"] = meta["generateName"] + uuid.uuid4().hex[:5]
+        meta.setdefault("uid", str(uuid.uuid4()))
+        now = datetime.datetime.now(datetime.timezone.utc)
+        meta.setdefault("creationTimestamp", now.strftime("%Y-%m-%dT%H:%M:%SZ"))
+        meta["generation"] = 1
+        meta["resourceVersion"] = str(next(self._versions))
+
+    async def _before_patch(self, request: kmock.Request) -> None:
+        key = (request.resource, request.namespace, request.name)
+        exists = key in self.objects and not self.objects[key].deleted
+        if not exists:
+            content_type = {k.lower(): v for k, v in request.headers.items()}.get("content-type", "")
+            if content_type.startswith(APPLY_PATCH) and request.subresource is None:
+                await self._create_by_apply(key, request.data)
+            return
+        old = self.objects[key].raw
+        meta = request.data.setdefault("metadata", {})
+        meta["resourceVersion"] = str(next(self._versions))
+        if request.subresource in (None, "scale"):
+            new = kmock_dicts.patch_dict(copy.deepcopy(old), request.data)
+            if new.get("spec") != old.get("spec"):
+                meta["generation"] = old.get("metadata", {}).get("generation", 1) + 1
+
+    async def _create_by_apply(self, key: tuple, data: dict) -> None:
+        self._stamp_new(data)
+        async with self._lock:
+            self.objects[key] = copy.deepcopy(data)
+            await self._buses[key[0]].put({"type": "ADDED", "object": self.objects[key].raw})
+
+
+class EmulatedCluster:
+    """:class:`ApiServer` on 127.0.0.1 in a background thread; ``url`` once started."""
+
+    def __init__(self) -> None:
+        self.url = ""
+        self.api: Optional[ApiServer] = None
+        self._started = threading.Event()
+        self._loop: Optional[asyncio.AbstractEventLoop] = None
+        self._stop: Optional[asyncio.Event] = None
+        self._error: Optional[BaseException] = None
+        self._thread = threading.Thread(target=self._run, name="kmock-api", daemon=True)
+
+    def start(self, timeout: float = 10) -> "EmulatedCluster":
+        self._thread.start()
+        if not self._started.wait(timeout):
+            raise RuntimeError("the emulated API server did not start in time")
+        if self._error is not None:
+            raise RuntimeError("the emulated API server failed to start") from self._error
+        return self
+
+    def stop(self) -> None:
+        if self._loop is not None and self._stop is not None:
+            self._loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(timeout=10)
+
+    def _run(self) -> None:
+        try:
+            asyncio.run(self._serve())
+        except BaseException as exc:  # surfaced by start()
+            self._error = exc
+            self._started.set()
+
+    async def _serve(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._stop = asyncio.Event()
+        async with ApiServer() as api, kmock.Server(api) as server:
+            for resource, info in RESOURCE_INFOS.items():
+                api.resources[resource] = info
+            self.api, self.url = api, str(server.url).rstrip("/")
+            self._started.set()
+            await self._stop.wait()
+
+    def kubeconfig(self) -> dict:
+        return {
+            "apiVersion": "v1", "kind": "Config", "current-context": "emulator",
+            "clusters": [{"name": "emulator", "cluster": {"server": self.url}}],
+            "users": [{"name": "tester", "user": {"token": "test-token"}}],
+            "contexts": [{"name": "emulator", "context": {"cluster": "emulator", "user": "tester"}}],
+        }
+
+    def operator_requests(self) -> list[kmock.Request]:
+        """Requests sent by the operator process (kopf's and our client's, not the tests')."""
+        assert self.api is not None
+        return [r for r in list(self.api._requests) if r.headers.get("User-Agent", "") != CLIENT_AGENT]
+
+
+CLIENT_AGENT = "pagedllm-tests"
+
+
+class Client:
+    """Synchronous HTTP calls from the tests to the emulated API."""
+
+    def __init__(self, url: str):
+        self.url = url
+
+    def request(self, method: str, path: str, body: Any = None,
+                content_type: str = "application/merge-patch+json") -> tuple[int, Any]:
+        data = json.dumps(body).encode() if body is not None else None
+        req = urllib.request.Request(self.url + path, data=data, method=method,
+                                     headers={"Content-Type": content_type, "User-Agent": CLIENT_AGENT})
+        try:
+            with urllib.request.urlopen(req, timeout=10) as response:
+                return response.status, json.loads(response.read() or b"null")
+        except urllib.error.HTTPError as exc:
+            return exc.code, json.loads(exc.read() or b"null")
+
+    def path(self, kind: str, namespace: str, name: Optional[str] = None, sub: Optional[str] = None) -> str:
+        if name is None:
+            prefix, plural = {**RESOURCES, **_STEM}[kind]
+            return f"{prefix}/namespaces/{namespace}/{plural}"
+        return object_path(kind, namespace, name, sub)
+
+    def create(self, obj: dict) -> dict:
+        meta = obj["metadata"]
+        status, body = self.request("POST", self.path(obj["kind"], meta["namespace"]), obj, "application/json")
+        assert status in (200, 201), (status, body)
+        return body
+
+    def get(self, kind: str, namespace: str, name: str) -> Optional[dict]:
+        status, body = self.request("GET", self.path(kind, namespace, name))
+        if status == 404:
+            return None
+        assert status == 200, (status, body)
+        return body
+
+    def patch(self, kind: str, namespace: str, name: str, body: dict, sub: Optional[str] = None) -> dict:
+        status, result = self.request("PATCH", self.path(kind, namespace, name, sub), body)
+        assert status == 200, (status, result)
+        return result
+
+    def delete(self, kind: str, namespace: str, name: str) -> None:
+        status, result = self.request("DELETE", self.path(kind, namespace, name))
+        assert status == 200, (status, result)
+
+    def list(self, kind: str, namespace: str) -> list[dict]:
+        status, body = self.request("GET", self.path(kind, namespace))
+        assert status == 200, (status, body)
+        return body["items"]
+
+
+def wait_for(probe: Callable[[], Any], *, timeout: float = 15, what: str = "condition",
+             on_timeout: Callable[[], str] = lambda: "") -> Any:
+    """Poll ``probe`` until it returns something truthy; fail after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    delay = 0.02
+    while True:
+        value = probe()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}; last value: {value!r}\n"
+                                 f"{on_timeout()}")
+        time.sleep(delay)
+        delay = min(delay * 2, 0.2)

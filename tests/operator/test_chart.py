@@ -1,0 +1,200 @@
+"""The Helm chart through the real helm binary (installed by scripts/install-k8s-tools.sh).
+
+`helm lint`, `helm template` and `helm install --dry-run=client` run offline; rendered
+manifests are validated against Kubernetes' OpenAPI schemas with kubernetes-validate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import socket
+import textwrap
+
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+from helm_tools import CHART_DIR, CRD_PATH, ROOT, HelmError, run_helm
+from pagedllm.operator.main import add_operator_args
+from pagedllm.operator.spec import PagedLLMSpec
+
+RBAC_KINDS = {"ClusterRole", "Role"}
+
+
+def by_kind(docs: list[dict]) -> dict[str, list[dict]]:
+    out: dict[str, list[dict]] = {}
+    for doc in docs:
+        out.setdefault(doc["kind"], []).append(doc)
+    return out
+
+
+def operator_container(docs: list[dict]) -> dict:
+    (deployment,) = by_kind(docs)["Deployment"]
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    return container
+
+
+def parse_operator_args(container: dict) -> argparse.Namespace:
+    assert container["command"][:2] == ["pagedllm", "operator"]
+    parser = argparse.ArgumentParser(prog="pagedllm operator")
+    add_operator_args(parser)
+    return parser.parse_args(container["command"][2:] + container["args"])
+
+
+@pytest.mark.parametrize("flags", [(), ("--set", "watchNamespaces={ml,research}", "--set", "crds.install=false")])
+def test_helm_lint_passes(helm, flags):
+    out = run_helm(helm, "lint", "--strict", str(CHART_DIR), *flags)
+    assert "0 chart(s) failed" in out
+
+
+def test_template_renders_crd_operator_and_rbac(helm_template):
+    kinds = by_kind(helm_template())
+    assert set(kinds) == {"CustomResourceDefinition", "ServiceAccount", "ClusterRole", "ClusterRoleBinding",
+                          "Deployment"}
+    (deployment,) = kinds["Deployment"]
+    assert deployment["spec"]["replicas"] == 1 and deployment["spec"]["strategy"] == {"type": "Recreate"}
+    (binding,) = kinds["ClusterRoleBinding"]
+    (account,) = kinds["ServiceAccount"]
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": account["metadata"]["name"],
+                                    "namespace": "pagedllm-system"}]
+    assert deployment["spec"]["template"]["spec"]["serviceAccountName"] == account["metadata"]["name"]
+
+
+def test_chart_crd_is_a_byte_identical_copy():
+    copy = CHART_DIR / "files" / "crds" / "pagedllm.yaml"
+    assert copy.read_bytes() == CRD_PATH.read_bytes(), (
+        f"{copy.relative_to(ROOT)} differs from crds/pagedllm.yaml: cp crds/pagedllm.yaml {copy.relative_to(ROOT)}")
+
+
+def test_rendered_crd_equals_the_source(helm_template):
+    (crd,) = by_kind(helm_template())["CustomResourceDefinition"]
+    assert crd == yaml.safe_load(CRD_PATH.read_text())
+
+
+def test_crd_switch(helm_template):
+    assert "CustomResourceDefinition" not in by_kind(helm_template("--set", "crds.install=false"))
+
+
+def test_operator_runs_standalone_and_cluster_wide_by_default(helm_template):
+    container = operator_container(helm_template())
+    args = parse_operator_args(container)
+    assert args.standalone and args.all_namespaces and args.namespaces == []
+    assert args.default_image == container["image"] == "ghcr.io/pagedllm/pagedllm:0.1.0"
+    assert args.liveness == "http://0.0.0.0:8080/healthz"
+    probe = container["livenessProbe"]["httpGet"]
+    assert probe == {"path": "/healthz", "port": "liveness"}
+    assert {"name": "liveness", "containerPort": 8080, "protocol": "TCP"} in container["ports"]
+
+
+def test_operator_command_is_the_projects_console_script():
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    assert re.search(r'^\[project\.scripts\]\s*\npagedllm = "pagedllm\.server\.cli:main"', pyproject, re.M)
+
+
+def test_values_reach_the_operator(helm_template):
+    docs = helm_template("--set", "watchNamespaces={ml,research}", "--set", "servingImage=reg/serve:9",
+                         "--set", "operator.logLevel=debug", "--set", "image.tag=1.2.3")
+    args = parse_operator_args(operator_container(docs))
+    assert args.namespaces == ["ml", "research"] and not args.all_namespaces
+    assert args.default_image == "reg/serve:9" and args.debug
+    assert operator_container(docs)["image"] == "ghcr.io/pagedllm/pagedllm:1.2.3"
+
+
+def rules_of(doc: dict) -> set[tuple[str, str, str]]:
+    return {(group, resource, verb) for rule in doc["rules"] for group in rule["apiGroups"]
+            for resource in rule["resources"] for verb in rule["verbs"]}
+
+
+NAMESPACED_RULES = {
+    ("pagedllm.dev", "pagedllms", v) for v in ("get", "list", "watch", "patch")} | {
+    ("pagedllm.dev", "pagedllms/status", "patch")} | {
+    ("apps", "deployments", v) for v in ("get", "list", "watch", "create", "patch")} | {
+    ("", "services", v) for v in ("list", "watch", "create", "patch")} | {
+    ("", "persistentvolumeclaims", v) for v in ("create", "patch")} | {
+    ("", "events", "create")}
+CRD_WATCH = {("apiextensions.k8s.io", "customresourcedefinitions", v) for v in ("list", "watch")}
+
+
+def test_rbac_is_minimal_cluster_wide(helm_template):
+    kinds = by_kind(helm_template())
+    (role,) = kinds["ClusterRole"]
+    assert rules_of(role) == NAMESPACED_RULES | CRD_WATCH
+    assert "Role" not in kinds
+
+
+def test_rbac_per_namespace(helm_template):
+    kinds = by_kind(helm_template("--set", "watchNamespaces={ml,research}"))
+    (cluster_role,) = kinds["ClusterRole"]
+    assert rules_of(cluster_role) == CRD_WATCH | {("", "namespaces", "list"), ("", "namespaces", "watch")}
+    assert sorted(r["metadata"]["namespace"] for r in kinds["Role"]) == ["ml", "research"]
+    assert sorted(b["metadata"]["namespace"] for b in kinds["RoleBinding"]) == ["ml", "research"]
+    for role in kinds["Role"]:
+        assert rules_of(role) == NAMESPACED_RULES
+
+
+def test_no_wildcards_and_no_deletes(helm_template):
+    for flags in ((), ("--set", "watchNamespaces={ml}")):
+        for doc in helm_template(*flags):
+            if doc["kind"] in RBAC_KINDS or doc["kind"] == "ClusterRole":
+                for group, resource, verb in rules_of(doc):
+                    assert "*" not in (group, resource, verb) and verb not in ("delete", "deletecollection")
+
+
+@pytest.mark.parametrize("flags", [(), ("--set", "watchNamespaces={ml,research}")])
+def test_rendered_manifests_validate_offline(helm_template, flags, monkeypatch):
+    docs = helm_template(*flags)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("network access attempted")
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+    for doc in docs:
+        kubernetes_validate.validate(doc, "1.30", strict=True)
+
+
+@pytest.mark.parametrize("flag, value", [("operator.logLevel", "loud"), ("image.pullPolicy", "Sometimes"),
+                                          ("crds.install", "maybe"), ("unknownKey", "1")])
+def test_values_schema_refuses_bad_values(helm, flag, value):
+    with pytest.raises(HelmError, match="values don't meet the specifications|schema"):
+        run_helm(helm, "template", "rel", str(CHART_DIR), "--set", f"{flag}={value}")
+
+
+def test_values_schema_covers_and_accepts_the_defaults():
+    values = yaml.safe_load((CHART_DIR / "values.yaml").read_text())
+    schema = json.loads((CHART_DIR / "values.schema.json").read_text())
+    jsonschema.validate(values, schema)
+    assert set(values) <= set(schema["properties"])
+
+
+def test_every_value_is_documented():
+    """Each key of values.yaml has a comment right above it, or sits under a key that has one."""
+    documented_at: list[int] = []  # indents of documented ancestors
+    undocumented = []
+    previous = ""
+    for line in (CHART_DIR / "values.yaml").read_text().splitlines():
+        match = re.match(r"^(\s*)([A-Za-z][\w.-]*):", line)
+        if match:
+            indent = len(match.group(1))
+            documented_at = [i for i in documented_at if i < indent]
+            if previous.strip().startswith("#"):
+                documented_at.append(indent)
+            elif not documented_at:
+                # a grouping key (image:, crds:, ...) is documented through its children
+                if line.rstrip().endswith(":"):
+                    pass
+                else:
+                    undocumented.append(line.strip())
+        if line.strip():
+            previous = line
+    assert not undocumented, undocumented
+
+
+def test_notes_show_a_valid_first_resource_and_how_to_call_it(helm, tmp_path):
+    out = run_helm(helm, "install", "--dry-run=client", "rel", str(CHART_DIR), "--namespace", "pagedllm-system")
+    notes = out[out.index("NOTES:"):]
+    assert "curl" in notes and "/v1/completions" in notes and "kubectl get pagedllms" in notes
+    manifest = textwrap.dedent(notes.split("<<'YAML' | kubectl apply -f -\n", 1)[1].split("  YAML\n", 1)[0])
+    resource = yaml.safe_load(manifest)
+    assert resource["kind"] == "PagedLLM" and resource["apiVersion"] == "pagedllm.dev/v1alpha1"
+    PagedLLMSpec.from_dict(resource["spec"])

@@ -1,0 +1,319 @@
+"""The PagedLLM CRD: shape, schema sanity, agreement with the operator and the engine.
+
+Everything offline: the CRD object is validated against Kubernetes' own OpenAPI schema
+with ``kubernetes-validate`` (bundled schemas, network blocked during the check), its
+openAPIV3Schema is turned into a JSON Schema to validate defaults and examples, and the
+CEL rules run through ``celpy`` (cel-python) when it is installed.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+import socket
+from pathlib import Path
+
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+from crd_jsonschema import apply_defaults, cel_rules, to_jsonschema, walk
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from pagedllm.operator.command import ENGINE_FIELDS
+from pagedllm.operator.manifests import RenderConfig, render
+from pagedllm.operator.spec import PagedLLMSpec, SpecError
+from pagedllm.server import config as engine_config
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
+K8S_VERSIONS = ("1.25", "1.30", kubernetes_validate.utils.major_minor(kubernetes_validate.utils.latest_version()))
+
+
+@pytest.fixture()
+def no_network(monkeypatch):
+    """Any attempt to open a connection fails the test."""
+    def refuse(*args, **kwargs):
+        raise AssertionError(f"network access attempted: {args!r}")
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+    monkeypatch.setattr(socket, "create_connection", refuse)
+
+
+def spec_schema(crd_schema: dict) -> dict:
+    return crd_schema["properties"]["spec"]
+
+
+def test_names_scope_and_subresources(crd):
+    assert crd["metadata"]["name"] == "pagedllms.pagedllm.dev"
+    spec = crd["spec"]
+    assert (spec["group"], spec["scope"]) == ("pagedllm.dev", "Namespaced")
+    assert spec["names"]["kind"] == "PagedLLM" and spec["names"]["plural"] == "pagedllms"
+    assert spec["names"]["shortNames"] == ["pllm"]
+    (version,) = spec["versions"]
+    assert (version["name"], version["served"], version["storage"]) == ("v1alpha1", True, True)
+    assert version["subresources"] == {
+        "status": {},
+        "scale": {"specReplicasPath": ".spec.replicas", "statusReplicasPath": ".status.replicas",
+                  "labelSelectorPath": ".status.selector"},
+    }
+
+
+def test_printer_columns(crd, crd_schema):
+    columns = crd["spec"]["versions"][0]["additionalPrinterColumns"]
+    assert [c["name"] for c in columns] == ["Model", "TP", "Block", "Ready", "Phase", "Endpoint", "Age"]
+    for column in columns[:-1]:  # every path exists in the schema
+        node = crd_schema
+        for part in column["jsonPath"].strip(".").split("."):
+            node = node["properties"][part]
+        assert node["type"] == column["type"], column
+
+
+def test_every_spec_and_status_field_is_described(crd_schema):
+    missing = [path for path, sub in walk(crd_schema)
+               if path.startswith(("spec", "status")) and path.split(".")[-1] not in ("", "[]")
+               and not path.endswith(("{}", "[]")) and "description" not in sub]
+    assert not missing, f"fields without a description: {missing}"
+
+
+@pytest.mark.parametrize("version", K8S_VERSIONS)
+def test_crd_validates_against_the_kubernetes_openapi_schema_offline(crd, version, no_network):
+    assert kubernetes_validate.validate(crd, version, strict=True) == version
+
+
+def test_the_offline_validation_catches_schema_mistakes(crd, no_network):
+    typo = copy.deepcopy(crd)
+    typo["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]["port"][
+        "minimun"] = 1
+    with pytest.raises(kubernetes_validate.ValidationError, match="minimun"):
+        kubernetes_validate.validate(typo, "1.30", strict=True)
+    wrong_type = copy.deepcopy(crd)
+    wrong_type["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]["port"][
+        "maximum"] = "high"
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(wrong_type, "1.30", strict=True)
+
+
+def test_every_default_is_valid_for_its_own_schema(crd_schema):
+    checked = 0
+    for _path, sub in walk(crd_schema):
+        if "default" in sub:
+            jsonschema.validate(sub["default"], to_jsonschema(sub))
+            checked += 1
+    assert checked >= 15
+
+
+def test_bounds_are_sane(crd_schema):
+    for path, sub in walk(crd_schema):
+        if "minimum" in sub and "maximum" in sub:
+            assert sub["minimum"] <= sub["maximum"], path
+        if "enum" in sub:
+            assert len(set(map(str, sub["enum"]))) == len(sub["enum"]), path
+        assert not ("default" in sub and path in spec_schema(crd_schema).get("required", [])), path
+
+
+def test_operator_spec_mirrors_the_schema(crd_schema):
+    """Defaults, enums and ranges of operator/spec.py equal the CRD's (one source of truth)."""
+    props = spec_schema(crd_schema)["properties"]
+    fields = {f.metadata["key"]: f for f in dataclasses.fields(PagedLLMSpec)}
+    assert set(fields) == set(props)
+    for key, f in fields.items():
+        prop = props[key]
+        if f.default is not dataclasses.MISSING and f.default is not None and "kind" in f.metadata:
+            assert prop.get("default") == f.default, key
+        elif "kind" in f.metadata:
+            assert "default" not in prop, key
+        meta = f.metadata
+        if "kind" not in meta:
+            continue
+        assert tuple(prop.get("enum", ())) == meta["choices"], key
+        assert prop.get("minimum") == meta["minimum"] and prop.get("maximum") == meta["maximum"], key
+        assert prop["type"] == {int: "integer", float: "number", str: "string", bool: "boolean"}[meta["kind"]], key
+    assert spec_schema(crd_schema)["required"] == ["model"]
+
+
+def test_engine_fields_agree_with_the_engine(crd_schema):
+    """Choices fit the engine's, and defaults equal the engine's own defaults."""
+    props = spec_schema(crd_schema)["properties"]
+    engine = {f.name: f for f in engine_config.engine_fields()}
+    for key, field_name in ENGINE_FIELDS.items():
+        assert field_name in engine, f"{key} maps to unknown engine field {field_name}"
+        if key == "model":
+            continue
+        default = engine[field_name].default
+        assert props[key].get("default") == default, f"spec.{key} default vs engine {field_name}={default!r}"
+        choices = engine[field_name].metadata.get("choices")
+        if choices:
+            assert set(props[key]["enum"]) <= set(choices), key
+    for size in props["blockSize"]["enum"]:
+        engine_config.CacheConfig(block_size=size)
+
+
+_VALIDATORS: dict = {}
+
+
+def resource_validator(crd_schema: dict) -> jsonschema.Draft202012Validator:
+    """A validator for whole resources (built once: checking the schema itself is slow)."""
+    key = id(crd_schema)
+    if key not in _VALIDATORS:
+        schema = to_jsonschema(crd_schema)
+        jsonschema.Draft202012Validator.check_schema(schema)
+        _VALIDATORS[key] = jsonschema.Draft202012Validator(schema)
+    return _VALIDATORS[key]
+
+
+def example_resources() -> list[dict]:
+    docs = [doc for path in EXAMPLES for doc in yaml.safe_load_all(path.read_text()) if doc]
+    return [doc for doc in docs if doc.get("kind") == "PagedLLM"]
+
+
+def test_examples_exist_and_validate(crd_schema):
+    resources = example_resources()
+    assert len(resources) >= 2, "examples/ should show a PagedLLM or two"
+    for resource in resources:
+        defaulted = apply_defaults(crd_schema, resource)
+        resource_validator(crd_schema).validate(defaulted)
+        assert not failed_cel_rules(crd_schema, defaulted, required=False)
+        render({**defaulted, "metadata": {**defaulted["metadata"], "namespace": "ns", "uid": "u"}},
+               RenderConfig(default_image="img"))
+
+
+# -- CEL rules ----------------------------------------------------------------------------
+
+def _resolve(obj, path: str):
+    node = obj
+    for part in path.split(".") if path else []:
+        if not isinstance(node, dict) or part not in node:
+            return _ABSENT
+        node = node[part]
+    return node
+
+
+_ABSENT = object()
+
+
+def failed_cel_rules(crd_schema: dict, obj: dict, *, required: bool = True) -> list[str]:
+    """Messages of the CEL rules ``obj`` (a defaulted resource) breaks."""
+    celpy = pytest.importorskip("celpy", reason="cel-python evaluates the CRD's CEL rules offline") \
+        if required else _maybe_celpy()
+    if celpy is None:
+        return []
+    failed = []
+    for path, rule, message in cel_rules(crd_schema):
+        value = _resolve(obj, path)
+        if value is _ABSENT:
+            continue
+        if not _cel_program(rule).evaluate({"self": celpy.json_to_cel(value)}):
+            failed.append(message)
+    return failed
+
+
+@functools.lru_cache(maxsize=None)
+def _cel_program(rule: str):
+    import celpy
+
+    env = celpy.Environment()
+    return env.program(env.compile(rule))
+
+
+def _maybe_celpy():
+    try:
+        import celpy
+    except ImportError:
+        return None
+    return celpy
+
+
+def resource(**spec) -> dict:
+    return {"apiVersion": "pagedllm.dev/v1alpha1", "kind": "PagedLLM",
+            "metadata": {"name": "llama"}, "spec": {"model": "org/model", **spec}}
+
+
+CEL_CASES = [
+    (resource(), None),
+    (resource(modelSource={"type": "pvc"}), "modelSource.pvc is required"),
+    (resource(modelSource={"type": "pvc", "pvc": {"claimName": "weights"}}), None),
+    (resource(modelSource={"type": "huggingface", "pvc": {"claimName": "weights"}}), "modelSource.pvc is required"),
+    (resource(modelSource={"type": "pvc", "pvc": {"claimName": "w", "path": "/abs"}}), "relative to the claim"),
+    (resource(modelSource={"type": "pvc", "pvc": {"claimName": "w", "path": "a/../b"}}), "relative to the claim"),
+    (resource(modelSource={"type": "pvc", "pvc": {"claimName": "w"}}, modelCache={"size": "1Gi"}),
+     "modelCache caches Hugging Face downloads"),
+    (resource(maxNumSeqs=64, maxNumBatchedTokens=32), "maxNumBatchedTokens must be at least maxNumSeqs"),
+    (resource(maxNumSeqs=64, maxNumBatchedTokens=64), None),
+    (resource(resources={"limits": {"nvidia.com/gpu": 1}}), "remove nvidia.com/gpu from resources.limits"),
+    (resource(resources={"requests": {"nvidia.com/gpu": 1, "cpu": 2}}),
+     "remove nvidia.com/gpu from resources.requests"),
+    (resource(resources={"requests": {"cpu": "2"}, "limits": {"memory": "8Gi"}}), None),
+    (resource(model="org/../etc"), "must not contain '..'"),
+    ({**resource(), "metadata": {"name": "Llama"}}, "DNS-1035 label"),
+    ({**resource(), "metadata": {"name": "7b"}}, "DNS-1035 label"),
+    ({**resource(), "metadata": {"name": "x" * 64}}, "DNS-1035 label"),
+]
+
+
+@pytest.mark.parametrize("obj, expected", CEL_CASES)
+def test_cel_rules_accept_and_refuse(crd_schema, obj, expected):
+    defaulted = apply_defaults(crd_schema, obj)
+    failed = failed_cel_rules(crd_schema, defaulted)
+    if expected is None:
+        assert failed == []
+    else:
+        assert any(expected in message for message in failed), failed
+
+
+@pytest.mark.parametrize("obj, expected", [(o, e) for o, e in CEL_CASES if "metadata" not in str(e)])
+def test_operator_refuses_what_cel_refuses(crd_schema, obj, expected):
+    """The operator's own parsing is the same fence as the CRD's rules (for old clusters)."""
+    spec = apply_defaults(crd_schema, obj)["spec"]
+    if expected is None or "DNS-1035" in expected:
+        PagedLLMSpec.from_dict(spec)
+    else:
+        with pytest.raises(SpecError):
+            PagedLLMSpec.from_dict(spec)
+
+
+def _scalar_values(prop: dict):
+    kind = prop["type"]
+    if "enum" in prop:
+        good = st.sampled_from(prop["enum"])
+        bad = st.sampled_from([7, 3, "other", 0.5, True]) if kind == "integer" else st.sampled_from(["other", 1])
+        return st.one_of(good, bad)
+    if kind == "boolean":
+        return st.one_of(st.booleans(), st.sampled_from(["yes", 1]))
+    if kind == "string":
+        return st.one_of(st.sampled_from(["a", "org/model", "x y", ""]), st.integers(0, 3))
+    low, high = prop.get("minimum"), prop.get("maximum")
+    edges = [v for b in (low, high) if b is not None for v in (b, b - 1, b + 1)]
+    if kind == "integer":
+        return st.one_of(st.integers(-10, 10 ** 7), st.sampled_from(edges or [0]), st.sampled_from(["4", 2.5]))
+    return st.one_of(st.floats(-2, 2000, allow_nan=False), st.sampled_from(edges or [0.0]), st.just("0.5"))
+
+
+SCALARS = ["replicas", "tensorParallelSize", "blockSize", "gpuMemoryUtilization", "maxNumSeqs",
+           "maxNumBatchedTokens", "maxModelLen", "swapSpaceGiB", "dtype", "enablePrefixCaching", "preemptionMode",
+           "seed", "loadFormat", "port", "serviceType", "startupTimeoutSeconds", "drainTimeoutSeconds",
+           "maxQueueLen", "logLevel", "rolloutStrategy", "imagePullPolicy"]
+
+
+@st.composite
+def scalar_specs(draw, props):
+    spec = {"model": "org/model"}
+    for key in draw(st.lists(st.sampled_from(SCALARS), max_size=4, unique=True)):
+        spec[key] = draw(_scalar_values(props[key]))
+    return spec
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_schema_and_operator_accept_the_same_scalar_specs(crd_schema, data):
+    """Whatever the CRD (schema + CEL) admits the operator serves, and nothing else."""
+    pytest.importorskip("celpy", reason="cel-python evaluates the CRD's CEL rules offline")
+    spec = data.draw(scalar_specs(spec_schema(crd_schema)["properties"]))
+    obj = apply_defaults(crd_schema, resource(**{k: v for k, v in spec.items() if k != "model"}))
+    admitted = resource_validator(crd_schema).is_valid(obj) and not failed_cel_rules(crd_schema, obj)
+    try:
+        PagedLLMSpec.from_dict(obj["spec"])
+        served = True
+    except SpecError:
+        served = False
+    assert admitted == served, spec

@@ -1,0 +1,247 @@
+"""The operator process against kmock's KubernetesEmulator over real HTTP.
+
+One operator (`pagedllm operator --all-namespaces --standalone`) serves the whole module;
+each test works in its own namespace. Waits are polls with a deadline, never sleeps.
+"""
+
+from __future__ import annotations
+
+import urllib.request
+
+import pytest
+from k8s_emulator import wait_for
+
+pytestmark = pytest.mark.k8s
+
+KIND = "PagedLLM"
+
+
+def pagedllm(namespace: str, name: str = "llama", **spec) -> dict:
+    return {
+        "apiVersion": "pagedllm.dev/v1alpha1",
+        "kind": KIND,
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": {"model": "meta-llama/Llama-2-7b-hf", **spec},
+    }
+
+
+def server_container(deployment: dict) -> dict:
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    return container
+
+
+def flag_value(args: list[str], flag: str):
+    return args[args.index(flag) + 1] if flag in args else None
+
+
+def condition(obj: dict, kind: str) -> dict:
+    for cond in (obj.get("status") or {}).get("conditions", []):
+        if cond["type"] == kind:
+            return cond
+    return {}
+
+
+class Scenario:
+    """A namespace's view: the API client, the operator, and polls with its log on timeout."""
+
+    def __init__(self, api, operator, namespace: str):
+        self.api, self.operator, self.ns = api, operator, namespace
+
+    def wait(self, probe, what: str, timeout: float = 15):
+        return wait_for(probe, timeout=timeout, what=what, on_timeout=self.operator.log)
+
+    def get(self, kind: str, name: str = "llama"):
+        return self.api.get(kind, self.ns, name)
+
+    def wait_status(self, check, what: str, name: str = "llama"):
+        def probe():
+            obj = self.get(KIND, name)
+            return obj if obj and check(obj.get("status") or {}, obj) else None
+        return self.wait(probe, what)
+
+    def wait_deployment(self, check=lambda d: True, what: str = "the Deployment", name: str = "llama"):
+        def probe():
+            dep = self.get("Deployment", name)
+            return dep if dep and check(dep) else None
+        return self.wait(probe, what)
+
+    def events(self) -> list[dict]:
+        return self.api.list("Event", self.ns)
+
+
+@pytest.fixture()
+def scenario(api, operator, request) -> Scenario:
+    return Scenario(api, operator, request.node.name.replace("_", "-")[:50].strip("-"))
+
+
+def test_liveness_endpoint_answers(operator):
+    with urllib.request.urlopen(operator.liveness, timeout=5) as response:
+        assert response.status == 200
+
+
+def test_create_renders_owned_deployment_and_service_and_reports_status(scenario):
+    created = scenario.api.create(pagedllm(scenario.ns, blockSize=16, hfTokenSecret={"name": "hf"}))
+    uid = created["metadata"]["uid"]
+
+    deployment = scenario.wait_deployment()
+    service = scenario.wait(lambda: scenario.get("Service"), "the Service")
+    for obj in (deployment, service):
+        (ref,) = obj["metadata"]["ownerReferences"]
+        assert ref == {"apiVersion": "pagedllm.dev/v1alpha1", "kind": KIND, "name": "llama", "uid": uid,
+                       "controller": True, "blockOwnerDeletion": True}
+        assert obj["metadata"]["labels"]["app.kubernetes.io/managed-by"] == "pagedllm-operator"
+    container = server_container(deployment)
+    assert container["image"] == "registry.example/pagedllm:test"  # the operator's --default-image
+    assert flag_value(container["args"], "--block-size") == "16"
+    assert service["spec"]["ports"][0]["port"] == 8000
+
+    obj = scenario.wait_status(lambda s, o: s.get("phase") == "Pending" and s.get("observedGeneration") == 1,
+                               "status Pending")
+    status = obj["status"]
+    assert status["endpoint"] == f"http://llama.{scenario.ns}.svc:8000"
+    assert status["ready"] == "0/1" and status["readyReplicas"] == 0
+    assert status["selector"] == "app.kubernetes.io/name=pagedllm,app.kubernetes.io/instance=llama"
+    assert condition(obj, "Ready")["status"] == "False"
+    assert condition(obj, "Progressing")["status"] == "True"
+    assert condition(obj, "Degraded")["status"] == "False"
+
+    applied = scenario.wait(lambda: [e for e in scenario.events() if e.get("reason") == "Applied"], "an event")
+    assert applied[0]["involvedObject"]["uid"] == uid
+
+
+def test_spec_changes_patch_the_deployment(scenario):
+    scenario.api.create(pagedllm(scenario.ns))
+    scenario.wait_deployment()
+
+    scenario.api.patch(KIND, scenario.ns, "llama", {"spec": {"blockSize": 32}})
+    scenario.wait_deployment(lambda d: flag_value(server_container(d)["args"], "--block-size") == "32",
+                             "--block-size 32")
+
+    scenario.api.patch(KIND, scenario.ns, "llama", {"spec": {"tensorParallelSize": 2}})
+    dep = scenario.wait_deployment(
+        lambda d: server_container(d)["resources"]["limits"].get("nvidia.com/gpu") == 2, "2 GPUs")
+    container = server_container(dep)
+    assert container["resources"]["requests"]["nvidia.com/gpu"] == 2
+    assert flag_value(container["args"], "--tensor-parallel-size") == "2"
+    assert {"name": "dshm", "mountPath": "/dev/shm"} in container["volumeMounts"]
+    assert dep["metadata"]["annotations"]["pagedllm.dev/generation"] == "3"
+    scenario.wait_status(lambda s, o: s.get("observedGeneration") == 3, "observedGeneration 3")
+
+
+def test_scale_subresource_changes_replicas(scenario):
+    scenario.api.create(pagedllm(scenario.ns))
+    scenario.wait_deployment()
+
+    scenario.api.patch(KIND, scenario.ns, "llama", {"spec": {"replicas": 3}}, sub="scale")
+    scenario.wait_deployment(lambda d: d["spec"]["replicas"] == 3, "3 replicas")
+    scenario.wait_status(lambda s, o: s.get("ready") == "0/3", "status.ready 0/3")
+
+
+def test_deployment_deleted_by_hand_comes_back(scenario):
+    scenario.api.create(pagedllm(scenario.ns))
+    first = scenario.wait_deployment()
+
+    scenario.api.delete("Deployment", scenario.ns, "llama")
+    again = scenario.wait_deployment(lambda d: d["metadata"]["uid"] != first["metadata"]["uid"],
+                                     "a recreated Deployment")
+    assert server_container(again)["args"] == server_container(first)["args"]
+    scenario.wait(lambda: [e for e in scenario.events() if e.get("reason") == "Recreating"], "a Recreating event")
+
+
+def test_service_deleted_by_hand_comes_back(scenario):
+    scenario.api.create(pagedllm(scenario.ns))
+    first = scenario.wait(lambda: scenario.get("Service"), "the Service")
+
+    scenario.api.delete("Service", scenario.ns, "llama")
+    scenario.wait(lambda: (s := scenario.get("Service")) and s["metadata"]["uid"] != first["metadata"]["uid"],
+                  "a recreated Service")
+
+
+def test_status_follows_deployment_readiness(scenario):
+    scenario.api.create(pagedllm(scenario.ns, replicas=2))
+    dep = scenario.wait_deployment()
+    generation = dep["metadata"]["generation"]
+
+    def report(**status):
+        scenario.api.patch("Deployment", scenario.ns, "llama", {"status": status}, sub="status")
+
+    report(observedGeneration=generation, replicas=2, updatedReplicas=2, readyReplicas=1)
+    obj = scenario.wait_status(lambda s, o: s.get("phase") == "Progressing", "Progressing")
+    assert obj["status"]["ready"] == "1/2" and condition(obj, "Ready")["status"] == "False"
+
+    report(readyReplicas=2, availableReplicas=2)
+    obj = scenario.wait_status(lambda s, o: s.get("phase") == "Ready", "Ready")
+    assert obj["status"]["readyReplicas"] == 2 and obj["status"]["replicas"] == 2
+    assert condition(obj, "Ready")["status"] == "True"
+    assert condition(obj, "Progressing")["status"] == "False"
+
+    report(readyReplicas=0, conditions=[{"type": "Progressing", "status": "False",
+                                         "reason": "ProgressDeadlineExceeded",
+                                         "message": 'ReplicaSet "llama-1" has timed out progressing.'}])
+    obj = scenario.wait_status(lambda s, o: s.get("phase") == "Degraded", "Degraded")
+    degraded = condition(obj, "Degraded")
+    assert degraded["status"] == "True" and degraded["reason"] == "ProgressDeadlineExceeded"
+    assert "timed out" in degraded["message"]
+
+
+def test_invalid_spec_becomes_degraded_and_recovers(scenario):
+    # blockSize 12 passes kmock (no schema) as it would pass an old CRD; the operator refuses it.
+    scenario.api.create(pagedllm(scenario.ns, blockSize=12))
+    obj = scenario.wait_status(lambda s, o: s.get("phase") == "Degraded", "Degraded")
+    degraded = condition(obj, "Degraded")
+    assert degraded["status"] == "True" and degraded["reason"] == "InvalidSpec"
+    assert "spec.blockSize=12" in degraded["message"] and "[8, 16, 32, 64, 128]" in degraded["message"]
+    assert obj["status"]["observedGeneration"] == 1
+    assert scenario.get("Deployment") is None
+    scenario.wait(lambda: [e for e in scenario.events() if e.get("reason") == "InvalidSpec"], "a warning event")
+    assert scenario.operator.alive()
+
+    scenario.api.patch(KIND, scenario.ns, "llama", {"spec": {"blockSize": 16}})
+    scenario.wait_deployment()
+    scenario.wait_status(lambda s, o: s.get("phase") == "Pending" and condition(o, "Degraded")["status"] == "False",
+                         "recovered to Pending")
+
+
+def test_extra_args_cannot_override_rendered_flags(scenario):
+    scenario.api.create(pagedllm(scenario.ns, extraArgs=["--block-size", "64"]))
+    obj = scenario.wait_status(lambda s, o: s.get("phase") == "Degraded", "Degraded")
+    assert "spec.blockSize" in condition(obj, "Degraded")["message"]
+    assert scenario.operator.alive()
+
+
+def test_model_cache_renders_an_owned_claim(scenario):
+    created = scenario.api.create(pagedllm(scenario.ns, modelCache={"size": "50Gi", "storageClassName": "fast"}))
+    claim = scenario.wait(lambda: scenario.get("PersistentVolumeClaim", "llama-model-cache"), "the claim")
+    assert claim["spec"]["resources"]["requests"]["storage"] == "50Gi"
+    assert claim["spec"]["storageClassName"] == "fast"
+    assert claim["metadata"]["ownerReferences"][0]["uid"] == created["metadata"]["uid"]
+    volumes = scenario.wait_deployment()["spec"]["template"]["spec"]["volumes"]
+    assert {"name": "models", "persistentVolumeClaim": {"claimName": "llama-model-cache"}} in volumes
+
+
+# -- run last: they look back at everything the operator did in this module ---------------
+
+VERBS = {"list": "list", "watch": "watch", "fetch": "get", "create": "create", "update": "patch", "delete": "delete"}
+
+
+def test_chart_rbac_grants_every_call_the_operator_made(cluster, helm_template):
+    (role,) = [doc for doc in helm_template() if doc["kind"] == "ClusterRole"]
+    granted = {(g, r, v) for rule in role["rules"] for g in rule["apiGroups"] for r in rule["resources"]
+               for v in rule["verbs"]}
+    used = set()
+    for request in cluster.operator_requests():
+        resource = request.resource
+        if resource is None or resource.plural is None:
+            continue  # discovery (/api, /apis/GROUP/VERSION): open to every authenticated user
+        plural = f"{resource.plural}/{request.subresource}" if request.subresource else resource.plural
+        used.add((resource.group, plural, VERBS[request.action.value.lower()]))
+    assert used - granted == set(), f"calls the chart's RBAC does not allow: {sorted(used - granted)}"
+    # The module exercised the operator enough for this to mean something.
+    assert {("apps", "deployments", "patch"), ("pagedllm.dev", "pagedllms/status", "patch"),
+            ("", "events", "create"), ("pagedllm.dev", "pagedllms", "watch")} <= used
+
+
+def test_operator_logged_no_errors(operator):
+    log = operator.log_path.read_text(errors="replace")
+    assert "Traceback" not in log and "[ERROR" not in log, operator.log(200)
+    assert operator.alive()
