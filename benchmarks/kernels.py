@@ -3,7 +3,7 @@ stored contiguously, and against the GPU's measured device-to-device copy bandwi
 
 One command on a CUDA machine (writes benchmarks/results/kernels_<date>_<device>.{csv,md}):
 
-    python benchmarks/kernels.py            # full sweep (issue 6): batch 1..256, context 512..8k
+    python benchmarks/kernels.py            # full sweep: batch 1..256, context 512..8k
     python benchmarks/kernels.py --quick    # a few points, a minute or so
     python benchmarks/kernels.py --list     # print the sweep and exit (no GPU needed)
 
@@ -14,7 +14,7 @@ contiguous baseline is exact):
   frac_copy_bw    bandwidth / copy bandwidth, the latter = 2 * N bytes (read + write) over the
                   median time of a N-byte device-to-device ``copy_`` measured in the same run
   ratio_vs_sdpa   our latency / SDPA latency (< 1: faster than contiguous SDPA)
-Goals (issue 6): ratio_vs_sdpa <= 1.10 and frac_copy_bw >= 0.80 at batch >= 32, context >= 2k.
+Goals: ratio_vs_sdpa <= 1.10 and frac_copy_bw >= 0.80 at batch >= 32, context >= 2k.
 """
 
 from __future__ import annotations
