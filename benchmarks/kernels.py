@@ -196,7 +196,7 @@ COLUMNS = [
 
 
 def summarize(rows: list[dict]) -> list[str]:
-    """Goal check over the region the issue names: batch >= 32, context >= 2k."""
+    """Goal check over the target region: batch >= 32, context >= 2k."""
     region = [r for r in rows if r["status"] == "ok" and r["batch"] >= 32 and r["context_len"] >= 2048]
     if not region:
         return ["no measured point has batch >= 32 and context >= 2048"]
