@@ -109,3 +109,20 @@ def test_triton_backend_matches_torch_backend(tiny_llama_dirs):
         runs[backend] = [o.outputs[0].token_ids for o in outs]
         assert llm.llm_engine.runner.ops.name == backend
     assert runs["triton"] == runs["torch"]
+
+
+def test_prefix_caching_on_and_off_give_identical_tokens(tiny_llama_dirs):
+    """Partial last blocks, exact block-aligned prefixes and eviction under a tight cache."""
+    g = torch.Generator().manual_seed(2)
+    shared = torch.randint(0, 256, (48,), generator=g).tolist()  # exactly 6 blocks of 8
+    prompts = [shared] + [shared + torch.randint(0, 256, (n,), generator=g).tolist() for n in (1, 7, 8, 9, 30)]
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    runs = {}
+    for caching in (False, True):
+        llm = LLM(model=tiny_llama_dirs["mha"], block_size=8, num_gpu_blocks_override=24,
+                  enable_prefix_caching=caching)
+        runs[caching] = [o.outputs[0].token_ids for p in prompts
+                         for o in llm.generate([{"prompt_token_ids": p}] * 2, params)]
+        assert_all_blocks_free(llm)
+        assert (llm.llm_engine.stats().prefix_cache_hits > 0) == caching
+    assert runs[True] == runs[False]
