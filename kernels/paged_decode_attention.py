@@ -289,20 +289,25 @@ def paged_decode_attention_reference(
     max_len = int(context_lens.max())
     num_blocks = -(-max_len // block_size)
     lens = context_lens.long()
-    # NOTE: entries past a sequence's last block may be garbage; point them at block 0.
+    # NOTE: entries past a sequence's last block may be garbage; they are read as its first
+    # block instead, and zeroed below like every slot past the context.
     needed = torch.arange(num_blocks, device=query.device) * block_size < lens[:, None]  # [num_seqs, num_blocks]
-    tables = torch.where(needed, block_tables[:, :num_blocks].long(), 0)
+    first = torch.where(lens > 0, block_tables[:, 0].long(), 0)[:, None]
+    tables = torch.where(needed, block_tables[:, :num_blocks].long(), first).view(-1)
     length = num_blocks * block_size
-    keys = key_cache[tables].reshape(num_seqs, length, num_kv_heads, head_dim).float()
+    keys = key_cache.index_select(0, tables).view(num_seqs, length, num_kv_heads, head_dim).float()
+    values = value_cache.index_select(0, tables).view(num_seqs, length, num_kv_heads, head_dim).float()
     valid = torch.arange(length, device=query.device) < lens[:, None]  # [num_seqs, length]
-    values = value_cache[tables].reshape(num_seqs, length, num_kv_heads, head_dim).float()
-    # NOTE: slots past the context hold whatever the cache held (NaN included): 0 * NaN
-    # would leak into the output, so they are zeroed, not just given probability 0.
-    values = values.masked_fill(~valid[:, :, None, None], 0.0)
+    # NOTE: slots past the context may hold anything, NaN included, and a zero probability
+    # times NaN is NaN: they are zeroed (only those rows are touched).
+    tail_rows = (~valid).view(-1).nonzero().view(-1)
+    keys.view(-1, num_kv_heads, head_dim).index_fill_(0, tail_rows, 0.0)
+    values.view(-1, num_kv_heads, head_dim).index_fill_(0, tail_rows, 0.0)
+    # The query heads of one KV head play the part of a query sequence of length `group`,
+    # so one SDPA call covers GQA/MQA without repeating K/V:
+    #   q [num_seqs, kv_heads, group, d] x k, v [num_seqs, kv_heads, length, d]
     q = query.reshape(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim).float()
-    scores = torch.einsum("skgd,slkd->skgl", q, keys) * scale  # [num_seqs, kv_heads, group, length]
-    invalid = ~valid[:, None, None, :]
-    # masked positions get probability 0, which also turns empty rows' NaNs into zeros
-    probs = torch.softmax(scores.masked_fill(invalid, float("-inf")), dim=-1).masked_fill(invalid, 0.0)
-    out = torch.einsum("skgl,slkd->skgd", probs, values)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=valid[:, None, None, :], scale=scale)
+    out = out.masked_fill((lens == 0)[:, None, None, None], 0.0)  # empty contexts: zeros, not NaN
     return out.reshape(num_seqs, num_heads, head_dim).to(query.dtype)
