@@ -129,7 +129,7 @@ def main() -> None:
     }
     print(json.dumps(result, indent=2))
     os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"throughput-{result['date']}-cpu.json")
+    path = os.path.join(args.out, f"throughput-{result['date']}-cpu-bs{args.batch_size}.json")
     with open(path, "w") as f:
         json.dump(result, f, indent=2)
     print(f"wrote {path}")
