@@ -34,10 +34,6 @@ class BlockPool:
         """Blocks that an allocation may take: free plus evictable."""
         return len(self._free) + len(self._evictable)
 
-    @property
-    def num_used(self) -> int:
-        return self.num_blocks - self.num_free
-
     def allocate(self) -> int:
         """Take a block with reference count 1; evicts the oldest cached block if needed."""
         if self._free:

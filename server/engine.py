@@ -20,7 +20,7 @@ from pagedllm.server.model_runner import ModelRunner, StepResult
 from pagedllm.server.outputs import CompletionOutput, RequestOutput
 from pagedllm.server.sampler import Logprob, Sample, SampleRequest, Sampler, top_logprobs
 from pagedllm.server.sampling_params import SamplingParams
-from pagedllm.server.scheduler import Scheduler, SchedulerOutput
+from pagedllm.server.scheduler import Scheduler
 from pagedllm.server.sequence import Sequence, SequenceGroup, SequenceStatus
 
 PromptType = Union[str, dict, list]

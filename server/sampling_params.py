@@ -83,7 +83,7 @@ class SamplingParams:
             ("max_tokens", self.max_tokens, self.max_tokens is None or (isinstance(self.max_tokens, int)
                                                                         and self.max_tokens >= 1), ">= 1 or None"),
             ("min_tokens", self.min_tokens, isinstance(self.min_tokens, int) and self.min_tokens >= 0
-             and (self.max_tokens is None or self.min_tokens <= self.max_tokens), f">= 0 and <= max_tokens"),
+             and (self.max_tokens is None or self.min_tokens <= self.max_tokens), ">= 0 and <= max_tokens"),
             ("logprobs", self.logprobs, self.logprobs is None or self.logprobs >= 0, ">= 0 or None"),
             ("prompt_logprobs", self.prompt_logprobs, self.prompt_logprobs is None or self.prompt_logprobs >= 0,
              ">= 0 or None"),

@@ -19,7 +19,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Iterable, Optional
+from typing import Iterable
 
 from pagedllm.server.block_manager import AllocStatus, BlockManager
 from pagedllm.server.config import SchedulerConfig
@@ -251,7 +251,3 @@ class Scheduler:
 def _in_prefill(group: SequenceGroup) -> bool:
     return any(s.is_prefill for s in group.get_seqs(SequenceStatus.RUNNING))
 
-
-def last_token_due(seq: Sequence, chunk: Optional[int]) -> bool:
-    """Whether computing ``chunk`` tokens reaches the end of the sequence (so it samples)."""
-    return chunk is not None and seq.num_computed_tokens + chunk == len(seq)

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from engine_factories import TINY_SHAPES, save_tiny_llama
+from engine_factories import TINY_SHAPES
+
+from pagedllm.server.demo import save_tiny_llama
 
 
 @pytest.fixture(scope="session")

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import pytest
 import torch
 
-from pagedllm.server.demo import save_tiny_llama
 
 TINY_SHAPES = {
     # name -> LlamaConfig overrides
