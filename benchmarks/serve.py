@@ -196,7 +196,7 @@ def launch(args) -> subprocess.Popen:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     args.base_url = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "pagedllm.server.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
+    cmd = [sys.executable, "-m", "pagedllm.server.entrypoints.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
            "--log-level", "warning", *args.serve_args.split()]
     proc = subprocess.Popen(cmd)
     deadline = time.monotonic() + 600

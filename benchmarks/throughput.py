@@ -69,11 +69,11 @@ def run_hf(model_dir: str, requests, batch_size: int) -> float:
 
 def scheduling_overhead_us(num_seqs: int, steps: int, block_size: int = 16) -> float:
     """Median microseconds per step of schedule() + bookkeeping for ``num_seqs`` decoding sequences."""
-    from pagedllm.server.block_manager import BlockManager
+    from pagedllm.server.core.block_manager import BlockManager
     from pagedllm.server.config import SchedulerConfig
     from pagedllm.server.sampling_params import SamplingParams
-    from pagedllm.server.scheduler import Scheduler
-    from pagedllm.server.sequence import Sequence, SequenceGroup
+    from pagedllm.server.core.scheduler import Scheduler
+    from pagedllm.server.core.sequence import Sequence, SequenceGroup
 
     bm = BlockManager(block_size, num_seqs * 64, 0)
     sched = Scheduler(SchedulerConfig(max_num_seqs=num_seqs, max_num_batched_tokens=max(2048, num_seqs)), bm)

@@ -36,7 +36,7 @@ ENGINE_FIELDS: Mapping[str, str] = {
     "loadFormat": "load_format",
 }
 
-# spec key -> flag of `pagedllm serve` that is not an engine field (pagedllm.server.serve).
+# spec key -> flag of `pagedllm serve` that is not an engine field (pagedllm.server.entrypoints.serve).
 SERVE_FIELDS: Mapping[str, str] = {
     "port": "--port",
     "servedModelName": "--served-model-name",
@@ -119,14 +119,10 @@ def check_engine(spec: PagedLLMSpec, model_path: str) -> None:
     Raises :class:`SpecError` naming the spec key, so a value the server would refuse at
     start-up is reported on the resource instead of crash-looping its pods.
     """
-    from pagedllm.server.config import EngineConfig
+    from pagedllm.server.config import ConfigError, EngineConfig
 
     try:
         EngineConfig.from_kwargs(**engine_kwargs(spec, model_path))
-    except ValueError as exc:
-        message = str(exc)
-        for key, field in ENGINE_FIELDS.items():
-            if message.startswith(f"{field}="):
-                message = f"spec.{key}" + message[len(field):]
-                break
-        raise SpecError(message) from exc
+    except ConfigError as exc:
+        key = next((k for k, field in ENGINE_FIELDS.items() if field == exc.field), None)
+        raise SpecError(exc.renamed(f"spec.{key}" if key else exc.name).message) from exc

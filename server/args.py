@@ -12,7 +12,7 @@ import dataclasses
 import typing
 from typing import Any
 
-from pagedllm.server.config import EngineConfig, engine_fields
+from pagedllm.server.config import ConfigError, EngineConfig, engine_fields
 
 
 def flag_for(name: str) -> str:
@@ -57,13 +57,13 @@ def engine_kwargs(namespace: argparse.Namespace) -> dict[str, Any]:
 
 
 def engine_config_from_args(namespace: argparse.Namespace) -> EngineConfig:
-    """Validate parsed flags; a bad value raises ``ValueError`` naming the flag."""
+    """Validate parsed flags; a bad value raises :class:`ConfigError` shown under its flag."""
     try:
         return EngineConfig.from_kwargs(**engine_kwargs(namespace))
-    except ValueError as exc:
-        message = str(exc)
-        for f in engine_fields():
-            if message.startswith(f"{f.name}="):
-                message = flag_for(f.name) + message[len(f.name):]
-                break
-        raise ValueError(message) from exc
+    except ConfigError as exc:
+        raise as_flag_error(exc) from exc
+
+
+def as_flag_error(error: ConfigError) -> ConfigError:
+    """``error`` shown under the CLI flag of its engine field (``block_size`` -> ``--block-size``)."""
+    return error.renamed(flag_for(error.field))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Optional
+from collections.abc import Sequence
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
@@ -20,11 +21,44 @@ ATTENTION_BACKENDS = ("auto", "torch", "triton")
 GiB = 1 << 30
 
 
+class ConfigError(ValueError):
+    """A value outside what is allowed, carrying the field it is about as data.
+
+    ``field`` is the engine's own name (``block_size``, ``best_of``, ``prompt_token_ids``).
+    Each edge shows the error under its own name for that field with :meth:`renamed`:
+    the CLI as ``--block-size``, the operator as ``spec.blockSize``, the HTTP API as the
+    OpenAI ``param``. Nothing parses the message to find the field.
+    """
+
+    def __init__(self, field: str, value: Any, allowed: str = "", *, problem: str = "is not allowed",
+                 subject: Optional[str] = None, name: Optional[str] = None) -> None:
+        self.field = field
+        self.value = value
+        self.allowed = allowed
+        self.problem = problem
+        self.subject = subject
+        """How the value is shown when ``name=value`` would read badly, with ``{name}`` for the name."""
+        self.name = name or field
+        super().__init__(self.message)
+
+    @property
+    def message(self) -> str:
+        shown = self.subject.format(name=self.name) if self.subject else f"{self.name}={self.value!r}"
+        head = " ".join(part for part in (shown, self.problem) if part)
+        return f"{head}: {self.allowed}" if self.allowed else head
+
+    def renamed(self, name: str) -> "ConfigError":
+        """The same error, shown under ``name`` (a flag, a spec path, a request parameter)."""
+        return ConfigError(self.field, self.value, self.allowed, problem=self.problem, subject=self.subject,
+                           name=name)
+
+
 def _help(text: str, **extra: Any) -> dict:
     return {"help": text, **extra}
 
 
-def _check_range(name: str, value, low=None, high=None, *, low_open=False) -> None:
+def check_range(name: str, value: Any, low: Any = None, high: Any = None, *, low_open: bool = False) -> None:
+    """Raise :class:`ConfigError` unless ``value`` is None or within the bounds."""
     if value is None:
         return
     too_low = low is not None and (value <= low if low_open else value < low)
@@ -33,12 +67,13 @@ def _check_range(name: str, value, low=None, high=None, *, low_open=False) -> No
         lo = "" if low is None else (f"> {low}" if low_open else f">= {low}")
         hi = "" if high is None else f"<= {high}"
         allowed = " and ".join(s for s in (lo, hi) if s)
-        raise ValueError(f"{name}={value!r} is out of range: must be {allowed}")
+        raise ConfigError(name, value, f"must be {allowed}", problem="is out of range")
 
 
-def _check_choice(name: str, value, choices) -> None:
+def check_choice(name: str, value: Any, choices: Sequence[Any]) -> None:
+    """Raise :class:`ConfigError` unless ``value`` is one of ``choices``."""
     if value not in choices:
-        raise ValueError(f"{name}={value!r} is not allowed: choose one of {list(choices)}")
+        raise ConfigError(name, value, f"choose one of {list(choices)}")
 
 
 @dataclass(frozen=True)
@@ -65,11 +100,11 @@ class ModelConfig:
                                        choices=ATTENTION_BACKENDS))
 
     def __post_init__(self) -> None:
-        _check_choice("dtype", self.dtype, DTYPES)
-        _check_choice("device", self.device, DEVICES)
-        _check_choice("load_format", self.load_format, LOAD_FORMATS)
-        _check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
-        _check_range("max_model_len", self.max_model_len, 1)
+        check_choice("dtype", self.dtype, DTYPES)
+        check_choice("device", self.device, DEVICES)
+        check_choice("load_format", self.load_format, LOAD_FORMATS)
+        check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
+        check_range("max_model_len", self.max_model_len, 1)
 
 
 @dataclass(frozen=True)
@@ -88,11 +123,11 @@ class CacheConfig:
     def __post_init__(self) -> None:
         if not (isinstance(self.block_size, int) and 1 <= self.block_size <= 256
                 and self.block_size & (self.block_size - 1) == 0):
-            raise ValueError(f"block_size={self.block_size!r} is not allowed: must be a power of two from 1 to 256")
-        _check_range("gpu_memory_utilization", self.gpu_memory_utilization, 0.0, 1.0, low_open=True)
-        _check_range("swap_space", self.swap_space, 0)
-        _check_range("kv_cache_memory", self.kv_cache_memory, 0.0, low_open=True)
-        _check_range("num_gpu_blocks_override", self.num_gpu_blocks_override, 1)
+            raise ConfigError("block_size", self.block_size, "must be a power of two from 1 to 256")
+        check_range("gpu_memory_utilization", self.gpu_memory_utilization, 0.0, 1.0, low_open=True)
+        check_range("swap_space", self.swap_space, 0)
+        check_range("kv_cache_memory", self.kv_cache_memory, 0.0, low_open=True)
+        check_range("num_gpu_blocks_override", self.num_gpu_blocks_override, 1)
 
 
 @dataclass(frozen=True)
@@ -107,9 +142,9 @@ class SchedulerConfig:
         default=True, metadata=_help("Split long prompts over several iterations, batched with decodes."))
 
     def __post_init__(self) -> None:
-        _check_range("max_num_seqs", self.max_num_seqs, 1)
-        _check_range("max_num_batched_tokens", self.max_num_batched_tokens, 1)
-        _check_choice("preemption_mode", self.preemption_mode, PREEMPTION_MODES)
+        check_range("max_num_seqs", self.max_num_seqs, 1)
+        check_range("max_num_batched_tokens", self.max_num_batched_tokens, 1)
+        check_choice("preemption_mode", self.preemption_mode, PREEMPTION_MODES)
 
     @property
     def token_budget(self) -> int:
@@ -121,7 +156,7 @@ class ParallelConfig:
     tensor_parallel_size: int = field(default=1, metadata=_help("Number of ranks the model is split over."))
 
     def __post_init__(self) -> None:
-        _check_range("tensor_parallel_size", self.tensor_parallel_size, 1)
+        check_range("tensor_parallel_size", self.tensor_parallel_size, 1)
 
 
 SUB_CONFIGS = (ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig)
@@ -142,7 +177,8 @@ class EngineConfig:
         known = {f.name: sub for sub in SUB_CONFIGS for f in dataclasses.fields(sub)}
         unknown = sorted(set(kwargs) - set(known))
         if unknown:
-            raise ValueError(f"unknown engine argument(s) {unknown}: allowed are {sorted(known)}")
+            raise ConfigError(unknown[0], kwargs[unknown[0]], f"allowed are {sorted(known)}",
+                              problem="is an unknown engine argument")
         parts = {sub: {} for sub in SUB_CONFIGS}
         for name, value in kwargs.items():
             parts[known[name]][name] = value

@@ -7,7 +7,8 @@ from typing import Optional, Sequence, Union
 from tqdm.auto import tqdm
 
 from pagedllm.server.config import EngineConfig
-from pagedllm.server.engine import LLMEngine, PromptType
+from pagedllm.server.engine.input_processor import PromptType
+from pagedllm.server.engine.llm_engine import LLMEngine
 from pagedllm.server.outputs import RequestOutput
 from pagedllm.server.sampling_params import SamplingParams
 
@@ -44,15 +45,13 @@ class LLM:
         ids = []
         try:
             for prompt, p in zip(prompts, params):
-                if isinstance(prompt, list):
-                    prompt = {"prompt_token_ids": prompt}
                 request_id = str(self._counter)
                 self._counter += 1
                 engine.add_request(request_id, prompt, p)
                 ids.append(request_id)
             return self._run(ids, use_tqdm)
         finally:
-            engine.abort_request([i for i in ids if i in engine._groups])
+            engine.abort_request(ids)  # NOTE: frees whatever an error left behind; finished ids are ignored
 
     def beam_search(self, prompts: Union[PromptType, Sequence[PromptType]], beam_width: int, max_tokens: int,
                     length_penalty: float = 1.0, early_stopping: Union[bool, str] = False, ignore_eos: bool = False,

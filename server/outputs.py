@@ -3,9 +3,16 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Union
 
-from pagedllm.server.sampler import Logprob
+
+@dataclass
+class Logprob:
+    """One token's log-probability at one position, as vLLM reports it."""
+
+    logprob: float
+    rank: Optional[int] = None
+    decoded_token: Optional[str] = None
 
 
 @dataclass
@@ -18,10 +25,7 @@ class CompletionOutput:
     cumulative_logprob: Optional[float]
     logprobs: Optional[list[dict[int, Logprob]]]
     finish_reason: Optional[str] = None  # "stop" | "length" | "abort", None while running
-    stop_reason: Optional[object] = None  # the stop string or stop token id that matched
-
-    def finished(self) -> bool:
-        return self.finish_reason is not None
+    stop_reason: Union[str, int, None] = None  # the stop string or stop token id that matched
 
 
 @dataclass

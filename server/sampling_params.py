@@ -5,12 +5,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
+from pagedllm.server.config import ConfigError
+
 _GREEDY_EPS = 1e-5
 
 
 @dataclass
 class SamplingParams:
-    """How to decode one request. Invalid values raise ``ValueError`` naming field and value."""
+    """How to decode one request. Invalid values raise :class:`ConfigError` (a ``ValueError``) naming field and value."""
 
     n: int = 1
     """Completions returned for the prompt."""
@@ -94,9 +96,9 @@ class SamplingParams:
         ]
         for name, value, ok, allowed in checks:
             if not ok:
-                raise ValueError(f"{name}={value!r} is invalid: must be {allowed}")
+                raise ConfigError(name, value, f"must be {allowed}", problem="is invalid")
         if self.use_beam_search and self.temperature > _GREEDY_EPS:
-            raise ValueError(f"temperature={self.temperature!r} is invalid with use_beam_search: must be 0")
+            raise ConfigError("temperature", self.temperature, "must be 0", problem="is invalid with use_beam_search")
 
     @property
     def greedy(self) -> bool:

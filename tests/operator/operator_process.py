@@ -57,7 +57,7 @@ def running_operator(cluster: EmulatedCluster, workdir: Path, *, startup_timeout
     log = workdir / "operator.log"
     env = {k: v for k, v in os.environ.items() if not k.startswith("KUBERNETES_")}
     env.update(KUBECONFIG=str(kubeconfig), PYTHONUNBUFFERED="1")
-    command = [sys.executable, "-m", "pagedllm.server.cli", "operator", "--all-namespaces", "--standalone",
+    command = [sys.executable, "-m", "pagedllm.server.entrypoints.cli", "operator", "--all-namespaces", "--standalone",
                "--liveness", liveness, "--default-image", DEFAULT_IMAGE, "--verbose"]
     with open(log, "wb") as out:
         # NOTE: cwd outside the repo: the operator must run from the installed package alone.

@@ -1,7 +1,7 @@
 """The server command line the operator renders, parsed by the real `pagedllm` CLI.
 
 The container runs ``SERVE_COMMAND + args``; here the same words go through
-``pagedllm.server.cli.build_parser()`` (the console script's parser), so every rendered
+``pagedllm.server.entrypoints.cli.build_parser()`` (the console script's parser), so every rendered
 flag must exist in `pagedllm serve` with the type and meaning the operator assumes.
 """
 
@@ -21,9 +21,9 @@ from pagedllm.operator.command import (
     spec_attr,
 )
 from pagedllm.operator.spec import LOG_LEVELS, PagedLLMSpec, SpecError
-from pagedllm.server import serve
+from pagedllm.server.entrypoints import serve
 from pagedllm.server.args import engine_kwargs, flag_for
-from pagedllm.server.cli import build_parser
+from pagedllm.server.entrypoints.cli import build_parser
 from pagedllm.server.config import EngineConfig
 
 

@@ -11,7 +11,7 @@ from typing import Iterator, Optional
 import httpx
 import uvicorn
 
-from pagedllm.server.api_server import ServerSettings, build_app
+from pagedllm.server.entrypoints.openai.api_server import ServerSettings, build_app
 from pagedllm.server.config import EngineConfig
 
 API_KEY = "test-key-123"

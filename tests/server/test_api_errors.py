@@ -9,7 +9,7 @@ import threading
 import httpx
 import pytest
 
-from pagedllm.server.api_server import ServerSettings
+from pagedllm.server.entrypoints.openai.api_server import ServerSettings
 from api_factories import API_KEY, CHAT_TEMPLATE, MODEL_NAME, live_server, sse_events
 
 pytestmark = pytest.mark.timeout(120)
@@ -103,7 +103,7 @@ def test_missing_and_malformed_bodies_are_400(http):
 
 def test_chat_bad_requests(http):
     assert_error(chat(http, top_logprobs=2), 400, param="top_logprobs")
-    assert_error(chat(http, logprobs=True, top_logprobs=99), 400, param="logprobs", contains=("99",))
+    assert_error(chat(http, logprobs=True, top_logprobs=99), 400, param="top_logprobs", contains=("top_logprobs=99",))
     assert_error(chat(http, messages=[]), 400, param="messages")
     parts = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
     assert_error(chat(http, messages=parts), 400, param="messages", contains=("image_url",))

@@ -8,8 +8,8 @@ import threading
 import pytest
 
 from pagedllm.server import LLM, SamplingParams
-from pagedllm.server.async_engine import AsyncLLMEngine, EngineDeadError
-from pagedllm.server.engine import LLMEngine
+from pagedllm.server.engine.async_engine import AsyncLLMEngine, EngineDeadError
+from pagedllm.server.engine.llm_engine import LLMEngine
 from api_factories import ENGINE_ARGS, engine_config
 
 pytestmark = pytest.mark.timeout(120)

@@ -44,7 +44,7 @@ def test_beam_search_matches_transformers(tiny_llama, reference, prompts, width,
     eos = [o.outputs[0].token_ids for o in llm.generate(
         [{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))]
     for prompt, greedy in zip(prompts, eos):
-        engine.eos_token_ids = (greedy[1],)
+        engine.output_processor.eos_token_ids = (greedy[1],)
         params = SamplingParams(use_beam_search=True, best_of=width, n=n, temperature=0, max_tokens=MAX_TOKENS,
                                 length_penalty=length_penalty, early_stopping=early_stopping)
         ours = llm.generate([{"prompt_token_ids": prompt}], params)[0]

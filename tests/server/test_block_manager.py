@@ -7,9 +7,9 @@ from collections import Counter
 from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from pagedllm.server.block_manager import AllocStatus, BlockManager
+from pagedllm.server.core.block_manager import AllocStatus, BlockManager
 from pagedllm.server.sampling_params import SamplingParams
-from pagedllm.server.sequence import Sequence, SequenceGroup, SequenceStatus
+from pagedllm.server.core.sequence import Sequence, SequenceGroup, SequenceStatus
 
 
 def make_group(seq_id: int, num_tokens: int, request_id: str = "r") -> SequenceGroup:
@@ -138,7 +138,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         if not self.bm.can_append_slots(group):
             for seq in group.seqs:
                 seq.output_token_ids.pop()
-                seq.num_tokens -= 1
+                seq.token_ids.pop()
             return
         for seq in group.seqs:
             self.bm.append_slots(seq)

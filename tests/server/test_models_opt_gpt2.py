@@ -12,9 +12,9 @@ import torch
 
 from pagedllm.server import LLM, SamplingParams
 from pagedllm.server.demo import BYTE_SPECIALS, build_byte_tokenizer
-from pagedllm.server.models import model_class
-from pagedllm.server.models.gpt2 import GPT2LMHeadModel
-from pagedllm.server.models.opt import OPTForCausalLM
+from pagedllm.server.worker.models import model_class
+from pagedllm.server.worker.models.gpt2 import GPT2LMHeadModel
+from pagedllm.server.worker.models.opt import OPTForCausalLM
 from engine_factories import HFReference, assert_greedy_matches, make_prompts
 
 MAX_TOKENS = 12

@@ -70,7 +70,7 @@ def test_stop_string_truncates_text(llm):
 def test_eos_ends_generation_unless_ignored(tiny_llama):
     llm = LLM(model=tiny_llama, num_gpu_blocks_override=64)
     greedy = generate(llm, temperature=0, max_tokens=8, ignore_eos=True)[0].token_ids
-    llm.llm_engine.eos_token_ids = (greedy[2],)
+    llm.llm_engine.output_processor.eos_token_ids = (greedy[2],)
     out = generate(llm, temperature=0, max_tokens=8)[0]
     assert out.token_ids == greedy[:greedy.index(greedy[2]) + 1] and out.finish_reason == "stop"
     assert len(generate(llm, temperature=0, max_tokens=8, ignore_eos=True)[0].token_ids) == 8

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from pagedllm.server.block_manager import BlockManager
+from pagedllm.server.core.block_manager import BlockManager
 from pagedllm.server.config import SchedulerConfig
 from pagedllm.server.sampling_params import SamplingParams
-from pagedllm.server.scheduler import Scheduler
-from pagedllm.server.sequence import Sequence, SequenceGroup, SequenceStatus
+from pagedllm.server.core.scheduler import Scheduler
+from pagedllm.server.core.sequence import Sequence, SequenceGroup, SequenceStatus
 
 
 def make_scheduler(num_blocks=16, block_size=4, **config) -> Scheduler:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from pagedllm.server import serve
+from pagedllm.server.entrypoints import serve
 from pagedllm.server.args import engine_config_from_args
-from pagedllm.server.cli import build_parser, main
+from pagedllm.server.entrypoints.cli import build_parser, main
 from pagedllm.server.config import EngineConfig
 
 ISSUE_FLAGS = ("--model", "--host", "--port", "--block-size", "--tensor-parallel-size", "--gpu-memory-utilization",
@@ -72,3 +72,20 @@ def test_invalid_flags_fail_at_start_up_naming_flag_and_value(capsys, argv, expe
         main(["serve", *argv])
     assert exit_info.value.code == 2
     assert expected in capsys.readouterr().err
+
+
+def test_operator_without_kopf_says_what_is_missing(monkeypatch, capsys):
+    import sys
+
+    monkeypatch.delitem(sys.modules, "pagedllm.operator.main", raising=False)
+    monkeypatch.setitem(sys.modules, "kopf", None)  # NOTE: None in sys.modules makes `import kopf` fail
+    assert main(["operator"]) == 2
+    err = capsys.readouterr().err
+    assert "kopf is not installed" in err and "pagedllm[operator]" in err
+
+
+def test_config_errors_name_the_flag_not_the_field():
+    with pytest.raises(ValueError, match=r"^--block-size=12 is not allowed"):
+        engine_config_from_args(build_parser().parse_args(["serve", "--block-size", "12"]))
+    with pytest.raises(ValueError, match=r"^--max-queue-len=0 is out of range"):
+        serve.settings_from_args(build_parser().parse_args(["serve", "--max-queue-len", "0"]))

@@ -10,8 +10,8 @@ import httpx
 import pytest
 
 from pagedllm.server import LLM, SamplingParams
-from pagedllm.server.api_server import ServerSettings
-from pagedllm.server.async_engine import default_sampling
+from pagedllm.server.entrypoints.openai.api_server import ServerSettings
+from pagedllm.server.engine.model_info import default_sampling
 from pagedllm.server.demo import SHIPPED_DEMO_DIR, ensure_demo_model
 from api_factories import live_server
 
@@ -63,7 +63,7 @@ def test_demo_chat_over_http():
 
 
 def test_the_training_script_runs_offline(tmp_path):
-    from pagedllm.server import demo_train
+    from pagedllm.server.demo import train as demo_train
 
     texts, chats = demo_train.build_corpus()
     assert len(texts) > 500 and len(chats) > 500

@@ -30,7 +30,7 @@ def free_port() -> int:
 @contextlib.contextmanager
 def serve_process(model_dir: str, *extra: str):
     port = free_port()
-    cmd = [sys.executable, "-m", "pagedllm.server.cli", "serve", "--model", model_dir, "--host", "127.0.0.1",
+    cmd = [sys.executable, "-m", "pagedllm.server.entrypoints.cli", "serve", "--model", model_dir, "--host", "127.0.0.1",
            "--port", str(port), "--served-model-name", "tiny", "--max-model-len", "1024", "--kv-cache-memory",
            "0.05", "--swap-space", "0.01", "--log-level", "warning", *extra]
     env = {**os.environ, "PAGEDLLM_API_KEY": ""}
@@ -111,7 +111,7 @@ def test_drain_timeout_aborts_what_is_left_and_still_exits_0(tiny_llama):
 
 
 def test_a_value_the_engine_refuses_at_load_fails_start_up_naming_the_flag(tiny_llama):
-    cmd = [sys.executable, "-m", "pagedllm.server.cli", "serve", "--model", tiny_llama, "--host", "127.0.0.1",
+    cmd = [sys.executable, "-m", "pagedllm.server.entrypoints.cli", "serve", "--model", tiny_llama, "--host", "127.0.0.1",
            "--port", str(free_port()), "--max-model-len", "5000", "--log-level", "warning"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
     assert done.returncode == 2

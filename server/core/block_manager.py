@@ -1,0 +1,260 @@
+"""Block tables: which physical KV blocks hold each sequence's tokens.
+
+Logical block ``i`` of a sequence holds token positions ``[i*B, (i+1)*B)``; its table
+maps it to a physical block of the device pool (or the host pool while swapped out)::
+
+    seq tokens:   t0 t1 t2 t3 | t4 t5 t6 t7 | t8 t9        (block_size B = 4)
+    logical:          0       |     1       |   2
+    table:        [    7      ,     3       ,   12  ]      slot of t9 = 12*4 + 1
+
+Sequences forked from one another share blocks (reference counts > 1). Writing the
+next token into a shared last block first copies it (copy-on-write); the copy is
+reported as a (src, dst) pair for the worker to perform before the step runs.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import struct
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+from typing import Optional
+
+from pagedllm.server.core.block_pool import BlockHash, BlockPool
+from pagedllm.server.core.sequence import Sequence, SequenceGroup, SequenceStatus
+
+
+class AllocStatus(enum.Enum):
+    OK = "ok"
+    LATER = "later"
+    NEVER = "never"
+
+
+@dataclass
+class SharingStats:
+    """Blocks in use against what the same sequences would use without sharing."""
+
+    used: int
+    unshared: int
+
+    @property
+    def saving(self) -> float:
+        return 1.0 - self.used / self.unshared if self.unshared else 0.0
+
+
+def block_hash(parent: Optional[BlockHash], token_ids: Seq[int]) -> BlockHash:
+    """The prefix-cache key of a full block: sha256 over its parent's key and its tokens.
+
+    NOTE: a hit hands one request's KV blocks to another without comparing tokens, so the
+    key must not collide: a 256-bit digest, chained through the parent so equal keys mean
+    equal whole prefixes, not just equal blocks.
+    """
+    digest = hashlib.sha256(parent or b"")
+    digest.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
+    return digest.digest()
+
+
+def _blocks_for(num_tokens: int, block_size: int) -> int:
+    return -(-num_tokens // block_size)
+
+
+class BlockManager:
+    """Allocates, shares, copies on write, swaps and frees KV blocks for sequences."""
+
+    def __init__(self, block_size: int, num_gpu_blocks: int, num_cpu_blocks: int,
+                 enable_prefix_caching: bool = False, watermark: float = 0.01) -> None:
+        self.block_size = block_size
+        self.gpu = BlockPool(num_gpu_blocks, enable_caching=enable_prefix_caching)
+        self.cpu = BlockPool(num_cpu_blocks)
+        self.enable_prefix_caching = enable_prefix_caching
+        self.watermark_blocks = int(watermark * num_gpu_blocks)
+        self.tables: dict[int, list[int]] = {}
+        self._on_host: set[int] = set()  # sequences whose table holds host blocks
+        # Chain hashes of the sequence's full, computed blocks (prefix caching).
+        self._hashes: dict[int, list[BlockHash]] = {}
+        self.prefix_cache_queries = 0  # prompt tokens looked up
+        self.prefix_cache_hits = 0  # of which found cached
+        self.num_copy_on_writes = 0
+
+    # -- hashing ------------------------------------------------------------------------
+    def _chain_hashes(self, token_ids: list[int], num_blocks: int, start: list[BlockHash]) -> list[BlockHash]:
+        hashes = list(start)
+        bs = self.block_size
+        for i in range(len(hashes), num_blocks):
+            parent = hashes[-1] if hashes else None
+            hashes.append(block_hash(parent, token_ids[i * bs:(i + 1) * bs]))
+        return hashes
+
+    def _cacheable_prefix(self, seq: Sequence) -> list[BlockHash]:
+        """Hashes of the full blocks a prompt may take from the cache.
+
+        NOTE: at least one token is always left to compute, so the step yields logits.
+        """
+        if not self.enable_prefix_caching:
+            return []
+        return self._chain_hashes(seq.token_ids, (len(seq) - 1) // self.block_size, [])
+
+    # -- allocation ---------------------------------------------------------------------
+    def can_allocate(self, group: SequenceGroup, use_cache: bool = True) -> AllocStatus:
+        needed = 0
+        for seq in group.get_seqs(SequenceStatus.WAITING):
+            needed += _blocks_for(len(seq), self.block_size)
+            if use_cache:
+                hashes = self._cacheable_prefix(seq)
+                needed -= sum(1 for h in hashes if self._in_use_cached(h))
+        if needed > self.gpu.num_blocks - self.watermark_blocks:
+            return AllocStatus.NEVER
+        if self.gpu.num_free - needed >= self.watermark_blocks:
+            return AllocStatus.OK
+        return AllocStatus.LATER
+
+    def _in_use_cached(self, key: BlockHash) -> bool:
+        block = self.gpu.cached_block(key)
+        return block is not None and self.gpu.ref_counts[block] > 0
+
+    def allocate(self, seq: Sequence, use_cache: bool = True) -> None:
+        """Give a waiting sequence blocks for all its tokens, reusing cached prefix blocks."""
+        assert seq.seq_id not in self.tables, f"sequence {seq.seq_id} already has blocks"
+        table: list[int] = []
+        hashes = self._cacheable_prefix(seq) if use_cache else []
+        for h in hashes:
+            block = self.gpu.take_cached(h)
+            if block is None:
+                break
+            table.append(block)
+        hashes = hashes[:len(table)]
+        if self.enable_prefix_caching:
+            self.prefix_cache_queries += len(seq)
+            self.prefix_cache_hits += len(table) * self.block_size
+        for _ in range(len(table), _blocks_for(len(seq), self.block_size)):
+            table.append(self.gpu.allocate())
+        self.tables[seq.seq_id] = table
+        self._hashes[seq.seq_id] = hashes
+        seq.num_computed_tokens = len(hashes) * self.block_size
+
+    def can_append_slots(self, group: SequenceGroup) -> bool:
+        """Whether every running sequence of the group can get a slot for its next token."""
+        needed = sum(self._blocks_to_append(seq) for seq in group.get_seqs(SequenceStatus.RUNNING))
+        return needed <= self.gpu.num_free
+
+    def _blocks_to_append(self, seq: Sequence) -> int:
+        table = self.tables[seq.seq_id]
+        num_tokens = seq.num_tokens
+        if num_tokens > len(table) * self.block_size:
+            return _blocks_for(num_tokens, self.block_size) - len(table)
+        last = table[(num_tokens - 1) // self.block_size]
+        return 1 if self.gpu.ref_counts[last] > 1 else 0
+
+    def append_slots(self, seq: Sequence) -> list[tuple[int, int]]:
+        """Make room for every token of ``seq``; returns copy-on-write (src, dst) pairs."""
+        table = self.tables[seq.seq_id]
+        while len(table) * self.block_size < len(seq):
+            table.append(self.gpu.allocate())
+        # NOTE: only the block the next tokens are written into can be shared and
+        # unfull; full blocks before it are never written again.
+        first = seq.num_computed_tokens // self.block_size
+        copies = []
+        for i in range(first, _blocks_for(len(seq), self.block_size)):
+            if self.gpu.ref_counts[table[i]] > 1:
+                new = self.gpu.allocate()
+                self.gpu.decref(table[i])
+                copies.append((table[i], new))
+                table[i] = new
+        self.num_copy_on_writes += len(copies)
+        return copies
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """The child shares every block of the parent."""
+        table = list(self.tables[parent.seq_id])
+        pool = self._pool_of(parent)
+        for block in table:
+            pool.incref(block)
+        self.tables[child.seq_id] = table
+        self._hashes[child.seq_id] = list(self._hashes[parent.seq_id])
+
+    def free(self, seq: Sequence) -> None:
+        """Drop the sequence's references; a no-op for a sequence without blocks."""
+        table = self.tables.pop(seq.seq_id, None)
+        self._hashes.pop(seq.seq_id, None)
+        if table is None:
+            return
+        pool = self._pool_of(seq)
+        self._on_host.discard(seq.seq_id)
+        for block in reversed(table):  # NOTE: tail blocks become least recently used
+            pool.decref(block)
+
+    def _pool_of(self, seq: Sequence) -> BlockPool:
+        return self.cpu if seq.seq_id in self._on_host else self.gpu
+
+    def mark_computed(self, seq: Sequence) -> None:
+        """Register the sequence's newly completed full blocks in the prefix cache."""
+        if not self.enable_prefix_caching or seq.seq_id not in self.tables:
+            return
+        hashes = self._hashes[seq.seq_id]
+        num_full = seq.num_computed_tokens // self.block_size
+        if num_full <= len(hashes):
+            return
+        hashes[:] = self._chain_hashes(seq.token_ids, num_full, hashes)
+        table = self.tables[seq.seq_id]
+        for i in range(num_full):
+            self.gpu.register(table[i], hashes[i])
+
+    # -- swapping -----------------------------------------------------------------------
+    def _unique_blocks(self, group: SequenceGroup, status: SequenceStatus) -> list[int]:
+        seen: dict[int, None] = {}
+        for seq in group.get_seqs(status):
+            for block in self.tables[seq.seq_id]:
+                seen[block] = None
+        return list(seen)
+
+    def can_swap_out(self, group: SequenceGroup) -> bool:
+        return len(self._unique_blocks(group, SequenceStatus.RUNNING)) <= self.cpu.num_free
+
+    def can_swap_in(self, group: SequenceGroup) -> AllocStatus:
+        seqs = group.get_seqs(SequenceStatus.SWAPPED)
+        needed = len(self._unique_blocks(group, SequenceStatus.SWAPPED)) + len(seqs)
+        if needed > self.gpu.num_blocks - self.watermark_blocks:
+            return AllocStatus.NEVER
+        return AllocStatus.OK if self.gpu.num_free - needed >= self.watermark_blocks else AllocStatus.LATER
+
+    def swap_out(self, group: SequenceGroup) -> list[tuple[int, int]]:
+        """Move the group's running sequences to host blocks: (device, host) pairs."""
+        return self._move(group, SequenceStatus.RUNNING, self.gpu, self.cpu)
+
+    def swap_in(self, group: SequenceGroup) -> list[tuple[int, int]]:
+        """Move the group's swapped sequences back to device blocks: (host, device) pairs."""
+        mapping = self._move(group, SequenceStatus.SWAPPED, self.cpu, self.gpu)
+        for seq in group.get_seqs(SequenceStatus.SWAPPED):
+            hashes, table = self._hashes[seq.seq_id], self.tables[seq.seq_id]
+            for block, block_hash in zip(table, hashes):
+                self.gpu.register(block, block_hash)
+        return mapping
+
+    def _move(self, group: SequenceGroup, status: SequenceStatus, src: BlockPool,
+              dst: BlockPool) -> list[tuple[int, int]]:
+        mapping: dict[int, int] = {}
+        for seq in group.get_seqs(status):
+            table = self.tables[seq.seq_id]
+            for i, block in enumerate(table):
+                if block in mapping:
+                    dst.incref(mapping[block])
+                else:
+                    mapping[block] = dst.allocate()
+                src.decref(block)
+                table[i] = mapping[block]
+            if dst is self.cpu:
+                self._on_host.add(seq.seq_id)
+            else:
+                self._on_host.discard(seq.seq_id)
+        return list(mapping.items())
+
+    # -- inspection ---------------------------------------------------------------------
+    def block_table(self, seq: Sequence) -> list[int]:
+        return self.tables[seq.seq_id]
+
+    def sharing_stats(self) -> SharingStats:
+        device_tables = [t for seq_id, t in self.tables.items() if seq_id not in self._on_host]
+        used = len({b for t in device_tables for b in t})
+        unshared = sum(len(t) for t in device_tables)
+        return SharingStats(used=used, unshared=unshared)

@@ -1,0 +1,253 @@
+"""Iteration-level FCFS scheduling with chunked prefill, preemption and swapping.
+
+Each call of :meth:`Scheduler.schedule` plans one model step, in this order:
+
+1. running groups: decodes first, then prompts still being prefilled in chunks;
+   when a sequence cannot get a block, the latest-arrived running group is preempted
+   (recompute for single-sequence groups, swap for multi-sequence ones, or as
+   ``preemption_mode`` forces);
+2. swapped groups come back, oldest first, if nothing was preempted this step;
+3. waiting prompts are admitted, oldest first, only when no group is swapped out.
+
+A prompt longer than the step's remaining token budget is prefilled over several
+steps. Admission is strictly first-come-first-served on blocks, so a large prompt
+waits only until enough running sequences finish, never behind later arrivals.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Iterable
+
+from pagedllm.server.core.block_manager import AllocStatus, BlockManager
+from pagedllm.server.config import SchedulerConfig
+from pagedllm.server.core.sequence import Sequence, SequenceGroup, SequenceStatus
+
+
+@dataclass
+class ScheduledGroup:
+    """A group in this step and how many new tokens each of its sequences computes."""
+
+    group: SequenceGroup
+    chunks: dict[int, int]  # seq_id -> number of tokens computed this step
+
+
+@dataclass
+class SchedulerOutput:
+    """What one model step does: which tokens to compute and which blocks to move first."""
+
+    scheduled: list[ScheduledGroup] = field(default_factory=list)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+    num_batched_tokens: int = 0
+    preempted: list[SequenceGroup] = field(default_factory=list)
+    ignored: list[SequenceGroup] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled and not self.blocks_to_swap_out and not self.blocks_to_swap_in
+
+
+@dataclass
+class _Budget:
+    max_tokens: int
+    max_seqs: int
+    tokens: int = 0
+    seqs: int = 0
+
+    @property
+    def tokens_left(self) -> int:
+        return self.max_tokens - self.tokens
+
+
+class Scheduler:
+    """Owns the waiting, running and swapped queues and asks the block manager for room."""
+
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+        self.config = config
+        self.block_manager = block_manager
+        self.waiting: deque[SequenceGroup] = deque()
+        self.running: list[SequenceGroup] = []  # NOTE: kept in arrival order
+        self.swapped: deque[SequenceGroup] = deque()
+        self.num_preemptions = 0
+
+    # -- queues -------------------------------------------------------------------------
+    def add(self, group: SequenceGroup) -> None:
+        self.waiting.append(group)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running or self.swapped)
+
+    def abort(self, request_ids: Iterable[str]) -> list[SequenceGroup]:
+        """Remove the requests wherever they are and free their blocks."""
+        wanted = set(request_ids)
+        aborted = []
+        for queue in (self.waiting, self.running, self.swapped):
+            for group in [g for g in queue if g.request_id in wanted]:
+                queue.remove(group)
+                for seq in group.unfinished_seqs():
+                    seq.status = SequenceStatus.FINISHED_ABORTED
+                    self.block_manager.free(seq)
+                aborted.append(group)
+        return aborted
+
+    def free_finished(self) -> list[SequenceGroup]:
+        """Release finished sequences' blocks; return the groups that are now done."""
+        done = []
+        for group in list(self.running):
+            for seq in group.seqs:
+                if seq.status.finished:
+                    self.block_manager.free(seq)
+            if group.is_finished():
+                self.running.remove(group)
+                done.append(group)
+        return done
+
+    # -- one step -----------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = _Budget(self.config.token_budget, self.config.max_num_seqs)
+        self._schedule_running(budget, out)
+        if not out.preempted:
+            self._schedule_swapped(budget, out)
+        if not out.preempted and not self.swapped:
+            self._schedule_waiting(budget, out)
+        out.num_batched_tokens = budget.tokens
+        now = time.monotonic()
+        for item in out.scheduled:
+            if item.group.first_scheduled_time is None:
+                item.group.first_scheduled_time = now
+        return out
+
+    def _schedule_running(self, budget: _Budget, out: SchedulerOutput) -> None:
+        prefilling = {group: _in_prefill(group) for group in self.running}
+        # NOTE: `pending` keeps arrival order, so popitem() yields the latest-arrived group.
+        pending = dict.fromkeys(self.running)
+        decodes_first = [g for g in self.running if not prefilling[g]] + [g for g in self.running if prefilling[g]]
+        for group in decodes_first:
+            if group not in pending:
+                continue  # already preempted this step
+            if not self._make_room(group, pending, out):
+                continue
+            del pending[group]
+            self._take(group, budget, out, group.get_seqs(SequenceStatus.RUNNING))
+
+    def _make_room(self, group: SequenceGroup, pending: dict, out: SchedulerOutput) -> bool:
+        """Preempt the latest arrivals until ``group`` can append; False if it was preempted."""
+        while not self.block_manager.can_append_slots(group):
+            victim, _ = pending.popitem()
+            self._preempt(victim, out)
+            if victim is group:
+                return False
+        return True
+
+    def _take(self, group: SequenceGroup, budget: _Budget, out: SchedulerOutput, seqs: list[Sequence]) -> bool:
+        """Give each sequence its chunk of the token budget and room in the cache."""
+        if not seqs or budget.seqs + len(seqs) > budget.max_seqs:
+            return False
+        # NOTE: sequences of one group share the budget equally, so beams of equal length
+        # (all recomputed from scratch) finish their prefill in the same step.
+        share = budget.tokens_left // len(seqs)
+        chunks = {}
+        for seq in seqs:
+            chunk = min(seq.num_uncomputed_tokens, share)
+            if chunk <= 0 or (chunk < seq.num_uncomputed_tokens and not self.config.enable_chunked_prefill):
+                return False
+            chunks[seq.seq_id] = chunk
+        budget.tokens += sum(chunks.values())
+        budget.seqs += len(seqs)
+        for seq in seqs:
+            if seq.seq_id in chunks:
+                out.blocks_to_copy.extend(self.block_manager.append_slots(seq))
+        out.scheduled.append(ScheduledGroup(group, chunks))
+        return True
+
+    def _preempt(self, group: SequenceGroup, out: SchedulerOutput) -> None:
+        self.running.remove(group)
+        self.num_preemptions += 1
+        out.preempted.append(group)
+        mode = self.config.preemption_mode or ("swap" if group.is_multi_seq else "recompute")
+        if mode == "swap" and self.block_manager.can_swap_out(group):
+            out.blocks_to_swap_out.extend(self.block_manager.swap_out(group))
+            for seq in group.get_seqs(SequenceStatus.RUNNING):
+                seq.status = SequenceStatus.SWAPPED
+            self.swapped.append(group)
+            return
+        for seq in group.get_seqs(SequenceStatus.RUNNING):
+            self.block_manager.free(seq)
+            seq.reset_for_recompute()
+        self.waiting.appendleft(group)
+
+    def _schedule_swapped(self, budget: _Budget, out: SchedulerOutput) -> None:
+        while self.swapped:
+            group = self.swapped[0]
+            status = self.block_manager.can_swap_in(group)
+            if status == AllocStatus.NEVER:  # grew too large for the whole cache: end it
+                self.swapped.popleft()
+                self._give_up(group, SequenceStatus.SWAPPED, out)
+                continue
+            if status == AllocStatus.LATER:
+                break
+            seqs = group.get_seqs(SequenceStatus.SWAPPED)
+            if budget.seqs + len(seqs) > budget.max_seqs or budget.tokens_left < len(seqs):
+                break
+            self.swapped.popleft()
+            out.blocks_to_swap_in.extend(self.block_manager.swap_in(group))
+            for seq in seqs:
+                seq.status = SequenceStatus.RUNNING
+            self._insert_running(group)
+            self._take(group, budget, out, seqs)
+
+    def _schedule_waiting(self, budget: _Budget, out: SchedulerOutput) -> None:
+        while self.waiting and budget.tokens_left > 0:
+            group = self.waiting[0]
+            seqs = group.get_seqs(SequenceStatus.WAITING)
+            if budget.seqs + group.max_num_running_seqs > budget.max_seqs:
+                break
+            # NOTE: recomputed beams must restart from equal computed lengths (see _take).
+            use_cache = group.sampling_params.prompt_logprobs is None and not (
+                group.sampling_params.use_beam_search and seqs[0].output_token_ids)
+            status = self.block_manager.can_allocate(group, use_cache)
+            if status == AllocStatus.LATER:
+                break
+            self.waiting.popleft()
+            if status == AllocStatus.NEVER:
+                self._give_up(group, SequenceStatus.WAITING, out)
+                continue
+            for seq in seqs:
+                self.block_manager.allocate(seq, use_cache)
+                seq.status = SequenceStatus.RUNNING
+            self._insert_running(group)
+            if not self._take(group, budget, out, seqs):
+                break
+
+    def _give_up(self, group: SequenceGroup, status: SequenceStatus, out: SchedulerOutput) -> None:
+        """A group larger than the whole cache finishes with what it has ("length")."""
+        for seq in group.get_seqs(status):
+            self.block_manager.free(seq)
+            seq.status = SequenceStatus.FINISHED_LENGTH
+        out.ignored.append(group)
+
+    def _insert_running(self, group: SequenceGroup) -> None:
+        index = len(self.running)
+        while index > 0 and self.running[index - 1].arrival_time > group.arrival_time:
+            index -= 1
+        self.running.insert(index, group)
+
+    # -- after the step -----------------------------------------------------------------
+    def mark_computed(self, out: SchedulerOutput) -> None:
+        """Advance every scheduled sequence by its chunk and cache its completed blocks."""
+        for item in out.scheduled:
+            for seq in item.group.seqs:
+                chunk = item.chunks.get(seq.seq_id)
+                if chunk:
+                    seq.num_computed_tokens += chunk
+                    self.block_manager.mark_computed(seq)
+
+
+def _in_prefill(group: SequenceGroup) -> bool:
+    return any(s.is_prefill for s in group.get_seqs(SequenceStatus.RUNNING))
+

@@ -1,0 +1,143 @@
+"""Sequences and sequence groups: the engine's record of every request in flight."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Optional, Union
+
+from pagedllm.server.outputs import Logprob
+from pagedllm.server.sampling_params import SamplingParams
+
+StopReason = Union[str, int, None]
+"""The stop string or stop token id that ended a sequence (None: EOS, length or still running)."""
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    SWAPPED = "swapped"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self in (SequenceStatus.FINISHED_STOPPED, SequenceStatus.FINISHED_LENGTH,
+                        SequenceStatus.FINISHED_ABORTED)
+
+
+Logprobs = dict[int, Logprob]
+"""Token id -> its log-probability (and rank), for one position."""
+
+
+@dataclass(eq=False)  # NOTE: identity semantics; queues find and remove by object
+class Sequence:
+    """One token stream: the prompt plus what was generated so far.
+
+    NOTE: ``num_computed_tokens`` counts tokens whose K/V are in the cache. A step
+    computes ``token_ids[num_computed_tokens : num_computed_tokens + chunk]``; the
+    sequence samples only when that reaches ``len(token_ids)``.
+    """
+
+    seq_id: int
+    prompt_token_ids: list[int]
+    output_token_ids: list[int] = field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_computed_tokens: int = 0
+    cumulative_logprob: float = 0.0
+    output_logprobs: list[Logprobs] = field(default_factory=list)
+    output_text: str = ""
+    stop_reason: StopReason = None
+    # Incremental detokenization offsets into ``token_ids``.
+    prefix_offset: int = 0
+    read_offset: int = 0
+
+    def __post_init__(self) -> None:
+        # NOTE: prompt + output kept as one list, appended to in place: the hot paths
+        # (hashing, input preparation, detokenization) read it every step.
+        self._token_ids = self.prompt_token_ids + self.output_token_ids
+        self.read_offset = len(self.prompt_token_ids)
+        self.prefix_offset = max(self.read_offset - 5, 0)
+
+    @property
+    def token_ids(self) -> list[int]:
+        """Prompt then output tokens. Read-only: change it through :meth:`append_token`."""
+        return self._token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self._token_ids)
+
+    def __len__(self) -> int:
+        return len(self._token_ids)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_prefill(self) -> bool:
+        """More than the newest token is still to be computed."""
+        return self.num_tokens - self.num_computed_tokens > 1
+
+    def append_token(self, token_id: int, logprob: float, logprobs: Optional[Logprobs]) -> None:
+        self.output_token_ids.append(token_id)
+        self._token_ids.append(token_id)
+        self.cumulative_logprob += logprob
+        if logprobs is not None:
+            self.output_logprobs.append(logprobs)
+
+    def reset_for_recompute(self) -> None:
+        """Preempted by recomputation: the KV cache is dropped, all tokens are recomputed."""
+        self.num_computed_tokens = 0
+        self.status = SequenceStatus.WAITING
+
+    def fork(self, seq_id: int) -> "Sequence":
+        child = Sequence(seq_id, self.prompt_token_ids, list(self.output_token_ids), self.status,
+                         self.num_computed_tokens, self.cumulative_logprob, list(self.output_logprobs),
+                         self.output_text, self.stop_reason)
+        child.prefix_offset, child.read_offset = self.prefix_offset, self.read_offset
+        return child
+
+
+@dataclass(eq=False)
+class SequenceGroup:
+    """One request: its sequences (one at first; forks for n > 1 and beams) and parameters."""
+
+    request_id: str
+    seqs: list[Sequence]
+    sampling_params: SamplingParams
+    prompt: Optional[str] = None
+    arrival_time: float = field(default_factory=time.monotonic)
+    prompt_logprobs: list[Optional[Logprobs]] = field(default_factory=list)
+    first_scheduled_time: Optional[float] = None
+    first_token_time: Optional[float] = None
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.seqs[0].prompt_token_ids
+
+    def get_seqs(self, status: Optional[SequenceStatus] = None) -> list[Sequence]:
+        if status is None:
+            return list(self.seqs)
+        return [s for s in self.seqs if s.status == status]
+
+    def unfinished_seqs(self) -> list[Sequence]:
+        return [s for s in self.seqs if not s.status.finished]
+
+    def is_finished(self) -> bool:
+        return all(s.status.finished for s in self.seqs)
+
+    @property
+    def max_num_running_seqs(self) -> int:
+        """Sequences this group will run at its widest (for ``max_num_seqs``)."""
+        params = self.sampling_params
+        if not self.seqs or self.seqs[0].num_computed_tokens == 0 and not self.seqs[0].output_token_ids:
+            return params.best_of
+        return len(self.unfinished_seqs())
+
+    @property
+    def is_multi_seq(self) -> bool:
+        return self.sampling_params.best_of > 1

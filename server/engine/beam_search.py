@@ -1,0 +1,160 @@
+"""Beam search decisions, with Hugging Face's scoring and stopping rules.
+
+One call per step and group: given the log-probabilities of every running beam, pick
+the next beams and the hypotheses that finish. The engine then forks and frees
+sequences accordingly (the paper's Fig. 9: beams share blocks, and a dropped beam's
+blocks lose a reference).
+
+Per step, as in ``transformers``' beam search:
+
+- candidates are the ``max(2, 1 + #eos) * k`` best (beam, token) pairs by cumulative
+  log-probability;
+- a candidate that ends (EOS, or the length limit) and ranks among the first ``k``
+  becomes a hypothesis scored ``sum_logprobs / generated_len ** length_penalty``;
+- the ``k`` best candidates that do not end are the next beams;
+- the search stops when every candidate ends, when ``early_stopping=True`` and ``k``
+  hypotheses exist, or when no running beam can beat the worst of ``k`` hypotheses
+  (estimated at the current length, or at the maximum length for ``"never"`` with a
+  positive length penalty).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from pagedllm.server.core.block_manager import BlockManager
+from pagedllm.server.core.sequence import Sequence, SequenceGroup, SequenceStatus
+from pagedllm.server.engine.output_processor import OutputProcessor
+from pagedllm.server.sampling_params import SamplingParams
+
+
+@dataclass
+class Candidate:
+    parent: Sequence
+    token: int
+    logprob: float  # of the token alone
+    score: float  # cumulative log-probability including the token
+
+
+@dataclass
+class BeamState:
+    """What a beam group remembers between steps."""
+
+    hypotheses: list[tuple[float, Sequence]] = field(default_factory=list)  # (score, finished sequence)
+    improvable: bool = True
+
+
+@dataclass
+class BeamStep:
+    running: list[Candidate]  # the next beams, best first
+    finished: list[Candidate]  # candidates that became hypotheses this step
+    done: bool
+
+
+def beam_step(state: BeamState, beams: list[Sequence], logprobs: torch.Tensor, params: SamplingParams,
+              eos_token_ids: tuple[int, ...], at_length_limit: bool) -> BeamStep:
+    """Decide one step. ``logprobs``: [len(beams), vocab] log-softmax of each beam's logits.
+
+    ``at_length_limit`` says the new token is the last one allowed (max_tokens or max_model_len).
+    """
+    width = params.best_of
+    eos = () if params.ignore_eos else tuple(eos_token_ids)
+    gen_len = len(beams[0].output_token_ids) + 1
+    scores = logprobs + torch.tensor([b.cumulative_logprob for b in beams], dtype=logprobs.dtype)[:, None]
+    keep = min(max(2, 1 + len(eos)) * width, scores.numel())
+    top_scores, top_index = scores.view(-1).topk(keep)
+    vocab = logprobs.shape[1]
+    candidates = []
+    for score, index in zip(top_scores.tolist(), top_index.tolist()):
+        beam, token = divmod(index, vocab)
+        candidates.append(Candidate(beams[beam], token, float(logprobs[beam, token]), score))
+    ends = [at_length_limit or c.token in eos for c in candidates]
+    running = [c for c, end in zip(candidates, ends) if not end][:width]
+    full = len(state.hypotheses) >= width and params.early_stopping is True
+    finished = []
+    if state.improvable and not full:
+        finished = [c for c, end in zip(candidates[:width], ends[:width]) if end]
+    new_scores = [c.score / gen_len ** params.length_penalty for c in finished]
+    _update_improvable(state, running, new_scores, gen_len, params)
+    done = all(ends) or not state.improvable or (
+        len(state.hypotheses) + len(finished) >= width and params.early_stopping is True)
+    return BeamStep(running, finished, done)
+
+
+def _update_improvable(state: BeamState, running: list[Candidate], new_scores: list[float], gen_len: int,
+                       params: SamplingParams) -> None:
+    scores = sorted([s for s, _ in state.hypotheses] + new_scores, reverse=True)[:params.best_of]
+    if len(scores) < params.best_of or not running:
+        return
+    if params.early_stopping == "never" and params.length_penalty > 0 and params.max_tokens is not None:
+        best_len = params.max_tokens
+    else:
+        best_len = gen_len
+    best_possible = running[0].score / best_len ** params.length_penalty
+    state.improvable = state.improvable and best_possible > min(scores)
+
+
+def add_hypotheses(state: BeamState, new: list[tuple[float, Sequence]], width: int) -> None:
+    """Keep the ``width`` best-scoring hypotheses (earlier ones win ties, as in a stable top-k)."""
+    merged = state.hypotheses + new
+    order = sorted(range(len(merged)), key=lambda i: (-merged[i][0], i))
+    state.hypotheses = [merged[i] for i in order[:width]]
+
+
+class BeamSearch:
+    """Carries out :func:`beam_step`'s decisions on sequences and their blocks.
+
+    Kept beams are forked (children share their parent's blocks), dropped beams are
+    freed (their blocks lose a reference), and finished candidates become hypotheses:
+    block-less copies that exist only as outputs.
+    """
+
+    def __init__(self, block_manager: BlockManager, outputs: OutputProcessor, new_seq_id: Callable[[], int]) -> None:
+        self.block_manager = block_manager
+        self.outputs = outputs
+        self.new_seq_id = new_seq_id
+
+    def step(self, group: SequenceGroup, state: BeamState, beams: list[Sequence], logits: torch.Tensor) -> None:
+        """Advance ``group`` by one token; ``logits``: [len(beams), vocab], row i for ``beams[i]``."""
+        params = group.sampling_params
+        gen_len = len(beams[0].output_token_ids) + 1
+        at_limit = (params.max_tokens is not None and gen_len >= params.max_tokens) or \
+            len(beams[0]) + 1 >= self.outputs.max_model_len
+        logprobs = torch.log_softmax(logits.float().cpu(), dim=-1)
+        decided = beam_step(state, beams, logprobs, params, self.outputs.eos_token_ids, at_limit)
+        add_hypotheses(state, [self._hypothesis(c, gen_len, params) for c in decided.finished], params.best_of)
+        if decided.done:
+            for beam in beams:
+                self.block_manager.free(beam)
+            group.seqs = [hyp for _, hyp in state.hypotheses]
+            return
+        group.seqs = self._fork_beams(beams, decided.running, params)
+
+    def _hypothesis(self, cand: Candidate, gen_len: int, params: SamplingParams) -> tuple[float, Sequence]:
+        hyp = cand.parent.fork(self.new_seq_id())  # NOTE: holds no blocks; it is only an output
+        self.outputs.append_text_token(hyp, cand.token, cand.logprob, None, params)
+        stopped = self.outputs.is_eos(cand.token, params)
+        hyp.status = SequenceStatus.FINISHED_STOPPED if stopped else SequenceStatus.FINISHED_LENGTH
+        return cand.score / gen_len ** params.length_penalty, hyp
+
+    def _fork_beams(self, beams: list[Sequence], running: list[Candidate], params: SamplingParams) -> list[Sequence]:
+        children: dict[Sequence, list[Candidate]] = {}
+        for cand in running:
+            children.setdefault(cand.parent, []).append(cand)
+        kept = []
+        for parent in beams:
+            cands = children.get(parent)
+            if not cands:
+                self.block_manager.free(parent)  # a dropped beam: its blocks lose a reference
+                continue
+            for cand in cands[1:]:
+                child = parent.fork(self.new_seq_id())
+                self.block_manager.fork(parent, child)
+                self.outputs.append_text_token(child, cand.token, cand.logprob, None, params)
+                kept.append(child)
+            self.outputs.append_text_token(parent, cands[0].token, cands[0].logprob, None, params)
+            kept.append(parent)
+        return sorted(kept, key=lambda s: s.cumulative_logprob, reverse=True)

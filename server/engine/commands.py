@@ -1,0 +1,71 @@
+"""What the event loop asks of the engine thread: typed commands, run between steps.
+
+NOTE: commands are the only way into :class:`LLMEngine` from outside its thread; the
+thread drains the queue between steps, so an abort frees blocks before the next step.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Union
+
+from pagedllm.server.engine.input_processor import PromptType
+from pagedllm.server.engine.llm_engine import LLMEngine
+from pagedllm.server.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class AddRequest:
+    request_id: str
+    prompt: PromptType
+    params: SamplingParams
+    arrival_time: float
+    done: concurrent.futures.Future
+    """Resolved once the engine queued the request, or failed with its :class:`ConfigError`."""
+
+
+@dataclass(frozen=True)
+class AbortRequests:
+    request_ids: list[str]
+
+
+@dataclass(frozen=True)
+class CallEngine:
+    fn: Callable[[LLMEngine], Any]
+    done: concurrent.futures.Future
+
+
+@dataclass(frozen=True)
+class Wake:
+    """Nothing to do: makes a blocked engine thread look at its stop flag."""
+
+
+Command = Union[AddRequest, AbortRequests, CallEngine, Wake]
+
+
+def execute(engine: LLMEngine, command: Command) -> None:
+    """Carry out ``command``; a failure goes to its future, never out of the engine thread."""
+    if isinstance(command, AddRequest):
+        _run_into(command.done, engine.add_request, command.request_id, command.prompt, command.params,
+                  command.arrival_time)
+    elif isinstance(command, AbortRequests):
+        engine.abort_request(command.request_ids)
+    elif isinstance(command, CallEngine):
+        _run_into(command.done, command.fn, engine)
+
+
+def reject(command: Command, error: BaseException) -> None:
+    """Fail a command that will never run (the engine stopped); its waiter gets ``error``."""
+    if isinstance(command, (AddRequest, CallEngine)) and command.done.set_running_or_notify_cancel():
+        command.done.set_exception(error)
+
+
+def _run_into(done: concurrent.futures.Future[Any], fn: Callable[..., Any], *args: Any) -> None:
+    if not done.set_running_or_notify_cancel():
+        return
+    try:
+        done.set_result(fn(*args))
+    except Exception as exc:  # noqa: BLE001 (handed to the caller)
+        done.set_exception(exc)

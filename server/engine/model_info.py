@@ -1,0 +1,77 @@
+"""What the engine reads about a model before loading its weights: limits, EOS, tokenizer, defaults."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from pagedllm.server.config import ConfigError, EngineConfig
+
+SAMPLING_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """The loaded model as its callers see it (read-only, safe to share between threads)."""
+
+    model_dir: str
+    tokenizer_dir: str
+    max_model_len: int
+    """Longest prompt plus output the engine serves (the model's limit, the flag and the cache agree)."""
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    default_sampling: dict[str, Any] = field(default_factory=dict)
+    """Sampling defaults from the model's generation_config.json (temperature, top_p, ...)."""
+
+
+def read_model_info(config: EngineConfig, hf_config: dict[str, Any], tokenizer: Any) -> ModelInfo:
+    model_dir = config.model.model
+    assert model_dir is not None, "the model directory is resolved before the engine reads it"
+    return ModelInfo(model_dir=model_dir, tokenizer_dir=config.model.tokenizer or model_dir,
+                     max_model_len=max_model_len(config, hf_config), vocab_size=hf_config["vocab_size"],
+                     eos_token_ids=eos_token_ids(model_dir, hf_config, tokenizer),
+                     default_sampling=default_sampling(model_dir))
+
+
+def load_tokenizer(path: str) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+def _generation_config(model_dir: str) -> dict[str, Any]:
+    path = os.path.join(model_dir, "generation_config.json")
+    if not os.path.isfile(path):
+        return {}
+    with open(path) as f:
+        return json.load(f)
+
+
+def eos_token_ids(model_dir: str, hf_config: dict[str, Any], tokenizer: Any) -> tuple[int, ...]:
+    """End-of-sequence ids: generation_config.json's, else config.json's, else the tokenizer's."""
+    ids = _generation_config(model_dir).get("eos_token_id", hf_config.get("eos_token_id"))
+    if ids is None and tokenizer is not None:
+        ids = tokenizer.eos_token_id
+    if ids is None:
+        return ()
+    return tuple(ids) if isinstance(ids, list) else (ids,)
+
+
+def default_sampling(model_dir: str) -> dict[str, Any]:
+    """The model's own sampling defaults, as vLLM applies them (``--generation-config auto``)."""
+    config = _generation_config(model_dir)
+    return {k: config[k] for k in SAMPLING_DEFAULT_KEYS if config.get(k) is not None}
+
+
+def max_model_len(config: EngineConfig, hf_config: dict[str, Any]) -> int:
+    """``--max-model-len`` if given (never above the model's own limit), else that limit."""
+    limit = hf_config.get("max_position_embeddings") or hf_config.get("n_positions") or 2048
+    if hf_config.get("sliding_window"):
+        limit = min(limit, hf_config["sliding_window"])
+    asked: Optional[int] = config.model.max_model_len
+    if asked is not None and asked > limit:
+        raise ConfigError("max_model_len", asked, f"at most the model's limit of {limit} positions",
+                          problem="is larger than the model allows")
+    return asked or limit

@@ -1,0 +1,134 @@
+"""From logits to tokens: penalties, temperature, top-k / top-p / min-p, seeded sampling, logprobs.
+
+Returned log-probabilities are those of the model's own distribution (``log_softmax``
+of the raw logits), whatever processing chose the token, so they compare with the
+reference model's and add up to ``cumulative_logprob``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence as Seq
+
+import torch
+
+from pagedllm.server.outputs import Logprob
+from pagedllm.server.sampling_params import SamplingParams
+
+
+@dataclass
+class SampleRequest:
+    """What the sampler needs to know about one row of logits."""
+
+    params: SamplingParams
+    prompt_token_ids: Seq[int]
+    output_token_ids: Seq[int]
+    num_samples: int = 1  # best_of draws at a group's first token, else 1
+    generator: Optional[torch.Generator] = None
+    eos_token_ids: tuple[int, ...] = ()
+
+
+@dataclass
+class Sample:
+    token_ids: list[int]
+    logprobs: list[float]  # of each sampled token
+    top_logprobs: list[Optional[dict[int, Logprob]]]  # per sampled token, when asked for
+
+
+class Sampler:
+    """Stateless apart from the engine-wide generator used by unseeded requests."""
+
+    def __init__(self, seed: int) -> None:
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, requests: list[SampleRequest]) -> list[Sample]:
+        # logits: [num_rows, vocab] float32
+        logits = logits.float().cpu()
+        raw_logprobs = torch.log_softmax(logits, dim=-1)
+        logits = logits.clone()
+        for i, req in enumerate(requests):
+            _apply_penalties(logits[i], req)
+            _block_early_stop(logits[i], req)
+        greedy = [i for i, r in enumerate(requests) if r.params.greedy]
+        sampled: dict[int, list[int]] = {}
+        if greedy:
+            choice = logits[greedy].argmax(dim=-1)
+            sampled.update((i, [int(t)] * requests[i].num_samples) for i, t in zip(greedy, choice))
+        random_rows = [i for i, r in enumerate(requests) if not r.params.greedy]
+        if random_rows:
+            probs = _filtered_probs(logits[random_rows], [requests[i].params for i in random_rows])
+            for row, i in enumerate(random_rows):
+                req = requests[i]
+                draw = torch.multinomial(probs[row], req.num_samples, replacement=True,
+                                         generator=req.generator or self.generator)
+                sampled[i] = [int(t) for t in draw]
+        return [self._result(raw_logprobs[i], sampled[i], req) for i, req in enumerate(requests)]
+
+    @staticmethod
+    def _result(logprobs: torch.Tensor, tokens: list[int], req: SampleRequest) -> Sample:
+        chosen = [float(logprobs[t]) for t in tokens]
+        tops = [top_logprobs(logprobs, t, req.params.logprobs) for t in tokens]
+        return Sample(tokens, chosen, tops)
+
+
+def top_logprobs(logprobs: torch.Tensor, token: int, num: Optional[int]) -> Optional[dict[int, Logprob]]:
+    """The ``num`` most likely tokens of one position plus ``token`` itself, with ranks."""
+    if num is None:
+        return None
+    result: dict[int, Logprob] = {}
+    if num > 0:
+        values, ids = logprobs.topk(num)
+        result = {int(t): Logprob(float(v), rank + 1) for rank, (v, t) in enumerate(zip(values, ids))}
+    if token not in result:
+        rank = int((logprobs > logprobs[token]).sum()) + 1
+        result[token] = Logprob(float(logprobs[token]), rank)
+    return result
+
+
+_LOGIT_LIMIT = 1e30
+
+
+def _apply_penalties(logits: torch.Tensor, req: SampleRequest) -> None:
+    p = req.params
+    if p.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(req.prompt_token_ids) | set(req.output_token_ids)), dtype=torch.int64)
+        values = logits[seen]
+        penalized = torch.where(values > 0, values / p.repetition_penalty, values * p.repetition_penalty)
+        # NOTE: a tiny penalty overflows to inf, which sampling cannot draw from.
+        logits[seen] = penalized.clamp(min=-_LOGIT_LIMIT, max=_LOGIT_LIMIT)
+    if (p.presence_penalty or p.frequency_penalty) and req.output_token_ids:
+        counts = torch.bincount(torch.tensor(req.output_token_ids, dtype=torch.int64), minlength=logits.numel())
+        logits -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
+
+
+def _block_early_stop(logits: torch.Tensor, req: SampleRequest) -> None:
+    """Before ``min_tokens`` are generated, EOS and the stop token ids cannot be chosen."""
+    if len(req.output_token_ids) >= req.params.min_tokens:
+        return
+    banned = list(req.params.stop_token_ids)
+    if not req.params.ignore_eos:
+        banned += list(req.eos_token_ids)
+    if banned:
+        logits[torch.tensor(banned, dtype=torch.int64)] = float("-inf")
+
+
+def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Temperature, then top-k, top-p and min-p masks, as probabilities. logits: [rows, vocab]."""
+    temperature = torch.tensor([p.temperature for p in params]).unsqueeze(1)
+    logits = logits / temperature
+    if all(p.top_k == 0 and p.top_p >= 1.0 and p.min_p == 0.0 for p in params):
+        return torch.softmax(logits, dim=-1)
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    vocab = logits.shape[-1]
+    top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params]).unsqueeze(1)
+    ranks = torch.arange(vocab).unsqueeze(0)
+    remove = ranks >= top_k
+    sorted_probs = torch.softmax(sorted_logits.masked_fill(remove, float("-inf")), dim=-1)
+    top_p = torch.tensor([p.top_p for p in params]).unsqueeze(1)
+    remove |= (sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_p  # NOTE: the top token always stays
+    min_p = torch.tensor([p.min_p for p in params]).unsqueeze(1)
+    remove |= sorted_probs < min_p * sorted_probs[:, :1]
+    remove[:, 0] = False
+    sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
+    filtered = torch.empty_like(logits).scatter_(1, order, sorted_logits)
+    return torch.softmax(filtered, dim=-1)

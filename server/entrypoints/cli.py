@@ -1,0 +1,79 @@
+"""The ``pagedllm`` command: ``generate``, ``serve`` and ``operator``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Optional, Sequence
+
+from pagedllm.server.args import add_engine_args, engine_config_from_args
+from pagedllm.server.entrypoints.serve import add_serve_parser
+
+
+def _add_generate(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = subparsers.add_parser("generate", help="Complete prompts offline with the engine and print the text.")
+    p.add_argument("prompts", nargs="+", help="One or more prompts.")
+    p.add_argument("--max-tokens", type=int, default=64, help="Tokens to generate per prompt (default: 64).")
+    p.add_argument("--temperature", type=float, default=0.0, help="Sampling temperature; 0 is greedy.")
+    p.add_argument("--top-p", type=float, default=1.0, help="Nucleus sampling mass (default: 1.0).")
+    p.add_argument("--top-k", type=int, default=0, help="Keep the k most likely tokens; 0 keeps all.")
+    p.add_argument("--n", type=int, default=1, help="Completions per prompt (default: 1).")
+    add_engine_args(p)
+    p.set_defaults(func=_run_generate)
+
+
+def _run_generate(args: argparse.Namespace) -> int:
+    from pagedllm.server.llm import LLM
+    from pagedllm.server.sampling_params import SamplingParams
+
+    config = engine_config_from_args(args)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, n=args.n, seed=config.model.seed)
+    llm = LLM.from_config(config)
+    for output in llm.generate(args.prompts, params):
+        for completion in output.outputs:
+            print(output.prompt + completion.text)
+            print("-" * 40)
+    return 0
+
+
+def _add_operator(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    help_text = "Run the Kubernetes operator for PagedLLM resources."
+    try:
+        from pagedllm.operator.main import add_operator_args, run_operator
+    except ImportError as exc:
+        missing = exc.name or str(exc)
+        p = subparsers.add_parser("operator", help=f"{help_text} (unavailable: {missing} is not installed)")
+        p.set_defaults(func=lambda _: _missing_extra("operator", missing))
+        return
+    p = subparsers.add_parser("operator", help=help_text)
+    add_operator_args(p)
+    p.set_defaults(func=run_operator)
+
+
+def _missing_extra(command: str, module: str) -> int:
+    print(f"pagedllm {command}: error: {module} is not installed; install it with "
+          f"pip install 'pagedllm[{command}]'", file=sys.stderr)
+    return 2
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pagedllm", description=__doc__)
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    _add_generate(subparsers)
+    add_serve_parser(subparsers)
+    _add_operator(subparsers)
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except ValueError as exc:
+        parser.exit(2, f"pagedllm {args.command}: error: {exc}\n")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,263 @@
+"""The HTTP server: FastAPI routes, OpenAI-shaped errors, auth, health, metrics and draining.
+
+``build_app(config, settings)`` returns the ASGI app; :mod:`pagedllm.server.entrypoints.serve` runs it
+with uvicorn. The engine starts in the app's lifespan and loads the model on its own
+thread, so ``/health`` answers at once and ``/ready`` turns true after a first forward pass.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any, Optional, Union
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from pagedllm.server.config import ConfigError, EngineConfig
+from pagedllm.server.engine.async_engine import AsyncLLMEngine
+from pagedllm.server.entrypoints.openai.errors import (
+    APIError,
+    bad_request,
+    error_response,
+    unavailable,
+    validation_error,
+)
+from pagedllm.server.entrypoints.openai.metrics import ServerMetrics
+from pagedllm.server.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+    VersionResponse,
+)
+from pagedllm.server.entrypoints.openai.serving import OpenAIServing
+from pagedllm.server.entrypoints.openai.serving_chat import OpenAIServingChat
+from pagedllm.server.entrypoints.openai.serving_completion import OpenAIServingCompletion
+
+logger = logging.getLogger("pagedllm.api_server")
+OPEN_WHILE_DRAINING = ("/health", "/ready", "/metrics", "/version")
+ERROR_RESPONSES: dict[Union[int, str], dict[str, Any]] = {
+    code: {"model": ErrorResponse} for code in (400, 401, 404, 503)
+}
+
+
+@dataclass
+class ServerSettings:
+    """The server's own options (the engine's are in :class:`EngineConfig`)."""
+
+    served_model_names: list[str] = field(default_factory=list)
+    """Names clients use in ``model``; defaults to the model path (or ``pagedllm-demo``)."""
+    api_key: Optional[str] = None
+    """When set, ``/v1/*`` requires ``Authorization: Bearer <api_key>``."""
+    max_queue_len: Optional[int] = None
+    """Most requests waiting to be scheduled; more get 503 with Retry-After."""
+    drain_timeout: float = 30.0
+    """Seconds a SIGTERM waits for in-flight requests before aborting them."""
+    chat_template: Optional[str] = None
+    """A Jinja chat template (text) replacing the tokenizer's."""
+    warmup: bool = True
+    """Run one forward pass before reporting ready."""
+
+    def __post_init__(self) -> None:
+        if self.max_queue_len is not None and self.max_queue_len < 1:
+            raise ConfigError("max_queue_len", self.max_queue_len, "must be >= 1 or unset", problem="is out of range")
+        if self.drain_timeout < 0:
+            raise ConfigError("drain_timeout", self.drain_timeout, "must be >= 0", problem="is out of range")
+        if self.api_key == "":
+            raise ConfigError("api_key", self.api_key, "give a non-empty key or none")
+
+
+def default_model_name(config: EngineConfig) -> str:
+    return config.model.model or "pagedllm-demo"
+
+
+def build_app(config: EngineConfig, settings: Optional[ServerSettings] = None) -> FastAPI:
+    """The ASGI app; ``app.state.serving`` / ``.engine`` / ``.metrics`` expose the parts (tests use them)."""
+    settings = settings or ServerSettings()
+    names = settings.served_model_names or [default_model_name(config)]
+    engine = AsyncLLMEngine(config, warmup=settings.warmup)
+    metrics = ServerMetrics(names[0], config, engine.stats)
+    engine.observer = metrics.observe
+    serving = OpenAIServing(engine, names, settings.chat_template, settings.max_queue_len)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        engine.start()
+        yield
+        await engine.shutdown()
+
+    app = FastAPI(title="PagedLLM OpenAI-compatible API", version=_version(), lifespan=lifespan)
+    app.state.settings, app.state.engine, app.state.serving, app.state.metrics = settings, engine, serving, metrics
+    app.add_middleware(GateMiddleware, serving=serving, api_key=settings.api_key)
+    _add_error_handlers(app)
+    _add_openai_routes(app, serving)
+    _add_ops_routes(app, serving, metrics)
+    return app
+
+
+# -- routes ---------------------------------------------------------------------------------------
+def _add_openai_routes(app: FastAPI, serving: OpenAIServing) -> None:
+    completion, chat = OpenAIServingCompletion(serving), OpenAIServingChat(serving)
+
+    @app.get("/v1/models", response_model=ModelList, responses=ERROR_RESPONSES)
+    async def list_models() -> ModelList:
+        info = serving.engine.model_info
+        return ModelList(data=[ModelCard(id=name, root=info.model_dir if info else None,
+                                         max_model_len=info.max_model_len if info else None)
+                               for name in serving.served_model_names])
+
+    @app.post("/v1/completions", responses={200: {"model": CompletionResponse}, **ERROR_RESPONSES})
+    async def completions(body: CompletionRequest, request: Request) -> Any:
+        return await until_disconnected(request, completion.create(body))
+
+    @app.post("/v1/chat/completions", responses={200: {"model": ChatCompletionResponse}, **ERROR_RESPONSES})
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
+        return await until_disconnected(request, chat.create(body))
+
+    @app.post("/tokenize", response_model=TokenizeResponse, responses=ERROR_RESPONSES)
+    async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
+        serving.check_model(body.model)
+        serving.check_ready()
+        tokenizer = serving.need_tokenizer()
+        if (body.prompt is None) == (body.messages is None):
+            raise bad_request("give exactly one of prompt or messages", "prompt")
+        if body.messages is not None:
+            tokens = chat.prompt(body.messages, body.add_generation_prompt).token_ids
+        else:
+            tokens = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        return TokenizeResponse(count=len(tokens), max_model_len=serving.model_info.max_model_len, tokens=tokens)
+
+    @app.post("/detokenize", response_model=DetokenizeResponse, responses=ERROR_RESPONSES)
+    async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
+        serving.check_model(body.model)
+        serving.check_ready()
+        tokenizer = serving.need_tokenizer()
+        serving.check_token_ids(body.tokens, "tokens")
+        return DetokenizeResponse(prompt=tokenizer.decode(body.tokens))
+
+
+def _add_ops_routes(app: FastAPI, serving: OpenAIServing, metrics: ServerMetrics) -> None:
+    @app.get("/health", responses={503: {"model": ErrorResponse}})
+    async def health():
+        """200 while the process and the engine thread are alive (also while the model loads)."""
+        engine = serving.engine
+        if engine.error is not None or (engine.model_info is not None and not engine.is_alive):
+            raise APIError(503, f"the engine is dead: {engine.error!r}", type="service_unavailable")
+        return {"status": "ok"}
+
+    @app.get("/ready", responses={503: {"model": ErrorResponse}})
+    async def ready():
+        """200 once the model is loaded and has run a forward pass, until draining starts."""
+        serving.check_ready()
+        return {"status": "ready"}
+
+    @app.get("/version", response_model=VersionResponse)
+    async def version() -> VersionResponse:
+        return VersionResponse(version=_version())
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+# -- errors ----------------------------------------------------------------------------------------
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def on_api_error(request: Request, exc: APIError) -> JSONResponse:
+        return error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return error_response(validation_error(exc))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return error_response(APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}",
+                                       type=kind, headers=dict(exc.headers or {})))
+
+    @app.exception_handler(Exception)
+    async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unexpected error on %s %s", request.method, request.url.path)
+        return error_response(APIError(500, f"internal error: {exc!r}", type="internal_server_error"))
+
+
+# -- middleware and helpers ----------------------------------------------------------------------------
+class GateMiddleware:
+    """Pure ASGI middleware: 503 while draining; Bearer key on ``/v1/*`` (constant-time compare).
+
+    NOTE: pure ASGI (not BaseHTTPMiddleware) so streaming and disconnect detection pass
+    through untouched.
+    """
+
+    def __init__(self, app: ASGIApp, serving: OpenAIServing, api_key: Optional[str]) -> None:
+        self.app = app
+        self.serving = serving
+        self.expected = f"Bearer {api_key}".encode() if api_key else None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope.get("path", "")
+        error = None
+        if self.serving.draining and path not in OPEN_WHILE_DRAINING:
+            error = unavailable("the server is shutting down: retry on another replica")
+        elif self.expected is not None and path.startswith("/v1"):
+            given = dict(scope.get("headers") or []).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                error = APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
+                                 type="authentication_error", code="invalid_api_key",
+                                 headers={"WWW-Authenticate": "Bearer"})
+        if error is None:
+            return await self.app(scope, receive, send)
+        return await error_response(error)(scope, receive, send)
+
+
+async def until_disconnected(request: Request, work: Awaitable[Any]) -> Any:
+    """Run ``work``; if the client goes away first, cancel it (which aborts its engine requests)."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        task.cancel()
+        raise
+    finally:
+        watcher.cancel()
+    if task in done:
+        return task.result()
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    return Response(status_code=499)  # nobody is listening any more
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+def _version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("pagedllm")
+    except Exception:  # noqa: BLE001 (not installed as a distribution)
+        return "0.0.0+unknown"

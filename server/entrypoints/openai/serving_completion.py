@@ -1,0 +1,118 @@
+"""``POST /v1/completions``: prompts in any of OpenAI's four shapes, echo, logprobs, streaming."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any, Optional, Union
+
+from pagedllm.server.entrypoints.openai.errors import bad_request
+from pagedllm.server.entrypoints.openai.logprobs import LogprobFormatter
+from pagedllm.server.entrypoints.openai.protocol import (
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    PromptInput,
+)
+from pagedllm.server.entrypoints.openai.serving import OpenAIServing, Prompt, Tracker, holdback, usage
+from pagedllm.server.entrypoints.openai.sse import SSEResponse
+from pagedllm.server.outputs import CompletionOutput, RequestOutput
+from pagedllm.server.sampling_params import SamplingParams
+
+
+class OpenAIServingCompletion:
+    def __init__(self, serving: OpenAIServing) -> None:
+        self.serving = serving
+
+    async def create(self, req: CompletionRequest) -> Union[CompletionResponse, SSEResponse]:
+        serving = self.serving
+        serving.check_model(req.model)
+        serving.check_ready()
+        logprobs = req.logprobs
+        params = serving.sampling_params(req, max_tokens=req.max_tokens, logprobs=logprobs,
+                                         prompt_logprobs=logprobs if req.echo and logprobs is not None else None)
+        if req.suffix:
+            raise bad_request("suffix is not supported by this server: leave it null", "suffix")
+        prompts = self.prompts(req.prompt)
+        for prompt in prompts:
+            serving.check_length(prompt, req.max_tokens, "max_tokens")
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        param_names = {} if req.best_of is not None else {"best_of": "n"}
+        streams = await serving.start(request_id, prompts, params, param_names)
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return serving.stream(request_id, "text_completion", prompts, params, streams, include_usage,
+                                  self._choice_maker(req, prompts, params))
+        outputs = await serving.final_outputs(streams)
+        return self._response(request_id, req, prompts, params, outputs)
+
+    def prompts(self, prompt: PromptInput) -> list[Prompt]:
+        """A string, a list of strings, a list of token ids or a list of such lists."""
+        items: list[Union[str, list[int]]]
+        if isinstance(prompt, str):
+            items = [prompt]
+        elif prompt and all(isinstance(p, int) for p in prompt):
+            items = [[int(p) for p in prompt]]  # type: ignore[arg-type]
+        else:
+            items = list(prompt)  # type: ignore[arg-type]
+        if not items:
+            raise bad_request("prompt is empty: give a string, strings, token ids or lists of token ids", "prompt")
+        prompts = []
+        for item in items:
+            if isinstance(item, str):
+                prompts.append(Prompt(item, self.serving.need_tokenizer().encode(item)))
+            else:
+                self.serving.check_token_ids(item, "prompt")
+                prompts.append(Prompt(None, list(item)))
+        return prompts
+
+    def _formatter(self) -> LogprobFormatter:
+        return LogprobFormatter(self.serving.tokenizer)
+
+    def _prompt_text(self, prompt: Prompt) -> str:
+        if prompt.text is not None:
+            return prompt.text
+        tokenizer = self.serving.tokenizer
+        return tokenizer.decode(prompt.token_ids) if tokenizer is not None else ""
+
+    def _response(self, request_id: str, req: CompletionRequest, prompts: list[Prompt], params: SamplingParams,
+                  outputs: list[RequestOutput]) -> CompletionResponse:
+        formatter = self._formatter()
+        choices, completion_tokens = [], 0
+        for i, (prompt, output) in enumerate(zip(prompts, outputs)):
+            prompt_text = self._prompt_text(prompt) if req.echo else ""
+            for c in output.outputs:
+                logprobs = None
+                if req.logprobs is not None:
+                    logprobs = CompletionLogprobs()
+                    offset = formatter.add_prompt(logprobs, output) if req.echo else 0
+                    formatter.add_completion(logprobs, c, 0, len(c.token_ids), offset)
+                choices.append(CompletionChoice(index=i * params.n + c.index, text=prompt_text + c.text,
+                                                logprobs=logprobs, finish_reason=c.finish_reason,
+                                                stop_reason=c.stop_reason))
+                completion_tokens += len(c.token_ids)
+        return CompletionResponse(id=request_id, model=self.serving.model_name, choices=choices,
+                                  usage=usage(prompts, completion_tokens))
+
+    def _choice_maker(self, req: CompletionRequest, prompts: list[Prompt], params: SamplingParams):
+        formatter = self._formatter()
+        keep = holdback(params)
+        with_logprobs = req.logprobs is not None
+
+        def make(i: int, index: int, c: CompletionOutput, tracker: Tracker) -> Optional[dict[str, Any]]:
+            delta = tracker.advance(c, keep, with_logprobs)
+            if delta is None:
+                return None
+            prefix = ""
+            if req.echo and not tracker.extra.get("echo_sent"):
+                prefix, tracker.extra["echo_sent"] = self._prompt_text(prompts[i]), True
+            logprobs = None
+            if with_logprobs and delta.token_end > delta.token_start:
+                logprobs = CompletionLogprobs()
+                tracker.extra["offset"] = formatter.add_completion(logprobs, c, delta.token_start, delta.token_end,
+                                                                   tracker.extra.get("offset", 0))
+            return {"index": index, "text": prefix + delta.text,
+                    "logprobs": logprobs.model_dump() if logprobs else None,
+                    "finish_reason": delta.finish_reason, "stop_reason": delta.stop_reason}
+
+        return make

@@ -1,0 +1,163 @@
+"""``pagedllm serve``: the OpenAI-compatible server on uvicorn, with a graceful SIGTERM drain.
+
+On SIGTERM the server stops admitting (``/ready`` turns 503, new requests get 503 with
+``Retry-After``), lets in-flight requests finish for up to ``--drain-timeout`` seconds,
+aborts what is left, then exits 0 — so a Kubernetes rolling update never cuts a stream.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import time
+from typing import Optional
+
+from pagedllm.server.args import add_engine_args, as_flag_error, engine_config_from_args
+from pagedllm.server.config import ConfigError
+
+API_KEY_ENV = "PAGEDLLM_API_KEY"
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+SERVER_FLAGS = {  # ServerSettings field -> flag, for error messages
+    "max_queue_len": "--max-queue-len", "drain_timeout": "--drain-timeout", "api_key": "--api-key",
+}
+logger = logging.getLogger("pagedllm.serve")
+
+
+def add_serve_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "serve", help="Serve the OpenAI-compatible HTTP API (the embedded demo model without --model).",
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_server_args(p)
+    add_engine_args(p)
+    p.set_defaults(func=run_serve)
+    return p
+
+
+def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    group = parser.add_argument_group("server")
+    group.add_argument("--host", default="0.0.0.0", help="Address to listen on (default: 0.0.0.0).")
+    group.add_argument("--port", type=int, default=8000, help="Port to listen on (default: 8000).")
+    group.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                       help="Model name(s) clients pass as `model`; the first is reported "
+                            "(default: the --model path, or pagedllm-demo).")
+    group.add_argument("--api-key", default=None,
+                       help=f"Require `Authorization: Bearer KEY` on /v1/* (default: ${API_KEY_ENV}, else none).")
+    group.add_argument("--max-queue-len", type=int, default=None,
+                       help="Most requests waiting to be scheduled; more get 503 + Retry-After (default: unbounded).")
+    group.add_argument("--drain-timeout", type=float, default=30.0,
+                       help="Seconds SIGTERM waits for in-flight requests before aborting them (default: 30).")
+    group.add_argument("--chat-template", default=None,
+                       help="Jinja chat template, as a file path or the template text (default: the tokenizer's).")
+    group.add_argument("--log-level", default="info", choices=LOG_LEVELS, help="Logging level (default: info).")
+    return parser
+
+
+def settings_from_args(args: argparse.Namespace):
+    """:class:`ServerSettings` from parsed flags; a bad value raises ``ValueError`` naming the flag."""
+    from pagedllm.server.entrypoints.openai.api_server import ServerSettings
+
+    if not 0 <= args.port <= 65535:
+        raise ConfigError("port", args.port, "must be 0-65535", problem="is out of range", name="--port")
+    try:
+        return ServerSettings(served_model_names=list(args.served_model_name or []),
+                              api_key=args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV),
+                              max_queue_len=args.max_queue_len, drain_timeout=args.drain_timeout,
+                              chat_template=load_chat_template(args.chat_template))
+    except ConfigError as exc:
+        raise exc.renamed(SERVER_FLAGS.get(exc.field, exc.name)) from exc
+
+
+def load_chat_template(value: Optional[str]) -> Optional[str]:
+    """A template given as a file path or inline; a path that does not exist is an error."""
+    if value is None:
+        return None
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    if "{{" in value or "{%" in value:
+        return value
+    raise ConfigError("chat_template", value, "give a path or the text", problem="is neither a file nor a Jinja "
+                      "template", name="--chat-template")
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from pagedllm.server.entrypoints.openai.api_server import build_app
+    from pagedllm.server.worker.model_loader import read_hf_config
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = engine_config_from_args(args)
+    settings = settings_from_args(args)
+    if config.model.model is not None:
+        try:
+            read_hf_config(config.model.model)  # NOTE: fail now, not after the port is open
+        except ValueError as exc:
+            raise ConfigError("model", config.model.model, str(exc), problem="is not a model directory",
+                              name="--model") from exc
+    app = build_app(config, settings)
+    server = draining_server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                            timeout_graceful_shutdown=5, access_log=args.log_level == "debug"),
+                             app.state, settings.drain_timeout)
+    try:
+        server.run()
+    except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it shut down for
+        pass
+    error = server.load_error
+    if error is not None:
+        shown = as_flag_error(error) if isinstance(error, ConfigError) else error
+        raise ValueError(f"the engine failed to start: {shown}")
+    return 0
+
+
+def draining_server(config, state, drain_timeout: float):
+    """A uvicorn server whose SIGTERM drains first (see the module docstring)."""
+    import uvicorn
+
+    class DrainingServer(uvicorn.Server):
+        load_error: Optional[BaseException] = None
+
+        def handle_exit(self, sig, frame) -> None:
+            if sig == signal.SIGTERM and not self.should_exit:
+                if not state.serving.draining:
+                    state.serving.draining = True
+                    self._loop.call_soon_threadsafe(self._begin_drain)
+                return  # NOTE: not recorded, so uvicorn does not re-raise SIGTERM and we exit 0
+            super().handle_exit(sig, frame)
+
+        async def startup(self, sockets=None) -> None:
+            self._loop = asyncio.get_running_loop()
+            self._tasks = set()
+            await super().startup(sockets)
+            self._spawn(self._watch_engine())
+
+        def _spawn(self, coro) -> None:
+            task = asyncio.ensure_future(coro)
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+        def _begin_drain(self) -> None:
+            self._spawn(self._drain_then_exit())
+
+        async def _drain_then_exit(self) -> None:
+            engine = state.engine
+            logger.info("SIGTERM: draining %d request(s), up to %.0fs", engine.num_unfinished, drain_timeout)
+            deadline = time.monotonic() + drain_timeout
+            while engine.num_unfinished and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            if engine.num_unfinished:
+                count = engine.abort_all("the server shut down before the request finished (--drain-timeout)")
+                logger.warning("drain timeout: aborted %d request(s)", count)
+            self.should_exit = True
+
+        async def _watch_engine(self) -> None:
+            try:
+                await state.engine.wait_until_ready()
+            except Exception as exc:  # noqa: BLE001 (reported by run_serve)
+                self.load_error = exc
+                self.should_exit = True
+
+    return DrainingServer(config)
