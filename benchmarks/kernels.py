@@ -70,8 +70,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     p.add_argument("--timer", choices=["do_bench", "cudagraph"], default="do_bench")
     p.add_argument("--rep-ms", type=int, default=100, help="do_bench measurement time per point (ms)")
-    p.add_argument("--mem-fraction", type=float, default=0.8,
-                   help="skip points whose paged + contiguous K/V exceed this fraction of free GPU memory")
+    p.add_argument(
+        "--mem-fraction",
+        type=float,
+        default=0.8,
+        help="skip points whose paged + contiguous K/V exceed this fraction of free GPU memory",
+    )
     p.add_argument("--quick", action="store_true", help="batch 1,32,128 x context 512,4096 x block 16")
     p.add_argument("--list", action="store_true", help="print the sweep and exit")
     p.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
@@ -190,8 +194,19 @@ def bench_config(cfg: Config, dtype: torch.dtype, bench, copy_bw: float, mem_fra
 
 
 COLUMNS = [
-    "batch", "context_len", "num_heads", "num_kv_heads", "head_dim", "block_size", "status", "latency_us",
-    "sdpa_latency_us", "ratio_vs_sdpa", "bandwidth_gbs", "frac_copy_bw", "max_abs_err_vs_sdpa",
+    "batch",
+    "context_len",
+    "num_heads",
+    "num_kv_heads",
+    "head_dim",
+    "block_size",
+    "status",
+    "latency_us",
+    "sdpa_latency_us",
+    "ratio_vs_sdpa",
+    "bandwidth_gbs",
+    "frac_copy_bw",
+    "max_abs_err_vs_sdpa",
 ]
 
 

@@ -33,7 +33,6 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Optional
 
 import httpx
 import numpy as np
@@ -71,11 +70,15 @@ def build_requests(args, pool: list[int], max_model_len: int) -> list[tuple[list
     if args.dataset == "random":
         lo = max(1, int(args.random_input_len * (1 - args.random_range_ratio)))
         lo_out = max(1, int(args.random_output_len * (1 - args.random_range_ratio)))
-        shapes = [(rng.randint(lo, args.random_input_len), rng.randint(lo_out, args.random_output_len))
-                  for _ in range(args.num_prompts)]
+        shapes = [
+            (rng.randint(lo, args.random_input_len), rng.randint(lo_out, args.random_output_len))
+            for _ in range(args.num_prompts)
+        ]
     else:
-        shapes = [(len(r.prompt_token_ids), r.output_len)
-                  for r in sample_requests(args.dataset, args.num_prompts, 1, args.seed)]
+        shapes = [
+            (len(r.prompt_token_ids), r.output_len)
+            for r in sample_requests(args.dataset, args.num_prompts, 1, args.seed)
+        ]
     requests = []
     for n_in, n_out in shapes:
         n_in = min(n_in, max_model_len // 2)
@@ -85,10 +88,18 @@ def build_requests(args, pool: list[int], max_model_len: int) -> list[tuple[list
 
 
 # -- one request -----------------------------------------------------------------------------------
-async def send(client: httpx.AsyncClient, model: str, prompt: list[int], max_tokens: int,
-               pbar: Optional[tqdm]) -> RequestResult:
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0.0,
-            "stream": True, "stream_options": {"include_usage": True}}
+async def send(
+    client: httpx.AsyncClient, model: str, prompt: list[int], max_tokens: int, pbar: tqdm | None
+) -> RequestResult:
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     result = RequestResult(prompt_len=len(prompt))
     start = time.perf_counter()
     last = start
@@ -100,7 +111,7 @@ async def send(client: httpx.AsyncClient, model: str, prompt: list[int], max_tok
             async for line in response.aiter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
-                data = json.loads(line[len("data: "):])
+                data = json.loads(line[len("data: ") :])
                 now = time.perf_counter()
                 if data.get("choices"):
                     if result.ttft == 0.0:
@@ -128,8 +139,9 @@ async def run_load(args, model: str, requests) -> tuple[list[RequestResult], flo
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     semaphore = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
     pbar = None if args.disable_tqdm else tqdm(total=len(requests), desc="requests")
-    async with httpx.AsyncClient(base_url=args.base_url, limits=limits, timeout=args.timeout,
-                                 headers=_auth(args)) as client:
+    async with httpx.AsyncClient(
+        base_url=args.base_url, limits=limits, timeout=args.timeout, headers=_auth(args)
+    ) as client:
         start = time.perf_counter()
 
         async def one(at: float, prompt: list[int], max_tokens: int) -> RequestResult:
@@ -153,35 +165,55 @@ def summarize(results: list[RequestResult], duration: float) -> dict:
     in_tokens = sum(r.prompt_len for r in ok)
     tpots = [(r.latency - r.ttft) / (r.output_len - 1) for r in ok if r.output_len > 1]
     summary = {
-        "completed": len(ok), "failed": len(results) - len(ok), "duration_s": duration,
-        "total_input_tokens": in_tokens, "total_output_tokens": out_tokens,
-        "request_throughput": len(ok) / duration, "output_throughput": out_tokens / duration,
+        "completed": len(ok),
+        "failed": len(results) - len(ok),
+        "duration_s": duration,
+        "total_input_tokens": in_tokens,
+        "total_output_tokens": out_tokens,
+        "request_throughput": len(ok) / duration,
+        "output_throughput": out_tokens / duration,
         "total_token_throughput": (in_tokens + out_tokens) / duration,
     }
-    for name, values in (("ttft", [r.ttft for r in ok]), ("tpot", tpots), ("itl", [x for r in ok for x in r.itl]),
-                         ("e2el", [r.latency for r in ok])):
+    for name, values in (
+        ("ttft", [r.ttft for r in ok]),
+        ("tpot", tpots),
+        ("itl", [x for r in ok for x in r.itl]),
+        ("e2el", [r.latency for r in ok]),
+    ):
         ms = np.array(values or [0.0]) * 1000
-        summary.update({f"mean_{name}_ms": float(ms.mean()), f"median_{name}_ms": float(np.median(ms)),
-                        f"std_{name}_ms": float(ms.std()), f"p99_{name}_ms": float(np.percentile(ms, 99))})
+        summary.update(
+            {
+                f"mean_{name}_ms": float(ms.mean()),
+                f"median_{name}_ms": float(np.median(ms)),
+                f"std_{name}_ms": float(ms.std()),
+                f"p99_{name}_ms": float(np.percentile(ms, 99)),
+            }
+        )
     errors = sorted({r.error for r in results if not r.success})
     summary["errors"] = errors[:5]
     return summary
 
 
 def report(summary: dict, args) -> str:
-    lines = ["============ Serving Benchmark Result ============",
-             f"{'Successful requests:':<40}{summary['completed']:<10}",
-             f"{'Failed requests:':<40}{summary['failed']:<10}",
-             f"{'Request rate (req/s):':<40}{args.request_rate:<10}",
-             f"{'Burstiness:':<40}{args.burstiness:<10}",
-             f"{'Benchmark duration (s):':<40}{summary['duration_s']:<10.2f}",
-             f"{'Total input tokens:':<40}{summary['total_input_tokens']:<10}",
-             f"{'Total generated tokens:':<40}{summary['total_output_tokens']:<10}",
-             f"{'Request throughput (req/s):':<40}{summary['request_throughput']:<10.2f}",
-             f"{'Output token throughput (tok/s):':<40}{summary['output_throughput']:<10.2f}",
-             f"{'Total token throughput (tok/s):':<40}{summary['total_token_throughput']:<10.2f}"]
-    titles = {"ttft": "Time to First Token", "tpot": "Time per Output Token (excl. 1st token)",
-              "itl": "Inter-token Latency", "e2el": "End-to-end Latency"}
+    lines = [
+        "============ Serving Benchmark Result ============",
+        f"{'Successful requests:':<40}{summary['completed']:<10}",
+        f"{'Failed requests:':<40}{summary['failed']:<10}",
+        f"{'Request rate (req/s):':<40}{args.request_rate:<10}",
+        f"{'Burstiness:':<40}{args.burstiness:<10}",
+        f"{'Benchmark duration (s):':<40}{summary['duration_s']:<10.2f}",
+        f"{'Total input tokens:':<40}{summary['total_input_tokens']:<10}",
+        f"{'Total generated tokens:':<40}{summary['total_output_tokens']:<10}",
+        f"{'Request throughput (req/s):':<40}{summary['request_throughput']:<10.2f}",
+        f"{'Output token throughput (tok/s):':<40}{summary['output_throughput']:<10.2f}",
+        f"{'Total token throughput (tok/s):':<40}{summary['total_token_throughput']:<10.2f}",
+    ]
+    titles = {
+        "ttft": "Time to First Token",
+        "tpot": "Time per Output Token (excl. 1st token)",
+        "itl": "Inter-token Latency",
+        "e2el": "End-to-end Latency",
+    }
     for key, title in titles.items():
         lines.append(f"{'-' * 15}{title}{'-' * 15}")
         for stat in ("mean", "median", "p99"):
@@ -196,8 +228,19 @@ def launch(args) -> subprocess.Popen:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     args.base_url = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "pagedllm.server.entrypoints.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
-           "--log-level", "warning", *args.serve_args.split()]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pagedllm.server.entrypoints.cli",
+        "serve",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--log-level",
+        "warning",
+        *args.serve_args.split(),
+    ]
     proc = subprocess.Popen(cmd)
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline:
@@ -225,17 +268,30 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--serve-args", default="", help="Extra `pagedllm serve` flags with --launch, as one string.")
     p.add_argument("--model", default=None, help="Model name to send (default: the server's first model).")
     p.add_argument("--api-key", default=None, help="Bearer key (default: $PAGEDLLM_API_KEY).")
-    p.add_argument("--dataset", default="sharegpt", choices=[*WORKLOADS, "random"],
-                   help="Length distribution: the paper's ShareGPT / Alpaca statistics, or uniform random.")
+    p.add_argument(
+        "--dataset",
+        default="sharegpt",
+        choices=[*WORKLOADS, "random"],
+        help="Length distribution: the paper's ShareGPT / Alpaca statistics, or uniform random.",
+    )
     p.add_argument("--random-input-len", type=int, default=128)
     p.add_argument("--random-output-len", type=int, default=128)
-    p.add_argument("--random-range-ratio", type=float, default=0.0,
-                   help="random: lengths uniform in [len * (1 - ratio), len].")
+    p.add_argument(
+        "--random-range-ratio", type=float, default=0.0, help="random: lengths uniform in [len * (1 - ratio), len]."
+    )
     p.add_argument("--num-prompts", type=int, default=200)
-    p.add_argument("--request-rate", type=float, default=float("inf"),
-                   help="Mean arrivals per second (Poisson); inf sends everything at once.")
-    p.add_argument("--burstiness", type=float, default=1.0,
-                   help="Gamma shape of the gaps: 1 = Poisson, < 1 burstier, > 1 more uniform.")
+    p.add_argument(
+        "--request-rate",
+        type=float,
+        default=float("inf"),
+        help="Mean arrivals per second (Poisson); inf sends everything at once.",
+    )
+    p.add_argument(
+        "--burstiness",
+        type=float,
+        default=1.0,
+        help="Gamma shape of the gaps: 1 = Poisson, < 1 burstier, > 1 more uniform.",
+    )
     p.add_argument("--max-concurrency", type=int, default=None, help="Most requests in flight at once.")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=600.0, help="Per-request timeout in seconds.")
@@ -272,21 +328,32 @@ def main(argv=None) -> int:
 
 def _save(args, model: str, summary: dict, text: str) -> None:
     os.makedirs(RESULTS_DIR, exist_ok=True)
-    machine = {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-               "cpus": os.cpu_count(), "python": platform.python_version()}
+    machine = {
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+    }
     config = {k: v for k, v in vars(args).items() if k not in ("api_key",)}
     env = {k: os.environ[k] for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS") if k in os.environ}
     prefix = "".join(f"{k}={v} " for k, v in env.items())
-    record = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "model": model, "machine": machine,
-              "env": env,
-              "args": {k: (str(v) if isinstance(v, float) and not np.isfinite(v) else v) for k, v in config.items()},
-              "command": prefix + "python benchmarks/serve.py " + " ".join(sys.argv[1:]), "summary": summary}
+    record = {
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "model": model,
+        "machine": machine,
+        "env": env,
+        "args": {k: (str(v) if isinstance(v, float) and not np.isfinite(v) else v) for k, v in config.items()},
+        "command": prefix + "python benchmarks/serve.py " + " ".join(sys.argv[1:]),
+        "summary": summary,
+    }
     base = os.path.join(RESULTS_DIR, args.result_name)
     with open(base + ".json", "w") as f:
         json.dump(record, f, indent=2)
     with open(base + ".md", "w") as f:
-        f.write(f"# Serving benchmark: {args.result_name}\n\n`{record['command']}`\n\n"
-                f"Model `{model}`; machine: {machine}\n\n```\n{text}\n```\n")
+        f.write(
+            f"# Serving benchmark: {args.result_name}\n\n`{record['command']}`\n\n"
+            f"Model `{model}`; machine: {machine}\n\n```\n{text}\n```\n"
+        )
 
 
 if __name__ == "__main__":

@@ -27,8 +27,10 @@ from pagedllm.server import LLM, SamplingParams  # noqa: E402
 from pagedllm.server.demo import save_tiny_llama  # noqa: E402
 
 PAPER = {  # Fig. 15 of the paper, % saving
-    ("alpaca", "parallel"): "6.1-9.8", ("alpaca", "beam"): "37.6-55.2",
-    ("sharegpt", "parallel"): "16.2-30.5", ("sharegpt", "beam"): "44.3-66.3",
+    ("alpaca", "parallel"): "6.1-9.8",
+    ("alpaca", "beam"): "37.6-55.2",
+    ("sharegpt", "parallel"): "16.2-30.5",
+    ("sharegpt", "beam"): "44.3-66.3",
 }
 
 
@@ -48,20 +50,40 @@ def sharing_table(model_dir: str, args) -> list[dict]:
     rows = []
     cases = [(w, kind, k) for w in ("alpaca", "sharegpt") for kind in ("parallel", "beam") for k in (2, 4, 6)]
     for workload, kind, k in tqdm(cases, desc="cases"):
-        requests = sample_requests(workload, args.num_requests, 256, seed=args.seed, max_input=900,
-                                   max_output=args.max_output)
-        llm = LLM(model=model_dir, skip_tokenizer_init=True, block_size=16, enable_prefix_caching=False,
-                  max_num_seqs=args.max_num_seqs, kv_cache_memory=2.0, max_num_batched_tokens=4096)
+        requests = sample_requests(
+            workload, args.num_requests, 256, seed=args.seed, max_input=900, max_output=args.max_output
+        )
+        llm = LLM(
+            model=model_dir,
+            skip_tokenizer_init=True,
+            block_size=16,
+            enable_prefix_caching=False,
+            max_num_seqs=args.max_num_seqs,
+            kv_cache_memory=2.0,
+            max_num_batched_tokens=4096,
+        )
         if kind == "parallel":
+
             def make_params(r, k=k):
                 return SamplingParams(n=k, temperature=1.0, seed=0, max_tokens=r.output_len, ignore_eos=True)
         else:
+
             def make_params(r, k=k):
-                return SamplingParams(use_beam_search=True, best_of=k, n=k, temperature=0,
-                                      max_tokens=r.output_len, ignore_eos=True)
+                return SamplingParams(
+                    use_beam_search=True, best_of=k, n=k, temperature=0, max_tokens=r.output_len, ignore_eos=True
+                )
+
         saving, steps = measure(llm, requests, make_params)
-        rows.append({"workload": workload, "method": kind, "k": k, "saving_pct": round(100 * saving, 1),
-                     "paper_pct": PAPER[(workload, kind)], "steps": steps})
+        rows.append(
+            {
+                "workload": workload,
+                "method": kind,
+                "k": k,
+                "saving_pct": round(100 * saving, 1),
+                "paper_pct": PAPER[(workload, kind)],
+                "steps": steps,
+            }
+        )
     return rows
 
 
@@ -80,11 +102,17 @@ def prefix_caching(model_dir: str, args) -> dict:
         elapsed = time.perf_counter() - start
         stats = llm.llm_engine.stats()
         result["on" if enabled else "off"] = {
-            "seconds": round(elapsed, 3), "hits": stats.prefix_cache_hits, "queries": stats.prefix_cache_queries,
-            "tokens": [o.outputs[0].token_ids for o in outs]}
+            "seconds": round(elapsed, 3),
+            "hits": stats.prefix_cache_hits,
+            "queries": stats.prefix_cache_queries,
+            "tokens": [o.outputs[0].token_ids for o in outs],
+        }
     same = result["on"].pop("tokens") == result["off"].pop("tokens")
-    return {**result, "identical_outputs": same,
-            "speedup": round(result["off"]["seconds"] / result["on"]["seconds"], 2)}
+    return {
+        **result,
+        "identical_outputs": same,
+        "speedup": round(result["off"]["seconds"] / result["on"]["seconds"], 2),
+    }
 
 
 def main() -> None:
@@ -103,9 +131,13 @@ def main() -> None:
     for r in rows:
         print(f"{r['workload']:10} {r['method']:9} {r['k']:>2} {r['saving_pct']:>9} {r['paper_pct']:>10}")
     print("prefix caching:", json.dumps(prefix))
-    result = {"date": datetime.date.today().isoformat(), "device": "cpu",
-              "command": "python benchmarks/sharing.py " + " ".join(sys.argv[1:]), "sharing": rows,
-              "prefix_caching": prefix}
+    result = {
+        "date": datetime.date.today().isoformat(),
+        "device": "cpu",
+        "command": "python benchmarks/sharing.py " + " ".join(sys.argv[1:]),
+        "sharing": rows,
+        "prefix_caching": prefix,
+    }
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, f"sharing-{result['date']}.json")
     with open(path, "w") as f:

@@ -23,8 +23,15 @@ from tqdm import tqdm
 sys.path.insert(0, os.path.dirname(__file__))
 from workloads import sample_requests  # noqa: E402
 
-MODEL_SHAPE = dict(vocab_size=8000, hidden_size=512, intermediate_size=1376, num_hidden_layers=8,
-                   num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=2048)
+MODEL_SHAPE = dict(
+    vocab_size=8000,
+    hidden_size=512,
+    intermediate_size=1376,
+    num_hidden_layers=8,
+    num_attention_heads=8,
+    num_key_value_heads=8,
+    max_position_embeddings=2048,
+)
 
 
 def save_random_llama(path: str) -> int:
@@ -56,24 +63,24 @@ def run_hf(model_dir: str, requests, batch_size: int) -> float:
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     start = time.perf_counter()
     for i in tqdm(range(0, len(requests), batch_size), desc="hf batches"):
-        batch = requests[i:i + batch_size]
+        batch = requests[i : i + batch_size]
         width = max(len(r.prompt_token_ids) for r in batch)
         ids = torch.tensor([[2] * (width - len(r.prompt_token_ids)) + r.prompt_token_ids for r in batch])
-        mask = torch.tensor([[0] * (width - len(r.prompt_token_ids)) + [1] * len(r.prompt_token_ids)
-                             for r in batch])
+        mask = torch.tensor([[0] * (width - len(r.prompt_token_ids)) + [1] * len(r.prompt_token_ids) for r in batch])
         new = max(r.output_len for r in batch)  # a static batch runs until its longest request ends
-        model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,
-                       pad_token_id=2)
+        model.generate(
+            ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=2
+        )
     return time.perf_counter() - start
 
 
 def scheduling_overhead_us(num_seqs: int, steps: int, block_size: int = 16) -> float:
     """Median microseconds per step of schedule() + bookkeeping for ``num_seqs`` decoding sequences."""
-    from pagedllm.server.core.block_manager import BlockManager
     from pagedllm.server.config import SchedulerConfig
-    from pagedllm.server.sampling_params import SamplingParams
+    from pagedllm.server.core.block_manager import BlockManager
     from pagedllm.server.core.scheduler import Scheduler
     from pagedllm.server.core.sequence import Sequence, SequenceGroup
+    from pagedllm.server.sampling_params import SamplingParams
 
     bm = BlockManager(block_size, num_seqs * 64, 0)
     sched = Scheduler(SchedulerConfig(max_num_seqs=num_seqs, max_num_batched_tokens=max(2048, num_seqs)), bm)
@@ -110,21 +117,29 @@ def main() -> None:
 
     overhead = scheduling_overhead_us(args.overhead_seqs, steps=200)
     print(f"scheduling overhead: {overhead:.0f} us/step at {args.overhead_seqs} running sequences (stub model)")
-    requests = sample_requests(args.workload, args.num_requests, MODEL_SHAPE["vocab_size"], args.seed,
-                               max_output=args.max_output)
+    requests = sample_requests(
+        args.workload, args.num_requests, MODEL_SHAPE["vocab_size"], args.seed, max_output=args.max_output
+    )
     out_tokens = sum(r.output_len for r in requests)
     with tempfile.TemporaryDirectory() as model_dir:
         params = save_random_llama(model_dir)
         ours = run_pagedllm(model_dir, requests, args.batch_size)
         hf = None if args.skip_hf else run_hf(model_dir, requests, args.batch_size)
     result = {
-        "date": datetime.date.today().isoformat(), "machine": f"{platform.processor() or platform.machine()}, "
+        "date": datetime.date.today().isoformat(),
+        "machine": f"{platform.processor() or platform.machine()}, "
         f"{os.cpu_count()} cores, torch {torch.__version__}, device cpu",
-        "model_params": params, "workload": args.workload, "num_requests": args.num_requests,
-        "batch_size": args.batch_size, "mean_input": sum(len(r.prompt_token_ids) for r in requests) / len(requests),
-        "mean_output": out_tokens / len(requests), "pagedllm_tokens_per_s": out_tokens / ours,
-        "hf_tokens_per_s": out_tokens / hf if hf else None, "ratio": hf / ours if hf else None,
-        "scheduling_overhead_us_per_step": overhead, "overhead_running_seqs": args.overhead_seqs,
+        "model_params": params,
+        "workload": args.workload,
+        "num_requests": args.num_requests,
+        "batch_size": args.batch_size,
+        "mean_input": sum(len(r.prompt_token_ids) for r in requests) / len(requests),
+        "mean_output": out_tokens / len(requests),
+        "pagedllm_tokens_per_s": out_tokens / ours,
+        "hf_tokens_per_s": out_tokens / hf if hf else None,
+        "ratio": hf / ours if hf else None,
+        "scheduling_overhead_us_per_step": overhead,
+        "overhead_running_seqs": args.overhead_seqs,
         "command": "python benchmarks/throughput.py " + " ".join(sys.argv[1:]),
     }
     print(json.dumps(result, indent=2))

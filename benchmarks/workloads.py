@@ -25,12 +25,13 @@ class Request:
 
 
 def _lognormal(rng: np.random.Generator, mean: float, sigma: float, n: int, max_len: int) -> np.ndarray:
-    mu = math.log(mean) - sigma ** 2 / 2  # so that the distribution's mean is `mean`
+    mu = math.log(mean) - sigma**2 / 2  # so that the distribution's mean is `mean`
     return np.clip(np.round(rng.lognormal(mu, sigma, n)), 1, max_len).astype(int)
 
 
-def sample_requests(workload: str, num: int, vocab_size: int, seed: int = 0, max_input: int = 1024,
-                    max_output: int = 1024) -> list[Request]:
+def sample_requests(
+    workload: str, num: int, vocab_size: int, seed: int = 0, max_input: int = 1024, max_output: int = 1024
+) -> list[Request]:
     """``num`` requests with random prompt tokens and the workload's length statistics."""
     if workload not in WORKLOADS:
         raise ValueError(f"workload={workload!r} is unknown: choose one of {sorted(WORKLOADS)}")

@@ -23,9 +23,7 @@ def check_kv_caches(key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
             f"head_dim], got {tuple(key_cache.shape)} and {tuple(value_cache.shape)}"
         )
     if key_cache.dtype not in FLOAT_DTYPES or value_cache.dtype != key_cache.dtype:
-        raise TypeError(
-            f"caches must share one dtype of {FLOAT_DTYPES}, got {key_cache.dtype} and {value_cache.dtype}"
-        )
+        raise TypeError(f"caches must share one dtype of {FLOAT_DTYPES}, got {key_cache.dtype} and {value_cache.dtype}")
     block_size = key_cache.shape[1]
     if not 1 <= block_size <= MAX_BLOCK_SIZE:
         raise ValueError(f"block_size must be in [1, {MAX_BLOCK_SIZE}], got {block_size}")
@@ -37,9 +35,7 @@ def check_query(query: torch.Tensor, key_cache: torch.Tensor, name: str = "query
     if query.dim() != 3 or query.shape[2] != head_dim:
         raise ValueError(f"{name} must be [tokens, num_heads, head_dim={head_dim}], got {tuple(query.shape)}")
     if query.shape[1] % num_kv_heads != 0:
-        raise ValueError(
-            f"num_heads ({query.shape[1]}) must be a multiple of num_kv_heads ({num_kv_heads})"
-        )
+        raise ValueError(f"num_heads ({query.shape[1]}) must be a multiple of num_kv_heads ({num_kv_heads})")
     if query.dtype != key_cache.dtype:
         raise TypeError(f"{name} dtype {query.dtype} differs from the cache dtype {key_cache.dtype}")
     return query.shape[1] // num_kv_heads

@@ -32,8 +32,8 @@ except ImportError:  # pragma: no cover - exercised by a subprocess test
         def __getattr__(self, name):
             return None
 
-    triton = _MissingTriton()  # type: ignore[assignment]
-    tl = _MissingTriton()  # type: ignore[assignment]
+    triton = _MissingTriton()
+    tl = _MissingTriton()
 
 __all__ = ["HAS_TRITON", "triton", "tl", "check_can_launch", "next_pow2"]
 

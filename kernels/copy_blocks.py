@@ -71,7 +71,7 @@ def _layer_stride(caches: Sequence[torch.Tensor]) -> int | None:
     if any(c.untyped_storage().data_ptr() != storage or c.stride() != caches[0].stride() for c in caches):
         return None
     offsets = [c.storage_offset() for c in caches]
-    step = offsets[1] - offsets[0]
+    step = int(offsets[1] - offsets[0])
     return step if all(b - a == step for a, b in zip(offsets, offsets[1:])) else None
 
 
@@ -99,9 +99,17 @@ def copy_blocks(
     for key_cache, value_cache, num_layers, stride_k, stride_v in launch_plan(key_caches, value_caches):
         grid = (block_mapping.shape[0], num_layers, triton.cdiv(block_numel, tile))
         copy_blocks_kernel[grid](
-            key_cache, value_cache, block_mapping, stride_k, stride_v,
-            key_cache.stride(0), value_cache.stride(0), block_mapping.stride(0), block_mapping.stride(1),
-            block_numel, BLOCK=tile,
+            key_cache,
+            value_cache,
+            block_mapping,
+            stride_k,
+            stride_v,
+            key_cache.stride(0),
+            value_cache.stride(0),
+            block_mapping.stride(0),
+            block_mapping.stride(1),
+            block_numel,
+            BLOCK=tile,
         )
 
 

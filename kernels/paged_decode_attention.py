@@ -52,12 +52,20 @@ def paged_decode_attention_kernel(
     qk_scale,  # softmax scale * log2(e)
     num_splits,
     head_dim,
-    stride_q_seq, stride_q_head,
-    stride_kc_blk, stride_kc_slot, stride_kc_head,
-    stride_vc_blk, stride_vc_slot, stride_vc_head,
+    stride_q_seq,
+    stride_q_head,
+    stride_kc_blk,
+    stride_kc_slot,
+    stride_kc_head,
+    stride_vc_blk,
+    stride_vc_slot,
+    stride_vc_head,
     stride_bt_seq,
-    stride_o_seq, stride_o_head, stride_o_split,
-    stride_lse_seq, stride_lse_head,
+    stride_o_seq,
+    stride_o_head,
+    stride_o_split,
+    stride_lse_seq,
+    stride_lse_head,
     QUERIES_PER_KV: tl.constexpr,
     block_size: tl.constexpr,
     DIRECT_OUT: tl.constexpr,
@@ -139,9 +147,13 @@ def paged_decode_reduce_kernel(
     out_ptr,  # [num_seqs, num_heads, head_dim]
     num_splits,
     head_dim,
-    stride_p_seq, stride_p_head, stride_p_split,
-    stride_lse_seq, stride_lse_head,
-    stride_o_seq, stride_o_head,
+    stride_p_seq,
+    stride_p_head,
+    stride_p_split,
+    stride_lse_seq,
+    stride_lse_head,
+    stride_o_seq,
+    stride_o_head,
     BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
@@ -157,8 +169,11 @@ def paged_decode_reduce_kernel(
     m = tl.max(lse, axis=0)
     weights = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))  # [BLOCK_S]
     partial = tl.load(
-        partial_out_ptr + seq * stride_p_seq + head * stride_p_head
-        + s[:, None].to(tl.int64) * stride_p_split + d[None, :],
+        partial_out_ptr
+        + seq * stride_p_seq
+        + head * stride_p_head
+        + s[:, None].to(tl.int64) * stride_p_split
+        + d[None, :],
         mask=s_mask[:, None] & d_mask[None, :],
         other=0.0,
     )  # [BLOCK_S, BLOCK_D]
@@ -195,8 +210,16 @@ def _multiprocessor_count(device_index: int) -> int:
 
 
 def paged_decode_attention_launch(
-    query, key_cache, value_cache, block_tables, context_lens, scale,
-    *, num_splits: int | None = None, block_n: int | None = None, num_warps: int = 4,
+    query,
+    key_cache,
+    value_cache,
+    block_tables,
+    context_lens,
+    scale,
+    *,
+    num_splits: int | None = None,
+    block_n: int | None = None,
+    num_warps: int = 4,
 ) -> torch.Tensor:
     """:func:`paged_decode_attention` with the tuning knobs exposed (tests, benchmarks)."""
     _check_args(query, key_cache, value_cache, block_tables, context_lens)
@@ -229,25 +252,52 @@ def paged_decode_attention_launch(
     else:
         partial = torch.empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=query.device)
         lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=query.device)
-        p_strides, lse_strides = partial.stride()[:3], lse.stride()[:2]
+        p_strides = (partial.stride(0), partial.stride(1), partial.stride(2))
+        lse_strides = (lse.stride(0), lse.stride(1))
     paged_decode_attention_kernel[(num_seqs, num_kv_heads, num_splits)](
-        query, key_cache, value_cache, block_tables, context_lens, partial, lse,
-        float(scale) * LOG2E, num_splits, head_dim,
-        query.stride(0), query.stride(1),
-        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+        query,
+        key_cache,
+        value_cache,
+        block_tables,
+        context_lens,
+        partial,
+        lse,
+        float(scale) * LOG2E,
+        num_splits,
+        head_dim,
+        query.stride(0),
+        query.stride(1),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        key_cache.stride(2),
+        value_cache.stride(0),
+        value_cache.stride(1),
+        value_cache.stride(2),
         block_tables.stride(0),
-        *p_strides, *lse_strides,
-        QUERIES_PER_KV=group, block_size=block_size, DIRECT_OUT=direct,
+        *p_strides,
+        *lse_strides,
+        QUERIES_PER_KV=group,
+        block_size=block_size,
+        DIRECT_OUT=direct,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
-        BLOCK_G=max(16, next_pow2(group)), BLOCK_N=block_n, BLOCK_D=block_d,
+        BLOCK_G=max(16, next_pow2(group)),
+        BLOCK_N=block_n,
+        BLOCK_D=block_d,
         num_warps=num_warps,
     )
     if not direct:
         paged_decode_reduce_kernel[(num_seqs, num_heads)](
-            partial, lse, out, num_splits, head_dim,
-            *partial.stride()[:3], *lse.stride()[:2], out.stride(0), out.stride(1),
-            BLOCK_S=next_pow2(num_splits), BLOCK_D=block_d,
+            partial,
+            lse,
+            out,
+            num_splits,
+            head_dim,
+            *partial.stride()[:3],
+            *lse.stride()[:2],
+            out.stride(0),
+            out.stride(1),
+            BLOCK_S=next_pow2(num_splits),
+            BLOCK_D=block_d,
         )
     return out
 
@@ -308,6 +358,7 @@ def paged_decode_attention_reference(
     #   q [num_seqs, kv_heads, group, d] x k, v [num_seqs, kv_heads, length, d]
     q = query.reshape(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim).float()
     out = torch.nn.functional.scaled_dot_product_attention(
-        q, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=valid[:, None, None, :], scale=scale)
+        q, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=valid[:, None, None, :], scale=scale
+    )
     out = out.masked_fill((lens == 0)[:, None, None, None], 0.0)  # empty contexts: zeros, not NaN
     return out.reshape(num_seqs, num_heads, head_dim).to(query.dtype)

@@ -63,11 +63,17 @@ def paged_prefill_attention_kernel(
     qk_scale,  # softmax scale * log2(e)
     num_seqs,
     head_dim,
-    stride_q_tok, stride_q_head,
-    stride_kc_blk, stride_kc_slot, stride_kc_head,
-    stride_vc_blk, stride_vc_slot, stride_vc_head,
+    stride_q_tok,
+    stride_q_head,
+    stride_kc_blk,
+    stride_kc_slot,
+    stride_kc_head,
+    stride_vc_blk,
+    stride_vc_slot,
+    stride_vc_head,
     stride_bt_seq,
-    stride_o_tok, stride_o_head,
+    stride_o_tok,
+    stride_o_head,
     QUERIES_PER_KV: tl.constexpr,
     block_size: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -160,8 +166,19 @@ def _check_args(query, key, value, key_cache, value_cache, block_tables, cu_seql
 
 
 def paged_prefill_attention_launch(
-    query, key, value, key_cache, value_cache, block_tables, cu_seqlens_q, context_lens, scale,
-    *, block_m: int | None = None, block_n: int | None = None, num_warps: int = 4,
+    query,
+    key,
+    value,
+    key_cache,
+    value_cache,
+    block_tables,
+    cu_seqlens_q,
+    context_lens,
+    scale,
+    *,
+    block_m: int | None = None,
+    block_n: int | None = None,
+    num_warps: int = 4,
 ) -> torch.Tensor:
     """:func:`paged_prefill_attention` with the tuning knobs exposed (tests, benchmarks).
 
@@ -173,8 +190,12 @@ def paged_prefill_attention_launch(
         paged_prefill_attention_kernel, query, key_cache, value_cache, block_tables, cu_seqlens_q, context_lens
     )
     check_last_dim_contiguous(
-        query=query, key_cache=key_cache, value_cache=value_cache, block_tables=block_tables,
-        cu_seqlens_q=cu_seqlens_q, context_lens=context_lens,
+        query=query,
+        key_cache=key_cache,
+        value_cache=value_cache,
+        block_tables=block_tables,
+        cu_seqlens_q=cu_seqlens_q,
+        context_lens=context_lens,
     )
     total_q, num_heads, head_dim = query.shape
     num_seqs = context_lens.shape[0]
@@ -193,16 +214,34 @@ def paged_prefill_attention_launch(
     block_q = max(1, block_m // block_g, 16 // block_g)
     grid = (total_q // block_q + num_seqs, num_kv_heads)
     paged_prefill_attention_kernel[grid](
-        query, key_cache, value_cache, block_tables, cu_seqlens_q, context_lens, out,
-        float(scale) * LOG2E, num_seqs, head_dim,
-        query.stride(0), query.stride(1),
-        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+        query,
+        key_cache,
+        value_cache,
+        block_tables,
+        cu_seqlens_q,
+        context_lens,
+        out,
+        float(scale) * LOG2E,
+        num_seqs,
+        head_dim,
+        query.stride(0),
+        query.stride(1),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        key_cache.stride(2),
+        value_cache.stride(0),
+        value_cache.stride(1),
+        value_cache.stride(2),
         block_tables.stride(0),
-        out.stride(0), out.stride(1),
-        QUERIES_PER_KV=group, block_size=block_size,
+        out.stride(0),
+        out.stride(1),
+        QUERIES_PER_KV=group,
+        block_size=block_size,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
-        BLOCK_Q=block_q, BLOCK_G=block_g, BLOCK_N=block_n, BLOCK_D=max(16, next_pow2(head_dim)),
+        BLOCK_Q=block_q,
+        BLOCK_G=block_g,
+        BLOCK_N=block_n,
+        BLOCK_D=max(16, next_pow2(head_dim)),
         num_warps=num_warps,
     )
     return out

@@ -23,10 +23,16 @@ def reshape_and_cache_kernel(
     key_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
     value_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
     slot_mapping_ptr,  # [num_tokens] int64
-    stride_k_tok, stride_k_head,
-    stride_v_tok, stride_v_head,
-    stride_kc_blk, stride_kc_slot, stride_kc_head,
-    stride_vc_blk, stride_vc_slot, stride_vc_head,
+    stride_k_tok,
+    stride_k_head,
+    stride_v_tok,
+    stride_v_head,
+    stride_kc_blk,
+    stride_kc_slot,
+    stride_kc_head,
+    stride_vc_blk,
+    stride_vc_slot,
+    stride_vc_head,
     num_kv_heads,
     head_dim,
     block_size: tl.constexpr,
@@ -99,8 +105,13 @@ def reshape_and_cache(
     """
     _check_args(key, value, key_cache, value_cache, slot_mapping)
     check_can_launch(reshape_and_cache_kernel, key, value, key_cache, value_cache, slot_mapping)
-    tensors = (("key", key), ("value", value), ("key_cache", key_cache), ("value_cache", value_cache),
-               ("slot_mapping", slot_mapping))
+    tensors = (
+        ("key", key),
+        ("value", value),
+        ("key_cache", key_cache),
+        ("value_cache", value_cache),
+        ("slot_mapping", slot_mapping),
+    )
     for name, t in tensors:
         if t.numel() > 0 and t.stride(-1) != 1:
             raise ValueError(f"{name} must be contiguous in its last dim, got strides {t.stride()}")
@@ -111,13 +122,26 @@ def reshape_and_cache(
     block_h = min(next_pow2(num_kv_heads), max(1, 4096 // block_d))
     grid = (num_tokens, triton.cdiv(num_kv_heads, block_h))
     reshape_and_cache_kernel[grid](
-        key, value, key_cache, value_cache, slot_mapping,
-        key.stride(0), key.stride(1),
-        value.stride(0), value.stride(1),
-        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
-        num_kv_heads, head_dim,
-        block_size=key_cache.shape[1], BLOCK_H=block_h, BLOCK_D=block_d,
+        key,
+        value,
+        key_cache,
+        value_cache,
+        slot_mapping,
+        key.stride(0),
+        key.stride(1),
+        value.stride(0),
+        value.stride(1),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        key_cache.stride(2),
+        value_cache.stride(0),
+        value_cache.stride(1),
+        value_cache.stride(2),
+        num_kv_heads,
+        head_dim,
+        block_size=key_cache.shape[1],
+        BLOCK_H=block_h,
+        BLOCK_D=block_d,
     )
 
 

@@ -38,16 +38,29 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         meta = f.metadata
         help_text = f"{meta.get('help', '')} (default: {f.default})"
         if kind is bool:
-            group.add_argument(flag_for(f.name), dest=f.name, action=argparse.BooleanOptionalAction,
-                               default=f.default, help=help_text)
+            group.add_argument(
+                flag_for(f.name), dest=f.name, action=argparse.BooleanOptionalAction, default=f.default, help=help_text
+            )
             continue
         choices = meta.get("choices")
         if choices is not None and None in choices:
-            group.add_argument(flag_for(f.name), dest=f.name, type=_optional_str, default=f.default,
-                               choices=list(choices), help=help_text)
+            group.add_argument(
+                flag_for(f.name),
+                dest=f.name,
+                type=_optional_str,
+                default=f.default,
+                choices=list(choices),
+                help=help_text,
+            )
             continue
-        group.add_argument(flag_for(f.name), dest=f.name, type=kind, default=f.default,
-                           choices=list(choices) if choices else None, help=help_text)
+        group.add_argument(
+            flag_for(f.name),
+            dest=f.name,
+            type=kind,
+            default=f.default,
+            choices=list(choices) if choices else None,
+            help=help_text,
+        )
     return parser
 
 

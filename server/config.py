@@ -9,9 +9,9 @@ fields (see :mod:`pagedllm.server.args`), so there is one source of truth.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
-from typing import Any, Optional
 from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
@@ -30,8 +30,16 @@ class ConfigError(ValueError):
     OpenAI ``param``. Nothing parses the message to find the field.
     """
 
-    def __init__(self, field: str, value: Any, allowed: str = "", *, problem: str = "is not allowed",
-                 subject: Optional[str] = None, name: Optional[str] = None) -> None:
+    def __init__(
+        self,
+        field: str,
+        value: Any,
+        allowed: str = "",
+        *,
+        problem: str = "is not allowed",
+        subject: str | None = None,
+        name: str | None = None,
+    ) -> None:
         self.field = field
         self.value = value
         self.allowed = allowed
@@ -47,10 +55,9 @@ class ConfigError(ValueError):
         head = " ".join(part for part in (shown, self.problem) if part)
         return f"{head}: {self.allowed}" if self.allowed else head
 
-    def renamed(self, name: str) -> "ConfigError":
+    def renamed(self, name: str) -> ConfigError:
         """The same error, shown under ``name`` (a flag, a spec path, a request parameter)."""
-        return ConfigError(self.field, self.value, self.allowed, problem=self.problem, subject=self.subject,
-                           name=name)
+        return ConfigError(self.field, self.value, self.allowed, problem=self.problem, subject=self.subject, name=name)
 
 
 def _help(text: str, **extra: Any) -> dict:
@@ -78,26 +85,31 @@ def check_choice(name: str, value: Any, choices: Sequence[Any]) -> None:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    model: Optional[str] = field(
-        default=None, metadata=_help("Hugging Face model directory; None serves the embedded demo model."))
-    tokenizer: Optional[str] = field(
-        default=None, metadata=_help("Tokenizer directory; defaults to the model directory."))
+    model: str | None = field(
+        default=None, metadata=_help("Hugging Face model directory; None serves the embedded demo model.")
+    )
+    tokenizer: str | None = field(default=None, metadata=_help("Tokenizer directory; defaults to the model directory."))
     dtype: str = field(
-        default="auto", metadata=_help("Weight and activation dtype; auto = the checkpoint's (float32 on CPU).",
-                                       choices=DTYPES))
+        default="auto",
+        metadata=_help("Weight and activation dtype; auto = the checkpoint's (float32 on CPU).", choices=DTYPES),
+    )
     device: str = field(
-        default="auto", metadata=_help("Where the model runs; auto picks cuda when available.", choices=DEVICES))
-    max_model_len: Optional[int] = field(
-        default=None, metadata=_help("Longest prompt plus output, in tokens; defaults to the model's limit."))
+        default="auto", metadata=_help("Where the model runs; auto picks cuda when available.", choices=DEVICES)
+    )
+    max_model_len: int | None = field(
+        default=None, metadata=_help("Longest prompt plus output, in tokens; defaults to the model's limit.")
+    )
     load_format: str = field(
-        default="auto", metadata=_help("Weight format; dummy draws random weights (benchmarks).",
-                                       choices=LOAD_FORMATS))
+        default="auto", metadata=_help("Weight format; dummy draws random weights (benchmarks).", choices=LOAD_FORMATS)
+    )
     seed: int = field(default=0, metadata=_help("Seed for random weights and unseeded sampling."))
     skip_tokenizer_init: bool = field(
-        default=False, metadata=_help("Do not load a tokenizer; prompts must be token ids."))
+        default=False, metadata=_help("Do not load a tokenizer; prompts must be token ids.")
+    )
     attention_backend: str = field(
-        default="auto", metadata=_help("Attention implementation; auto = triton on CUDA, torch on CPU.",
-                                       choices=ATTENTION_BACKENDS))
+        default="auto",
+        metadata=_help("Attention implementation; auto = triton on CUDA, torch on CPU.", choices=ATTENTION_BACKENDS),
+    )
 
     def __post_init__(self) -> None:
         check_choice("dtype", self.dtype, DTYPES)
@@ -111,18 +123,23 @@ class ModelConfig:
 class CacheConfig:
     block_size: int = field(default=16, metadata=_help("Tokens per KV cache block (a power of two, 1-256)."))
     gpu_memory_utilization: float = field(
-        default=0.9, metadata=_help("Fraction of GPU memory the engine may use (weights + activations + KV cache)."))
+        default=0.9, metadata=_help("Fraction of GPU memory the engine may use (weights + activations + KV cache).")
+    )
     swap_space: float = field(default=4.0, metadata=_help("GiB of host memory for swapped-out KV blocks."))
     kv_cache_memory: float = field(
-        default=1.0, metadata=_help("GiB of KV cache on CPU (ignored on CUDA, where it is profiled)."))
-    num_gpu_blocks_override: Optional[int] = field(
-        default=None, metadata=_help("Use exactly this many device KV blocks instead of sizing from memory."))
-    enable_prefix_caching: bool = field(
-        default=True, metadata=_help("Reuse KV blocks of prompts that share a prefix."))
+        default=1.0, metadata=_help("GiB of KV cache on CPU (ignored on CUDA, where it is profiled).")
+    )
+    num_gpu_blocks_override: int | None = field(
+        default=None, metadata=_help("Use exactly this many device KV blocks instead of sizing from memory.")
+    )
+    enable_prefix_caching: bool = field(default=True, metadata=_help("Reuse KV blocks of prompts that share a prefix."))
 
     def __post_init__(self) -> None:
-        if not (isinstance(self.block_size, int) and 1 <= self.block_size <= 256
-                and self.block_size & (self.block_size - 1) == 0):
+        if not (
+            isinstance(self.block_size, int)
+            and 1 <= self.block_size <= 256
+            and self.block_size & (self.block_size - 1) == 0
+        ):
             raise ConfigError("block_size", self.block_size, "must be a power of two from 1 to 256")
         check_range("gpu_memory_utilization", self.gpu_memory_utilization, 0.0, 1.0, low_open=True)
         check_range("swap_space", self.swap_space, 0)
@@ -133,13 +150,16 @@ class CacheConfig:
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_num_seqs: int = field(default=256, metadata=_help("Most sequences running in one iteration."))
-    max_num_batched_tokens: Optional[int] = field(
-        default=None, metadata=_help("Token budget of one iteration (prompt chunks + decodes); default 2048."))
-    preemption_mode: Optional[str] = field(
-        default=None, metadata=_help("How to preempt: None = recompute single sequences, swap groups.",
-                                     choices=PREEMPTION_MODES))
+    max_num_batched_tokens: int | None = field(
+        default=None, metadata=_help("Token budget of one iteration (prompt chunks + decodes); default 2048.")
+    )
+    preemption_mode: str | None = field(
+        default=None,
+        metadata=_help("How to preempt: None = recompute single sequences, swap groups.", choices=PREEMPTION_MODES),
+    )
     enable_chunked_prefill: bool = field(
-        default=True, metadata=_help("Split long prompts over several iterations, batched with decodes."))
+        default=True, metadata=_help("Split long prompts over several iterations, batched with decodes.")
+    )
 
     def __post_init__(self) -> None:
         check_range("max_num_seqs", self.max_num_seqs, 1)
@@ -172,17 +192,23 @@ class EngineConfig:
     parallel: ParallelConfig
 
     @classmethod
-    def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":
+    def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
         """Route flat engine arguments (``block_size=16, ...``) to their sub-config."""
         known = {f.name: sub for sub in SUB_CONFIGS for f in dataclasses.fields(sub)}
         unknown = sorted(set(kwargs) - set(known))
         if unknown:
-            raise ConfigError(unknown[0], kwargs[unknown[0]], f"allowed are {sorted(known)}",
-                              problem="is an unknown engine argument")
-        parts = {sub: {} for sub in SUB_CONFIGS}
+            raise ConfigError(
+                unknown[0], kwargs[unknown[0]], f"allowed are {sorted(known)}", problem="is an unknown engine argument"
+            )
+        parts: dict[type, dict[str, Any]] = {sub: {} for sub in SUB_CONFIGS}
         for name, value in kwargs.items():
             parts[known[name]][name] = value
-        return cls(*(sub(**parts[sub]) for sub in SUB_CONFIGS))
+        return cls(
+            ModelConfig(**parts[ModelConfig]),
+            CacheConfig(**parts[CacheConfig]),
+            SchedulerConfig(**parts[SchedulerConfig]),
+            ParallelConfig(**parts[ParallelConfig]),
+        )
 
 
 def engine_fields() -> list[dataclasses.Field]:

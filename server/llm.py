@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Optional, Sequence, Union
+from collections.abc import Sequence
 
 from tqdm.auto import tqdm
 
@@ -16,12 +16,12 @@ from pagedllm.server.sampling_params import SamplingParams
 class LLM:
     """Generate completions for a batch of prompts: ``LLM(model=path).generate(prompts, params)``."""
 
-    def __init__(self, model: Optional[str] = None, **engine_args) -> None:
+    def __init__(self, model: str | None = None, **engine_args) -> None:
         self.llm_engine = LLMEngine(EngineConfig.from_kwargs(model=model, **engine_args))
         self._counter = 0
 
     @classmethod
-    def from_config(cls, config: EngineConfig) -> "LLM":
+    def from_config(cls, config: EngineConfig) -> LLM:
         llm = cls.__new__(cls)
         llm.llm_engine = LLMEngine(config)
         llm._counter = 0
@@ -30,15 +30,18 @@ class LLM:
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 
-    def generate(self, prompts: Union[PromptType, Sequence[PromptType]],
-                 sampling_params: Union[None, SamplingParams, Sequence[SamplingParams]] = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: None | SamplingParams | Sequence[SamplingParams] = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in prompt order."""
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
-        params = sampling_params or SamplingParams()
-        params = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        given = sampling_params or SamplingParams()
+        params = [given] * len(prompts) if isinstance(given, SamplingParams) else list(given)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts: pass one or one each")
         engine = self.llm_engine
@@ -53,13 +56,27 @@ class LLM:
         finally:
             engine.abort_request(ids)  # NOTE: frees whatever an error left behind; finished ids are ignored
 
-    def beam_search(self, prompts: Union[PromptType, Sequence[PromptType]], beam_width: int, max_tokens: int,
-                    length_penalty: float = 1.0, early_stopping: Union[bool, str] = False, ignore_eos: bool = False,
-                    n: Optional[int] = None) -> list[RequestOutput]:
+    def beam_search(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        beam_width: int,
+        max_tokens: int,
+        length_penalty: float = 1.0,
+        early_stopping: bool | str = False,
+        ignore_eos: bool = False,
+        n: int | None = None,
+    ) -> list[RequestOutput]:
         """Beam search with ``beam_width`` beams; each output holds the ``n`` (default all) best beams."""
-        params = SamplingParams(use_beam_search=True, best_of=beam_width, n=n or beam_width, temperature=0.0,
-                                max_tokens=max_tokens, length_penalty=length_penalty,
-                                early_stopping=early_stopping, ignore_eos=ignore_eos)
+        params = SamplingParams(
+            use_beam_search=True,
+            best_of=beam_width,
+            n=n or beam_width,
+            temperature=0.0,
+            max_tokens=max_tokens,
+            length_penalty=length_penalty,
+            early_stopping=early_stopping,
+            ignore_eos=ignore_eos,
+        )
         return self.generate(prompts, params)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:

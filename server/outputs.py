@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional, Union
 
 
 @dataclass
@@ -11,8 +10,8 @@ class Logprob:
     """One token's log-probability at one position, as vLLM reports it."""
 
     logprob: float
-    rank: Optional[int] = None
-    decoded_token: Optional[str] = None
+    rank: int | None = None
+    decoded_token: str | None = None
 
 
 @dataclass
@@ -22,10 +21,10 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    cumulative_logprob: Optional[float]
-    logprobs: Optional[list[dict[int, Logprob]]]
-    finish_reason: Optional[str] = None  # "stop" | "length" | "abort", None while running
-    stop_reason: Union[str, int, None] = None  # the stop string or stop token id that matched
+    cumulative_logprob: float | None
+    logprobs: list[dict[int, Logprob]] | None
+    finish_reason: str | None = None  # "stop" | "length" | "abort", None while running
+    stop_reason: str | int | None = None  # the stop string or stop token id that matched
 
 
 @dataclass
@@ -33,8 +32,8 @@ class RequestOutput:
     """A request's state after a step: its prompt and its completions so far."""
 
     request_id: str
-    prompt: Optional[str]
+    prompt: str | None
     prompt_token_ids: list[int]
-    prompt_logprobs: Optional[list[Optional[dict[int, Logprob]]]]
+    prompt_logprobs: list[dict[int, Logprob] | None] | None
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False

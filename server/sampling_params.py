@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional, Union
 
 from pagedllm.server.config import ConfigError
 
@@ -12,11 +11,12 @@ _GREEDY_EPS = 1e-5
 
 @dataclass
 class SamplingParams:
-    """How to decode one request. Invalid values raise :class:`ConfigError` (a ``ValueError``) naming field and value."""
+    """How to decode one request. Invalid values raise :class:`ConfigError` naming field and value."""
 
     n: int = 1
     """Completions returned for the prompt."""
-    best_of: Optional[int] = None
+    # NOTE: None (the default) means n; __post_init__ resolves it, so it is an int after construction.
+    best_of: int = None  # type: ignore[assignment]
     """Completions generated (the ``n`` best by cumulative log-probability are returned)."""
     temperature: float = 1.0
     """Softmax temperature; 0 means greedy."""
@@ -32,23 +32,24 @@ class SamplingParams:
     """Subtracted from a token's logit once per time it was generated."""
     repetition_penalty: float = 1.0
     """Divides positive (multiplies negative) logits of tokens in the prompt or output."""
-    seed: Optional[int] = None
+    seed: int | None = None
     """Seed of this request's own random generator, for reproducible sampling."""
-    stop: Union[None, str, list[str]] = None
+    stop: None | str | list[str] = None
     """Strings that end generation; they are not included in the text."""
-    stop_token_ids: Optional[list[int]] = None
+    # NOTE: None becomes [] in __post_init__.
+    stop_token_ids: list[int] = None  # type: ignore[assignment]
     """Token ids that end generation (kept in ``token_ids``)."""
     include_stop_str_in_output: bool = False
     """Keep the matched stop string at the end of the text."""
     ignore_eos: bool = False
     """Keep generating past the end-of-sequence token."""
-    max_tokens: Optional[int] = 16
+    max_tokens: int | None = 16
     """Most tokens to generate; None means up to the model's length limit."""
     min_tokens: int = 0
     """Fewest tokens to generate before EOS or stop token ids may end the sequence."""
-    logprobs: Optional[int] = None
+    logprobs: int | None = None
     """Return this many most likely log-probabilities per generated token (plus the chosen one)."""
-    prompt_logprobs: Optional[int] = None
+    prompt_logprobs: int | None = None
     """Return this many most likely log-probabilities per prompt token."""
     skip_special_tokens: bool = True
     """Leave special tokens out of the text."""
@@ -56,7 +57,7 @@ class SamplingParams:
     """Beam search with ``best_of`` beams, returning the ``n`` best."""
     length_penalty: float = 1.0
     """Beam search: scores are divided by length ** length_penalty."""
-    early_stopping: Union[bool, str] = False
+    early_stopping: bool | str = False
     """Beam search stopping rule, as Hugging Face's (True, False or "never")."""
 
     stop_list: list[str] = field(init=False, repr=False, default_factory=list)
@@ -73,8 +74,12 @@ class SamplingParams:
     def _validate(self) -> None:
         checks = [
             ("n", self.n, isinstance(self.n, int) and self.n >= 1, "an integer >= 1"),
-            ("best_of", self.best_of, isinstance(self.best_of, int) and self.best_of >= self.n,
-             f"an integer >= n ({self.n})"),
+            (
+                "best_of",
+                self.best_of,
+                isinstance(self.best_of, int) and self.best_of >= self.n,
+                f"an integer >= n ({self.n})",
+            ),
             ("temperature", self.temperature, self.temperature >= 0, ">= 0"),
             ("top_p", self.top_p, 0 < self.top_p <= 1, "in (0, 1]"),
             ("top_k", self.top_k, isinstance(self.top_k, int) and self.top_k >= 0, "0, -1 (all) or a positive integer"),
@@ -82,17 +87,35 @@ class SamplingParams:
             ("presence_penalty", self.presence_penalty, -2 <= self.presence_penalty <= 2, "in [-2, 2]"),
             ("frequency_penalty", self.frequency_penalty, -2 <= self.frequency_penalty <= 2, "in [-2, 2]"),
             ("repetition_penalty", self.repetition_penalty, 0 < self.repetition_penalty <= 2, "in (0, 2]"),
-            ("max_tokens", self.max_tokens, self.max_tokens is None or (isinstance(self.max_tokens, int)
-                                                                        and self.max_tokens >= 1), ">= 1 or None"),
-            ("min_tokens", self.min_tokens, isinstance(self.min_tokens, int) and self.min_tokens >= 0
-             and (self.max_tokens is None or self.min_tokens <= self.max_tokens), ">= 0 and <= max_tokens"),
+            (
+                "max_tokens",
+                self.max_tokens,
+                self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
+                ">= 1 or None",
+            ),
+            (
+                "min_tokens",
+                self.min_tokens,
+                isinstance(self.min_tokens, int)
+                and self.min_tokens >= 0
+                and (self.max_tokens is None or self.min_tokens <= self.max_tokens),
+                ">= 0 and <= max_tokens",
+            ),
             ("logprobs", self.logprobs, self.logprobs is None or self.logprobs >= 0, ">= 0 or None"),
-            ("prompt_logprobs", self.prompt_logprobs, self.prompt_logprobs is None or self.prompt_logprobs >= 0,
-             ">= 0 or None"),
+            (
+                "prompt_logprobs",
+                self.prompt_logprobs,
+                self.prompt_logprobs is None or self.prompt_logprobs >= 0,
+                ">= 0 or None",
+            ),
             ("stop", self.stop, all(isinstance(s, str) and s for s in self.stop_list), "non-empty strings"),
             ("seed", self.seed, self.seed is None or isinstance(self.seed, int), "an integer or None"),
-            ("early_stopping", self.early_stopping, self.early_stopping in (True, False, "never"),
-             'True, False or "never"'),
+            (
+                "early_stopping",
+                self.early_stopping,
+                self.early_stopping in (True, False, "never"),
+                'True, False or "never"',
+            ),
         ]
         for name, value, ok, allowed in checks:
             if not ok:

@@ -19,7 +19,6 @@ import hashlib
 import struct
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
-from typing import Optional
 
 from pagedllm.server.core.block_pool import BlockHash, BlockPool
 from pagedllm.server.core.sequence import Sequence, SequenceGroup, SequenceStatus
@@ -43,7 +42,7 @@ class SharingStats:
         return 1.0 - self.used / self.unshared if self.unshared else 0.0
 
 
-def block_hash(parent: Optional[BlockHash], token_ids: Seq[int]) -> BlockHash:
+def block_hash(parent: BlockHash | None, token_ids: Seq[int]) -> BlockHash:
     """The prefix-cache key of a full block: sha256 over its parent's key and its tokens.
 
     NOTE: a hit hands one request's KV blocks to another without comparing tokens, so the
@@ -62,8 +61,14 @@ def _blocks_for(num_tokens: int, block_size: int) -> int:
 class BlockManager:
     """Allocates, shares, copies on write, swaps and frees KV blocks for sequences."""
 
-    def __init__(self, block_size: int, num_gpu_blocks: int, num_cpu_blocks: int,
-                 enable_prefix_caching: bool = False, watermark: float = 0.01) -> None:
+    def __init__(
+        self,
+        block_size: int,
+        num_gpu_blocks: int,
+        num_cpu_blocks: int,
+        enable_prefix_caching: bool = False,
+        watermark: float = 0.01,
+    ) -> None:
         self.block_size = block_size
         self.gpu = BlockPool(num_gpu_blocks, enable_caching=enable_prefix_caching)
         self.cpu = BlockPool(num_cpu_blocks)
@@ -83,7 +88,7 @@ class BlockManager:
         bs = self.block_size
         for i in range(len(hashes), num_blocks):
             parent = hashes[-1] if hashes else None
-            hashes.append(block_hash(parent, token_ids[i * bs:(i + 1) * bs]))
+            hashes.append(block_hash(parent, token_ids[i * bs : (i + 1) * bs]))
         return hashes
 
     def _cacheable_prefix(self, seq: Sequence) -> list[BlockHash]:
@@ -123,7 +128,7 @@ class BlockManager:
             if block is None:
                 break
             table.append(block)
-        hashes = hashes[:len(table)]
+        hashes = hashes[: len(table)]
         if self.enable_prefix_caching:
             self.prefix_cache_queries += len(seq)
             self.prefix_cache_hits += len(table) * self.block_size
@@ -231,8 +236,9 @@ class BlockManager:
                 self.gpu.register(block, block_hash)
         return mapping
 
-    def _move(self, group: SequenceGroup, status: SequenceStatus, src: BlockPool,
-              dst: BlockPool) -> list[tuple[int, int]]:
+    def _move(
+        self, group: SequenceGroup, status: SequenceStatus, src: BlockPool, dst: BlockPool
+    ) -> list[tuple[int, int]]:
         mapping: dict[int, int] = {}
         for seq in group.get_seqs(status):
             table = self.tables[seq.seq_id]

@@ -14,7 +14,6 @@ least-recently-freed order only when the free list is empty.
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from typing import Optional
 
 BlockHash = bytes
 """A full block's prefix-cache key (see :func:`pagedllm.server.core.block_manager.block_hash`)."""
@@ -63,11 +62,11 @@ class BlockPool:
                 self._free.append(block)
 
     # -- prefix cache -------------------------------------------------------------------
-    def cached_block(self, block_hash: BlockHash) -> Optional[int]:
+    def cached_block(self, block_hash: BlockHash) -> int | None:
         """The registered block holding ``block_hash``, without taking it."""
         return self._hash_to_block.get(block_hash)
 
-    def take_cached(self, block_hash: BlockHash) -> Optional[int]:
+    def take_cached(self, block_hash: BlockHash) -> int | None:
         """Take a reference to the cached block for ``block_hash``, if there is one."""
         block = self._hash_to_block.get(block_hash)
         if block is None:

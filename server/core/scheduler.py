@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Iterable
 
-from pagedllm.server.core.block_manager import AllocStatus, BlockManager
 from pagedllm.server.config import SchedulerConfig
+from pagedllm.server.core.block_manager import AllocStatus, BlockManager
 from pagedllm.server.core.sequence import Sequence, SequenceGroup, SequenceStatus
 
 
@@ -209,7 +209,8 @@ class Scheduler:
                 break
             # NOTE: recomputed beams must restart from equal computed lengths (see _take).
             use_cache = group.sampling_params.prompt_logprobs is None and not (
-                group.sampling_params.use_beam_search and seqs[0].output_token_ids)
+                group.sampling_params.use_beam_search and seqs[0].output_token_ids
+            )
             status = self.block_manager.can_allocate(group, use_cache)
             if status == AllocStatus.LATER:
                 break
@@ -250,4 +251,3 @@ class Scheduler:
 
 def _in_prefill(group: SequenceGroup) -> bool:
     return any(s.is_prefill for s in group.get_seqs(SequenceStatus.RUNNING))
-

@@ -5,12 +5,11 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Optional, Union
 
 from pagedllm.server.outputs import Logprob
 from pagedllm.server.sampling_params import SamplingParams
 
-StopReason = Union[str, int, None]
+StopReason = str | int | None
 """The stop string or stop token id that ended a sequence (None: EOS, length or still running)."""
 
 
@@ -24,8 +23,11 @@ class SequenceStatus(enum.Enum):
 
     @property
     def finished(self) -> bool:
-        return self in (SequenceStatus.FINISHED_STOPPED, SequenceStatus.FINISHED_LENGTH,
-                        SequenceStatus.FINISHED_ABORTED)
+        return self in (
+            SequenceStatus.FINISHED_STOPPED,
+            SequenceStatus.FINISHED_LENGTH,
+            SequenceStatus.FINISHED_ABORTED,
+        )
 
 
 Logprobs = dict[int, Logprob]
@@ -82,7 +84,7 @@ class Sequence:
         """More than the newest token is still to be computed."""
         return self.num_tokens - self.num_computed_tokens > 1
 
-    def append_token(self, token_id: int, logprob: float, logprobs: Optional[Logprobs]) -> None:
+    def append_token(self, token_id: int, logprob: float, logprobs: Logprobs | None) -> None:
         self.output_token_ids.append(token_id)
         self._token_ids.append(token_id)
         self.cumulative_logprob += logprob
@@ -94,10 +96,18 @@ class Sequence:
         self.num_computed_tokens = 0
         self.status = SequenceStatus.WAITING
 
-    def fork(self, seq_id: int) -> "Sequence":
-        child = Sequence(seq_id, self.prompt_token_ids, list(self.output_token_ids), self.status,
-                         self.num_computed_tokens, self.cumulative_logprob, list(self.output_logprobs),
-                         self.output_text, self.stop_reason)
+    def fork(self, seq_id: int) -> Sequence:
+        child = Sequence(
+            seq_id,
+            self.prompt_token_ids,
+            list(self.output_token_ids),
+            self.status,
+            self.num_computed_tokens,
+            self.cumulative_logprob,
+            list(self.output_logprobs),
+            self.output_text,
+            self.stop_reason,
+        )
         child.prefix_offset, child.read_offset = self.prefix_offset, self.read_offset
         return child
 
@@ -109,17 +119,17 @@ class SequenceGroup:
     request_id: str
     seqs: list[Sequence]
     sampling_params: SamplingParams
-    prompt: Optional[str] = None
+    prompt: str | None = None
     arrival_time: float = field(default_factory=time.monotonic)
-    prompt_logprobs: list[Optional[Logprobs]] = field(default_factory=list)
-    first_scheduled_time: Optional[float] = None
-    first_token_time: Optional[float] = None
+    prompt_logprobs: list[Logprobs | None] = field(default_factory=list)
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
 
     @property
     def prompt_token_ids(self) -> list[int]:
         return self.seqs[0].prompt_token_ids
 
-    def get_seqs(self, status: Optional[SequenceStatus] = None) -> list[Sequence]:
+    def get_seqs(self, status: SequenceStatus | None = None) -> list[Sequence]:
         if status is None:
             return list(self.seqs)
         return [s for s in self.seqs if s.status == status]

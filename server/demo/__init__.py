@@ -11,6 +11,7 @@ import logging
 import os
 import shutil
 import tempfile
+from typing import Any
 
 BYTE_SPECIALS = ("<s>", "</s>", "<pad>")
 DEMO_NAME = "demo-llama-bytes-v1"
@@ -39,8 +40,9 @@ def build_byte_tokenizer():
 
 def _byte_of(char: str) -> int:
     # GPT-2's byte-to-unicode map: printable bytes map to themselves, the rest to 256+.
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
-        list(range(ord("®"), ord("ÿ") + 1))
+    printable = (
+        list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    )
     if ord(char) in printable:
         return ord(char)
     others = [b for b in range(256) if b not in printable]
@@ -50,10 +52,19 @@ def _byte_of(char: str) -> int:
 def demo_llama_config(**overrides):
     from transformers import LlamaConfig
 
-    values = dict(vocab_size=256 + len(BYTE_SPECIALS), hidden_size=64, intermediate_size=172,
-                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                  max_position_embeddings=1024, bos_token_id=256, eos_token_id=257, pad_token_id=258,
-                  tie_word_embeddings=False)
+    values: dict[str, Any] = dict(
+        vocab_size=256 + len(BYTE_SPECIALS),
+        hidden_size=64,
+        intermediate_size=172,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        bos_token_id=256,
+        eos_token_id=257,
+        pad_token_id=258,
+        tie_word_embeddings=False,
+    )
     values.update(overrides)
     return LlamaConfig(**values)
 
@@ -82,8 +93,11 @@ def ensure_demo_model() -> str:
     """
     if os.path.isfile(os.path.join(SHIPPED_DEMO_DIR, "config.json")):
         return SHIPPED_DEMO_DIR
-    logger.warning("the trained demo model is missing from %s: serving a random-weight model instead "
-                   "(train it with `python -m pagedllm.server.demo.train`)", SHIPPED_DEMO_DIR)
+    logger.warning(
+        "the trained demo model is missing from %s: serving a random-weight model instead "
+        "(train it with `python -m pagedllm.server.demo.train`)",
+        SHIPPED_DEMO_DIR,
+    )
     return ensure_random_demo_model()
 
 

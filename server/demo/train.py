@@ -27,7 +27,7 @@ import os
 import random
 import re
 import time
-from typing import Iterator
+from collections.abc import Iterator
 
 SPECIALS = ("<s>", "</s>", "<pad>", "<|system|>", "<|user|>", "<|assistant|>")
 CHAT_TEMPLATE = (
@@ -140,11 +140,21 @@ def train_tokenizer(texts: list[str], vocab_size: int):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIALS),
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIALS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator(texts, trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
-                                   additional_special_tokens=list(SPECIALS[3:]), model_max_length=1024)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
+        additional_special_tokens=list(SPECIALS[3:]),
+        model_max_length=1024,
+    )
     fast.chat_template = CHAT_TEMPLATE
     return fast
 
@@ -152,12 +162,20 @@ def train_tokenizer(texts: list[str], vocab_size: int):
 def model_config(tokenizer, args: argparse.Namespace):
     from transformers import LlamaConfig
 
-    return LlamaConfig(vocab_size=len(tokenizer), hidden_size=args.hidden_size,
-                       intermediate_size=args.intermediate_size, num_hidden_layers=args.layers,
-                       num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
-                       max_position_embeddings=args.max_position_embeddings, rope_theta=10000.0,
-                       bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                       pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=True)
+    return LlamaConfig(  # type: ignore[call-arg]  # NOTE: rope_theta is read from kwargs by transformers
+        vocab_size=len(tokenizer),
+        hidden_size=args.hidden_size,
+        intermediate_size=args.intermediate_size,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads,
+        max_position_embeddings=args.max_position_embeddings,
+        rope_theta=10000.0,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=True,
+    )
 
 
 def token_stream(tokenizer, texts: list[str], chats: list[list[dict]]) -> list[int]:
@@ -180,8 +198,9 @@ def train(args: argparse.Namespace) -> None:
     stream = torch.tensor(token_stream(tokenizer, texts, chats))
     model = LlamaForCausalLM(model_config(tokenizer, args))
     params = sum(p.numel() for p in model.parameters())
-    print(f"{len(texts)} documents, {len(chats)} chats, {len(stream)} tokens, {params / 1e6:.2f}M parameters",
-          flush=True)
+    print(
+        f"{len(texts)} documents, {len(chats)} chats, {len(stream)} tokens, {params / 1e6:.2f}M parameters", flush=True
+    )
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1, betas=(0.9, 0.95))
     start = time.time()
     for step in range(args.steps):
@@ -189,7 +208,7 @@ def train(args: argparse.Namespace) -> None:
         for group in optimizer.param_groups:
             group["lr"] = lr
         starts = torch.randint(0, len(stream) - args.seq_len - 1, (args.batch_size,))
-        batch = torch.stack([stream[s:s + args.seq_len] for s in starts.tolist()])
+        batch = torch.stack([stream[s : s + args.seq_len] for s in starts.tolist()])
         loss = model(input_ids=batch, labels=batch).loss
         optimizer.zero_grad(set_to_none=True)
         loss.backward()

@@ -21,7 +21,7 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import Any, Optional
+from typing import Any
 
 from pagedllm.server.config import EngineConfig
 from pagedllm.server.engine.commands import AbortRequests, AddRequest, CallEngine, Command, Wake, execute, reject
@@ -45,25 +45,30 @@ class AsyncLLMEngine:
     metrics use it.
     """
 
-    def __init__(self, config: EngineConfig, *, warmup: bool = True,
-                 engine_factory: Callable[[EngineConfig], LLMEngine] = LLMEngine,
-                 observer: Optional[Callable[..., None]] = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        *,
+        warmup: bool = True,
+        engine_factory: Callable[[EngineConfig], LLMEngine] = LLMEngine,
+        observer: Callable[..., None] | None = None,
+    ) -> None:
         self.config = config
         self.observer = observer
         self._warmup = warmup
         self._factory = engine_factory
         self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}
-        self._thread: Optional[threading.Thread] = None
-        self._loop: Optional[asyncio.AbstractEventLoop] = None
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._stopping = threading.Event()
         self._ready = threading.Event()
-        self._loaded: Optional[asyncio.Future[None]] = None
-        self.error: Optional[BaseException] = None
-        self.model_info: Optional[ModelInfo] = None
+        self._loaded: asyncio.Future[None] | None = None
+        self.error: BaseException | None = None
+        self.model_info: ModelInfo | None = None
         """Set once the model is loaded."""
         self.tokenizer: Any = None  # NOTE: the HTTP side's own copy; the engine thread keeps its own
-        self._stats: Optional[EngineStats] = None
+        self._stats: EngineStats | None = None
         self._stats_time = 0.0
 
     # -- lifecycle ----------------------------------------------------------------------
@@ -76,8 +81,9 @@ class AsyncLLMEngine:
         self._thread = threading.Thread(target=self._run, name="pagedllm-engine", daemon=True)
         self._thread.start()
 
-    async def wait_until_ready(self, timeout: Optional[float] = None) -> None:
+    async def wait_until_ready(self, timeout: float | None = None) -> None:
         """Wait for the model to load; re-raises a load failure."""
+        assert self._loaded is not None, "start() first"
         await asyncio.wait_for(asyncio.shield(self._loaded), timeout)
 
     @property
@@ -109,8 +115,9 @@ class AsyncLLMEngine:
         """Requests added that have not run a step yet (the waiting queue, as seen from here)."""
         return sum(1 for s in self._streams.values() if not s.scheduled)
 
-    async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
-                          arrival_time: Optional[float] = None) -> RequestStream:
+    async def add_request(
+        self, request_id: str, prompt: PromptType, params: SamplingParams, arrival_time: float | None = None
+    ) -> RequestStream:
         """Queue a request; ``ValueError`` from the engine (bad prompt or params) is re-raised here."""
         if not self.is_ready:
             raise EngineDeadError(self.not_ready_reason())
@@ -133,8 +140,9 @@ class AsyncLLMEngine:
             raise
         return stream
 
-    async def generate(self, prompt: PromptType, params: SamplingParams, request_id: str,
-                       arrival_time: Optional[float] = None) -> AsyncIterator[RequestOutput]:
+    async def generate(
+        self, prompt: PromptType, params: SamplingParams, request_id: str, arrival_time: float | None = None
+    ) -> AsyncIterator[RequestOutput]:
         """Outputs of one request until it finishes; closing the iterator early aborts it."""
         stream = await self.add_request(request_id, prompt, params, arrival_time)
         try:
@@ -184,7 +192,7 @@ class AsyncLLMEngine:
         self._commands.put(CallEngine(fn, done))
         return done
 
-    def stats(self) -> Optional[EngineStats]:
+    def stats(self) -> EngineStats | None:
         """The newest snapshot of the engine's counters (taken after steps, at most every 50 ms)."""
         return self._stats
 
@@ -224,7 +232,7 @@ class AsyncLLMEngine:
                 start = time.monotonic()
                 outputs = engine.step()
                 times = StepTimes(start, time.monotonic())
-                if outputs:
+                if outputs and self._loop is not None:
                     self._loop.call_soon_threadsafe(self._dispatch, outputs, times)
             self._snapshot(engine, force=not engine.has_unfinished_requests())
 
@@ -261,7 +269,7 @@ class AsyncLLMEngine:
     def _die(self, exc: BaseException) -> None:
         self.error = exc
         self._reject_pending(EngineDeadError(f"the engine failed: {exc!r}"))
-        if self._loop is None or self._loop.is_closed():
+        if self._loop is None or self._loop.is_closed() or self._loaded is None:
             return
         self._loop.call_soon_threadsafe(self._fail_all, EngineDeadError(f"the engine failed: {exc!r}"))
         self._loop.call_soon_threadsafe(_reject, self._loaded, exc)

@@ -54,8 +54,14 @@ class BeamStep:
     done: bool
 
 
-def beam_step(state: BeamState, beams: list[Sequence], logprobs: torch.Tensor, params: SamplingParams,
-              eos_token_ids: tuple[int, ...], at_length_limit: bool) -> BeamStep:
+def beam_step(
+    state: BeamState,
+    beams: list[Sequence],
+    logprobs: torch.Tensor,
+    params: SamplingParams,
+    eos_token_ids: tuple[int, ...],
+    at_length_limit: bool,
+) -> BeamStep:
     """Decide one step. ``logprobs``: [len(beams), vocab] log-softmax of each beam's logits.
 
     ``at_length_limit`` says the new token is the last one allowed (max_tokens or max_model_len).
@@ -77,23 +83,27 @@ def beam_step(state: BeamState, beams: list[Sequence], logprobs: torch.Tensor, p
     finished = []
     if state.improvable and not full:
         finished = [c for c, end in zip(candidates[:width], ends[:width]) if end]
-    new_scores = [c.score / gen_len ** params.length_penalty for c in finished]
+    new_scores = [c.score / gen_len**params.length_penalty for c in finished]
     _update_improvable(state, running, new_scores, gen_len, params)
-    done = all(ends) or not state.improvable or (
-        len(state.hypotheses) + len(finished) >= width and params.early_stopping is True)
+    done = (
+        all(ends)
+        or not state.improvable
+        or (len(state.hypotheses) + len(finished) >= width and params.early_stopping is True)
+    )
     return BeamStep(running, finished, done)
 
 
-def _update_improvable(state: BeamState, running: list[Candidate], new_scores: list[float], gen_len: int,
-                       params: SamplingParams) -> None:
-    scores = sorted([s for s, _ in state.hypotheses] + new_scores, reverse=True)[:params.best_of]
+def _update_improvable(
+    state: BeamState, running: list[Candidate], new_scores: list[float], gen_len: int, params: SamplingParams
+) -> None:
+    scores = sorted([s for s, _ in state.hypotheses] + new_scores, reverse=True)[: params.best_of]
     if len(scores) < params.best_of or not running:
         return
     if params.early_stopping == "never" and params.length_penalty > 0 and params.max_tokens is not None:
         best_len = params.max_tokens
     else:
         best_len = gen_len
-    best_possible = running[0].score / best_len ** params.length_penalty
+    best_possible = running[0].score / best_len**params.length_penalty
     state.improvable = state.improvable and best_possible > min(scores)
 
 
@@ -121,8 +131,9 @@ class BeamSearch:
         """Advance ``group`` by one token; ``logits``: [len(beams), vocab], row i for ``beams[i]``."""
         params = group.sampling_params
         gen_len = len(beams[0].output_token_ids) + 1
-        at_limit = (params.max_tokens is not None and gen_len >= params.max_tokens) or \
-            len(beams[0]) + 1 >= self.outputs.max_model_len
+        at_limit = (params.max_tokens is not None and gen_len >= params.max_tokens) or len(
+            beams[0]
+        ) + 1 >= self.outputs.max_model_len
         logprobs = torch.log_softmax(logits.float().cpu(), dim=-1)
         decided = beam_step(state, beams, logprobs, params, self.outputs.eos_token_ids, at_limit)
         add_hypotheses(state, [self._hypothesis(c, gen_len, params) for c in decided.finished], params.best_of)
@@ -138,7 +149,7 @@ class BeamSearch:
         self.outputs.append_text_token(hyp, cand.token, cand.logprob, None, params)
         stopped = self.outputs.is_eos(cand.token, params)
         hyp.status = SequenceStatus.FINISHED_STOPPED if stopped else SequenceStatus.FINISHED_LENGTH
-        return cand.score / gen_len ** params.length_penalty, hyp
+        return cand.score / gen_len**params.length_penalty, hyp
 
     def _fork_beams(self, beams: list[Sequence], running: list[Candidate], params: SamplingParams) -> list[Sequence]:
         children: dict[Sequence, list[Candidate]] = {}

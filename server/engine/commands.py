@@ -9,7 +9,7 @@ from __future__ import annotations
 import concurrent.futures
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any
 
 from pagedllm.server.engine.input_processor import PromptType
 from pagedllm.server.engine.llm_engine import LLMEngine
@@ -42,14 +42,15 @@ class Wake:
     """Nothing to do: makes a blocked engine thread look at its stop flag."""
 
 
-Command = Union[AddRequest, AbortRequests, CallEngine, Wake]
+Command = AddRequest | AbortRequests | CallEngine | Wake
 
 
 def execute(engine: LLMEngine, command: Command) -> None:
     """Carry out ``command``; a failure goes to its future, never out of the engine thread."""
     if isinstance(command, AddRequest):
-        _run_into(command.done, engine.add_request, command.request_id, command.prompt, command.params,
-                  command.arrival_time)
+        _run_into(
+            command.done, engine.add_request, command.request_id, command.prompt, command.params, command.arrival_time
+        )
     elif isinstance(command, AbortRequests):
         engine.abort_request(command.request_ids)
     elif isinstance(command, CallEngine):

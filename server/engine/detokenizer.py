@@ -14,9 +14,9 @@ def decode_new_text(tokenizer, seq: Sequence, skip_special_tokens: bool) -> str:
     offsets stay, so the character comes out whole once its last byte arrives.
     """
     ids = seq.token_ids
-    prefix = tokenizer.decode(ids[seq.prefix_offset:seq.read_offset], skip_special_tokens=skip_special_tokens)
-    full = tokenizer.decode(ids[seq.prefix_offset:], skip_special_tokens=skip_special_tokens)
+    prefix = tokenizer.decode(ids[seq.prefix_offset : seq.read_offset], skip_special_tokens=skip_special_tokens)
+    full = tokenizer.decode(ids[seq.prefix_offset :], skip_special_tokens=skip_special_tokens)
     if len(full) > len(prefix) and not full.endswith("\ufffd"):
         seq.prefix_offset, seq.read_offset = seq.read_offset, len(ids)
-        return full[len(prefix):]
+        return full[len(prefix) :]
     return ""

@@ -9,19 +9,19 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Optional, Union
+from typing import Any
 
 from pagedllm.server.config import ConfigError
 from pagedllm.server.sampling_params import SamplingParams
 
-PromptType = Union[str, dict, list]
+PromptType = str | dict | list
 """A string, ``{"prompt": str}``, ``{"prompt_token_ids": [...], "prompt": optional text}``."""
 MAX_LOGPROBS = 20
 
 
 @dataclass(frozen=True)
 class ProcessedPrompt:
-    text: Optional[str]
+    text: str | None
     token_ids: list[int]
 
 
@@ -29,8 +29,13 @@ def check_token_ids(ids: Sequence[Any], field: str, vocab_size: int) -> None:
     """Raise :class:`ConfigError` naming ``field`` unless every id is an integer in the vocabulary."""
     bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size]
     if bad:
-        raise ConfigError(field, bad[:3], f"ids must be integers in [0, {vocab_size})", problem="",
-                          subject=f"{{name}} contain {bad[:3]}")
+        raise ConfigError(
+            field,
+            bad[:3],
+            f"ids must be integers in [0, {vocab_size})",
+            problem="",
+            subject=f"{{name}} contain {bad[:3]}",
+        )
 
 
 class InputProcessor:
@@ -58,22 +63,32 @@ class InputProcessor:
             return ProcessedPrompt(None, list(prompt))
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise ConfigError("prompt", prompt, "pass prompt_token_ids", problem="is a string but "
-                                  "skip_tokenizer_init=True", subject="{name}")
+                raise ConfigError(
+                    "prompt",
+                    prompt,
+                    "pass prompt_token_ids",
+                    problem="is a string but skip_tokenizer_init=True",
+                    subject="{name}",
+                )
             return ProcessedPrompt(prompt, self.tokenizer.encode(prompt))
         raise ConfigError("prompt", prompt, "pass a string or {'prompt_token_ids': [...]}", problem="is invalid")
 
     def check_prompt(self, token_ids: list[int]) -> None:
         if not token_ids:
-            raise ConfigError("prompt", token_ids, "at least one token is required", problem="is empty",
-                              subject="{name}")
+            raise ConfigError(
+                "prompt", token_ids, "at least one token is required", problem="is empty", subject="{name}"
+            )
         check_token_ids(token_ids, "prompt_token_ids", self.vocab_size)
         n, limit = len(token_ids), self.max_model_len
         if n >= limit:
-            problem = (f"is longer than max_model_len={limit}" if n > limit
-                       else f"leaves no room to generate within max_model_len={limit}")
-            raise ConfigError("prompt", n, f"at most {limit - 1} tokens", problem=problem,
-                              subject=f"{{name}} of {n} tokens")
+            problem = (
+                f"is longer than max_model_len={limit}"
+                if n > limit
+                else f"leaves no room to generate within max_model_len={limit}"
+            )
+            raise ConfigError(
+                "prompt", n, f"at most {limit - 1} tokens", problem=problem, subject=f"{{name}} of {n} tokens"
+            )
 
     def check_params(self, params: SamplingParams) -> None:
         for name in ("logprobs", "prompt_logprobs"):
@@ -82,7 +97,11 @@ class InputProcessor:
                 raise ConfigError(name, value, f"at most {MAX_LOGPROBS}", problem="is too large")
         check_token_ids(params.stop_token_ids, "stop_token_ids", self.vocab_size)
         if params.best_of > self.max_num_seqs:
-            raise ConfigError("best_of", params.best_of, "so the request could never run",
-                              problem=f"is larger than max_num_seqs={self.max_num_seqs}")
+            raise ConfigError(
+                "best_of",
+                params.best_of,
+                "so the request could never run",
+                problem=f"is larger than max_num_seqs={self.max_num_seqs}",
+            )
         if params.best_of > 1 and params.greedy and not params.use_beam_search:
             raise ConfigError("best_of", params.best_of, "set temperature > 0", problem="needs random sampling")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 from pagedllm.server.config import ConfigError, EngineConfig
 
@@ -29,10 +29,14 @@ class ModelInfo:
 def read_model_info(config: EngineConfig, hf_config: dict[str, Any], tokenizer: Any) -> ModelInfo:
     model_dir = config.model.model
     assert model_dir is not None, "the model directory is resolved before the engine reads it"
-    return ModelInfo(model_dir=model_dir, tokenizer_dir=config.model.tokenizer or model_dir,
-                     max_model_len=max_model_len(config, hf_config), vocab_size=hf_config["vocab_size"],
-                     eos_token_ids=eos_token_ids(model_dir, hf_config, tokenizer),
-                     default_sampling=default_sampling(model_dir))
+    return ModelInfo(
+        model_dir=model_dir,
+        tokenizer_dir=config.model.tokenizer or model_dir,
+        max_model_len=max_model_len(config, hf_config),
+        vocab_size=hf_config["vocab_size"],
+        eos_token_ids=eos_token_ids(model_dir, hf_config, tokenizer),
+        default_sampling=default_sampling(model_dir),
+    )
 
 
 def load_tokenizer(path: str) -> Any:
@@ -70,8 +74,12 @@ def max_model_len(config: EngineConfig, hf_config: dict[str, Any]) -> int:
     limit = hf_config.get("max_position_embeddings") or hf_config.get("n_positions") or 2048
     if hf_config.get("sliding_window"):
         limit = min(limit, hf_config["sliding_window"])
-    asked: Optional[int] = config.model.max_model_len
+    asked: int | None = config.model.max_model_len
     if asked is not None and asked > limit:
-        raise ConfigError("max_model_len", asked, f"at most the model's limit of {limit} positions",
-                          problem="is larger than the model allows")
+        raise ConfigError(
+            "max_model_len",
+            asked,
+            f"at most the model's limit of {limit} positions",
+            problem="is larger than the model allows",
+        )
     return asked or limit

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 from pagedllm.server.core.sequence import Logprobs, Sequence, SequenceGroup, SequenceStatus
 from pagedllm.server.engine.detokenizer import decode_new_text
@@ -22,8 +22,9 @@ class OutputProcessor:
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
 
-    def append_token(self, seq: Sequence, token: int, logprob: float, top: Optional[Logprobs],
-                     params: SamplingParams) -> None:
+    def append_token(
+        self, seq: Sequence, token: int, logprob: float, top: Logprobs | None, params: SamplingParams
+    ) -> None:
         """Append a sampled token, extend the text, and finish the sequence if a stop rule says so."""
         if top is not None and self.tokenizer is not None:
             for token_id, entry in top.items():
@@ -31,8 +32,9 @@ class OutputProcessor:
         self.append_text_token(seq, token, logprob, top, params)
         self._check_stop(seq, params)
 
-    def append_text_token(self, seq: Sequence, token: int, logprob: float, top: Optional[Logprobs],
-                          params: SamplingParams) -> None:
+    def append_text_token(
+        self, seq: Sequence, token: int, logprob: float, top: Logprobs | None, params: SamplingParams
+    ) -> None:
         """Append a token and its text, without stop checks (beam search decides its own ends)."""
         seq.append_token(token, logprob, top)
         if self.tokenizer is not None:
@@ -62,19 +64,23 @@ class OutputProcessor:
         seqs = group.seqs
         if finished and len(seqs) > params.n:
             # NOTE: beam search already orders its hypotheses by their length-normalised score.
-            seqs = seqs if params.use_beam_search else sorted(seqs, key=lambda s: s.cumulative_logprob,
-                                                                reverse=True)
+            seqs = seqs if params.use_beam_search else sorted(seqs, key=lambda s: s.cumulative_logprob, reverse=True)
         completions = [
-            CompletionOutput(index=i, text=s.output_text, token_ids=list(s.output_token_ids),
-                             cumulative_logprob=s.cumulative_logprob,
-                             logprobs=list(s.output_logprobs) if params.logprobs is not None else None,
-                             finish_reason=s.status.value if s.status.finished else None,
-                             stop_reason=s.stop_reason)
-            for i, s in enumerate(seqs[:params.n])
+            CompletionOutput(
+                index=i,
+                text=s.output_text,
+                token_ids=list(s.output_token_ids),
+                cumulative_logprob=s.cumulative_logprob,
+                logprobs=list(s.output_logprobs) if params.logprobs is not None else None,
+                finish_reason=s.status.value if s.status.finished else None,
+                stop_reason=s.stop_reason,
+            )
+            for i, s in enumerate(seqs[: params.n])
         ]
         prompt_logprobs = group.prompt_logprobs if params.prompt_logprobs is not None else None
-        return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, prompt_logprobs,
-                             completions, finished)
+        return RequestOutput(
+            group.request_id, group.prompt, group.prompt_token_ids, prompt_logprobs, completions, finished
+        )
 
 
 def _stop_string_matched(seq: Sequence, params: SamplingParams) -> bool:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Optional
 
 from pagedllm.server.outputs import RequestOutput
 
@@ -30,11 +29,11 @@ class RequestStream:
         self.arrival_time = arrival_time
         self.finished = False
         self.scheduled = False  # NOTE: set by the first output, i.e. once the request left the queue
-        self.first_token_time: Optional[float] = None
-        self.last_token_time: Optional[float] = None
+        self.first_token_time: float | None = None
+        self.last_token_time: float | None = None
         self.num_tokens = 0
-        self._latest: Optional[RequestOutput] = None
-        self._error: Optional[BaseException] = None
+        self._latest: RequestOutput | None = None
+        self._error: BaseException | None = None
         self._event = asyncio.Event()
 
     def put(self, output: RequestOutput) -> None:

@@ -7,8 +7,8 @@ reference model's and add up to ``cumulative_logprob``.
 
 from __future__ import annotations
 
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass
-from typing import Optional, Sequence as Seq
 
 import torch
 
@@ -24,7 +24,7 @@ class SampleRequest:
     prompt_token_ids: Seq[int]
     output_token_ids: Seq[int]
     num_samples: int = 1  # best_of draws at a group's first token, else 1
-    generator: Optional[torch.Generator] = None
+    generator: torch.Generator | None = None
     eos_token_ids: tuple[int, ...] = ()
 
 
@@ -32,7 +32,7 @@ class SampleRequest:
 class Sample:
     token_ids: list[int]
     logprobs: list[float]  # of each sampled token
-    top_logprobs: list[Optional[dict[int, Logprob]]]  # per sampled token, when asked for
+    top_logprobs: list[dict[int, Logprob] | None]  # per sampled token, when asked for
 
 
 class Sampler:
@@ -59,8 +59,9 @@ class Sampler:
             probs = _filtered_probs(logits[random_rows], [requests[i].params for i in random_rows])
             for row, i in enumerate(random_rows):
                 req = requests[i]
-                draw = torch.multinomial(probs[row], req.num_samples, replacement=True,
-                                         generator=req.generator or self.generator)
+                draw = torch.multinomial(
+                    probs[row], req.num_samples, replacement=True, generator=req.generator or self.generator
+                )
                 sampled[i] = [int(t) for t in draw]
         return [self._result(raw_logprobs[i], sampled[i], req) for i, req in enumerate(requests)]
 
@@ -71,7 +72,7 @@ class Sampler:
         return Sample(tokens, chosen, tops)
 
 
-def top_logprobs(logprobs: torch.Tensor, token: int, num: Optional[int]) -> Optional[dict[int, Logprob]]:
+def top_logprobs(logprobs: torch.Tensor, token: int, num: int | None) -> dict[int, Logprob] | None:
     """The ``num`` most likely tokens of one position plus ``token`` itself, with ranks."""
     if num is None:
         return None

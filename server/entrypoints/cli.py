@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 from pagedllm.server.args import add_engine_args, engine_config_from_args
 from pagedllm.server.entrypoints.serve import add_serve_parser
@@ -27,12 +27,18 @@ def _run_generate(args: argparse.Namespace) -> int:
     from pagedllm.server.sampling_params import SamplingParams
 
     config = engine_config_from_args(args)
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                            top_k=args.top_k, n=args.n, seed=config.model.seed)
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        n=args.n,
+        seed=config.model.seed,
+    )
     llm = LLM.from_config(config)
     for output in llm.generate(args.prompts, params):
         for completion in output.outputs:
-            print(output.prompt + completion.text)
+            print((output.prompt or "") + completion.text)
             print("-" * 40)
     return 0
 
@@ -52,8 +58,10 @@ def _add_operator(subparsers: argparse._SubParsersAction[argparse.ArgumentParser
 
 
 def _missing_extra(command: str, module: str) -> int:
-    print(f"pagedllm {command}: error: {module} is not installed; install it with "
-          f"pip install 'pagedllm[{command}]'", file=sys.stderr)
+    print(
+        f"pagedllm {command}: error: {module} is not installed; install it with pip install 'pagedllm[{command}]'",
+        file=sys.stderr,
+    )
     return 2
 
 
@@ -66,7 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

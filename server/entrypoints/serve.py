@@ -13,7 +13,6 @@ import logging
 import os
 import signal
 import time
-from typing import Optional
 
 from pagedllm.server.args import add_engine_args, as_flag_error, engine_config_from_args
 from pagedllm.server.config import ConfigError
@@ -21,15 +20,20 @@ from pagedllm.server.config import ConfigError
 API_KEY_ENV = "PAGEDLLM_API_KEY"
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 SERVER_FLAGS = {  # ServerSettings field -> flag, for error messages
-    "max_queue_len": "--max-queue-len", "drain_timeout": "--drain-timeout", "api_key": "--api-key",
+    "max_queue_len": "--max-queue-len",
+    "drain_timeout": "--drain-timeout",
+    "api_key": "--api-key",
 }
 logger = logging.getLogger("pagedllm.serve")
 
 
 def add_serve_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
-        "serve", help="Serve the OpenAI-compatible HTTP API (the embedded demo model without --model).",
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+        "serve",
+        help="Serve the OpenAI-compatible HTTP API (the embedded demo model without --model).",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     add_server_args(p)
     add_engine_args(p)
     p.set_defaults(func=run_serve)
@@ -40,17 +44,36 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group = parser.add_argument_group("server")
     group.add_argument("--host", default="0.0.0.0", help="Address to listen on (default: 0.0.0.0).")
     group.add_argument("--port", type=int, default=8000, help="Port to listen on (default: 8000).")
-    group.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
-                       help="Model name(s) clients pass as `model`; the first is reported "
-                            "(default: the --model path, or pagedllm-demo).")
-    group.add_argument("--api-key", default=None,
-                       help=f"Require `Authorization: Bearer KEY` on /v1/* (default: ${API_KEY_ENV}, else none).")
-    group.add_argument("--max-queue-len", type=int, default=None,
-                       help="Most requests waiting to be scheduled; more get 503 + Retry-After (default: unbounded).")
-    group.add_argument("--drain-timeout", type=float, default=30.0,
-                       help="Seconds SIGTERM waits for in-flight requests before aborting them (default: 30).")
-    group.add_argument("--chat-template", default=None,
-                       help="Jinja chat template, as a file path or the template text (default: the tokenizer's).")
+    group.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        metavar="NAME",
+        help="Model name(s) clients pass as `model`; the first is reported "
+        "(default: the --model path, or pagedllm-demo).",
+    )
+    group.add_argument(
+        "--api-key",
+        default=None,
+        help=f"Require `Authorization: Bearer KEY` on /v1/* (default: ${API_KEY_ENV}, else none).",
+    )
+    group.add_argument(
+        "--max-queue-len",
+        type=int,
+        default=None,
+        help="Most requests waiting to be scheduled; more get 503 + Retry-After (default: unbounded).",
+    )
+    group.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=30.0,
+        help="Seconds SIGTERM waits for in-flight requests before aborting them (default: 30).",
+    )
+    group.add_argument(
+        "--chat-template",
+        default=None,
+        help="Jinja chat template, as a file path or the template text (default: the tokenizer's).",
+    )
     group.add_argument("--log-level", default="info", choices=LOG_LEVELS, help="Logging level (default: info).")
     return parser
 
@@ -62,15 +85,18 @@ def settings_from_args(args: argparse.Namespace):
     if not 0 <= args.port <= 65535:
         raise ConfigError("port", args.port, "must be 0-65535", problem="is out of range", name="--port")
     try:
-        return ServerSettings(served_model_names=list(args.served_model_name or []),
-                              api_key=args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV),
-                              max_queue_len=args.max_queue_len, drain_timeout=args.drain_timeout,
-                              chat_template=load_chat_template(args.chat_template))
+        return ServerSettings(
+            served_model_names=list(args.served_model_name or []),
+            api_key=args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV),
+            max_queue_len=args.max_queue_len,
+            drain_timeout=args.drain_timeout,
+            chat_template=load_chat_template(args.chat_template),
+        )
     except ConfigError as exc:
         raise exc.renamed(SERVER_FLAGS.get(exc.field, exc.name)) from exc
 
 
-def load_chat_template(value: Optional[str]) -> Optional[str]:
+def load_chat_template(value: str | None) -> str | None:
     """A template given as a file path or inline; a path that does not exist is an error."""
     if value is None:
         return None
@@ -79,8 +105,13 @@ def load_chat_template(value: Optional[str]) -> Optional[str]:
             return f.read()
     if "{{" in value or "{%" in value:
         return value
-    raise ConfigError("chat_template", value, "give a path or the text", problem="is neither a file nor a Jinja "
-                      "template", name="--chat-template")
+    raise ConfigError(
+        "chat_template",
+        value,
+        "give a path or the text",
+        problem="is neither a file nor a Jinja template",
+        name="--chat-template",
+    )
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -96,12 +127,22 @@ def run_serve(args: argparse.Namespace) -> int:
         try:
             read_hf_config(config.model.model)  # NOTE: fail now, not after the port is open
         except ValueError as exc:
-            raise ConfigError("model", config.model.model, str(exc), problem="is not a model directory",
-                              name="--model") from exc
+            raise ConfigError(
+                "model", config.model.model, str(exc), problem="is not a model directory", name="--model"
+            ) from exc
     app = build_app(config, settings)
-    server = draining_server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                                            timeout_graceful_shutdown=5, access_log=args.log_level == "debug"),
-                             app.state, settings.drain_timeout)
+    server = draining_server(
+        uvicorn.Config(
+            app,
+            host=args.host,
+            port=args.port,
+            log_level=args.log_level,
+            timeout_graceful_shutdown=5,
+            access_log=args.log_level == "debug",
+        ),
+        app.state,
+        settings.drain_timeout,
+    )
     try:
         server.run()
     except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it shut down for
@@ -118,7 +159,7 @@ def draining_server(config, state, drain_timeout: float):
     import uvicorn
 
     class DrainingServer(uvicorn.Server):
-        load_error: Optional[BaseException] = None
+        load_error: BaseException | None = None
 
         def handle_exit(self, sig, frame) -> None:
             if sig == signal.SIGTERM and not self.should_exit:
@@ -130,7 +171,7 @@ def draining_server(config, state, drain_timeout: float):
 
         async def startup(self, sockets=None) -> None:
             self._loop = asyncio.get_running_loop()
-            self._tasks = set()
+            self._tasks: set[asyncio.Future[None]] = set()
             await super().startup(sockets)
             self._spawn(self._watch_engine())
 

@@ -13,8 +13,8 @@ kinds of attention read all keys, old and new, through the block tables.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
@@ -58,11 +58,21 @@ def select_attention_ops(backend: str, device: torch.device) -> AttentionOps:
     if backend == "auto":
         backend = os.environ.get("PAGEDLLM_ATTENTION_BACKEND") or ("triton" if device.type == "cuda" else "torch")
     if backend == "triton":
-        return AttentionOps("triton", kernels.reshape_and_cache, kernels.paged_decode_attention,
-                            kernels.paged_prefill_attention, kernels.copy_blocks)
+        return AttentionOps(
+            "triton",
+            kernels.reshape_and_cache,
+            kernels.paged_decode_attention,
+            kernels.paged_prefill_attention,
+            kernels.copy_blocks,
+        )
     if backend == "torch":
-        return AttentionOps("torch", kernels.reshape_and_cache_reference, kernels.paged_decode_attention_reference,
-                            kernels.paged_prefill_attention_reference, kernels.copy_blocks_reference)
+        return AttentionOps(
+            "torch",
+            kernels.reshape_and_cache_reference,
+            kernels.paged_decode_attention_reference,
+            kernels.paged_prefill_attention_reference,
+            kernels.copy_blocks_reference,
+        )
     raise ValueError(f"attention backend {backend!r} is not allowed: choose one of ['auto', 'torch', 'triton']")
 
 
@@ -73,8 +83,15 @@ class PagedAttention(torch.nn.Module):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim, self.scale = num_heads, num_kv_heads, head_dim, scale
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
-                meta: AttentionMetadata, ops: AttentionOps) -> torch.Tensor:
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+        ops: AttentionOps,
+    ) -> torch.Tensor:
         # q: [num_tokens, num_heads * head_dim]; k, v: [num_tokens, num_kv_heads * head_dim]
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
@@ -84,9 +101,19 @@ class PagedAttention(torch.nn.Module):
         out = torch.empty_like(q)
         d = meta.num_decode_tokens
         if d:
-            out[:d] = ops.decode(q[:d], key_cache, value_cache, meta.decode_block_tables,
-                                 meta.decode_context_lens, self.scale)
+            out[:d] = ops.decode(
+                q[:d], key_cache, value_cache, meta.decode_block_tables, meta.decode_context_lens, self.scale
+            )
         if meta.num_prefills:
-            out[d:] = ops.prefill(q[d:], k[d:], v[d:], key_cache, value_cache, meta.prefill_block_tables,
-                                  meta.prefill_cu_seqlens_q, meta.prefill_context_lens, self.scale)
+            out[d:] = ops.prefill(
+                q[d:],
+                k[d:],
+                v[d:],
+                key_cache,
+                value_cache,
+                meta.prefill_block_tables,
+                meta.prefill_cu_seqlens_q,
+                meta.prefill_context_lens,
+                self.scale,
+            )
         return out.view(-1, self.num_heads * self.head_dim)

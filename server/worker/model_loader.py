@@ -6,17 +6,21 @@ import glob
 import json
 import os
 import re
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 from torch import nn
+
+from pagedllm.server.worker.models.base import CausalLM
 
 
 def read_hf_config(model_dir: str) -> dict:
     path = os.path.join(model_dir, "config.json")
     if not os.path.isfile(path):
-        raise ValueError(f"model={model_dir!r} is not a model directory: {path} does not exist "
-                         "(models are not downloaded; pass a local Hugging Face directory)")
+        raise ValueError(
+            f"model={model_dir!r} is not a model directory: {path} does not exist "
+            "(models are not downloaded; pass a local Hugging Face directory)"
+        )
     with open(path) as f:
         return json.load(f)
 
@@ -33,8 +37,10 @@ def iterate_weights(model_dir: str, load_format: str) -> Iterator[tuple[str, tor
     use_safetensors = load_format == "safetensors" or (load_format == "auto" and safetensors_files)
     files = safetensors_files if use_safetensors else torch_files
     if not files:
-        raise ValueError(f"no {'safetensors' if use_safetensors else '.bin/.pt'} weight files in {model_dir!r} "
-                         f"(load_format={load_format!r})")
+        raise ValueError(
+            f"no {'safetensors' if use_safetensors else '.bin/.pt'} weight files in {model_dir!r} "
+            f"(load_format={load_format!r})"
+        )
     for path in files:
         if use_safetensors:
             from safetensors.torch import load_file
@@ -45,7 +51,7 @@ def iterate_weights(model_dir: str, load_format: str) -> Iterator[tuple[str, tor
         yield from state.items()
 
 
-def init_dummy_weights(model: nn.Module, seed: int) -> None:
+def init_dummy_weights(model: nn.Module | CausalLM, seed: int) -> None:
     """Random weights for benchmarks: normal(0, 0.02) matrices, unit norms."""
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():

@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Optional
 
 import torch
 
-from pagedllm.server.worker.attention import AttentionMetadata, select_attention_ops
-from pagedllm.server.config import GiB, EngineConfig
-from pagedllm.server.worker.model_loader import checkpoint_dtype, init_dummy_weights, iterate_weights
-from pagedllm.server.worker.models import model_class
+from pagedllm.server.config import EngineConfig, GiB
 from pagedllm.server.core.scheduler import SchedulerOutput
 from pagedllm.server.core.sequence import Sequence, SequenceGroup
+from pagedllm.server.worker.attention import AttentionMetadata, select_attention_ops
+from pagedllm.server.worker.model_loader import checkpoint_dtype, init_dummy_weights, iterate_weights
+from pagedllm.server.worker.models import model_class
+from pagedllm.server.worker.models.base import CausalLM
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +42,7 @@ class StepInputs:
 class StepResult:
     inputs: StepInputs
     logits: torch.Tensor  # [len(inputs.sample_rows), vocab] float32
-    prompt_logits: Optional[torch.Tensor]  # [len(inputs.prompt_index), vocab] float32
+    prompt_logits: torch.Tensor | None  # [len(inputs.prompt_index), vocab] float32
 
 
 def resolve_device(name: str) -> torch.device:
@@ -77,7 +77,7 @@ class ModelRunner:
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.host_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
 
-    def _load_model(self, hf_config: dict) -> torch.nn.Module:
+    def _load_model(self, hf_config: dict) -> CausalLM:
         cls = model_class(hf_config)
         previous = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)  # NOTE: restored below; builds weights in place
@@ -89,6 +89,7 @@ class ModelRunner:
         if self.config.model.load_format == "dummy":
             init_dummy_weights(model, self.config.model.seed)
         else:
+            assert self.config.model.model is not None, "the engine resolves the model directory first"
             model.load_weights(iterate_weights(self.config.model.model, self.config.model.load_format))
         return model.eval()
 
@@ -110,8 +111,10 @@ class ModelRunner:
             free_bytes = int(cache.kv_cache_memory * GiB)
         blocks = min(free_bytes // self.block_bytes, useful_blocks)
         if blocks < 1:
-            raise ValueError(f"no room for a single KV block of {self.block_bytes} bytes: raise "
-                             "gpu_memory_utilization / kv_cache_memory or use a smaller model")
+            raise ValueError(
+                f"no room for a single KV block of {self.block_bytes} bytes: raise "
+                "gpu_memory_utilization / kv_cache_memory or use a smaller model"
+            )
         return int(blocks)
 
     def num_host_blocks(self, useful_blocks: int) -> int:
@@ -128,14 +131,17 @@ class ModelRunner:
         seq = Sequence(-1, [0] * tokens)
         table = torch.arange(blocks, dtype=torch.int32, device=self.device)[None]
         meta = AttentionMetadata(
-            slot_mapping=torch.arange(tokens, dtype=torch.int64, device=self.device), num_decode_tokens=0,
-            decode_block_tables=table[:0], decode_context_lens=torch.zeros(0, dtype=torch.int32, device=self.device),
+            slot_mapping=torch.arange(tokens, dtype=torch.int64, device=self.device),
+            num_decode_tokens=0,
+            decode_block_tables=table[:0],
+            decode_context_lens=torch.zeros(0, dtype=torch.int32, device=self.device),
             prefill_block_tables=table,
             prefill_cu_seqlens_q=torch.tensor([0, tokens], dtype=torch.int32, device=self.device),
-            prefill_context_lens=torch.tensor([tokens], dtype=torch.int32, device=self.device))
+            prefill_context_lens=torch.tensor([tokens], dtype=torch.int32, device=self.device),
+        )
         ids = torch.tensor(seq.token_ids, device=self.device)
         hidden = self.model(ids, torch.arange(tokens, device=self.device), self.kv_caches, meta, self.ops)
-        self.model.compute_logits(hidden[-min(tokens, self.config.scheduler.max_num_seqs):])
+        self.model.compute_logits(hidden[-min(tokens, self.config.scheduler.max_num_seqs) :])
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated(self.device)
         self.kv_caches = []
@@ -147,13 +153,21 @@ class ModelRunner:
         # Each layer: key and value caches [num_blocks, block_size, num_kv_heads, head_dim].
         shape = (self.block_size, self.num_kv_heads, self.head_dim)
         pin = self.device.type == "cuda"
-        self.kv_caches = [(torch.zeros((num_device_blocks, *shape), dtype=self.dtype, device=self.device),
-                           torch.zeros((num_device_blocks, *shape), dtype=self.dtype, device=self.device))
-                          for _ in range(self.num_layers)]
+        self.kv_caches = [
+            (
+                torch.zeros((num_device_blocks, *shape), dtype=self.dtype, device=self.device),
+                torch.zeros((num_device_blocks, *shape), dtype=self.dtype, device=self.device),
+            )
+            for _ in range(self.num_layers)
+        ]
         # NOTE: host blocks are only ever read after being written by a swap-out.
-        self.host_caches = [(torch.empty((num_host_blocks, *shape), dtype=self.dtype, pin_memory=pin),
-                             torch.empty((num_host_blocks, *shape), dtype=self.dtype, pin_memory=pin))
-                            for _ in range(self.num_layers)]
+        self.host_caches = [
+            (
+                torch.empty((num_host_blocks, *shape), dtype=self.dtype, pin_memory=pin),
+                torch.empty((num_host_blocks, *shape), dtype=self.dtype, pin_memory=pin),
+            )
+            for _ in range(self.num_layers)
+        ]
 
     # -- one step -----------------------------------------------------------------------
     def _move_blocks(self, pairs: list[tuple[int, int]], to_host: bool) -> None:
@@ -186,23 +200,30 @@ class ModelRunner:
 
     def prepare_inputs(self, out: SchedulerOutput, block_tables: dict[int, list[int]]) -> StepInputs:
         """Flatten the step: decodes first, then prefill chunks (see attention.py)."""
-        decodes, prefills = [], []
+        decodes: list[tuple[SequenceGroup, Sequence, int]] = []
+        prefills: list[tuple[SequenceGroup, Sequence, int]] = []
         for item in out.scheduled:
             for seq in item.group.seqs:
                 chunk = item.chunks.get(seq.seq_id)
                 if chunk:
                     (decodes if chunk == 1 else prefills).append((item.group, seq, chunk))
-        ids, positions, slots = [], [], []
-        sample_rows, sample_index, prompt_rows, prompt_index = [], [], [], []
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        sample_rows: list[SampleRow] = []
+        sample_index: list[int] = []
+        prompt_rows: list[SampleRow] = []
+        prompt_index: list[int] = []
         for group, seq, chunk in decodes + prefills:
             start = seq.num_computed_tokens
             table = block_tables[seq.seq_id]
             tokens = seq.token_ids
             offset = len(ids)
-            ids.extend(tokens[start:start + chunk])
+            ids.extend(tokens[start : start + chunk])
             positions.extend(range(start, start + chunk))
-            slots.extend(table[p // self.block_size] * self.block_size + p % self.block_size
-                         for p in range(start, start + chunk))
+            slots.extend(
+                table[p // self.block_size] * self.block_size + p % self.block_size for p in range(start, start + chunk)
+            )
             if start + chunk == len(seq):
                 sample_rows.append(SampleRow(group, seq))
                 sample_index.append(offset + chunk - 1)
@@ -214,9 +235,13 @@ class ModelRunner:
         device = self.device
         return StepInputs(
             input_ids=torch.tensor(ids, dtype=torch.int64, device=device),
-            positions=torch.tensor(positions, dtype=torch.int64, device=device), meta=meta,
-            sample_rows=sample_rows, sample_index=torch.tensor(sample_index, dtype=torch.int64, device=device),
-            prompt_rows=prompt_rows, prompt_index=torch.tensor(prompt_index, dtype=torch.int64, device=device))
+            positions=torch.tensor(positions, dtype=torch.int64, device=device),
+            meta=meta,
+            sample_rows=sample_rows,
+            sample_index=torch.tensor(sample_index, dtype=torch.int64, device=device),
+            prompt_rows=prompt_rows,
+            prompt_index=torch.tensor(prompt_index, dtype=torch.int64, device=device),
+        )
 
     def _metadata(self, decodes, prefills, block_tables, slots) -> AttentionMetadata:
         def tables(entries):
@@ -226,8 +251,9 @@ class ModelRunner:
             return torch.tensor(padded, dtype=torch.int32, device=self.device).view(len(rows), width)
 
         def context_lens(entries):
-            return torch.tensor([seq.num_computed_tokens + chunk for _, seq, chunk in entries],
-                                dtype=torch.int32, device=self.device)
+            return torch.tensor(
+                [seq.num_computed_tokens + chunk for _, seq, chunk in entries], dtype=torch.int32, device=self.device
+            )
 
         cu = [0]
         for _, _, chunk in prefills:
@@ -235,7 +261,9 @@ class ModelRunner:
         return AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=self.device),
             num_decode_tokens=len(decodes),
-            decode_block_tables=tables(decodes), decode_context_lens=context_lens(decodes),
+            decode_block_tables=tables(decodes),
+            decode_context_lens=context_lens(decodes),
             prefill_block_tables=tables(prefills),
             prefill_cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=self.device),
-            prefill_context_lens=context_lens(prefills))
+            prefill_context_lens=context_lens(prefills),
+        )

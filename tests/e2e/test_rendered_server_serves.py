@@ -27,11 +27,18 @@ def free_port() -> int:
 
 def rendered_container(model_dir: str, port: int) -> dict:
     body = {
-        "apiVersion": "pagedllm.dev/v1alpha1", "kind": "PagedLLM",
-        "metadata": {"name": "demo", "namespace": "ml", "uid": "0f6c9a1e-1111-4222-8333-444455556666",
-                     "generation": 1},
-        "spec": {"model": model_dir, "port": port, "blockSize": 8, "maxModelLen": 512, "maxNumSeqs": 8,
-                 "servedModelName": "demo", "drainTimeoutSeconds": 5},
+        "apiVersion": "pagedllm.dev/v1alpha1",
+        "kind": "PagedLLM",
+        "metadata": {"name": "demo", "namespace": "ml", "uid": "0f6c9a1e-1111-4222-8333-444455556666", "generation": 1},
+        "spec": {
+            "model": model_dir,
+            "port": port,
+            "blockSize": 8,
+            "maxModelLen": 512,
+            "maxNumSeqs": 8,
+            "servedModelName": "demo",
+            "drainTimeoutSeconds": 5,
+        },
     }
     deployment = render(body, RenderConfig(default_image="pagedllm:test")).deployment
     (container,) = deployment["spec"]["template"]["spec"]["containers"]
@@ -59,14 +66,21 @@ def test_rendered_command_serves_a_completion():
     script = shutil.which("pagedllm", path=os.path.dirname(sys.executable))
     assert script, "the pagedllm console script is not installed next to this interpreter"
     env = {**os.environ, **{e["name"]: e["value"] for e in container.get("env", [])}, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([script, *container["command"][1:], *container["args"]], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [script, *container["command"][1:], *container["args"]],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         probe = container["readinessProbe"]["httpGet"]["path"]
         wait_ready(f"http://127.0.0.1:{port}{probe}", proc, timeout=180)
-        response = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
-                              json={"model": "demo", "prompt": "The for statement", "max_tokens": 8,
-                                    "temperature": 0})
+        response = httpx.post(
+            f"http://127.0.0.1:{port}/v1/completions",
+            timeout=60,
+            json={"model": "demo", "prompt": "The for statement", "max_tokens": 8, "temperature": 0},
+        )
         assert response.status_code == 200, response.text
         choice = response.json()["choices"][0]
         assert choice["text"] and response.json()["usage"]["completion_tokens"] > 0

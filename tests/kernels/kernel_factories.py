@@ -71,8 +71,10 @@ def make_paged_kv(
     needed = sum(blocks_per_seq)
     if caches is None:
         shape = (needed + spare_blocks, block_size, num_kv_heads, head_dim)
-        caches = (torch.full(shape, float("nan"), dtype=dtype, device=device),
-                  torch.full(shape, float("nan"), dtype=dtype, device=device))
+        caches = (
+            torch.full(shape, float("nan"), dtype=dtype, device=device),
+            torch.full(shape, float("nan"), dtype=dtype, device=device),
+        )
     key_cache, value_cache = caches
     if block_ids is None:
         block_ids = torch.randperm(key_cache.shape[0])[:needed]

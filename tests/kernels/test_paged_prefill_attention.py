@@ -97,8 +97,15 @@ def test_kernel_block_offsets_past_int32(seed):
     fused = huge_cache((num_blocks, block_size, 2, head_dim), torch.float16)
     block_ids = torch.tensor([2**20 + 7, 3, 2**20, 2**20 + 3, 11, 2**20 + 5])
     args, _ = _case(
-        [33, 40], [10, 40], 4, 1, head_dim, block_size, torch.float16,
-        caches=(fused[:, :, 0:1], fused[:, :, 1:2]), block_ids=block_ids,
+        [33, 40],
+        [10, 40],
+        4,
+        1,
+        head_dim,
+        block_size,
+        torch.float16,
+        caches=(fused[:, :, 0:1], fused[:, :, 1:2]),
+        block_ids=block_ids,
     )
     assert_close(paged_prefill_attention_launch(*args, block_m=16), paged_prefill_attention_reference(*args), seed)
 

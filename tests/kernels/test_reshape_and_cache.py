@@ -35,12 +35,12 @@ def test_reference_writes_exactly_the_slots():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize(
-    "num_kv_heads,head_dim,block_size", [(1, 64, 1), (2, 80, 16), (8, 96, 5), (4, 128, 32)]
-)
+@pytest.mark.parametrize("num_kv_heads,head_dim,block_size", [(1, 64, 1), (2, 80, 16), (8, 96, 5), (4, 128, 32)])
 def test_kernel_matches_reference(seed, dtype, num_kv_heads, head_dim, block_size):
     num_blocks = 30 // block_size + 2
-    key, value, (key_cache, value_cache), slots = _random_case(23, num_kv_heads, head_dim, block_size, num_blocks, dtype)
+    key, value, (key_cache, value_cache), slots = _random_case(
+        23, num_kv_heads, head_dim, block_size, num_blocks, dtype
+    )
     expected_k, expected_v = key_cache.clone(), value_cache.clone()
     reshape_and_cache_reference(key, value, expected_k, expected_v, slots)
     reshape_and_cache(key, value, key_cache, value_cache, slots)

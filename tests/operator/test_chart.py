@@ -90,7 +90,7 @@ def test_operator_runs_standalone_and_cluster_wide_by_default(helm_template):
 
 def test_operator_command_is_the_projects_console_script():
     pyproject = (ROOT / "pyproject.toml").read_text()
-    assert re.search(r'^\[project\.scripts\]\s*\npagedllm = "pagedllm\.server\.cli:main"', pyproject, re.M)
+    assert re.search(r'^\[project\.scripts\]\s*\npagedllm = "pagedllm\.server\.entrypoints\.cli:main"', pyproject, re.M)
 
 
 def test_values_reach_the_operator(helm_template):

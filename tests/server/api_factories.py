@@ -6,21 +6,24 @@ import contextlib
 import socket
 import threading
 import time
-from typing import Iterator, Optional
+from collections.abc import Iterator
 
 import httpx
 import uvicorn
 
-from pagedllm.server.entrypoints.openai.api_server import ServerSettings, build_app
 from pagedllm.server.config import EngineConfig
+from pagedllm.server.entrypoints.openai.api_server import ServerSettings, build_app
 
 API_KEY = "test-key-123"
 MODEL_NAME = "tiny"
 # A template for the tiny byte-level test models, which ship none.
-CHAT_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
-                 "{% if add_generation_prompt %}<assistant>{% endif %}")
-ENGINE_ARGS = dict(max_model_len=96, num_gpu_blocks_override=1024, max_num_seqs=64, swap_space=0.01,
-                   kv_cache_memory=0.05)
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<assistant>{% endif %}"
+)
+ENGINE_ARGS = dict(
+    max_model_len=96, num_gpu_blocks_override=1024, max_num_seqs=64, swap_space=0.01, kv_cache_memory=0.05
+)
 READY_TIMEOUT_S = 180
 
 
@@ -48,7 +51,7 @@ class LiveServer:
     def serving(self):
         return self.app.state.serving
 
-    def start(self) -> "LiveServer":
+    def start(self) -> LiveServer:
         self.thread.start()
         wait_ready(self.url)
         return self
@@ -74,9 +77,8 @@ def wait_ready(url: str, timeout: float = READY_TIMEOUT_S) -> None:
 
 
 @contextlib.contextmanager
-def live_server(model_dir: str, settings: Optional[ServerSettings] = None, **engine_overrides) -> Iterator[LiveServer]:
-    settings = settings or ServerSettings(served_model_names=[MODEL_NAME], api_key=API_KEY,
-                                          chat_template=CHAT_TEMPLATE)
+def live_server(model_dir: str, settings: ServerSettings | None = None, **engine_overrides) -> Iterator[LiveServer]:
+    settings = settings or ServerSettings(served_model_names=[MODEL_NAME], api_key=API_KEY, chat_template=CHAT_TEMPLATE)
     server = LiveServer(engine_config(model_dir, **engine_overrides), settings).start()
     try:
         yield server
@@ -90,8 +92,11 @@ def wait_until_idle(server: LiveServer, timeout: float = 30.0):
     stats = server.stats()
     while time.monotonic() < deadline:
         stats = server.stats()
-        if (stats.num_running == stats.num_waiting == stats.num_swapped == 0 and stats.blocks_used == 0
-                and stats.num_free_gpu_blocks == stats.num_gpu_blocks):
+        if (
+            stats.num_running == stats.num_waiting == stats.num_swapped == 0
+            and stats.blocks_used == 0
+            and stats.num_free_gpu_blocks == stats.num_gpu_blocks
+        ):
             return stats
         time.sleep(0.05)
     return stats
@@ -101,4 +106,4 @@ def sse_events(lines: Iterator[str]) -> Iterator[str]:
     """The ``data:`` payloads of a server-sent event stream."""
     for line in lines:
         if line.startswith("data: "):
-            yield line[len("data: "):]
+            yield line[len("data: ") :]

@@ -4,12 +4,19 @@ from __future__ import annotations
 
 import torch
 
-
 TINY_SHAPES = {
     # name -> LlamaConfig overrides
-    "mha": dict(num_attention_heads=4, num_key_value_heads=4, hidden_size=64, intermediate_size=128, initializer_range=0.2),
-    "gqa": dict(num_attention_heads=8, num_key_value_heads=2, hidden_size=64, intermediate_size=128,
-                rope_theta=500000.0, initializer_range=0.2),
+    "mha": dict(
+        num_attention_heads=4, num_key_value_heads=4, hidden_size=64, intermediate_size=128, initializer_range=0.2
+    ),
+    "gqa": dict(
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        hidden_size=64,
+        intermediate_size=128,
+        rope_theta=500000.0,
+        initializer_range=0.2,
+    ),
 }
 
 
@@ -31,9 +38,15 @@ class HFReference:
     @torch.no_grad()
     def greedy(self, prompt: list[int], max_new_tokens: int) -> list[int]:
         ids = torch.tensor([prompt])
-        out = self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                                  min_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
-        return out[0, len(prompt):].tolist()
+        out = self.model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_new_tokens,
+            min_new_tokens=max_new_tokens,
+            do_sample=False,
+            pad_token_id=0,
+        )
+        return out[0, len(prompt) :].tolist()
 
     @torch.no_grad()
     def logprobs(self, tokens: list[int]) -> torch.Tensor:
@@ -42,13 +55,15 @@ class HFReference:
         return torch.log_softmax(logits, dim=-1)
 
 
-def assert_greedy_matches(ref: HFReference, prompt: list[int], ours: list[int], expected: list[int],
-                          tol: float = 1e-3) -> None:
+def assert_greedy_matches(
+    ref: HFReference, prompt: list[int], ours: list[int], expected: list[int], tol: float = 1e-3
+) -> None:
     """Tokens must be equal; at a first difference the reference must be a near-tie."""
     if ours == expected:
         return
     i = next(k for k, (a, b) in enumerate(zip(ours, expected)) if a != b)
     lp = ref.logprobs(prompt + expected[:i])[-1]
     gap = float(lp[expected[i]] - lp[ours[i]])
-    assert gap < tol, (f"token {i} differs: ours {ours[i]} vs reference {expected[i]}, "
-                       f"logprob gap {gap:.2e} is not a near-tie")
+    assert gap < tol, (
+        f"token {i} differs: ours {ours[i]} vs reference {expected[i]}, logprob gap {gap:.2e} is not a near-tie"
+    )

@@ -8,9 +8,9 @@ import threading
 
 import httpx
 import pytest
+from api_factories import API_KEY, CHAT_TEMPLATE, MODEL_NAME, live_server, sse_events
 
 from pagedllm.server.entrypoints.openai.api_server import ServerSettings
-from api_factories import API_KEY, CHAT_TEMPLATE, MODEL_NAME, live_server, sse_events
 
 pytestmark = pytest.mark.timeout(120)
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
@@ -52,33 +52,50 @@ def chat(http, **body):
 
 
 # -- 400: invalid parameters name the field and the value ---------------------------------------------------
-@pytest.mark.parametrize("field, value", [
-    ("temperature", -1.0), ("top_p", 2.0), ("top_p", 0.0), ("n", 0), ("max_tokens", -3), ("max_tokens", 0),
-    ("presence_penalty", 5.0), ("frequency_penalty", -9.0), ("repetition_penalty", 0.0), ("min_p", 1.5),
-    ("top_k", -5), ("logprobs", 50), ("logprobs", -1), ("min_tokens", 99),
-])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("temperature", -1.0),
+        ("top_p", 2.0),
+        ("top_p", 0.0),
+        ("n", 0),
+        ("max_tokens", -3),
+        ("max_tokens", 0),
+        ("presence_penalty", 5.0),
+        ("frequency_penalty", -9.0),
+        ("repetition_penalty", 0.0),
+        ("min_p", 1.5),
+        ("top_k", -5),
+        ("logprobs", 50),
+        ("logprobs", -1),
+        ("min_tokens", 99),
+    ],
+)
 def test_completion_invalid_value_is_400_naming_field_and_value(http, field, value):
     assert_error(complete(http, **{field: value}), 400, param=field, contains=(field, str(value)))
 
 
-@pytest.mark.parametrize("body, param, text", [
-    ({"best_of": 1, "n": 2}, "best_of", "best_of=1"),
-    ({"n": 500}, "n", "max_num_seqs"),
-    ({"n": 2, "best_of": 3, "stream": True}, "best_of", "streaming"),
-    ({"stop_token_ids": [999999]}, "stop_token_ids", "999999"),
-    ({"stop": [""]}, "stop", "stop"),
-    ({"seed": 1 << 70}, "seed", str(1 << 70)),
-    ({"temperature": "hot"}, "temperature", "hot"),
-    ({"logit_bias": {"1": 5}}, "logit_bias", "logit_bias"),
-    ({"suffix": "x"}, "suffix", "suffix"),
-    ({"stream_options": {"include_usage": True}}, "stream_options", "stream"),
-    ({"use_beam_search": True, "temperature": 1.0}, "temperature", "beam"),
-    ({"prompt": []}, "prompt", "empty"),
-    ({"prompt": ""}, None, "empty"),
-    ({"prompt": [1, 2, 100000]}, "prompt", "100000"),
-    ({"prompt": [[1, 2], [-1]]}, "prompt", "-1"),
-    ({"prompt": None}, "prompt", "prompt"),
-])
+@pytest.mark.parametrize(
+    "body, param, text",
+    [
+        ({"best_of": 1, "n": 2}, "best_of", "best_of=1"),
+        ({"n": 500}, "n", "max_num_seqs"),
+        ({"n": 2, "best_of": 3, "stream": True}, "best_of", "streaming"),
+        ({"stop_token_ids": [999999]}, "stop_token_ids", "999999"),
+        ({"stop": [""]}, "stop", "stop"),
+        ({"seed": 1 << 70}, "seed", str(1 << 70)),
+        ({"temperature": "hot"}, "temperature", "hot"),
+        ({"logit_bias": {"1": 5}}, "logit_bias", "logit_bias"),
+        ({"suffix": "x"}, "suffix", "suffix"),
+        ({"stream_options": {"include_usage": True}}, "stream_options", "stream"),
+        ({"use_beam_search": True, "temperature": 1.0}, "temperature", "beam"),
+        ({"prompt": []}, "prompt", "empty"),
+        ({"prompt": ""}, None, "empty"),
+        ({"prompt": [1, 2, 100000]}, "prompt", "100000"),
+        ({"prompt": [[1, 2], [-1]]}, "prompt", "-1"),
+        ({"prompt": None}, "prompt", "prompt"),
+    ],
+)
 def test_completion_bad_request(http, body, param, text):
     assert_error(complete(http, **body), 400, param=param, contains=(text,))
 
@@ -86,14 +103,17 @@ def test_completion_bad_request(http, body, param, text):
 def test_prompt_longer_than_max_model_len_is_400(http):
     error = assert_error(complete(http, prompt="x" * 200), 400, contains=("max_model_len",))
     assert "200" in error["message"]
-    error = assert_error(complete(http, prompt="x" * 90, max_tokens=20), 400, param="max_tokens",
-                         contains=("maximum context length is 96", "110"))
+    error = assert_error(
+        complete(http, prompt="x" * 90, max_tokens=20),
+        400,
+        param="max_tokens",
+        contains=("maximum context length is 96", "110"),
+    )
     assert_error(chat(http, messages=[{"role": "user", "content": "y" * 200}]), 400, contains=("max_model_len",))
 
 
 def test_missing_and_malformed_bodies_are_400(http):
-    assert_error(http.post("/v1/completions", json={"model": MODEL_NAME}), 400, param="prompt",
-                 contains=("required",))
+    assert_error(http.post("/v1/completions", json={"model": MODEL_NAME}), 400, param="prompt", contains=("required",))
     response = http.post("/v1/completions", content=b'{"prompt": "hi",', headers={"Content-Type": "application/json"})
     assert_error(response, 400, contains=("JSON",))
     assert_error(http.post("/v1/completions", json=["not", "an", "object"]), 400)
@@ -125,13 +145,17 @@ def test_chat_without_template_is_a_clear_400(http, server):
 def test_tokenizer_endpoints_bad_requests(http):
     assert_error(http.post("/tokenize", json={}), 400, param="prompt")
     assert_error(http.post("/detokenize", json={"tokens": [-5]}), 400, param="tokens", contains=("-5",))
-    assert_error(http.post("/detokenize", json={"tokens": [10 ** 9]}), 400, param="tokens")
+    assert_error(http.post("/detokenize", json={"tokens": [10**9]}), 400, param="tokens")
 
 
 # -- 401, 404, 405 ------------------------------------------------------------------------------------------
 def test_missing_or_wrong_api_key_is_401(server):
-    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY},
-                    {"Authorization": f"Basic {API_KEY}"}):
+    for headers in (
+        {},
+        {"Authorization": "Bearer wrong"},
+        {"Authorization": API_KEY},
+        {"Authorization": f"Basic {API_KEY}"},
+    ):
         response = httpx.post(f"{server.url}/v1/completions", json={"prompt": "hi"}, headers=headers)
         error = assert_error(response, 401, contains=("API key",))
         assert error["code"] == "invalid_api_key"
@@ -169,16 +193,17 @@ def test_draining_returns_503_with_retry_after(http, server):
 
 def test_full_waiting_queue_returns_503_with_retry_after(tiny_llama):
     settings = ServerSettings(served_model_names=[MODEL_NAME], max_queue_len=2)
-    with live_server(tiny_llama, settings, max_num_seqs=1) as server, \
-            httpx.Client(base_url=server.url, timeout=60) as http:
+    with (
+        live_server(tiny_llama, settings, max_num_seqs=1) as server,
+        httpx.Client(base_url=server.url, timeout=60) as http,
+    ):
         long = {"model": MODEL_NAME, "prompt": "a", "max_tokens": 90, "ignore_eos": True, "stream": True}
         with contextlib.ExitStack() as stack:
             first = stack.enter_context(http.stream("POST", "/v1/completions", json=long))
             events = sse_events(first.iter_lines())
             next(events)  # running: it holds the only sequence slot
             results = []
-            waiters = [threading.Thread(target=lambda: results.append(complete(http, max_tokens=2)))
-                       for _ in range(2)]
+            waiters = [threading.Thread(target=lambda: results.append(complete(http, max_tokens=2))) for _ in range(2)]
             for t in waiters:
                 t.start()
             _wait_for(lambda: server.engine.num_unscheduled == 2)

@@ -12,11 +12,10 @@ import time
 import httpx
 import pytest
 import schemathesis
+from api_factories import API_KEY, MODEL_NAME, live_server, wait_until_idle
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis.errors import Unsatisfiable
 from schemathesis import GenerationMode
-
-from api_factories import API_KEY, MODEL_NAME, live_server, wait_until_idle
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 NUM_CLIENTS = 120
@@ -30,15 +29,22 @@ def server(tiny_llama):
 
 
 async def stream_one(client: httpx.AsyncClient, i: int, disconnect: bool) -> dict:
-    body = {"model": MODEL_NAME, "prompt": f"client {i} says", "max_tokens": MAX_TOKENS, "ignore_eos": True,
-            "stream": True, "temperature": 0.5, "seed": i}
+    body = {
+        "model": MODEL_NAME,
+        "prompt": f"client {i} says",
+        "max_tokens": MAX_TOKENS,
+        "ignore_eos": True,
+        "stream": True,
+        "temperature": 0.5,
+        "seed": i,
+    }
     chunks = []
     async with client.stream("POST", "/v1/completions", json=body) as response:
         assert response.status_code == 200, await response.aread()
         async for line in response.aiter_lines():
             if not line.startswith("data: "):
                 continue
-            data = line[len("data: "):]
+            data = line[len("data: ") :]
             if data == "[DONE]":
                 return {"done": True, "chunks": chunks}
             chunks.append(json.loads(data))
@@ -75,15 +81,22 @@ def test_concurrent_streams_with_a_third_disconnecting(server):
 
 @pytest.mark.timeout(120)
 def test_non_streaming_client_that_disconnects_mid_generation_is_aborted(server):
-    body = json.dumps({"model": MODEL_NAME, "prompt": "wait", "max_tokens": 90, "ignore_eos": True, "n": 8,
-                       "temperature": 1.0}).encode()
+    body = json.dumps(
+        {"model": MODEL_NAME, "prompt": "wait", "max_tokens": 90, "ignore_eos": True, "n": 8, "temperature": 1.0}
+    ).encode()
     before = _counter(server.url, "pagedllm:generation_tokens_total")
     aborted = _abort_count(server.url)
     host, port = server.url.removeprefix("http://").split(":")
     sock = socket.create_connection((host, int(port)), timeout=10)
-    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                 b"Authorization: Bearer " + API_KEY.encode() + b"\r\nContent-Length: " + str(len(body)).encode()
-                 + b"\r\n\r\n" + body)
+    sock.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Authorization: Bearer "
+        + API_KEY.encode()
+        + b"\r\nContent-Length: "
+        + str(len(body)).encode()
+        + b"\r\n\r\n"
+        + body
+    )
     _wait_for(lambda: (server.engine.stats().num_running or 0) > 0)
     gate = threading.Event()
     server.engine.submit(lambda engine: gate.wait(30))  # NOTE: holds the engine between two steps
@@ -136,8 +149,17 @@ def test_schemathesis_finds_no_server_errors(server):
     schema = schemathesis.openapi.from_dict(httpx.get(f"{server.url}/openapi.json").json())
     failures = []
     operations = [op.ok() for op in schema.get_all_operations()]
-    assert {op.path for op in operations} >= {"/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize",
-                                              "/detokenize", "/health", "/ready", "/metrics", "/version"}
+    assert {op.path for op in operations} >= {
+        "/v1/completions",
+        "/v1/chat/completions",
+        "/v1/models",
+        "/tokenize",
+        "/detokenize",
+        "/health",
+        "/ready",
+        "/metrics",
+        "/version",
+    }
     for op in operations:
         for mode, examples in EXAMPLES.items():
             _fuzz(server.url, op, mode, examples, failures)
@@ -149,8 +171,13 @@ def test_schemathesis_finds_no_server_errors(server):
 
 def _fuzz(url: str, op, mode, examples: int, failures: list) -> None:
     @given(case=op.as_strategy(generation_mode=mode))
-    @settings(max_examples=examples, deadline=None, database=None, phases=[Phase.generate],
-              suppress_health_check=list(HealthCheck))
+    @settings(
+        max_examples=examples,
+        deadline=None,
+        database=None,
+        phases=[Phase.generate],
+        suppress_health_check=list(HealthCheck),
+    )
     def check(case) -> None:
         response = case.call(base_url=url, headers=AUTH, timeout=60)
         if response.status_code >= 500:

@@ -5,10 +5,10 @@ from __future__ import annotations
 import httpx
 import openai
 import pytest
+from api_factories import API_KEY, CHAT_TEMPLATE, ENGINE_ARGS, MODEL_NAME, live_server
 from prometheus_client.parser import text_string_to_metric_families
 
 from pagedllm.server import LLM, SamplingParams
-from api_factories import API_KEY, CHAT_TEMPLATE, ENGINE_ARGS, MODEL_NAME, live_server
 
 pytestmark = pytest.mark.timeout(120)
 PROMPT = "The paged KV cache"
@@ -63,8 +63,16 @@ def test_completion_token_id_prompts_and_lists(client, reference):
 
 def test_completion_streaming_matches_non_streaming(client):
     whole = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=16, temperature=0)
-    chunks = list(client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=16, temperature=0,
-                                            stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        client.completions.create(
+            model=MODEL_NAME,
+            prompt=PROMPT,
+            max_tokens=16,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     text = "".join(c.choices[0].text for c in chunks if c.choices)
     assert text == whole.choices[0].text
     finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
@@ -73,23 +81,36 @@ def test_completion_streaming_matches_non_streaming(client):
 
 
 def test_completion_n2_sampled(client):
-    out = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=8, temperature=1.0, n=2, seed=7,
-                                    extra_body={"ignore_eos": True})
+    out = client.completions.create(
+        model=MODEL_NAME, prompt=PROMPT, max_tokens=8, temperature=1.0, n=2, seed=7, extra_body={"ignore_eos": True}
+    )
     assert sorted(c.index for c in out.choices) == [0, 1]
     assert out.usage.completion_tokens == 16
-    again = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=8, temperature=1.0, n=2, seed=7,
-                                      extra_body={"ignore_eos": True})
+    again = client.completions.create(
+        model=MODEL_NAME, prompt=PROMPT, max_tokens=8, temperature=1.0, n=2, seed=7, extra_body={"ignore_eos": True}
+    )
     assert [c.text for c in again.choices] == [c.text for c in out.choices]  # seeded
-    chunks = list(client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=8, temperature=1.0, n=2,
-                                            seed=7, stream=True, extra_body={"ignore_eos": True}))
+    chunks = list(
+        client.completions.create(
+            model=MODEL_NAME,
+            prompt=PROMPT,
+            max_tokens=8,
+            temperature=1.0,
+            n=2,
+            seed=7,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+    )
     for index in (0, 1):
         streamed = "".join(ch.text for c in chunks for ch in c.choices if ch.index == index)
         assert streamed == out.choices[index].text
 
 
 def test_completion_logprobs_and_echo(client):
-    out = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=6, temperature=0, logprobs=3,
-                                    extra_body={"ignore_eos": True})
+    out = client.completions.create(
+        model=MODEL_NAME, prompt=PROMPT, max_tokens=6, temperature=0, logprobs=3, extra_body={"ignore_eos": True}
+    )
     lp = out.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 6
     assert "".join(lp.tokens) == out.choices[0].text
@@ -98,8 +119,9 @@ def test_completion_logprobs_and_echo(client):
         assert chosen <= 0 and 1 <= len(top) <= 4
         assert max(top.values()) <= chosen + 1e-5  # greedy picks the most likely token
     assert lp.text_offset == sorted(lp.text_offset)
-    echo = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=2, temperature=0, logprobs=1,
-                                     echo=True)
+    echo = client.completions.create(
+        model=MODEL_NAME, prompt=PROMPT, max_tokens=2, temperature=0, logprobs=1, echo=True
+    )
     assert echo.choices[0].text.startswith(PROMPT)
     assert echo.choices[0].logprobs.token_logprobs[0] is None  # the first prompt token has no logprob
     assert "".join(echo.choices[0].logprobs.tokens).startswith(PROMPT)
@@ -107,15 +129,28 @@ def test_completion_logprobs_and_echo(client):
 
 
 def test_stop_strings_streaming_and_not(client):
-    greedy = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=24, temperature=0,
-                                       extra_body={"ignore_eos": True}).choices[0].text
+    greedy = (
+        client.completions.create(
+            model=MODEL_NAME, prompt=PROMPT, max_tokens=24, temperature=0, extra_body={"ignore_eos": True}
+        )
+        .choices[0]
+        .text
+    )
     stop = greedy[10:13]
     cut = greedy.index(stop)
-    out = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=24, temperature=0, stop=[stop],
-                                    extra_body={"ignore_eos": True})
+    out = client.completions.create(
+        model=MODEL_NAME, prompt=PROMPT, max_tokens=24, temperature=0, stop=[stop], extra_body={"ignore_eos": True}
+    )
     assert out.choices[0].text == greedy[:cut] and out.choices[0].finish_reason == "stop"
-    chunks = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=24, temperature=0, stop=stop,
-                                       stream=True, extra_body={"ignore_eos": True})
+    chunks = client.completions.create(
+        model=MODEL_NAME,
+        prompt=PROMPT,
+        max_tokens=24,
+        temperature=0,
+        stop=stop,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
     assert "".join(c.choices[0].text for c in chunks) == greedy[:cut]
 
 
@@ -125,8 +160,9 @@ MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "conten
 
 def test_chat_greedy_equals_llm_generate_on_rendered_prompt(client, reference):
     out = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=10, temperature=0)
-    rendered = reference.get_tokenizer().apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True,
-                                                             chat_template=CHAT_TEMPLATE)
+    rendered = reference.get_tokenizer().apply_chat_template(
+        MESSAGES, tokenize=False, add_generation_prompt=True, chat_template=CHAT_TEMPLATE
+    )
     ids = reference.get_tokenizer().encode(rendered, add_special_tokens=False)
     expected = offline_text(reference, {"prompt_token_ids": ids}, 10)
     assert out.choices[0].message.role == "assistant"
@@ -137,8 +173,16 @@ def test_chat_greedy_equals_llm_generate_on_rendered_prompt(client, reference):
 
 def test_chat_streaming_matches_non_streaming(client):
     whole = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=10, temperature=0)
-    chunks = list(client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=10, temperature=0,
-                                                 stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL_NAME,
+            messages=MESSAGES,
+            max_tokens=10,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == whole.choices[0].message.content
@@ -148,16 +192,35 @@ def test_chat_streaming_matches_non_streaming(client):
 
 
 def test_chat_n2_and_logprobs(client):
-    out = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=5, temperature=0.8, n=2,
-                                         seed=1, logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True})
+    out = client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=MESSAGES,
+        max_tokens=5,
+        temperature=0.8,
+        n=2,
+        seed=1,
+        logprobs=True,
+        top_logprobs=2,
+        extra_body={"ignore_eos": True},
+    )
     assert sorted(c.index for c in out.choices) == [0, 1]
     for choice in out.choices:
         content = choice.logprobs.content
         assert len(content) == 5
         assert all(len(t.top_logprobs) == 2 and t.logprob <= 0 for t in content)
         assert all(t.bytes == list(t.token.encode()) for t in content)
-    chunks = list(client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=5, temperature=0.8,
-                                                 n=2, seed=1, stream=True, extra_body={"ignore_eos": True}))
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL_NAME,
+            messages=MESSAGES,
+            max_tokens=5,
+            temperature=0.8,
+            n=2,
+            seed=1,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+    )
     for choice in out.choices:
         streamed = "".join(ch.delta.content or "" for c in chunks for ch in c.choices if ch.index == choice.index)
         assert streamed == choice.message.content
@@ -189,8 +252,9 @@ def metric_samples(url: str) -> dict:
 
 def test_metrics_parse_and_move(client, server):
     before = metric_samples(server.url)
-    client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=5, temperature=0,
-                              extra_body={"ignore_eos": True})
+    client.completions.create(
+        model=MODEL_NAME, prompt=PROMPT, max_tokens=5, temperature=0, extra_body={"ignore_eos": True}
+    )
     after = metric_samples(server.url)
 
     def delta(name, **labels):
@@ -204,8 +268,13 @@ def test_metrics_parse_and_move(client, server):
         assert delta(f"pagedllm:{name}_count") == 1
     assert delta("pagedllm:inter_token_latency_seconds_count") == 4
     assert delta("pagedllm:prefix_cache_queries_total") >= 1
-    for gauge in ("num_requests_running", "num_requests_waiting", "num_requests_swapped", "kv_cache_usage_perc",
-                  "cpu_kv_cache_usage_perc"):
+    for gauge in (
+        "num_requests_running",
+        "num_requests_waiting",
+        "num_requests_swapped",
+        "kv_cache_usage_perc",
+        "cpu_kv_cache_usage_perc",
+    ):
         assert (f"pagedllm:{gauge}", ()) in after
     assert ("pagedllm:num_preemptions_total", ()) in after
     assert ("pagedllm:prefix_cache_hits_total", ()) in after

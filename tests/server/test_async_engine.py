@@ -6,11 +6,11 @@ import asyncio
 import threading
 
 import pytest
+from api_factories import ENGINE_ARGS, engine_config
 
 from pagedllm.server import LLM, SamplingParams
 from pagedllm.server.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from pagedllm.server.engine.llm_engine import LLMEngine
-from api_factories import ENGINE_ARGS, engine_config
 
 pytestmark = pytest.mark.timeout(120)
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
@@ -50,8 +50,11 @@ async def started(config, **kwargs) -> AsyncLLMEngine:
 async def idle_stats(engine: AsyncLLMEngine):
     for _ in range(500):
         stats = await engine.call(lambda e: e.stats())
-        if stats.num_running == 0 and stats.blocks_used == 0 and not await engine.call(
-                lambda e: e.has_unfinished_requests()):
+        if (
+            stats.num_running == 0
+            and stats.blocks_used == 0
+            and not await engine.call(lambda e: e.has_unfinished_requests())
+        ):
             return stats
         await asyncio.sleep(0.01)
     return stats
@@ -86,12 +89,14 @@ def test_only_the_engine_thread_touches_the_engine(tiny_llama):
     async def main():
         engine = await started(engine_config(tiny_llama), engine_factory=factory)
         try:
+
             async def one(i):
                 gen = engine.generate({"prompt_token_ids": [i + 1, 2, 3]}, GREEDY, f"r{i}")
                 async for output in gen:
                     if i % 2 and len(output.outputs[0].token_ids) >= 2:
                         await gen.aclose()  # aborts
                         break
+
             await asyncio.gather(*(one(i) for i in range(8)))
             return await idle_stats(engine)
         finally:

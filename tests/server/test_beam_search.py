@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from engine_factories import HFReference, make_prompts
+
 from pagedllm.server import LLM, SamplingParams
 
 PAD = 258
@@ -24,29 +24,55 @@ def prompts():
 
 def hf_beams(ref, prompt, width, n, length_penalty, early_stopping, eos):
     ids = torch.tensor([prompt])
-    out = ref.model.generate(ids, attention_mask=torch.ones_like(ids), num_beams=width, num_return_sequences=n,
-                             do_sample=False, max_new_tokens=MAX_TOKENS, length_penalty=length_penalty,
-                             early_stopping=early_stopping, eos_token_id=eos, pad_token_id=PAD)
-    return [[t for t in row[len(prompt):].tolist()] for row in out]
+    out = ref.model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        num_beams=width,
+        num_return_sequences=n,
+        do_sample=False,
+        max_new_tokens=MAX_TOKENS,
+        length_penalty=length_penalty,
+        early_stopping=early_stopping,
+        eos_token_id=eos,
+        pad_token_id=PAD,
+    )
+    return [[t for t in row[len(prompt) :].tolist()] for row in out]
 
 
 def same_beam(ours: list[int], theirs: list[int]) -> bool:
-    return theirs[:len(ours)] == ours and all(t == PAD for t in theirs[len(ours):])
+    return theirs[: len(ours)] == ours and all(t == PAD for t in theirs[len(ours) :])
 
 
-@pytest.mark.parametrize("width,n,length_penalty,early_stopping", [
-    (3, 3, 1.0, False), (4, 2, 0.5, True), (2, 1, 1.0, "never"), (4, 4, 2.0, "never"),
-])
+@pytest.mark.parametrize(
+    "width,n,length_penalty,early_stopping",
+    [
+        (3, 3, 1.0, False),
+        (4, 2, 0.5, True),
+        (2, 1, 1.0, "never"),
+        (4, 4, 2.0, "never"),
+    ],
+)
 def test_beam_search_matches_transformers(tiny_llama, reference, prompts, width, n, length_penalty, early_stopping):
     llm = LLM(model=tiny_llama, block_size=8, num_gpu_blocks_override=256)
     engine = llm.llm_engine
     # A frequent token as EOS, so beams finish at different lengths.
-    eos = [o.outputs[0].token_ids for o in llm.generate(
-        [{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))]
+    eos = [
+        o.outputs[0].token_ids
+        for o in llm.generate(
+            [{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+        )
+    ]
     for prompt, greedy in zip(prompts, eos):
         engine.output_processor.eos_token_ids = (greedy[1],)
-        params = SamplingParams(use_beam_search=True, best_of=width, n=n, temperature=0, max_tokens=MAX_TOKENS,
-                                length_penalty=length_penalty, early_stopping=early_stopping)
+        params = SamplingParams(
+            use_beam_search=True,
+            best_of=width,
+            n=n,
+            temperature=0,
+            max_tokens=MAX_TOKENS,
+            length_penalty=length_penalty,
+            early_stopping=early_stopping,
+        )
         ours = llm.generate([{"prompt_token_ids": prompt}], params)[0]
         theirs = hf_beams(reference, prompt, width, n, length_penalty, early_stopping, greedy[1])
         got = [o.token_ids for o in ours.outputs]
@@ -60,8 +86,11 @@ def test_beam_search_matches_transformers(tiny_llama, reference, prompts, width,
 def test_beam_search_api_and_blocks_shared(tiny_llama, prompts):
     llm = LLM(model=tiny_llama, block_size=8, num_gpu_blocks_override=256)
     engine = llm.llm_engine
-    engine.add_request("b", {"prompt_token_ids": prompts[2]}, SamplingParams(
-        use_beam_search=True, best_of=4, temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
+    engine.add_request(
+        "b",
+        {"prompt_token_ids": prompts[2]},
+        SamplingParams(use_beam_search=True, best_of=4, temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True),
+    )
     savings = []
     while engine.has_unfinished_requests():
         engine.step()

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from collections import Counter
 
-from hypothesis import settings, strategies as st
+from hypothesis import settings
+from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from pagedllm.server.core.block_manager import AllocStatus, BlockManager
-from pagedllm.server.sampling_params import SamplingParams
 from pagedllm.server.core.sequence import Sequence, SequenceGroup, SequenceStatus
+from pagedllm.server.sampling_params import SamplingParams
 
 
 def make_group(seq_id: int, num_tokens: int, request_id: str = "r") -> SequenceGroup:
@@ -108,8 +109,9 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.bm = BlockManager(block_size=2, num_gpu_blocks=12, num_cpu_blocks=12, enable_prefix_caching=True,
-                               watermark=0.0)
+        self.bm = BlockManager(
+            block_size=2, num_gpu_blocks=12, num_cpu_blocks=12, enable_prefix_caching=True, watermark=0.0
+        )
         self.groups: list[SequenceGroup] = []
         self.next_id = 0
 
@@ -188,8 +190,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
                 if (group.seqs[0].status == SequenceStatus.SWAPPED) == on_host:
                     for seq in group.seqs:
                         holders.update(self.bm.block_table(seq))
-            assert [pool.ref_counts[b] for b in range(pool.num_blocks)] == [holders[b] for b in
-                                                                          range(pool.num_blocks)]
+            assert [pool.ref_counts[b] for b in range(pool.num_blocks)] == [holders[b] for b in range(pool.num_blocks)]
             assert pool.num_free == pool.num_blocks - len(holders)
 
     @invariant()

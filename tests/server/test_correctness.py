@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from engine_factories import HFReference, assert_greedy_matches, make_prompts
 
 from pagedllm.server import LLM, SamplingParams
-from engine_factories import HFReference, assert_greedy_matches, make_prompts
 
 MAX_TOKENS = 12
 
@@ -57,7 +57,7 @@ def test_logprobs_close_to_transformers(tiny_llama_dirs, references, expected, p
     ref = references["gqa"]
     for prompt, out in zip(prompts[:4], outputs):
         tokens = out.outputs[0].token_ids
-        lp = ref.logprobs(prompt + tokens)[len(prompt) - 1:-1]
+        lp = ref.logprobs(prompt + tokens)[len(prompt) - 1 : -1]
         want = lp[torch.arange(len(tokens)), torch.tensor(tokens)]
         got = torch.tensor([out.outputs[0].logprobs[i][t].logprob for i, t in enumerate(tokens)])
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
@@ -74,8 +74,14 @@ def test_chunked_prefill_matches(tiny_llama_dirs, references, expected, prompts)
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_preemption_matches(tiny_llama_dirs, references, expected, prompts, mode):
     # 40 blocks of 8 tokens: the longest prompt fits alone, the batch does not.
-    llm, outputs = run_greedy(tiny_llama_dirs["gqa"], prompts, block_size=8, num_gpu_blocks_override=40,
-                              preemption_mode=mode, max_num_batched_tokens=128)
+    llm, outputs = run_greedy(
+        tiny_llama_dirs["gqa"],
+        prompts,
+        block_size=8,
+        num_gpu_blocks_override=40,
+        preemption_mode=mode,
+        max_num_batched_tokens=128,
+    )
     assert llm.llm_engine.stats().num_preemptions > 0
     check(references, expected, "gqa", prompts, outputs)
     assert_all_blocks_free(llm)
@@ -103,8 +109,13 @@ def test_triton_backend_matches_torch_backend(tiny_llama_dirs):
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     runs = {}
     for backend in ("torch", "triton"):
-        llm = LLM(model=tiny_llama_dirs["gqa"], block_size=8, num_gpu_blocks_override=32,
-                  attention_backend=backend, max_num_batched_tokens=32)
+        llm = LLM(
+            model=tiny_llama_dirs["gqa"],
+            block_size=8,
+            num_gpu_blocks_override=32,
+            attention_backend=backend,
+            max_num_batched_tokens=32,
+        )
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
         runs[backend] = [o.outputs[0].token_ids for o in outs]
         assert llm.llm_engine.runner.ops.name == backend
@@ -119,10 +130,10 @@ def test_prefix_caching_on_and_off_give_identical_tokens(tiny_llama_dirs):
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     runs = {}
     for caching in (False, True):
-        llm = LLM(model=tiny_llama_dirs["mha"], block_size=8, num_gpu_blocks_override=24,
-                  enable_prefix_caching=caching)
-        runs[caching] = [o.outputs[0].token_ids for p in prompts
-                         for o in llm.generate([{"prompt_token_ids": p}] * 2, params)]
+        llm = LLM(model=tiny_llama_dirs["mha"], block_size=8, num_gpu_blocks_override=24, enable_prefix_caching=caching)
+        runs[caching] = [
+            o.outputs[0].token_ids for p in prompts for o in llm.generate([{"prompt_token_ids": p}] * 2, params)
+        ]
         assert_all_blocks_free(llm)
         assert (llm.llm_engine.stats().prefix_cache_hits > 0) == caching
     assert runs[True] == runs[False]

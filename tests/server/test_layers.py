@@ -37,7 +37,8 @@ def module_name(path: pathlib.Path, root: pathlib.Path = ROOT) -> str:
 def _is_type_checking(node: ast.If) -> bool:
     test = node.test
     return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
 
 
 def imports_of(source: str, module: str) -> set[str]:
@@ -74,7 +75,7 @@ def build_graph(root: pathlib.Path = ROOT) -> dict[str, set[str]]:
 
 
 def layer_of(module: str) -> str | None:
-    rest = module[len(PACKAGE) + 1:] if module.startswith(PACKAGE + ".") else None
+    rest = module[len(PACKAGE) + 1 :] if module.startswith(PACKAGE + ".") else None
     return rest.split(".")[0] if rest else None
 
 
@@ -112,13 +113,16 @@ def test_layers_import_one_way_and_core_stays_torch_free():
     assert violations(graph) == []
 
 
-@pytest.mark.parametrize("module, bad_import, expected", [
-    ("core/block_manager.py", "import torch", "must stay torch-free"),
-    ("core/scheduler.py", "def f():\n    import torch.nn\n", "must stay torch-free"),
-    ("engine/llm_engine.py", "from pagedllm.server.entrypoints.openai import serving", "engine must not depend"),
-    ("core/sequence.py", "from ..engine import sampler", "core must not depend on engine"),
-    ("config.py", "from pagedllm.server.worker import model_loader", "must stay torch-free"),
-])
+@pytest.mark.parametrize(
+    "module, bad_import, expected",
+    [
+        ("core/block_manager.py", "import torch", "must stay torch-free"),
+        ("core/scheduler.py", "def f():\n    import torch.nn\n", "must stay torch-free"),
+        ("engine/llm_engine.py", "from pagedllm.server.entrypoints.openai import serving", "engine must not depend"),
+        ("core/sequence.py", "from ..engine import sampler", "core must not depend on engine"),
+        ("config.py", "from pagedllm.server.worker import model_loader", "must stay torch-free"),
+    ],
+)
 def test_a_wrong_import_is_caught(tmp_path, module, bad_import, expected):
     copy = tmp_path / "server"
     for path in ROOT.rglob("*.py"):

@@ -9,30 +9,51 @@ from __future__ import annotations
 
 import pytest
 import torch
+from engine_factories import HFReference, assert_greedy_matches, make_prompts
 
 from pagedllm.server import LLM, SamplingParams
 from pagedllm.server.demo import BYTE_SPECIALS, build_byte_tokenizer
 from pagedllm.server.worker.models import model_class
 from pagedllm.server.worker.models.gpt2 import GPT2LMHeadModel
 from pagedllm.server.worker.models.opt import OPTForCausalLM
-from engine_factories import HFReference, assert_greedy_matches, make_prompts
 
 MAX_TOKENS = 12
 _COMMON = dict(vocab_size=256 + len(BYTE_SPECIALS), bos_token_id=256, eos_token_id=257, pad_token_id=258)
-_OPT = dict(_COMMON, hidden_size=64, ffn_dim=128, num_hidden_layers=2, num_attention_heads=4,
-            max_position_embeddings=256, init_std=0.2, dropout=0.0)
-_GPT2 = dict(_COMMON, n_embd=64, n_layer=2, n_head=4, n_positions=256, initializer_range=0.2,
-             resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+_OPT = dict(
+    _COMMON,
+    hidden_size=64,
+    ffn_dim=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    max_position_embeddings=256,
+    init_std=0.2,
+    dropout=0.0,
+)
+_GPT2 = dict(
+    _COMMON,
+    n_embd=64,
+    n_layer=2,
+    n_head=4,
+    n_positions=256,
+    initializer_range=0.2,
+    resid_pdrop=0.0,
+    embd_pdrop=0.0,
+    attn_pdrop=0.0,
+)
 
 VARIANTS = {
     # name -> (family, config overrides)
     "opt-pre-ln": ("opt", dict(do_layer_norm_before=True)),
     "opt-post-ln-proj": ("opt", dict(do_layer_norm_before=False, word_embed_proj_dim=32)),  # like opt-350m
-    "opt-pre-ln-proj-plain": ("opt", dict(word_embed_proj_dim=32, enable_bias=False, layer_norm_elementwise_affine=False,
-                                          tie_word_embeddings=False)),
+    "opt-pre-ln-proj-plain": (
+        "opt",
+        dict(word_embed_proj_dim=32, enable_bias=False, layer_norm_elementwise_affine=False, tie_word_embeddings=False),
+    ),
     "gpt2": ("gpt2", dict()),
-    "gpt2-inverse-layer-idx": ("gpt2", dict(scale_attn_by_inverse_layer_idx=True, activation_function="gelu_pytorch_tanh",
-                                            tie_word_embeddings=False)),
+    "gpt2-inverse-layer-idx": (
+        "gpt2",
+        dict(scale_attn_by_inverse_layer_idx=True, activation_function="gelu_pytorch_tanh", tie_word_embeddings=False),
+    ),
 }
 # The variants every engine configuration runs on; the others get the plain greedy + logprobs check.
 CORE = ["opt-pre-ln", "opt-post-ln-proj", "gpt2"]
@@ -68,8 +89,10 @@ def one_torch_thread():
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("tiny-opt-gpt2")
-    return {name: save_tiny(str(root / name), family, seed=i, **overrides)
-            for i, (name, (family, overrides)) in enumerate(VARIANTS.items())}
+    return {
+        name: save_tiny(str(root / name), family, seed=i, **overrides)
+        for i, (name, (family, overrides)) in enumerate(VARIANTS.items())
+    }
 
 
 @pytest.fixture(scope="module")
@@ -101,7 +124,7 @@ def check_greedy(ref, prompts, expected, outputs):
 def check_logprobs(ref, prompts, outputs):
     for prompt, out in zip(prompts, outputs):
         tokens = out.outputs[0].token_ids
-        lp = ref.logprobs(prompt + tokens)[len(prompt) - 1:-1]
+        lp = ref.logprobs(prompt + tokens)[len(prompt) - 1 : -1]
         want = lp[torch.arange(len(tokens)), torch.tensor(tokens)]
         got = torch.tensor([out.outputs[0].logprobs[i][t].logprob for i, t in enumerate(tokens)])
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
@@ -129,14 +152,16 @@ def test_chunked_prefill_small_blocks_match(model_dirs, references, expected, pr
     assert_all_blocks_free(llm)
 
 
-@pytest.mark.parametrize("name, mode", [("opt-pre-ln", "recompute"), ("opt-post-ln-proj", "swap"),
-                                        ("gpt2", "recompute")])
+@pytest.mark.parametrize(
+    "name, mode", [("opt-pre-ln", "recompute"), ("opt-post-ln-proj", "swap"), ("gpt2", "recompute")]
+)
 def test_preemption_matches(model_dirs, references, expected, prompts, name, mode):
     # 22 blocks of 8 tokens: the longest prompt and its output (162 tokens, 21 blocks) fit alone.
     # The 61- and 90-token prompts go first and fill the cache, so their decodes preempt.
     order = [2, 3, 0, 1, 4, 5]
-    llm, outputs = run_greedy(model_dirs[name], [prompts[i] for i in order], block_size=8,
-                              num_gpu_blocks_override=22, preemption_mode=mode)
+    llm, outputs = run_greedy(
+        model_dirs[name], [prompts[i] for i in order], block_size=8, num_gpu_blocks_override=22, preemption_mode=mode
+    )
     assert llm.llm_engine.stats().num_preemptions > 0
     check_greedy(references[name], [prompts[i] for i in order], [expected[name][i] for i in order], outputs)
     assert_all_blocks_free(llm)

@@ -43,7 +43,7 @@ def test_stop_token_ids_end_generation(llm):
     greedy = generate(llm, temperature=0, max_tokens=12, ignore_eos=True)[0].token_ids
     stop = greedy[4]
     out = generate(llm, temperature=0, max_tokens=12, ignore_eos=True, stop_token_ids=[stop])[0]
-    assert out.token_ids == greedy[:greedy.index(stop) + 1]
+    assert out.token_ids == greedy[: greedy.index(stop) + 1]
     assert out.finish_reason == "stop" and out.stop_reason == stop
 
 
@@ -62,9 +62,9 @@ def test_stop_string_truncates_text(llm):
     stop = candidates[0]
     out = generate(llm, temperature=0, max_tokens=24, ignore_eos=True, stop=[stop])[0]
     assert out.finish_reason == "stop" and out.stop_reason == stop
-    assert out.text == full.text[:full.text.index(stop)]
+    assert out.text == full.text[: full.text.index(stop)]
     kept = generate(llm, temperature=0, max_tokens=24, ignore_eos=True, stop=[stop], include_stop_str_in_output=True)
-    assert kept[0].text == full.text[:full.text.index(stop) + len(stop)]
+    assert kept[0].text == full.text[: full.text.index(stop) + len(stop)]
 
 
 def test_eos_ends_generation_unless_ignored(tiny_llama):
@@ -72,14 +72,21 @@ def test_eos_ends_generation_unless_ignored(tiny_llama):
     greedy = generate(llm, temperature=0, max_tokens=8, ignore_eos=True)[0].token_ids
     llm.llm_engine.output_processor.eos_token_ids = (greedy[2],)
     out = generate(llm, temperature=0, max_tokens=8)[0]
-    assert out.token_ids == greedy[:greedy.index(greedy[2]) + 1] and out.finish_reason == "stop"
+    assert out.token_ids == greedy[: greedy.index(greedy[2]) + 1] and out.finish_reason == "stop"
     assert len(generate(llm, temperature=0, max_tokens=8, ignore_eos=True)[0].token_ids) == 8
 
 
 def test_penalties_change_the_distribution(llm):
     plain = generate(llm, temperature=0, max_tokens=16, ignore_eos=True)[0].token_ids
-    penalized = generate(llm, temperature=0, max_tokens=16, ignore_eos=True, repetition_penalty=1.8,
-                         frequency_penalty=1.5, presence_penalty=1.0)[0].token_ids
+    penalized = generate(
+        llm,
+        temperature=0,
+        max_tokens=16,
+        ignore_eos=True,
+        repetition_penalty=1.8,
+        frequency_penalty=1.5,
+        presence_penalty=1.0,
+    )[0].token_ids
     assert penalized != plain
     assert len(set(penalized)) >= len(set(plain))
 
@@ -92,10 +99,21 @@ def test_prompt_logprobs_cover_every_prompt_token(llm):
         assert token in entry and len(entry) <= 3
 
 
-@pytest.mark.parametrize("field,value", [
-    ("temperature", -0.5), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -3), ("min_p", 2.0), ("n", 0),
-    ("max_tokens", 0), ("presence_penalty", 3.0), ("repetition_penalty", 0.0), ("logprobs", -1),
-])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("temperature", -0.5),
+        ("top_p", 0.0),
+        ("top_p", 1.5),
+        ("top_k", -3),
+        ("min_p", 2.0),
+        ("n", 0),
+        ("max_tokens", 0),
+        ("presence_penalty", 3.0),
+        ("repetition_penalty", 0.0),
+        ("logprobs", -1),
+    ],
+)
 def test_invalid_parameters_name_field_and_value(field, value):
     with pytest.raises(ValueError, match=f"{field}={value!r}"):
         SamplingParams(**{field: value})
@@ -106,7 +124,7 @@ def test_invalid_requests_are_rejected_before_queueing(llm):
     with pytest.raises(ValueError, match="longer than max_model_len"):
         engine.add_request("long", {"prompt_token_ids": [1] * (engine.max_model_len + 1)}, SamplingParams())
     with pytest.raises(ValueError, match="ids must be integers"):
-        engine.add_request("bad", {"prompt_token_ids": [10 ** 6]}, SamplingParams())
+        engine.add_request("bad", {"prompt_token_ids": [10**6]}, SamplingParams())
     with pytest.raises(ValueError, match="logprobs=50"):
         engine.add_request("lp", PROMPT, SamplingParams(logprobs=50))
     assert not engine.has_unfinished_requests()
@@ -152,7 +170,7 @@ def test_extreme_repetition_penalty_still_samples(llm):
 def test_requests_that_could_never_run_are_rejected(llm):
     engine = llm.llm_engine
     with pytest.raises(ValueError, match="stop_token_ids contain"):
-        engine.add_request("s", PROMPT, SamplingParams(stop_token_ids=[10 ** 6], min_tokens=2))
+        engine.add_request("s", PROMPT, SamplingParams(stop_token_ids=[10**6], min_tokens=2))
     with pytest.raises(ValueError, match="best_of=300 is larger than max_num_seqs"):
         engine.add_request("b", PROMPT, SamplingParams(n=1, best_of=300, temperature=1.0))
     assert not engine.has_unfinished_requests()

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from pagedllm.server.core.block_manager import BlockManager
 from pagedllm.server.config import SchedulerConfig
-from pagedllm.server.sampling_params import SamplingParams
+from pagedllm.server.core.block_manager import BlockManager
 from pagedllm.server.core.scheduler import Scheduler
 from pagedllm.server.core.sequence import Sequence, SequenceGroup, SequenceStatus
+from pagedllm.server.sampling_params import SamplingParams
 
 
 def make_scheduler(num_blocks=16, block_size=4, **config) -> Scheduler:
@@ -22,8 +22,12 @@ def make_request(request_id: str, num_tokens: int, seq_id: int, arrival: float, 
 def run_step(scheduler: Scheduler, new_token: int = 1):
     """Schedule, pretend the model ran, and append a token where the sequence completed."""
     out = scheduler.schedule()
-    done = [(item.group, s) for item in out.scheduled for s in item.group.seqs
-            if s.seq_id in item.chunks and s.num_computed_tokens + item.chunks[s.seq_id] == len(s)]
+    done = [
+        (item.group, s)
+        for item in out.scheduled
+        for s in item.group.seqs
+        if s.seq_id in item.chunks and s.num_computed_tokens + item.chunks[s.seq_id] == len(s)
+    ]
     scheduler.mark_computed(out)
     for _, seq in done:
         seq.append_token(new_token, 0.0, None)

@@ -4,16 +4,36 @@ from __future__ import annotations
 
 import pytest
 
-from pagedllm.server.entrypoints import serve
 from pagedllm.server.args import engine_config_from_args
-from pagedllm.server.entrypoints.cli import build_parser, main
 from pagedllm.server.config import EngineConfig
+from pagedllm.server.entrypoints import serve
+from pagedllm.server.entrypoints.cli import build_parser, main
 
-ISSUE_FLAGS = ("--model", "--host", "--port", "--block-size", "--tensor-parallel-size", "--gpu-memory-utilization",
-               "--swap-space", "--max-num-seqs", "--max-num-batched-tokens", "--max-model-len", "--dtype",
-               "--enable-prefix-caching", "--no-enable-prefix-caching", "--preemption-mode",
-               "--num-gpu-blocks-override", "--seed", "--served-model-name", "--api-key", "--max-queue-len",
-               "--drain-timeout", "--chat-template", "--load-format", "--log-level")
+ISSUE_FLAGS = (
+    "--model",
+    "--host",
+    "--port",
+    "--block-size",
+    "--tensor-parallel-size",
+    "--gpu-memory-utilization",
+    "--swap-space",
+    "--max-num-seqs",
+    "--max-num-batched-tokens",
+    "--max-model-len",
+    "--dtype",
+    "--enable-prefix-caching",
+    "--no-enable-prefix-caching",
+    "--preemption-mode",
+    "--num-gpu-blocks-override",
+    "--seed",
+    "--served-model-name",
+    "--api-key",
+    "--max-queue-len",
+    "--drain-timeout",
+    "--chat-template",
+    "--load-format",
+    "--log-level",
+)
 
 
 def test_help_documents_every_flag(capsys):
@@ -26,23 +46,74 @@ def test_help_documents_every_flag(capsys):
 
 
 def test_flags_map_onto_the_same_fields_as_llm_kwargs():
-    args = build_parser().parse_args([
-        "serve", "--model", "/m", "--block-size", "32", "--max-num-seqs", "7", "--no-enable-prefix-caching",
-        "--preemption-mode", "swap", "--swap-space", "2", "--max-model-len", "300", "--dtype", "float16",
-        "--num-gpu-blocks-override", "99", "--seed", "5", "--load-format", "dummy", "--gpu-memory-utilization",
-        "0.5", "--max-num-batched-tokens", "512", "--tensor-parallel-size", "1"])
+    args = build_parser().parse_args(
+        [
+            "serve",
+            "--model",
+            "/m",
+            "--block-size",
+            "32",
+            "--max-num-seqs",
+            "7",
+            "--no-enable-prefix-caching",
+            "--preemption-mode",
+            "swap",
+            "--swap-space",
+            "2",
+            "--max-model-len",
+            "300",
+            "--dtype",
+            "float16",
+            "--num-gpu-blocks-override",
+            "99",
+            "--seed",
+            "5",
+            "--load-format",
+            "dummy",
+            "--gpu-memory-utilization",
+            "0.5",
+            "--max-num-batched-tokens",
+            "512",
+            "--tensor-parallel-size",
+            "1",
+        ]
+    )
     expected = EngineConfig.from_kwargs(
-        model="/m", block_size=32, max_num_seqs=7, enable_prefix_caching=False, preemption_mode="swap",
-        swap_space=2.0, max_model_len=300, dtype="float16", num_gpu_blocks_override=99, seed=5,
-        load_format="dummy", gpu_memory_utilization=0.5, max_num_batched_tokens=512, tensor_parallel_size=1)
+        model="/m",
+        block_size=32,
+        max_num_seqs=7,
+        enable_prefix_caching=False,
+        preemption_mode="swap",
+        swap_space=2.0,
+        max_model_len=300,
+        dtype="float16",
+        num_gpu_blocks_override=99,
+        seed=5,
+        load_format="dummy",
+        gpu_memory_utilization=0.5,
+        max_num_batched_tokens=512,
+        tensor_parallel_size=1,
+    )
     assert engine_config_from_args(args) == expected
 
 
 def test_server_settings_from_flags_and_environment(monkeypatch, tmp_path):
     template = tmp_path / "chat.jinja"
     template.write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
-    args = build_parser().parse_args(["serve", "--served-model-name", "a", "b", "--max-queue-len", "3",
-                                      "--drain-timeout", "7.5", "--chat-template", str(template)])
+    args = build_parser().parse_args(
+        [
+            "serve",
+            "--served-model-name",
+            "a",
+            "b",
+            "--max-queue-len",
+            "3",
+            "--drain-timeout",
+            "7.5",
+            "--chat-template",
+            str(template),
+        ]
+    )
     monkeypatch.setenv(serve.API_KEY_ENV, "from-env")
     settings = serve.settings_from_args(args)
     assert settings.served_model_names == ["a", "b"] and settings.max_queue_len == 3
@@ -53,20 +124,23 @@ def test_server_settings_from_flags_and_environment(monkeypatch, tmp_path):
     assert settings.api_key == "from-flag" and settings.chat_template == "{{ messages }}"
 
 
-@pytest.mark.parametrize("argv, expected", [
-    (["--block-size", "3"], "--block-size=3"),
-    (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization=1.5"),
-    (["--max-num-seqs", "0"], "--max-num-seqs=0"),
-    (["--max-queue-len", "0"], "--max-queue-len=0"),
-    (["--drain-timeout", "-1"], "--drain-timeout=-1"),
-    (["--port", "70000"], "--port=70000"),
-    (["--api-key", ""], "--api-key=''"),
-    (["--model", "/does/not/exist"], "--model='/does/not/exist'"),
-    (["--chat-template", "no-such-file.jinja"], "--chat-template='no-such-file.jinja'"),
-    (["--dtype", "float8"], "--dtype"),
-    (["--log-level", "loud"], "--log-level"),
-    (["--port", "eighty"], "--port"),
-])
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (["--block-size", "3"], "--block-size=3"),
+        (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization=1.5"),
+        (["--max-num-seqs", "0"], "--max-num-seqs=0"),
+        (["--max-queue-len", "0"], "--max-queue-len=0"),
+        (["--drain-timeout", "-1"], "--drain-timeout=-1"),
+        (["--port", "70000"], "--port=70000"),
+        (["--api-key", ""], "--api-key=''"),
+        (["--model", "/does/not/exist"], "--model='/does/not/exist'"),
+        (["--chat-template", "no-such-file.jinja"], "--chat-template='no-such-file.jinja'"),
+        (["--dtype", "float8"], "--dtype"),
+        (["--log-level", "loud"], "--log-level"),
+        (["--port", "eighty"], "--port"),
+    ],
+)
 def test_invalid_flags_fail_at_start_up_naming_flag_and_value(capsys, argv, expected):
     with pytest.raises(SystemExit) as exit_info:
         main(["serve", *argv])

@@ -8,12 +8,12 @@ import re
 
 import httpx
 import pytest
+from api_factories import live_server
 
 from pagedllm.server import LLM, SamplingParams
-from pagedllm.server.entrypoints.openai.api_server import ServerSettings
-from pagedllm.server.engine.model_info import default_sampling
 from pagedllm.server.demo import SHIPPED_DEMO_DIR, ensure_demo_model
-from api_factories import live_server
+from pagedllm.server.engine.model_info import default_sampling
+from pagedllm.server.entrypoints.openai.api_server import ServerSettings
 
 pytestmark = pytest.mark.timeout(180)
 COMMON_WORDS = {"the", "is", "a", "of", "to", "and", "in", "object", "function", "module", "class", "value", "if"}
@@ -23,7 +23,7 @@ def test_the_shipped_demo_model_is_served_without_a_model_flag():
     path = ensure_demo_model()
     assert path == SHIPPED_DEMO_DIR
     size = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path))
-    assert size <= 20 * 1024 * 1024, f"the demo model is {size / 2 ** 20:.1f} MiB"
+    assert size <= 20 * 1024 * 1024, f"the demo model is {size / 2**20:.1f} MiB"
     with open(os.path.join(path, "config.json")) as f:
         config = json.load(f)
     assert config["model_type"] == "llama"
@@ -55,8 +55,11 @@ def test_demo_chat_over_http():
     with live_server(None, settings) as server:
         models = httpx.get(f"{server.url}/v1/models").json()["data"]
         assert [m["id"] for m in models] == ["pagedllm-demo"]
-        body = {"messages": [{"role": "user", "content": "What does json.dumps do?"}], "max_tokens": 32,
-                "temperature": 0}
+        body = {
+            "messages": [{"role": "user", "content": "What does json.dumps do?"}],
+            "max_tokens": 32,
+            "temperature": 0,
+        }
         out = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=60).json()
         answer = out["choices"][0]["message"]["content"]
         assert len(re.findall(r"[A-Za-z]+", answer)) >= 3, answer
@@ -68,12 +71,34 @@ def test_the_training_script_runs_offline(tmp_path):
     texts, chats = demo_train.build_corpus()
     assert len(texts) > 500 and len(chats) > 500
     out = tmp_path / "model"
-    demo_train.main(["--out", str(out), "--steps", "2", "--batch-size", "2", "--seq-len", "32", "--vocab-size",
-                     "600", "--hidden-size", "32", "--intermediate-size", "64", "--layers", "1", "--heads", "2",
-                     "--kv-heads", "1"])
+    demo_train.main(
+        [
+            "--out",
+            str(out),
+            "--steps",
+            "2",
+            "--batch-size",
+            "2",
+            "--seq-len",
+            "32",
+            "--vocab-size",
+            "600",
+            "--hidden-size",
+            "32",
+            "--intermediate-size",
+            "64",
+            "--layers",
+            "1",
+            "--heads",
+            "2",
+            "--kv-heads",
+            "1",
+        ]
+    )
     llm = LLM(model=str(out))
-    chat = llm.get_tokenizer().apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
-                                                   add_generation_prompt=True)
+    chat = llm.get_tokenizer().apply_chat_template(
+        [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
+    )
     assert chat.endswith("<|assistant|>\n")
     assert llm.generate("The", SamplingParams(max_tokens=3, ignore_eos=True))[0].outputs[0].token_ids
 

@@ -14,7 +14,6 @@ import time
 
 import httpx
 import pytest
-
 from api_factories import wait_ready
 
 pytestmark = pytest.mark.timeout(300)
@@ -30,9 +29,29 @@ def free_port() -> int:
 @contextlib.contextmanager
 def serve_process(model_dir: str, *extra: str):
     port = free_port()
-    cmd = [sys.executable, "-m", "pagedllm.server.entrypoints.cli", "serve", "--model", model_dir, "--host", "127.0.0.1",
-           "--port", str(port), "--served-model-name", "tiny", "--max-model-len", "1024", "--kv-cache-memory",
-           "0.05", "--swap-space", "0.01", "--log-level", "warning", *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pagedllm.server.entrypoints.cli",
+        "serve",
+        "--model",
+        model_dir,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--served-model-name",
+        "tiny",
+        "--max-model-len",
+        "1024",
+        "--kv-cache-memory",
+        "0.05",
+        "--swap-space",
+        "0.01",
+        "--log-level",
+        "warning",
+        *extra,
+    ]
     env = {**os.environ, "PAGEDLLM_API_KEY": ""}
     env.pop("PAGEDLLM_API_KEY")
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
@@ -56,8 +75,14 @@ class Streamer(threading.Thread):
         self.started = threading.Event()
 
     def run(self) -> None:
-        body = {"model": "tiny", "prompt": f"stream {self.i}", "max_tokens": MAX_TOKENS, "ignore_eos": True,
-                "stream": True, "stream_options": {"include_usage": True}}
+        body = {
+            "model": "tiny",
+            "prompt": f"stream {self.i}",
+            "max_tokens": MAX_TOKENS,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
         with httpx.stream("POST", f"{self.url}/v1/completions", json=body, timeout=120) as response:
             for line in response.iter_lines():
                 if not line.startswith("data: "):
@@ -65,7 +90,7 @@ class Streamer(threading.Thread):
                 if line == "data: [DONE]":
                     self.done = True
                     return
-                self.chunks.append(json.loads(line[len("data: "):]))
+                self.chunks.append(json.loads(line[len("data: ") :]))
                 self.started.set()
 
 
@@ -111,8 +136,22 @@ def test_drain_timeout_aborts_what_is_left_and_still_exits_0(tiny_llama):
 
 
 def test_a_value_the_engine_refuses_at_load_fails_start_up_naming_the_flag(tiny_llama):
-    cmd = [sys.executable, "-m", "pagedllm.server.entrypoints.cli", "serve", "--model", tiny_llama, "--host", "127.0.0.1",
-           "--port", str(free_port()), "--max-model-len", "5000", "--log-level", "warning"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pagedllm.server.entrypoints.cli",
+        "serve",
+        "--model",
+        tiny_llama,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(free_port()),
+        "--max-model-len",
+        "5000",
+        "--log-level",
+        "warning",
+    ]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
     assert done.returncode == 2
     assert "--max-model-len=5000" in done.stderr, done.stderr

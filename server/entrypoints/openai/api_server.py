@@ -11,9 +11,9 @@ import asyncio
 import contextlib
 import hmac
 import logging
-from dataclasses import dataclass, field
 from collections.abc import AsyncIterator, Awaitable
-from typing import Any, Optional, Union
+from dataclasses import dataclass, field
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -52,9 +52,7 @@ from pagedllm.server.entrypoints.openai.serving_completion import OpenAIServingC
 
 logger = logging.getLogger("pagedllm.api_server")
 OPEN_WHILE_DRAINING = ("/health", "/ready", "/metrics", "/version")
-ERROR_RESPONSES: dict[Union[int, str], dict[str, Any]] = {
-    code: {"model": ErrorResponse} for code in (400, 401, 404, 503)
-}
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {code: {"model": ErrorResponse} for code in (400, 401, 404, 503)}
 
 
 @dataclass
@@ -63,13 +61,13 @@ class ServerSettings:
 
     served_model_names: list[str] = field(default_factory=list)
     """Names clients use in ``model``; defaults to the model path (or ``pagedllm-demo``)."""
-    api_key: Optional[str] = None
+    api_key: str | None = None
     """When set, ``/v1/*`` requires ``Authorization: Bearer <api_key>``."""
-    max_queue_len: Optional[int] = None
+    max_queue_len: int | None = None
     """Most requests waiting to be scheduled; more get 503 with Retry-After."""
     drain_timeout: float = 30.0
     """Seconds a SIGTERM waits for in-flight requests before aborting them."""
-    chat_template: Optional[str] = None
+    chat_template: str | None = None
     """A Jinja chat template (text) replacing the tokenizer's."""
     warmup: bool = True
     """Run one forward pass before reporting ready."""
@@ -87,7 +85,7 @@ def default_model_name(config: EngineConfig) -> str:
     return config.model.model or "pagedllm-demo"
 
 
-def build_app(config: EngineConfig, settings: Optional[ServerSettings] = None) -> FastAPI:
+def build_app(config: EngineConfig, settings: ServerSettings | None = None) -> FastAPI:
     """The ASGI app; ``app.state.serving`` / ``.engine`` / ``.metrics`` expose the parts (tests use them)."""
     settings = settings or ServerSettings()
     names = settings.served_model_names or [default_model_name(config)]
@@ -118,9 +116,14 @@ def _add_openai_routes(app: FastAPI, serving: OpenAIServing) -> None:
     @app.get("/v1/models", response_model=ModelList, responses=ERROR_RESPONSES)
     async def list_models() -> ModelList:
         info = serving.engine.model_info
-        return ModelList(data=[ModelCard(id=name, root=info.model_dir if info else None,
-                                         max_model_len=info.max_model_len if info else None)
-                               for name in serving.served_model_names])
+        return ModelList(
+            data=[
+                ModelCard(
+                    id=name, root=info.model_dir if info else None, max_model_len=info.max_model_len if info else None
+                )
+                for name in serving.served_model_names
+            ]
+        )
 
     @app.post("/v1/completions", responses={200: {"model": CompletionResponse}, **ERROR_RESPONSES})
     async def completions(body: CompletionRequest, request: Request) -> Any:
@@ -189,8 +192,14 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return error_response(APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}",
-                                       type=kind, headers=dict(exc.headers or {})))
+        return error_response(
+            APIError(
+                exc.status_code,
+                f"{request.method} {request.url.path}: {exc.detail}",
+                type=kind,
+                headers=dict(exc.headers or {}),
+            )
+        )
 
     @app.exception_handler(Exception)
     async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
@@ -206,7 +215,7 @@ class GateMiddleware:
     through untouched.
     """
 
-    def __init__(self, app: ASGIApp, serving: OpenAIServing, api_key: Optional[str]) -> None:
+    def __init__(self, app: ASGIApp, serving: OpenAIServing, api_key: str | None) -> None:
         self.app = app
         self.serving = serving
         self.expected = f"Bearer {api_key}".encode() if api_key else None
@@ -221,9 +230,13 @@ class GateMiddleware:
         elif self.expected is not None and path.startswith("/v1"):
             given = dict(scope.get("headers") or []).get(b"authorization", b"")
             if not hmac.compare_digest(given, self.expected):
-                error = APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
-                                 type="authentication_error", code="invalid_api_key",
-                                 headers={"WWW-Authenticate": "Bearer"})
+                error = APIError(
+                    401,
+                    "invalid or missing API key: send 'Authorization: Bearer <key>'",
+                    type="authentication_error",
+                    code="invalid_api_key",
+                    headers={"WWW-Authenticate": "Bearer"},
+                )
         if error is None:
             return await self.app(scope, receive, send)
         return await error_response(error)(scope, receive, send)

@@ -7,7 +7,7 @@ shows it under the request's parameter name (``prompt_token_ids`` -> ``prompt``)
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Optional, Union
+from typing import Any
 
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -22,9 +22,16 @@ ENGINE_FIELD_PARAMS = {"prompt_token_ids": "prompt"}
 class APIError(Exception):
     """An error the client sees in OpenAI's shape."""
 
-    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
-                 param: Optional[str] = None, code: Optional[Union[str, int]] = None,
-                 headers: Optional[dict[str, str]] = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | int | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.param = status, message, type, param
         self.code = code if code is not None else status
@@ -34,7 +41,7 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
-def bad_request(message: str, param: Optional[str] = None) -> APIError:
+def bad_request(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, param=param)
 
 
@@ -60,7 +67,9 @@ def validation_error(exc: RequestValidationError) -> APIError:
     first = errors[0]
     if first.get("type") == "json_invalid":
         detail = first.get("ctx", {}).get("error", "")
-        return bad_request(f"the request body is not valid JSON: {first.get('msg')}" + (f" ({detail})" if detail else ""))
+        return bad_request(
+            f"the request body is not valid JSON: {first.get('msg')}" + (f" ({detail})" if detail else "")
+        )
     # NOTE: a value failing every member of a union (prompt: str | list[str] | ...) gives one error per
     # member, their locations ending in the member's type; the field is their common prefix.
     same_field = [e for e in errors if tuple(e.get("loc", ()))[:2] == tuple(first.get("loc", ()))[:2]]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 from pagedllm.server.entrypoints.openai.protocol import ChatLogprobs, CompletionLogprobs, TokenLogprob, TopLogprob
 from pagedllm.server.outputs import CompletionOutput, Logprob, RequestOutput
@@ -14,15 +14,14 @@ class LogprobFormatter:
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
 
-    def token_text(self, token_id: int, entry: Optional[Logprob] = None) -> str:
+    def token_text(self, token_id: int, entry: Logprob | None = None) -> str:
         if entry is not None and entry.decoded_token is not None:
             return entry.decoded_token
         if self.tokenizer is None:
             return f"token_id:{token_id}"
         return self.tokenizer.decode([token_id])
 
-    def add_completion(self, out: CompletionLogprobs, c: CompletionOutput, start: int, end: int,
-                       offset: int) -> int:
+    def add_completion(self, out: CompletionLogprobs, c: CompletionOutput, start: int, end: int, offset: int) -> int:
         """Append tokens ``start:end`` of ``c``; returns the text offset after them."""
         entries = c.logprobs or []
         for j in range(start, min(end, len(entries))):
@@ -57,9 +56,17 @@ class LogprobFormatter:
             token_id, top = c.token_ids[j], entries[j]
             token = self.token_text(token_id, top.get(token_id))
             ranked = sorted(top.items(), key=lambda kv: kv[1].rank or 0)[:num_top]
-            content.append(TokenLogprob(
-                token=token, logprob=top[token_id].logprob if token_id in top else float("-inf"),
-                bytes=list(token.encode("utf-8")),
-                top_logprobs=[TopLogprob(token=(s := self.token_text(t, lp)), logprob=lp.logprob,
-                                         bytes=list(s.encode("utf-8"))) for t, lp in ranked]))
+            content.append(
+                TokenLogprob(
+                    token=token,
+                    logprob=top[token_id].logprob if token_id in top else float("-inf"),
+                    bytes=list(token.encode("utf-8")),
+                    top_logprobs=[
+                        TopLogprob(
+                            token=(s := self.token_text(t, lp)), logprob=lp.logprob, bytes=list(s.encode("utf-8"))
+                        )
+                        for t, lp in ranked
+                    ],
+                )
+            )
         return ChatLogprobs(content=content)

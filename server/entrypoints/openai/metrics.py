@@ -10,7 +10,7 @@ Two sources feed them:
 
 from __future__ import annotations
 
-from typing import Callable, Iterator, Optional
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -19,35 +19,120 @@ from prometheus_client.registry import Collector
 from pagedllm.server.config import EngineConfig
 from pagedllm.server.engine.llm_engine import EngineStats
 
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
-ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
-               40.0, 80.0)
-REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
-                   240.0, 480.0, 960.0, 1920.0, 7680.0)
+TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+)
+ITL_BUCKETS = (
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+REQUEST_BUCKETS = (
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+)
 
 
 class ServerMetrics:
     """The server's metrics in their own registry (so several servers can live in one process)."""
 
-    def __init__(self, model_name: str, config: EngineConfig,
-                 stats: Callable[[], Optional[EngineStats]]) -> None:
+    def __init__(self, model_name: str, config: EngineConfig, stats: Callable[[], EngineStats | None]) -> None:
         self.model_name = model_name
         self.registry = CollectorRegistry()
         labels = ["model_name"]
         reg = self.registry
         self.prompt_tokens = Counter("pagedllm:prompt_tokens", "Prompt tokens processed.", labels, registry=reg)
         self.generation_tokens = Counter("pagedllm:generation_tokens", "Tokens generated.", labels, registry=reg)
-        self.request_success = Counter("pagedllm:request_success", "Requests finished, by finish reason.",
-                                       labels + ["finished_reason"], registry=reg)
-        self.ttft = Histogram("pagedllm:time_to_first_token_seconds", "Arrival to first generated token.",
-                              labels, buckets=TTFT_BUCKETS, registry=reg)
-        self.itl = Histogram("pagedllm:inter_token_latency_seconds", "Time between a request's token steps.",
-                             labels, buckets=ITL_BUCKETS, registry=reg)
-        self.e2e = Histogram("pagedllm:e2e_request_latency_seconds", "Arrival to last token.",
-                             labels, buckets=REQUEST_BUCKETS, registry=reg)
-        self.queue_time = Histogram("pagedllm:request_queue_time_seconds", "Arrival to first scheduled step.",
-                                    labels, buckets=REQUEST_BUCKETS, registry=reg)
+        self.request_success = Counter(
+            "pagedllm:request_success",
+            "Requests finished, by finish reason.",
+            labels + ["finished_reason"],
+            registry=reg,
+        )
+        self.ttft = Histogram(
+            "pagedllm:time_to_first_token_seconds",
+            "Arrival to first generated token.",
+            labels,
+            buckets=TTFT_BUCKETS,
+            registry=reg,
+        )
+        self.itl = Histogram(
+            "pagedllm:inter_token_latency_seconds",
+            "Time between a request's token steps.",
+            labels,
+            buckets=ITL_BUCKETS,
+            registry=reg,
+        )
+        self.e2e = Histogram(
+            "pagedllm:e2e_request_latency_seconds",
+            "Arrival to last token.",
+            labels,
+            buckets=REQUEST_BUCKETS,
+            registry=reg,
+        )
+        self.queue_time = Histogram(
+            "pagedllm:request_queue_time_seconds",
+            "Arrival to first scheduled step.",
+            labels,
+            buckets=REQUEST_BUCKETS,
+            registry=reg,
+        )
         reg.register(EngineStatsCollector(model_name, config, stats))
 
     def observe(self, stream, output, times) -> None:
@@ -78,7 +163,7 @@ class ServerMetrics:
 class EngineStatsCollector(Collector):
     """Engine-owned numbers, read from the newest stats snapshot when Prometheus scrapes."""
 
-    def __init__(self, model_name: str, config: EngineConfig, stats: Callable[[], Optional[EngineStats]]) -> None:
+    def __init__(self, model_name: str, config: EngineConfig, stats: Callable[[], EngineStats | None]) -> None:
         self.model_name = model_name
         self.config = config
         self.stats = stats
@@ -92,10 +177,16 @@ class EngineStatsCollector(Collector):
             ("num_requests_running", "Sequences running on the device.", stats.num_running),
             ("num_requests_waiting", "Requests waiting to be scheduled.", stats.num_waiting),
             ("num_requests_swapped", "Requests swapped out to host memory.", stats.num_swapped),
-            ("kv_cache_usage_perc", "Fraction of device KV cache blocks in use (0-1).",
-             _usage(stats.num_gpu_blocks, stats.num_free_gpu_blocks)),
-            ("cpu_kv_cache_usage_perc", "Fraction of host (swap) KV cache blocks in use (0-1).",
-             _usage(stats.num_cpu_blocks, stats.num_free_cpu_blocks)),
+            (
+                "kv_cache_usage_perc",
+                "Fraction of device KV cache blocks in use (0-1).",
+                _usage(stats.num_gpu_blocks, stats.num_free_gpu_blocks),
+            ),
+            (
+                "cpu_kv_cache_usage_perc",
+                "Fraction of host (swap) KV cache blocks in use (0-1).",
+                _usage(stats.num_cpu_blocks, stats.num_free_cpu_blocks),
+            ),
         ):
             gauge = GaugeMetricFamily(f"pagedllm:{name}", doc, labels=labels)
             gauge.add_metric(values, value)
@@ -112,12 +203,18 @@ class EngineStatsCollector(Collector):
 
     def _cache_config_info(self, stats: EngineStats) -> GaugeMetricFamily:
         cache = self.config.cache
-        info = {"model_name": self.model_name, "block_size": str(cache.block_size),
-                "num_gpu_blocks": str(stats.num_gpu_blocks), "num_cpu_blocks": str(stats.num_cpu_blocks),
-                "enable_prefix_caching": str(cache.enable_prefix_caching),
-                "gpu_memory_utilization": str(cache.gpu_memory_utilization), "swap_space": str(cache.swap_space)}
-        gauge = GaugeMetricFamily("pagedllm:cache_config_info", "Information of the KV cache configuration.",
-                                  labels=list(info))
+        info = {
+            "model_name": self.model_name,
+            "block_size": str(cache.block_size),
+            "num_gpu_blocks": str(stats.num_gpu_blocks),
+            "num_cpu_blocks": str(stats.num_cpu_blocks),
+            "enable_prefix_caching": str(cache.enable_prefix_caching),
+            "gpu_memory_utilization": str(cache.gpu_memory_utilization),
+            "swap_space": str(cache.swap_space),
+        }
+        gauge = GaugeMetricFamily(
+            "pagedllm:cache_config_info", "Information of the KV cache configuration.", labels=list(info)
+        )
         gauge.add_metric(list(info.values()), 1.0)
         return gauge
 

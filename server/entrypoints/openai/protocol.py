@@ -7,7 +7,7 @@ the client as a 400 naming the field and the value.
 from __future__ import annotations
 
 import time
-from typing import Any, Literal, Optional, Union
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -24,8 +24,8 @@ class OpenAIBaseModel(BaseModel):
 class ErrorInfo(OpenAIBaseModel):
     message: str
     type: str
-    param: Optional[str] = None
-    code: Optional[Union[str, int]] = None
+    param: str | None = None
+    code: str | int | None = None
 
 
 class ErrorResponse(OpenAIBaseModel):
@@ -34,7 +34,7 @@ class ErrorResponse(OpenAIBaseModel):
 
 # -- shared -------------------------------------------------------------------------------
 class StreamOptions(OpenAIBaseModel):
-    include_usage: Optional[bool] = False
+    include_usage: bool | None = False
 
 
 class UsageInfo(OpenAIBaseModel):
@@ -46,57 +46,57 @@ class UsageInfo(OpenAIBaseModel):
 class SamplingFields(OpenAIBaseModel):
     """Fields both completion endpoints share (OpenAI's, then vLLM's extras)."""
 
-    model: Optional[str] = Field(None, description="The served model name; defaults to it.")
-    max_tokens: Optional[int] = Field(16, description="Most tokens to generate; null = up to max_model_len.")
-    temperature: Optional[float] = Field(None, description="Default: the model's generation_config, else 1.0.")
-    top_p: Optional[float] = Field(None, description="Default: the model's generation_config, else 1.0.")
+    model: str | None = Field(None, description="The served model name; defaults to it.")
+    max_tokens: int | None = Field(16, description="Most tokens to generate; null = up to max_model_len.")
+    temperature: float | None = Field(None, description="Default: the model's generation_config, else 1.0.")
+    top_p: float | None = Field(None, description="Default: the model's generation_config, else 1.0.")
     n: int = 1
-    stop: Optional[Union[str, list[str]]] = None
-    stream: Optional[bool] = False
-    stream_options: Optional[StreamOptions] = None
-    presence_penalty: Optional[float] = 0.0
-    frequency_penalty: Optional[float] = 0.0
-    seed: Optional[int] = Field(None, ge=SEED_MIN, le=SEED_MAX)
-    user: Optional[str] = None
-    logit_bias: Optional[dict[str, float]] = Field(None, description="Not supported; must be empty.")
+    stop: str | list[str] | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float | None = 0.0
+    frequency_penalty: float | None = 0.0
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
+    user: str | None = None
+    logit_bias: dict[str, float] | None = Field(None, description="Not supported; must be empty.")
     # vLLM's extras
-    best_of: Optional[int] = None
-    top_k: Optional[int] = None
-    min_p: Optional[float] = None
-    repetition_penalty: Optional[float] = None
+    best_of: int | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
     use_beam_search: bool = False
     length_penalty: float = 1.0
     ignore_eos: bool = False
     min_tokens: int = 0
-    stop_token_ids: Optional[list[int]] = None
+    stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
 
 
 # -- /v1/completions ------------------------------------------------------------------------
-PromptInput = Union[str, list[str], list[int], list[list[int]]]
+PromptInput = str | list[str] | list[int] | list[list[int]]
 
 
 class CompletionRequest(SamplingFields):
     prompt: PromptInput = Field(..., description="A string, strings, token ids, or lists of token ids.")
-    echo: Optional[bool] = False
-    logprobs: Optional[int] = Field(None, description="Log-probabilities of this many most likely tokens.")
-    suffix: Optional[str] = Field(None, description="Not supported; must be null.")
+    echo: bool | None = False
+    logprobs: int | None = Field(None, description="Log-probabilities of this many most likely tokens.")
+    suffix: str | None = Field(None, description="Not supported; must be null.")
 
 
 class CompletionLogprobs(OpenAIBaseModel):
     text_offset: list[int] = Field(default_factory=list)
-    token_logprobs: list[Optional[float]] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
     tokens: list[str] = Field(default_factory=list)
-    top_logprobs: list[Optional[dict[str, float]]] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
 class CompletionChoice(OpenAIBaseModel):
     index: int
     text: str
-    logprobs: Optional[CompletionLogprobs] = None
-    finish_reason: Optional[str] = None
-    stop_reason: Optional[Union[int, str]] = None
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
 
 
 class CompletionResponse(OpenAIBaseModel):
@@ -105,36 +105,36 @@ class CompletionResponse(OpenAIBaseModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
     choices: list[CompletionChoice]
-    usage: Optional[UsageInfo] = None
+    usage: UsageInfo | None = None
 
 
 # -- /v1/chat/completions ------------------------------------------------------------------
 class ContentPart(OpenAIBaseModel):
     type: str
-    text: Optional[str] = None
+    text: str | None = None
 
 
 class ChatMessage(OpenAIBaseModel):
     role: str
-    content: Optional[Union[str, list[ContentPart]]] = None
-    name: Optional[str] = None
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
 
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage]
-    max_tokens: Optional[int] = Field(None, description="Most tokens to generate; null = up to max_model_len.")
-    max_completion_tokens: Optional[int] = None
-    logprobs: Optional[bool] = False
-    top_logprobs: Optional[int] = None
-    response_format: Optional[dict[str, Any]] = None
-    tools: Optional[list[dict[str, Any]]] = None
+    max_tokens: int | None = Field(None, description="Most tokens to generate; null = up to max_model_len.")
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = False
+    top_logprobs: int | None = None
+    response_format: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
     add_generation_prompt: bool = True
 
 
 class TopLogprob(OpenAIBaseModel):
     token: str
     logprob: float
-    bytes: Optional[list[int]] = None
+    bytes: list[int] | None = None
 
 
 class TokenLogprob(TopLogprob):
@@ -142,20 +142,20 @@ class TokenLogprob(TopLogprob):
 
 
 class ChatLogprobs(OpenAIBaseModel):
-    content: Optional[list[TokenLogprob]] = None
+    content: list[TokenLogprob] | None = None
 
 
 class ChatResponseMessage(OpenAIBaseModel):
     role: str = "assistant"
-    content: Optional[str] = None
+    content: str | None = None
 
 
 class ChatChoice(OpenAIBaseModel):
     index: int
     message: ChatResponseMessage
-    logprobs: Optional[ChatLogprobs] = None
-    finish_reason: Optional[str] = None
-    stop_reason: Optional[Union[int, str]] = None
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
 
 
 class ChatCompletionResponse(OpenAIBaseModel):
@@ -173,8 +173,8 @@ class ModelCard(OpenAIBaseModel):
     object: Literal["model"] = "model"
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "pagedllm"
-    root: Optional[str] = None
-    max_model_len: Optional[int] = None
+    root: str | None = None
+    max_model_len: int | None = None
 
 
 class ModelList(OpenAIBaseModel):
@@ -183,9 +183,9 @@ class ModelList(OpenAIBaseModel):
 
 
 class TokenizeRequest(OpenAIBaseModel):
-    model: Optional[str] = None
-    prompt: Optional[str] = Field(None, description="Text to tokenize (or give messages).")
-    messages: Optional[list[ChatMessage]] = Field(None, description="Chat messages, rendered with the template.")
+    model: str | None = None
+    prompt: str | None = Field(None, description="Text to tokenize (or give messages).")
+    messages: list[ChatMessage] | None = Field(None, description="Chat messages, rendered with the template.")
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 
@@ -197,7 +197,7 @@ class TokenizeResponse(OpenAIBaseModel):
 
 
 class DetokenizeRequest(OpenAIBaseModel):
-    model: Optional[str] = None
+    model: str | None = None
     tokens: list[int]
 
 

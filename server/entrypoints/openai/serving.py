@@ -11,7 +11,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 from pagedllm.server.config import ConfigError
 from pagedllm.server.engine.async_engine import AsyncLLMEngine
@@ -27,7 +27,7 @@ from pagedllm.server.sampling_params import SamplingParams
 
 @dataclass
 class Prompt:
-    text: Optional[str]
+    text: str | None
     token_ids: list[int]
 
 
@@ -38,7 +38,7 @@ class Delta:
     text: str
     token_start: int
     token_end: int
-    finish_reason: Optional[str]
+    finish_reason: str | None
     stop_reason: Any
 
 
@@ -52,7 +52,7 @@ class Tracker:
     extra: dict[str, Any] = field(default_factory=dict)
     """Endpoint-specific progress (the completion endpoint's echo and text offset)."""
 
-    def advance(self, c: CompletionOutput, holdback: int, with_tokens: bool) -> Optional[Delta]:
+    def advance(self, c: CompletionOutput, holdback: int, with_tokens: bool) -> Delta | None:
         """The news in ``c``, or None if there is nothing to send.
 
         NOTE: the last ``holdback`` characters wait until the choice finishes, because
@@ -61,7 +61,7 @@ class Tracker:
         if self.finished:
             return None
         end = len(c.text) if c.finish_reason else max(self.text_len, len(c.text) - holdback)
-        text = c.text[self.text_len:end]
+        text = c.text[self.text_len : end]
         new_tokens = len(c.token_ids) > self.num_tokens
         if not text and not (with_tokens and new_tokens) and not c.finish_reason:
             return None
@@ -70,7 +70,7 @@ class Tracker:
         return delta
 
 
-ChoiceMaker = Callable[[int, int, CompletionOutput, Tracker], Optional[dict[str, Any]]]
+ChoiceMaker = Callable[[int, int, CompletionOutput, Tracker], dict[str, Any] | None]
 """(prompt index, choice index, output, tracker) -> a chunk's choice, or None for nothing new."""
 
 
@@ -80,8 +80,8 @@ class OpenAIServing:
 
     engine: AsyncLLMEngine
     served_model_names: list[str]
-    chat_template: Optional[str] = None
-    max_queue_len: Optional[int] = None
+    chat_template: str | None = None
+    max_queue_len: int | None = None
     draining: bool = False
 
     @property
@@ -100,10 +100,14 @@ class OpenAIServing:
         return info
 
     # -- checks ---------------------------------------------------------------------------------
-    def check_model(self, model: Optional[str]) -> None:
+    def check_model(self, model: str | None) -> None:
         if model is not None and model not in self.served_model_names:
-            raise APIError(404, f"The model `{model}` does not exist: this server serves "
-                                f"{self.served_model_names}", param="model", code="model_not_found")
+            raise APIError(
+                404,
+                f"The model `{model}` does not exist: this server serves {self.served_model_names}",
+                param="model",
+                code="model_not_found",
+            )
 
     def check_ready(self) -> None:
         if self.draining:
@@ -114,8 +118,9 @@ class OpenAIServing:
     def check_queue(self, num_new: int) -> None:
         waiting = self.engine.num_unscheduled
         if self.max_queue_len is not None and waiting + num_new > self.max_queue_len:
-            raise unavailable(f"the waiting queue is full ({waiting} waiting, --max-queue-len="
-                              f"{self.max_queue_len}): retry later")
+            raise unavailable(
+                f"the waiting queue is full ({waiting} waiting, --max-queue-len={self.max_queue_len}): retry later"
+            )
 
     def need_tokenizer(self) -> Any:
         if self.tokenizer is None:
@@ -128,30 +133,49 @@ class OpenAIServing:
         except ConfigError as exc:
             raise from_config_error(exc) from exc
 
-    def check_length(self, prompt: Prompt, max_tokens: Optional[int], param: str) -> None:
+    def check_length(self, prompt: Prompt, max_tokens: int | None, param: str) -> None:
         limit = self.model_info.max_model_len
         n = len(prompt.token_ids)
         if max_tokens is not None and n < limit < n + max_tokens:
-            raise bad_request(f"This model's maximum context length is {limit} tokens. However, you requested "
-                              f"{n + max_tokens} tokens ({n} in the prompt, {max_tokens} in the completion). "
-                              f"Please reduce the prompt or {param}.", param)
+            raise bad_request(
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{n + max_tokens} tokens ({n} in the prompt, {max_tokens} in the completion). "
+                f"Please reduce the prompt or {param}.",
+                param,
+            )
 
     # -- sampling parameters ------------------------------------------------------------------------
-    def sampling_params(self, req: SamplingFields, *, max_tokens: Optional[int], logprobs: Optional[int],
-                        prompt_logprobs: Optional[int] = None) -> SamplingParams:
+    def sampling_params(
+        self, req: SamplingFields, *, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None
+    ) -> SamplingParams:
         """The request's :class:`SamplingParams`, the model's generation_config filling what it left unset."""
         if req.logit_bias:
             raise bad_request("logit_bias is not supported by this server: leave it empty", "logit_bias")
         if req.stream_options is not None and not req.stream:
             raise bad_request("stream_options can only be set when stream=true", "stream_options")
-        values = dict(n=req.n, best_of=req.best_of, temperature=req.temperature, top_p=req.top_p,
-                      top_k=req.top_k, min_p=req.min_p, presence_penalty=req.presence_penalty,
-                      frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
-                      seed=req.seed, stop=req.stop, stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos,
-                      max_tokens=max_tokens, min_tokens=req.min_tokens, logprobs=logprobs,
-                      prompt_logprobs=prompt_logprobs, skip_special_tokens=req.skip_special_tokens,
-                      include_stop_str_in_output=req.include_stop_str_in_output,
-                      use_beam_search=req.use_beam_search, length_penalty=req.length_penalty)
+        values = dict(
+            n=req.n,
+            best_of=req.best_of,
+            temperature=req.temperature,
+            top_p=req.top_p,
+            top_k=req.top_k,
+            min_p=req.min_p,
+            presence_penalty=req.presence_penalty,
+            frequency_penalty=req.frequency_penalty,
+            repetition_penalty=req.repetition_penalty,
+            seed=req.seed,
+            stop=req.stop,
+            stop_token_ids=req.stop_token_ids,
+            ignore_eos=req.ignore_eos,
+            max_tokens=max_tokens,
+            min_tokens=req.min_tokens,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            skip_special_tokens=req.skip_special_tokens,
+            include_stop_str_in_output=req.include_stop_str_in_output,
+            use_beam_search=req.use_beam_search,
+            length_penalty=req.length_penalty,
+        )
         info = self.model_info
         for key, value in info.default_sampling.items():
             if values.get(key) is None:
@@ -169,8 +193,9 @@ class OpenAIServing:
         return params
 
     # -- running requests -----------------------------------------------------------------------------
-    async def start(self, request_id: str, prompts: list[Prompt], params: SamplingParams,
-                    param_names: Mapping[str, str]) -> list[RequestStream]:
+    async def start(
+        self, request_id: str, prompts: list[Prompt], params: SamplingParams, param_names: Mapping[str, str]
+    ) -> list[RequestStream]:
         """Add one engine request per prompt; on any failure the ones added are aborted.
 
         ``param_names`` maps engine fields to this request's parameter names for errors.
@@ -199,8 +224,8 @@ class OpenAIServing:
     async def final_outputs(self, streams: list[RequestStream]) -> list[RequestOutput]:
         async def last(stream: RequestStream) -> RequestOutput:
             output = None
-            async for output in self.engine.iterate(stream):
-                pass
+            async for latest in self.engine.iterate(stream):
+                output = latest
             assert output is not None, "a stream ends with a finished output or an error"
             return output
 
@@ -220,7 +245,7 @@ class OpenAIServing:
             finally:
                 self.abort(streams)  # NOTE: a no-op for finished requests
             return
-        queue: asyncio.Queue[tuple[int, Optional[RequestOutput], Optional[BaseException]]] = asyncio.Queue()
+        queue: asyncio.Queue[tuple[int, RequestOutput | None, BaseException | None]] = asyncio.Queue()
 
         async def pump(i: int, stream: RequestStream) -> None:
             try:
@@ -235,28 +260,41 @@ class OpenAIServing:
         try:
             remaining = len(tasks)
             while remaining:
-                i, output, error = await queue.get()
+                i, item, error = await queue.get()
                 if error is not None:
                     raise error
-                if output is None:
+                if item is None:
                     remaining -= 1
                 else:
-                    yield i, output
+                    yield i, item
         finally:
             for task in tasks:
                 task.cancel()
             self.abort(streams)
 
     # -- streaming --------------------------------------------------------------------------------------
-    def stream(self, request_id: str, object_name: str, prompts: list[Prompt], params: SamplingParams,
-               streams: list[RequestStream], include_usage: bool, make_choice: ChoiceMaker,
-               first_choices: Optional[list[dict[str, Any]]] = None) -> SSEResponse:
+    def stream(
+        self,
+        request_id: str,
+        object_name: str,
+        prompts: list[Prompt],
+        params: SamplingParams,
+        streams: list[RequestStream],
+        include_usage: bool,
+        make_choice: ChoiceMaker,
+        first_choices: list[dict[str, Any]] | None = None,
+    ) -> SSEResponse:
         """The SSE response of a streaming request: one chunk per step with news, then usage if asked."""
         created = int(time.time())
 
-        def chunk(choices: list[dict[str, Any]], usage: Optional[UsageInfo] = None) -> dict[str, Any]:
-            body: dict[str, Any] = {"id": request_id, "object": object_name, "created": created,
-                                    "model": self.model_name, "choices": choices}
+        def chunk(choices: list[dict[str, Any]], usage: UsageInfo | None = None) -> dict[str, Any]:
+            body: dict[str, Any] = {
+                "id": request_id,
+                "object": object_name,
+                "created": created,
+                "model": self.model_name,
+                "choices": choices,
+            }
             if include_usage:
                 body["usage"] = usage.model_dump() if usage else None
             return body
@@ -287,5 +325,6 @@ def holdback(params: SamplingParams) -> int:
 
 def usage(prompts: list[Prompt], completion_tokens: int) -> UsageInfo:
     prompt_tokens = sum(len(p.token_ids) for p in prompts)
-    return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                     total_tokens=prompt_tokens + completion_tokens)
+    return UsageInfo(
+        prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, total_tokens=prompt_tokens + completion_tokens
+    )

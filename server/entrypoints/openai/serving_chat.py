@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import uuid
-from typing import Any, Optional, Union
+from typing import Any
 
 from pagedllm.server.entrypoints.openai.errors import bad_request
 from pagedllm.server.entrypoints.openai.logprobs import LogprobFormatter
@@ -23,44 +23,70 @@ class OpenAIServingChat:
     def __init__(self, serving: OpenAIServing) -> None:
         self.serving = serving
 
-    async def create(self, req: ChatCompletionRequest) -> Union[ChatCompletionResponse, SSEResponse]:
+    async def create(self, req: ChatCompletionRequest) -> ChatCompletionResponse | SSEResponse:
         serving = self.serving
         serving.check_model(req.model)
         serving.check_ready()
         self._check_unsupported(req)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        params = serving.sampling_params(req, max_tokens=max_tokens,
-                                         logprobs=(req.top_logprobs or 0) if req.logprobs else None)
+        params = serving.sampling_params(
+            req, max_tokens=max_tokens, logprobs=(req.top_logprobs or 0) if req.logprobs else None
+        )
         prompt = self.prompt(req.messages, req.add_generation_prompt)
         max_tokens_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         serving.check_length(prompt, max_tokens, max_tokens_param)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        param_names = {"prompt": "messages", "prompt_token_ids": "messages", "logprobs": "top_logprobs",
-                       "max_tokens": max_tokens_param, **({} if req.best_of is not None else {"best_of": "n"})}
+        param_names = {
+            "prompt": "messages",
+            "prompt_token_ids": "messages",
+            "logprobs": "top_logprobs",
+            "max_tokens": max_tokens_param,
+            **({} if req.best_of is not None else {"best_of": "n"}),
+        }
         streams = await serving.start(request_id, [prompt], params, param_names)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            role = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                     "finish_reason": None} for i in range(params.n)]
-            return serving.stream(request_id, "chat.completion.chunk", [prompt], params, streams, include_usage,
-                                  self._choice_maker(req, holdback(params)), first_choices=role)
+            role = [
+                {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+                for i in range(params.n)
+            ]
+            return serving.stream(
+                request_id,
+                "chat.completion.chunk",
+                [prompt],
+                params,
+                streams,
+                include_usage,
+                self._choice_maker(req, holdback(params)),
+                first_choices=role,
+            )
         (output,) = await serving.final_outputs(streams)
         formatter = LogprobFormatter(serving.tokenizer)
-        choices = [ChatChoice(index=c.index, message=ChatResponseMessage(content=c.text),
-                              logprobs=formatter.chat(c, 0, len(c.token_ids), req.top_logprobs or 0)
-                              if req.logprobs else None,
-                              finish_reason=c.finish_reason, stop_reason=c.stop_reason)
-                   for c in output.outputs]
-        return ChatCompletionResponse(id=request_id, model=serving.model_name, choices=choices,
-                                      usage=usage([prompt], sum(len(c.token_ids) for c in output.outputs)))
+        choices = [
+            ChatChoice(
+                index=c.index,
+                message=ChatResponseMessage(content=c.text),
+                logprobs=formatter.chat(c, 0, len(c.token_ids), req.top_logprobs or 0) if req.logprobs else None,
+                finish_reason=c.finish_reason,
+                stop_reason=c.stop_reason,
+            )
+            for c in output.outputs
+        ]
+        return ChatCompletionResponse(
+            id=request_id,
+            model=serving.model_name,
+            choices=choices,
+            usage=usage([prompt], sum(len(c.token_ids) for c in output.outputs)),
+        )
 
     @staticmethod
     def _check_unsupported(req: ChatCompletionRequest) -> None:
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
         if req.response_format and req.response_format.get("type", "text") != "text":
-            raise bad_request(f"response_format={req.response_format!r} is not supported: only type 'text'",
-                              "response_format")
+            raise bad_request(
+                f"response_format={req.response_format!r} is not supported: only type 'text'", "response_format"
+            )
         if req.tools:
             raise bad_request("tools are not supported by this server", "tools")
 
@@ -73,14 +99,18 @@ class OpenAIServingChat:
         tokenizer = self.serving.need_tokenizer()
         template = self.serving.chat_template
         if template is None and not getattr(tokenizer, "chat_template", None):
-            raise bad_request("this model has no chat template: start the server with --chat-template FILE "
-                              "(a Jinja template) or use /v1/completions", "messages")
+            raise bad_request(
+                "this model has no chat template: start the server with --chat-template FILE "
+                "(a Jinja template) or use /v1/completions",
+                "messages",
+            )
         if not messages:
             raise bad_request("messages is empty: give at least one message", "messages")
         plain = [{"role": m.role, "content": _message_text(m)} for m in messages]
         try:
-            return tokenizer.apply_chat_template(plain, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                                 chat_template=template)
+            return tokenizer.apply_chat_template(
+                plain, tokenize=False, add_generation_prompt=add_generation_prompt, chat_template=template
+            )
         except Exception as exc:  # noqa: BLE001 (jinja raises many kinds; all are the request's fault)
             raise bad_request(f"the chat template could not render these messages: {exc}", "messages") from exc
 
@@ -88,16 +118,20 @@ class OpenAIServingChat:
         formatter = LogprobFormatter(self.serving.tokenizer)
         with_logprobs = bool(req.logprobs)
 
-        def make(i: int, index: int, c: CompletionOutput, tracker: Tracker) -> Optional[dict[str, Any]]:
+        def make(i: int, index: int, c: CompletionOutput, tracker: Tracker) -> dict[str, Any] | None:
             delta = tracker.advance(c, keep, with_logprobs)
             if delta is None:
                 return None
             logprobs = None
             if with_logprobs and delta.token_end > delta.token_start:
                 logprobs = formatter.chat(c, delta.token_start, delta.token_end, req.top_logprobs or 0)
-            return {"index": index, "delta": {"content": delta.text} if delta.text or not tracker.finished else {},
-                    "logprobs": logprobs.model_dump() if logprobs else None,
-                    "finish_reason": delta.finish_reason, "stop_reason": delta.stop_reason}
+            return {
+                "index": index,
+                "delta": {"content": delta.text} if delta.text or not tracker.finished else {},
+                "logprobs": logprobs.model_dump() if logprobs else None,
+                "finish_reason": delta.finish_reason,
+                "stop_reason": delta.stop_reason,
+            }
 
         return make
 

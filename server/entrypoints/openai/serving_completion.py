@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import uuid
-from typing import Any, Optional, Union
+from typing import Any
 
 from pagedllm.server.entrypoints.openai.errors import bad_request
 from pagedllm.server.entrypoints.openai.logprobs import LogprobFormatter
@@ -24,13 +24,17 @@ class OpenAIServingCompletion:
     def __init__(self, serving: OpenAIServing) -> None:
         self.serving = serving
 
-    async def create(self, req: CompletionRequest) -> Union[CompletionResponse, SSEResponse]:
+    async def create(self, req: CompletionRequest) -> CompletionResponse | SSEResponse:
         serving = self.serving
         serving.check_model(req.model)
         serving.check_ready()
         logprobs = req.logprobs
-        params = serving.sampling_params(req, max_tokens=req.max_tokens, logprobs=logprobs,
-                                         prompt_logprobs=logprobs if req.echo and logprobs is not None else None)
+        params = serving.sampling_params(
+            req,
+            max_tokens=req.max_tokens,
+            logprobs=logprobs,
+            prompt_logprobs=logprobs if req.echo and logprobs is not None else None,
+        )
         if req.suffix:
             raise bad_request("suffix is not supported by this server: leave it null", "suffix")
         prompts = self.prompts(req.prompt)
@@ -41,14 +45,21 @@ class OpenAIServingCompletion:
         streams = await serving.start(request_id, prompts, params, param_names)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return serving.stream(request_id, "text_completion", prompts, params, streams, include_usage,
-                                  self._choice_maker(req, prompts, params))
+            return serving.stream(
+                request_id,
+                "text_completion",
+                prompts,
+                params,
+                streams,
+                include_usage,
+                self._choice_maker(req, prompts, params),
+            )
         outputs = await serving.final_outputs(streams)
         return self._response(request_id, req, prompts, params, outputs)
 
     def prompts(self, prompt: PromptInput) -> list[Prompt]:
         """A string, a list of strings, a list of token ids or a list of such lists."""
-        items: list[Union[str, list[int]]]
+        items: list[str | list[int]]
         if isinstance(prompt, str):
             items = [prompt]
         elif prompt and all(isinstance(p, int) for p in prompt):
@@ -75,8 +86,14 @@ class OpenAIServingCompletion:
         tokenizer = self.serving.tokenizer
         return tokenizer.decode(prompt.token_ids) if tokenizer is not None else ""
 
-    def _response(self, request_id: str, req: CompletionRequest, prompts: list[Prompt], params: SamplingParams,
-                  outputs: list[RequestOutput]) -> CompletionResponse:
+    def _response(
+        self,
+        request_id: str,
+        req: CompletionRequest,
+        prompts: list[Prompt],
+        params: SamplingParams,
+        outputs: list[RequestOutput],
+    ) -> CompletionResponse:
         formatter = self._formatter()
         choices, completion_tokens = [], 0
         for i, (prompt, output) in enumerate(zip(prompts, outputs)):
@@ -87,19 +104,26 @@ class OpenAIServingCompletion:
                     logprobs = CompletionLogprobs()
                     offset = formatter.add_prompt(logprobs, output) if req.echo else 0
                     formatter.add_completion(logprobs, c, 0, len(c.token_ids), offset)
-                choices.append(CompletionChoice(index=i * params.n + c.index, text=prompt_text + c.text,
-                                                logprobs=logprobs, finish_reason=c.finish_reason,
-                                                stop_reason=c.stop_reason))
+                choices.append(
+                    CompletionChoice(
+                        index=i * params.n + c.index,
+                        text=prompt_text + c.text,
+                        logprobs=logprobs,
+                        finish_reason=c.finish_reason,
+                        stop_reason=c.stop_reason,
+                    )
+                )
                 completion_tokens += len(c.token_ids)
-        return CompletionResponse(id=request_id, model=self.serving.model_name, choices=choices,
-                                  usage=usage(prompts, completion_tokens))
+        return CompletionResponse(
+            id=request_id, model=self.serving.model_name, choices=choices, usage=usage(prompts, completion_tokens)
+        )
 
     def _choice_maker(self, req: CompletionRequest, prompts: list[Prompt], params: SamplingParams):
         formatter = self._formatter()
         keep = holdback(params)
         with_logprobs = req.logprobs is not None
 
-        def make(i: int, index: int, c: CompletionOutput, tracker: Tracker) -> Optional[dict[str, Any]]:
+        def make(i: int, index: int, c: CompletionOutput, tracker: Tracker) -> dict[str, Any] | None:
             delta = tracker.advance(c, keep, with_logprobs)
             if delta is None:
                 return None
@@ -109,10 +133,15 @@ class OpenAIServingCompletion:
             logprobs = None
             if with_logprobs and delta.token_end > delta.token_start:
                 logprobs = CompletionLogprobs()
-                tracker.extra["offset"] = formatter.add_completion(logprobs, c, delta.token_start, delta.token_end,
-                                                                   tracker.extra.get("offset", 0))
-            return {"index": index, "text": prefix + delta.text,
-                    "logprobs": logprobs.model_dump() if logprobs else None,
-                    "finish_reason": delta.finish_reason, "stop_reason": delta.stop_reason}
+                tracker.extra["offset"] = formatter.add_completion(
+                    logprobs, c, delta.token_start, delta.token_end, tracker.extra.get("offset", 0)
+                )
+            return {
+                "index": index,
+                "text": prefix + delta.text,
+                "logprobs": logprobs.model_dump() if logprobs else None,
+                "finish_reason": delta.finish_reason,
+                "stop_reason": delta.stop_reason,
+            }
 
         return make

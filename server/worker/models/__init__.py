@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from torch import nn
-
+from pagedllm.server.config import ConfigError
+from pagedllm.server.worker.models.base import CausalLM
 from pagedllm.server.worker.models.gpt2 import GPT2LMHeadModel
 from pagedllm.server.worker.models.llama import LlamaForCausalLM
 from pagedllm.server.worker.models.opt import OPTForCausalLM
 
-_REGISTRY = {
+_REGISTRY: dict[str, type[CausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "OPTForCausalLM": OPTForCausalLM,
@@ -16,10 +16,16 @@ _REGISTRY = {
 }
 
 
-def model_class(hf_config: dict) -> type[nn.Module]:
+def model_class(hf_config: dict) -> type[CausalLM]:
     """The class that runs the checkpoint described by ``hf_config``."""
     names = hf_config.get("architectures") or []
     for name in names:
         if name in _REGISTRY:
             return _REGISTRY[name]
-    raise ValueError(f"model architectures {names} are not supported: choose one of {sorted(_REGISTRY)}")
+    raise ConfigError(
+        "architectures",
+        names,
+        f"choose one of {sorted(_REGISTRY)}",
+        problem="are not supported",
+        subject=f"model architectures {names}",
+    )

@@ -7,7 +7,7 @@ Only the activations the supported families use are listed; each computes exactl
 from __future__ import annotations
 
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import nn

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 from torch import nn
@@ -22,8 +22,9 @@ def copy_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], 
             raise ValueError(f"checkpoint tensor {name!r} does not belong to a {family} model")
         param = params[name]
         if param.shape != tensor.shape:
-            raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
-                             f"expected {tuple(param.shape)}")
+            raise ValueError(
+                f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}"
+            )
         with torch.no_grad():
             param.copy_(tensor)
         loaded.add(name)

@@ -12,8 +12,8 @@ Parameter names follow the Hugging Face checkpoints (``transformer.h.0.attn.c_at
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
 
 import torch
 from torch import nn
@@ -45,20 +45,26 @@ class GPT2Arch:
     tie_word_embeddings: bool
 
     @classmethod
-    def from_hf(cls, cfg: dict) -> "GPT2Arch":
+    def from_hf(cls, cfg: dict) -> GPT2Arch:
         hidden, heads = require(cfg, "n_embd", "hidden_size"), require(cfg, "n_head", "num_attention_heads")
         if hidden % heads:
             raise ValueError(f"n_embd={hidden} is not divisible by n_head={heads}")
         if cfg.get("add_cross_attention"):
-            raise ValueError("add_cross_attention=True is not supported: GPT-2 runs here as a decoder-only "
-                             "model (use a checkpoint with add_cross_attention=False)")
+            raise ValueError(
+                "add_cross_attention=True is not supported: GPT-2 runs here as a decoder-only "
+                "model (use a checkpoint with add_cross_attention=False)"
+            )
         act = cfg.get("activation_function", "gelu_new")
         activation(act, "activation_function")
         return cls(
-            vocab_size=require(cfg, "vocab_size"), hidden_size=hidden, inner_size=cfg.get("n_inner") or 4 * hidden,
-            num_layers=require(cfg, "n_layer", "num_hidden_layers"), num_heads=heads,
+            vocab_size=require(cfg, "vocab_size"),
+            hidden_size=hidden,
+            inner_size=cfg.get("n_inner") or 4 * hidden,
+            num_layers=require(cfg, "n_layer", "num_hidden_layers"),
+            num_heads=heads,
             max_position_embeddings=require(cfg, "n_positions", "max_position_embeddings"),
-            layer_norm_eps=cfg.get("layer_norm_epsilon", 1e-5), activation_function=act,
+            layer_norm_eps=cfg.get("layer_norm_epsilon", 1e-5),
+            activation_function=act,
             scale_attn_weights=bool(cfg.get("scale_attn_weights", True)),
             scale_attn_by_inverse_layer_idx=bool(cfg.get("scale_attn_by_inverse_layer_idx", False)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
@@ -133,7 +139,7 @@ class GPT2LMHeadModel(nn.Module):
             self.lm_head.weight = self.transformer.wte.weight
 
     @classmethod
-    def from_hf_config(cls, cfg: dict) -> "GPT2LMHeadModel":
+    def from_hf_config(cls, cfg: dict) -> GPT2LMHeadModel:
         return cls(GPT2Arch.from_hf(cfg))
 
     @property
@@ -141,9 +147,14 @@ class GPT2LMHeadModel(nn.Module):
         """(num_layers, num_kv_heads, head_dim) of the KV cache this model needs."""
         return self.arch.num_layers, self.arch.num_heads, self.arch.head_dim
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
-                ops: AttentionOps) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+        ops: AttentionOps,
+    ) -> torch.Tensor:
         # input_ids, positions: [num_tokens] -> hidden: [num_tokens, hidden_size]
         x = self.transformer.wte(input_ids) + self.transformer.wpe(positions)
         for block, kv_cache in zip(self.transformer.h, kv_caches):
@@ -168,7 +179,9 @@ class GPT2LMHeadModel(nn.Module):
                 continue
             if name.endswith(CONV1D_SUFFIXES):
                 if tensor.dim() != 2:
-                    raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}: "
-                                     "a Conv1D weight must be 2-D [in, out]")
+                    raise ValueError(
+                        f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}: "
+                        "a Conv1D weight must be 2-D [in, out]"
+                    )
                 tensor = tensor.t()
             yield name, tensor

@@ -7,8 +7,8 @@ so loading is a name-for-name copy.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Iterable
 
 import torch
 from torch import nn
@@ -38,25 +38,30 @@ class LlamaArch:
     rope: dict
 
     @classmethod
-    def from_hf(cls, cfg: dict) -> "LlamaArch":
+    def from_hf(cls, cfg: dict) -> LlamaArch:
         heads = cfg["num_attention_heads"]
         act = cfg.get("hidden_act", "silu")
         if act not in _ACTS:
             raise ValueError(f"hidden_act={act!r} is not supported: choose one of {sorted(_ACTS)}")
         return cls(
-            vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
-            intermediate_size=cfg["intermediate_size"], num_layers=cfg["num_hidden_layers"],
-            num_heads=heads, num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or heads,
             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=bool(cfg.get("attention_bias", False)), mlp_bias=bool(cfg.get("mlp_bias", False)),
-            hidden_act=act, rope=rope_parameters(cfg),
+            attention_bias=bool(cfg.get("attention_bias", False)),
+            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            hidden_act=act,
+            rope=rope_parameters(cfg),
         )
 
 
-_ACTS = {"silu": nn.functional.silu, "gelu": nn.functional.gelu}
+_ACTS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"silu": nn.functional.silu, "gelu": nn.functional.gelu}
 
 
 def rope_parameters(cfg: dict) -> dict:
@@ -144,7 +149,7 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     @classmethod
-    def from_hf_config(cls, cfg: dict) -> "LlamaForCausalLM":
+    def from_hf_config(cls, cfg: dict) -> LlamaForCausalLM:
         return cls(LlamaArch.from_hf(cfg))
 
     @property
@@ -152,9 +157,14 @@ class LlamaForCausalLM(nn.Module):
         """(num_layers, num_kv_heads, head_dim) of the KV cache this model needs."""
         return self.arch.num_layers, self.arch.num_kv_heads, self.arch.head_dim
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
-                ops: AttentionOps) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+        ops: AttentionOps,
+    ) -> torch.Tensor:
         # input_ids, positions: [num_tokens] -> hidden: [num_tokens, hidden_size]
         x = self.model.embed_tokens(input_ids)
         for layer, kv_cache in zip(self.model.layers, kv_caches):
@@ -167,6 +177,9 @@ class LlamaForCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy checkpoint tensors in by name; every parameter must be found once."""
         tied = self.arch.tie_word_embeddings
-        kept = ((name, tensor) for name, tensor in weights
-                if "rotary_emb" not in name and not (tied and name == "lm_head.weight"))
+        kept = (
+            (name, tensor)
+            for name, tensor in weights
+            if "rotary_emb" not in name and not (tied and name == "lm_head.weight")
+        )
         copy_weights(self, kept, "LLaMA")

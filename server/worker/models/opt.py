@@ -15,8 +15,8 @@ Parameter names follow the Hugging Face checkpoints (``model.decoder.layers.0.fc
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
 
 import torch
 from torch import nn
@@ -47,7 +47,7 @@ class OPTArch:
     tie_word_embeddings: bool
 
     @classmethod
-    def from_hf(cls, cfg: dict) -> "OPTArch":
+    def from_hf(cls, cfg: dict) -> OPTArch:
         hidden, heads = require(cfg, "hidden_size"), require(cfg, "num_attention_heads")
         if hidden % heads:
             raise ValueError(f"hidden_size={hidden} is not divisible by num_attention_heads={heads}")
@@ -55,14 +55,19 @@ class OPTArch:
         activation(act, "activation_function")
         pre = bool(cfg.get("do_layer_norm_before", True))
         return cls(
-            vocab_size=require(cfg, "vocab_size"), hidden_size=hidden,
+            vocab_size=require(cfg, "vocab_size"),
+            hidden_size=hidden,
             word_embed_proj_dim=cfg.get("word_embed_proj_dim") or hidden,
-            ffn_dim=require(cfg, "ffn_dim"), num_layers=require(cfg, "num_hidden_layers"), num_heads=heads,
-            max_position_embeddings=cfg.get("max_position_embeddings", 2048), do_layer_norm_before=pre,
+            ffn_dim=require(cfg, "ffn_dim"),
+            num_layers=require(cfg, "num_hidden_layers"),
+            num_heads=heads,
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            do_layer_norm_before=pre,
             final_layer_norm=pre and not cfg.get("_remove_final_layer_norm", False),
             enable_bias=bool(cfg.get("enable_bias", True)),
             layer_norm_affine=bool(cfg.get("layer_norm_elementwise_affine", True)),
-            activation_function=act, tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
+            activation_function=act,
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
         )
 
     @property
@@ -113,8 +118,9 @@ class OPTDecoder(nn.Module):
         self.project_in = nn.Linear(arch.word_embed_proj_dim, arch.hidden_size, bias=False) if projected else None
         self.project_out = nn.Linear(arch.hidden_size, arch.word_embed_proj_dim, bias=False) if projected else None
         self.layers = nn.ModuleList(OPTDecoderLayer(arch) for _ in range(arch.num_layers))
-        self.final_layer_norm = (nn.LayerNorm(arch.hidden_size, elementwise_affine=arch.layer_norm_affine)
-                                 if arch.final_layer_norm else None)
+        self.final_layer_norm = (
+            nn.LayerNorm(arch.hidden_size, elementwise_affine=arch.layer_norm_affine) if arch.final_layer_norm else None
+        )
 
 
 class OPTModel(nn.Module):
@@ -135,7 +141,7 @@ class OPTForCausalLM(nn.Module):
             self.lm_head.weight = self.model.decoder.embed_tokens.weight
 
     @classmethod
-    def from_hf_config(cls, cfg: dict) -> "OPTForCausalLM":
+    def from_hf_config(cls, cfg: dict) -> OPTForCausalLM:
         return cls(OPTArch.from_hf(cfg))
 
     @property
@@ -143,9 +149,14 @@ class OPTForCausalLM(nn.Module):
         """(num_layers, num_kv_heads, head_dim) of the KV cache this model needs."""
         return self.arch.num_layers, self.arch.num_heads, self.arch.head_dim
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
-                ops: AttentionOps) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+        ops: AttentionOps,
+    ) -> torch.Tensor:
         # input_ids, positions: [num_tokens] -> hidden: [num_tokens, hidden_size]
         decoder = self.model.decoder
         x = decoder.embed_tokens(input_ids)

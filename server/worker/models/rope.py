@@ -51,8 +51,8 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         # positions: [num_tokens]; q: [num_tokens, heads * head_dim]; k: [num_tokens, kv_heads * head_dim]
-        cos = self.cos[positions].unsqueeze(1)  # [num_tokens, 1, head_dim]
-        sin = self.sin[positions].unsqueeze(1)
+        cos = self.get_buffer("cos")[positions].unsqueeze(1)  # [num_tokens, 1, head_dim]
+        sin = self.get_buffer("sin")[positions].unsqueeze(1)
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
