@@ -24,6 +24,7 @@ import argparse
 import asyncio
 import datetime
 import json
+import math
 import os
 import platform
 import random
@@ -32,27 +33,15 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
 
 import httpx
-import numpy as np
 from tqdm.asyncio import tqdm
 
 sys.path.insert(0, os.path.dirname(__file__))
+from serve_metrics import RequestResult, report, summarize  # noqa: E402
 from workloads import WORKLOADS, poisson_arrivals, sample_requests  # noqa: E402
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
-
-
-@dataclass
-class RequestResult:
-    prompt_len: int
-    output_len: int = 0
-    ttft: float = 0.0
-    latency: float = 0.0
-    itl: list[float] = field(default_factory=list)
-    success: bool = False
-    error: str = ""
 
 
 # -- the workload ---------------------------------------------------------------------------------
@@ -156,70 +145,6 @@ async def run_load(args, model: str, requests) -> tuple[list[RequestResult], flo
     if pbar is not None:
         pbar.close()
     return list(results), duration
-
-
-# -- metrics --------------------------------------------------------------------------------------------
-def summarize(results: list[RequestResult], duration: float) -> dict:
-    ok = [r for r in results if r.success]
-    out_tokens = sum(r.output_len for r in ok)
-    in_tokens = sum(r.prompt_len for r in ok)
-    tpots = [(r.latency - r.ttft) / (r.output_len - 1) for r in ok if r.output_len > 1]
-    summary = {
-        "completed": len(ok),
-        "failed": len(results) - len(ok),
-        "duration_s": duration,
-        "total_input_tokens": in_tokens,
-        "total_output_tokens": out_tokens,
-        "request_throughput": len(ok) / duration,
-        "output_throughput": out_tokens / duration,
-        "total_token_throughput": (in_tokens + out_tokens) / duration,
-    }
-    for name, values in (
-        ("ttft", [r.ttft for r in ok]),
-        ("tpot", tpots),
-        ("itl", [x for r in ok for x in r.itl]),
-        ("e2el", [r.latency for r in ok]),
-    ):
-        ms = np.array(values or [0.0]) * 1000
-        summary.update(
-            {
-                f"mean_{name}_ms": float(ms.mean()),
-                f"median_{name}_ms": float(np.median(ms)),
-                f"std_{name}_ms": float(ms.std()),
-                f"p99_{name}_ms": float(np.percentile(ms, 99)),
-            }
-        )
-    errors = sorted({r.error for r in results if not r.success})
-    summary["errors"] = errors[:5]
-    return summary
-
-
-def report(summary: dict, args) -> str:
-    lines = [
-        "============ Serving Benchmark Result ============",
-        f"{'Successful requests:':<40}{summary['completed']:<10}",
-        f"{'Failed requests:':<40}{summary['failed']:<10}",
-        f"{'Request rate (req/s):':<40}{args.request_rate:<10}",
-        f"{'Burstiness:':<40}{args.burstiness:<10}",
-        f"{'Benchmark duration (s):':<40}{summary['duration_s']:<10.2f}",
-        f"{'Total input tokens:':<40}{summary['total_input_tokens']:<10}",
-        f"{'Total generated tokens:':<40}{summary['total_output_tokens']:<10}",
-        f"{'Request throughput (req/s):':<40}{summary['request_throughput']:<10.2f}",
-        f"{'Output token throughput (tok/s):':<40}{summary['output_throughput']:<10.2f}",
-        f"{'Total token throughput (tok/s):':<40}{summary['total_token_throughput']:<10.2f}",
-    ]
-    titles = {
-        "ttft": "Time to First Token",
-        "tpot": "Time per Output Token (excl. 1st token)",
-        "itl": "Inter-token Latency",
-        "e2el": "End-to-end Latency",
-    }
-    for key, title in titles.items():
-        lines.append(f"{'-' * 15}{title}{'-' * 15}")
-        for stat in ("mean", "median", "p99"):
-            lines.append(f"{f'{stat.capitalize()} {key.upper()} (ms):':<40}{summary[f'{stat}_{key}_ms']:<10.2f}")
-    lines.append("=" * 50)
-    return "\n".join(lines)
 
 
 # -- launching a server ------------------------------------------------------------------------------------
@@ -342,7 +267,7 @@ def _save(args, model: str, summary: dict, text: str) -> None:
         "model": model,
         "machine": machine,
         "env": env,
-        "args": {k: (str(v) if isinstance(v, float) and not np.isfinite(v) else v) for k, v in config.items()},
+        "args": {k: (str(v) if isinstance(v, float) and not math.isfinite(v) else v) for k, v in config.items()},
         "command": prefix + "python benchmarks/serve.py " + " ".join(sys.argv[1:]),
         "summary": summary,
     }

@@ -23,7 +23,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from pagedllm.server.config import EngineConfig
+from pagedllm.server.config import ConfigError, EngineConfig
 from pagedllm.server.engine.commands import AbortRequests, AddRequest, CallEngine, Command, Wake, execute, reject
 from pagedllm.server.engine.input_processor import PromptType
 from pagedllm.server.engine.llm_engine import EngineStats, LLMEngine
@@ -35,6 +35,20 @@ from pagedllm.server.sampling_params import SamplingParams
 logger = logging.getLogger("pagedllm.async_engine")
 
 STATS_INTERVAL_S = 0.05
+
+
+class StatsSnapshots:
+    """The engine's newest :class:`EngineStats`, taken on the engine thread after steps."""
+
+    def __init__(self) -> None:
+        self.latest: EngineStats | None = None
+        self._time = 0.0
+
+    def take(self, engine: LLMEngine, force: bool) -> None:
+        """Snapshot now if ``force`` or if the last one is older than ``STATS_INTERVAL_S``."""
+        now = time.monotonic()
+        if force or now - self._time >= STATS_INTERVAL_S:
+            self.latest, self._time = engine.stats(), now
 
 
 class AsyncLLMEngine:
@@ -68,8 +82,7 @@ class AsyncLLMEngine:
         self.model_info: ModelInfo | None = None
         """Set once the model is loaded."""
         self.tokenizer: Any = None  # NOTE: the HTTP side's own copy; the engine thread keeps its own
-        self._stats: EngineStats | None = None
-        self._stats_time = 0.0
+        self._stats = StatsSnapshots()
 
     # -- lifecycle ----------------------------------------------------------------------
     def start(self) -> None:
@@ -118,11 +131,11 @@ class AsyncLLMEngine:
     async def add_request(
         self, request_id: str, prompt: PromptType, params: SamplingParams, arrival_time: float | None = None
     ) -> RequestStream:
-        """Queue a request; ``ValueError`` from the engine (bad prompt or params) is re-raised here."""
+        """Queue a request; the engine's :class:`ConfigError` (bad prompt or params) is re-raised here."""
         if not self.is_ready:
             raise EngineDeadError(self.not_ready_reason())
         if request_id in self._streams:
-            raise ValueError(f"request_id={request_id!r} is already in use")
+            raise ConfigError("request_id", request_id, "give each request its own id", problem="is already in use")
         arrival = arrival_time if arrival_time is not None else time.monotonic()
         stream = RequestStream(request_id, arrival)
         self._streams[request_id] = stream
@@ -194,7 +207,7 @@ class AsyncLLMEngine:
 
     def stats(self) -> EngineStats | None:
         """The newest snapshot of the engine's counters (taken after steps, at most every 50 ms)."""
-        return self._stats
+        return self._stats.latest
 
     # -- the engine thread ----------------------------------------------------------------
     def _run(self) -> None:
@@ -217,7 +230,7 @@ class AsyncLLMEngine:
         self.model_info = engine.model_info
         if engine.tokenizer is not None:
             self.tokenizer = load_tokenizer(self.model_info.tokenizer_dir)
-        self._snapshot(engine, force=True)
+        self._stats.take(engine, force=True)
         self._ready.set()
         assert self._loop is not None and self._loaded is not None
         self._loop.call_soon_threadsafe(_resolve, self._loaded, None)
@@ -234,7 +247,7 @@ class AsyncLLMEngine:
                 times = StepTimes(start, time.monotonic())
                 if outputs and self._loop is not None:
                     self._loop.call_soon_threadsafe(self._dispatch, outputs, times)
-            self._snapshot(engine, force=not engine.has_unfinished_requests())
+            self._stats.take(engine, force=not engine.has_unfinished_requests())
 
     def _drain_commands(self, engine: LLMEngine, block: bool) -> None:
         try:
@@ -247,11 +260,6 @@ class AsyncLLMEngine:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 return
-
-    def _snapshot(self, engine: LLMEngine, force: bool) -> None:
-        now = time.monotonic()
-        if force or now - self._stats_time >= STATS_INTERVAL_S:
-            self._stats, self._stats_time = engine.stats(), now
 
     # -- back on the event loop -------------------------------------------------------------
     def _dispatch(self, outputs: list[RequestOutput], times: StepTimes) -> None:

@@ -73,8 +73,7 @@ class OpenAIServingCompletion:
             if isinstance(item, str):
                 prompts.append(Prompt(item, self.serving.need_tokenizer().encode(item)))
             else:
-                self.serving.check_token_ids(item, "prompt")
-                prompts.append(Prompt(None, list(item)))
+                prompts.append(Prompt(None, list(item)))  # NOTE: ids are checked by the engine's input processor
         return prompts
 
     def _formatter(self) -> LogprobFormatter:
