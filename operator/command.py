@@ -8,7 +8,8 @@ parses the rendered arguments with the real `pagedllm serve` parser to prove it.
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional
+from collections.abc import Mapping
+from typing import Any
 
 from pagedllm.operator.spec import PagedLLMSpec, SpecError
 from pagedllm.server.args import flag_for
@@ -50,7 +51,9 @@ SERVE_FIELDS: Mapping[str, str] = {
 OWNED_FLAGS = frozenset(
     [flag_for(f) for f in ENGINE_FIELDS.values()]
     + ["--no-" + flag_for(f)[2:] for f in ENGINE_FIELDS.values()]
-    + list(SERVE_FIELDS.values()) + ["--host", "--api-key"])
+    + list(SERVE_FIELDS.values())
+    + ["--host", "--api-key"]
+)
 
 
 def spec_value(spec: PagedLLMSpec, key: str) -> Any:
@@ -91,8 +94,10 @@ def checked_extra_args(extra_args: tuple[str, ...]) -> tuple[str, ...]:
     for index, arg in enumerate(extra_args):
         flag = arg.split("=", 1)[0]
         if flag in OWNED_FLAGS:
-            raise SpecError(f"spec.extraArgs[{index}]={arg!r} is not allowed: {flag} is rendered from "
-                            f"{_owner_of(flag)}; set that instead")
+            raise SpecError(
+                f"spec.extraArgs[{index}]={arg!r} is not allowed: {flag} is rendered from "
+                f"{_owner_of(flag)}; set that instead"
+            )
     return extra_args
 
 
@@ -107,10 +112,9 @@ def _owner_of(flag: str) -> str:
     return {"--api-key": "spec.apiKeySecret"}.get(flag, "the operator")
 
 
-def engine_kwargs(spec: PagedLLMSpec, model_path: Optional[str] = None) -> dict[str, Any]:
+def engine_kwargs(spec: PagedLLMSpec, model_path: str | None = None) -> dict[str, Any]:
     """The engine keyword arguments the rendered flags stand for (for validation and tests)."""
-    return {field: (model_path if key == "model" else spec_value(spec, key))
-            for key, field in ENGINE_FIELDS.items()}
+    return {field: (model_path if key == "model" else spec_value(spec, key)) for key, field in ENGINE_FIELDS.items()}
 
 
 def check_engine(spec: PagedLLMSpec, model_path: str) -> None:

@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import asyncio
 import datetime
-import logging
-from typing import Any, Mapping, Optional
+from collections.abc import Mapping
+from typing import Any
 
 import aiohttp
 import kopf
+
 from pagedllm.operator.kube import ApiError, KubeClient, default_login
-from pagedllm.operator.manifests import GROUP, KIND, MANAGED_BY, PLURAL, VERSION, RenderConfig, render
+from pagedllm.operator.manifests import GROUP, KIND, MANAGED_BY, PLURAL, VERSION, RenderConfig, as_body, render
 from pagedllm.operator.spec import SpecError
 from pagedllm.operator.status import DEGRADED, Problem, status_from
 
@@ -70,15 +71,17 @@ async def close_client(memo: kopf.Memo, **_: Any) -> None:
     await memo.kube.close()
 
 
-async def reconcile(body: kopf.Body, reason: str, patch: kopf.Patch, memo: kopf.Memo,
-                    logger: logging.Logger, **_: Any) -> None:
+async def reconcile(
+    body: kopf.Body, reason: str, patch: kopf.Patch, memo: kopf.Memo, logger: kopf.Logger, **_: Any
+) -> None:
     """Apply the rendering of ``body`` and record the outcome in its status."""
     status = await converge(body, memo.kube, memo.config, logger, announce=reason != "resume")
     patch.setdefault("status", {}).update(status)
 
 
-async def converge(body: Mapping[str, Any], kube: KubeClient, config: RenderConfig, logger: logging.Logger,
-                   *, announce: bool = True) -> dict:
+async def converge(
+    body: Mapping[str, Any], kube: KubeClient, config: RenderConfig, logger: kopf.Logger, *, announce: bool = True
+) -> dict:
     """Render and apply; return the status to write. Raises only ``kopf.TemporaryError``."""
     name, namespace = body["metadata"]["name"], body["metadata"]["namespace"]
     try:
@@ -91,21 +94,23 @@ async def converge(body: Mapping[str, Any], kube: KubeClient, config: RenderConf
             applied[manifest["kind"]] = await kube.apply(manifest)
     except ApiError as exc:
         if exc.retriable:
-            raise kopf.TemporaryError(f"applying {manifest['kind']} {name}: {exc}",
-                                      delay=RETRY_DELAY_SECONDS) from exc
+            raise kopf.TemporaryError(f"applying {manifest['kind']} {name}: {exc}", delay=RETRY_DELAY_SECONDS) from exc
         return await _degraded(body, kube, Problem(APPLY_REFUSED, f"{manifest['kind']} {name}: {exc.message}"))
     except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
         raise kopf.TemporaryError(f"applying {name}: {exc!r}", delay=RETRY_DELAY_SECONDS) from exc
     if announce:
         kinds = ", ".join(applied)
-        kopf.info(dict(body), reason="Applied", message=f"{kinds} {name} applied for generation "
-                                                       f"{body['metadata'].get('generation')}")
+        kopf.info(
+            as_body(body),
+            reason="Applied",
+            message=f"{kinds} {name} applied for generation {body['metadata'].get('generation')}",
+        )
     logger.info("applied %s to %s/%s", list(applied), namespace, name)
     return status_from(body, applied["Deployment"], now=now())
 
 
 async def _degraded(body: Mapping[str, Any], kube: KubeClient, problem: Problem) -> dict:
-    kopf.warn(dict(body), reason=problem.reason, message=problem.message)
+    kopf.warn(as_body(body), reason=problem.reason, message=problem.message)
     meta = body["metadata"]
     try:
         deployment = await kube.get("Deployment", meta["namespace"], meta["name"])
@@ -114,7 +119,7 @@ async def _degraded(body: Mapping[str, Any], kube: KubeClient, problem: Problem)
     return status_from(body, deployment, now=now(), problem=problem)
 
 
-def refresh_status(body: Mapping[str, Any], deployment: Optional[Mapping[str, Any]], config: RenderConfig) -> dict:
+def refresh_status(body: Mapping[str, Any], deployment: Mapping[str, Any] | None, config: RenderConfig) -> dict:
     """The status of ``body`` given its current Deployment, keeping a standing refusal."""
     try:
         render(body, config)
@@ -123,17 +128,21 @@ def refresh_status(body: Mapping[str, Any], deployment: Optional[Mapping[str, An
     return status_from(body, deployment, now=now(), problem=_standing_refusal(body))
 
 
-def _standing_refusal(body: Mapping[str, Any]) -> Optional[Problem]:
+def _standing_refusal(body: Mapping[str, Any]) -> Problem | None:
     """An apply refused for the current generation stays until the spec changes."""
     generation = body.get("metadata", {}).get("generation")
     for cond in (body.get("status") or {}).get("conditions", []) or []:
-        if (cond.get("type") == DEGRADED and cond.get("status") == "True" and cond.get("reason") == APPLY_REFUSED
-                and cond.get("observedGeneration") == generation):
+        if (
+            cond.get("type") == DEGRADED
+            and cond.get("status") == "True"
+            and cond.get("reason") == APPLY_REFUSED
+            and cond.get("observedGeneration") == generation
+        ):
             return Problem(APPLY_REFUSED, cond.get("message", ""))
     return None
 
 
-def owner_name(body: Mapping[str, Any]) -> Optional[str]:
+def owner_name(body: Mapping[str, Any]) -> str | None:
     """The ``PagedLLM`` that controls this object, if any."""
     for ref in body.get("metadata", {}).get("ownerReferences", []) or []:
         if ref.get("kind") == KIND and str(ref.get("apiVersion", "")).startswith(f"{GROUP}/"):
@@ -141,7 +150,7 @@ def owner_name(body: Mapping[str, Any]) -> Optional[str]:
     return None
 
 
-async def _live_owner(body: Mapping[str, Any], kube: KubeClient) -> Optional[dict]:
+async def _live_owner(body: Mapping[str, Any], kube: KubeClient) -> dict | None:
     name = owner_name(body)
     if name is None:
         return None
@@ -151,7 +160,7 @@ async def _live_owner(body: Mapping[str, Any], kube: KubeClient) -> Optional[dic
     return owner
 
 
-async def _recreate(owner: dict, what: str, memo: kopf.Memo, logger: logging.Logger) -> None:
+async def _recreate(owner: dict, what: str, memo: kopf.Memo, logger: kopf.Logger) -> None:
     meta = owner["metadata"]
     kopf.warn(owner, reason="Recreating", message=f"{what} {meta['name']} was deleted; applying it again")
     # NOTE: kopf does not retry event handlers, so transient failures are retried here;
@@ -164,12 +173,16 @@ async def _recreate(owner: dict, what: str, memo: kopf.Memo, logger: logging.Log
         except (kopf.TemporaryError, ApiError, aiohttp.ClientError, asyncio.TimeoutError) as exc:
             logger.warning("recreating %s %s failed (%s); retrying in %ss", what, meta["name"], exc, delay)
             await asyncio.sleep(delay)
-    kopf.warn(owner, reason="RecreateFailed", message=f"{what} {meta['name']} could not be recreated; "
-                                                      "it will be on the next change or operator restart")
+    kopf.warn(
+        owner,
+        reason="RecreateFailed",
+        message=f"{what} {meta['name']} could not be recreated; it will be on the next change or operator restart",
+    )
 
 
-async def on_deployment_event(type: Optional[str], body: kopf.Body, memo: kopf.Memo,
-                              logger: logging.Logger, **_: Any) -> None:
+async def on_deployment_event(
+    type: str | None, body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **_: Any
+) -> None:
     """An owned Deployment changed: refresh the owner's status, or recreate it if deleted."""
     owner = await _live_owner(body, memo.kube)
     if owner is None:
@@ -182,8 +195,7 @@ async def on_deployment_event(type: Optional[str], body: kopf.Body, memo: kopf.M
         await memo.kube.patch_status(KIND, owner["metadata"]["namespace"], owner["metadata"]["name"], status)
 
 
-async def on_service_event(type: Optional[str], body: kopf.Body, memo: kopf.Memo,
-                           logger: logging.Logger, **_: Any) -> None:
+async def on_service_event(type: str | None, body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **_: Any) -> None:
     """An owned Service was deleted: apply its owner again."""
     if type != "DELETED":
         return
@@ -192,7 +204,7 @@ async def on_service_event(type: Optional[str], body: kopf.Body, memo: kopf.Memo
         await _recreate(owner, "Service", memo, logger)
 
 
-def _comparable(current: Optional[Mapping[str, Any]], wanted: Mapping[str, Any]) -> dict:
+def _comparable(current: Mapping[str, Any] | None, wanted: Mapping[str, Any]) -> dict:
     """The current status restricted to the keys we write, to skip no-op patches."""
     current = current or {}
     return {key: current.get(key) for key in wanted}

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Any, Callable, Mapping, Optional
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import aiohttp
 import kopf
@@ -42,7 +43,7 @@ class ApiError(Exception):
         return self.status in (401, 403, 409, 429) or self.status >= 500
 
 
-def object_path(kind: str, namespace: str, name: str, subresource: Optional[str] = None) -> str:
+def object_path(kind: str, namespace: str, name: str, subresource: str | None = None) -> str:
     prefix, plural = RESOURCES[kind]
     path = f"{prefix}/namespaces/{namespace}/{plural}/{name}"
     return f"{path}/{subresource}" if subresource else path
@@ -59,9 +60,9 @@ def default_login(settings: kopf.OperatorSettings) -> kopf.ConnectionInfo:
 class KubeClient:
     """Get, server-side apply and merge-patch objects; one ``aiohttp`` session."""
 
-    def __init__(self, login: Callable[[], kopf.ConnectionInfo], logger: Optional[logging.Logger] = None):
+    def __init__(self, login: Callable[[], kopf.ConnectionInfo], logger: logging.Logger | None = None):
         self._login = login
-        self._session: Optional[aiohttp.ClientSession] = None
+        self._session: aiohttp.ClientSession | None = None
         self._server = ""
         self._logger = logger or logging.getLogger(__name__)
 
@@ -79,16 +80,24 @@ class KubeClient:
             timeout=aiohttp.ClientTimeout(total=30),
         )
 
-    async def request(self, method: str, path: str, *, body: Any = None, params: Optional[dict] = None,
-                      content_type: str = "application/json") -> Optional[dict]:
+    async def request(
+        self,
+        method: str,
+        path: str,
+        *,
+        body: Any = None,
+        params: dict | None = None,
+        content_type: str = "application/json",
+    ) -> dict | None:
         """One API call; ``None`` for 404 on GET, :class:`ApiError` for any other failure."""
         for attempt in (1, 2):
             if self._session is None:
                 self._session = self._connect()
             data = json.dumps(body) if body is not None else None
             headers = {"Content-Type": content_type} if data is not None else {}
-            async with self._session.request(method, self._server + path, data=data, params=params,
-                                             headers=headers) as response:
+            async with self._session.request(
+                method, self._server + path, data=data, params=params, headers=headers
+            ) as response:
                 text = await response.text()
                 payload = json.loads(text) if text.strip() else None
                 if response.status == 401 and attempt == 1:
@@ -103,7 +112,7 @@ class KubeClient:
                 return payload
         raise AssertionError("unreachable")  # pragma: no cover
 
-    async def get(self, kind: str, namespace: str, name: str) -> Optional[dict]:
+    async def get(self, kind: str, namespace: str, name: str) -> dict | None:
         return await self.request("GET", object_path(kind, namespace, name))
 
     async def apply(self, manifest: Mapping[str, Any]) -> dict:
@@ -116,5 +125,6 @@ class KubeClient:
         return result
 
     async def patch_status(self, kind: str, namespace: str, name: str, status: Mapping[str, Any]) -> None:
-        await self.request("PATCH", object_path(kind, namespace, name, "status"), body={"status": status},
-                           content_type=MERGE_PATCH)
+        await self.request(
+            "PATCH", object_path(kind, namespace, name, "status"), body={"status": status}, content_type=MERGE_PATCH
+        )

@@ -15,6 +15,7 @@ import os
 from importlib import metadata
 
 import kopf
+
 from pagedllm.operator.handlers import build_registry, operator_settings
 from pagedllm.operator.kube import KubeClient, default_login
 from pagedllm.operator.manifests import RenderConfig
@@ -34,25 +35,52 @@ def _default_image() -> str:
 def add_operator_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the operator's flags to ``parser``."""
     scope = parser.add_mutually_exclusive_group()
-    scope.add_argument("-A", "--all-namespaces", action="store_true",
-                       help="Serve PagedLLM resources in every namespace (the default).")
-    scope.add_argument("-n", "--namespace", dest="namespaces", action="append", default=[], metavar="NS",
-                       help="Serve only this namespace; repeat for several.")
-    parser.add_argument("--standalone", action="store_true",
-                        help="Run without kopf peering (one operator replica; what the chart does).")
-    parser.add_argument("--peering", metavar="NAME", default=None,
-                        help="kopf peering object to coordinate through (needs kopf's peering CRDs).")
-    parser.add_argument("-L", "--liveness", metavar="URL", default=None,
-                        help="Serve a liveness endpoint, e.g. http://0.0.0.0:8080/healthz.")
-    parser.add_argument("--default-image", default=_default_image(), metavar="IMAGE",
-                        help=f"Server image for resources without spec.image (env {DEFAULT_IMAGE_ENV}; "
-                             "default: %(default)s).")
+    scope.add_argument(
+        "-A", "--all-namespaces", action="store_true", help="Serve PagedLLM resources in every namespace (the default)."
+    )
+    scope.add_argument(
+        "-n",
+        "--namespace",
+        dest="namespaces",
+        action="append",
+        default=[],
+        metavar="NS",
+        help="Serve only this namespace; repeat for several.",
+    )
+    parser.add_argument(
+        "--standalone",
+        action="store_true",
+        help="Run without kopf peering (one operator replica; what the chart does).",
+    )
+    parser.add_argument(
+        "--peering",
+        metavar="NAME",
+        default=None,
+        help="kopf peering object to coordinate through (needs kopf's peering CRDs).",
+    )
+    parser.add_argument(
+        "-L",
+        "--liveness",
+        metavar="URL",
+        default=None,
+        help="Serve a liveness endpoint, e.g. http://0.0.0.0:8080/healthz.",
+    )
+    parser.add_argument(
+        "--default-image",
+        default=_default_image(),
+        metavar="IMAGE",
+        help=f"Server image for resources without spec.image (env {DEFAULT_IMAGE_ENV}; default: %(default)s).",
+    )
     verbosity = parser.add_mutually_exclusive_group()
     verbosity.add_argument("-v", "--verbose", action="store_true", help="Log handler activity in detail.")
     verbosity.add_argument("-d", "--debug", action="store_true", help="Log everything, API calls included.")
     verbosity.add_argument("-q", "--quiet", action="store_true", help="Log warnings and errors only.")
-    parser.add_argument("--log-format", choices=["plain", "full", "json"], default="full",
-                        help="Log line format (default: %(default)s).")
+    parser.add_argument(
+        "--log-format",
+        choices=["plain", "full", "json"],
+        default="full",
+        help="Log line format (default: %(default)s).",
+    )
     return parser
 
 
@@ -60,11 +88,17 @@ def run_operator(args: argparse.Namespace) -> int:
     """Run until SIGINT/SIGTERM; returns the process exit code."""
     if args.standalone and args.peering:
         raise ValueError("--standalone and --peering exclude each other: choose one")
-    kopf.configure(debug=args.debug, verbose=args.verbose, quiet=args.quiet,
-                   log_format=kopf.LogFormat[args.log_format.upper()], log_prefix=True)
+    kopf.configure(
+        debug=args.debug,
+        verbose=args.verbose,
+        quiet=args.quiet,
+        log_format=kopf.LogFormat[args.log_format.upper()],
+        log_prefix=True,
+    )
     settings = operator_settings()
-    memo = kopf.Memo(config=RenderConfig(default_image=args.default_image),
-                     kube=KubeClient(lambda: default_login(settings)))
+    memo = kopf.Memo(
+        config=RenderConfig(default_image=args.default_image), kube=KubeClient(lambda: default_login(settings))
+    )
     kopf.run(
         registry=build_registry(),
         settings=settings,

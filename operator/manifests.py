@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional
+from typing import Any
 
 import kopf
+
 from pagedllm.operator.command import API_KEY_ENV, SERVE_COMMAND, check_engine, server_args
 from pagedllm.operator.spec import GPU_RESOURCE, PagedLLMSpec, SpecError
 
@@ -62,17 +64,25 @@ class Manifests:
 
     deployment: dict
     service: dict
-    pvc: Optional[dict] = None
+    pvc: dict | None = None
 
     def all(self) -> list[dict]:
         """In apply order: the claim before the pods that mount it."""
         return [m for m in (self.pvc, self.deployment, self.service) if m is not None]
 
 
+def as_body(obj: Mapping[str, Any]) -> kopf.Body:
+    """kopf's typed view of a plain object, for its adoption and event helpers."""
+    return kopf.Body(dict(obj))  # type: ignore[arg-type]  # NOTE: kopf's RawBody is a TypedDict of this dict
+
+
 def labels(name: str) -> dict[str, str]:
     """Labels of everything rendered for the resource ``name``."""
-    return {**selector_labels(name), "app.kubernetes.io/component": "server",
-            "app.kubernetes.io/managed-by": MANAGED_BY}
+    return {
+        **selector_labels(name),
+        "app.kubernetes.io/component": "server",
+        "app.kubernetes.io/managed-by": MANAGED_BY,
+    }
 
 
 def selector_labels(name: str) -> dict[str, str]:
@@ -107,8 +117,10 @@ def render(body: Mapping[str, Any], config: RenderConfig) -> Manifests:
     meta = body.get("metadata", {})
     name = meta.get("name", "")
     if not _DNS_LABEL.match(name) or len(name) > 63:
-        raise SpecError(f"metadata.name={name!r} is not allowed: it names the Service, so it must be a "
-                        "DNS-1035 label (lowercase letters, digits and '-', starting with a letter, at most 63)")
+        raise SpecError(
+            f"metadata.name={name!r} is not allowed: it names the Service, so it must be a "
+            "DNS-1035 label (lowercase letters, digits and '-', starting with a letter, at most 63)"
+        )
     spec = PagedLLMSpec.from_dict(body.get("spec"))
     check_engine(spec, model_path(spec))
     generation = meta.get("generation")
@@ -117,7 +129,7 @@ def render(body: Mapping[str, Any], config: RenderConfig) -> Manifests:
         service=render_service(name, spec),
         pvc=render_pvc(name, spec) if spec.model_cache is not None else None,
     )
-    kopf.adopt(manifests.all(), owner=body)
+    kopf.adopt(manifests.all(), owner=as_body(body))
     return manifests
 
 
@@ -151,7 +163,7 @@ def render_pvc(name: str, spec: PagedLLMSpec) -> dict:
     }
 
 
-def render_deployment(name: str, spec: PagedLLMSpec, config: RenderConfig, generation: Optional[int]) -> dict:
+def render_deployment(name: str, spec: PagedLLMSpec, config: RenderConfig, generation: int | None) -> dict:
     annotations = {GENERATION_ANNOTATION: str(generation)} if generation is not None else {}
     return {
         "apiVersion": "apps/v1",
@@ -181,7 +193,10 @@ def _pod_spec(name: str, spec: PagedLLMSpec, config: RenderConfig) -> dict:
         "automountServiceAccountToken": False,  # the server never talks to the API
         "enableServiceLinks": False,
         "securityContext": {
-            "runAsNonRoot": True, "runAsUser": RUN_AS, "runAsGroup": RUN_AS, "fsGroup": RUN_AS,
+            "runAsNonRoot": True,
+            "runAsUser": RUN_AS,
+            "runAsGroup": RUN_AS,
+            "fsGroup": RUN_AS,
             "seccompProfile": {"type": "RuntimeDefault"},
         },
         # NOTE: longer than the server's drain timeout, so in-flight requests finish.
@@ -214,8 +229,11 @@ def _volumes(name: str, spec: PagedLLMSpec) -> tuple[list[dict], list[dict]]:
         mount = {"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True}
         mounts.append({**mount, "subPath": pvc.path} if pvc.path else mount)
     elif _downloads(spec):
-        source = ({"persistentVolumeClaim": {"claimName": cache_claim_name(name)}}
-                  if spec.model_cache is not None else {"emptyDir": {}})
+        source = (
+            {"persistentVolumeClaim": {"claimName": cache_claim_name(name)}}
+            if spec.model_cache is not None
+            else {"emptyDir": {}}
+        )
         volumes.append({"name": "models", **source})
         mounts.append({"name": "models", "mountPath": MODELS_DIR})
     if spec.tensor_parallel_size > 1:
@@ -243,8 +261,10 @@ def _server_env(spec: PagedLLMSpec) -> list[dict]:
     reserved = {e["name"] for e in env} | {"HF_TOKEN", "HF_HOME", API_KEY_ENV}
     for index, extra in enumerate(spec.env):
         if extra["name"] in reserved:
-            raise SpecError(f"spec.env[{index}].name={extra['name']!r} is not allowed: the operator sets it "
-                            "(use hfTokenSecret or apiKeySecret)")
+            raise SpecError(
+                f"spec.env[{index}].name={extra['name']!r} is not allowed: the operator sets it "
+                "(use hfTokenSecret or apiKeySecret)"
+            )
         env.append(dict(extra))
     return env
 
@@ -274,11 +294,19 @@ def _server_container(spec: PagedLLMSpec, config: RenderConfig, mounts: list[dic
         "resources": _gpu_resources(spec),
         # The startup budget covers loading weights and profiling memory; /ready answers
         # only once a forward pass is done. Liveness uses /health, alive while loading.
-        "startupProbe": {"httpGet": http, "periodSeconds": STARTUP_PROBE_PERIOD, "timeoutSeconds": 5,
-                         "failureThreshold": math.ceil(spec.startup_timeout_seconds / STARTUP_PROBE_PERIOD)},
+        "startupProbe": {
+            "httpGet": http,
+            "periodSeconds": STARTUP_PROBE_PERIOD,
+            "timeoutSeconds": 5,
+            "failureThreshold": math.ceil(spec.startup_timeout_seconds / STARTUP_PROBE_PERIOD),
+        },
         "readinessProbe": {"httpGet": http, "periodSeconds": 5, "timeoutSeconds": 5, "failureThreshold": 3},
-        "livenessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 10,
-                          "timeoutSeconds": 5, "failureThreshold": 3},
+        "livenessProbe": {
+            "httpGet": {"path": "/health", "port": "http"},
+            "periodSeconds": 10,
+            "timeoutSeconds": 5,
+            "failureThreshold": 3,
+        },
         "securityContext": _container_security(),
         "volumeMounts": mounts,
     }

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Optional
+from typing import Any
 
 MODEL_SOURCES = ("huggingface", "pvc")
 TENSOR_PARALLEL_SIZES = (1, 2, 4, 8)
@@ -30,7 +31,8 @@ GPU_RESOURCE = "nvidia.com/gpu"
 
 _MODEL_RE = re.compile(r"^[A-Za-z0-9_./-]+$")
 _QUANTITY_RE = re.compile(
-    r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$")
+    r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"
+)
 
 
 class SpecError(ValueError):
@@ -58,7 +60,7 @@ class ModelSource:
     """Where the checkpoint comes from: the Hugging Face Hub, or an existing claim."""
 
     type: str = "huggingface"
-    pvc: Optional[PvcModelSource] = None
+    pvc: PvcModelSource | None = None
 
 
 @dataclass(frozen=True)
@@ -66,7 +68,7 @@ class ModelCache:
     """The claim the operator creates to keep Hugging Face downloads."""
 
     size: str
-    storage_class_name: Optional[str] = None
+    storage_class_name: str | None = None
     access_mode: str = "ReadWriteOnce"
 
 
@@ -88,8 +90,9 @@ def _check_scalar(meta: Mapping[str, Any], value: Any) -> Any:
         raise SpecError(f"{path}={value!r} is not allowed: choose one of {list(meta['choices'])}")
     low, high = meta["minimum"], meta["maximum"]
     if (low is not None and value < low) or (high is not None and value > high):
-        bounds = " and ".join(b for b in (f">= {low}" if low is not None else "",
-                                          f"<= {high}" if high is not None else "") if b)
+        bounds = " and ".join(
+            b for b in (f">= {low}" if low is not None else "", f"<= {high}" if high is not None else "") if b
+        )
         raise SpecError(f"{path}={value!r} is out of range: must be {bounds}")
     if kind is str and not value:
         raise SpecError(f"{path}='' is not allowed: must not be empty")
@@ -116,6 +119,7 @@ def _secret_ref(default_key: str) -> Callable[[str, Any], SecretKeyRef]:
             if not isinstance(item, str) or not item:
                 raise SpecError(f"{path}.{sub}={item!r} is not allowed: must be a non-empty string")
         return SecretKeyRef(name=name, key=key)
+
     return parse
 
 
@@ -126,8 +130,9 @@ def _model_source(path: str, value: Any) -> ModelSource:
         raise SpecError(f"{path}.type={kind!r} is not allowed: choose one of {list(MODEL_SOURCES)}")
     pvc = value.get("pvc")
     if (kind == "pvc") != (pvc is not None):
-        raise SpecError(f"{path}.pvc is required when {path}.type is pvc, and not allowed otherwise "
-                        f"(type={kind!r}, pvc={pvc!r})")
+        raise SpecError(
+            f"{path}.pvc is required when {path}.type is pvc, and not allowed otherwise (type={kind!r}, pvc={pvc!r})"
+        )
     if pvc is None:
         return ModelSource(type=kind)
     pvc = _mapping(f"{path}.pvc", pvc)
@@ -135,14 +140,18 @@ def _model_source(path: str, value: Any) -> ModelSource:
     if not isinstance(claim, str) or not claim:
         raise SpecError(f"{path}.pvc.claimName={claim!r} is not allowed: must be a non-empty string")
     if not isinstance(sub, str) or sub.startswith("/") or ".." in sub:
-        raise SpecError(f"{path}.pvc.path={sub!r} is not allowed: a path relative to the claim, "
-                        "without a leading '/' or '..'")
+        raise SpecError(
+            f"{path}.pvc.path={sub!r} is not allowed: a path relative to the claim, without a leading '/' or '..'"
+        )
     return ModelSource(type=kind, pvc=PvcModelSource(claim_name=claim, path=sub.strip("/")))
 
 
 def _quantity(path: str, value: Any) -> Any:
-    if isinstance(value, bool) or not isinstance(value, (int, str)) or (
-            isinstance(value, str) and not _QUANTITY_RE.match(value)):
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, str))
+        or (isinstance(value, str) and not _QUANTITY_RE.match(value))
+    ):
         raise SpecError(f"{path}={value!r} is not a quantity: use e.g. 4, 500m, 32Gi")
     return value
 
@@ -153,8 +162,10 @@ def _resources(path: str, value: Any) -> Mapping[str, Mapping[str, Any]]:
     for part in ("requests", "limits"):
         amounts = _mapping(f"{path}.{part}", value.get(part, {}))
         if GPU_RESOURCE in amounts:
-            raise SpecError(f"{path}.{part}[{GPU_RESOURCE!r}]={amounts[GPU_RESOURCE]!r} is not allowed: "
-                            "GPUs come from tensorParallelSize")
+            raise SpecError(
+                f"{path}.{part}[{GPU_RESOURCE!r}]={amounts[GPU_RESOURCE]!r} is not allowed: "
+                "GPUs come from tensorParallelSize"
+            )
         if amounts:
             out[part] = {name: _quantity(f"{path}.{part}[{name!r}]", q) for name, q in amounts.items()}
     return out
@@ -213,50 +224,52 @@ class PagedLLMSpec:
 
     model: str = field(metadata=_scalar("model", str))
     model_source: ModelSource = field(default_factory=ModelSource, metadata=_nested("modelSource", _model_source))
-    hf_token_secret: Optional[SecretKeyRef] = field(
-        default=None, metadata=_nested("hfTokenSecret", _secret_ref("token")))
+    hf_token_secret: SecretKeyRef | None = field(default=None, metadata=_nested("hfTokenSecret", _secret_ref("token")))
     replicas: int = field(default=1, metadata=_scalar("replicas", int, minimum=0))
     tensor_parallel_size: int = field(
-        default=1, metadata=_scalar("tensorParallelSize", int, choices=TENSOR_PARALLEL_SIZES))
+        default=1, metadata=_scalar("tensorParallelSize", int, choices=TENSOR_PARALLEL_SIZES)
+    )
     block_size: int = field(default=16, metadata=_scalar("blockSize", int, choices=BLOCK_SIZES))
     gpu_memory_utilization: float = field(
-        default=0.9, metadata=_scalar("gpuMemoryUtilization", float, minimum=0.1, maximum=0.99))
+        default=0.9, metadata=_scalar("gpuMemoryUtilization", float, minimum=0.1, maximum=0.99)
+    )
     max_num_seqs: int = field(default=256, metadata=_scalar("maxNumSeqs", int, minimum=1, maximum=65536))
-    max_num_batched_tokens: Optional[int] = field(
-        default=None, metadata=_scalar("maxNumBatchedTokens", int, minimum=1, maximum=1048576))
-    max_model_len: Optional[int] = field(
-        default=None, metadata=_scalar("maxModelLen", int, minimum=1, maximum=10485760))
+    max_num_batched_tokens: int | None = field(
+        default=None, metadata=_scalar("maxNumBatchedTokens", int, minimum=1, maximum=1048576)
+    )
+    max_model_len: int | None = field(default=None, metadata=_scalar("maxModelLen", int, minimum=1, maximum=10485760))
     swap_space_gib: float = field(default=4.0, metadata=_scalar("swapSpaceGiB", float, minimum=0, maximum=1024))
     dtype: str = field(default="auto", metadata=_scalar("dtype", str, choices=DTYPES))
     enable_prefix_caching: bool = field(default=True, metadata=_scalar("enablePrefixCaching", bool))
-    preemption_mode: Optional[str] = field(
-        default=None, metadata=_scalar("preemptionMode", str, choices=PREEMPTION_MODES))
+    preemption_mode: str | None = field(default=None, metadata=_scalar("preemptionMode", str, choices=PREEMPTION_MODES))
     seed: int = field(default=0, metadata=_scalar("seed", int, minimum=0))
     load_format: str = field(default="auto", metadata=_scalar("loadFormat", str, choices=LOAD_FORMATS))
-    served_model_name: Optional[str] = field(default=None, metadata=_scalar("servedModelName", str))
-    api_key_secret: Optional[SecretKeyRef] = field(
-        default=None, metadata=_nested("apiKeySecret", _secret_ref("api-key")))
-    image: Optional[str] = field(default=None, metadata=_scalar("image", str))
+    served_model_name: str | None = field(default=None, metadata=_scalar("servedModelName", str))
+    api_key_secret: SecretKeyRef | None = field(default=None, metadata=_nested("apiKeySecret", _secret_ref("api-key")))
+    image: str | None = field(default=None, metadata=_scalar("image", str))
     image_pull_policy: str = field(
-        default="IfNotPresent", metadata=_scalar("imagePullPolicy", str, choices=PULL_POLICIES))
-    resources: Mapping[str, Mapping[str, Any]] = field(
-        default_factory=dict, metadata=_nested("resources", _resources))
+        default="IfNotPresent", metadata=_scalar("imagePullPolicy", str, choices=PULL_POLICIES)
+    )
+    resources: Mapping[str, Mapping[str, Any]] = field(default_factory=dict, metadata=_nested("resources", _resources))
     node_selector: Mapping[str, str] = field(default_factory=dict, metadata=_nested("nodeSelector", _string_map))
     tolerations: tuple = field(default=(), metadata=_nested("tolerations", _object_list))
-    affinity: Optional[Mapping[str, Any]] = field(default=None, metadata=_nested("affinity", _plain_object))
+    affinity: Mapping[str, Any] | None = field(default=None, metadata=_nested("affinity", _plain_object))
     env: tuple = field(default=(), metadata=_nested("env", _env))
     extra_args: tuple[str, ...] = field(default=(), metadata=_nested("extraArgs", _string_list))
     port: int = field(default=8000, metadata=_scalar("port", int, minimum=1024, maximum=65535))
     service_type: str = field(default="ClusterIP", metadata=_scalar("serviceType", str, choices=SERVICE_TYPES))
-    model_cache: Optional[ModelCache] = field(default=None, metadata=_nested("modelCache", _model_cache))
+    model_cache: ModelCache | None = field(default=None, metadata=_nested("modelCache", _model_cache))
     startup_timeout_seconds: int = field(
-        default=1800, metadata=_scalar("startupTimeoutSeconds", int, minimum=60, maximum=86400))
+        default=1800, metadata=_scalar("startupTimeoutSeconds", int, minimum=60, maximum=86400)
+    )
     drain_timeout_seconds: int = field(
-        default=30, metadata=_scalar("drainTimeoutSeconds", int, minimum=0, maximum=3600))
-    max_queue_len: Optional[int] = field(default=None, metadata=_scalar("maxQueueLen", int, minimum=1, maximum=1048576))
+        default=30, metadata=_scalar("drainTimeoutSeconds", int, minimum=0, maximum=3600)
+    )
+    max_queue_len: int | None = field(default=None, metadata=_scalar("maxQueueLen", int, minimum=1, maximum=1048576))
     log_level: str = field(default="info", metadata=_scalar("logLevel", str, choices=LOG_LEVELS))
     rollout_strategy: str = field(
-        default="Recreate", metadata=_scalar("rolloutStrategy", str, choices=ROLLOUT_STRATEGIES))
+        default="Recreate", metadata=_scalar("rolloutStrategy", str, choices=ROLLOUT_STRATEGIES)
+    )
 
     @property
     def model_is_path(self) -> bool:
@@ -268,7 +281,7 @@ class PagedLLMSpec:
         return self.model_source.type == "pvc"
 
     @classmethod
-    def from_dict(cls, spec: Optional[Mapping[str, Any]]) -> "PagedLLMSpec":
+    def from_dict(cls, spec: Mapping[str, Any] | None) -> PagedLLMSpec:
         """Parse a resource's ``spec``; raise :class:`SpecError` on the first problem found."""
         spec = _mapping("spec", spec if spec is not None else {})
         known = {f.metadata["key"]: f for f in dataclasses.fields(cls)}
@@ -295,5 +308,7 @@ class PagedLLMSpec:
         if self.model_cache is not None and self.uses_pvc_source:
             raise SpecError("spec.modelCache caches Hugging Face downloads: remove it when modelSource.type is pvc")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < self.max_num_seqs:
-            raise SpecError(f"spec.maxNumBatchedTokens={self.max_num_batched_tokens} is out of range: "
-                            f"must be >= maxNumSeqs ({self.max_num_seqs})")
+            raise SpecError(
+                f"spec.maxNumBatchedTokens={self.max_num_batched_tokens} is out of range: "
+                f"must be >= maxNumSeqs ({self.max_num_seqs})"
+            )

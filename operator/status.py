@@ -15,8 +15,9 @@ Conditions ``Ready``, ``Progressing`` and ``Degraded`` are always all three pres
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional
+from typing import Any
 
 from pagedllm.operator.manifests import GENERATION_ANNOTATION, endpoint, selector_string
 
@@ -43,7 +44,7 @@ def _int(value: Any, default: int) -> int:
     return value if isinstance(value, int) and not isinstance(value, bool) else default
 
 
-def _deployment_failure(deployment: Mapping[str, Any]) -> Optional[Problem]:
+def _deployment_failure(deployment: Mapping[str, Any]) -> Problem | None:
     for cond in deployment.get("status", {}).get("conditions", []) or []:
         if cond.get("type") == "Progressing" and cond.get("reason") == "ProgressDeadlineExceeded":
             return Problem("ProgressDeadlineExceeded", cond.get("message") or "the rollout made no progress in time")
@@ -58,7 +59,7 @@ def _rolled_out(deployment: Mapping[str, Any]) -> bool:
     return generation is None or (observed is not None and observed >= generation)
 
 
-def _verdict(deployment: Optional[Mapping[str, Any]], desired: int, problem: Optional[Problem]) -> _Verdict:
+def _verdict(deployment: Mapping[str, Any] | None, desired: int, problem: Problem | None) -> _Verdict:
     if problem is not None:
         return _Verdict(DEGRADED, problem.reason, problem.message)
     if deployment is None:
@@ -73,12 +74,13 @@ def _verdict(deployment: Optional[Mapping[str, Any]], desired: int, problem: Opt
     if _rolled_out(deployment) and ready >= desired and updated >= desired and current == desired:
         return _Verdict(READY, "AllReplicasReady", f"{ready}/{desired} replicas ready")
     if ready == 0:
-        return _Verdict(PENDING, "WaitingForReplicas",
-                        f"0/{desired} replicas ready: scheduling, downloading or loading the model")
+        return _Verdict(
+            PENDING, "WaitingForReplicas", f"0/{desired} replicas ready: scheduling, downloading or loading the model"
+        )
     return _Verdict(PROGRESSING, "RollingOut", f"{ready}/{desired} replicas ready, {updated} up to date")
 
 
-def _conditions(verdict: _Verdict, previous: list, generation: Optional[int], now: str) -> list[dict]:
+def _conditions(verdict: _Verdict, previous: list, generation: int | None, now: str) -> list[dict]:
     wanted = {
         "Ready": verdict.phase == READY,
         "Progressing": verdict.phase in (PENDING, PROGRESSING) and verdict.reason != "ScaledToZero",
@@ -102,8 +104,9 @@ def _conditions(verdict: _Verdict, previous: list, generation: Optional[int], no
     return out
 
 
-def status_from(body: Mapping[str, Any], deployment: Optional[Mapping[str, Any]], *, now: str,
-                problem: Optional[Problem] = None) -> dict:
+def status_from(
+    body: Mapping[str, Any], deployment: Mapping[str, Any] | None, *, now: str, problem: Problem | None = None
+) -> dict:
     """The ``status`` of the resource ``body`` given its Deployment (``None`` if absent).
 
     ``problem`` overrides everything with ``Degraded`` (a spec the operator refused).
@@ -131,8 +134,9 @@ def status_from(body: Mapping[str, Any], deployment: Optional[Mapping[str, Any]]
     return status
 
 
-def _observed_generation(meta: Mapping[str, Any], deployment: Optional[Mapping[str, Any]],
-                         problem: Optional[Problem]) -> Optional[int]:
+def _observed_generation(
+    meta: Mapping[str, Any], deployment: Mapping[str, Any] | None, problem: Problem | None
+) -> int | None:
     """The generation this status speaks for: the one refused, or the one the Deployment runs."""
     if problem is None and deployment is not None:
         applied = deployment.get("metadata", {}).get("annotations", {}).get(GENERATION_ANNOTATION)

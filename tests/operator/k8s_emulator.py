@@ -25,35 +25,59 @@ import time
 import urllib.error
 import urllib.request
 import uuid
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import attrs
 import kmock
 from kmock._internal import dicts as kmock_dicts
+
 from pagedllm.operator.kube import APPLY_PATCH, RESOURCES, object_path
 
 RESOURCE_INFOS = {
     "pagedllm.dev/v1alpha1/pagedllms": kmock.ResourceInfo(
-        kind="PagedLLM", singular="pagedllm", namespaced=True, shortnames={"pllm"},
-        subresources={"status", "scale"}, verbs={"get", "list", "watch", "create", "patch", "update", "delete"}),
+        kind="PagedLLM",
+        singular="pagedllm",
+        namespaced=True,
+        shortnames={"pllm"},
+        subresources={"status", "scale"},
+        verbs={"get", "list", "watch", "create", "patch", "update", "delete"},
+    ),
     "apps/v1/deployments": kmock.ResourceInfo(
-        kind="Deployment", singular="deployment", namespaced=True, subresources={"status", "scale"},
-        verbs={"get", "list", "watch", "create", "patch", "update", "delete"}),
+        kind="Deployment",
+        singular="deployment",
+        namespaced=True,
+        subresources={"status", "scale"},
+        verbs={"get", "list", "watch", "create", "patch", "update", "delete"},
+    ),
     "v1/services": kmock.ResourceInfo(
-        kind="Service", singular="service", namespaced=True, subresources={"status"},
-        verbs={"get", "list", "watch", "create", "patch", "update", "delete"}),
+        kind="Service",
+        singular="service",
+        namespaced=True,
+        subresources={"status"},
+        verbs={"get", "list", "watch", "create", "patch", "update", "delete"},
+    ),
     "v1/persistentvolumeclaims": kmock.ResourceInfo(
-        kind="PersistentVolumeClaim", singular="persistentvolumeclaim", namespaced=True, subresources={"status"},
-        verbs={"get", "list", "watch", "create", "patch", "update", "delete"}),
+        kind="PersistentVolumeClaim",
+        singular="persistentvolumeclaim",
+        namespaced=True,
+        subresources={"status"},
+        verbs={"get", "list", "watch", "create", "patch", "update", "delete"},
+    ),
     # NOTE: kopf waits to discover namespaces before it starts any watch, even cluster-wide
     # (where it never lists them; listing them from kmock fails).
-    "v1/namespaces": kmock.ResourceInfo(kind="Namespace", singular="namespace", namespaced=False,
-                                        verbs={"get", "list", "watch"}),
+    "v1/namespaces": kmock.ResourceInfo(
+        kind="Namespace", singular="namespace", namespaced=False, verbs={"get", "list", "watch"}
+    ),
     "v1/events": kmock.ResourceInfo(
-        kind="Event", singular="event", namespaced=True, verbs={"get", "list", "watch", "create", "patch"}),
+        kind="Event", singular="event", namespaced=True, verbs={"get", "list", "watch", "create", "patch"}
+    ),
     "apiextensions.k8s.io/v1/customresourcedefinitions": kmock.ResourceInfo(
-        kind="CustomResourceDefinition", singular="customresourcedefinition", namespaced=False,
-        verbs={"get", "list", "watch", "create", "patch", "update", "delete"}),
+        kind="CustomResourceDefinition",
+        singular="customresourcedefinition",
+        namespaced=False,
+        verbs={"get", "list", "watch", "create", "patch", "update", "delete"},
+    ),
 }
 
 _STEM = {"Event": ("/api/v1", "events")}
@@ -111,14 +135,14 @@ class EmulatedCluster:
 
     def __init__(self) -> None:
         self.url = ""
-        self.api: Optional[ApiServer] = None
+        self.api: ApiServer | None = None
         self._started = threading.Event()
-        self._loop: Optional[asyncio.AbstractEventLoop] = None
-        self._stop: Optional[asyncio.Event] = None
-        self._error: Optional[BaseException] = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+        self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="kmock-api", daemon=True)
 
-    def start(self, timeout: float = 10) -> "EmulatedCluster":
+    def start(self, timeout: float = 10) -> EmulatedCluster:
         self._thread.start()
         if not self._started.wait(timeout):
             raise RuntimeError("the emulated API server did not start in time")
@@ -150,7 +174,9 @@ class EmulatedCluster:
 
     def kubeconfig(self) -> dict:
         return {
-            "apiVersion": "v1", "kind": "Config", "current-context": "emulator",
+            "apiVersion": "v1",
+            "kind": "Config",
+            "current-context": "emulator",
             "clusters": [{"name": "emulator", "cluster": {"server": self.url}}],
             "users": [{"name": "tester", "user": {"token": "test-token"}}],
             "contexts": [{"name": "emulator", "context": {"cluster": "emulator", "user": "tester"}}],
@@ -171,18 +197,23 @@ class Client:
     def __init__(self, url: str):
         self.url = url
 
-    def request(self, method: str, path: str, body: Any = None,
-                content_type: str = "application/merge-patch+json") -> tuple[int, Any]:
+    def request(
+        self, method: str, path: str, body: Any = None, content_type: str = "application/merge-patch+json"
+    ) -> tuple[int, Any]:
         data = json.dumps(body).encode() if body is not None else None
-        req = urllib.request.Request(self.url + path, data=data, method=method,
-                                     headers={"Content-Type": content_type, "User-Agent": CLIENT_AGENT})
+        req = urllib.request.Request(
+            self.url + path,
+            data=data,
+            method=method,
+            headers={"Content-Type": content_type, "User-Agent": CLIENT_AGENT},
+        )
         try:
             with urllib.request.urlopen(req, timeout=10) as response:
                 return response.status, json.loads(response.read() or b"null")
         except urllib.error.HTTPError as exc:
             return exc.code, json.loads(exc.read() or b"null")
 
-    def path(self, kind: str, namespace: str, name: Optional[str] = None, sub: Optional[str] = None) -> str:
+    def path(self, kind: str, namespace: str, name: str | None = None, sub: str | None = None) -> str:
         if name is None:
             prefix, plural = {**RESOURCES, **_STEM}[kind]
             return f"{prefix}/namespaces/{namespace}/{plural}"
@@ -194,14 +225,14 @@ class Client:
         assert status in (200, 201), (status, body)
         return body
 
-    def get(self, kind: str, namespace: str, name: str) -> Optional[dict]:
+    def get(self, kind: str, namespace: str, name: str) -> dict | None:
         status, body = self.request("GET", self.path(kind, namespace, name))
         if status == 404:
             return None
         assert status == 200, (status, body)
         return body
 
-    def patch(self, kind: str, namespace: str, name: str, body: dict, sub: Optional[str] = None) -> dict:
+    def patch(self, kind: str, namespace: str, name: str, body: dict, sub: str | None = None) -> dict:
         status, result = self.request("PATCH", self.path(kind, namespace, name, sub), body)
         assert status == 200, (status, result)
         return result
@@ -216,8 +247,13 @@ class Client:
         return body["items"]
 
 
-def wait_for(probe: Callable[[], Any], *, timeout: float = 15, what: str = "condition",
-             on_timeout: Callable[[], str] = lambda: "") -> Any:
+def wait_for(
+    probe: Callable[[], Any],
+    *,
+    timeout: float = 15,
+    what: str = "condition",
+    on_timeout: Callable[[], str] = lambda: "",
+) -> Any:
     """Poll ``probe`` until it returns something truthy; fail after ``timeout`` seconds."""
     deadline = time.monotonic() + timeout
     delay = 0.02
@@ -226,7 +262,8 @@ def wait_for(probe: Callable[[], Any], *, timeout: float = 15, what: str = "cond
         if value:
             return value
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}; last value: {value!r}\n"
-                                 f"{on_timeout()}")
+            raise AssertionError(
+                f"timed out after {timeout}s waiting for {what}; last value: {value!r}\n{on_timeout()}"
+            )
         time.sleep(delay)
         delay = min(delay * 2, 0.2)

@@ -57,15 +57,30 @@ def running_operator(cluster: EmulatedCluster, workdir: Path, *, startup_timeout
     log = workdir / "operator.log"
     env = {k: v for k, v in os.environ.items() if not k.startswith("KUBERNETES_")}
     env.update(KUBECONFIG=str(kubeconfig), PYTHONUNBUFFERED="1")
-    command = [sys.executable, "-m", "pagedllm.server.entrypoints.cli", "operator", "--all-namespaces", "--standalone",
-               "--liveness", liveness, "--default-image", DEFAULT_IMAGE, "--verbose"]
+    command = [
+        sys.executable,
+        "-m",
+        "pagedllm.server.entrypoints.cli",
+        "operator",
+        "--all-namespaces",
+        "--standalone",
+        "--liveness",
+        liveness,
+        "--default-image",
+        DEFAULT_IMAGE,
+        "--verbose",
+    ]
     with open(log, "wb") as out:
         # NOTE: cwd outside the repo: the operator must run from the installed package alone.
         proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=workdir)
     handle = OperatorProcess(proc, log, liveness)
     try:
-        wait_for(lambda: not handle.alive() or _answers(liveness), timeout=startup_timeout,
-                 what="the operator's liveness endpoint", on_timeout=handle.log)
+        wait_for(
+            lambda: not handle.alive() or _answers(liveness),
+            timeout=startup_timeout,
+            what="the operator's liveness endpoint",
+            on_timeout=handle.log,
+        )
         assert handle.alive(), f"the operator exited with {proc.returncode}\n{handle.log()}"
         yield handle
     finally:

@@ -17,6 +17,7 @@ import kubernetes_validate
 import pytest
 import yaml
 from helm_tools import CHART_DIR, CRD_PATH, ROOT, HelmError, run_helm
+
 from pagedllm.operator.main import add_operator_args
 from pagedllm.operator.spec import PagedLLMSpec
 
@@ -51,21 +52,28 @@ def test_helm_lint_passes(helm, flags):
 
 def test_template_renders_crd_operator_and_rbac(helm_template):
     kinds = by_kind(helm_template())
-    assert set(kinds) == {"CustomResourceDefinition", "ServiceAccount", "ClusterRole", "ClusterRoleBinding",
-                          "Deployment"}
+    assert set(kinds) == {
+        "CustomResourceDefinition",
+        "ServiceAccount",
+        "ClusterRole",
+        "ClusterRoleBinding",
+        "Deployment",
+    }
     (deployment,) = kinds["Deployment"]
     assert deployment["spec"]["replicas"] == 1 and deployment["spec"]["strategy"] == {"type": "Recreate"}
     (binding,) = kinds["ClusterRoleBinding"]
     (account,) = kinds["ServiceAccount"]
-    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": account["metadata"]["name"],
-                                    "namespace": "pagedllm-system"}]
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": account["metadata"]["name"], "namespace": "pagedllm-system"}
+    ]
     assert deployment["spec"]["template"]["spec"]["serviceAccountName"] == account["metadata"]["name"]
 
 
 def test_chart_crd_is_a_byte_identical_copy():
     copy = CHART_DIR / "files" / "crds" / "pagedllm.yaml"
     assert copy.read_bytes() == CRD_PATH.read_bytes(), (
-        f"{copy.relative_to(ROOT)} differs from crds/pagedllm.yaml: cp crds/pagedllm.yaml {copy.relative_to(ROOT)}")
+        f"{copy.relative_to(ROOT)} differs from crds/pagedllm.yaml: cp crds/pagedllm.yaml {copy.relative_to(ROOT)}"
+    )
 
 
 def test_rendered_crd_equals_the_source(helm_template):
@@ -94,8 +102,16 @@ def test_operator_command_is_the_projects_console_script():
 
 
 def test_values_reach_the_operator(helm_template):
-    docs = helm_template("--set", "watchNamespaces={ml,research}", "--set", "servingImage=reg/serve:9",
-                         "--set", "operator.logLevel=debug", "--set", "image.tag=1.2.3")
+    docs = helm_template(
+        "--set",
+        "watchNamespaces={ml,research}",
+        "--set",
+        "servingImage=reg/serve:9",
+        "--set",
+        "operator.logLevel=debug",
+        "--set",
+        "image.tag=1.2.3",
+    )
     args = parse_operator_args(operator_container(docs))
     assert args.namespaces == ["ml", "research"] and not args.all_namespaces
     assert args.default_image == "reg/serve:9" and args.debug
@@ -103,17 +119,23 @@ def test_values_reach_the_operator(helm_template):
 
 
 def rules_of(doc: dict) -> set[tuple[str, str, str]]:
-    return {(group, resource, verb) for rule in doc["rules"] for group in rule["apiGroups"]
-            for resource in rule["resources"] for verb in rule["verbs"]}
+    return {
+        (group, resource, verb)
+        for rule in doc["rules"]
+        for group in rule["apiGroups"]
+        for resource in rule["resources"]
+        for verb in rule["verbs"]
+    }
 
 
-NAMESPACED_RULES = {
-    ("pagedllm.dev", "pagedllms", v) for v in ("get", "list", "watch", "patch")} | {
-    ("pagedllm.dev", "pagedllms/status", "patch")} | {
-    ("apps", "deployments", v) for v in ("get", "list", "watch", "create", "patch")} | {
-    ("", "services", v) for v in ("list", "watch", "create", "patch")} | {
-    ("", "persistentvolumeclaims", v) for v in ("create", "patch")} | {
-    ("", "events", "create")}
+NAMESPACED_RULES = (
+    {("pagedllm.dev", "pagedllms", v) for v in ("get", "list", "watch", "patch")}
+    | {("pagedllm.dev", "pagedllms/status", "patch")}
+    | {("apps", "deployments", v) for v in ("get", "list", "watch", "create", "patch")}
+    | {("", "services", v) for v in ("list", "watch", "create", "patch")}
+    | {("", "persistentvolumeclaims", v) for v in ("create", "patch")}
+    | {("", "events", "create")}
+)
 CRD_WATCH = {("apiextensions.k8s.io", "customresourcedefinitions", v) for v in ("list", "watch")}
 
 
@@ -148,13 +170,16 @@ def test_rendered_manifests_validate_offline(helm_template, flags, monkeypatch):
 
     def refuse(*args, **kwargs):
         raise AssertionError("network access attempted")
+
     monkeypatch.setattr(socket.socket, "connect", refuse)
     for doc in docs:
         kubernetes_validate.validate(doc, "1.30", strict=True)
 
 
-@pytest.mark.parametrize("flag, value", [("operator.logLevel", "loud"), ("image.pullPolicy", "Sometimes"),
-                                          ("crds.install", "maybe"), ("unknownKey", "1")])
+@pytest.mark.parametrize(
+    "flag, value",
+    [("operator.logLevel", "loud"), ("image.pullPolicy", "Sometimes"), ("crds.install", "maybe"), ("unknownKey", "1")],
+)
 def test_values_schema_refuses_bad_values(helm, flag, value):
     with pytest.raises(HelmError, match="values don't meet the specifications|schema"):
         run_helm(helm, "template", "rel", str(CHART_DIR), "--set", f"{flag}={value}")
@@ -192,7 +217,7 @@ def test_every_value_is_documented():
 
 def test_notes_show_a_valid_first_resource_and_how_to_call_it(helm, tmp_path):
     out = run_helm(helm, "install", "--dry-run=client", "rel", str(CHART_DIR), "--namespace", "pagedllm-system")
-    notes = out[out.index("NOTES:"):]
+    notes = out[out.index("NOTES:") :]
     assert "curl" in notes and "/v1/completions" in notes and "kubectl get pagedllms" in notes
     manifest = textwrap.dedent(notes.split("<<'YAML' | kubectl apply -f -\n", 1)[1].split("  YAML\n", 1)[0])
     resource = yaml.safe_load(manifest)

@@ -21,6 +21,7 @@ import yaml
 from crd_jsonschema import apply_defaults, cel_rules, to_jsonschema, walk
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
 from pagedllm.operator.command import ENGINE_FIELDS
 from pagedllm.operator.manifests import RenderConfig, render
 from pagedllm.operator.spec import PagedLLMSpec, SpecError
@@ -34,8 +35,10 @@ K8S_VERSIONS = ("1.25", "1.30", kubernetes_validate.utils.major_minor(kubernetes
 @pytest.fixture()
 def no_network(monkeypatch):
     """Any attempt to open a connection fails the test."""
+
     def refuse(*args, **kwargs):
         raise AssertionError(f"network access attempted: {args!r}")
+
     monkeypatch.setattr(socket.socket, "connect", refuse)
     monkeypatch.setattr(socket, "create_connection", refuse)
 
@@ -54,8 +57,11 @@ def test_names_scope_and_subresources(crd):
     assert (version["name"], version["served"], version["storage"]) == ("v1alpha1", True, True)
     assert version["subresources"] == {
         "status": {},
-        "scale": {"specReplicasPath": ".spec.replicas", "statusReplicasPath": ".status.replicas",
-                  "labelSelectorPath": ".status.selector"},
+        "scale": {
+            "specReplicasPath": ".spec.replicas",
+            "statusReplicasPath": ".status.replicas",
+            "labelSelectorPath": ".status.selector",
+        },
     }
 
 
@@ -70,9 +76,14 @@ def test_printer_columns(crd, crd_schema):
 
 
 def test_every_spec_and_status_field_is_described(crd_schema):
-    missing = [path for path, sub in walk(crd_schema)
-               if path.startswith(("spec", "status")) and path.split(".")[-1] not in ("", "[]")
-               and not path.endswith(("{}", "[]")) and "description" not in sub]
+    missing = [
+        path
+        for path, sub in walk(crd_schema)
+        if path.startswith(("spec", "status"))
+        and path.split(".")[-1] not in ("", "[]")
+        and not path.endswith(("{}", "[]"))
+        and "description" not in sub
+    ]
     assert not missing, f"fields without a description: {missing}"
 
 
@@ -83,13 +94,13 @@ def test_crd_validates_against_the_kubernetes_openapi_schema_offline(crd, versio
 
 def test_the_offline_validation_catches_schema_mistakes(crd, no_network):
     typo = copy.deepcopy(crd)
-    typo["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]["port"][
-        "minimun"] = 1
+    typo["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]["port"]["minimun"] = 1
     with pytest.raises(kubernetes_validate.ValidationError, match="minimun"):
         kubernetes_validate.validate(typo, "1.30", strict=True)
     wrong_type = copy.deepcopy(crd)
     wrong_type["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]["port"][
-        "maximum"] = "high"
+        "maximum"
+    ] = "high"
     with pytest.raises(kubernetes_validate.ValidationError):
         kubernetes_validate.validate(wrong_type, "1.30", strict=True)
 
@@ -174,11 +185,14 @@ def test_examples_exist_and_validate(crd_schema):
         defaulted = apply_defaults(crd_schema, resource)
         resource_validator(crd_schema).validate(defaulted)
         assert not failed_cel_rules(crd_schema, defaulted, required=False)
-        render({**defaulted, "metadata": {**defaulted["metadata"], "namespace": "ns", "uid": "u"}},
-               RenderConfig(default_image="img"))
+        render(
+            {**defaulted, "metadata": {**defaulted["metadata"], "namespace": "ns", "uid": "u"}},
+            RenderConfig(default_image="img"),
+        )
 
 
 # -- CEL rules ----------------------------------------------------------------------------
+
 
 def _resolve(obj, path: str):
     node = obj
@@ -194,8 +208,11 @@ _ABSENT = object()
 
 def failed_cel_rules(crd_schema: dict, obj: dict, *, required: bool = True) -> list[str]:
     """Messages of the CEL rules ``obj`` (a defaulted resource) breaks."""
-    celpy = pytest.importorskip("celpy", reason="cel-python evaluates the CRD's CEL rules offline") \
-        if required else _maybe_celpy()
+    celpy = (
+        pytest.importorskip("celpy", reason="cel-python evaluates the CRD's CEL rules offline")
+        if required
+        else _maybe_celpy()
+    )
     if celpy is None:
         return []
     failed = []
@@ -208,7 +225,7 @@ def failed_cel_rules(crd_schema: dict, obj: dict, *, required: bool = True) -> l
     return failed
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _cel_program(rule: str):
     import celpy
 
@@ -225,8 +242,12 @@ def _maybe_celpy():
 
 
 def resource(**spec) -> dict:
-    return {"apiVersion": "pagedllm.dev/v1alpha1", "kind": "PagedLLM",
-            "metadata": {"name": "llama"}, "spec": {"model": "org/model", **spec}}
+    return {
+        "apiVersion": "pagedllm.dev/v1alpha1",
+        "kind": "PagedLLM",
+        "metadata": {"name": "llama"},
+        "spec": {"model": "org/model", **spec},
+    }
 
 
 CEL_CASES = [
@@ -236,13 +257,17 @@ CEL_CASES = [
     (resource(modelSource={"type": "huggingface", "pvc": {"claimName": "weights"}}), "modelSource.pvc is required"),
     (resource(modelSource={"type": "pvc", "pvc": {"claimName": "w", "path": "/abs"}}), "relative to the claim"),
     (resource(modelSource={"type": "pvc", "pvc": {"claimName": "w", "path": "a/../b"}}), "relative to the claim"),
-    (resource(modelSource={"type": "pvc", "pvc": {"claimName": "w"}}, modelCache={"size": "1Gi"}),
-     "modelCache caches Hugging Face downloads"),
+    (
+        resource(modelSource={"type": "pvc", "pvc": {"claimName": "w"}}, modelCache={"size": "1Gi"}),
+        "modelCache caches Hugging Face downloads",
+    ),
     (resource(maxNumSeqs=64, maxNumBatchedTokens=32), "maxNumBatchedTokens must be at least maxNumSeqs"),
     (resource(maxNumSeqs=64, maxNumBatchedTokens=64), None),
     (resource(resources={"limits": {"nvidia.com/gpu": 1}}), "remove nvidia.com/gpu from resources.limits"),
-    (resource(resources={"requests": {"nvidia.com/gpu": 1, "cpu": 2}}),
-     "remove nvidia.com/gpu from resources.requests"),
+    (
+        resource(resources={"requests": {"nvidia.com/gpu": 1, "cpu": 2}}),
+        "remove nvidia.com/gpu from resources.requests",
+    ),
     (resource(resources={"requests": {"cpu": "2"}, "limits": {"memory": "8Gi"}}), None),
     (resource(model="org/../etc"), "must not contain '..'"),
     ({**resource(), "metadata": {"name": "Llama"}}, "DNS-1035 label"),
@@ -285,14 +310,33 @@ def _scalar_values(prop: dict):
     low, high = prop.get("minimum"), prop.get("maximum")
     edges = [v for b in (low, high) if b is not None for v in (b, b - 1, b + 1)]
     if kind == "integer":
-        return st.one_of(st.integers(-10, 10 ** 7), st.sampled_from(edges or [0]), st.sampled_from(["4", 2.5]))
+        return st.one_of(st.integers(-10, 10**7), st.sampled_from(edges or [0]), st.sampled_from(["4", 2.5]))
     return st.one_of(st.floats(-2, 2000, allow_nan=False), st.sampled_from(edges or [0.0]), st.just("0.5"))
 
 
-SCALARS = ["replicas", "tensorParallelSize", "blockSize", "gpuMemoryUtilization", "maxNumSeqs",
-           "maxNumBatchedTokens", "maxModelLen", "swapSpaceGiB", "dtype", "enablePrefixCaching", "preemptionMode",
-           "seed", "loadFormat", "port", "serviceType", "startupTimeoutSeconds", "drainTimeoutSeconds",
-           "maxQueueLen", "logLevel", "rolloutStrategy", "imagePullPolicy"]
+SCALARS = [
+    "replicas",
+    "tensorParallelSize",
+    "blockSize",
+    "gpuMemoryUtilization",
+    "maxNumSeqs",
+    "maxNumBatchedTokens",
+    "maxModelLen",
+    "swapSpaceGiB",
+    "dtype",
+    "enablePrefixCaching",
+    "preemptionMode",
+    "seed",
+    "loadFormat",
+    "port",
+    "serviceType",
+    "startupTimeoutSeconds",
+    "drainTimeoutSeconds",
+    "maxQueueLen",
+    "logLevel",
+    "rolloutStrategy",
+    "imagePullPolicy",
+]
 
 
 @st.composite

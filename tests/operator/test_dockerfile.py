@@ -7,6 +7,7 @@ import re
 
 import pytest
 from helm_tools import ROOT
+
 from pagedllm.operator.command import SERVE_COMMAND
 from pagedllm.operator.manifests import FETCH_SCRIPT, RUN_AS, RenderConfig, render
 from pagedllm.operator.spec import PagedLLMSpec
@@ -19,7 +20,7 @@ def final_stage() -> list[str]:
     text = re.sub(r"\\\n", " ", DOCKERFILE.read_text())
     lines = [line.strip() for line in text.splitlines() if line.strip() and not line.strip().startswith("#")]
     starts = [i for i, line in enumerate(lines) if line.upper().startswith("FROM ")]
-    return lines[starts[-1]:]
+    return lines[starts[-1] :]
 
 
 def instruction(name: str) -> list[str]:

@@ -6,6 +6,7 @@ import math
 
 import kubernetes_validate
 import pytest
+
 from pagedllm.operator.command import API_KEY_ENV, SERVE_COMMAND
 from pagedllm.operator.manifests import (
     GENERATION_ANNOTATION,
@@ -52,10 +53,16 @@ def test_gpus_equal_tensor_parallel_size(tp):
 
 
 def test_extra_resources_keep_gpus_from_tp():
-    m = render(body(tensorParallelSize=2, resources={"requests": {"cpu": "4", "memory": "32Gi"},
-                                                     "limits": {"memory": "64Gi"}}), CONFIG)
-    assert server(m)["resources"] == {"requests": {"cpu": "4", "memory": "32Gi", "nvidia.com/gpu": 2},
-                                      "limits": {"memory": "64Gi", "nvidia.com/gpu": 2}}
+    m = render(
+        body(
+            tensorParallelSize=2, resources={"requests": {"cpu": "4", "memory": "32Gi"}, "limits": {"memory": "64Gi"}}
+        ),
+        CONFIG,
+    )
+    assert server(m)["resources"] == {
+        "requests": {"cpu": "4", "memory": "32Gi", "nvidia.com/gpu": 2},
+        "limits": {"memory": "64Gi", "nvidia.com/gpu": 2},
+    }
 
 
 @pytest.mark.parametrize("tp, has_shm", [(1, False), (2, True), (8, True)])
@@ -97,9 +104,16 @@ def test_owner_references_on_everything():
     assert len(m.all()) == 3
     for manifest in m.all():
         assert manifest["metadata"]["namespace"] == "ml"
-        assert manifest["metadata"]["ownerReferences"] == [{
-            "apiVersion": "pagedllm.dev/v1alpha1", "kind": "PagedLLM", "name": "llama", "uid": UID,
-            "controller": True, "blockOwnerDeletion": True}]
+        assert manifest["metadata"]["ownerReferences"] == [
+            {
+                "apiVersion": "pagedllm.dev/v1alpha1",
+                "kind": "PagedLLM",
+                "name": "llama",
+                "uid": UID,
+                "controller": True,
+                "blockOwnerDeletion": True,
+            }
+        ]
 
 
 def test_labels_and_selectors_match():
@@ -167,11 +181,13 @@ def test_hub_model_is_downloaded_with_the_token_and_served_from_the_volume():
 
 
 def test_model_cache_claim_backs_the_models_volume():
-    m = render(body(modelCache={"size": "100Gi", "storageClassName": "fast", "accessMode": "ReadWriteMany"}),
-               CONFIG)
+    m = render(body(modelCache={"size": "100Gi", "storageClassName": "fast", "accessMode": "ReadWriteMany"}), CONFIG)
     assert m.pvc["metadata"]["name"] == "llama-model-cache"
-    assert m.pvc["spec"] == {"accessModes": ["ReadWriteMany"], "resources": {"requests": {"storage": "100Gi"}},
-                             "storageClassName": "fast"}
+    assert m.pvc["spec"] == {
+        "accessModes": ["ReadWriteMany"],
+        "resources": {"requests": {"storage": "100Gi"}},
+        "storageClassName": "fast",
+    }
     assert {"name": "models", "persistentVolumeClaim": {"claimName": "llama-model-cache"}} in pod(m)["volumes"]
     assert m.all()[0] is m.pvc  # applied before the pods that mount it
 
@@ -180,8 +196,9 @@ def test_pvc_source_mounts_the_claim_read_only():
     m = render(body(modelSource={"type": "pvc", "pvc": {"claimName": "weights", "path": "llama/7b"}}), CONFIG)
     assert "initContainers" not in pod(m)
     assert {"name": "model", "persistentVolumeClaim": {"claimName": "weights", "readOnly": True}} in pod(m)["volumes"]
-    assert {"name": "model", "mountPath": "/model", "readOnly": True, "subPath": "llama/7b"} in \
-        server(m)["volumeMounts"]
+    assert {"name": "model", "mountPath": "/model", "readOnly": True, "subPath": "llama/7b"} in server(m)[
+        "volumeMounts"
+    ]
     args = server(m)["args"]
     assert args[args.index("--model") + 1] == "/model"
     assert args[args.index("--served-model-name") + 1] == "meta-llama/Llama-2-7b-hf"
@@ -202,26 +219,41 @@ def test_api_key_comes_from_its_secret_not_argv():
 
 def test_user_env_scheduling_fields_pass_through():
     toleration = {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
-    affinity = {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
-        {"matchExpressions": [{"key": "gpu", "operator": "In", "values": ["a100"]}]}]}}}
-    m = render(body(env=[{"name": "NCCL_DEBUG", "value": "INFO"}], nodeSelector={"gpu": "a100"},
-                    tolerations=[toleration], affinity=affinity), CONFIG)
+    affinity = {
+        "nodeAffinity": {
+            "requiredDuringSchedulingIgnoredDuringExecution": {
+                "nodeSelectorTerms": [{"matchExpressions": [{"key": "gpu", "operator": "In", "values": ["a100"]}]}]
+            }
+        }
+    }
+    m = render(
+        body(
+            env=[{"name": "NCCL_DEBUG", "value": "INFO"}],
+            nodeSelector={"gpu": "a100"},
+            tolerations=[toleration],
+            affinity=affinity,
+        ),
+        CONFIG,
+    )
     assert env_of(server(m))["NCCL_DEBUG"] == "INFO"
     assert pod(m)["nodeSelector"] == {"gpu": "a100"}
     assert pod(m)["tolerations"] == [toleration] and pod(m)["affinity"] == affinity
 
 
-@pytest.mark.parametrize("spec, message", [
-    ({"env": [{"name": "HF_TOKEN", "value": "x"}]}, r"spec.env\[0\].name='HF_TOKEN'"),
-    ({"blockSize": 12}, r"spec.blockSize=12 is not allowed: choose one of \[8, 16, 32, 64, 128\]"),
-    ({"gpuMemoryUtilization": 1.5}, r"spec.gpuMemoryUtilization=1.5 is out of range: must be >= 0.1 and <= 0.99"),
-    ({"replicas": -1}, r"spec.replicas=-1 is out of range: must be >= 0"),
-    ({"tensorParallelSize": "2"}, r"spec.tensorParallelSize='2' has the wrong type: must be int"),
-    ({"resources": {"limits": {"nvidia.com/gpu": 1}}}, r"GPUs come from tensorParallelSize"),
-    ({"resources": {"limits": {"memory": "lots"}}}, r"is not a quantity"),
-    ({"modelSource": {"type": "pvc"}}, r"spec.modelSource.pvc is required"),
-    ({"bogus": 1}, r"unknown field\(s\) \['bogus'\]"),
-])
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ({"env": [{"name": "HF_TOKEN", "value": "x"}]}, r"spec.env\[0\].name='HF_TOKEN'"),
+        ({"blockSize": 12}, r"spec.blockSize=12 is not allowed: choose one of \[8, 16, 32, 64, 128\]"),
+        ({"gpuMemoryUtilization": 1.5}, r"spec.gpuMemoryUtilization=1.5 is out of range: must be >= 0.1 and <= 0.99"),
+        ({"replicas": -1}, r"spec.replicas=-1 is out of range: must be >= 0"),
+        ({"tensorParallelSize": "2"}, r"spec.tensorParallelSize='2' has the wrong type: must be int"),
+        ({"resources": {"limits": {"nvidia.com/gpu": 1}}}, r"GPUs come from tensorParallelSize"),
+        ({"resources": {"limits": {"memory": "lots"}}}, r"is not a quantity"),
+        ({"modelSource": {"type": "pvc"}}, r"spec.modelSource.pvc is required"),
+        ({"bogus": 1}, r"unknown field\(s\) \['bogus'\]"),
+    ],
+)
 def test_specs_the_operator_refuses_say_what_and_why(spec, message):
     with pytest.raises(SpecError, match=message):
         render(body(**spec), CONFIG)
@@ -240,14 +272,25 @@ def test_missing_model_is_refused():
         render(b, CONFIG)
 
 
-FULL = dict(tensorParallelSize=2, replicas=2, hfTokenSecret={"name": "hf"}, apiKeySecret={"name": "k"},
-            modelCache={"size": "10Gi"}, resources={"requests": {"cpu": 4}}, nodeSelector={"a": "b"},
-            tolerations=[{"key": "k", "operator": "Exists"}], env=[{"name": "A", "value": "1"}],
-            rolloutStrategy="RollingUpdate", serviceType="NodePort", extraArgs=["--enable-chunked-prefill"])
+FULL = dict(
+    tensorParallelSize=2,
+    replicas=2,
+    hfTokenSecret={"name": "hf"},
+    apiKeySecret={"name": "k"},
+    modelCache={"size": "10Gi"},
+    resources={"requests": {"cpu": 4}},
+    nodeSelector={"a": "b"},
+    tolerations=[{"key": "k", "operator": "Exists"}],
+    env=[{"name": "A", "value": "1"}],
+    rolloutStrategy="RollingUpdate",
+    serviceType="NodePort",
+    extraArgs=["--enable-chunked-prefill"],
+)
 
 
-@pytest.mark.parametrize("spec", [{}, FULL, {"modelSource": {"type": "pvc", "pvc": {"claimName": "w"}}},
-                                  {"model": "/opt/m"}])
+@pytest.mark.parametrize(
+    "spec", [{}, FULL, {"modelSource": {"type": "pvc", "pvc": {"claimName": "w"}}}, {"model": "/opt/m"}]
+)
 def test_rendered_manifests_validate_against_kubernetes_schemas(spec):
     for manifest in render(body(**spec), CONFIG).all():
         kubernetes_validate.validate(manifest, "1.30", strict=True)

@@ -57,12 +57,14 @@ class Scenario:
         def probe():
             obj = self.get(KIND, name)
             return obj if obj and check(obj.get("status") or {}, obj) else None
+
         return self.wait(probe, what)
 
     def wait_deployment(self, check=lambda d: True, what: str = "the Deployment", name: str = "llama"):
         def probe():
             dep = self.get("Deployment", name)
             return dep if dep and check(dep) else None
+
         return self.wait(probe, what)
 
     def events(self) -> list[dict]:
@@ -87,16 +89,23 @@ def test_create_renders_owned_deployment_and_service_and_reports_status(scenario
     service = scenario.wait(lambda: scenario.get("Service"), "the Service")
     for obj in (deployment, service):
         (ref,) = obj["metadata"]["ownerReferences"]
-        assert ref == {"apiVersion": "pagedllm.dev/v1alpha1", "kind": KIND, "name": "llama", "uid": uid,
-                       "controller": True, "blockOwnerDeletion": True}
+        assert ref == {
+            "apiVersion": "pagedllm.dev/v1alpha1",
+            "kind": KIND,
+            "name": "llama",
+            "uid": uid,
+            "controller": True,
+            "blockOwnerDeletion": True,
+        }
         assert obj["metadata"]["labels"]["app.kubernetes.io/managed-by"] == "pagedllm-operator"
     container = server_container(deployment)
     assert container["image"] == "registry.example/pagedllm:test"  # the operator's --default-image
     assert flag_value(container["args"], "--block-size") == "16"
     assert service["spec"]["ports"][0]["port"] == 8000
 
-    obj = scenario.wait_status(lambda s, o: s.get("phase") == "Pending" and s.get("observedGeneration") == 1,
-                               "status Pending")
+    obj = scenario.wait_status(
+        lambda s, o: s.get("phase") == "Pending" and s.get("observedGeneration") == 1, "status Pending"
+    )
     status = obj["status"]
     assert status["endpoint"] == f"http://llama.{scenario.ns}.svc:8000"
     assert status["ready"] == "0/1" and status["readyReplicas"] == 0
@@ -114,12 +123,14 @@ def test_spec_changes_patch_the_deployment(scenario):
     scenario.wait_deployment()
 
     scenario.api.patch(KIND, scenario.ns, "llama", {"spec": {"blockSize": 32}})
-    scenario.wait_deployment(lambda d: flag_value(server_container(d)["args"], "--block-size") == "32",
-                             "--block-size 32")
+    scenario.wait_deployment(
+        lambda d: flag_value(server_container(d)["args"], "--block-size") == "32", "--block-size 32"
+    )
 
     scenario.api.patch(KIND, scenario.ns, "llama", {"spec": {"tensorParallelSize": 2}})
     dep = scenario.wait_deployment(
-        lambda d: server_container(d)["resources"]["limits"].get("nvidia.com/gpu") == 2, "2 GPUs")
+        lambda d: server_container(d)["resources"]["limits"].get("nvidia.com/gpu") == 2, "2 GPUs"
+    )
     container = server_container(dep)
     assert container["resources"]["requests"]["nvidia.com/gpu"] == 2
     assert flag_value(container["args"], "--tensor-parallel-size") == "2"
@@ -142,8 +153,9 @@ def test_deployment_deleted_by_hand_comes_back(scenario):
     first = scenario.wait_deployment()
 
     scenario.api.delete("Deployment", scenario.ns, "llama")
-    again = scenario.wait_deployment(lambda d: d["metadata"]["uid"] != first["metadata"]["uid"],
-                                     "a recreated Deployment")
+    again = scenario.wait_deployment(
+        lambda d: d["metadata"]["uid"] != first["metadata"]["uid"], "a recreated Deployment"
+    )
     assert server_container(again)["args"] == server_container(first)["args"]
     scenario.wait(lambda: [e for e in scenario.events() if e.get("reason") == "Recreating"], "a Recreating event")
 
@@ -153,8 +165,10 @@ def test_service_deleted_by_hand_comes_back(scenario):
     first = scenario.wait(lambda: scenario.get("Service"), "the Service")
 
     scenario.api.delete("Service", scenario.ns, "llama")
-    scenario.wait(lambda: (s := scenario.get("Service")) and s["metadata"]["uid"] != first["metadata"]["uid"],
-                  "a recreated Service")
+    scenario.wait(
+        lambda: (s := scenario.get("Service")) and s["metadata"]["uid"] != first["metadata"]["uid"],
+        "a recreated Service",
+    )
 
 
 def test_status_follows_deployment_readiness(scenario):
@@ -175,9 +189,17 @@ def test_status_follows_deployment_readiness(scenario):
     assert condition(obj, "Ready")["status"] == "True"
     assert condition(obj, "Progressing")["status"] == "False"
 
-    report(readyReplicas=0, conditions=[{"type": "Progressing", "status": "False",
-                                         "reason": "ProgressDeadlineExceeded",
-                                         "message": 'ReplicaSet "llama-1" has timed out progressing.'}])
+    report(
+        readyReplicas=0,
+        conditions=[
+            {
+                "type": "Progressing",
+                "status": "False",
+                "reason": "ProgressDeadlineExceeded",
+                "message": 'ReplicaSet "llama-1" has timed out progressing.',
+            }
+        ],
+    )
     obj = scenario.wait_status(lambda s, o: s.get("phase") == "Degraded", "Degraded")
     degraded = condition(obj, "Degraded")
     assert degraded["status"] == "True" and degraded["reason"] == "ProgressDeadlineExceeded"
@@ -198,8 +220,10 @@ def test_invalid_spec_becomes_degraded_and_recovers(scenario):
 
     scenario.api.patch(KIND, scenario.ns, "llama", {"spec": {"blockSize": 16}})
     scenario.wait_deployment()
-    scenario.wait_status(lambda s, o: s.get("phase") == "Pending" and condition(o, "Degraded")["status"] == "False",
-                         "recovered to Pending")
+    scenario.wait_status(
+        lambda s, o: s.get("phase") == "Pending" and condition(o, "Degraded")["status"] == "False",
+        "recovered to Pending",
+    )
 
 
 def test_extra_args_cannot_override_rendered_flags(scenario):
@@ -226,8 +250,9 @@ VERBS = {"list": "list", "watch": "watch", "fetch": "get", "create": "create", "
 
 def test_chart_rbac_grants_every_call_the_operator_made(cluster, helm_template):
     (role,) = [doc for doc in helm_template() if doc["kind"] == "ClusterRole"]
-    granted = {(g, r, v) for rule in role["rules"] for g in rule["apiGroups"] for r in rule["resources"]
-               for v in rule["verbs"]}
+    granted = {
+        (g, r, v) for rule in role["rules"] for g in rule["apiGroups"] for r in rule["resources"] for v in rule["verbs"]
+    }
     used = set()
     for request in cluster.operator_requests():
         resource = request.resource
@@ -237,8 +262,12 @@ def test_chart_rbac_grants_every_call_the_operator_made(cluster, helm_template):
         used.add((resource.group, plural, VERBS[request.action.value.lower()]))
     assert used - granted == set(), f"calls the chart's RBAC does not allow: {sorted(used - granted)}"
     # The module exercised the operator enough for this to mean something.
-    assert {("apps", "deployments", "patch"), ("pagedllm.dev", "pagedllms/status", "patch"),
-            ("", "events", "create"), ("pagedllm.dev", "pagedllms", "watch")} <= used
+    assert {
+        ("apps", "deployments", "patch"),
+        ("pagedllm.dev", "pagedllms/status", "patch"),
+        ("", "events", "create"),
+        ("pagedllm.dev", "pagedllms", "watch"),
+    } <= used
 
 
 def test_operator_logged_no_errors(operator):

@@ -12,8 +12,12 @@ NS = "restart"
 
 
 def pagedllm(name: str, **spec) -> dict:
-    return {"apiVersion": "pagedllm.dev/v1alpha1", "kind": "PagedLLM", "metadata": {"name": name, "namespace": NS},
-            "spec": {"model": "org/model", **spec}}
+    return {
+        "apiVersion": "pagedllm.dev/v1alpha1",
+        "kind": "PagedLLM",
+        "metadata": {"name": name, "namespace": NS},
+        "spec": {"model": "org/model", **spec},
+    }
 
 
 def block_size(api, name: str):
@@ -26,8 +30,11 @@ def block_size(api, name: str):
 
 def handled(api, name: str) -> bool:
     obj = api.get("PagedLLM", NS, name)
-    return bool(obj and "pagedllm.dev/last-handled-configuration" in obj["metadata"].get("annotations", {})
-                and (obj.get("status") or {}).get("phase"))
+    return bool(
+        obj
+        and "pagedllm.dev/last-handled-configuration" in obj["metadata"].get("annotations", {})
+        and (obj.get("status") or {}).get("phase")
+    )
 
 
 def test_restart_recreates_deleted_children_and_applies_missed_changes(cluster, api, tmp_path):
@@ -35,8 +42,11 @@ def test_restart_recreates_deleted_children_and_applies_missed_changes(cluster, 
         for name in ("steady", "edited"):
             api.create(pagedllm(name))
         for name in ("steady", "edited"):
-            wait_for(lambda name=name: handled(api, name) and block_size(api, name) == "16",
-                     what=f"{name} handled", on_timeout=first.log)
+            wait_for(
+                lambda name=name: handled(api, name) and block_size(api, name) == "16",
+                what=f"{name} handled",
+                on_timeout=first.log,
+            )
 
     # While no operator runs: a Deployment is deleted by hand, another resource is edited.
     api.delete("Deployment", NS, "steady")
@@ -45,5 +55,8 @@ def test_restart_recreates_deleted_children_and_applies_missed_changes(cluster, 
     with running_operator(cluster, tmp_path / "second") as second:
         wait_for(lambda: block_size(api, "steady") == "16", what="steady's Deployment back", on_timeout=second.log)
         wait_for(lambda: block_size(api, "edited") == "64", what="edited's missed change", on_timeout=second.log)
-        wait_for(lambda: (api.get("PagedLLM", NS, "edited").get("status") or {}).get("observedGeneration") == 2,
-                 what="observedGeneration 2", on_timeout=second.log)
+        wait_for(
+            lambda: (api.get("PagedLLM", NS, "edited").get("status") or {}).get("observedGeneration") == 2,
+            what="observedGeneration 2",
+            on_timeout=second.log,
+        )

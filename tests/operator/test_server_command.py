@@ -11,6 +11,7 @@ import argparse
 import dataclasses
 
 import pytest
+
 from pagedllm.operator.command import (
     ENGINE_FIELDS,
     OWNED_FLAGS,
@@ -21,10 +22,10 @@ from pagedllm.operator.command import (
     spec_attr,
 )
 from pagedllm.operator.spec import LOG_LEVELS, PagedLLMSpec, SpecError
-from pagedllm.server.entrypoints import serve
 from pagedllm.server.args import engine_kwargs, flag_for
-from pagedllm.server.entrypoints.cli import build_parser
 from pagedllm.server.config import EngineConfig
+from pagedllm.server.entrypoints import serve
+from pagedllm.server.entrypoints.cli import build_parser
 
 
 def run_as_container(args: list[str]) -> argparse.Namespace:
@@ -95,8 +96,9 @@ def test_booleans_render_both_ways(value, flag):
 
 def test_flags_come_from_flag_for():
     assert flag_for(ENGINE_FIELDS["blockSize"]) == "--block-size"
-    serve_flags = {opt for action in serve.add_server_args(argparse.ArgumentParser())._actions
-                   for opt in action.option_strings}
+    serve_flags = {
+        opt for action in serve.add_server_args(argparse.ArgumentParser())._actions for opt in action.option_strings
+    }
     assert set(SERVE_FIELDS.values()) | {"--host", "--api-key"} <= serve_flags
     for flag in OWNED_FLAGS:
         assert flag.startswith("--")
@@ -109,15 +111,18 @@ def test_extra_args_are_appended():
     assert run_as_container(args).num_gpu_blocks_override == 64
 
 
-@pytest.mark.parametrize("arg, owner", [
-    ("--block-size", "spec.blockSize"),
-    ("--block-size=64", "spec.blockSize"),
-    ("--no-enable-prefix-caching", "spec.enablePrefixCaching"),
-    ("--port", "spec.port"),
-    ("--api-key", "spec.apiKeySecret"),
-    ("--host", "the operator"),
-    ("--model", "spec.model"),
-])
+@pytest.mark.parametrize(
+    "arg, owner",
+    [
+        ("--block-size", "spec.blockSize"),
+        ("--block-size=64", "spec.blockSize"),
+        ("--no-enable-prefix-caching", "spec.enablePrefixCaching"),
+        ("--port", "spec.port"),
+        ("--api-key", "spec.apiKeySecret"),
+        ("--host", "the operator"),
+        ("--model", "spec.model"),
+    ],
+)
 def test_extra_args_cannot_set_owned_flags(arg, owner):
     spec = PagedLLMSpec.from_dict({"model": "m", "extraArgs": [arg, "x"]})
     with pytest.raises(SpecError, match="set that instead") as info:

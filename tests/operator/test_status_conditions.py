@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from pagedllm.operator.handlers import APPLY_REFUSED, refresh_status
 from pagedllm.operator.manifests import GENERATION_ANNOTATION, RenderConfig
 from pagedllm.operator.status import Problem, status_from
@@ -21,8 +22,13 @@ def resource(replicas: int = 2, generation: int = 4, status: dict | None = None,
 def deployment(ready=0, updated=0, replicas=0, generation=1, observed=1, applied=4, conditions=()) -> dict:
     return {
         "metadata": {"generation": generation, "annotations": {GENERATION_ANNOTATION: str(applied)}},
-        "status": {"readyReplicas": ready, "updatedReplicas": updated, "replicas": replicas,
-                   "observedGeneration": observed, "conditions": list(conditions)},
+        "status": {
+            "readyReplicas": ready,
+            "updatedReplicas": updated,
+            "replicas": replicas,
+            "observedGeneration": observed,
+            "conditions": list(conditions),
+        },
     }
 
 
@@ -30,19 +36,43 @@ def conditions(status: dict) -> dict:
     return {c["type"]: c for c in status["conditions"]}
 
 
-@pytest.mark.parametrize("dep, phase, reason", [
-    (None, "Pending", "DeploymentMissing"),
-    (deployment(), "Pending", "WaitingForReplicas"),
-    (deployment(ready=1, updated=2, replicas=2), "Progressing", "RollingOut"),
-    (deployment(ready=2, updated=1, replicas=3), "Progressing", "RollingOut"),
-    (deployment(ready=2, updated=2, replicas=2), "Ready", "AllReplicasReady"),
-    (deployment(ready=2, updated=2, replicas=2, generation=2, observed=1), "Progressing", "RollingOut"),
-    (deployment(ready=2, updated=2, replicas=2, conditions=[
-        {"type": "Progressing", "status": "False", "reason": "ProgressDeadlineExceeded", "message": "slow"}]),
-     "Degraded", "ProgressDeadlineExceeded"),
-    (deployment(conditions=[{"type": "ReplicaFailure", "status": "True", "reason": "FailedCreate",
-                             "message": "exceeded quota: gpus"}]), "Degraded", "FailedCreate"),
-])
+@pytest.mark.parametrize(
+    "dep, phase, reason",
+    [
+        (None, "Pending", "DeploymentMissing"),
+        (deployment(), "Pending", "WaitingForReplicas"),
+        (deployment(ready=1, updated=2, replicas=2), "Progressing", "RollingOut"),
+        (deployment(ready=2, updated=1, replicas=3), "Progressing", "RollingOut"),
+        (deployment(ready=2, updated=2, replicas=2), "Ready", "AllReplicasReady"),
+        (deployment(ready=2, updated=2, replicas=2, generation=2, observed=1), "Progressing", "RollingOut"),
+        (
+            deployment(
+                ready=2,
+                updated=2,
+                replicas=2,
+                conditions=[
+                    {"type": "Progressing", "status": "False", "reason": "ProgressDeadlineExceeded", "message": "slow"}
+                ],
+            ),
+            "Degraded",
+            "ProgressDeadlineExceeded",
+        ),
+        (
+            deployment(
+                conditions=[
+                    {
+                        "type": "ReplicaFailure",
+                        "status": "True",
+                        "reason": "FailedCreate",
+                        "message": "exceeded quota: gpus",
+                    }
+                ]
+            ),
+            "Degraded",
+            "FailedCreate",
+        ),
+    ],
+)
 def test_phase_follows_the_deployment(dep, phase, reason):
     status = status_from(resource(), dep, now=T0)
     assert status["phase"] == phase
@@ -96,8 +126,9 @@ def test_transition_time_moves_only_when_a_status_flips():
 
 
 def test_odd_specs_do_not_break_status():
-    status = status_from({"metadata": {"name": "x", "namespace": "y"}, "spec": {"replicas": "two", "port": None}},
-                         None, now=T0)
+    status = status_from(
+        {"metadata": {"name": "x", "namespace": "y"}, "spec": {"replicas": "two", "port": None}}, None, now=T0
+    )
     assert status["ready"] == "0/1" and status["endpoint"] == "http://x.y.svc:8000"
 
 
