@@ -174,9 +174,14 @@ class SchedulerConfig:
 @dataclass(frozen=True)
 class ParallelConfig:
     tensor_parallel_size: int = field(default=1, metadata=_help("Number of ranks the model is split over."))
+    cpu_threads: int | None = field(
+        default=None,
+        metadata=_help("torch's intra-op threads; default: OMP_NUM_THREADS, else the CPUs the cgroup quota allows."),
+    )
 
     def __post_init__(self) -> None:
         check_range("tensor_parallel_size", self.tensor_parallel_size, 1)
+        check_range("cpu_threads", self.cpu_threads, 1)
 
 
 SUB_CONFIGS = (ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig)

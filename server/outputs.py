@@ -37,3 +37,5 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, Logprob] | None] | None
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
+    error: str | None = None
+    """Why the request failed inside the engine (it is then finished); None when it did not."""

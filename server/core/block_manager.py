@@ -20,7 +20,7 @@ import struct
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
-from pagedllm.server.core.block_pool import BlockHash, BlockPool
+from pagedllm.server.core.block_pool import BlockContent, BlockHash, BlockIdent, BlockPool
 from pagedllm.server.core.sequence import Sequence, SequenceGroup, SequenceStatus
 
 
@@ -54,6 +54,11 @@ def block_hash(parent: BlockHash | None, token_ids: Seq[int]) -> BlockHash:
     return digest.digest()
 
 
+def salt_digest(cache_salt: str | None) -> bytes:
+    """What a sequence's first block hangs from: nothing, or its cache salt's digest."""
+    return hashlib.sha256(b"cache_salt:" + cache_salt.encode()).digest() if cache_salt is not None else b""
+
+
 def _blocks_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
@@ -83,22 +88,35 @@ class BlockManager:
         self.num_copy_on_writes = 0
 
     # -- hashing ------------------------------------------------------------------------
-    def _chain_hashes(self, token_ids: list[int], num_blocks: int, start: list[BlockHash]) -> list[BlockHash]:
+    def _chain_hashes(self, seq: Sequence, num_blocks: int, start: list[BlockHash]) -> list[BlockHash]:
         hashes = list(start)
-        bs = self.block_size
+        bs, tokens = self.block_size, seq.token_ids
         for i in range(len(hashes), num_blocks):
-            parent = hashes[-1] if hashes else None
-            hashes.append(block_hash(parent, token_ids[i * bs : (i + 1) * bs]))
+            parent = hashes[-1] if hashes else salt_digest(seq.cache_salt)
+            hashes.append(block_hash(parent, tokens[i * bs : (i + 1) * bs]))
         return hashes
 
-    def _cacheable_prefix(self, seq: Sequence) -> list[BlockHash]:
-        """Hashes of the full blocks a prompt may take from the cache.
+    def _content(self, seq: Sequence, index: int, parent: BlockIdent | None) -> BlockContent:
+        bs = self.block_size
+        tokens = tuple(seq.token_ids[index * bs : (index + 1) * bs])
+        return BlockContent(parent if parent is not None else salt_digest(seq.cache_salt), tokens)
+
+    def _cached_prefix(self, seq: Sequence) -> tuple[list[BlockHash], list[int]]:
+        """The longest run of the prompt's full blocks found in the cache: their hashes and blocks.
 
         NOTE: at least one token is always left to compute, so the step yields logits.
         """
         if not self.enable_prefix_caching:
-            return []
-        return self._chain_hashes(seq.token_ids, (len(seq) - 1) // self.block_size, [])
+            return [], []
+        hashes = self._chain_hashes(seq, (len(seq) - 1) // self.block_size, [])
+        blocks: list[int] = []
+        for i, key in enumerate(hashes):
+            parent = self.gpu.ident(blocks[-1]) if blocks else None
+            block = self.gpu.cached_block(key, self._content(seq, i, parent))
+            if block is None:
+                break
+            blocks.append(block)
+        return hashes[: len(blocks)], blocks
 
     # -- allocation ---------------------------------------------------------------------
     def can_allocate(self, group: SequenceGroup, use_cache: bool = True) -> AllocStatus:
@@ -106,29 +124,20 @@ class BlockManager:
         for seq in group.get_seqs(SequenceStatus.WAITING):
             needed += _blocks_for(len(seq), self.block_size)
             if use_cache:
-                hashes = self._cacheable_prefix(seq)
-                needed -= sum(1 for h in hashes if self._in_use_cached(h))
+                _, cached = self._cached_prefix(seq)
+                needed -= sum(1 for block in cached if self.gpu.ref_counts[block] > 0)
         if needed > self.gpu.num_blocks - self.watermark_blocks:
             return AllocStatus.NEVER
         if self.gpu.num_free - needed >= self.watermark_blocks:
             return AllocStatus.OK
         return AllocStatus.LATER
 
-    def _in_use_cached(self, key: BlockHash) -> bool:
-        block = self.gpu.cached_block(key)
-        return block is not None and self.gpu.ref_counts[block] > 0
-
     def allocate(self, seq: Sequence, use_cache: bool = True) -> None:
         """Give a waiting sequence blocks for all its tokens, reusing cached prefix blocks."""
         assert seq.seq_id not in self.tables, f"sequence {seq.seq_id} already has blocks"
-        table: list[int] = []
-        hashes = self._cacheable_prefix(seq) if use_cache else []
-        for h in hashes:
-            block = self.gpu.take_cached(h)
-            if block is None:
-                break
-            table.append(block)
-        hashes = hashes[: len(table)]
+        hashes, table = self._cached_prefix(seq) if use_cache else ([], [])
+        for block in table:
+            self.gpu.take_cached(block)
         if self.enable_prefix_caching:
             self.prefix_cache_queries += len(seq)
             self.prefix_cache_hits += len(table) * self.block_size
@@ -200,10 +209,13 @@ class BlockManager:
         num_full = seq.num_computed_tokens // self.block_size
         if num_full <= len(hashes):
             return
-        hashes[:] = self._chain_hashes(seq.token_ids, num_full, hashes)
-        table = self.tables[seq.seq_id]
-        for i in range(num_full):
-            self.gpu.register(table[i], hashes[i])
+        hashes[:] = self._chain_hashes(seq, num_full, hashes)
+        self._register(seq, self.tables[seq.seq_id], hashes)
+
+    def _register(self, seq: Sequence, table: list[int], hashes: list[BlockHash]) -> None:
+        for i, key in enumerate(hashes):
+            parent = self.gpu.ident(table[i - 1]) if i else None
+            self.gpu.register(table[i], key, self._content(seq, i, parent))
 
     # -- swapping -----------------------------------------------------------------------
     def _unique_blocks(self, group: SequenceGroup, status: SequenceStatus) -> list[int]:
@@ -231,9 +243,7 @@ class BlockManager:
         """Move the group's swapped sequences back to device blocks: (host, device) pairs."""
         mapping = self._move(group, SequenceStatus.SWAPPED, self.cpu, self.gpu)
         for seq in group.get_seqs(SequenceStatus.SWAPPED):
-            hashes, table = self._hashes[seq.seq_id], self.tables[seq.seq_id]
-            for block, block_hash in zip(table, hashes):
-                self.gpu.register(block, block_hash)
+            self._register(seq, self.tables[seq.seq_id], self._hashes[seq.seq_id])
         return mapping
 
     def _move(
@@ -256,6 +266,20 @@ class BlockManager:
         return list(mapping.items())
 
     # -- inspection ---------------------------------------------------------------------
+    def check_invariants(self) -> list[str]:
+        """What is wrong with the bookkeeping, if anything: every reference count must equal
+        the number of tables holding the block, and every block must be free, evictable or
+        in use, exactly one of them."""
+        problems = []
+        for pool, host in ((self.gpu, False), (self.cpu, True)):
+            held = [0] * pool.num_blocks
+            for seq_id, table in self.tables.items():
+                if (seq_id in self._on_host) == host:
+                    for block in table:
+                        held[block] += 1
+            problems += pool.check_invariants(held)
+        return problems
+
     def block_table(self, seq: Sequence) -> list[int]:
         return self.tables[seq.seq_id]
 

@@ -6,6 +6,12 @@ prefix cache: then it is *evictable*, keeps its contents and its hash, and can b
 handed to a new request that asks for the same hash. Evictable blocks are reused in
 least-recently-freed order only when the free list is empty.
 
+NOTE: a cache hit is never taken on the hash alone. Each registered block records its
+:class:`BlockContent` (its tokens and what precedes them) and a lookup must present the
+same content, so even a colliding hash cannot hand one prompt's KV to another. A block's
+*generation* counts its allocations: a child that names its parent as (block,
+generation) stops matching once that parent block is reused for other tokens.
+
     free list:   [7, 9, 2]           never cached, contents meaningless
     evictable:   {4: h(..), 1: h(..)} oldest first, contents valid, ref 0
     in use:      ref >= 1
@@ -14,9 +20,21 @@ least-recently-freed order only when the free list is empty.
 from __future__ import annotations
 
 from collections import OrderedDict, deque
+from dataclasses import dataclass
 
 BlockHash = bytes
 """A full block's prefix-cache key (see :func:`pagedllm.server.core.block_manager.block_hash`)."""
+BlockIdent = tuple[int, int]
+"""(block, generation): one use of a physical block, distinct from its later reuses."""
+
+
+@dataclass(frozen=True)
+class BlockContent:
+    """What a full cached block holds, compared on every hit."""
+
+    parent: BlockIdent | bytes
+    """The block before it, or for a sequence's first block the digest of its cache salt."""
+    token_ids: tuple[int, ...]
 
 
 class BlockPool:
@@ -30,6 +48,8 @@ class BlockPool:
         self._evictable: OrderedDict[int, None] = OrderedDict()
         self._hash_to_block: dict[BlockHash, int] = {}
         self._block_to_hash: dict[int, BlockHash] = {}
+        self._content: dict[int, BlockContent] = {}
+        self._generation = [0] * num_blocks
 
     @property
     def num_free(self) -> int:
@@ -43,10 +63,15 @@ class BlockPool:
         elif self._evictable:
             block, _ = self._evictable.popitem(last=False)
             del self._hash_to_block[self._block_to_hash.pop(block)]
+            del self._content[block]
         else:
             raise RuntimeError("no free KV block: callers must check capacity first")
         self.ref_counts[block] = 1
+        self._generation[block] += 1
         return block
+
+    def ident(self, block: int) -> BlockIdent:
+        return block, self._generation[block]
 
     def incref(self, block: int) -> None:
         assert self.ref_counts[block] > 0, f"block {block} is not in use"
@@ -62,26 +87,45 @@ class BlockPool:
                 self._free.append(block)
 
     # -- prefix cache -------------------------------------------------------------------
-    def cached_block(self, block_hash: BlockHash) -> int | None:
-        """The registered block holding ``block_hash``, without taking it."""
-        return self._hash_to_block.get(block_hash)
-
-    def take_cached(self, block_hash: BlockHash) -> int | None:
-        """Take a reference to the cached block for ``block_hash``, if there is one."""
+    def cached_block(self, block_hash: BlockHash, content: BlockContent) -> int | None:
+        """The registered block for ``block_hash`` if it holds exactly ``content``, without taking it."""
         block = self._hash_to_block.get(block_hash)
-        if block is None:
+        if block is None or self._content[block] != content:
             return None
+        return block
+
+    def take_cached(self, block: int) -> None:
+        """Take a reference to a block :meth:`cached_block` returned (reviving it if evictable)."""
+        assert block in self._block_to_hash, f"block {block} is not cached"
         if self.ref_counts[block] == 0:
             del self._evictable[block]
         self.ref_counts[block] += 1
-        return block
 
-    def register(self, block: int, block_hash: BlockHash) -> None:
-        """Record that ``block`` (full, computed) holds the tokens hashed by ``block_hash``."""
+    def register(self, block: int, block_hash: BlockHash, content: BlockContent) -> None:
+        """Record that ``block`` (full, computed) holds ``content``, hashed by ``block_hash``."""
         if not self.enable_caching or block_hash in self._hash_to_block or block in self._block_to_hash:
             return
         self._hash_to_block[block_hash] = block
         self._block_to_hash[block] = block_hash
+        self._content[block] = content
+
+    def check_invariants(self, held: list[int]) -> list[str]:
+        """Problems with the pool given ``held[b]``, the number of block tables holding block b."""
+        name = f"pool of {self.num_blocks}"
+        problems = [
+            f"{name}: block {b} has {c} references but {h} tables hold it"
+            for b, (c, h) in enumerate(zip(self.ref_counts, held))
+            if c != h
+        ]
+        idle = list(self._free) + list(self._evictable)
+        if len(set(idle)) != len(idle):
+            problems.append(f"{name}: a block is listed twice among free and evictable blocks")
+        busy = [b for b in idle if self.ref_counts[b] != 0]
+        if busy:
+            problems.append(f"{name}: blocks {busy[:5]} are free yet referenced")
+        if len(idle) + sum(1 for c in self.ref_counts if c > 0) != self.num_blocks:
+            problems.append(f"{name}: free, evictable and in-use blocks do not add up to {self.num_blocks}")
+        return problems
 
     @property
     def num_cached(self) -> int:

@@ -52,6 +52,8 @@ class Sequence:
     output_logprobs: list[Logprobs] = field(default_factory=list)
     output_text: str = ""
     stop_reason: StopReason = None
+    cache_salt: str | None = None
+    """Prefix-cache blocks are shared only between sequences with the same salt (one per tenant)."""
     # Incremental detokenization offsets into ``token_ids``.
     prefix_offset: int = 0
     read_offset: int = 0
@@ -107,6 +109,7 @@ class Sequence:
             list(self.output_logprobs),
             self.output_text,
             self.stop_reason,
+            self.cache_salt,
         )
         child.prefix_offset, child.read_offset = self.prefix_offset, self.read_offset
         return child

@@ -24,11 +24,11 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from pagedllm.server.config import ConfigError, EngineConfig
-from pagedllm.server.engine.commands import AbortRequests, AddRequest, CallEngine, Command, Wake, execute, reject
+from pagedllm.server.engine.commands import AbortRequests, AddRequest, CallEngine, Command, Wake, execute, reject_all
 from pagedllm.server.engine.input_processor import PromptType
 from pagedllm.server.engine.llm_engine import EngineStats, LLMEngine
 from pagedllm.server.engine.model_info import ModelInfo, load_tokenizer
-from pagedllm.server.engine.request_stream import EngineDeadError, RequestStream, StepTimes
+from pagedllm.server.engine.request_stream import EngineDeadError, RequestFailedError, RequestStream, StepTimes
 from pagedllm.server.outputs import RequestOutput
 from pagedllm.server.sampling_params import SamplingParams
 
@@ -114,7 +114,7 @@ class AsyncLLMEngine:
         self._commands.put(Wake())
         if self._thread is not None:
             await asyncio.get_running_loop().run_in_executor(None, self._thread.join, timeout)
-        self._reject_pending(EngineDeadError("the server is shutting down"))
+        reject_all(self._commands, EngineDeadError("the server is shutting down"))
         self._fail_all(EngineDeadError("the server is shutting down"))
 
     # -- requests -----------------------------------------------------------------------
@@ -270,25 +270,20 @@ class AsyncLLMEngine:
             if self.observer is not None:
                 self.observer(stream, output, times)
             stream.scheduled = True
-            stream.put(output)
+            if output.error is not None:
+                stream.fail(RequestFailedError(f"request {output.request_id} failed: {output.error}"))
+            else:
+                stream.put(output)
             if output.finished:
                 del self._streams[output.request_id]
 
     def _die(self, exc: BaseException) -> None:
         self.error = exc
-        self._reject_pending(EngineDeadError(f"the engine failed: {exc!r}"))
+        reject_all(self._commands, EngineDeadError(f"the engine failed: {exc!r}"))
         if self._loop is None or self._loop.is_closed() or self._loaded is None:
             return
         self._loop.call_soon_threadsafe(self._fail_all, EngineDeadError(f"the engine failed: {exc!r}"))
         self._loop.call_soon_threadsafe(_reject, self._loaded, exc)
-
-    def _reject_pending(self, error: BaseException) -> None:
-        while True:
-            try:
-                command = self._commands.get_nowait()
-            except queue.Empty:
-                return
-            reject(command, error)
 
     def _fail_all(self, error: BaseException) -> None:
         for stream in self._streams.values():

@@ -7,6 +7,7 @@ thread drains the queue between steps, so an abort frees blocks before the next 
 from __future__ import annotations
 
 import concurrent.futures
+import queue
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -61,6 +62,16 @@ def reject(command: Command, error: BaseException) -> None:
     """Fail a command that will never run (the engine stopped); its waiter gets ``error``."""
     if isinstance(command, (AddRequest, CallEngine)) and command.done.set_running_or_notify_cancel():
         command.done.set_exception(error)
+
+
+def reject_all(commands: queue.SimpleQueue[Command], error: BaseException) -> None:
+    """Fail every command still queued (the engine thread is gone)."""
+    while True:
+        try:
+            command = commands.get_nowait()
+        except queue.Empty:
+            return
+        reject(command, error)
 
 
 def _run_into(done: concurrent.futures.Future[Any], fn: Callable[..., Any], *args: Any) -> None:

@@ -7,6 +7,7 @@ its own parameters.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -15,14 +16,18 @@ from pagedllm.server.config import ConfigError
 from pagedllm.server.sampling_params import SamplingParams
 
 PromptType = str | dict | list
-"""A string, ``{"prompt": str}``, ``{"prompt_token_ids": [...], "prompt": optional text}``."""
+"""A string, token ids, or a dict: ``{"prompt": str}`` or ``{"prompt_token_ids": [...], "prompt": optional
+text}``, either with an optional ``"cache_salt": str`` (prefix-cache blocks are shared only within a salt)."""
 MAX_LOGPROBS = 20
+MAX_STOP_STRINGS = 32
+MAX_STOP_STRING_CHARS = 512
 
 
 @dataclass(frozen=True)
 class ProcessedPrompt:
     text: str | None
     token_ids: list[int]
+    cache_salt: str | None = None
 
 
 def check_token_ids(ids: Sequence[Any], field: str, vocab_size: int) -> None:
@@ -55,6 +60,12 @@ class InputProcessor:
         return processed
 
     def encode(self, prompt: PromptType) -> ProcessedPrompt:
+        if isinstance(prompt, dict) and prompt.get("cache_salt") is not None:
+            salt = prompt["cache_salt"]
+            if not isinstance(salt, str) or not salt:
+                raise ConfigError("cache_salt", salt, "a non-empty string", problem="is invalid")
+            rest = {k: v for k, v in prompt.items() if k != "cache_salt"}
+            return dataclasses.replace(self.encode(rest), cache_salt=salt)
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             return ProcessedPrompt(prompt.get("prompt"), list(prompt["prompt_token_ids"]))
         if isinstance(prompt, dict) and "prompt" in prompt:
@@ -96,6 +107,32 @@ class InputProcessor:
             if value is not None and value > MAX_LOGPROBS:
                 raise ConfigError(name, value, f"at most {MAX_LOGPROBS}", problem="is too large")
         check_token_ids(params.stop_token_ids, "stop_token_ids", self.vocab_size)
+        # NOTE: every new token is searched for every stop string: bound the work one request can ask for.
+        if len(params.stop_list) > MAX_STOP_STRINGS:
+            raise ConfigError(
+                "stop",
+                f"{len(params.stop_list)} strings",
+                f"at most {MAX_STOP_STRINGS}",
+                problem="has too many strings",
+                subject=f"{{name}} of {len(params.stop_list)} strings",
+            )
+        if len(params.stop_token_ids) > MAX_STOP_STRINGS:
+            raise ConfigError(
+                "stop_token_ids",
+                len(params.stop_token_ids),
+                f"at most {MAX_STOP_STRINGS}",
+                problem="has too many ids",
+                subject=f"{{name}} of {len(params.stop_token_ids)} ids",
+            )
+        longest = max(params.stop_list, key=len, default="")
+        if len(longest) > MAX_STOP_STRING_CHARS:
+            raise ConfigError(
+                "stop",
+                f"{longest[:20]}...",
+                f"at most {MAX_STOP_STRING_CHARS} characters",
+                problem="is too long",
+                subject=f"{{name}} string of {len(longest)} characters",
+            )
         if params.best_of > self.max_num_seqs:
             raise ConfigError(
                 "best_of",

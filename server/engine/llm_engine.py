@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -19,17 +20,21 @@ import torch
 
 from pagedllm.server.config import ConfigError, EngineConfig
 from pagedllm.server.core.block_manager import BlockManager
-from pagedllm.server.core.scheduler import Scheduler
-from pagedllm.server.core.sequence import Sequence, SequenceGroup
+from pagedllm.server.core.scheduler import Scheduler, SchedulerOutput
+from pagedllm.server.core.sequence import Sequence, SequenceGroup, SequenceStatus
 from pagedllm.server.engine.beam_search import BeamSearch, BeamState
+from pagedllm.server.engine.faults import EngineFatalError, FaultInjector, StepFailureWindow
 from pagedllm.server.engine.input_processor import InputProcessor, PromptType
 from pagedllm.server.engine.model_info import ModelInfo, load_tokenizer, read_model_info
 from pagedllm.server.engine.output_processor import OutputProcessor
-from pagedllm.server.engine.sampler import Sample, Sampler, SampleRequest, top_logprobs
+from pagedllm.server.engine.sampler import Sampler
+from pagedllm.server.engine.step_results import RequestState, StepResults
 from pagedllm.server.outputs import RequestOutput
 from pagedllm.server.sampling_params import SamplingParams
 from pagedllm.server.worker.model_loader import read_hf_config
-from pagedllm.server.worker.model_runner import ModelRunner, StepResult
+from pagedllm.server.worker.model_runner import ModelRunner
+
+logger = logging.getLogger("pagedllm.engine")
 
 
 @dataclass
@@ -50,17 +55,6 @@ class EngineStats:
     blocks_unshared: int
     sharing_saving: float
     num_copy_on_writes: int
-
-
-@dataclass
-class RequestState:
-    """What the engine keeps per request beside the scheduler's :class:`SequenceGroup`."""
-
-    group: SequenceGroup
-    generator: torch.Generator | None = None
-    """The request's own random generator when it has a seed."""
-    beam: BeamState | None = None
-    """Hypotheses so far, for beam search requests."""
 
 
 class LLMEngine:
@@ -92,8 +86,28 @@ class LLMEngine:
         self.input_processor = InputProcessor(self.tokenizer, info.vocab_size, limit, config.scheduler.max_num_seqs)
         self.output_processor = OutputProcessor(self.tokenizer, info.eos_token_ids, limit)
         self._seq_ids = itertools.count()
-        self.beam_search = BeamSearch(self.block_manager, self.output_processor, self._next_seq_id)
         self._requests: dict[str, RequestState] = {}
+        self._num_steps = 0
+        self.step_failures = StepFailureWindow()
+        beam_search = BeamSearch(self.block_manager, self.output_processor, self._next_seq_id)
+        self.step_results = StepResults(
+            self.sampler,
+            self.output_processor,
+            beam_search,
+            self.block_manager,
+            self._requests,
+            self._next_seq_id,
+            FaultInjector.from_env(),
+        )
+
+    @property
+    def faults(self) -> FaultInjector | None:
+        """Test-only fault injection (``PAGEDLLM_INJECT_FAULTS``); None in normal use."""
+        return self.step_results.faults
+
+    @faults.setter
+    def faults(self, value: FaultInjector | None) -> None:
+        self.step_results.faults = value
 
     @property
     def max_model_len(self) -> int:
@@ -129,9 +143,10 @@ class LLMEngine:
             raise ConfigError("request_id", request_id, "give each request its own id", problem="is already in use")
         params = sampling_params
         processed = self.input_processor.process(prompt, params)
+        seq = Sequence(self._next_seq_id(), processed.token_ids, cache_salt=processed.cache_salt)
         group = SequenceGroup(
             request_id,
-            [Sequence(self._next_seq_id(), processed.token_ids)],
+            [seq],
             params,
             prompt=processed.text,
             arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
@@ -151,84 +166,58 @@ class LLMEngine:
 
     # -- the step -----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one iteration; return the outputs of every request it advanced."""
+        """Run one iteration; return the outputs of every request it advanced.
+
+        NOTE: a failure in one request's work (sampling, stop checks, text, logprobs, beam
+        bookkeeping) fails that request alone; a failed model step fails the step's
+        requests. Either way their blocks are freed and the engine goes on, unless the
+        bookkeeping no longer adds up or steps keep failing (:class:`EngineFatalError`).
+        """
         out = self.scheduler.schedule()
         touched = {id(g): g for g in out.ignored}
+        failed: dict[str, str] = {}
         if not out.is_empty:
-            result = self.runner.execute(out, self.block_manager.tables)
-            self.scheduler.mark_computed(out)
-            self._record_prompt_logprobs(result)
-            self._process_samples(result)
+            self._num_steps += 1
             touched.update((id(item.group), item.group) for item in out.scheduled)
+            try:
+                if self.faults is not None:
+                    self.faults.check_step(self._num_steps)
+                result = self.runner.execute(out, self.block_manager.tables)
+            except Exception as exc:
+                self._model_step_failed(out, exc, failed, touched)
+            else:
+                self.scheduler.mark_computed(out)
+                self.step_results.apply(result, failed)
+        if failed:
+            self.scheduler.abort(failed)
+            self._check_invariants()
         self.scheduler.free_finished()
-        outputs = [self.output_processor.request_output(g) for g in touched.values()]
-        for output in outputs:
+        outputs = []
+        for group in touched.values():
+            output = self.output_processor.request_output(group)
+            output.error = failed.get(group.request_id)
             if output.finished:
                 self._requests.pop(output.request_id, None)
+            outputs.append(output)
         return outputs
 
-    def _process_samples(self, result: StepResult) -> None:
-        rows = result.inputs.sample_rows
-        now = time.monotonic()
-        beam_rows: dict[str, list[int]] = {}
-        sampled = []
-        for i, row in enumerate(rows):
-            if row.group.first_token_time is None:
-                row.group.first_token_time = now
-            if row.group.sampling_params.use_beam_search:
-                beam_rows.setdefault(row.group.request_id, []).append(i)
-            else:
-                sampled.append(i)
-        if sampled:
-            requests = [self._sample_request(rows[i].group, rows[i].seq) for i in sampled]
-            samples = self.sampler(result.logits[sampled], requests)
-            for i, sample in zip(sampled, samples):
-                self._append(rows[i].group, rows[i].seq, sample)
-        for request_id, indices in beam_rows.items():
-            state = self._requests[request_id]
-            assert state.beam is not None
-            self.beam_search.step(state.group, state.beam, [rows[i].seq for i in indices], result.logits[indices])
+    def _model_step_failed(
+        self, out: SchedulerOutput, error: Exception, failed: dict[str, str], touched: dict[int, SequenceGroup]
+    ) -> None:
+        logger.error("model step %d failed: %r", self._num_steps, error, exc_info=error)
+        for item in out.scheduled:
+            failed[item.group.request_id] = f"the model step failed: {error!r}"
+        # NOTE: groups swapped out for this step may hold host blocks that were never filled.
+        for group in out.preempted:
+            if any(seq.status == SequenceStatus.SWAPPED for seq in group.seqs):
+                failed[group.request_id] = f"the model step that swapped it out failed: {error!r}"
+                touched[id(group)] = group
+        self.step_failures.record(error)
 
-    def _sample_request(self, group: SequenceGroup, seq: Sequence) -> SampleRequest:
-        first = len(group.seqs) == 1 and not seq.output_token_ids
-        return SampleRequest(
-            group.sampling_params,
-            seq.prompt_token_ids,
-            seq.output_token_ids,
-            num_samples=group.sampling_params.best_of if first else 1,
-            generator=self._requests[group.request_id].generator,
-            eos_token_ids=self.output_processor.eos_token_ids,
-        )
-
-    def _append(self, group: SequenceGroup, seq: Sequence, sample: Sample) -> None:
-        """Append the sampled token; the group's first sample forks the other ``best_of - 1``."""
-        params = group.sampling_params
-        for i in range(1, len(sample.token_ids)):
-            child = seq.fork(self._next_seq_id())
-            self.block_manager.fork(seq, child)
-            group.seqs.append(child)
-            self.output_processor.append_token(
-                child, sample.token_ids[i], sample.logprobs[i], sample.top_logprobs[i], params
-            )
-        self.output_processor.append_token(seq, sample.token_ids[0], sample.logprobs[0], sample.top_logprobs[0], params)
-
-    def _record_prompt_logprobs(self, result: StepResult) -> None:
-        rows = result.inputs.prompt_rows
-        if not rows:
-            return
-        assert result.prompt_logits is not None
-        logprobs = torch.log_softmax(result.prompt_logits.float().cpu(), dim=-1)
-        index = 0
-        for row in rows:
-            group = row.group
-            if not group.prompt_logprobs:
-                group.prompt_logprobs = [None]  # the first prompt token has no logprob
-            for position in row.prompt_positions:
-                token = row.seq.prompt_token_ids[position]
-                group.prompt_logprobs.append(
-                    top_logprobs(logprobs[index], token, group.sampling_params.prompt_logprobs)
-                )
-                index += 1
+    def _check_invariants(self) -> None:
+        problems = self.block_manager.check_invariants()
+        if problems:
+            raise EngineFatalError("the KV block bookkeeping is broken: " + "; ".join(problems[:3]))
 
     def warm_up(self, max_steps: int = 100) -> None:
         """Run one real one-token request, so a caller knows the model has run."""

@@ -13,6 +13,10 @@ class EngineDeadError(RuntimeError):
     """The engine thread stopped (it failed, or the server is shutting down)."""
 
 
+class RequestFailedError(RuntimeError):
+    """This request failed inside the engine; the engine itself goes on serving the others."""
+
+
 @dataclass
 class StepTimes:
     """When the step that produced an output started and ended (``time.monotonic``)."""

@@ -16,14 +16,18 @@ import time
 
 from pagedllm.server.args import add_engine_args, as_flag_error, engine_config_from_args
 from pagedllm.server.config import ConfigError
+from pagedllm.server.entrypoints.openai.settings import CACHE_SALT_POLICIES, DEFAULT_MAX_BODY_BYTES
 
 API_KEY_ENV = "PAGEDLLM_API_KEY"
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 SERVER_FLAGS = {  # ServerSettings field -> flag, for error messages
-    "max_queue_len": "--max-queue-len",
+    "max_queue_len": "--max-waiting-requests",
+    "request_timeout": "--request-timeout",
+    "max_body_bytes": "--max-request-body-bytes",
     "drain_timeout": "--drain-timeout",
     "api_key": "--api-key",
 }
+
 logger = logging.getLogger("pagedllm.serve")
 
 
@@ -58,10 +62,34 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help=f"Require `Authorization: Bearer KEY` on /v1/* (default: ${API_KEY_ENV}, else none).",
     )
     group.add_argument(
+        "--max-waiting-requests",
         "--max-queue-len",
+        dest="max_queue_len",
         type=int,
         default=None,
-        help="Most requests waiting to be scheduled; more get 503 + Retry-After (default: unbounded).",
+        help="Most requests waiting to be scheduled; more get 503 + Retry-After and count in "
+        "pagedllm:requests_rejected_total (default: 4 x --max-num-seqs). /ready stays 200 meanwhile: "
+        "overload is not ill health.",
+    )
+    group.add_argument(
+        "--request-timeout",
+        type=float,
+        default=None,
+        help="Seconds a request may run before it is aborted with 504 (default: no limit).",
+    )
+    group.add_argument(
+        "--max-request-body-bytes",
+        dest="max_body_bytes",
+        type=int,
+        default=DEFAULT_MAX_BODY_BYTES,
+        help=f"Largest request body accepted; larger ones get 413 (default: {DEFAULT_MAX_BODY_BYTES}).",
+    )
+    group.add_argument(
+        "--cache-salt-policy",
+        choices=CACHE_SALT_POLICIES,
+        default="optional",
+        help="Prefix-cache isolation between tenants: requests may give `cache_salt` (optional), must "
+        "(required), or get one derived from their API key (api-key) (default: optional).",
     )
     group.add_argument(
         "--drain-timeout",
@@ -80,7 +108,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 def settings_from_args(args: argparse.Namespace):
     """:class:`ServerSettings` from parsed flags; a bad value raises ``ValueError`` naming the flag."""
-    from pagedllm.server.entrypoints.openai.api_server import ServerSettings
+    from pagedllm.server.entrypoints.openai.settings import ServerSettings
 
     if not 0 <= args.port <= 65535:
         raise ConfigError("port", args.port, "must be 0-65535", problem="is out of range", name="--port")
@@ -89,6 +117,9 @@ def settings_from_args(args: argparse.Namespace):
             served_model_names=list(args.served_model_name or []),
             api_key=args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV),
             max_queue_len=args.max_queue_len,
+            request_timeout=args.request_timeout,
+            max_body_bytes=args.max_body_bytes,
+            cache_salt_policy=args.cache_salt_policy,
             drain_timeout=args.drain_timeout,
             chat_template=load_chat_template(args.chat_template),
         )
@@ -151,6 +182,8 @@ def run_serve(args: argparse.Namespace) -> int:
     if error is not None:
         shown = as_flag_error(error) if isinstance(error, ConfigError) else error
         raise ValueError(f"the engine failed to start: {shown}")
+    if server.runtime_error is not None:
+        return 1
     return 0
 
 
@@ -160,6 +193,7 @@ def draining_server(config, state, drain_timeout: float):
 
     class DrainingServer(uvicorn.Server):
         load_error: BaseException | None = None
+        runtime_error: BaseException | None = None
 
         def handle_exit(self, sig, frame) -> None:
             if sig == signal.SIGTERM and not self.should_exit:
@@ -200,5 +234,12 @@ def draining_server(config, state, drain_timeout: float):
             except Exception as exc:  # noqa: BLE001 (reported by run_serve)
                 self.load_error = exc
                 self.should_exit = True
+                return
+            # NOTE: a dead engine cannot serve again: exit non-zero so Kubernetes restarts the pod.
+            while state.engine.error is None:
+                await asyncio.sleep(0.1)
+            self.runtime_error = state.engine.error
+            logger.error("the engine died (%r): exiting", self.runtime_error)
+            self.should_exit = True
 
     return DrainingServer(config)

@@ -11,6 +11,7 @@ from pagedllm.server.config import EngineConfig, GiB
 from pagedllm.server.core.scheduler import SchedulerOutput
 from pagedllm.server.core.sequence import Sequence, SequenceGroup
 from pagedllm.server.worker.attention import AttentionMetadata, select_attention_ops
+from pagedllm.server.worker.cpu_threads import choose_threads
 from pagedllm.server.worker.model_loader import checkpoint_dtype, init_dummy_weights, iterate_weights
 from pagedllm.server.worker.models import model_class
 from pagedllm.server.worker.models.base import CausalLM
@@ -67,6 +68,9 @@ class ModelRunner:
 
     def __init__(self, config: EngineConfig, hf_config: dict, max_model_len: int) -> None:
         self.config = config
+        self.threads = choose_threads(config.parallel.cpu_threads)
+        torch.set_num_threads(self.threads.threads)
+        logger.info("torch uses %d CPU threads (%s)", self.threads.threads, self.threads.reason)
         self.device = resolve_device(config.model.device)
         self.dtype = resolve_dtype(config.model.dtype, hf_config, self.device)
         self.block_size = config.cache.block_size

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -107,3 +110,49 @@ def sse_events(lines: Iterator[str]) -> Iterator[str]:
     for line in lines:
         if line.startswith("data: "):
             yield line[len("data: ") :]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def serve_process(model_dir: str, *extra: str, env: dict[str, str] | None = None):
+    """``pagedllm serve`` on a tiny model in a subprocess on loopback: yields (process, url)."""
+    port = free_port()
+    cmd = [
+        sys.executable,
+        "-m",
+        "pagedllm.server.entrypoints.cli",
+        "serve",
+        "--model",
+        model_dir,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--served-model-name",
+        "tiny",
+        "--max-model-len",
+        "1024",
+        "--kv-cache-memory",
+        "0.05",
+        "--swap-space",
+        "0.01",
+        "--log-level",
+        "warning",
+        *extra,
+    ]
+    environment = {k: v for k, v in os.environ.items() if k != "PAGEDLLM_API_KEY"}
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**environment, **(env or {})}
+    )
+    try:
+        wait_ready(f"http://127.0.0.1:{port}")
+        yield proc, f"http://127.0.0.1:{port}"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(timeout=30)

@@ -208,8 +208,11 @@ def test_full_waiting_queue_returns_503_with_retry_after(tiny_llama):
                 t.start()
             _wait_for(lambda: server.engine.num_unscheduled == 2)
             response = complete(http)
-            error = assert_error(response, 503, contains=("max-queue-len=2",))
+            error = assert_error(response, 503, contains=("max-waiting-requests=2",))
             assert error["type"] == "service_unavailable" and response.headers["Retry-After"]
+            metrics = http.get("/metrics").text
+            assert f'pagedllm:requests_rejected_total{{model_name="{MODEL_NAME}",reason="queue_full"}} 1.0' in metrics
+            assert http.get("/ready").status_code == 200  # overloaded is not unhealthy
             chunks = [json.loads(e) for e in events if e != "[DONE]"]
             assert chunks[-1]["choices"][0]["finish_reason"] == "length"
         for t in waiters:

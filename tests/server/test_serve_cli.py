@@ -29,6 +29,11 @@ ISSUE_FLAGS = (
     "--served-model-name",
     "--api-key",
     "--max-queue-len",
+    "--max-waiting-requests",
+    "--request-timeout",
+    "--max-request-body-bytes",
+    "--cache-salt-policy",
+    "--cpu-threads",
     "--drain-timeout",
     "--chat-template",
     "--load-format",
@@ -130,7 +135,9 @@ def test_server_settings_from_flags_and_environment(monkeypatch, tmp_path):
         (["--block-size", "3"], "--block-size=3"),
         (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization=1.5"),
         (["--max-num-seqs", "0"], "--max-num-seqs=0"),
-        (["--max-queue-len", "0"], "--max-queue-len=0"),
+        (["--max-queue-len", "0"], "--max-waiting-requests=0"),
+        (["--request-timeout", "0"], "--request-timeout=0"),
+        (["--cpu-threads", "0"], "--cpu-threads=0"),
         (["--drain-timeout", "-1"], "--drain-timeout=-1"),
         (["--port", "70000"], "--port=70000"),
         (["--api-key", ""], "--api-key=''"),
@@ -161,5 +168,5 @@ def test_operator_without_kopf_says_what_is_missing(monkeypatch, capsys):
 def test_config_errors_name_the_flag_not_the_field():
     with pytest.raises(ValueError, match=r"^--block-size=12 is not allowed"):
         engine_config_from_args(build_parser().parse_args(["serve", "--block-size", "12"]))
-    with pytest.raises(ValueError, match=r"^--max-queue-len=0 is out of range"):
+    with pytest.raises(ValueError, match=r"^--max-waiting-requests=0 is out of range"):
         serve.settings_from_args(build_parser().parse_args(["serve", "--max-queue-len", "0"]))

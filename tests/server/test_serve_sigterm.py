@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -14,54 +11,10 @@ import time
 
 import httpx
 import pytest
-from api_factories import wait_ready
+from api_factories import free_port, serve_process
 
 pytestmark = pytest.mark.timeout(300)
 MAX_TOKENS = 900
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextlib.contextmanager
-def serve_process(model_dir: str, *extra: str):
-    port = free_port()
-    cmd = [
-        sys.executable,
-        "-m",
-        "pagedllm.server.entrypoints.cli",
-        "serve",
-        "--model",
-        model_dir,
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--served-model-name",
-        "tiny",
-        "--max-model-len",
-        "1024",
-        "--kv-cache-memory",
-        "0.05",
-        "--swap-space",
-        "0.01",
-        "--log-level",
-        "warning",
-        *extra,
-    ]
-    env = {**os.environ, "PAGEDLLM_API_KEY": ""}
-    env.pop("PAGEDLLM_API_KEY")
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    try:
-        wait_ready(f"http://127.0.0.1:{port}")
-        yield proc, f"http://127.0.0.1:{port}"
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait(timeout=30)
 
 
 class Streamer(threading.Thread):

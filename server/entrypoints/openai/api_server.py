@@ -9,10 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
 from collections.abc import AsyncIterator, Awaitable
-from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -20,18 +18,17 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Receive, Scope, Send
 
-from pagedllm.server.config import ConfigError, EngineConfig
+from pagedllm.server.config import EngineConfig
 from pagedllm.server.engine.async_engine import AsyncLLMEngine
 from pagedllm.server.entrypoints.openai.errors import (
     APIError,
     bad_request,
     error_response,
-    unavailable,
     validation_error,
 )
 from pagedllm.server.entrypoints.openai.metrics import ServerMetrics
+from pagedllm.server.entrypoints.openai.middleware import BodyLimitMiddleware, GateMiddleware
 from pagedllm.server.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -46,39 +43,14 @@ from pagedllm.server.entrypoints.openai.protocol import (
     TokenizeResponse,
     VersionResponse,
 )
-from pagedllm.server.entrypoints.openai.serving import OpenAIServing
+from pagedllm.server.entrypoints.openai.serving import OpenAIServing, RequestContext
 from pagedllm.server.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.server.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagedllm.server.entrypoints.openai.settings import ServerSettings
 
 logger = logging.getLogger("pagedllm.api_server")
-OPEN_WHILE_DRAINING = ("/health", "/ready", "/metrics", "/version")
+MAX_REQUEST_ID_LEN = 128
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {code: {"model": ErrorResponse} for code in (400, 401, 404, 503)}
-
-
-@dataclass
-class ServerSettings:
-    """The server's own options (the engine's are in :class:`EngineConfig`)."""
-
-    served_model_names: list[str] = field(default_factory=list)
-    """Names clients use in ``model``; defaults to the model path (or ``pagedllm-demo``)."""
-    api_key: str | None = None
-    """When set, ``/v1/*`` requires ``Authorization: Bearer <api_key>``."""
-    max_queue_len: int | None = None
-    """Most requests waiting to be scheduled; more get 503 with Retry-After."""
-    drain_timeout: float = 30.0
-    """Seconds a SIGTERM waits for in-flight requests before aborting them."""
-    chat_template: str | None = None
-    """A Jinja chat template (text) replacing the tokenizer's."""
-    warmup: bool = True
-    """Run one forward pass before reporting ready."""
-
-    def __post_init__(self) -> None:
-        if self.max_queue_len is not None and self.max_queue_len < 1:
-            raise ConfigError("max_queue_len", self.max_queue_len, "must be >= 1 or unset", problem="is out of range")
-        if self.drain_timeout < 0:
-            raise ConfigError("drain_timeout", self.drain_timeout, "must be >= 0", problem="is out of range")
-        if self.api_key == "":
-            raise ConfigError("api_key", self.api_key, "give a non-empty key or none")
 
 
 def default_model_name(config: EngineConfig) -> str:
@@ -92,7 +64,16 @@ def build_app(config: EngineConfig, settings: ServerSettings | None = None) -> F
     engine = AsyncLLMEngine(config, warmup=settings.warmup)
     metrics = ServerMetrics(names[0], config, engine.stats)
     engine.observer = metrics.observe
-    serving = OpenAIServing(engine, names, settings.chat_template, settings.max_queue_len)
+    max_waiting = settings.max_queue_len or 4 * config.scheduler.max_num_seqs
+    serving = OpenAIServing(
+        engine,
+        names,
+        settings.chat_template,
+        max_waiting,
+        settings.cache_salt_policy,
+        request_timeout=settings.request_timeout,
+        on_reject=metrics.count_rejected,
+    )
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -103,6 +84,7 @@ def build_app(config: EngineConfig, settings: ServerSettings | None = None) -> F
     app = FastAPI(title="PagedLLM OpenAI-compatible API", version=_version(), lifespan=lifespan)
     app.state.settings, app.state.engine, app.state.serving, app.state.metrics = settings, engine, serving, metrics
     app.add_middleware(GateMiddleware, serving=serving, api_key=settings.api_key)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
     _add_error_handlers(app)
     _add_openai_routes(app, serving)
     _add_ops_routes(app, serving, metrics)
@@ -127,11 +109,11 @@ def _add_openai_routes(app: FastAPI, serving: OpenAIServing) -> None:
 
     @app.post("/v1/completions", responses={200: {"model": CompletionResponse}, **ERROR_RESPONSES})
     async def completions(body: CompletionRequest, request: Request) -> Any:
-        return await until_disconnected(request, completion.create(body))
+        return await until_disconnected(request, completion.create(body, request_context(request)))
 
     @app.post("/v1/chat/completions", responses={200: {"model": ChatCompletionResponse}, **ERROR_RESPONSES})
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
-        return await until_disconnected(request, chat.create(body))
+        return await until_disconnected(request, chat.create(body, request_context(request)))
 
     @app.post("/tokenize", response_model=TokenizeResponse, responses=ERROR_RESPONSES)
     async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
@@ -208,38 +190,22 @@ def _add_error_handlers(app: FastAPI) -> None:
 
 
 # -- middleware and helpers ----------------------------------------------------------------------------
-class GateMiddleware:
-    """Pure ASGI middleware: 503 while draining; Bearer key on ``/v1/*`` (constant-time compare).
+def request_context(request: Request) -> RequestContext:
+    """What an endpoint needs from the HTTP request besides its body."""
+    bearer = request.headers.get("authorization", "")
+    return RequestContext(client_request_id(request), bearer.removeprefix("Bearer ").strip() or None)
 
-    NOTE: pure ASGI (not BaseHTTPMiddleware) so streaming and disconnect detection pass
-    through untouched.
-    """
 
-    def __init__(self, app: ASGIApp, serving: OpenAIServing, api_key: str | None) -> None:
-        self.app = app
-        self.serving = serving
-        self.expected = f"Bearer {api_key}".encode() if api_key else None
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        path = scope.get("path", "")
-        error = None
-        if self.serving.draining and path not in OPEN_WHILE_DRAINING:
-            error = unavailable("the server is shutting down: retry on another replica")
-        elif self.expected is not None and path.startswith("/v1"):
-            given = dict(scope.get("headers") or []).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
-                error = APIError(
-                    401,
-                    "invalid or missing API key: send 'Authorization: Bearer <key>'",
-                    type="authentication_error",
-                    code="invalid_api_key",
-                    headers={"WWW-Authenticate": "Bearer"},
-                )
-        if error is None:
-            return await self.app(scope, receive, send)
-        return await error_response(error)(scope, receive, send)
+def client_request_id(request: Request) -> str | None:
+    """The client's ``X-Request-Id``, used as the request's id (logs, errors, response ``id``)."""
+    value = request.headers.get("x-request-id")
+    if value is None:
+        return None
+    if not 0 < len(value) <= MAX_REQUEST_ID_LEN or not value.isprintable() or not value.isascii():
+        raise bad_request(
+            f"X-Request-Id={value[:40]!r} is invalid: 1-{MAX_REQUEST_ID_LEN} printable ASCII characters", "X-Request-Id"
+        )
+    return value
 
 
 async def until_disconnected(request: Request, work: Awaitable[Any]) -> Any:

@@ -49,6 +49,10 @@ def unavailable(message: str) -> APIError:
     return APIError(503, message, type="service_unavailable", headers={"Retry-After": str(RETRY_AFTER_S)})
 
 
+def internal_error(message: str) -> APIError:
+    return APIError(500, message, type="internal_server_error")
+
+
 def from_config_error(error: ConfigError, params: Mapping[str, str] = {}) -> APIError:
     """A 400 for an engine rejection, naming the request parameter ``params`` maps its field to."""
     param = params.get(error.field) or ENGINE_FIELD_PARAMS.get(error.field, error.field)

@@ -133,7 +133,16 @@ class ServerMetrics:
             buckets=REQUEST_BUCKETS,
             registry=reg,
         )
+        self.requests_rejected = Counter(
+            "pagedllm:requests_rejected",
+            "Requests turned away before reaching the engine, by reason (queue_full).",
+            labels + ["reason"],
+            registry=reg,
+        )
         reg.register(EngineStatsCollector(model_name, config, stats))
+
+    def count_rejected(self, reason: str) -> None:
+        self.requests_rejected.labels(self.model_name, reason).inc()
 
     def observe(self, stream, output, times) -> None:
         """Called by the async engine for each output (``output is None``: the request was aborted)."""
@@ -154,7 +163,9 @@ class ServerMetrics:
                 self.itl.labels(name).observe(max(0.0, times.end - stream.last_token_time))
             stream.last_token_time = times.end
             stream.num_tokens = tokens
-        if output.finished:
+        if output.error is not None:
+            self.request_success.labels(name, "error").inc()
+        elif output.finished:
             reason = output.outputs[0].finish_reason if output.outputs else "length"
             self.request_success.labels(name, reason or "stop").inc()
             self.e2e.labels(name).observe(max(0.0, times.end - stream.arrival_time))

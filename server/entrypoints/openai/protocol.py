@@ -46,6 +46,13 @@ class UsageInfo(OpenAIBaseModel):
 class SamplingFields(OpenAIBaseModel):
     """Fields both completion endpoints share (OpenAI's, then vLLM's extras)."""
 
+    cache_salt: str | None = Field(
+        None,
+        min_length=1,
+        max_length=256,
+        description="Prefix-cache blocks are shared only between requests "
+        "with the same salt: give each tenant its own.",
+    )
     model: str | None = Field(None, description="The served model name; defaults to it.")
     max_tokens: int | None = Field(16, description="Most tokens to generate; null = up to max_model_len.")
     temperature: float | None = Field(None, description="Default: the model's generation_config, else 1.0.")

@@ -8,21 +8,29 @@ their streams run through one implementation (:meth:`OpenAIServing.stream`).
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
 from pagedllm.server.config import ConfigError
 from pagedllm.server.engine.async_engine import AsyncLLMEngine
 from pagedllm.server.engine.input_processor import check_token_ids
 from pagedllm.server.engine.model_info import ModelInfo
-from pagedllm.server.engine.request_stream import EngineDeadError, RequestStream
-from pagedllm.server.entrypoints.openai.errors import APIError, bad_request, from_config_error, unavailable
+from pagedllm.server.engine.request_stream import EngineDeadError, RequestFailedError, RequestStream
+from pagedllm.server.entrypoints.openai.errors import (
+    APIError,
+    bad_request,
+    from_config_error,
+    internal_error,
+    unavailable,
+)
 from pagedllm.server.entrypoints.openai.protocol import SamplingFields, UsageInfo
-from pagedllm.server.entrypoints.openai.sse import SSEResponse, sse_response
-from pagedllm.server.outputs import CompletionOutput, RequestOutput
+from pagedllm.server.outputs import RequestOutput
 from pagedllm.server.sampling_params import SamplingParams
+
+_T = TypeVar("_T")
 
 
 @dataclass
@@ -31,47 +39,14 @@ class Prompt:
     token_ids: list[int]
 
 
-@dataclass
-class Delta:
-    """What a streamed choice gained since the last chunk."""
+@dataclass(frozen=True)
+class RequestContext:
+    """What an endpoint knows of the HTTP request besides its body."""
 
-    text: str
-    token_start: int
-    token_end: int
-    finish_reason: str | None
-    stop_reason: Any
-
-
-@dataclass
-class Tracker:
-    """What one choice already sent to a streaming client."""
-
-    text_len: int = 0
-    num_tokens: int = 0
-    finished: bool = False
-    extra: dict[str, Any] = field(default_factory=dict)
-    """Endpoint-specific progress (the completion endpoint's echo and text offset)."""
-
-    def advance(self, c: CompletionOutput, holdback: int, with_tokens: bool) -> Delta | None:
-        """The news in ``c``, or None if there is nothing to send.
-
-        NOTE: the last ``holdback`` characters wait until the choice finishes, because
-        they may yet turn out to begin a stop string, which is never sent.
-        """
-        if self.finished:
-            return None
-        end = len(c.text) if c.finish_reason else max(self.text_len, len(c.text) - holdback)
-        text = c.text[self.text_len : end]
-        new_tokens = len(c.token_ids) > self.num_tokens
-        if not text and not (with_tokens and new_tokens) and not c.finish_reason:
-            return None
-        delta = Delta(text, self.num_tokens, len(c.token_ids), c.finish_reason, c.stop_reason)
-        self.text_len, self.num_tokens, self.finished = end, len(c.token_ids), c.finish_reason is not None
-        return delta
-
-
-ChoiceMaker = Callable[[int, int, CompletionOutput, Tracker], dict[str, Any] | None]
-"""(prompt index, choice index, output, tracker) -> a chunk's choice, or None for nothing new."""
+    request_id: str | None = None
+    """The client's ``X-Request-Id``, if it sent one."""
+    bearer_token: str | None = None
+    """The caller's API key as presented (``Authorization: Bearer``)."""
 
 
 @dataclass
@@ -82,6 +57,10 @@ class OpenAIServing:
     served_model_names: list[str]
     chat_template: str | None = None
     max_queue_len: int | None = None
+    cache_salt_policy: str = "optional"
+    request_timeout: float | None = None
+    on_reject: Callable[[str], None] | None = None
+    """Called with the reason when a request is turned away (the rejection counter)."""
     draining: bool = False
 
     @property
@@ -118,8 +97,11 @@ class OpenAIServing:
     def check_queue(self, num_new: int) -> None:
         waiting = self.engine.num_unscheduled
         if self.max_queue_len is not None and waiting + num_new > self.max_queue_len:
+            if self.on_reject is not None:
+                self.on_reject("queue_full")
             raise unavailable(
-                f"the waiting queue is full ({waiting} waiting, --max-queue-len={self.max_queue_len}): retry later"
+                f"the waiting queue is full ({waiting} waiting, --max-waiting-requests={self.max_queue_len}): "
+                "retry later"
             )
 
     def need_tokenizer(self) -> Any:
@@ -143,6 +125,15 @@ class OpenAIServing:
                 f"Please reduce the prompt or {param}.",
                 param,
             )
+
+    def cache_salt(self, given: str | None, context: RequestContext) -> str | None:
+        """The salt a request's prefix-cache blocks are keyed with, by ``cache_salt_policy``."""
+        if self.cache_salt_policy == "required" and given is None:
+            raise bad_request("cache_salt is required by this server (--cache-salt-policy required)", "cache_salt")
+        if self.cache_salt_policy == "api-key":
+            tenant = hashlib.sha256((context.bearer_token or "").encode()).hexdigest()
+            return f"api-key:{tenant}/{given or ''}"
+        return given
 
     # -- sampling parameters ------------------------------------------------------------------------
     def sampling_params(
@@ -194,7 +185,12 @@ class OpenAIServing:
 
     # -- running requests -----------------------------------------------------------------------------
     async def start(
-        self, request_id: str, prompts: list[Prompt], params: SamplingParams, param_names: Mapping[str, str]
+        self,
+        request_id: str,
+        prompts: list[Prompt],
+        params: SamplingParams,
+        param_names: Mapping[str, str],
+        cache_salt: str | None = None,
     ) -> list[RequestStream]:
         """Add one engine request per prompt; on any failure the ones added are aborted.
 
@@ -206,7 +202,7 @@ class OpenAIServing:
         now = time.monotonic()
         try:
             for i, prompt in enumerate(prompts):
-                engine_prompt = {"prompt": prompt.text, "prompt_token_ids": prompt.token_ids}
+                engine_prompt = {"prompt": prompt.text, "prompt_token_ids": prompt.token_ids, "cache_salt": cache_salt}
                 streams.append(await self.engine.add_request(f"{request_id}-{i}", engine_prompt, params, now))
         except ConfigError as exc:
             raise from_config_error(exc, param_names) from exc
@@ -230,97 +226,22 @@ class OpenAIServing:
             return output
 
         try:
-            return list(await asyncio.gather(*(last(s) for s in streams)))
+            return list(await asyncio.wait_for(asyncio.gather(*(last(s) for s in streams)), self.request_timeout))
+        except asyncio.TimeoutError as exc:
+            raise self.timed_out() from exc
         except EngineDeadError as exc:
             raise unavailable(str(exc)) from exc
+        except RequestFailedError as exc:
+            raise internal_error(str(exc)) from exc
         finally:
             self.abort(streams)
 
-    async def merged(self, streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """(prompt index, output) from every stream as they come."""
-        if len(streams) == 1:
-            try:
-                async for output in streams[0]:
-                    yield 0, output
-            finally:
-                self.abort(streams)  # NOTE: a no-op for finished requests
-            return
-        queue: asyncio.Queue[tuple[int, RequestOutput | None, BaseException | None]] = asyncio.Queue()
-
-        async def pump(i: int, stream: RequestStream) -> None:
-            try:
-                async for output in self.engine.iterate(stream):
-                    queue.put_nowait((i, output, None))
-            except BaseException as exc:  # noqa: BLE001 (forwarded to the consumer)
-                queue.put_nowait((i, None, exc))
-                return
-            queue.put_nowait((i, None, None))
-
-        tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
-        try:
-            remaining = len(tasks)
-            while remaining:
-                i, item, error = await queue.get()
-                if error is not None:
-                    raise error
-                if item is None:
-                    remaining -= 1
-                else:
-                    yield i, item
-        finally:
-            for task in tasks:
-                task.cancel()
-            self.abort(streams)
-
-    # -- streaming --------------------------------------------------------------------------------------
-    def stream(
-        self,
-        request_id: str,
-        object_name: str,
-        prompts: list[Prompt],
-        params: SamplingParams,
-        streams: list[RequestStream],
-        include_usage: bool,
-        make_choice: ChoiceMaker,
-        first_choices: list[dict[str, Any]] | None = None,
-    ) -> SSEResponse:
-        """The SSE response of a streaming request: one chunk per step with news, then usage if asked."""
-        created = int(time.time())
-
-        def chunk(choices: list[dict[str, Any]], usage: UsageInfo | None = None) -> dict[str, Any]:
-            body: dict[str, Any] = {
-                "id": request_id,
-                "object": object_name,
-                "created": created,
-                "model": self.model_name,
-                "choices": choices,
-            }
-            if include_usage:
-                body["usage"] = usage.model_dump() if usage else None
-            return body
-
-        async def events() -> AsyncIterator[dict[str, Any]]:
-            trackers: dict[int, Tracker] = {}
-            if first_choices:
-                yield chunk(first_choices)
-            async for i, output in self.merged(streams):
-                choices = []
-                for c in output.outputs:
-                    index = i * params.n + c.index
-                    choice = make_choice(i, index, c, trackers.setdefault(index, Tracker()))
-                    if choice is not None:
-                        choices.append(choice)
-                if choices:
-                    yield chunk(choices)
-            if include_usage:
-                yield chunk([], usage(prompts, sum(t.num_tokens for t in trackers.values())))
-
-        return sse_response(events(), on_close=lambda: self.abort(streams))
-
-
-def holdback(params: SamplingParams) -> int:
-    """Characters a stream keeps back: one less than the longest stop string."""
-    return max((len(s) for s in params.stop_list), default=1) - 1
+    def timed_out(self) -> APIError:
+        return APIError(
+            504,
+            f"the request ran longer than --request-timeout={self.request_timeout:g}s and was aborted",
+            type="timeout_error",
+        )
 
 
 def usage(prompts: list[Prompt], completion_tokens: int) -> UsageInfo:

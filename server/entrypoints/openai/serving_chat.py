@@ -14,8 +14,9 @@ from pagedllm.server.entrypoints.openai.protocol import (
     ChatMessage,
     ChatResponseMessage,
 )
-from pagedllm.server.entrypoints.openai.serving import OpenAIServing, Prompt, Tracker, holdback, usage
+from pagedllm.server.entrypoints.openai.serving import OpenAIServing, Prompt, RequestContext, usage
 from pagedllm.server.entrypoints.openai.sse import SSEResponse
+from pagedllm.server.entrypoints.openai.streaming import Tracker, holdback, stream
 from pagedllm.server.outputs import CompletionOutput
 
 
@@ -23,7 +24,9 @@ class OpenAIServingChat:
     def __init__(self, serving: OpenAIServing) -> None:
         self.serving = serving
 
-    async def create(self, req: ChatCompletionRequest) -> ChatCompletionResponse | SSEResponse:
+    async def create(
+        self, req: ChatCompletionRequest, context: RequestContext = RequestContext()
+    ) -> ChatCompletionResponse | SSEResponse:
         serving = self.serving
         serving.check_model(req.model)
         serving.check_ready()
@@ -35,7 +38,8 @@ class OpenAIServingChat:
         prompt = self.prompt(req.messages, req.add_generation_prompt)
         max_tokens_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         serving.check_length(prompt, max_tokens, max_tokens_param)
-        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        request_id = context.request_id or f"chatcmpl-{uuid.uuid4().hex}"
+        cache_salt = serving.cache_salt(req.cache_salt, context)
         param_names = {
             "prompt": "messages",
             "prompt_token_ids": "messages",
@@ -43,14 +47,15 @@ class OpenAIServingChat:
             "max_tokens": max_tokens_param,
             **({} if req.best_of is not None else {"best_of": "n"}),
         }
-        streams = await serving.start(request_id, [prompt], params, param_names)
+        streams = await serving.start(request_id, [prompt], params, param_names, cache_salt)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             role = [
                 {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
                 for i in range(params.n)
             ]
-            return serving.stream(
+            return stream(
+                serving,
                 request_id,
                 "chat.completion.chunk",
                 [prompt],

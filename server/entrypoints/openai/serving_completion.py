@@ -14,8 +14,9 @@ from pagedllm.server.entrypoints.openai.protocol import (
     CompletionResponse,
     PromptInput,
 )
-from pagedllm.server.entrypoints.openai.serving import OpenAIServing, Prompt, Tracker, holdback, usage
+from pagedllm.server.entrypoints.openai.serving import OpenAIServing, Prompt, RequestContext, usage
 from pagedllm.server.entrypoints.openai.sse import SSEResponse
+from pagedllm.server.entrypoints.openai.streaming import Tracker, holdback, stream
 from pagedllm.server.outputs import CompletionOutput, RequestOutput
 from pagedllm.server.sampling_params import SamplingParams
 
@@ -24,7 +25,9 @@ class OpenAIServingCompletion:
     def __init__(self, serving: OpenAIServing) -> None:
         self.serving = serving
 
-    async def create(self, req: CompletionRequest) -> CompletionResponse | SSEResponse:
+    async def create(
+        self, req: CompletionRequest, context: RequestContext = RequestContext()
+    ) -> CompletionResponse | SSEResponse:
         serving = self.serving
         serving.check_model(req.model)
         serving.check_ready()
@@ -40,12 +43,14 @@ class OpenAIServingCompletion:
         prompts = self.prompts(req.prompt)
         for prompt in prompts:
             serving.check_length(prompt, req.max_tokens, "max_tokens")
-        request_id = f"cmpl-{uuid.uuid4().hex}"
+        request_id = context.request_id or f"cmpl-{uuid.uuid4().hex}"
+        cache_salt = serving.cache_salt(req.cache_salt, context)
         param_names = {} if req.best_of is not None else {"best_of": "n"}
-        streams = await serving.start(request_id, prompts, params, param_names)
+        streams = await serving.start(request_id, prompts, params, param_names, cache_salt)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return serving.stream(
+            return stream(
+                serving,
                 request_id,
                 "text_completion",
                 prompts,

@@ -9,8 +9,8 @@ from typing import Any
 from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from pagedllm.server.engine.request_stream import EngineDeadError
-from pagedllm.server.entrypoints.openai.errors import unavailable
+from pagedllm.server.engine.request_stream import EngineDeadError, RequestFailedError
+from pagedllm.server.entrypoints.openai.errors import APIError, internal_error, unavailable
 
 
 class SSEResponse(StreamingResponse):
@@ -38,6 +38,10 @@ def sse_response(events: AsyncIterator[dict[str, Any]], on_close: Callable[[], N
                 yield f"data: {json.dumps(event)}\n\n"
         except EngineDeadError as exc:
             yield f"data: {json.dumps(unavailable(str(exc)).body())}\n\n"
+        except RequestFailedError as exc:
+            yield f"data: {json.dumps(internal_error(str(exc)).body())}\n\n"
+        except APIError as exc:
+            yield f"data: {json.dumps(exc.body())}\n\n"
         yield "data: [DONE]\n\n"
 
     return SSEResponse(body(), on_close=on_close)

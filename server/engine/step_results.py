@@ -1,0 +1,171 @@
+"""A finished model step's logits into requests: prompt logprobs, sampled tokens, beams.
+
+NOTE: all of this is per-request work, so a failure in it fails that request alone: it
+is recorded in ``failed`` (request id -> reason) and the engine aborts those requests
+after the step, freeing their blocks, while every other request goes on.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from pagedllm.server.core.block_manager import BlockManager
+from pagedllm.server.core.sequence import Sequence, SequenceGroup
+from pagedllm.server.engine.beam_search import BeamSearch, BeamState
+from pagedllm.server.engine.faults import FaultInjector
+from pagedllm.server.engine.output_processor import OutputProcessor
+from pagedllm.server.engine.sampler import Sample, Sampler, SampleRequest, top_logprobs
+from pagedllm.server.worker.model_runner import SampleRow, StepResult
+
+logger = logging.getLogger("pagedllm.engine")
+
+
+@dataclass
+class RequestState:
+    """What the engine keeps per request beside the scheduler's :class:`SequenceGroup`."""
+
+    group: SequenceGroup
+    generator: torch.Generator | None = None
+    """The request's own random generator when it has a seed."""
+    beam: BeamState | None = None
+    """Hypotheses so far, for beam search requests."""
+
+
+class StepResults:
+    """Applies one step's logits to the requests in it."""
+
+    def __init__(
+        self,
+        sampler: Sampler,
+        output_processor: OutputProcessor,
+        beam_search: BeamSearch,
+        block_manager: BlockManager,
+        requests: dict[str, RequestState],
+        new_seq_id: Callable[[], int],
+        faults: FaultInjector | None = None,
+    ) -> None:
+        self.sampler = sampler
+        self.output_processor = output_processor
+        self.beam_search = beam_search
+        self.block_manager = block_manager
+        self.requests = requests
+        self.new_seq_id = new_seq_id
+        self.faults = faults
+
+    def apply(self, result: StepResult, failed: dict[str, str]) -> None:
+        """Record prompt logprobs and append sampled tokens; failures go to ``failed``."""
+        self._record_prompt_logprobs(result, failed)
+        self._samples(result, failed)
+
+    def _fail(self, failed: dict[str, str], group: SequenceGroup, stage: str, error: Exception) -> None:
+        logger.error("request %s failed in %s: %r", group.request_id, stage, error, exc_info=error)
+        failed.setdefault(group.request_id, f"{stage} failed: {error!r}")
+
+    def _samples(self, result: StepResult, failed: dict[str, str]) -> None:
+        rows = result.inputs.sample_rows
+        now = time.monotonic()
+        beam_rows: dict[str, list[int]] = {}
+        sampled = []
+        for i, row in enumerate(rows):
+            if row.group.first_token_time is None:
+                row.group.first_token_time = now
+            if row.group.request_id in failed:
+                continue
+            if row.group.sampling_params.use_beam_search:
+                beam_rows.setdefault(row.group.request_id, []).append(i)
+            else:
+                sampled.append(i)
+        for i, sample in self._sample(result.logits, rows, sampled, failed).items():
+            group = rows[i].group
+            if group.request_id in failed:
+                continue
+            try:
+                if self.faults is not None:
+                    self.faults.check_request(group.request_id)
+                self._append(group, rows[i].seq, sample)
+            except Exception as exc:
+                self._fail(failed, group, "output processing", exc)
+        for request_id, indices in beam_rows.items():
+            state = self.requests[request_id]
+            assert state.beam is not None
+            try:
+                self.beam_search.step(state.group, state.beam, [rows[i].seq for i in indices], result.logits[indices])
+            except Exception as exc:
+                self._fail(failed, state.group, "beam search", exc)
+
+    def _sample(
+        self, logits: torch.Tensor, rows: list[SampleRow], indices: list[int], failed: dict[str, str]
+    ) -> dict[int, Sample]:
+        """Samples for ``rows[i]``, i in ``indices``; a row whose sampling raises fails its request."""
+        if not indices:
+            return {}
+        try:
+            return dict(zip(indices, self._sample_rows(logits, rows, indices)))
+        except Exception as exc:
+            if len(indices) == 1:
+                self._fail(failed, rows[indices[0]].group, "sampling", exc)
+                return {}
+        samples: dict[int, Sample] = {}
+        for i in indices:  # NOTE: one row at a time, to find the rows that raise
+            try:
+                samples[i] = self._sample_rows(logits, rows, [i])[0]
+            except Exception as exc:
+                self._fail(failed, rows[i].group, "sampling", exc)
+        return samples
+
+    def _sample_rows(self, logits: torch.Tensor, rows: list[SampleRow], indices: list[int]) -> list[Sample]:
+        if self.faults is not None:
+            self.faults.check_sampler(rows[i].group.request_id for i in indices)
+        requests = [self._sample_request(rows[i].group, rows[i].seq) for i in indices]
+        return self.sampler(logits[indices], requests)
+
+    def _sample_request(self, group: SequenceGroup, seq: Sequence) -> SampleRequest:
+        first = len(group.seqs) == 1 and not seq.output_token_ids
+        return SampleRequest(
+            group.sampling_params,
+            seq.prompt_token_ids,
+            seq.output_token_ids,
+            num_samples=group.sampling_params.best_of if first else 1,
+            generator=self.requests[group.request_id].generator,
+            eos_token_ids=self.output_processor.eos_token_ids,
+        )
+
+    def _append(self, group: SequenceGroup, seq: Sequence, sample: Sample) -> None:
+        """Append the sampled token; the group's first sample forks the other ``best_of - 1``."""
+        params = group.sampling_params
+        for i in range(1, len(sample.token_ids)):
+            child = seq.fork(self.new_seq_id())
+            self.block_manager.fork(seq, child)
+            group.seqs.append(child)
+            self.output_processor.append_token(
+                child, sample.token_ids[i], sample.logprobs[i], sample.top_logprobs[i], params
+            )
+        self.output_processor.append_token(seq, sample.token_ids[0], sample.logprobs[0], sample.top_logprobs[0], params)
+
+    def _record_prompt_logprobs(self, result: StepResult, failed: dict[str, str]) -> None:
+        rows = result.inputs.prompt_rows
+        if not rows:
+            return
+        assert result.prompt_logits is not None
+        logprobs = torch.log_softmax(result.prompt_logits.float().cpu(), dim=-1)
+        index = 0
+        for row in rows:
+            first, index = index, index + len(row.prompt_positions)
+            try:
+                self._append_prompt_logprobs(row, logprobs[first:index])
+            except Exception as exc:
+                self._fail(failed, row.group, "prompt logprobs", exc)
+
+    @staticmethod
+    def _append_prompt_logprobs(row: SampleRow, logprobs: torch.Tensor) -> None:
+        group = row.group
+        if not group.prompt_logprobs:
+            group.prompt_logprobs = [None]  # the first prompt token has no logprob
+        for position, row_logprobs in zip(row.prompt_positions, logprobs):
+            token = row.seq.prompt_token_ids[position]
+            group.prompt_logprobs.append(top_logprobs(row_logprobs, token, group.sampling_params.prompt_logprobs))

@@ -1,0 +1,53 @@
+"""The HTTP server's own options (the engine's are in :class:`EngineConfig`); torch-free for the CLI."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pagedllm.server.config import ConfigError, check_choice
+
+DEFAULT_MAX_BODY_BYTES = 8 << 20
+CACHE_SALT_POLICIES = ("optional", "required", "api-key")
+
+
+@dataclass
+class ServerSettings:
+    """The server's own options (the engine's are in :class:`EngineConfig`)."""
+
+    served_model_names: list[str] = field(default_factory=list)
+    """Names clients use in ``model``; defaults to the model path (or ``pagedllm-demo``)."""
+    api_key: str | None = None
+    """When set, ``/v1/*`` requires ``Authorization: Bearer <api_key>``."""
+    max_queue_len: int | None = None
+    """Most requests waiting to be scheduled; more get 503 with Retry-After (default: 4 x max_num_seqs).
+
+    NOTE: /ready stays 200 while the queue is full: overload is not ill health, and a
+    replica taken out of its Service would only push its load onto the others."""
+    request_timeout: float | None = None
+    """Seconds a request may take in all; past that it is aborted (504, or an error event on a stream)."""
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    """Largest request body accepted; larger ones get 413."""
+    drain_timeout: float = 30.0
+    """Seconds a SIGTERM waits for in-flight requests before aborting them."""
+    chat_template: str | None = None
+    """A Jinja chat template (text) replacing the tokenizer's."""
+    warmup: bool = True
+    """Run one forward pass before reporting ready."""
+    cache_salt_policy: str = "optional"
+    """``optional``: requests may give a ``cache_salt``; ``required``: they must; ``api-key``: the salt is
+    derived from the caller's bearer token (plus any salt given), so tenants never share prefix blocks."""
+
+    def __post_init__(self) -> None:
+        if self.request_timeout is not None and self.request_timeout <= 0:
+            raise ConfigError(
+                "request_timeout", self.request_timeout, "must be > 0 or unset", problem="is out of range"
+            )
+        if self.max_body_bytes < 1024:
+            raise ConfigError("max_body_bytes", self.max_body_bytes, "must be >= 1024", problem="is out of range")
+        if self.max_queue_len is not None and self.max_queue_len < 1:
+            raise ConfigError("max_queue_len", self.max_queue_len, "must be >= 1 or unset", problem="is out of range")
+        if self.drain_timeout < 0:
+            raise ConfigError("drain_timeout", self.drain_timeout, "must be >= 0", problem="is out of range")
+        if self.api_key == "":
+            raise ConfigError("api_key", self.api_key, "give a non-empty key or none")
+        check_choice("cache_salt_policy", self.cache_salt_policy, CACHE_SALT_POLICIES)

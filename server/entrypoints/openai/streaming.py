@@ -1,0 +1,172 @@
+"""Streaming responses, shared by the completion and chat endpoints: what each choice has
+already sent (:class:`Tracker`), the merged outputs of a request's prompts, the deadline
+of ``--request-timeout``, and the SSE chunks. The endpoints pass in only how a choice
+looks (:data:`ChoiceMaker`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from pagedllm.server.engine.request_stream import RequestStream
+from pagedllm.server.entrypoints.openai.protocol import UsageInfo
+from pagedllm.server.entrypoints.openai.serving import OpenAIServing, Prompt, usage
+from pagedllm.server.entrypoints.openai.sse import SSEResponse, sse_response
+from pagedllm.server.outputs import CompletionOutput, RequestOutput
+from pagedllm.server.sampling_params import SamplingParams
+
+_T = TypeVar("_T")
+
+
+@dataclass
+class Delta:
+    """What a streamed choice gained since the last chunk."""
+
+    text: str
+    token_start: int
+    token_end: int
+    finish_reason: str | None
+    stop_reason: Any
+
+
+@dataclass
+class Tracker:
+    """What one choice already sent to a streaming client."""
+
+    text_len: int = 0
+    num_tokens: int = 0
+    finished: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+    """Endpoint-specific progress (the completion endpoint's echo and text offset)."""
+
+    def advance(self, c: CompletionOutput, holdback: int, with_tokens: bool) -> Delta | None:
+        """The news in ``c``, or None if there is nothing to send.
+
+        NOTE: the last ``holdback`` characters wait until the choice finishes, because
+        they may yet turn out to begin a stop string, which is never sent.
+        """
+        if self.finished:
+            return None
+        end = len(c.text) if c.finish_reason else max(self.text_len, len(c.text) - holdback)
+        text = c.text[self.text_len : end]
+        new_tokens = len(c.token_ids) > self.num_tokens
+        if not text and not (with_tokens and new_tokens) and not c.finish_reason:
+            return None
+        delta = Delta(text, self.num_tokens, len(c.token_ids), c.finish_reason, c.stop_reason)
+        self.text_len, self.num_tokens, self.finished = end, len(c.token_ids), c.finish_reason is not None
+        return delta
+
+
+ChoiceMaker = Callable[[int, int, CompletionOutput, Tracker], dict[str, Any] | None]
+"""(prompt index, choice index, output, tracker) -> a chunk's choice, or None for nothing new."""
+
+
+def holdback(params: SamplingParams) -> int:
+    """Characters a stream keeps back: one less than the longest stop string."""
+    return max((len(s) for s in params.stop_list), default=1) - 1
+
+
+async def merged(
+    serving: OpenAIServing, streams: list[RequestStream]
+) -> AsyncGenerator[tuple[int, RequestOutput], None]:
+    """(prompt index, output) from every stream as they come."""
+    if len(streams) == 1:
+        try:
+            async for output in streams[0]:
+                yield 0, output
+        finally:
+            serving.abort(streams)  # NOTE: a no-op for finished requests
+        return
+    queue: asyncio.Queue[tuple[int, RequestOutput | None, BaseException | None]] = asyncio.Queue()
+
+    async def pump(i: int, stream: RequestStream) -> None:
+        try:
+            async for output in serving.engine.iterate(stream):
+                queue.put_nowait((i, output, None))
+        except BaseException as exc:  # noqa: BLE001 (forwarded to the consumer)
+            queue.put_nowait((i, None, exc))
+            return
+        queue.put_nowait((i, None, None))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, item, error = await queue.get()
+            if error is not None:
+                raise error
+            if item is None:
+                remaining -= 1
+            else:
+                yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        serving.abort(streams)
+
+
+async def until_timeout(serving: OpenAIServing, items: AsyncGenerator[_T, None]) -> AsyncIterator[_T]:
+    """``items`` until ``request_timeout`` after the first is awaited; then :meth:`timed_out`."""
+    deadline = None if serving.request_timeout is None else time.monotonic() + serving.request_timeout
+    try:
+        while True:
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                item = await asyncio.wait_for(anext(items), remaining)
+            except StopAsyncIteration:
+                return
+            except asyncio.TimeoutError as exc:
+                raise serving.timed_out() from exc
+            yield item
+    finally:
+        await items.aclose()
+
+
+# -- streaming --------------------------------------------------------------------------------------
+def stream(
+    serving: OpenAIServing,
+    request_id: str,
+    object_name: str,
+    prompts: list[Prompt],
+    params: SamplingParams,
+    streams: list[RequestStream],
+    include_usage: bool,
+    make_choice: ChoiceMaker,
+    first_choices: list[dict[str, Any]] | None = None,
+) -> SSEResponse:
+    """The SSE response of a streaming request: one chunk per step with news, then usage if asked."""
+    created = int(time.time())
+
+    def chunk(choices: list[dict[str, Any]], usage: UsageInfo | None = None) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "id": request_id,
+            "object": object_name,
+            "created": created,
+            "model": serving.model_name,
+            "choices": choices,
+        }
+        if include_usage:
+            body["usage"] = usage.model_dump() if usage else None
+        return body
+
+    async def events() -> AsyncIterator[dict[str, Any]]:
+        trackers: dict[int, Tracker] = {}
+        if first_choices:
+            yield chunk(first_choices)
+        async for i, output in until_timeout(serving, merged(serving, streams)):
+            choices = []
+            for c in output.outputs:
+                index = i * params.n + c.index
+                choice = make_choice(i, index, c, trackers.setdefault(index, Tracker()))
+                if choice is not None:
+                    choices.append(choice)
+            if choices:
+                yield chunk(choices)
+        if include_usage:
+            yield chunk([], usage(prompts, sum(t.num_tokens for t in trackers.values())))
+
+    return sse_response(events(), on_close=lambda: serving.abort(streams))
