@@ -148,7 +148,8 @@ async def run_load(args, model: str, requests) -> tuple[list[RequestResult], flo
 
 
 # -- launching a server ------------------------------------------------------------------------------------
-def launch(args) -> subprocess.Popen:
+def launch(args, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """Start `pagedllm serve` (with ``args.serve_args``) on a free loopback port; sets ``args.base_url``."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -166,7 +167,7 @@ def launch(args) -> subprocess.Popen:
         "warning",
         *args.serve_args.split(),
     ]
-    proc = subprocess.Popen(cmd)
+    proc = subprocess.Popen(cmd, env={**os.environ, **(env or {})})
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline:
         try:

@@ -94,6 +94,8 @@ class StepResults:
             state = self.requests[request_id]
             assert state.beam is not None
             try:
+                if self.faults is not None:
+                    self.faults.check_request(request_id)
                 self.beam_search.step(state.group, state.beam, [rows[i].seq for i in indices], result.logits[indices])
             except Exception as exc:
                 self._fail(failed, state.group, "beam search", exc)

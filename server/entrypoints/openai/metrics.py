@@ -194,6 +194,11 @@ class EngineStatsCollector(Collector):
                 _usage(stats.num_gpu_blocks, stats.num_free_gpu_blocks),
             ),
             (
+                "kv_blocks_in_use",
+                "Device KV cache blocks held by requests (cached blocks nobody holds are free).",
+                stats.num_gpu_blocks - stats.num_free_gpu_blocks,
+            ),
+            (
                 "cpu_kv_cache_usage_perc",
                 "Fraction of host (swap) KV cache blocks in use (0-1).",
                 _usage(stats.num_cpu_blocks, stats.num_free_cpu_blocks),
