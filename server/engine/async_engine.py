@@ -211,20 +211,19 @@ class AsyncLLMEngine:
 
     # -- the engine thread ----------------------------------------------------------------
     def _run(self) -> None:
+        engine: LLMEngine | None = None
         try:
-            engine = self._load()
-        except BaseException as exc:  # noqa: BLE001 (reported to every waiter)
-            logger.exception("engine failed to start")
-            self._die(exc)
-            return
-        try:
+            engine = self._factory(self.config)
+            self._load(engine)
             self._loop_forever(engine)
-        except BaseException as exc:  # noqa: BLE001
-            logger.exception("engine step failed; the engine is dead")
+        except BaseException as exc:  # noqa: BLE001 (reported to every waiter)
+            logger.exception("the engine is dead" if self._ready.is_set() else "the engine failed to start")
             self._die(exc)
+        finally:
+            if engine is not None:
+                engine.shutdown()
 
-    def _load(self) -> LLMEngine:
-        engine = self._factory(self.config)
+    def _load(self, engine: LLMEngine) -> None:
         if self._warmup:
             engine.warm_up()
         self.model_info = engine.model_info
@@ -234,7 +233,6 @@ class AsyncLLMEngine:
         self._ready.set()
         assert self._loop is not None and self._loaded is not None
         self._loop.call_soon_threadsafe(_resolve, self._loaded, None)
-        return engine
 
     def _loop_forever(self, engine: LLMEngine) -> None:
         while not self._stopping.is_set():
@@ -248,6 +246,7 @@ class AsyncLLMEngine:
                 if outputs and self._loop is not None:
                     self._loop.call_soon_threadsafe(self._dispatch, outputs, times)
             self._stats.take(engine, force=not engine.has_unfinished_requests())
+            engine.check_health()
 
     def _drain_commands(self, engine: LLMEngine, block: bool) -> None:
         try:

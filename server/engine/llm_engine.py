@@ -13,6 +13,7 @@ import dataclasses
 import itertools
 import logging
 import time
+import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -32,7 +33,8 @@ from pagedllm.server.engine.step_results import RequestState, StepResults
 from pagedllm.server.outputs import RequestOutput
 from pagedllm.server.sampling_params import SamplingParams
 from pagedllm.server.worker.model_loader import read_hf_config
-from pagedllm.server.worker.model_runner import ModelRunner
+from pagedllm.server.worker.model_runner import ModelRunner, check_tensor_parallel, resolve_device
+from pagedllm.server.worker.tp_workers import WorkerDiedError
 
 logger = logging.getLogger("pagedllm.engine")
 
@@ -61,11 +63,6 @@ class LLMEngine:
     """Owns the scheduler, block manager, model runner and sampler for one model."""
 
     def __init__(self, config: EngineConfig) -> None:
-        tp = config.parallel.tensor_parallel_size
-        if tp != 1:
-            raise ConfigError(
-                "tensor_parallel_size", tp, "only 1 is supported by this build", problem="is not supported"
-            )
         config = _with_model_dir(config)
         self.config = config
         assert config.model.model is not None
@@ -75,7 +72,18 @@ class LLMEngine:
         )
         info = read_model_info(config, hf_config, self.tokenizer)
         self._check_scheduler_fits(info.max_model_len)
+        tp = config.parallel.tensor_parallel_size
+        check_tensor_parallel(hf_config, tp, resolve_device(config.model.device))
         self.runner = ModelRunner(config, hf_config, info.max_model_len)
+        # NOTE: stops the other tensor-parallel ranks when the engine is collected or the interpreter exits.
+        self._finalizer = weakref.finalize(self, self.runner.shutdown)
+        try:
+            self._build(config, info)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _build(self, config: EngineConfig, info: ModelInfo) -> None:
         self.block_manager = self._allocate_cache(info.max_model_len)
         # NOTE: a single sequence must always fit in the cache on its own, else it could never finish.
         capacity = (self.block_manager.gpu.num_blocks - self.block_manager.watermark_blocks) * config.cache.block_size
@@ -183,6 +191,8 @@ class LLMEngine:
                 if self.faults is not None:
                     self.faults.check_step(self._num_steps)
                 result = self.runner.execute(out, self.block_manager.tables)
+            except WorkerDiedError as exc:
+                raise EngineFatalError(str(exc)) from exc
             except Exception as exc:
                 self._model_step_failed(out, exc, failed, touched)
             else:
@@ -218,6 +228,17 @@ class LLMEngine:
         problems = self.block_manager.check_invariants()
         if problems:
             raise EngineFatalError("the KV block bookkeeping is broken: " + "; ".join(problems[:3]))
+
+    def check_health(self) -> None:
+        """Raise :class:`EngineFatalError` if the engine can no longer run (a tensor-parallel rank died)."""
+        try:
+            self.runner.check_health()
+        except WorkerDiedError as exc:
+            raise EngineFatalError(str(exc)) from exc
+
+    def shutdown(self) -> None:
+        """Stop the other tensor-parallel ranks (idempotent; also runs when the engine is collected)."""
+        self._finalizer()
 
     def warm_up(self, max_steps: int = 100) -> None:
         """Run one real one-token request, so a caller knows the model has run."""

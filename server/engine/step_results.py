@@ -20,7 +20,7 @@ from pagedllm.server.engine.beam_search import BeamSearch, BeamState
 from pagedllm.server.engine.faults import FaultInjector
 from pagedllm.server.engine.output_processor import OutputProcessor
 from pagedllm.server.engine.sampler import Sample, Sampler, SampleRequest, top_logprobs
-from pagedllm.server.worker.model_runner import SampleRow, StepResult
+from pagedllm.server.worker.step_inputs import SampleRow, StepResult
 
 logger = logging.getLogger("pagedllm.engine")
 

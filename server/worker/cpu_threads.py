@@ -53,8 +53,11 @@ def affinity() -> int:
         return os.cpu_count() or 1
 
 
-def choose_threads(flag: int | None, environ: dict[str, str] | None = None, root: str = CGROUP_ROOT) -> ThreadChoice:
-    """The intra-op thread count: the flag, else ``OMP_NUM_THREADS``, else what the CPU quota allows."""
+def choose_threads(
+    flag: int | None, environ: dict[str, str] | None = None, root: str = CGROUP_ROOT, ranks: int = 1
+) -> ThreadChoice:
+    """The intra-op thread count: the flag, else ``OMP_NUM_THREADS``, else what the CPU quota allows,
+    shared among ``ranks`` tensor-parallel processes on the same CPUs."""
     env = os.environ if environ is None else environ
     if flag is not None:
         return ThreadChoice(flag, "--cpu-threads")
@@ -62,6 +65,7 @@ def choose_threads(flag: int | None, environ: dict[str, str] | None = None, root
         return ThreadChoice(int(env["OMP_NUM_THREADS"]), "OMP_NUM_THREADS")
     cores = affinity()
     quota = cpu_quota(root)
+    share = f", shared by {ranks} ranks" if ranks > 1 else ""
     if quota is not None and quota < cores:
-        return ThreadChoice(max(1, int(quota)), f"cgroup CPU quota of {quota:g} (affinity {cores})")
-    return ThreadChoice(cores, "CPU affinity")
+        return ThreadChoice(max(1, int(quota) // ranks), f"cgroup CPU quota of {quota:g} (affinity {cores}){share}")
+    return ThreadChoice(max(1, cores // ranks), f"CPU affinity{share}")

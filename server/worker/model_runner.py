@@ -3,55 +3,33 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+import os
+import time
 
 import torch
 
-from pagedllm.server.config import EngineConfig, GiB
+from pagedllm.server.config import ConfigError, EngineConfig, GiB
 from pagedllm.server.core.scheduler import SchedulerOutput
-from pagedllm.server.core.sequence import Sequence, SequenceGroup
+from pagedllm.server.core.sequence import Sequence
 from pagedllm.server.worker.attention import AttentionMetadata, select_attention_ops
 from pagedllm.server.worker.cpu_threads import choose_threads
 from pagedllm.server.worker.model_loader import checkpoint_dtype, init_dummy_weights, iterate_weights
 from pagedllm.server.worker.models import model_class
 from pagedllm.server.worker.models.base import CausalLM
+from pagedllm.server.worker.models.tensor_parallel import TPGroup
+from pagedllm.server.worker.step_inputs import ModelStep, StepResult, prepare_inputs
+from pagedllm.server.worker.tp_workers import TPWorkers
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass
-class SampleRow:
-    """A row of the step's logits: the sequence it belongs to and what it is for."""
-
-    group: SequenceGroup
-    seq: Sequence
-    prompt_positions: list[int] = field(default_factory=list)  # prompt logprob rows: token indices scored
-
-
-@dataclass
-class StepInputs:
-    input_ids: torch.Tensor  # [num_tokens] int64
-    positions: torch.Tensor  # [num_tokens] int64
-    meta: AttentionMetadata
-    sample_rows: list[SampleRow]  # sequences that reach their end and sample a token
-    sample_index: torch.Tensor  # [len(sample_rows)] token index of each row's last token
-    prompt_rows: list[SampleRow]  # sequences that want prompt logprobs for this chunk
-    prompt_index: torch.Tensor  # [sum of their positions] token indices whose logits score the prompt
-
-
-@dataclass
-class StepResult:
-    inputs: StepInputs
-    logits: torch.Tensor  # [len(inputs.sample_rows), vocab] float32
-    prompt_logits: torch.Tensor | None  # [len(inputs.prompt_index), vocab] float32
-
-
-def resolve_device(name: str) -> torch.device:
+def resolve_device(name: str, rank: int = 0) -> torch.device:
+    """The device of tensor-parallel rank ``rank`` (``cuda:rank`` on GPUs)."""
     if name == "cuda" and not torch.cuda.is_available():
         raise ValueError("device='cuda' was asked for but no CUDA device is available: use 'cpu' or 'auto'")
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
-    return torch.device(name)
+    return torch.device(name, rank) if name == "cuda" else torch.device(name)
 
 
 def resolve_dtype(name: str, hf_config: dict, device: torch.device) -> torch.dtype:
@@ -63,20 +41,51 @@ def resolve_dtype(name: str, hf_config: dict, device: torch.device) -> torch.dty
     return torch.bfloat16 if dtype == torch.float32 else dtype
 
 
+def check_tensor_parallel(hf_config: dict, size: int, device: torch.device) -> None:
+    """Refuse a tensor-parallel size the model or the machine cannot take, before any rank starts.
+
+    Builds the model's rank-0 shard on the ``meta`` device (no memory), so the models' own
+    divisibility checks (heads, KV heads, MLP width) speak.
+    """
+    if size == 1:
+        return
+    if device.type == "cuda" and size > torch.cuda.device_count():
+        raise ConfigError(
+            "tensor_parallel_size",
+            size,
+            f"at most the {torch.cuda.device_count()} visible CUDA devices (CUDA_VISIBLE_DEVICES)",
+            problem="is more than this machine has",
+        )
+    with torch.device("meta"):
+        model_class(hf_config).from_hf_config(hf_config, TPGroup(0, size))
+
+
 class ModelRunner:
     """Loads the model, allocates the KV cache and executes scheduled steps."""
 
-    def __init__(self, config: EngineConfig, hf_config: dict, max_model_len: int) -> None:
+    def __init__(self, config: EngineConfig, hf_config: dict, max_model_len: int, tp: TPGroup | None = None) -> None:
         self.config = config
-        self.threads = choose_threads(config.parallel.cpu_threads)
+        size = config.parallel.tensor_parallel_size
+        self.device = resolve_device(config.model.device, tp.rank if tp is not None else 0)
+        self.workers: TPWorkers | None = None
+        if tp is None and size > 1:  # NOTE: the driver (rank 0) starts the other ranks first
+            self.workers = TPWorkers(config, hf_config, max_model_len, self.device.type)
+        self.tp = tp if tp is not None else TPGroup(0, size)
+        self.fault: str | None = None
+        self.threads = choose_threads(config.parallel.cpu_threads, ranks=size)
         torch.set_num_threads(self.threads.threads)
         logger.info("torch uses %d CPU threads (%s)", self.threads.threads, self.threads.reason)
-        self.device = resolve_device(config.model.device)
         self.dtype = resolve_dtype(config.model.dtype, hf_config, self.device)
         self.block_size = config.cache.block_size
         self.max_model_len = max_model_len
         self.ops = select_attention_ops(config.model.attention_backend, self.device)
-        self.model = self._load_model(hf_config)
+        try:
+            self.model = self._load_model(hf_config)
+            if self.workers is not None:
+                self.workers.wait_ready()
+        except BaseException:
+            self.shutdown()
+            raise
         self.num_layers, self.num_kv_heads, self.head_dim = self.model.kv_shape
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.host_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -87,7 +96,7 @@ class ModelRunner:
         torch.set_default_dtype(self.dtype)  # NOTE: restored below; builds weights in place
         try:
             with torch.device(self.device):
-                model = cls.from_hf_config(hf_config)
+                model = cls.from_hf_config(hf_config, self.tp)
         finally:
             torch.set_default_dtype(previous)
         if self.config.model.load_format == "dummy":
@@ -104,8 +113,37 @@ class ModelRunner:
         element = torch.empty((), dtype=self.dtype).element_size()
         return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * element
 
+    def shutdown(self) -> None:
+        """Stop the other tensor-parallel ranks, if any."""
+        if self.workers is not None:
+            self.workers.shutdown()
+
+    def check_health(self) -> None:
+        """Raise :class:`WorkerDiedError` if a tensor-parallel rank is gone."""
+        if self.workers is not None:
+            self.workers.check()
+
     def num_device_blocks(self, useful_blocks: int) -> int:
-        """Blocks that fit: the override, the CPU budget, or what profiling leaves on the GPU."""
+        """Device blocks every rank can hold: each rank's count, the smallest agreed."""
+        if self.workers is None:
+            return self.local_device_blocks(useful_blocks)
+        self.workers.send(("device_blocks", useful_blocks))  # NOTE: first, so CUDA profiling runs on all ranks
+        return min([self.local_device_blocks(useful_blocks), *self.workers.replies()])
+
+    def num_host_blocks(self, useful_blocks: int) -> int:
+        if self.workers is None:
+            return self.local_host_blocks(useful_blocks)
+        self.workers.send(("host_blocks", useful_blocks))
+        return min([self.local_host_blocks(useful_blocks), *self.workers.replies()])
+
+    def allocate_cache(self, num_device_blocks: int, num_host_blocks: int) -> None:
+        """Allocate the same number of blocks on every rank (each for its own heads)."""
+        if self.workers is not None:
+            self.workers.send(("allocate", num_device_blocks, num_host_blocks))
+        self.allocate_local_cache(num_device_blocks, num_host_blocks)
+
+    def local_device_blocks(self, useful_blocks: int) -> int:
+        """Blocks that fit here: the override, the CPU budget, or what profiling leaves on the GPU."""
         cache = self.config.cache
         if cache.num_gpu_blocks_override is not None:
             return cache.num_gpu_blocks_override
@@ -121,7 +159,7 @@ class ModelRunner:
             )
         return int(blocks)
 
-    def num_host_blocks(self, useful_blocks: int) -> int:
+    def local_host_blocks(self, useful_blocks: int) -> int:
         return int(min(self.config.cache.swap_space * GiB // self.block_bytes, useful_blocks))
 
     @torch.inference_mode()
@@ -131,7 +169,7 @@ class ModelRunner:
         torch.cuda.reset_peak_memory_stats(self.device)
         tokens = min(self.config.scheduler.token_budget, self.max_model_len)
         blocks = -(-tokens // self.block_size)
-        self.allocate_cache(blocks, 0)
+        self.allocate_local_cache(blocks, 0)
         seq = Sequence(-1, [0] * tokens)
         table = torch.arange(blocks, dtype=torch.int32, device=self.device)[None]
         meta = AttentionMetadata(
@@ -153,7 +191,7 @@ class ModelRunner:
         total = torch.cuda.get_device_properties(self.device).total_memory
         return int(total * self.config.cache.gpu_memory_utilization - peak)
 
-    def allocate_cache(self, num_device_blocks: int, num_host_blocks: int) -> None:
+    def allocate_local_cache(self, num_device_blocks: int, num_host_blocks: int) -> None:
         # Each layer: key and value caches [num_blocks, block_size, num_kv_heads, head_dim].
         shape = (self.block_size, self.num_kv_heads, self.head_dim)
         pin = self.device.type == "cuda"
@@ -186,88 +224,49 @@ class ModelRunner:
                 else:
                     device_cache[dst.to(self.device)] = host_cache[src].to(self.device, non_blocking=True)
 
-    @torch.inference_mode()
     def execute(self, out: SchedulerOutput, block_tables: dict[int, list[int]]) -> StepResult:
-        """Move and copy blocks as scheduled, then run the model on the step's tokens."""
-        self._move_blocks(out.blocks_to_swap_out, to_host=True)
-        self._move_blocks(out.blocks_to_swap_in, to_host=False)
-        if out.blocks_to_copy:
-            mapping = torch.tensor(out.blocks_to_copy, dtype=torch.int64, device=self.device)
-            self.ops.copy_blocks([k for k, _ in self.kv_caches], [v for _, v in self.kv_caches], mapping)
-        inputs = self.prepare_inputs(out, block_tables)
-        if inputs.input_ids.numel() == 0:
-            return StepResult(inputs, torch.empty(0, 0), None)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, self.ops)
-        logits = self.model.compute_logits(hidden[inputs.sample_index])
-        prompt_logits = self.model.compute_logits(hidden[inputs.prompt_index]) if inputs.prompt_rows else None
+        """Move and copy blocks as scheduled, then run the model on the step's tokens (on every rank)."""
+        inputs = prepare_inputs(out, block_tables, self.block_size, self.device)
+        step = ModelStep(
+            out.blocks_to_swap_out,
+            out.blocks_to_swap_in,
+            out.blocks_to_copy,
+            inputs.input_ids,
+            inputs.positions,
+            inputs.meta,
+            inputs.sample_index,
+            inputs.prompt_index if inputs.prompt_rows else None,
+        )
+        if self.workers is None:
+            logits, prompt_logits = self.run_step(step)
+            return StepResult(inputs, logits, prompt_logits)
+        self.workers.send(("step", step.to(torch.device("cpu"))))
+        self.workers.step_started()
+        try:
+            logits, prompt_logits = self.run_step(step)
+        except Exception as exc:
+            self.workers.check()  # NOTE: a dead or hung rank is the likely cause: name it
+            raise RuntimeError(f"the tensor-parallel step failed: {exc!r}") from exc
+        finally:
+            self.workers.step_ended()
         return StepResult(inputs, logits, prompt_logits)
 
-    def prepare_inputs(self, out: SchedulerOutput, block_tables: dict[int, list[int]]) -> StepInputs:
-        """Flatten the step: decodes first, then prefill chunks (see attention.py)."""
-        decodes: list[tuple[SequenceGroup, Sequence, int]] = []
-        prefills: list[tuple[SequenceGroup, Sequence, int]] = []
-        for item in out.scheduled:
-            for seq in item.group.seqs:
-                chunk = item.chunks.get(seq.seq_id)
-                if chunk:
-                    (decodes if chunk == 1 else prefills).append((item.group, seq, chunk))
-        ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        sample_rows: list[SampleRow] = []
-        sample_index: list[int] = []
-        prompt_rows: list[SampleRow] = []
-        prompt_index: list[int] = []
-        for group, seq, chunk in decodes + prefills:
-            start = seq.num_computed_tokens
-            table = block_tables[seq.seq_id]
-            tokens = seq.token_ids
-            offset = len(ids)
-            ids.extend(tokens[start : start + chunk])
-            positions.extend(range(start, start + chunk))
-            slots.extend(
-                table[p // self.block_size] * self.block_size + p % self.block_size for p in range(start, start + chunk)
-            )
-            if start + chunk == len(seq):
-                sample_rows.append(SampleRow(group, seq))
-                sample_index.append(offset + chunk - 1)
-            if group.sampling_params.prompt_logprobs is not None and start < len(seq.prompt_token_ids):
-                scored = [p for p in range(start, start + chunk) if p + 1 < len(seq.prompt_token_ids)]
-                prompt_rows.append(SampleRow(group, seq, [p + 1 for p in scored]))
-                prompt_index.extend(offset + p - start for p in scored)
-        meta = self._metadata(decodes, prefills, block_tables, slots)
-        device = self.device
-        return StepInputs(
-            input_ids=torch.tensor(ids, dtype=torch.int64, device=device),
-            positions=torch.tensor(positions, dtype=torch.int64, device=device),
-            meta=meta,
-            sample_rows=sample_rows,
-            sample_index=torch.tensor(sample_index, dtype=torch.int64, device=device),
-            prompt_rows=prompt_rows,
-            prompt_index=torch.tensor(prompt_index, dtype=torch.int64, device=device),
-        )
-
-    def _metadata(self, decodes, prefills, block_tables, slots) -> AttentionMetadata:
-        def tables(entries):
-            rows = [block_tables[seq.seq_id] for _, seq, _ in entries]
-            width = max((len(r) for r in rows), default=0)
-            padded = [r + [0] * (width - len(r)) for r in rows]
-            return torch.tensor(padded, dtype=torch.int32, device=self.device).view(len(rows), width)
-
-        def context_lens(entries):
-            return torch.tensor(
-                [seq.num_computed_tokens + chunk for _, seq, chunk in entries], dtype=torch.int32, device=self.device
-            )
-
-        cu = [0]
-        for _, _, chunk in prefills:
-            cu.append(cu[-1] + chunk)
-        return AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=self.device),
-            num_decode_tokens=len(decodes),
-            decode_block_tables=tables(decodes),
-            decode_context_lens=context_lens(decodes),
-            prefill_block_tables=tables(prefills),
-            prefill_cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=self.device),
-            prefill_context_lens=context_lens(prefills),
-        )
+    @torch.inference_mode()
+    def run_step(self, step: ModelStep) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """This rank's part of a step: block moves, then the model; logits (whole on rank 0)."""
+        if self.fault == "die":
+            os._exit(3)
+        if self.fault == "hang":
+            time.sleep(3600)
+        step = step.to(self.device)
+        self._move_blocks(step.swap_out, to_host=True)
+        self._move_blocks(step.swap_in, to_host=False)
+        if step.copies:
+            mapping = torch.tensor(step.copies, dtype=torch.int64, device=self.device)
+            self.ops.copy_blocks([k for k, _ in self.kv_caches], [v for _, v in self.kv_caches], mapping)
+        if step.input_ids.numel() == 0:
+            return torch.empty(0, 0), None
+        hidden = self.model(step.input_ids, step.positions, self.kv_caches, step.meta, self.ops)
+        logits = self.model.compute_logits(hidden[step.sample_index])
+        prompt_logits = self.model.compute_logits(hidden[step.prompt_index]) if step.prompt_index is not None else None
+        return logits, prompt_logits

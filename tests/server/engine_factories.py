@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from pagedllm.server.demo import BYTE_SPECIALS, build_byte_tokenizer
+
 TINY_SHAPES = {
     # name -> LlamaConfig overrides
     "mha": dict(
@@ -67,3 +69,45 @@ def assert_greedy_matches(
     assert gap < tol, (
         f"token {i} differs: ours {ours[i]} vs reference {expected[i]}, logprob gap {gap:.2e} is not a near-tie"
     )
+
+
+_COMMON = dict(vocab_size=256 + len(BYTE_SPECIALS), bos_token_id=256, eos_token_id=257, pad_token_id=258)
+_OPT = dict(
+    _COMMON,
+    hidden_size=64,
+    ffn_dim=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    max_position_embeddings=256,
+    init_std=0.2,
+    dropout=0.0,
+)
+_GPT2 = dict(
+    _COMMON,
+    n_embd=64,
+    n_layer=2,
+    n_head=4,
+    n_positions=256,
+    initializer_range=0.2,
+    resid_pdrop=0.0,
+    embd_pdrop=0.0,
+    attn_pdrop=0.0,
+)
+
+
+def hf_config(family: str, **overrides):
+    from transformers import GPT2Config, OPTConfig
+
+    if family == "opt":
+        return OPTConfig(**{**_OPT, **overrides})
+    return GPT2Config(**{**_GPT2, **overrides})
+
+
+def save_tiny(path: str, family: str, seed: int, **overrides) -> str:
+    """Write a random-weight OPT or GPT-2 with the byte tokenizer to ``path`` (safetensors)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    AutoModelForCausalLM.from_config(hf_config(family, **overrides)).save_pretrained(path, safe_serialization=True)
+    build_byte_tokenizer().save_pretrained(path)
+    return path

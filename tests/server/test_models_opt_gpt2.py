@@ -9,37 +9,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_factories import HFReference, assert_greedy_matches, make_prompts
+from engine_factories import HFReference, assert_greedy_matches, hf_config, make_prompts, save_tiny
 
 from pagedllm.server import LLM, SamplingParams
-from pagedllm.server.demo import BYTE_SPECIALS, build_byte_tokenizer
 from pagedllm.server.worker.models import model_class
 from pagedllm.server.worker.models.gpt2 import GPT2LMHeadModel
 from pagedllm.server.worker.models.opt import OPTForCausalLM
 
 MAX_TOKENS = 12
-_COMMON = dict(vocab_size=256 + len(BYTE_SPECIALS), bos_token_id=256, eos_token_id=257, pad_token_id=258)
-_OPT = dict(
-    _COMMON,
-    hidden_size=64,
-    ffn_dim=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    max_position_embeddings=256,
-    init_std=0.2,
-    dropout=0.0,
-)
-_GPT2 = dict(
-    _COMMON,
-    n_embd=64,
-    n_layer=2,
-    n_head=4,
-    n_positions=256,
-    initializer_range=0.2,
-    resid_pdrop=0.0,
-    embd_pdrop=0.0,
-    attn_pdrop=0.0,
-)
 
 VARIANTS = {
     # name -> (family, config overrides)
@@ -59,30 +36,14 @@ VARIANTS = {
 CORE = ["opt-pre-ln", "opt-post-ln-proj", "gpt2"]
 
 
-def hf_config(family: str, **overrides):
-    from transformers import GPT2Config, OPTConfig
-
-    if family == "opt":
-        return OPTConfig(**{**_OPT, **overrides})
-    return GPT2Config(**{**_GPT2, **overrides})
-
-
-def save_tiny(path: str, family: str, seed: int, **overrides) -> str:
-    """Write a random-weight OPT or GPT-2 with the byte tokenizer to ``path`` (safetensors)."""
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    AutoModelForCausalLM.from_config(hf_config(family, **overrides)).save_pretrained(path, safe_serialization=True)
-    build_byte_tokenizer().save_pretrained(path)
-    return path
-
-
 @pytest.fixture(scope="module", autouse=True)
 def one_torch_thread():
     """Tiny matrices gain nothing from intra-op threads, and on a busy CI machine they spin."""
     previous = torch.get_num_threads()
     torch.set_num_threads(1)
-    yield
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("OMP_NUM_THREADS", "1")  # NOTE: the engine sets its thread count from it
+        yield
     torch.set_num_threads(previous)
 
 

@@ -8,6 +8,7 @@ from typing import Any, Protocol
 import torch
 
 from pagedllm.server.worker.attention import AttentionMetadata, AttentionOps
+from pagedllm.server.worker.models.tensor_parallel import TPGroup
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 """One layer's (K, V) cache: each [num_blocks, block_size, num_kv_heads, head_dim]."""
@@ -17,8 +18,8 @@ class CausalLM(Protocol):
     """A decoder-only language model written for paged attention (an ``nn.Module``)."""
 
     @classmethod
-    def from_hf_config(cls, cfg: dict[str, Any]) -> CausalLM:
-        """Build the model, with uninitialised weights, from a Hugging Face ``config.json``."""
+    def from_hf_config(cls, cfg: dict[str, Any], tp: TPGroup = ...) -> CausalLM:
+        """Build this rank's part of the model, weights uninitialised, from a Hugging Face ``config.json``."""
         ...
 
     @property

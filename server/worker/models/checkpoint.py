@@ -21,6 +21,9 @@ def copy_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], 
         if name not in params:
             raise ValueError(f"checkpoint tensor {name!r} does not belong to a {family} model")
         param = params[name]
+        shard = getattr(param, "shard", None)
+        if shard is not None:  # NOTE: tensor parallelism: keep only this rank's slice of the tensor
+            tensor = shard(tensor)
         if param.shape != tensor.shape:
             raise ValueError(
                 f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}"

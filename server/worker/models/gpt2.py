@@ -21,6 +21,14 @@ from torch import nn
 from pagedllm.server.worker.attention import AttentionMetadata, AttentionOps, PagedAttention
 from pagedllm.server.worker.models.activations import activation
 from pagedllm.server.worker.models.checkpoint import copy_weights, require
+from pagedllm.server.worker.models.tensor_parallel import (
+    ColumnParallelLinear,
+    ParallelLMHead,
+    RowParallelLinear,
+    TPGroup,
+    VocabParallelEmbedding,
+    mark_shard,
+)
 
 # Conv1D parameters, stored [in, out] in checkpoints and [out, in] here.
 CONV1D_SUFFIXES = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
@@ -81,24 +89,35 @@ class GPT2Arch:
 
 
 class GPT2Attention(nn.Module):
-    def __init__(self, arch: GPT2Arch, layer_idx: int) -> None:
+    def __init__(self, arch: GPT2Arch, layer_idx: int, tp: TPGroup) -> None:
         super().__init__()
-        self.hidden_size = arch.hidden_size
-        self.c_attn = nn.Linear(arch.hidden_size, 3 * arch.hidden_size)
-        self.c_proj = nn.Linear(arch.hidden_size, arch.hidden_size)
-        self.attn = PagedAttention(arch.num_heads, arch.num_heads, arch.head_dim, arch.attention_scale(layer_idx))
+        hidden = arch.hidden_size
+        heads = tp.split(arch.num_heads, "number of attention heads")
+        self.local_width = heads * arch.head_dim
+        # NOTE: the fused QKV weight is [q; k; v] by rows: a rank keeps its heads' rows of each third.
+        self.c_attn = nn.Linear(hidden, 3 * self.local_width)
+        if tp.size > 1:
+            start, width = tp.rank * self.local_width, self.local_width
+
+            def fused(full: torch.Tensor) -> torch.Tensor:
+                return torch.cat([third.narrow(0, start, width) for third in full.split(hidden, dim=0)])
+
+            mark_shard(self.c_attn.weight, fused)
+            mark_shard(self.c_attn.bias, fused)
+        self.c_proj = RowParallelLinear(hidden, hidden, True, tp)
+        self.attn = PagedAttention(heads, heads, arch.head_dim, arch.attention_scale(layer_idx))
 
     def forward(self, x, kv_cache, meta: AttentionMetadata, ops: AttentionOps) -> torch.Tensor:
-        # qkv: [num_tokens, 3 * hidden] -> q, k, v: [num_tokens, hidden] each
-        q, k, v = self.c_attn(x).split(self.hidden_size, dim=-1)
+        # qkv: [num_tokens, 3 * local_width] -> q, k, v: [num_tokens, local_width] each
+        q, k, v = self.c_attn(x).split(self.local_width, dim=-1)
         return self.c_proj(self.attn(q, k, v, kv_cache, meta, ops))
 
 
 class GPT2MLP(nn.Module):
-    def __init__(self, arch: GPT2Arch) -> None:
+    def __init__(self, arch: GPT2Arch, tp: TPGroup) -> None:
         super().__init__()
-        self.c_fc = nn.Linear(arch.hidden_size, arch.inner_size)
-        self.c_proj = nn.Linear(arch.inner_size, arch.hidden_size)
+        self.c_fc = ColumnParallelLinear(arch.hidden_size, arch.inner_size, True, tp)
+        self.c_proj = RowParallelLinear(arch.inner_size, arch.hidden_size, True, tp)
         self.act = activation(arch.activation_function, "activation_function")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -106,12 +125,12 @@ class GPT2MLP(nn.Module):
 
 
 class GPT2Block(nn.Module):
-    def __init__(self, arch: GPT2Arch, layer_idx: int) -> None:
+    def __init__(self, arch: GPT2Arch, layer_idx: int, tp: TPGroup) -> None:
         super().__init__()
         self.ln_1 = nn.LayerNorm(arch.hidden_size, eps=arch.layer_norm_eps)
-        self.attn = GPT2Attention(arch, layer_idx)
+        self.attn = GPT2Attention(arch, layer_idx, tp)
         self.ln_2 = nn.LayerNorm(arch.hidden_size, eps=arch.layer_norm_eps)
-        self.mlp = GPT2MLP(arch)
+        self.mlp = GPT2MLP(arch, tp)
 
     def forward(self, x, kv_cache, meta, ops):
         x = x + self.attn(self.ln_1(x), kv_cache, meta, ops)
@@ -119,33 +138,33 @@ class GPT2Block(nn.Module):
 
 
 class GPT2Model(nn.Module):
-    def __init__(self, arch: GPT2Arch) -> None:
+    def __init__(self, arch: GPT2Arch, tp: TPGroup) -> None:
         super().__init__()
-        self.wte = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        self.wte = VocabParallelEmbedding(arch.vocab_size, arch.hidden_size, tp)
         self.wpe = nn.Embedding(arch.max_position_embeddings, arch.hidden_size)
-        self.h = nn.ModuleList(GPT2Block(arch, i) for i in range(arch.num_layers))
+        self.h = nn.ModuleList(GPT2Block(arch, i, tp) for i in range(arch.num_layers))
         self.ln_f = nn.LayerNorm(arch.hidden_size, eps=arch.layer_norm_eps)
 
 
 class GPT2LMHeadModel(nn.Module):
     """Token ids and positions in, final hidden states out; logits only where asked."""
 
-    def __init__(self, arch: GPT2Arch) -> None:
+    def __init__(self, arch: GPT2Arch, tp: TPGroup) -> None:
         super().__init__()
         self.arch = arch
-        self.transformer = GPT2Model(arch)
-        self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
-        if arch.tie_word_embeddings:
-            self.lm_head.weight = self.transformer.wte.weight
+        self.tp = tp
+        self.transformer = GPT2Model(arch, tp)
+        tied = self.transformer.wte if arch.tie_word_embeddings else None
+        self.lm_head = ParallelLMHead(arch.hidden_size, arch.vocab_size, tp, tied=tied)
 
     @classmethod
-    def from_hf_config(cls, cfg: dict) -> GPT2LMHeadModel:
-        return cls(GPT2Arch.from_hf(cfg))
+    def from_hf_config(cls, cfg: dict, tp: TPGroup = TPGroup()) -> GPT2LMHeadModel:
+        return cls(GPT2Arch.from_hf(cfg), tp)
 
     @property
     def kv_shape(self) -> tuple[int, int, int]:
-        """(num_layers, num_kv_heads, head_dim) of the KV cache this model needs."""
-        return self.arch.num_layers, self.arch.num_heads, self.arch.head_dim
+        """(num_layers, num_kv_heads, head_dim) of this rank's KV cache."""
+        return self.arch.num_layers, self.arch.num_heads // self.tp.size, self.arch.head_dim
 
     def forward(
         self,
@@ -162,7 +181,7 @@ class GPT2LMHeadModel(nn.Module):
         return self.transformer.ln_f(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        return self.lm_head(hidden)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy checkpoint tensors in by name, transposing Conv1D weights; every parameter once.

@@ -16,6 +16,13 @@ from torch import nn
 from pagedllm.server.worker.attention import AttentionMetadata, AttentionOps, PagedAttention
 from pagedllm.server.worker.models.checkpoint import copy_weights
 from pagedllm.server.worker.models.rope import RotaryEmbedding
+from pagedllm.server.worker.models.tensor_parallel import (
+    ColumnParallelLinear,
+    ParallelLMHead,
+    RowParallelLinear,
+    TPGroup,
+    VocabParallelEmbedding,
+)
 
 
 @dataclass(frozen=True)
@@ -88,13 +95,15 @@ class RMSNorm(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, arch: LlamaArch, rotary: RotaryEmbedding) -> None:
+    def __init__(self, arch: LlamaArch, rotary: RotaryEmbedding, tp: TPGroup) -> None:
         super().__init__()
-        h, d, kvh = arch.num_heads, arch.head_dim, arch.num_kv_heads
-        self.q_proj = nn.Linear(arch.hidden_size, h * d, bias=arch.attention_bias)
-        self.k_proj = nn.Linear(arch.hidden_size, kvh * d, bias=arch.attention_bias)
-        self.v_proj = nn.Linear(arch.hidden_size, kvh * d, bias=arch.attention_bias)
-        self.o_proj = nn.Linear(h * d, arch.hidden_size, bias=arch.attention_bias)
+        d, bias, hidden = arch.head_dim, arch.attention_bias, arch.hidden_size
+        h = tp.split(arch.num_heads, "number of attention heads")
+        kvh, first_kv = tp.kv_heads(arch.num_kv_heads)
+        self.q_proj = ColumnParallelLinear(hidden, arch.num_heads * d, bias, tp)
+        self.k_proj = ColumnParallelLinear(hidden, kvh * d, bias, tp, first_row=first_kv * d)
+        self.v_proj = ColumnParallelLinear(hidden, kvh * d, bias, tp, first_row=first_kv * d)
+        self.o_proj = RowParallelLinear(arch.num_heads * d, hidden, bias, tp)
         self.rotary = rotary
         self.attn = PagedAttention(h, kvh, d, scale=1.0 / math.sqrt(d))
 
@@ -104,11 +113,12 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, arch: LlamaArch) -> None:
+    def __init__(self, arch: LlamaArch, tp: TPGroup) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(arch.hidden_size, arch.intermediate_size, bias=arch.mlp_bias)
-        self.up_proj = nn.Linear(arch.hidden_size, arch.intermediate_size, bias=arch.mlp_bias)
-        self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=arch.mlp_bias)
+        hidden, inner, bias = arch.hidden_size, arch.intermediate_size, arch.mlp_bias
+        self.gate_proj = ColumnParallelLinear(hidden, inner, bias, tp)
+        self.up_proj = ColumnParallelLinear(hidden, inner, bias, tp)
+        self.down_proj = RowParallelLinear(inner, hidden, bias, tp)
         self.act = _ACTS[arch.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -116,10 +126,10 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, arch: LlamaArch, rotary: RotaryEmbedding) -> None:
+    def __init__(self, arch: LlamaArch, rotary: RotaryEmbedding, tp: TPGroup) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(arch, rotary)
-        self.mlp = LlamaMLP(arch)
+        self.self_attn = LlamaAttention(arch, rotary, tp)
+        self.mlp = LlamaMLP(arch, tp)
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
 
@@ -129,33 +139,33 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, arch: LlamaArch) -> None:
+    def __init__(self, arch: LlamaArch, tp: TPGroup) -> None:
         super().__init__()
         rotary = RotaryEmbedding(arch.head_dim, arch.max_position_embeddings, arch.rope)
-        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(arch, rotary) for _ in range(arch.num_layers))
+        self.embed_tokens = VocabParallelEmbedding(arch.vocab_size, arch.hidden_size, tp)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(arch, rotary, tp) for _ in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
 
 
 class LlamaForCausalLM(nn.Module):
     """Token ids and positions in, final hidden states out; logits only where asked."""
 
-    def __init__(self, arch: LlamaArch) -> None:
+    def __init__(self, arch: LlamaArch, tp: TPGroup) -> None:
         super().__init__()
         self.arch = arch
-        self.model = LlamaModel(arch)
-        self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
-        if arch.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        self.tp = tp
+        self.model = LlamaModel(arch, tp)
+        tied = self.model.embed_tokens if arch.tie_word_embeddings else None
+        self.lm_head = ParallelLMHead(arch.hidden_size, arch.vocab_size, tp, tied=tied)
 
     @classmethod
-    def from_hf_config(cls, cfg: dict) -> LlamaForCausalLM:
-        return cls(LlamaArch.from_hf(cfg))
+    def from_hf_config(cls, cfg: dict, tp: TPGroup = TPGroup()) -> LlamaForCausalLM:
+        return cls(LlamaArch.from_hf(cfg), tp)
 
     @property
     def kv_shape(self) -> tuple[int, int, int]:
-        """(num_layers, num_kv_heads, head_dim) of the KV cache this model needs."""
-        return self.arch.num_layers, self.arch.num_kv_heads, self.arch.head_dim
+        """(num_layers, num_kv_heads, head_dim) of this rank's KV cache."""
+        return self.arch.num_layers, self.tp.kv_heads(self.arch.num_kv_heads)[0], self.arch.head_dim
 
     def forward(
         self,
@@ -172,7 +182,7 @@ class LlamaForCausalLM(nn.Module):
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        return self.lm_head(hidden)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy checkpoint tensors in by name; every parameter must be found once."""

@@ -24,6 +24,13 @@ from torch import nn
 from pagedllm.server.worker.attention import AttentionMetadata, AttentionOps, PagedAttention
 from pagedllm.server.worker.models.activations import activation
 from pagedllm.server.worker.models.checkpoint import copy_weights, require
+from pagedllm.server.worker.models.tensor_parallel import (
+    ColumnParallelLinear,
+    ParallelLMHead,
+    RowParallelLinear,
+    TPGroup,
+    VocabParallelEmbedding,
+)
 
 POSITION_OFFSET = 2  # NOTE: OPT's position table has 2 extra leading rows; position p reads row p + 2.
 
@@ -76,27 +83,28 @@ class OPTArch:
 
 
 class OPTAttention(nn.Module):
-    def __init__(self, arch: OPTArch) -> None:
+    def __init__(self, arch: OPTArch, tp: TPGroup) -> None:
         super().__init__()
         h, bias = arch.hidden_size, arch.enable_bias
-        self.q_proj = nn.Linear(h, h, bias=bias)
-        self.k_proj = nn.Linear(h, h, bias=bias)
-        self.v_proj = nn.Linear(h, h, bias=bias)
-        self.out_proj = nn.Linear(h, h, bias=bias)
-        self.attn = PagedAttention(arch.num_heads, arch.num_heads, arch.head_dim, scale=1.0 / math.sqrt(arch.head_dim))
+        heads = tp.split(arch.num_heads, "number of attention heads")
+        self.q_proj = ColumnParallelLinear(h, h, bias, tp)
+        self.k_proj = ColumnParallelLinear(h, h, bias, tp)
+        self.v_proj = ColumnParallelLinear(h, h, bias, tp)
+        self.out_proj = RowParallelLinear(h, h, bias, tp)
+        self.attn = PagedAttention(heads, heads, arch.head_dim, scale=1.0 / math.sqrt(arch.head_dim))
 
     def forward(self, x, kv_cache, meta: AttentionMetadata, ops: AttentionOps) -> torch.Tensor:
         return self.out_proj(self.attn(self.q_proj(x), self.k_proj(x), self.v_proj(x), kv_cache, meta, ops))
 
 
 class OPTDecoderLayer(nn.Module):
-    def __init__(self, arch: OPTArch) -> None:
+    def __init__(self, arch: OPTArch, tp: TPGroup) -> None:
         super().__init__()
         self.pre_norm = arch.do_layer_norm_before
-        self.self_attn = OPTAttention(arch)
+        self.self_attn = OPTAttention(arch, tp)
         self.self_attn_layer_norm = nn.LayerNorm(arch.hidden_size, elementwise_affine=arch.layer_norm_affine)
-        self.fc1 = nn.Linear(arch.hidden_size, arch.ffn_dim, bias=arch.enable_bias)
-        self.fc2 = nn.Linear(arch.ffn_dim, arch.hidden_size, bias=arch.enable_bias)
+        self.fc1 = ColumnParallelLinear(arch.hidden_size, arch.ffn_dim, arch.enable_bias, tp)
+        self.fc2 = RowParallelLinear(arch.ffn_dim, arch.hidden_size, arch.enable_bias, tp)
         self.final_layer_norm = nn.LayerNorm(arch.hidden_size, elementwise_affine=arch.layer_norm_affine)
         self.act = activation(arch.activation_function, "activation_function")
 
@@ -110,44 +118,44 @@ class OPTDecoderLayer(nn.Module):
 
 
 class OPTDecoder(nn.Module):
-    def __init__(self, arch: OPTArch) -> None:
+    def __init__(self, arch: OPTArch, tp: TPGroup) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.word_embed_proj_dim)
+        self.embed_tokens = VocabParallelEmbedding(arch.vocab_size, arch.word_embed_proj_dim, tp)
         self.embed_positions = nn.Embedding(arch.max_position_embeddings + POSITION_OFFSET, arch.hidden_size)
         projected = arch.word_embed_proj_dim != arch.hidden_size
         self.project_in = nn.Linear(arch.word_embed_proj_dim, arch.hidden_size, bias=False) if projected else None
         self.project_out = nn.Linear(arch.hidden_size, arch.word_embed_proj_dim, bias=False) if projected else None
-        self.layers = nn.ModuleList(OPTDecoderLayer(arch) for _ in range(arch.num_layers))
+        self.layers = nn.ModuleList(OPTDecoderLayer(arch, tp) for _ in range(arch.num_layers))
         self.final_layer_norm = (
             nn.LayerNorm(arch.hidden_size, elementwise_affine=arch.layer_norm_affine) if arch.final_layer_norm else None
         )
 
 
 class OPTModel(nn.Module):
-    def __init__(self, arch: OPTArch) -> None:
+    def __init__(self, arch: OPTArch, tp: TPGroup) -> None:
         super().__init__()
-        self.decoder = OPTDecoder(arch)
+        self.decoder = OPTDecoder(arch, tp)
 
 
 class OPTForCausalLM(nn.Module):
     """Token ids and positions in, final hidden states out; logits only where asked."""
 
-    def __init__(self, arch: OPTArch) -> None:
+    def __init__(self, arch: OPTArch, tp: TPGroup) -> None:
         super().__init__()
         self.arch = arch
-        self.model = OPTModel(arch)
-        self.lm_head = nn.Linear(arch.word_embed_proj_dim, arch.vocab_size, bias=False)
-        if arch.tie_word_embeddings:
-            self.lm_head.weight = self.model.decoder.embed_tokens.weight
+        self.tp = tp
+        self.model = OPTModel(arch, tp)
+        tied = self.model.decoder.embed_tokens if arch.tie_word_embeddings else None
+        self.lm_head = ParallelLMHead(arch.word_embed_proj_dim, arch.vocab_size, tp, tied=tied)
 
     @classmethod
-    def from_hf_config(cls, cfg: dict) -> OPTForCausalLM:
-        return cls(OPTArch.from_hf(cfg))
+    def from_hf_config(cls, cfg: dict, tp: TPGroup = TPGroup()) -> OPTForCausalLM:
+        return cls(OPTArch.from_hf(cfg), tp)
 
     @property
     def kv_shape(self) -> tuple[int, int, int]:
-        """(num_layers, num_kv_heads, head_dim) of the KV cache this model needs."""
-        return self.arch.num_layers, self.arch.num_heads, self.arch.head_dim
+        """(num_layers, num_kv_heads, head_dim) of this rank's KV cache."""
+        return self.arch.num_layers, self.arch.num_heads // self.tp.size, self.arch.head_dim
 
     def forward(
         self,
@@ -172,7 +180,7 @@ class OPTForCausalLM(nn.Module):
         project_out = self.model.decoder.project_out
         if project_out is not None:
             hidden = project_out(hidden)
-        return self.lm_head(hidden).float()
+        return self.lm_head(hidden)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy checkpoint tensors in by name; every parameter must be found once.

@@ -1,0 +1,162 @@
+"""Tensor parallelism on CPU (gloo): the same tokens and logprobs as one rank and as transformers,
+under preemption, sampling, beam search and prefix caching; dead or hung ranks end the engine
+with their name; nothing is left running afterwards."""
+
+from __future__ import annotations
+
+import gc
+import multiprocessing
+import os
+import time
+
+import httpx
+import pytest
+from api_factories import serve_process
+from engine_factories import HFReference, assert_greedy_matches, make_prompts, save_tiny
+
+from pagedllm.server import LLM, SamplingParams
+from pagedllm.server.demo import save_tiny_llama
+from pagedllm.server.engine.faults import EngineFatalError
+
+pytestmark = pytest.mark.timeout(600)
+MAX_TOKENS = 10
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=2)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread_per_rank():
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("OMP_NUM_THREADS", "1")  # NOTE: ranks share two cores here
+        yield
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("tp-models")
+    heads = dict(hidden_size=64, intermediate_size=128, initializer_range=0.2)
+    return {
+        "llama-mha": save_tiny_llama(str(root / "mha"), seed=1, num_attention_heads=4, num_key_value_heads=4, **heads),
+        "llama-gqa": save_tiny_llama(str(root / "gqa"), seed=2, num_attention_heads=8, num_key_value_heads=2, **heads),
+        "opt": save_tiny(str(root / "opt"), "opt", seed=3, do_layer_norm_before=True),
+        "gpt2": save_tiny(str(root / "gpt2"), "gpt2", seed=4),
+    }
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return make_prompts(5, min_len=1, max_len=60, seed=5)
+
+
+def generate(model: str, prompts, params=GREEDY, **engine_args):
+    llm = LLM(model=model, block_size=8, **{"num_gpu_blocks_override": 128, **engine_args})
+    try:
+        return llm, llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    finally:
+        llm.llm_engine.shutdown()
+
+
+def same_outputs(a, b, logprob_tol=1e-4):
+    for x, y in zip(a, b):
+        for cx, cy in zip(x.outputs, y.outputs):
+            assert cx.token_ids == cy.token_ids
+            assert abs(cx.cumulative_logprob - cy.cumulative_logprob) < logprob_tol * max(1, len(cx.token_ids))
+
+
+def child_processes() -> list[int]:
+    """Live children of this process, from /proc (multiprocessing's resource tracker, started once
+    per interpreter by the spawn context and gone with it, is not a worker)."""
+    me = str(os.getpid())
+    children = []
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    fields = f.read().split(") ", 1)[1].split()
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    cmdline = f.read()
+            except OSError:
+                continue
+            if fields[1] == me and fields[0] != "Z" and b"resource_tracker" not in cmdline:
+                children.append(int(pid))
+    return children
+
+
+@pytest.mark.parametrize("name, size", [("llama-mha", 2), ("llama-gqa", 4), ("opt", 2), ("gpt2", 2)])
+def test_tokens_and_logprobs_equal_one_rank_and_transformers(models, prompts, name, size):
+    _, one = generate(models[name], prompts)
+    _, many = generate(models[name], prompts, tensor_parallel_size=size)
+    same_outputs(one, many)
+    reference = HFReference(models[name])
+    for prompt, out in zip(prompts, many):
+        assert_greedy_matches(reference, prompt, out.outputs[0].token_ids, reference.greedy(prompt, MAX_TOKENS))
+    assert child_processes() == []
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preemption_sampling_and_beams_at_two_ranks(models, prompts, mode):
+    tight = dict(num_gpu_blocks_override=12, preemption_mode=mode, max_num_seqs=8)
+    params = [
+        SamplingParams(temperature=1.0, seed=7, n=4, max_tokens=MAX_TOKENS, ignore_eos=True),
+        SamplingParams(use_beam_search=True, best_of=3, n=2, temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True),
+    ]
+    for p in params:
+        llm_one, one = generate(models["llama-gqa"], prompts, p, **tight)
+        llm_two, two = generate(models["llama-gqa"], prompts, p, tensor_parallel_size=2, **tight)
+        same_outputs(one, two, logprob_tol=1e-3)
+        assert llm_two.llm_engine.stats().num_preemptions > 0
+
+
+def test_prefix_caching_hits_at_two_ranks(models):
+    shared = list(range(1, 33))
+    prompts = [shared + [40 + i] for i in range(4)]
+    llm = LLM(model=models["llama-mha"], block_size=8, num_gpu_blocks_override=128, tensor_parallel_size=2)
+    try:
+        outs = [llm.generate([{"prompt_token_ids": p}], GREEDY)[0] for p in prompts]  # one after another
+        assert llm.llm_engine.stats().prefix_cache_hits == 3 * 32
+    finally:
+        llm.llm_engine.shutdown()
+    _, one = generate(models["llama-mha"], prompts, enable_prefix_caching=False)
+    same_outputs(one, outs)
+
+
+def test_an_impossible_size_is_refused_before_any_rank_starts(models):
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=3 is not allowed: a divisor of the model's number"):
+        LLM(model=models["llama-mha"], tensor_parallel_size=3)
+    assert child_processes() == []
+
+
+@pytest.mark.parametrize("fault, message", [("die", "rank 1 .* exited with code 3"), ("hang", "did not finish")])
+def test_a_dead_or_hung_rank_ends_the_engine_naming_it(models, monkeypatch, fault, message):
+    monkeypatch.setenv("PAGEDLLM_TP_HANG_TIMEOUT", "3")
+    llm = LLM(model=models["llama-mha"], tensor_parallel_size=2, num_gpu_blocks_override=64)
+    engine = llm.llm_engine
+    engine.add_request("a", {"prompt_token_ids": [1, 2, 3]}, GREEDY)
+    engine.runner.workers.send(("inject_fault", fault))
+    started = time.monotonic()
+    with pytest.raises(EngineFatalError, match=message):
+        while engine.has_unfinished_requests():
+            engine.step()
+    assert time.monotonic() - started < 20
+    engine.shutdown()
+    assert child_processes() == []
+
+
+def test_collecting_the_llm_stops_its_ranks(models):
+    llm = LLM(model=models["llama-mha"], tensor_parallel_size=2, num_gpu_blocks_override=64)
+    assert len(child_processes()) == 1
+    del llm
+    gc.collect()
+    deadline = time.monotonic() + 10
+    while child_processes() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert child_processes() == [] and multiprocessing.active_children() == []
+
+
+def test_serve_with_two_ranks_answers_the_openai_client(models):
+    from openai import OpenAI
+
+    with serve_process(models["llama-mha"], "--tensor-parallel-size", "2") as (proc, url):
+        client = OpenAI(base_url=f"{url}/v1", api_key="none")
+        out = client.completions.create(model="tiny", prompt=[1, 2, 3], max_tokens=5, temperature=0)
+        assert len(out.choices[0].text) > 0 and out.usage.completion_tokens == 5
+        assert httpx.get(f"{url}/health").status_code == 200
