@@ -240,7 +240,7 @@ class ModelRunner:
         if self.workers is None:
             logits, prompt_logits = self.run_step(step)
             return StepResult(inputs, logits, prompt_logits)
-        self.workers.send(("step", step.to(torch.device("cpu"))))
+        self.workers.send(("step", step.to_wire()))
         self.workers.step_started()
         try:
             logits, prompt_logits = self.run_step(step)

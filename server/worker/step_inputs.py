@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import Any
 
+import numpy as np
 import torch
 
 from pagedllm.server.core.scheduler import SchedulerOutput
@@ -45,6 +47,35 @@ class ModelStep:
     sample_index: torch.Tensor
     prompt_index: torch.Tensor | None
 
+    def to_wire(self) -> tuple:
+        """A by-value form for the pipe to the other ranks (numpy arrays: no shared-memory handles)."""
+        meta = {f.name: _plain(getattr(self.meta, f.name)) for f in dataclasses.fields(self.meta)}
+        return (
+            self.swap_out,
+            self.swap_in,
+            self.copies,
+            _plain(self.input_ids),
+            _plain(self.positions),
+            meta,
+            _plain(self.sample_index),
+            _plain(self.prompt_index),
+        )
+
+    @classmethod
+    def from_wire(cls, wire: tuple) -> ModelStep:
+        swap_out, swap_in, copies, ids, positions, meta, sample_index, prompt_index = wire
+        tensors = {name: _tensor(value) for name, value in meta.items()}
+        return cls(
+            swap_out,
+            swap_in,
+            copies,
+            _tensor(ids),
+            _tensor(positions),
+            AttentionMetadata(**tensors),
+            _tensor(sample_index),
+            _tensor(prompt_index),
+        )
+
     def to(self, device: torch.device) -> ModelStep:
         tensors = [f.name for f in dataclasses.fields(self.meta) if f.name != "num_decode_tokens"]
         meta = dataclasses.replace(self.meta, **{name: getattr(self.meta, name).to(device) for name in tensors})
@@ -57,6 +88,14 @@ class ModelStep:
             sample_index=self.sample_index.to(device),
             prompt_index=index,
         )
+
+
+def _plain(value: Any) -> Any:
+    return value.cpu().numpy() if isinstance(value, torch.Tensor) else value
+
+
+def _tensor(value: Any) -> Any:
+    return torch.from_numpy(value) if isinstance(value, np.ndarray) else value
 
 
 @dataclass

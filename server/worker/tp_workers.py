@@ -204,6 +204,8 @@ def worker_main(
 
 
 def _serve(conn: multiprocessing.connection.Connection, runner: Any) -> None:
+    from pagedllm.server.worker.step_inputs import ModelStep
+
     while True:
         try:
             kind, *args = conn.recv()
@@ -218,6 +220,6 @@ def _serve(conn: multiprocessing.connection.Connection, runner: Any) -> None:
         elif kind == "allocate":
             runner.allocate_local_cache(*args)
         elif kind == "step":
-            runner.run_step(args[0])
+            runner.run_step(ModelStep.from_wire(args[0]))
         elif kind == "inject_fault":  # tests: die or hang on the next step
             runner.fault = args[0]

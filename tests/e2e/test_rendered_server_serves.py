@@ -25,7 +25,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def rendered_container(model_dir: str, port: int) -> dict:
+def rendered_container(model_dir: str, port: int, tensor_parallel_size: int = 1) -> dict:
     body = {
         "apiVersion": "pagedllm.dev/v1alpha1",
         "kind": "PagedLLM",
@@ -38,6 +38,7 @@ def rendered_container(model_dir: str, port: int) -> dict:
             "maxNumSeqs": 8,
             "servedModelName": "demo",
             "drainTimeoutSeconds": 5,
+            "tensorParallelSize": tensor_parallel_size,
         },
     }
     deployment = render(body, RenderConfig(default_image="pagedllm:test")).deployment
@@ -58,9 +59,15 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout: float) -> None:
     raise AssertionError(f"{url} not ready within {timeout}s")
 
 
-def test_rendered_command_serves_a_completion():
+@pytest.mark.parametrize("tensor_parallel_size", [1, 2])
+def test_rendered_command_serves_a_completion(tensor_parallel_size):
     port = free_port()
-    container = rendered_container(ensure_demo_model(), port)
+    container = rendered_container(ensure_demo_model(), port, tensor_parallel_size)
+    resources = container["resources"]["limits"]
+    assert resources.get("nvidia.com/gpu") in (tensor_parallel_size, str(tensor_parallel_size))
+    assert ["--tensor-parallel-size", str(tensor_parallel_size)] == container["args"][
+        container["args"].index("--tensor-parallel-size") : container["args"].index("--tensor-parallel-size") + 2
+    ]
     assert tuple(container["command"]) == SERVE_COMMAND
     assert not any("valueFrom" in e for e in container.get("env", []))  # nothing needs a cluster here
     script = shutil.which("pagedllm", path=os.path.dirname(sys.executable))

@@ -7,6 +7,7 @@ from __future__ import annotations
 import gc
 import multiprocessing
 import os
+import signal
 import time
 
 import httpx
@@ -62,10 +63,10 @@ def same_outputs(a, b, logprob_tol=1e-4):
             assert abs(cx.cumulative_logprob - cy.cumulative_logprob) < logprob_tol * max(1, len(cx.token_ids))
 
 
-def child_processes() -> list[int]:
+def child_processes(of: int | None = None) -> list[int]:
     """Live children of this process, from /proc (multiprocessing's resource tracker, started once
     per interpreter by the spawn context and gone with it, is not a worker)."""
-    me = str(os.getpid())
+    me = str(of or os.getpid())
     children = []
     for pid in os.listdir("/proc"):
         if pid.isdigit():
@@ -160,3 +161,11 @@ def test_serve_with_two_ranks_answers_the_openai_client(models):
         out = client.completions.create(model="tiny", prompt=[1, 2, 3], max_tokens=5, temperature=0)
         assert len(out.choices[0].text) > 0 and out.usage.completion_tokens == 5
         assert httpx.get(f"{url}/health").status_code == 200
+        ranks = child_processes(of=proc.pid)
+        assert len(ranks) == 1  # rank 1; rank 0 is the server itself
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+    deadline = time.monotonic() + 10
+    while any(os.path.exists(f"/proc/{pid}") for pid in ranks) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(os.path.exists(f"/proc/{pid}") for pid in ranks), "a rank outlived the server"
