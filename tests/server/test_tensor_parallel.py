@@ -169,3 +169,13 @@ def test_serve_with_two_ranks_answers_the_openai_client(models):
     while any(os.path.exists(f"/proc/{pid}") for pid in ranks) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not any(os.path.exists(f"/proc/{pid}") for pid in ranks), "a rank outlived the server"
+
+
+def test_the_triton_backend_at_two_ranks(models):
+    """The ranks run the Triton kernels too (through the interpreter on CPU, inherited by the spawned ranks)."""
+    short = [[1, 2, 3, 4, 5], [9, 8, 7]]
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    _, one = generate(models["llama-gqa"], short, params, attention_backend="triton")
+    llm, two = generate(models["llama-gqa"], short, params, attention_backend="triton", tensor_parallel_size=2)
+    assert llm.llm_engine.runner.ops.name == "triton"
+    same_outputs(one, two)
