@@ -10,6 +10,39 @@ _GREEDY_EPS = 1e-5
 
 
 @dataclass
+class GuidedDecodingParams:
+    """Constrain the output to a grammar (one of the fields), as vLLM's ``guided_decoding``.
+
+    ``json``: a JSON schema (dict or text); ``json_object``: any JSON object; ``regex``: a
+    regular expression; ``choice``: one of these strings; ``grammar``: an EBNF grammar.
+    """
+
+    json: str | dict | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        given += ["json_object"] if self.json_object else []
+        if len(given) != 1:
+            raise ConfigError(
+                "guided_decoding",
+                given,
+                "set exactly one of json, json_object, regex, choice, grammar",
+                problem="is invalid",
+                subject=f"{{name}} with {given or 'nothing'} set",
+            )
+        if self.choice is not None and (not self.choice or not all(isinstance(c, str) and c for c in self.choice)):
+            raise ConfigError("guided_choice", self.choice, "a list of non-empty strings", problem="is invalid")
+
+    @property
+    def kind(self) -> str:
+        return next(n for n in ("json", "regex", "choice", "grammar", "json_object") if getattr(self, n))
+
+
+@dataclass
 class SamplingParams:
     """How to decode one request. Invalid values raise :class:`ConfigError` naming field and value."""
 
@@ -59,6 +92,10 @@ class SamplingParams:
     """Beam search: scores are divided by length ** length_penalty."""
     early_stopping: bool | str = False
     """Beam search stopping rule, as Hugging Face's (True, False or "never")."""
+    logit_bias: dict[int, float] | None = None
+    """Token id -> a value added to its logit before sampling (-100 bans it, +100 forces it)."""
+    guided_decoding: GuidedDecodingParams | None = None
+    """Constrain the output to a JSON schema, regex, choice or grammar."""
 
     stop_list: list[str] = field(init=False, repr=False, default_factory=list)
 
@@ -120,6 +157,18 @@ class SamplingParams:
         for name, value, ok, allowed in checks:
             if not ok:
                 raise ConfigError(name, value, f"must be {allowed}", problem="is invalid")
+        for token, bias in (self.logit_bias or {}).items():
+            if not isinstance(token, int) or not -100 <= bias <= 100:
+                raise ConfigError(
+                    "logit_bias", {token: bias}, "token ids mapped to values in [-100, 100]", problem="is invalid"
+                )
+        if self.use_beam_search and self.guided_decoding is not None:
+            raise ConfigError(
+                "guided_decoding",
+                self.guided_decoding.kind,
+                "use sampling or greedy decoding",
+                problem="cannot be combined with beam search",
+            )
         if self.use_beam_search and self.temperature > _GREEDY_EPS:
             raise ConfigError("temperature", self.temperature, "must be 0", problem="is invalid with use_beam_search")
 

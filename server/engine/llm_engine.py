@@ -30,6 +30,7 @@ from pagedllm.server.engine.model_info import ModelInfo, load_tokenizer, read_mo
 from pagedllm.server.engine.output_processor import OutputProcessor
 from pagedllm.server.engine.sampler import Sampler
 from pagedllm.server.engine.step_results import RequestState, StepResults
+from pagedllm.server.engine.structured_output import StructuredOutputs
 from pagedllm.server.outputs import RequestOutput
 from pagedllm.server.sampling_params import SamplingParams
 from pagedllm.server.worker.model_loader import read_hf_config
@@ -105,6 +106,7 @@ class LLMEngine:
             self.block_manager,
             self._requests,
             self._next_seq_id,
+            StructuredOutputs(self.tokenizer, info.vocab_size, info.eos_token_ids),
             FaultInjector.from_env(),
         )
 
@@ -160,7 +162,10 @@ class LLMEngine:
             arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
         )
         generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
-        self._requests[request_id] = RequestState(group, generator, BeamState() if params.use_beam_search else None)
+        guided = params.guided_decoding
+        grammar = self.step_results.structured.compile(guided) if guided is not None else None
+        beam = BeamState() if params.use_beam_search else None
+        self._requests[request_id] = RequestState(group, generator, beam, grammar)
         self.scheduler.add(group)
 
     def abort_request(self, request_id: str | Iterable[str]) -> None:

@@ -26,6 +26,8 @@ class SampleRequest:
     num_samples: int = 1  # best_of draws at a group's first token, else 1
     generator: torch.Generator | None = None
     eos_token_ids: tuple[int, ...] = ()
+    allowed: torch.Tensor | None = None
+    """[vocab] bool: the only tokens a grammar lets come next (structured outputs)."""
 
 
 @dataclass
@@ -49,6 +51,7 @@ class Sampler:
         for i, req in enumerate(requests):
             _apply_penalties(logits[i], req)
             _block_early_stop(logits[i], req)
+            _apply_bias_and_mask(logits[i], req)
         greedy = [i for i, r in enumerate(requests) if r.params.greedy]
         sampled: dict[int, list[int]] = {}
         if greedy:
@@ -100,6 +103,16 @@ def _apply_penalties(logits: torch.Tensor, req: SampleRequest) -> None:
     if (p.presence_penalty or p.frequency_penalty) and req.output_token_ids:
         counts = torch.bincount(torch.tensor(req.output_token_ids, dtype=torch.int64), minlength=logits.numel())
         logits -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
+
+
+def _apply_bias_and_mask(logits: torch.Tensor, req: SampleRequest) -> None:
+    """``logit_bias`` values are added; tokens a grammar forbids can never be chosen."""
+    bias = req.params.logit_bias
+    if bias:
+        ids = torch.tensor([t for t in bias if 0 <= t < logits.numel()], dtype=torch.int64)
+        logits[ids] += torch.tensor([bias[t] for t in bias if 0 <= t < logits.numel()], dtype=logits.dtype)
+    if req.allowed is not None:
+        logits.masked_fill_(~req.allowed, float("-inf"))
 
 
 def _block_early_stop(logits: torch.Tensor, req: SampleRequest) -> None:

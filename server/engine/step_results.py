@@ -10,16 +10,18 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from pagedllm.server.core.block_manager import BlockManager
-from pagedllm.server.core.sequence import Sequence, SequenceGroup
+from pagedllm.server.core.sequence import Sequence, SequenceGroup, SequenceStatus
 from pagedllm.server.engine.beam_search import BeamSearch, BeamState
 from pagedllm.server.engine.faults import FaultInjector
 from pagedllm.server.engine.output_processor import OutputProcessor
 from pagedllm.server.engine.sampler import Sample, Sampler, SampleRequest, top_logprobs
+from pagedllm.server.engine.structured_output import StructuredOutputs
 from pagedllm.server.worker.step_inputs import SampleRow, StepResult
 
 logger = logging.getLogger("pagedllm.engine")
@@ -34,6 +36,15 @@ class RequestState:
     """The request's own random generator when it has a seed."""
     beam: BeamState | None = None
     """Hypotheses so far, for beam search requests."""
+    grammar: Any = None
+    """The compiled grammar of a structured-output request."""
+    matchers: dict[int, Any] = field(default_factory=dict)
+    """seq_id -> the grammar matcher following that sequence's tokens."""
+
+    def matcher(self, seq: Sequence, structured: StructuredOutputs) -> Any:
+        if seq.seq_id not in self.matchers:
+            self.matchers[seq.seq_id] = structured.matcher(self.grammar)
+        return self.matchers[seq.seq_id]
 
 
 class StepResults:
@@ -47,8 +58,10 @@ class StepResults:
         block_manager: BlockManager,
         requests: dict[str, RequestState],
         new_seq_id: Callable[[], int],
+        structured: StructuredOutputs,
         faults: FaultInjector | None = None,
     ) -> None:
+        self.structured = structured
         self.sampler = sampler
         self.output_processor = output_processor
         self.beam_search = beam_search
@@ -124,6 +137,12 @@ class StepResults:
         if self.faults is not None:
             self.faults.check_sampler(rows[i].group.request_id for i in indices)
         requests = [self._sample_request(rows[i].group, rows[i].seq) for i in indices]
+        constrained = [k for k, i in enumerate(indices) if self.requests[rows[i].group.request_id].grammar is not None]
+        if constrained:
+            states = [(self.requests[rows[indices[k]].group.request_id], rows[indices[k]].seq) for k in constrained]
+            masks = self.structured.masks([state.matcher(seq, self.structured) for state, seq in states])
+            for k, mask in zip(constrained, masks):
+                requests[k].allowed = mask
         return self.sampler(logits[indices], requests)
 
     def _sample_request(self, group: SequenceGroup, seq: Sequence) -> SampleRequest:
@@ -139,15 +158,29 @@ class StepResults:
 
     def _append(self, group: SequenceGroup, seq: Sequence, sample: Sample) -> None:
         """Append the sampled token; the group's first sample forks the other ``best_of - 1``."""
-        params = group.sampling_params
         for i in range(1, len(sample.token_ids)):
             child = seq.fork(self.new_seq_id())
             self.block_manager.fork(seq, child)
             group.seqs.append(child)
-            self.output_processor.append_token(
-                child, sample.token_ids[i], sample.logprobs[i], sample.top_logprobs[i], params
-            )
-        self.output_processor.append_token(seq, sample.token_ids[0], sample.logprobs[0], sample.top_logprobs[0], params)
+            self._append_token(group, child, sample, i)
+        self._append_token(group, seq, sample, 0)
+
+    def _append_token(self, group: SequenceGroup, seq: Sequence, sample: Sample, i: int) -> None:
+        token = sample.token_ids[i]
+        state = self.requests[group.request_id]
+        if state.grammar is not None:
+            matcher = state.matcher(seq, self.structured)
+            if not matcher.accept_token(token):
+                raise RuntimeError(f"the grammar refused token {token} that its own mask allowed")
+        self.output_processor.append_token(
+            seq, token, sample.logprobs[i], sample.top_logprobs[i], group.sampling_params
+        )
+        if (
+            state.grammar is not None
+            and state.matcher(seq, self.structured).is_terminated()
+            and not seq.status.finished
+        ):
+            seq.status = SequenceStatus.FINISHED_STOPPED  # NOTE: the grammar is complete: nothing may follow
 
     def _record_prompt_logprobs(self, result: StepResult, failed: dict[str, str]) -> None:
         rows = result.inputs.prompt_rows

@@ -35,6 +35,7 @@ class ErrorResponse(OpenAIBaseModel):
 # -- shared -------------------------------------------------------------------------------
 class StreamOptions(OpenAIBaseModel):
     include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False
 
 
 class UsageInfo(OpenAIBaseModel):
@@ -65,7 +66,18 @@ class SamplingFields(OpenAIBaseModel):
     frequency_penalty: float | None = 0.0
     seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     user: str | None = None
-    logit_bias: dict[str, float] | None = Field(None, description="Not supported; must be empty.")
+    logit_bias: dict[str, float] | None = Field(None, description="Token id (as a string) -> bias in [-100, 100].")
+    response_format: dict[str, Any] | None = Field(
+        None, description='{"type": "text" | "json_object"} or {"type": "json_schema", "json_schema": {"schema": ...}}'
+    )
+    # structured outputs, as vLLM names them (one at most, or response_format)
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: dict[str, Any] | None = Field(
+        None, description="One of json, regex, choice, grammar, json_object (vLLM's newer form)."
+    )
     # vLLM's extras
     best_of: int | None = None
     top_k: int | None = None
@@ -133,8 +145,8 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = None
-    response_format: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
     add_generation_prompt: bool = True
 
 

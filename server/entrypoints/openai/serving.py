@@ -26,6 +26,7 @@ from pagedllm.server.entrypoints.openai.errors import (
     internal_error,
     unavailable,
 )
+from pagedllm.server.entrypoints.openai.guided import guided_decoding, logit_bias
 from pagedllm.server.entrypoints.openai.protocol import SamplingFields, UsageInfo
 from pagedllm.server.outputs import RequestOutput
 from pagedllm.server.sampling_params import SamplingParams
@@ -140,8 +141,7 @@ class OpenAIServing:
         self, req: SamplingFields, *, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None
     ) -> SamplingParams:
         """The request's :class:`SamplingParams`, the model's generation_config filling what it left unset."""
-        if req.logit_bias:
-            raise bad_request("logit_bias is not supported by this server: leave it empty", "logit_bias")
+        guided, _ = guided_decoding(req)
         if req.stream_options is not None and not req.stream:
             raise bad_request("stream_options can only be set when stream=true", "stream_options")
         values = dict(
@@ -166,6 +166,8 @@ class OpenAIServing:
             include_stop_str_in_output=req.include_stop_str_in_output,
             use_beam_search=req.use_beam_search,
             length_penalty=req.length_penalty,
+            logit_bias=logit_bias(req.logit_bias),
+            guided_decoding=guided,
         )
         info = self.model_info
         for key, value in info.default_sampling.items():

@@ -6,6 +6,7 @@ import uuid
 from typing import Any
 
 from pagedllm.server.entrypoints.openai.errors import bad_request
+from pagedllm.server.entrypoints.openai.guided import guided_param_names
 from pagedllm.server.entrypoints.openai.logprobs import LogprobFormatter
 from pagedllm.server.entrypoints.openai.protocol import (
     ChatChoice,
@@ -45,11 +46,11 @@ class OpenAIServingChat:
             "prompt_token_ids": "messages",
             "logprobs": "top_logprobs",
             "max_tokens": max_tokens_param,
+            **guided_param_names(req),
             **({} if req.best_of is not None else {"best_of": "n"}),
         }
         streams = await serving.start(request_id, [prompt], params, param_names, cache_salt)
         if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
             role = [
                 {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
                 for i in range(params.n)
@@ -61,7 +62,7 @@ class OpenAIServingChat:
                 [prompt],
                 params,
                 streams,
-                include_usage,
+                req.stream_options,
                 self._choice_maker(req, holdback(params)),
                 first_choices=role,
             )
@@ -88,10 +89,6 @@ class OpenAIServingChat:
     def _check_unsupported(req: ChatCompletionRequest) -> None:
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
-        if req.response_format and req.response_format.get("type", "text") != "text":
-            raise bad_request(
-                f"response_format={req.response_format!r} is not supported: only type 'text'", "response_format"
-            )
         if req.tools:
             raise bad_request("tools are not supported by this server", "tools")
 

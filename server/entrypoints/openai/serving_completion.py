@@ -6,6 +6,7 @@ import uuid
 from typing import Any
 
 from pagedllm.server.entrypoints.openai.errors import bad_request
+from pagedllm.server.entrypoints.openai.guided import guided_param_names
 from pagedllm.server.entrypoints.openai.logprobs import LogprobFormatter
 from pagedllm.server.entrypoints.openai.protocol import (
     CompletionChoice,
@@ -45,10 +46,9 @@ class OpenAIServingCompletion:
             serving.check_length(prompt, req.max_tokens, "max_tokens")
         request_id = context.request_id or f"cmpl-{uuid.uuid4().hex}"
         cache_salt = serving.cache_salt(req.cache_salt, context)
-        param_names = {} if req.best_of is not None else {"best_of": "n"}
+        param_names = {**guided_param_names(req), **({} if req.best_of is not None else {"best_of": "n"})}
         streams = await serving.start(request_id, prompts, params, param_names, cache_salt)
         if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return stream(
                 serving,
                 request_id,
@@ -56,7 +56,7 @@ class OpenAIServingCompletion:
                 prompts,
                 params,
                 streams,
-                include_usage,
+                req.stream_options,
                 self._choice_maker(req, prompts, params),
             )
         outputs = await serving.final_outputs(streams)

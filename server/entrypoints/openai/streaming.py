@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from pagedllm.server.engine.request_stream import RequestStream
-from pagedllm.server.entrypoints.openai.protocol import UsageInfo
+from pagedllm.server.entrypoints.openai.protocol import StreamOptions, UsageInfo
 from pagedllm.server.entrypoints.openai.serving import OpenAIServing, Prompt, usage
 from pagedllm.server.entrypoints.openai.sse import SSEResponse, sse_response
 from pagedllm.server.outputs import CompletionOutput, RequestOutput
@@ -134,14 +134,21 @@ def stream(
     prompts: list[Prompt],
     params: SamplingParams,
     streams: list[RequestStream],
-    include_usage: bool,
+    options: StreamOptions | None,
     make_choice: ChoiceMaker,
     first_choices: list[dict[str, Any]] | None = None,
 ) -> SSEResponse:
-    """The SSE response of a streaming request: one chunk per step with news, then usage if asked."""
+    """The SSE response of a streaming request: one chunk per step with news, then usage if asked
+    (``include_usage``; with ``continuous_usage_stats`` every chunk carries the usage so far)."""
     created = int(time.time())
+    include_usage = bool(options and options.include_usage)
+    continuous = bool(options and options.continuous_usage_stats)
+    trackers: dict[int, Tracker] = {}
 
-    def chunk(choices: list[dict[str, Any]], usage: UsageInfo | None = None) -> dict[str, Any]:
+    def so_far() -> UsageInfo:
+        return usage(prompts, sum(t.num_tokens for t in trackers.values()))
+
+    def chunk(choices: list[dict[str, Any]], final: UsageInfo | None = None) -> dict[str, Any]:
         body: dict[str, Any] = {
             "id": request_id,
             "object": object_name,
@@ -149,12 +156,13 @@ def stream(
             "model": serving.model_name,
             "choices": choices,
         }
-        if include_usage:
-            body["usage"] = usage.model_dump() if usage else None
+        if continuous:
+            body["usage"] = (final or so_far()).model_dump()
+        elif include_usage:
+            body["usage"] = final.model_dump() if final else None
         return body
 
     async def events() -> AsyncIterator[dict[str, Any]]:
-        trackers: dict[int, Tracker] = {}
         if first_choices:
             yield chunk(first_choices)
         async for i, output in until_timeout(serving, merged(serving, streams)):
@@ -167,6 +175,6 @@ def stream(
             if choices:
                 yield chunk(choices)
         if include_usage:
-            yield chunk([], usage(prompts, sum(t.num_tokens for t in trackers.values())))
+            yield chunk([], so_far())
 
     return sse_response(events(), on_close=lambda: serving.abort(streams))

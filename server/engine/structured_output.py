@@ -1,0 +1,91 @@
+"""Structured outputs: grammars (JSON schema, regex, choice, EBNF) turned into per-step token masks.
+
+Built on xgrammar. A request's grammar is compiled once when it is added (xgrammar keeps
+compiled grammars in its own cache, so a schema sent again compiles instantly); each of
+its sequences gets a matcher that follows the tokens it accepts. Every step the masks of
+all constrained rows are filled into one bitmask and handed to the sampler, which applies
+them after the raw log-probabilities are taken (so reported logprobs stay the model's).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+import torch
+
+from pagedllm.server.config import ConfigError
+from pagedllm.server.sampling_params import GuidedDecodingParams
+
+FIELDS = {
+    "json": "guided_json",
+    "json_object": "response_format",
+    "regex": "guided_regex",
+    "choice": "guided_choice",
+    "grammar": "guided_grammar",
+}
+
+
+class StructuredOutputs:
+    """Compiles grammars for one tokenizer and makes the token masks of a step."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: tuple[int, ...]) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.eos_token_ids = eos_token_ids
+        self._compiler: Any = None
+
+    def _xgrammar(self) -> Any:
+        try:
+            import xgrammar
+        except ImportError as exc:  # pragma: no cover (a dependency; reported clearly if it is missing)
+            raise ConfigError("guided_decoding", "requested", "install xgrammar", problem="needs xgrammar") from exc
+        if self._compiler is None:
+            if self.tokenizer is None:
+                raise ConfigError(
+                    "guided_decoding",
+                    "requested",
+                    "start the server with a tokenizer",
+                    problem="needs a tokenizer (--skip-tokenizer-init is set)",
+                )
+            info = xgrammar.TokenizerInfo.from_huggingface(
+                self.tokenizer, vocab_size=self.vocab_size, stop_token_ids=list(self.eos_token_ids) or None
+            )
+            self._compiler = xgrammar.GrammarCompiler(info, max_threads=1)
+        return xgrammar
+
+    def compile(self, guided: GuidedDecodingParams) -> Any:
+        """The compiled grammar; a schema, regex or grammar xgrammar refuses raises :class:`ConfigError`."""
+        self._xgrammar()
+        compiler = self._compiler
+        kind = guided.kind
+        try:
+            if kind == "json_object":  # NOTE: OpenAI's json_object is an object, not any JSON value
+                return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
+            if kind == "json":
+                schema = guided.json if isinstance(guided.json, str) else json.dumps(guided.json)
+                return compiler.compile_json_schema(schema, any_whitespace=False)
+            if kind == "regex":
+                return compiler.compile_regex(guided.regex)
+            if kind == "choice":
+                return compiler.compile_regex("|".join(f"({re.escape(c)})" for c in guided.choice or []))
+            return compiler.compile_grammar(guided.grammar)
+        except (RuntimeError, ValueError, TypeError) as exc:
+            value = getattr(guided, kind)
+            shown = value if isinstance(value, (str, dict, list)) else kind
+            raise ConfigError(
+                FIELDS[kind], shown, f"a valid {kind.replace('_', ' ')}: {exc}".strip(), problem="cannot be compiled"
+            ) from exc
+
+    def matcher(self, grammar: Any) -> Any:
+        return self._xgrammar().GrammarMatcher(grammar)
+
+    def masks(self, matchers: list[Any]) -> torch.Tensor:
+        """[len(matchers), vocab_size] bool: the tokens each matcher allows next."""
+        xgrammar = self._xgrammar()
+        bitmask = xgrammar.allocate_token_bitmask(len(matchers), self.vocab_size)
+        for row, matcher in enumerate(matchers):
+            matcher.fill_next_token_bitmask(bitmask, row)
+        bits = (bitmask.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1
+        return bits.view(len(matchers), -1)[:, : self.vocab_size].bool()

@@ -1,0 +1,110 @@
+"""Structured outputs through the OpenAI client on the demo model: the grammar guarantees the shape."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from api_factories import live_server
+from openai import OpenAI
+
+from pagedllm.server.demo import ensure_demo_model
+from pagedllm.server.entrypoints.openai.settings import ServerSettings
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "module": {"type": "string", "enum": ["json", "os", "re"]},
+        "stable": {"type": "boolean"},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 8}, "maxItems": 2},
+    },
+    "required": ["module", "stable", "tags"],
+    "additionalProperties": False,
+}
+
+
+def valid(text: str) -> dict:
+    value = json.loads(text)
+    assert set(value) == {"module", "stable", "tags"} and value["module"] in ("json", "os", "re")
+    assert isinstance(value["stable"], bool) and len(value["tags"]) <= 2
+    assert all(isinstance(t, str) and len(t) <= 8 for t in value["tags"])
+    return value
+
+
+@pytest.fixture(scope="module")
+def client():
+    settings = ServerSettings(served_model_names=["demo"])
+    with live_server(ensure_demo_model(), settings, max_model_len=512) as server:
+        yield OpenAI(base_url=f"{server.url}/v1", api_key="none")
+
+
+def test_json_schema_response_format_non_streamed_and_n2(client):
+    fmt = {"type": "json_schema", "json_schema": {"name": "module", "schema": SCHEMA}}
+    out = client.chat.completions.create(
+        model="demo",
+        messages=[{"role": "user", "content": "Describe the json module."}],
+        response_format=fmt,
+        max_tokens=120,
+        n=2,
+        temperature=1.0,
+        seed=3,
+    )
+    assert len(out.choices) == 2
+    for choice in out.choices:
+        assert choice.finish_reason == "stop"
+        valid(choice.message.content)
+
+
+def test_json_schema_streamed(client):
+    fmt = {"type": "json_schema", "json_schema": {"name": "module", "schema": SCHEMA}}
+    chunks = client.chat.completions.create(
+        model="demo",
+        messages=[{"role": "user", "content": "Which module?"}],
+        response_format=fmt,
+        max_tokens=120,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(chunks)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    valid(text)
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens > 0  # include_usage
+
+
+def test_guided_choice_and_completions_json(client):
+    out = client.completions.create(
+        model="demo", prompt="Is json a module? Answer:", max_tokens=10, extra_body={"guided_choice": ["yes", "no"]}
+    )
+    assert out.choices[0].text in ("yes", "no")
+    out = client.completions.create(
+        model="demo", prompt="The os module", max_tokens=120, extra_body={"guided_json": SCHEMA}
+    )
+    valid(out.choices[0].text)
+
+
+def test_logit_bias_forces_a_token(client):
+    import httpx
+
+    forced = 1000
+    base = str(client.base_url).removesuffix("/v1/")
+    text = httpx.post(f"{base}/detokenize", json={"tokens": [forced]}).json()["prompt"]
+    plain = client.completions.create(model="demo", prompt="Hello", max_tokens=3, temperature=0)
+    assert plain.choices[0].text != text * 3
+    out = client.completions.create(
+        model="demo", prompt="Hello", max_tokens=3, temperature=0, logit_bias={str(forced): 100}
+    )
+    assert out.choices[0].text == text * 3
+
+
+def test_continuous_usage_stats(client):
+    chunks = list(
+        client.completions.create(
+            model="demo",
+            prompt="The for statement",
+            max_tokens=5,
+            stream=True,
+            stream_options={"include_usage": True, "continuous_usage_stats": True},
+        )
+    )
+    counts = [c.usage.completion_tokens for c in chunks]
+    assert all(c.usage is not None for c in chunks) and counts == sorted(counts) and counts[-1] == 5
