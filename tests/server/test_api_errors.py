@@ -135,7 +135,14 @@ def test_chat_bad_requests(http):
     assert_error(chat(http, messages=parts), 400, param="messages", contains=("image_url",))
     response = chat(http, response_format={"type": "json_object"}, max_tokens=8)
     assert response.status_code == 200 and response.json()["choices"][0]["message"]["content"].startswith("{")
-    assert_error(chat(http, tools=[{"type": "function", "function": {"name": "f"}}]), 400, param="tools")
+    assert_error(chat(http, tools=[{"type": "function"}]), 400, param="tools")
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    assert_error(
+        chat(http, tools=tools, tool_choice={"type": "function", "function": {"name": "g"}}),
+        400,
+        param="tool_choice",
+        contains=("'g'",),
+    )
     assert_error(chat(http, max_completion_tokens=0), 400, param="max_tokens")
 
 

@@ -108,3 +108,103 @@ def test_continuous_usage_stats(client):
     )
     counts = [c.usage.completion_tokens for c in chunks]
     assert all(c.usage is not None for c in chunks) and counts == sorted(counts) and counts[-1] == 5
+
+
+# -- tool calling ------------------------------------------------------------------------------------------
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 12}, "unit": {"enum": ["C", "F"]}},
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {
+            "type": "object",
+            "properties": {"zone": {"enum": ["UTC", "CET"]}},
+            "required": ["zone"],
+            "additionalProperties": False,
+        },
+    },
+}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def check_weather(arguments: str) -> None:
+    args = json.loads(arguments)
+    assert set(args) == {"city", "unit"} and args["unit"] in ("C", "F") and len(args["city"]) <= 12
+
+
+def test_a_named_tool_call_has_arguments_that_match_its_schema(client):
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    out = client.chat.completions.create(
+        model="demo", messages=ASK, tools=[WEATHER, TIME], tool_choice=named, max_tokens=80
+    )
+    choice = out.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.function.name == "get_weather" and call.id.startswith("call_")
+    check_weather(call.function.arguments)
+
+
+def test_required_picks_one_of_the_tools_and_streams_it(client):
+    chunks = list(
+        client.chat.completions.create(
+            model="demo", messages=ASK, tools=[WEATHER, TIME], tool_choice="required", max_tokens=80, stream=True
+        )
+    )
+    calls = [call for c in chunks if c.choices for call in (c.choices[0].delta.tool_calls or [])]
+    assert len(calls) == 1 and calls[0].function.name in ("get_weather", "get_time")
+    json.loads(calls[0].function.arguments)
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_tool_results_in_the_history_are_accepted(client):
+    history = ASK + [
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "C"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "21 degrees"},
+    ]
+    out = client.chat.completions.create(
+        model="demo", messages=history, tools=[WEATHER], tool_choice="none", max_tokens=10
+    )
+    assert out.choices[0].message.tool_calls is None and out.choices[0].message.content
+
+
+@pytest.mark.parametrize(
+    "text, name, args",
+    [
+        ('<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>', "get_time", {"zone": "UTC"}),
+        (
+            '{"name": "get_weather", "parameters": {"city": "Oslo", "unit": "C"}}',
+            "get_weather",
+            {"city": "Oslo", "unit": "C"},
+        ),
+        ('<|python_tag|>{"name": "get_time", "parameters": {"zone": "CET"}}', "get_time", {"zone": "CET"}),
+    ],
+)
+def test_auto_reads_hermes_and_llama3_calls(text, name, args):
+    from pagedllm.server.entrypoints.openai.tool_calls import plan
+
+    content, calls = plan([WEATHER, TIME], "auto").parse(text)
+    assert content is None and [(c.name, json.loads(c.arguments)) for c in calls] == [(name, args)]
+    assert plan([WEATHER], "auto").parse("It is sunny.") == ("It is sunny.", [])
+    assert plan([WEATHER], "auto").parse('{"name": "unknown_tool"}') == ('{"name": "unknown_tool"}', [])

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import uuid
 from typing import Any
 
-from pagedllm.server.entrypoints.openai.errors import bad_request
+from pagedllm.server.entrypoints.openai import tool_calls
+from pagedllm.server.entrypoints.openai.errors import bad_request, internal_error
 from pagedllm.server.entrypoints.openai.guided import guided_param_names
 from pagedllm.server.entrypoints.openai.logprobs import LogprobFormatter
 from pagedllm.server.entrypoints.openai.protocol import (
@@ -18,6 +21,7 @@ from pagedllm.server.entrypoints.openai.protocol import (
 from pagedllm.server.entrypoints.openai.serving import OpenAIServing, Prompt, RequestContext, usage
 from pagedllm.server.entrypoints.openai.sse import SSEResponse
 from pagedllm.server.entrypoints.openai.streaming import Tracker, holdback, stream
+from pagedllm.server.entrypoints.openai.tool_calls import ToolPlan
 from pagedllm.server.outputs import CompletionOutput
 
 
@@ -31,12 +35,22 @@ class OpenAIServingChat:
         serving = self.serving
         serving.check_model(req.model)
         serving.check_ready()
-        self._check_unsupported(req)
+        if req.top_logprobs is not None and not req.logprobs:
+            raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
+        tools = tool_calls.plan(req.tools, req.tool_choice)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params = serving.sampling_params(
             req, max_tokens=max_tokens, logprobs=(req.top_logprobs or 0) if req.logprobs else None
         )
-        prompt = self.prompt(req.messages, req.add_generation_prompt)
+        if tools is not None and tools.guided() is not None:
+            if params.guided_decoding is not None:
+                raise bad_request(
+                    "tool_choice required or a named function already constrains the output: "
+                    "drop response_format / guided_*",
+                    "tool_choice",
+                )
+            params = dataclasses.replace(params, guided_decoding=tools.guided())
+        prompt = self.prompt(req.messages, req.add_generation_prompt, tools)
         max_tokens_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         serving.check_length(prompt, max_tokens, max_tokens_param)
         request_id = context.request_id or f"chatcmpl-{uuid.uuid4().hex}"
@@ -63,21 +77,23 @@ class OpenAIServingChat:
                 params,
                 streams,
                 req.stream_options,
-                self._choice_maker(req, holdback(params)),
+                self._choice_maker(req, holdback(params), tools),
                 first_choices=role,
             )
         (output,) = await serving.final_outputs(streams)
         formatter = LogprobFormatter(serving.tokenizer)
-        choices = [
-            ChatChoice(
-                index=c.index,
-                message=ChatResponseMessage(content=c.text),
-                logprobs=formatter.chat(c, 0, len(c.token_ids), req.top_logprobs or 0) if req.logprobs else None,
-                finish_reason=c.finish_reason,
-                stop_reason=c.stop_reason,
+        choices = []
+        for c in output.outputs:
+            content, calls = _parse(tools, c)
+            choices.append(
+                ChatChoice(
+                    index=c.index,
+                    message=ChatResponseMessage(content=content, tool_calls=[t.openai() for t in calls] or None),
+                    logprobs=formatter.chat(c, 0, len(c.token_ids), req.top_logprobs or 0) if req.logprobs else None,
+                    finish_reason="tool_calls" if calls and c.finish_reason == "stop" else c.finish_reason,
+                    stop_reason=c.stop_reason,
+                )
             )
-            for c in output.outputs
-        ]
         return ChatCompletionResponse(
             id=request_id,
             model=serving.model_name,
@@ -85,18 +101,15 @@ class OpenAIServingChat:
             usage=usage([prompt], sum(len(c.token_ids) for c in output.outputs)),
         )
 
-    @staticmethod
-    def _check_unsupported(req: ChatCompletionRequest) -> None:
-        if req.top_logprobs is not None and not req.logprobs:
-            raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
-        if req.tools:
-            raise bad_request("tools are not supported by this server", "tools")
-
-    def prompt(self, messages: list[ChatMessage], add_generation_prompt: bool = True) -> Prompt:
-        text = self.render(messages, add_generation_prompt)
+    def prompt(
+        self, messages: list[ChatMessage], add_generation_prompt: bool = True, tools: ToolPlan | None = None
+    ) -> Prompt:
+        text = self.render(messages, add_generation_prompt, tools.template_tools if tools else None)
         return Prompt(text, self.serving.need_tokenizer().encode(text, add_special_tokens=False))
 
-    def render(self, messages: list[ChatMessage], add_generation_prompt: bool) -> str:
+    def render(
+        self, messages: list[ChatMessage], add_generation_prompt: bool, tools: list[dict[str, Any]] | None = None
+    ) -> str:
         """The messages as prompt text, through the server's or the tokenizer's chat template."""
         tokenizer = self.serving.need_tokenizer()
         template = self.serving.chat_template
@@ -108,19 +121,21 @@ class OpenAIServingChat:
             )
         if not messages:
             raise bad_request("messages is empty: give at least one message", "messages")
-        plain = [{"role": m.role, "content": _message_text(m)} for m in messages]
+        plain = [_plain(m) for m in messages]
         try:
             return tokenizer.apply_chat_template(
-                plain, tokenize=False, add_generation_prompt=add_generation_prompt, chat_template=template
+                plain, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt, chat_template=template
             )
         except Exception as exc:  # noqa: BLE001 (jinja raises many kinds; all are the request's fault)
             raise bad_request(f"the chat template could not render these messages: {exc}", "messages") from exc
 
-    def _choice_maker(self, req: ChatCompletionRequest, keep: int):
+    def _choice_maker(self, req: ChatCompletionRequest, keep: int, tools: ToolPlan | None):
         formatter = LogprobFormatter(self.serving.tokenizer)
         with_logprobs = bool(req.logprobs)
 
         def make(i: int, index: int, c: CompletionOutput, tracker: Tracker) -> dict[str, Any] | None:
+            if tools is not None and _holding(tools, c, tracker):
+                return _tool_delta(tools, index, c, tracker)
             delta = tracker.advance(c, keep, with_logprobs)
             if delta is None:
                 return None
@@ -136,6 +151,69 @@ class OpenAIServingChat:
             }
 
         return make
+
+
+def _parse(tools: ToolPlan | None, c: CompletionOutput) -> tuple[str | None, list[tool_calls.ToolCall]]:
+    if tools is None or c.finish_reason != "stop":
+        return c.text, []
+    try:
+        return tools.parse(c.text)
+    except (ValueError, KeyError) as exc:
+        raise internal_error(f"the tool call could not be read back: {exc!r}") from exc
+
+
+def _holding(tools: ToolPlan, c: CompletionOutput, tracker: Tracker) -> bool:
+    """Whether this choice's text is kept back because it is (or may become) a tool call."""
+    if tools.mode in ("named", "required"):
+        return True
+    holding = tracker.extra.get("holding", True) and tools.may_be_call(c.text)
+    tracker.extra["holding"] = holding
+    return holding
+
+
+def _tool_delta(tools: ToolPlan, index: int, c: CompletionOutput, tracker: Tracker) -> dict[str, Any] | None:
+    """Nothing until the choice finishes; then its tool calls (or its text, if it was none)."""
+    if c.finish_reason is None:
+        return None
+    start = tracker.text_len
+    delta = tracker.advance(c, 0, True)
+    if delta is None:
+        return None
+    content, calls = _parse(tools, c)
+    if calls:
+        message: dict[str, Any] = {"tool_calls": [t.openai(i) for i, t in enumerate(calls)]}
+        if content:
+            message["content"] = content
+    else:
+        message = {"content": c.text[start:]}
+    return {
+        "index": index,
+        "delta": message,
+        "logprobs": None,
+        "finish_reason": "tool_calls" if calls and c.finish_reason == "stop" else c.finish_reason,
+        "stop_reason": delta.stop_reason,
+    }
+
+
+def _plain(message: ChatMessage) -> dict[str, Any]:
+    plain: dict[str, Any] = {"role": message.role, "content": _message_text(message)}
+    if message.tool_calls:
+        plain["tool_calls"] = [_template_call(call) for call in message.tool_calls]
+    if message.tool_call_id:
+        plain["tool_call_id"] = message.tool_call_id
+    if message.name:
+        plain["name"] = message.name
+    return plain
+
+
+def _template_call(call: dict[str, Any]) -> dict[str, Any]:
+    """An assistant's earlier tool call, with its arguments as an object (what chat templates expect)."""
+    function = dict(call.get("function") or {})
+    try:
+        function["arguments"] = json.loads(function.get("arguments") or "{}")
+    except (TypeError, ValueError):
+        pass
+    return {**call, "function": function}
 
 
 def _message_text(message: ChatMessage) -> str:
