@@ -245,6 +245,22 @@ class LLMEngine:
         """Stop the other tensor-parallel ranks (idempotent; also runs when the engine is collected)."""
         self._finalizer()
 
+    def describe(self, host: str | None = None, port: int | None = None) -> str:
+        """The start-up summary a person reads: what runs where, and how much cache it has."""
+        runner, bm, config = self.runner, self.block_manager, self.config
+        lines = [
+            f"model            {config.model.model}",
+            f"dtype / device   {str(runner.dtype).removeprefix('torch.')} on {runner.device}"
+            f" x {config.parallel.tensor_parallel_size} rank(s), {runner.threads.threads} CPU thread(s)",
+            f"attention        {runner.ops.name}",
+            f"KV cache blocks  {bm.gpu.num_blocks} device + {bm.cpu.num_blocks} host,"
+            f" {config.cache.block_size} tokens each",
+            f"max model len    {self.max_model_len} tokens, max {config.scheduler.max_num_seqs} sequences per step",
+        ]
+        if host is not None:
+            lines.append(f"serving          http://{host}:{port}/v1 (docs at /docs)")
+        return "ready\n  " + "\n  ".join(lines)
+
     def warm_up(self, max_steps: int = 100) -> None:
         """Run one real one-token request, so a caller knows the model has run."""
         eos = self.model_info.eos_token_ids

@@ -12,6 +12,7 @@ import asyncio
 import logging
 import os
 import signal
+import socket
 import time
 
 from pagedllm.server.args import add_engine_args, as_flag_error, engine_config_from_args
@@ -103,6 +104,11 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="Jinja chat template, as a file path or the template text (default: the tokenizer's).",
     )
     group.add_argument("--log-level", default="info", choices=LOG_LEVELS, help="Logging level (default: info).")
+    group.add_argument(
+        "--disable-log-requests",
+        action="store_true",
+        help="No access-log line per request (by default: id, status, prompt and output tokens, latency).",
+    )
     return parser
 
 
@@ -120,6 +126,7 @@ def settings_from_args(args: argparse.Namespace):
             request_timeout=args.request_timeout,
             max_body_bytes=args.max_body_bytes,
             cache_salt_policy=args.cache_salt_policy,
+            log_requests=not args.disable_log_requests,
             drain_timeout=args.drain_timeout,
             chat_template=load_chat_template(args.chat_template),
         )
@@ -145,6 +152,22 @@ def load_chat_template(value: str | None) -> str | None:
     )
 
 
+def check_port_free(host: str, port: int) -> None:
+    """Refuse a port another process already listens on."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            raise ConfigError(
+                "port",
+                port,
+                f"stop the other server or pick another port ({exc.strerror})",
+                problem=f"is already in use on {host}",
+                name="--port",
+            ) from exc
+
+
 def run_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -154,6 +177,7 @@ def run_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = engine_config_from_args(args)
     settings = settings_from_args(args)
+    check_port_free(args.host, args.port)  # NOTE: before the model loads, not minutes later
     if config.model.model is not None:
         try:
             read_hf_config(config.model.model)  # NOTE: fail now, not after the port is open
@@ -196,11 +220,21 @@ def draining_server(config, state, drain_timeout: float):
         runtime_error: BaseException | None = None
 
         def handle_exit(self, sig, frame) -> None:
-            if sig == signal.SIGTERM and not self.should_exit:
+            # NOTE: SIGTERM and a first Ctrl-C drain; they are not recorded, so uvicorn does not
+            # re-raise them and the process exits 0. A second Ctrl-C stops at once.
+            if sig in (signal.SIGTERM, signal.SIGINT) and not self.should_exit:
                 if not state.serving.draining:
                     state.serving.draining = True
+                    if sig == signal.SIGINT:
+                        logger.warning(
+                            "Ctrl-C: finishing %d request(s) first; Ctrl-C again stops at once",
+                            state.engine.num_unfinished,
+                        )
                     self._loop.call_soon_threadsafe(self._begin_drain)
-                return  # NOTE: not recorded, so uvicorn does not re-raise SIGTERM and we exit 0
+                    return
+                if sig == signal.SIGTERM:
+                    return
+                self.force_exit = True  # the second Ctrl-C
             super().handle_exit(sig, frame)
 
         async def startup(self, sockets=None) -> None:
@@ -235,6 +269,9 @@ def draining_server(config, state, drain_timeout: float):
                 self.load_error = exc
                 self.should_exit = True
                 return
+            logger.info(
+                "%s", await state.engine.call(lambda engine: engine.describe(self.config.host, self.config.port))
+            )
             # NOTE: a dead engine cannot serve again: exit non-zero so Kubernetes restarts the pod.
             while state.engine.error is None:
                 await asyncio.sleep(0.1)

@@ -56,10 +56,11 @@ def start_streams(url: str, n: int) -> list[Streamer]:
     return streams
 
 
-def test_sigterm_drains_in_flight_streams_then_exits_0(tiny_llama):
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_sigterm_drains_in_flight_streams_then_exits_0(tiny_llama, sig):
     with serve_process(tiny_llama, "--drain-timeout", "120") as (proc, url):
         streams = start_streams(url, 4)
-        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(sig)
         deadline = time.monotonic() + 30
         while httpx.get(f"{url}/ready").status_code == 200:
             assert time.monotonic() < deadline, "/ready stayed 200 after SIGTERM"
@@ -75,6 +76,7 @@ def test_sigterm_drains_in_flight_streams_then_exits_0(tiny_llama):
             assert s.chunks[-1]["usage"]["completion_tokens"] == MAX_TOKENS
             assert [c["choices"][0]["finish_reason"] for c in s.chunks if c["choices"]][-1] == "length"
         assert proc.wait(timeout=60) == 0, proc.stdout.read()
+        assert "Traceback" not in proc.stdout.read()
 
 
 def test_drain_timeout_aborts_what_is_left_and_still_exits_0(tiny_llama):

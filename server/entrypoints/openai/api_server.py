@@ -43,7 +43,7 @@ from pagedllm.server.entrypoints.openai.protocol import (
     TokenizeResponse,
     VersionResponse,
 )
-from pagedllm.server.entrypoints.openai.serving import OpenAIServing, RequestContext
+from pagedllm.server.entrypoints.openai.serving import OpenAIServing, RequestContext, access_log
 from pagedllm.server.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.server.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedllm.server.entrypoints.openai.settings import ServerSettings
@@ -73,6 +73,7 @@ def build_app(config: EngineConfig, settings: ServerSettings | None = None) -> F
         settings.cache_salt_policy,
         request_timeout=settings.request_timeout,
         on_reject=metrics.count_rejected,
+        log_requests=settings.log_requests,
     )
 
     @contextlib.asynccontextmanager
@@ -138,6 +139,16 @@ def _add_openai_routes(app: FastAPI, serving: OpenAIServing) -> None:
 
 
 def _add_ops_routes(app: FastAPI, serving: OpenAIServing, metrics: ServerMetrics) -> None:
+    @app.get("/")
+    async def root() -> dict[str, Any]:
+        """Where to go from here."""
+        return {
+            "name": "PagedLLM",
+            "version": _version(),
+            "models": serving.served_model_names,
+            "endpoints": {"docs": "/docs", "models": "/v1/models", "health": "/health", "metrics": "/metrics"},
+        }
+
     @app.get("/health", responses={503: {"model": ErrorResponse}})
     async def health():
         """200 while the process and the engine thread are alive (also while the model loads)."""
@@ -165,6 +176,7 @@ def _add_ops_routes(app: FastAPI, serving: OpenAIServing, metrics: ServerMetrics
 def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def on_api_error(request: Request, exc: APIError) -> JSONResponse:
+        access_log.info("%s %s %d %s", request.method, request.url.path, exc.status, exc.message[:200])
         return error_response(exc)
 
     @app.exception_handler(RequestValidationError)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -94,6 +94,8 @@ class ServerMetrics:
 
     def __init__(self, model_name: str, config: EngineConfig, stats: Callable[[], EngineStats | None]) -> None:
         self.model_name = model_name
+        # NOTE: a process-wide switch: no `*_created` sample beside every counter and histogram.
+        disable_created_metrics()
         self.registry = CollectorRegistry()
         labels = ["model_name"]
         reg = self.registry
@@ -207,6 +209,7 @@ class EngineStatsCollector(Collector):
             gauge = GaugeMetricFamily(f"pagedllm:{name}", doc, labels=labels)
             gauge.add_metric(values, value)
             yield gauge
+        yield from self._vllm_names(stats)
         for name, doc, value in (
             ("num_preemptions", "Preemptions (recompute or swap) since start.", stats.num_preemptions),
             ("prefix_cache_queries", "Prefix cache lookups.", stats.prefix_cache_queries),
@@ -216,6 +219,20 @@ class EngineStatsCollector(Collector):
             counter.add_metric(values, value)
             yield counter
         yield self._cache_config_info(stats)
+
+    def _vllm_names(self, stats: EngineStats) -> Iterator:
+        """The gauges under vLLM's names too: what the Gateway API Inference Extension's endpoint
+        picker (and vLLM dashboards) read from a model server to route by queue and KV cache."""
+        usage = _usage(stats.num_gpu_blocks, stats.num_free_gpu_blocks)
+        for name, doc, value in (
+            ("num_requests_waiting", "Requests waiting to be scheduled (same as pagedllm:).", stats.num_waiting),
+            ("num_requests_running", "Sequences running (same as pagedllm:).", stats.num_running),
+            ("kv_cache_usage_perc", "KV cache usage, 0-1 (same as pagedllm:).", usage),
+            ("gpu_cache_usage_perc", "KV cache usage, 0-1 (vLLM's older name).", usage),
+        ):
+            gauge = GaugeMetricFamily(f"vllm:{name}", doc, labels=["model_name"])
+            gauge.add_metric([self.model_name], value)
+            yield gauge
 
     def _cache_config_info(self, stats: EngineStats) -> GaugeMetricFamily:
         cache = self.config.cache

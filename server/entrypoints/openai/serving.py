@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import logging
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -32,6 +33,9 @@ from pagedllm.server.outputs import RequestOutput
 from pagedllm.server.sampling_params import SamplingParams
 
 _T = TypeVar("_T")
+
+
+access_log = logging.getLogger("pagedllm.access")
 
 
 @dataclass
@@ -62,6 +66,8 @@ class OpenAIServing:
     request_timeout: float | None = None
     on_reject: Callable[[str], None] | None = None
     """Called with the reason when a request is turned away (the rejection counter)."""
+    log_requests: bool = True
+    """One access-log line per finished request (``--disable-log-requests`` turns it off)."""
     draining: bool = False
 
     @property
@@ -237,6 +243,19 @@ class OpenAIServing:
             raise internal_error(str(exc)) from exc
         finally:
             self.abort(streams)
+
+    def log_access(
+        self, request_id: str, prompts: list[Prompt], output_tokens: int, started: float, status: int = 200
+    ) -> None:
+        if self.log_requests:
+            access_log.info(
+                "%s %d prompt_tokens=%d output_tokens=%d %.3fs",
+                request_id,
+                status,
+                sum(len(p.token_ids) for p in prompts),
+                output_tokens,
+                time.monotonic() - started,
+            )
 
     def timed_out(self) -> APIError:
         return APIError(

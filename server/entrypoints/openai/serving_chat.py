@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import time
 import uuid
 from typing import Any
 
@@ -33,6 +34,7 @@ class OpenAIServingChat:
         self, req: ChatCompletionRequest, context: RequestContext = RequestContext()
     ) -> ChatCompletionResponse | SSEResponse:
         serving = self.serving
+        started = time.monotonic()
         serving.check_model(req.model)
         serving.check_ready()
         if req.top_logprobs is not None and not req.logprobs:
@@ -94,11 +96,10 @@ class OpenAIServingChat:
                     stop_reason=c.stop_reason,
                 )
             )
+        completion_tokens = sum(len(c.token_ids) for c in output.outputs)
+        serving.log_access(request_id, [prompt], completion_tokens, started)
         return ChatCompletionResponse(
-            id=request_id,
-            model=serving.model_name,
-            choices=choices,
-            usage=usage([prompt], sum(len(c.token_ids) for c in output.outputs)),
+            id=request_id, model=serving.model_name, choices=choices, usage=usage([prompt], completion_tokens)
         )
 
     def prompt(

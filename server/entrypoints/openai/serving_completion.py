@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 import uuid
 from typing import Any
 
@@ -30,6 +31,7 @@ class OpenAIServingCompletion:
         self, req: CompletionRequest, context: RequestContext = RequestContext()
     ) -> CompletionResponse | SSEResponse:
         serving = self.serving
+        started = time.monotonic()
         serving.check_model(req.model)
         serving.check_ready()
         logprobs = req.logprobs
@@ -60,7 +62,9 @@ class OpenAIServingCompletion:
                 self._choice_maker(req, prompts, params),
             )
         outputs = await serving.final_outputs(streams)
-        return self._response(request_id, req, prompts, params, outputs)
+        response = self._response(request_id, req, prompts, params, outputs)
+        serving.log_access(request_id, prompts, sum(len(c.token_ids) for o in outputs for c in o.outputs), started)
+        return response
 
     def prompts(self, prompt: PromptInput) -> list[Prompt]:
         """A string, a list of strings, a list of token ids or a list of such lists."""

@@ -33,6 +33,8 @@ class ServerSettings:
     """A Jinja chat template (text) replacing the tokenizer's."""
     warmup: bool = True
     """Run one forward pass before reporting ready."""
+    log_requests: bool = True
+    """One access-log line per request (id, status, tokens, latency)."""
     cache_salt_policy: str = "optional"
     """``optional``: requests may give a ``cache_salt``; ``required``: they must; ``api-key``: the salt is
     derived from the caller's bearer token (plus any salt given), so tenants never share prefix blocks."""

@@ -162,7 +162,16 @@ def stream(
             body["usage"] = final.model_dump() if final else None
         return body
 
+    started = time.monotonic()
+
     async def events() -> AsyncIterator[dict[str, Any]]:
+        try:
+            async for event in chunks():
+                yield event
+        finally:
+            serving.log_access(request_id, prompts, so_far().completion_tokens, started)
+
+    async def chunks() -> AsyncIterator[dict[str, Any]]:
         if first_choices:
             yield chunk(first_choices)
         async for i, output in until_timeout(serving, merged(serving, streams)):
