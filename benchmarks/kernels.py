@@ -24,6 +24,7 @@ import csv
 import datetime
 import itertools
 import math
+import os
 import re
 import statistics
 import sys
@@ -31,6 +32,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import HelpFormatter  # noqa: E402
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -58,17 +62,27 @@ def _ints(text: str) -> list[int]:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
+    p.add_argument("--batch-sizes", type=_ints, default=[1, 8, 32, 64, 128, 256], help="comma-separated batch sizes")
+    p.add_argument(
+        "--context-lens",
+        type=_ints,
+        default=[512, 1024, 2048, 4096, 8192],
+        help="comma-separated context lengths in tokens",
     )
-    p.add_argument("--batch-sizes", type=_ints, default=[1, 8, 32, 64, 128, 256])
-    p.add_argument("--context-lens", type=_ints, default=[512, 1024, 2048, 4096, 8192])
     p.add_argument("--num-heads", type=int, default=32, help="query heads")
     p.add_argument("--kv-heads", type=_ints, default=[8, 32], help="KV heads (8: GQA, 32: MHA)")
-    p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--block-sizes", type=_ints, default=[8, 16, 32, 128])
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
-    p.add_argument("--timer", choices=["do_bench", "cudagraph"], default="do_bench")
+    p.add_argument("--head-dim", type=int, default=128, help="head dimension")
+    p.add_argument(
+        "--block-sizes", type=_ints, default=[8, 16, 32, 128], help="comma-separated KV block sizes in tokens"
+    )
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="KV and query dtype")
+    p.add_argument(
+        "--timer",
+        choices=["do_bench", "cudagraph"],
+        default="do_bench",
+        help="triton.testing timer: do_bench or CUDA-graph replay",
+    )
     p.add_argument("--rep-ms", type=int, default=100, help="do_bench measurement time per point (ms)")
     p.add_argument(
         "--mem-fraction",
@@ -78,7 +92,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--quick", action="store_true", help="batch 1,32,128 x context 512,4096 x block 16")
     p.add_argument("--list", action="store_true", help="print the sweep and exit")
-    p.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
+    p.add_argument(
+        "--out-dir", type=Path, default=RESULTS_DIR, help="directory the CSV and JSON results are written to"
+    )
     args = p.parse_args(argv)
     if args.quick:
         args.batch_sizes, args.context_lens, args.block_sizes = [1, 32, 128], [512, 4096], [16]

@@ -38,6 +38,7 @@ import httpx
 from tqdm.asyncio import tqdm
 
 sys.path.insert(0, os.path.dirname(__file__))
+from common import HelpFormatter  # noqa: E402
 from serve_metrics import RequestResult, report, summarize  # noqa: E402
 from workloads import WORKLOADS, poisson_arrivals, sample_requests  # noqa: E402
 
@@ -188,7 +189,7 @@ def _auth(args) -> dict:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--base-url", default="http://127.0.0.1:8000", help="The server (default: %(default)s).")
     p.add_argument("--launch", action="store_true", help="Start `pagedllm serve` on a free port for the run.")
     p.add_argument("--serve-args", default="", help="Extra `pagedllm serve` flags with --launch, as one string.")
@@ -200,12 +201,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         choices=[*WORKLOADS, "random"],
         help="Length distribution: the paper's ShareGPT / Alpaca statistics, or uniform random.",
     )
-    p.add_argument("--random-input-len", type=int, default=128)
-    p.add_argument("--random-output-len", type=int, default=128)
+    p.add_argument("--random-input-len", type=int, default=128, help="random dataset: prompt tokens")
+    p.add_argument("--random-output-len", type=int, default=128, help="random dataset: output tokens")
     p.add_argument(
         "--random-range-ratio", type=float, default=0.0, help="random: lengths uniform in [len * (1 - ratio), len]."
     )
-    p.add_argument("--num-prompts", type=int, default=200)
+    p.add_argument("--num-prompts", type=int, default=200, help="requests to send")
     p.add_argument(
         "--request-rate",
         type=float,
@@ -219,10 +220,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="Gamma shape of the gaps: 1 = Poisson, < 1 burstier, > 1 more uniform.",
     )
     p.add_argument("--max-concurrency", type=int, default=None, help="Most requests in flight at once.")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the workload and arrival times")
     p.add_argument("--timeout", type=float, default=600.0, help="Per-request timeout in seconds.")
     p.add_argument("--result-name", default=None, help="Write benchmarks/results/<name>.json and .md.")
-    p.add_argument("--disable-tqdm", action="store_true")
+    p.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
     if args.burstiness <= 0:
         p.error(f"--burstiness={args.burstiness} is out of range: must be > 0")

@@ -21,6 +21,7 @@ import time
 from tqdm import tqdm
 
 sys.path.insert(0, os.path.dirname(__file__))
+from common import HelpFormatter, set_threads  # noqa: E402
 from workloads import sample_requests  # noqa: E402
 
 from pagedllm.server import LLM, SamplingParams  # noqa: E402
@@ -116,13 +117,16 @@ def prefix_caching(model_dir: str, args) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--num-requests", type=int, default=40)
-    parser.add_argument("--max-output", type=int, default=1024)
-    parser.add_argument("--max-num-seqs", type=int, default=256)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    parser.add_argument("--num-requests", type=int, default=40, help="requests per case")
+    parser.add_argument("--max-output", type=int, default=1024, help="longest output, in tokens")
+    parser.add_argument("--max-num-seqs", type=int, default=256, help="engine max_num_seqs")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the workload")
+    parser.add_argument(
+        "--out", default=os.path.join(os.path.dirname(__file__), "results"), help="directory the results are written to"
+    )
     args = parser.parse_args()
+    set_threads()
     with tempfile.TemporaryDirectory() as model_dir:
         save_tiny_llama(model_dir, max_position_embeddings=4096)
         rows = sharing_table(model_dir, args)

@@ -35,6 +35,7 @@ import httpx
 from tqdm.asyncio import tqdm
 
 sys.path.insert(0, os.path.dirname(__file__))
+from common import HelpFormatter  # noqa: E402
 from serve import launch  # noqa: E402
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
@@ -258,21 +259,32 @@ def verdict(tally: Tally, extra: dict, args) -> tuple[dict, list[str]]:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--base-url", default="http://127.0.0.1:8000")
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    p.add_argument("--base-url", default="http://127.0.0.1:8000", help="server to soak (ignored with --launch)")
     p.add_argument("--launch", action="store_true", help="Start `pagedllm serve` (with fault injection) for the run.")
     p.add_argument("--serve-args", default="--max-num-seqs 32", help="Extra `pagedllm serve` flags with --launch.")
     p.add_argument("--server-pid", type=int, default=None, help="PID of the server, to watch its RSS.")
     p.add_argument("--model", default=None, help="Model name to send (default: the server's first).")
-    p.add_argument("--num-requests", type=int, default=10_000)
-    p.add_argument("--concurrency", type=int, default=32)
-    p.add_argument("--invalid-share", type=float, default=0.1)
-    p.add_argument("--fault-share", type=float, default=0.02)
-    p.add_argument("--disconnect-share", type=float, default=0.1)
-    p.add_argument("--client-timeout", type=float, default=300.0)
-    p.add_argument("--drain-timeout", type=float, default=120.0)
-    p.add_argument("--max-rss-growth-mib", type=float, default=256.0)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--num-requests", type=int, default=10_000, help="requests in all")
+    p.add_argument("--concurrency", type=int, default=32, help="requests in flight at once")
+    p.add_argument("--invalid-share", type=float, default=0.1, help="share of requests that are invalid (expect 4xx)")
+    p.add_argument(
+        "--fault-share",
+        type=float,
+        default=0.02,
+        help="share of requests with an injected fault (expect 500 or an error event)",
+    )
+    p.add_argument("--disconnect-share", type=float, default=0.1, help="share of streams the client hangs up on")
+    p.add_argument(
+        "--client-timeout", type=float, default=300.0, help="seconds before the client gives up on a request"
+    )
+    p.add_argument(
+        "--drain-timeout", type=float, default=120.0, help="seconds to wait for the server to go idle afterwards"
+    )
+    p.add_argument(
+        "--max-rss-growth-mib", type=float, default=256.0, help="most the server's RSS may grow after the warm-up share"
+    )
+    p.add_argument("--seed", type=int, default=0, help="seed of the request mix")
     p.add_argument("--save", action="store_true", help=f"Write the result under {RESULTS_DIR}.")
     return p.parse_args(argv)
 

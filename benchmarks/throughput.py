@@ -21,6 +21,7 @@ import torch
 from tqdm import tqdm
 
 sys.path.insert(0, os.path.dirname(__file__))
+from common import HelpFormatter, set_threads  # noqa: E402
 from workloads import sample_requests  # noqa: E402
 
 MODEL_SHAPE = dict(
@@ -104,16 +105,19 @@ def scheduling_overhead_us(num_seqs: int, steps: int, block_size: int = 16) -> f
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--workload", default="sharegpt")
-    parser.add_argument("--num-requests", type=int, default=64)
-    parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--max-output", type=int, default=1024)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--overhead-seqs", type=int, default=256)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    parser.add_argument("--workload", default="sharegpt", help="length distribution (the paper's sharegpt or alpaca)")
+    parser.add_argument("--num-requests", type=int, default=64, help="requests to run")
+    parser.add_argument("--batch-size", type=int, default=32, help="sequences per batch, for both systems")
+    parser.add_argument("--max-output", type=int, default=1024, help="longest output, in tokens")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the workload")
+    parser.add_argument("--overhead-seqs", type=int, default=256, help="sequences in the scheduler-overhead probe")
     parser.add_argument("--skip-hf", action="store_true", help="only run PagedLLM")
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    parser.add_argument(
+        "--out", default=os.path.join(os.path.dirname(__file__), "results"), help="directory the results are written to"
+    )
     args = parser.parse_args()
+    set_threads()
 
     overhead = scheduling_overhead_us(args.overhead_seqs, steps=200)
     print(f"scheduling overhead: {overhead:.0f} us/step at {args.overhead_seqs} running sequences (stub model)")

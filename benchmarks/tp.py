@@ -31,6 +31,9 @@ from pagedllm.server import LLM, SamplingParams
 from pagedllm.server.worker.attention import AttentionMetadata
 from pagedllm.server.worker.step_inputs import ModelStep
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import HelpFormatter, set_threads  # noqa: E402
+
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
@@ -112,19 +115,20 @@ def tiny_llama(path: str, hidden: int, layers: int, heads: int) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--tp", type=int, default=2)
-    p.add_argument("--context", type=int, default=1024)
-    p.add_argument("--repeats", type=int, default=200)
-    p.add_argument("--hidden", type=int, default=512)
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--num-requests", type=int, default=16)
-    p.add_argument("--prompt-len", type=int, default=128)
-    p.add_argument("--output-len", type=int, default=64)
-    p.add_argument("--save", action="store_true")
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    p.add_argument("--tp", type=int, default=2, help="tensor-parallel size compared with 1")
+    p.add_argument("--context", type=int, default=1024, help="context length of the probed decode steps")
+    p.add_argument("--repeats", type=int, default=200, help="messages timed per batch size")
+    p.add_argument("--hidden", type=int, default=512, help="hidden size of the random LLaMA")
+    p.add_argument("--layers", type=int, default=8, help="layers of the random LLaMA")
+    p.add_argument("--heads", type=int, default=8, help="attention heads of the random LLaMA")
+    p.add_argument("--num-requests", type=int, default=16, help="requests in the throughput run")
+    p.add_argument("--prompt-len", type=int, default=128, help="prompt tokens per request")
+    p.add_argument("--output-len", type=int, default=64, help="output tokens per request")
+    p.add_argument("--save", action="store_true", help="write benchmarks/results/tp-cpu-DATE.json")
     args = p.parse_args(argv)
-    print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}")
+    set_threads()
+    print(f"torch {torch.__version__}, {os.cpu_count()} CPUs")
     messages = [message_cost(b, args.context, 16, args.repeats) for b in tqdm((1, 64, 256), desc="step messages")]
     with tempfile.TemporaryDirectory() as tmp:
         model = tiny_llama(os.path.join(tmp, "llama"), args.hidden, args.layers, args.heads)

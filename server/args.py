@@ -36,7 +36,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     for f in engine_fields():
         kind = _base_type(f)
         meta = f.metadata
-        help_text = f"{meta.get('help', '')} (default: {f.default})"
+        text = meta.get("help", "")
+        # NOTE: a field whose help already says what happens when unset shows no "(default: None)".
+        help_text = text if f.default is None and "default" in text.lower() else f"{text} (default: {f.default})"
         if kind is bool:
             group.add_argument(
                 flag_for(f.name), dest=f.name, action=argparse.BooleanOptionalAction, default=f.default, help=help_text

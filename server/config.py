@@ -86,7 +86,7 @@ def check_choice(name: str, value: Any, choices: Sequence[Any]) -> None:
 @dataclass(frozen=True)
 class ModelConfig:
     model: str | None = field(
-        default=None, metadata=_help("Hugging Face model directory; None serves the embedded demo model.")
+        default=None, metadata=_help("Hugging Face model directory (default: the embedded demo model).")
     )
     tokenizer: str | None = field(default=None, metadata=_help("Tokenizer directory; defaults to the model directory."))
     dtype: str = field(
@@ -130,7 +130,7 @@ class CacheConfig:
         default=1.0, metadata=_help("GiB of KV cache on CPU (ignored on CUDA, where it is profiled).")
     )
     num_gpu_blocks_override: int | None = field(
-        default=None, metadata=_help("Use exactly this many device KV blocks instead of sizing from memory.")
+        default=None, metadata=_help("Use exactly this many device KV blocks (default: sized from memory).")
     )
     enable_prefix_caching: bool = field(default=True, metadata=_help("Reuse KV blocks of prompts that share a prefix."))
 
@@ -155,7 +155,7 @@ class SchedulerConfig:
     )
     preemption_mode: str | None = field(
         default=None,
-        metadata=_help("How to preempt: None = recompute single sequences, swap groups.", choices=PREEMPTION_MODES),
+        metadata=_help("How to preempt (default: recompute single sequences, swap groups).", choices=PREEMPTION_MODES),
     )
     enable_chunked_prefill: bool = field(
         default=True, metadata=_help("Split long prompts over several iterations, batched with decodes.")

@@ -66,7 +66,9 @@ def _missing_extra(command: str, module: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pagedllm", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="pagedllm", description="PagedLLM: serve or run language models with a paged KV cache."
+    )
     subparsers = parser.add_subparsers(dest="command", required=True)
     _add_generate(subparsers)
     add_serve_parser(subparsers)

@@ -20,6 +20,11 @@ from pagedllm.server.config import ConfigError
 from pagedllm.server.entrypoints.openai.settings import CACHE_SALT_POLICIES, DEFAULT_MAX_BODY_BYTES
 
 API_KEY_ENV = "PAGEDLLM_API_KEY"
+SERVE_DESCRIPTION = (
+    "Serve the OpenAI-compatible HTTP API. On SIGTERM or a first Ctrl-C the server stops admitting "
+    "(/ready turns 503, new requests get 503 with Retry-After), lets in-flight requests finish for up to "
+    "--drain-timeout seconds, then exits 0."
+)
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 SERVER_FLAGS = {  # ServerSettings field -> flag, for error messages
     "max_queue_len": "--max-waiting-requests",
@@ -36,7 +41,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
     p = subparsers.add_parser(
         "serve",
         help="Serve the OpenAI-compatible HTTP API (the embedded demo model without --model).",
-        description=__doc__,
+        description=SERVE_DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_server_args(p)
@@ -54,13 +59,13 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         nargs="+",
         default=None,
         metavar="NAME",
-        help="Model name(s) clients pass as `model`; the first is reported "
+        help="Model name(s) clients pass as 'model'; the first is reported "
         "(default: the --model path, or pagedllm-demo).",
     )
     group.add_argument(
         "--api-key",
         default=None,
-        help=f"Require `Authorization: Bearer KEY` on /v1/* (default: ${API_KEY_ENV}, else none).",
+        help=f"Require 'Authorization: Bearer KEY' on /v1/* (default: ${API_KEY_ENV}, else none).",
     )
     group.add_argument(
         "--max-waiting-requests",
@@ -89,7 +94,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--cache-salt-policy",
         choices=CACHE_SALT_POLICIES,
         default="optional",
-        help="Prefix-cache isolation between tenants: requests may give `cache_salt` (optional), must "
+        help="Prefix-cache isolation between tenants: requests may give a cache_salt (optional), must "
         "(required), or get one derived from their API key (api-key) (default: optional).",
     )
     group.add_argument(

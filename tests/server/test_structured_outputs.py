@@ -208,3 +208,16 @@ def test_auto_reads_hermes_and_llama3_calls(text, name, args):
     assert content is None and [(c.name, json.loads(c.arguments)) for c in calls] == [(name, args)]
     assert plan([WEATHER], "auto").parse("It is sunny.") == ("It is sunny.", [])
     assert plan([WEATHER], "auto").parse('{"name": "unknown_tool"}') == ('{"name": "unknown_tool"}', [])
+
+
+def test_echo_with_logprobs_streams_the_prompt_logprobs_first(client):
+    args = dict(model="demo", prompt="The for statement", max_tokens=4, temperature=0, echo=True, logprobs=1)
+    whole = client.completions.create(**args).choices[0]
+    chunks = [c.choices[0] for c in client.completions.create(**args, stream=True) if c.choices]
+    assert "".join(c.text for c in chunks) == whole.text
+    tokens = [t for c in chunks if c.logprobs for t in c.logprobs.tokens]
+    logprobs = [lp for c in chunks if c.logprobs for lp in c.logprobs.token_logprobs]
+    assert tokens == whole.logprobs.tokens and logprobs[0] is None
+    assert logprobs == whole.logprobs.token_logprobs
+    offsets = [o for c in chunks if c.logprobs for o in c.logprobs.text_offset]
+    assert offsets == whole.logprobs.text_offset

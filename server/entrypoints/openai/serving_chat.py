@@ -23,7 +23,7 @@ from pagedllm.server.entrypoints.openai.serving import OpenAIServing, Prompt, Re
 from pagedllm.server.entrypoints.openai.sse import SSEResponse
 from pagedllm.server.entrypoints.openai.streaming import Tracker, holdback, stream
 from pagedllm.server.entrypoints.openai.tool_calls import ToolPlan
-from pagedllm.server.outputs import CompletionOutput
+from pagedllm.server.outputs import CompletionOutput, RequestOutput
 
 
 class OpenAIServingChat:
@@ -134,7 +134,9 @@ class OpenAIServingChat:
         formatter = LogprobFormatter(self.serving.tokenizer)
         with_logprobs = bool(req.logprobs)
 
-        def make(i: int, index: int, c: CompletionOutput, tracker: Tracker) -> dict[str, Any] | None:
+        def make(
+            i: int, index: int, output: RequestOutput, c: CompletionOutput, tracker: Tracker
+        ) -> dict[str, Any] | None:
             if tools is not None and _holding(tools, c, tracker):
                 return _tool_delta(tools, index, c, tracker)
             delta = tracker.advance(c, keep, with_logprobs)

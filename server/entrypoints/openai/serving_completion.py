@@ -131,16 +131,20 @@ class OpenAIServingCompletion:
         keep = holdback(params)
         with_logprobs = req.logprobs is not None
 
-        def make(i: int, index: int, c: CompletionOutput, tracker: Tracker) -> dict[str, Any] | None:
+        def make(
+            i: int, index: int, output: RequestOutput, c: CompletionOutput, tracker: Tracker
+        ) -> dict[str, Any] | None:
             delta = tracker.advance(c, keep, with_logprobs)
             if delta is None:
                 return None
-            prefix = ""
-            if req.echo and not tracker.extra.get("echo_sent"):
-                prefix, tracker.extra["echo_sent"] = self._prompt_text(prompts[i]), True
+            echo_now = req.echo and not tracker.extra.get("echo_sent")
+            prefix = self._prompt_text(prompts[i]) if echo_now else ""
+            tracker.extra["echo_sent"] = tracker.extra.get("echo_sent") or echo_now
             logprobs = None
-            if with_logprobs and delta.token_end > delta.token_start:
+            if with_logprobs and (echo_now or delta.token_end > delta.token_start):
                 logprobs = CompletionLogprobs()
+                if echo_now:  # NOTE: the echoed prompt's logprobs lead the first chunk, as in a non-streamed reply
+                    tracker.extra["offset"] = formatter.add_prompt(logprobs, output)
                 tracker.extra["offset"] = formatter.add_completion(
                     logprobs, c, delta.token_start, delta.token_end, tracker.extra.get("offset", 0)
                 )

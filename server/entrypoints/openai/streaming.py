@@ -61,8 +61,9 @@ class Tracker:
         return delta
 
 
-ChoiceMaker = Callable[[int, int, CompletionOutput, Tracker], dict[str, Any] | None]
-"""(prompt index, choice index, output, tracker) -> a chunk's choice, or None for nothing new."""
+ChoiceMaker = Callable[[int, int, RequestOutput, CompletionOutput, Tracker], dict[str, Any] | None]
+"""(prompt index, choice index, the request's output, the choice, its tracker) -> a chunk's choice,
+or None for nothing new."""
 
 
 def holdback(params: SamplingParams) -> int:
@@ -178,7 +179,7 @@ def stream(
             choices = []
             for c in output.outputs:
                 index = i * params.n + c.index
-                choice = make_choice(i, index, c, trackers.setdefault(index, Tracker()))
+                choice = make_choice(i, index, output, c, trackers.setdefault(index, Tracker()))
                 if choice is not None:
                     choices.append(choice)
             if choices:
