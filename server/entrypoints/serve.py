@@ -198,7 +198,8 @@ def run_serve(args: argparse.Namespace) -> int:
             port=args.port,
             log_level=args.log_level,
             timeout_graceful_shutdown=5,
-            access_log=args.log_level == "debug",
+            access_log=False,  # NOTE: our own access line says more (tokens, latency)
+            log_config=None,  # NOTE: uvicorn's lines go through our handler, in our format, once
         ),
         app.state,
         settings.drain_timeout,
@@ -258,7 +259,7 @@ def draining_server(config, state, drain_timeout: float):
 
         async def _drain_then_exit(self) -> None:
             engine = state.engine
-            logger.info("SIGTERM: draining %d request(s), up to %.0fs", engine.num_unfinished, drain_timeout)
+            logger.info("draining %d request(s), up to %.0fs", engine.num_unfinished, drain_timeout)
             deadline = time.monotonic() + drain_timeout
             while engine.num_unfinished and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)

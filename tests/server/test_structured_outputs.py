@@ -221,3 +221,28 @@ def test_echo_with_logprobs_streams_the_prompt_logprobs_first(client):
     assert logprobs == whole.logprobs.token_logprobs
     offsets = [o for c in chunks if c.logprobs for o in c.logprobs.text_offset]
     assert offsets == whole.logprobs.text_offset
+
+
+def test_chat_streams_n_choices(client):
+    chunks = list(
+        client.chat.completions.create(
+            model="demo", messages=ASK, n=2, max_tokens=6, temperature=1.0, seed=2, stream=True
+        )
+    )
+    choices = [choice for c in chunks for choice in c.choices]
+    indexes = {choice.index for choice in choices}
+    finished = [choice for choice in choices if choice.finish_reason]
+    assert indexes == {0, 1} and sorted(f.index for f in finished) == [0, 1]
+
+
+def test_a_grammar_survives_preemption():
+    from pagedllm.server import LLM, SamplingParams
+    from pagedllm.server.sampling_params import GuidedDecodingParams
+
+    llm = LLM(block_size=8, num_gpu_blocks_override=24, max_num_seqs=8, preemption_mode="recompute")
+    params = SamplingParams(temperature=1.0, seed=5, max_tokens=120, guided_decoding=GuidedDecodingParams(json=SCHEMA))
+    outputs = llm.generate([f"Module number {i}:" for i in range(8)], params)
+    assert llm.llm_engine.stats().num_preemptions > 0
+    for output in outputs:
+        assert output.outputs[0].finish_reason == "stop"
+        valid(output.outputs[0].text)
