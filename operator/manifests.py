@@ -289,6 +289,9 @@ def _server_container(spec: PagedLLMSpec, config: RenderConfig, mounts: list[dic
         "imagePullPolicy": spec.image_pull_policy,
         "command": list(SERVE_COMMAND),
         "args": server_args(spec, model_path(spec)),
+        # A start-up refusal (e.g. a tensor-parallel size the model's heads cannot split into)
+        # is written to the termination log, so the pod's last state says why it exited.
+        "terminationMessagePolicy": "FallbackToLogsOnError",
         "ports": [{"name": "http", "containerPort": spec.port, "protocol": "TCP"}],
         "env": _server_env(spec),
         "resources": _gpu_resources(spec),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 
@@ -82,7 +83,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except ValueError as exc:
-        parser.exit(2, f"pagedllm {args.command}: error: {exc}\n")
+        message = f"pagedllm {args.command}: error: {exc}"
+        write_termination_message(message)
+        parser.exit(2, message + "\n")
+
+
+TERMINATION_LOG_ENV = "PAGEDLLM_TERMINATION_LOG"
+KUBERNETES_TERMINATION_LOG = "/dev/termination-log"
+
+
+def write_termination_message(message: str) -> None:
+    """Leave why the process stopped where Kubernetes shows it (``kubectl describe pod``:
+    the container's last state), when running in a container that has the file."""
+    path = os.environ.get(TERMINATION_LOG_ENV) or KUBERNETES_TERMINATION_LOG
+    if TERMINATION_LOG_ENV not in os.environ and not os.path.exists(path):
+        return
+    try:
+        with open(path, "w") as f:
+            f.write(message[-4000:])  # NOTE: Kubernetes keeps at most 4096 bytes of it
+    except OSError:
+        pass
 
 
 if __name__ == "__main__":

@@ -170,3 +170,12 @@ def test_config_errors_name_the_flag_not_the_field():
         engine_config_from_args(build_parser().parse_args(["serve", "--block-size", "12"]))
     with pytest.raises(ValueError, match=r"^--max-waiting-requests=0 is out of range"):
         serve.settings_from_args(build_parser().parse_args(["serve", "--max-queue-len", "0"]))
+
+
+def test_a_start_up_refusal_is_left_in_the_termination_log(tmp_path, monkeypatch, tiny_llama):
+    log = tmp_path / "termination-log"
+    monkeypatch.setenv("PAGEDLLM_TERMINATION_LOG", str(log))
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", "--model", tiny_llama, "--tensor-parallel-size", "3", "--port", "0"])
+    assert exit_info.value.code == 2
+    assert "tensor_parallel_size=3" in log.read_text() or "--tensor-parallel-size=3" in log.read_text()
