@@ -50,7 +50,8 @@ def _add_operator(subparsers: argparse._SubParsersAction[argparse.ArgumentParser
         from pagedllm.operator.main import add_operator_args, run_operator
     except ImportError as exc:
         missing = exc.name or str(exc)
-        p = subparsers.add_parser("operator", help=f"{help_text} (unavailable: {missing} is not installed)")
+        hint = f"{missing} is not installed: pip install 'pagedllm[operator]'"
+        p = subparsers.add_parser("operator", help=f"{help_text} (unavailable: {hint})", description=hint)
         p.set_defaults(func=lambda _: _missing_extra("operator", missing))
         return
     p = subparsers.add_parser("operator", help=help_text)
