@@ -21,9 +21,20 @@ import aiohttp
 import kopf
 
 from pagedllm.operator.kube import ApiError, KubeClient, default_login
-from pagedllm.operator.manifests import GROUP, KIND, MANAGED_BY, PLURAL, VERSION, RenderConfig, as_body, render
+from pagedllm.operator.manifests import (
+    GROUP,
+    INSTANCE_LABEL,
+    KIND,
+    MANAGED_BY,
+    PLURAL,
+    SERVER_CONTAINER,
+    VERSION,
+    RenderConfig,
+    as_body,
+    render,
+)
 from pagedllm.operator.spec import SpecError
-from pagedllm.operator.status import DEGRADED, Problem, status_from
+from pagedllm.operator.status import DEGRADED, Problem, server_exit, status_from
 
 RETRY_DELAY_SECONDS = 10
 RECREATE_BACKOFF_SECONDS = (1, 2, 4, 8)
@@ -45,6 +56,7 @@ def build_registry() -> kopf.OperatorRegistry:
         on_cause(GROUP, VERSION, PLURAL, registry=registry)(reconcile)
     kopf.on.event("apps", "v1", "deployments", labels=_MANAGED, registry=registry)(on_deployment_event)
     kopf.on.event("", "v1", "services", labels=_MANAGED, registry=registry)(on_service_event)
+    kopf.on.event("", "v1", "pods", labels=_MANAGED, registry=registry)(on_pod_event)
     return registry
 
 
@@ -208,3 +220,22 @@ def _comparable(current: Mapping[str, Any] | None, wanted: Mapping[str, Any]) ->
     """The current status restricted to the keys we write, to skip no-op patches."""
     current = current or {}
     return {key: current.get(key) for key in wanted}
+
+
+async def on_pod_event(type: str | None, body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **_: Any) -> None:
+    """A server pod exited with an error: say why on its ``PagedLLM`` (``Degraded``)."""
+    problem = server_exit(body, SERVER_CONTAINER)
+    if type == "DELETED" or problem is None:
+        return
+    meta = body.get("metadata", {})
+    name = (meta.get("labels") or {}).get(INSTANCE_LABEL)
+    if not name:
+        return
+    owner = await memo.kube.get(KIND, meta["namespace"], name)
+    if owner is None or owner.get("metadata", {}).get("deletionTimestamp"):
+        return
+    deployment = await memo.kube.get("Deployment", meta["namespace"], name)
+    status = status_from(owner, deployment, now=now(), problem=problem)
+    if status != _comparable(owner.get("status"), status):
+        logger.warning("%s", problem.message)
+        await memo.kube.patch_status(KIND, meta["namespace"], name, status)

@@ -24,6 +24,7 @@ MERGE_PATCH = "application/merge-patch+json"
 RESOURCES: Mapping[str, tuple[str, str]] = {
     "Deployment": ("/apis/apps/v1", "deployments"),
     "Service": ("/api/v1", "services"),
+    "Pod": ("/api/v1", "pods"),
     "PersistentVolumeClaim": ("/api/v1", "persistentvolumeclaims"),
     "PagedLLM": ("/apis/pagedllm.dev/v1alpha1", "pagedllms"),
 }

@@ -85,9 +85,12 @@ def labels(name: str) -> dict[str, str]:
     }
 
 
+INSTANCE_LABEL = "app.kubernetes.io/instance"
+
+
 def selector_labels(name: str) -> dict[str, str]:
     """The Deployment's (immutable) selector and the Service's selector."""
-    return {"app.kubernetes.io/name": "pagedllm", "app.kubernetes.io/instance": name}
+    return {"app.kubernetes.io/name": "pagedllm", INSTANCE_LABEL: name}
 
 
 def selector_string(name: str) -> str:

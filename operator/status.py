@@ -104,6 +104,33 @@ def _conditions(verdict: _Verdict, previous: list, generation: int | None, now: 
     return out
 
 
+SERVER_EXITED = "ServerExited"
+
+
+def server_exit(pod: Mapping[str, Any], container: str) -> Problem | None:
+    """Why the pod's server container last exited with an error, if it did and the pod is not ready.
+
+    The server writes a start-up refusal (say, a tensor-parallel size the model's heads
+    cannot be split into) to its termination log, which Kubernetes keeps in the
+    container's state; that is what the operator can tell the user the spec cannot do.
+    """
+    status = pod.get("status") or {}
+    for cond in status.get("conditions") or []:
+        if cond.get("type") == "Ready" and cond.get("status") == "True":
+            return None
+    for state in status.get("containerStatuses") or []:
+        if state.get("name") != container:
+            continue
+        for kind in ("state", "lastState"):
+            terminated = (state.get(kind) or {}).get("terminated") or {}
+            code = terminated.get("exitCode")
+            if isinstance(code, int) and code != 0:
+                why = (terminated.get("message") or terminated.get("reason") or "").strip()
+                pod_name = (pod.get("metadata") or {}).get("name", "")
+                return Problem(SERVER_EXITED, f"pod {pod_name}: the server exited with code {code}: {why}"[:1000])
+    return None
+
+
 def status_from(
     body: Mapping[str, Any], deployment: Mapping[str, Any] | None, *, now: str, problem: Problem | None = None
 ) -> dict:

@@ -57,6 +57,13 @@ RESOURCE_INFOS = {
         subresources={"status"},
         verbs={"get", "list", "watch", "create", "patch", "update", "delete"},
     ),
+    "v1/pods": kmock.ResourceInfo(
+        kind="Pod",
+        singular="pod",
+        namespaced=True,
+        subresources={"status"},
+        verbs={"get", "list", "watch", "create", "patch", "update", "delete"},
+    ),
     "v1/persistentvolumeclaims": kmock.ResourceInfo(
         kind="PersistentVolumeClaim",
         singular="persistentvolumeclaim",

@@ -133,6 +133,7 @@ NAMESPACED_RULES = (
     | {("pagedllm.dev", "pagedllms/status", "patch")}
     | {("apps", "deployments", v) for v in ("get", "list", "watch", "create", "patch")}
     | {("", "services", v) for v in ("list", "watch", "create", "patch")}
+    | {("", "pods", v) for v in ("list", "watch")}
     | {("", "persistentvolumeclaims", v) for v in ("create", "patch")}
     | {("", "events", "create")}
 )

@@ -226,6 +226,43 @@ def test_invalid_spec_becomes_degraded_and_recovers(scenario):
     )
 
 
+def test_a_server_that_refuses_to_start_shows_why_on_the_resource(scenario):
+    """A refusal only the model reveals (heads not divisible by the TP size) reaches the status."""
+    scenario.api.create(pagedllm(scenario.ns, tensorParallelSize=2))
+    dep = scenario.wait_deployment()
+    refusal = (
+        "pagedllm serve: error: the engine failed to start: --tensor-parallel-size=2 is not allowed: "
+        "a divisor of the model's number of attention heads (25)"
+    )
+    scenario.api.create(
+        {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {
+                "name": "llama-abc12",
+                "namespace": scenario.ns,
+                "labels": dep["spec"]["template"]["metadata"]["labels"],
+            },
+            "spec": {"containers": [{"name": "server", "image": "img"}]},
+            "status": {
+                "containerStatuses": [
+                    {
+                        "name": "server",
+                        "ready": False,
+                        "restartCount": 3,
+                        "state": {"waiting": {"reason": "CrashLoopBackOff"}},
+                        "lastState": {"terminated": {"exitCode": 2, "reason": "Error", "message": refusal}},
+                    }
+                ]
+            },
+        }
+    )
+    obj = scenario.wait_status(lambda s, o: s.get("phase") == "Degraded", "Degraded")
+    degraded = condition(obj, "Degraded")
+    assert degraded["reason"] == "ServerExited" and "--tensor-parallel-size=2 is not allowed" in degraded["message"]
+    assert "llama-abc12" in degraded["message"] and "code 2" in degraded["message"]
+
+
 def test_extra_args_cannot_override_rendered_flags(scenario):
     scenario.api.create(pagedllm(scenario.ns, extraArgs=["--block-size", "64"]))
     obj = scenario.wait_status(lambda s, o: s.get("phase") == "Degraded", "Degraded")

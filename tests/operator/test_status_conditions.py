@@ -145,3 +145,24 @@ def test_refresh_keeps_an_apply_refusal_until_the_spec_changes():
     healthy = deployment(ready=2, updated=2, replicas=2, applied=3)
     assert refresh_status(resource(generation=4, status=refused), healthy, CONFIG)["phase"] == "Degraded"
     assert refresh_status(resource(generation=5, status=refused), healthy, CONFIG)["phase"] == "Ready"
+
+
+def test_server_exit_reads_the_last_termination_message():
+    from pagedllm.operator.status import server_exit
+
+    pod = {
+        "metadata": {"name": "p"},
+        "status": {
+            "containerStatuses": [
+                {"name": "server", "lastState": {"terminated": {"exitCode": 2, "message": "bad flag\n"}}}
+            ]
+        },
+    }
+    problem = server_exit(pod, "server")
+    assert problem is not None and problem.reason == "ServerExited"
+    assert problem.message == "pod p: the server exited with code 2: bad flag"
+    assert server_exit(pod, "sidecar") is None
+    ready = {**pod, "status": {**pod["status"], "conditions": [{"type": "Ready", "status": "True"}]}}
+    assert server_exit(ready, "server") is None
+    clean = {"status": {"containerStatuses": [{"name": "server", "lastState": {"terminated": {"exitCode": 0}}}]}}
+    assert server_exit(clean, "server") is None

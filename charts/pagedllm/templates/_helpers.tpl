@@ -72,6 +72,10 @@ Nothing is deleted by the operator: owner references cascade deletion.
 - apiGroups: [""]
   resources: ["services"]
   verbs: ["list", "watch", "create", "patch"]
+# Server pods: read to report why a server exited (its termination message) on the resource.
+- apiGroups: [""]
+  resources: ["pods"]
+  verbs: ["list", "watch"]
 - apiGroups: [""]
   resources: ["persistentvolumeclaims"]
   verbs: ["create", "patch"]
