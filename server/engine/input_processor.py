@@ -107,6 +107,7 @@ class InputProcessor:
             if value is not None and value > MAX_LOGPROBS:
                 raise ConfigError(name, value, f"at most {MAX_LOGPROBS}", problem="is too large")
         check_token_ids(params.stop_token_ids, "stop_token_ids", self.vocab_size)
+        check_token_ids(list(params.logit_bias or {}), "logit_bias", self.vocab_size)
         # NOTE: every new token is searched for every stop string: bound the work one request can ask for.
         if len(params.stop_list) > MAX_STOP_STRINGS:
             raise ConfigError(

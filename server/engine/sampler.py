@@ -122,8 +122,12 @@ def _block_early_stop(logits: torch.Tensor, req: SampleRequest) -> None:
     banned = list(req.params.stop_token_ids)
     if not req.params.ignore_eos:
         banned += list(req.eos_token_ids)
-    if banned:
-        logits[torch.tensor(banned, dtype=torch.int64)] = float("-inf")
+    if not banned:
+        return
+    index = torch.tensor(banned, dtype=torch.int64)
+    if req.allowed is not None and not req.allowed.clone().index_fill_(0, index, False).any():
+        return  # NOTE: a complete grammar allows only the end: it wins over min_tokens
+    logits[index] = float("-inf")
 
 
 def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

@@ -87,6 +87,7 @@ def test_completion_invalid_value_is_400_naming_field_and_value(http, field, val
         ({"temperature": "hot"}, "temperature", "hot"),
         ({"logit_bias": {"x": 5}}, "logit_bias", "logit_bias"),
         ({"logit_bias": {"1": 500}}, "logit_bias", "logit_bias"),
+        ({"logit_bias": {"999999": 5}}, "logit_bias", "999999"),
         ({"guided_choice": []}, "guided_choice", "guided_choice"),
         ({"guided_regex": "(", "guided_choice": ["a"]}, "guided_choice", "only one"),
         ({"guided_json": {"type": "nonsense"}}, "guided_json", "cannot be compiled"),
