@@ -88,6 +88,7 @@ async def reconcile(
 ) -> None:
     """Apply the rendering of ``body`` and record the outcome in its status."""
     status = await converge(body, memo.kube, memo.config, logger, announce=reason != "resume")
+    announce_phase(body, status)
     patch.setdefault("status", {}).update(status)
 
 
@@ -180,6 +181,7 @@ async def _recreate(owner: dict, what: str, memo: kopf.Memo, logger: kopf.Logger
     for delay in RECREATE_BACKOFF_SECONDS:
         try:
             status = await converge(owner, memo.kube, memo.config, logger, announce=False)
+            announce_phase(owner, status)
             await memo.kube.patch_status(KIND, meta["namespace"], meta["name"], status)
             return
         except (kopf.TemporaryError, ApiError, aiohttp.ClientError, asyncio.TimeoutError) as exc:
@@ -204,6 +206,7 @@ async def on_deployment_event(
         return
     status = refresh_status(owner, body, memo.config)
     if status != _comparable(owner.get("status"), status):
+        announce_phase(owner, status)
         await memo.kube.patch_status(KIND, owner["metadata"]["namespace"], owner["metadata"]["name"], status)
 
 
@@ -238,4 +241,18 @@ async def on_pod_event(type: str | None, body: kopf.Body, memo: kopf.Memo, logge
     status = status_from(owner, deployment, now=now(), problem=problem)
     if status != _comparable(owner.get("status"), status):
         logger.warning("%s", problem.message)
+        announce_phase(owner, status)
         await memo.kube.patch_status(KIND, meta["namespace"], name, status)
+
+
+def announce_phase(owner: Mapping[str, Any], status: Mapping[str, Any]) -> None:
+    """A Kubernetes Event on the resource when its phase changes (``kubectl describe pllm`` shows them)."""
+    old, new = (owner.get("status") or {}).get("phase"), status.get("phase")
+    if new is None or old == new:
+        return
+    reason = next((c.get("message") for c in status.get("conditions", []) if c.get("status") == "True"), "")
+    message = f"{old or 'new'} -> {new}" + (f": {reason}" if reason else "")
+    if new == DEGRADED:
+        kopf.warn(as_body(owner), reason="PhaseChanged", message=message)
+    else:
+        kopf.info(as_body(owner), reason="PhaseChanged", message=message)

@@ -25,6 +25,7 @@ RESOURCES: Mapping[str, tuple[str, str]] = {
     "Deployment": ("/apis/apps/v1", "deployments"),
     "Service": ("/api/v1", "services"),
     "Pod": ("/api/v1", "pods"),
+    "PodDisruptionBudget": ("/apis/policy/v1", "poddisruptionbudgets"),
     "PersistentVolumeClaim": ("/api/v1", "persistentvolumeclaims"),
     "PagedLLM": ("/apis/pagedllm.dev/v1alpha1", "pagedllms"),
 }

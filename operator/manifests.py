@@ -36,6 +36,7 @@ RUN_AS = 1000  # the image's non-root user (Dockerfile: USER 1000)
 
 # Seconds between the server's drain deadline and the kubelet's SIGKILL.
 GRACE_MARGIN_SECONDS = 30
+PRESTOP_SLEEP_SECONDS = 5
 # Extra time a rollout may take beyond the startup budget: scheduling, image pull and the
 # model download all happen before the startup probe starts counting.
 PROGRESS_MARGIN_SECONDS = 1800
@@ -65,10 +66,11 @@ class Manifests:
     deployment: dict
     service: dict
     pvc: dict | None = None
+    disruption_budget: dict | None = None
 
     def all(self) -> list[dict]:
         """In apply order: the claim before the pods that mount it."""
-        return [m for m in (self.pvc, self.deployment, self.service) if m is not None]
+        return [m for m in (self.pvc, self.deployment, self.service, self.disruption_budget) if m is not None]
 
 
 def as_body(obj: Mapping[str, Any]) -> kopf.Body:
@@ -131,9 +133,23 @@ def render(body: Mapping[str, Any], config: RenderConfig) -> Manifests:
         deployment=render_deployment(name, spec, config, generation),
         service=render_service(name, spec),
         pvc=render_pvc(name, spec) if spec.model_cache is not None else None,
+        disruption_budget=render_disruption_budget(name) if spec.replicas > 1 else None,
     )
     kopf.adopt(manifests.all(), owner=as_body(body))
     return manifests
+
+
+def render_disruption_budget(name: str) -> dict:
+    """At most one server pod down at a time for voluntary disruptions (node drains), with 2+ replicas.
+
+    NOTE: left in place if replicas later drop to 1: maxUnavailable 1 never blocks a drain then.
+    """
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": {"name": name, "labels": labels(name)},
+        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector_labels(name)}},
+    }
 
 
 def render_service(name: str, spec: PagedLLMSpec) -> dict:
@@ -200,10 +216,11 @@ def _pod_spec(name: str, spec: PagedLLMSpec, config: RenderConfig) -> dict:
             "runAsUser": RUN_AS,
             "runAsGroup": RUN_AS,
             "fsGroup": RUN_AS,
+            "fsGroupChangePolicy": "OnRootMismatch",  # NOTE: no slow recursive chown of a big model cache
             "seccompProfile": {"type": "RuntimeDefault"},
         },
-        # NOTE: longer than the server's drain timeout, so in-flight requests finish.
-        "terminationGracePeriodSeconds": spec.drain_timeout_seconds + GRACE_MARGIN_SECONDS,
+        # NOTE: longer than the pre-stop pause plus the server's drain timeout, so in-flight requests finish.
+        "terminationGracePeriodSeconds": PRESTOP_SLEEP_SECONDS + spec.drain_timeout_seconds + GRACE_MARGIN_SECONDS,
         "containers": [_server_container(spec, config, mounts)],
         "volumes": volumes,
     }
@@ -295,6 +312,9 @@ def _server_container(spec: PagedLLMSpec, config: RenderConfig, mounts: list[dic
         # A start-up refusal (e.g. a tensor-parallel size the model's heads cannot split into)
         # is written to the termination log, so the pod's last state says why it exited.
         "terminationMessagePolicy": "FallbackToLogsOnError",
+        # Endpoints drop a terminating pod asynchronously: keep serving a few seconds before
+        # SIGTERM starts the drain, so no new request is routed to a server that refuses it.
+        "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(PRESTOP_SLEEP_SECONDS)]}}},
         "ports": [{"name": "http", "containerPort": spec.port, "protocol": "TCP"}],
         "env": _server_env(spec),
         "resources": _gpu_resources(spec),

@@ -57,6 +57,13 @@ RESOURCE_INFOS = {
         subresources={"status"},
         verbs={"get", "list", "watch", "create", "patch", "update", "delete"},
     ),
+    "policy/v1/poddisruptionbudgets": kmock.ResourceInfo(
+        kind="PodDisruptionBudget",
+        singular="poddisruptionbudget",
+        namespaced=True,
+        subresources={"status"},
+        verbs={"get", "list", "watch", "create", "patch", "update", "delete"},
+    ),
     "v1/pods": kmock.ResourceInfo(
         kind="Pod",
         singular="pod",

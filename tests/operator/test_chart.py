@@ -131,6 +131,8 @@ def rules_of(doc: dict) -> set[tuple[str, str, str]]:
 NAMESPACED_RULES = (
     {("pagedllm.dev", "pagedllms", v) for v in ("get", "list", "watch", "patch")}
     | {("pagedllm.dev", "pagedllms/status", "patch")}
+    | {("pagedllm.dev", "pagedllms/finalizers", "update")}
+    | {("policy", "poddisruptionbudgets", v) for v in ("create", "patch")}
     | {("apps", "deployments", v) for v in ("get", "list", "watch", "create", "patch")}
     | {("", "services", v) for v in ("list", "watch", "create", "patch")}
     | {("", "pods", v) for v in ("list", "watch")}

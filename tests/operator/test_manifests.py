@@ -11,6 +11,7 @@ from pagedllm.operator.command import API_KEY_ENV, SERVE_COMMAND
 from pagedllm.operator.manifests import (
     GENERATION_ANNOTATION,
     GRACE_MARGIN_SECONDS,
+    PRESTOP_SLEEP_SECONDS,
     RUN_AS,
     RenderConfig,
     labels,
@@ -86,7 +87,9 @@ def test_probes_and_grace_period():
     assert liveness["httpGet"] == {"path": "/health", "port": "http"}
     assert container["ports"] == [{"name": "http", "containerPort": 9000, "protocol": "TCP"}]
     grace = pod(m)["terminationGracePeriodSeconds"]
-    assert grace > 45 and grace == 45 + GRACE_MARGIN_SECONDS
+    assert grace > 45 and grace == PRESTOP_SLEEP_SECONDS + 45 + GRACE_MARGIN_SECONDS
+    assert container["lifecycle"]["preStop"]["exec"]["command"] == ["sleep", str(PRESTOP_SLEEP_SECONDS)]
+    assert pod(m)["securityContext"]["fsGroupChangePolicy"] == "OnRootMismatch"
     args = container["args"]
     assert args[args.index("--drain-timeout") + 1] == "45"
     assert m.deployment["spec"]["progressDeadlineSeconds"] > 2405

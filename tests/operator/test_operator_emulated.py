@@ -206,6 +206,44 @@ def test_status_follows_deployment_readiness(scenario):
     assert "timed out" in degraded["message"]
 
 
+def test_phase_changes_are_events_and_two_replicas_get_a_disruption_budget(scenario):
+    scenario.api.create(pagedllm(scenario.ns, replicas=2))
+    dep = scenario.wait_deployment()
+    budget = scenario.wait(lambda: scenario.get("PodDisruptionBudget"), "the PodDisruptionBudget")
+    assert budget["spec"]["maxUnavailable"] == 1
+    assert budget["spec"]["selector"]["matchLabels"] == dep["spec"]["selector"]["matchLabels"]
+    assert budget["metadata"]["ownerReferences"][0]["kind"] == KIND
+    scenario.api.patch(
+        "Deployment",
+        scenario.ns,
+        "llama",
+        {
+            "status": {
+                "observedGeneration": dep["metadata"]["generation"],
+                "replicas": 2,
+                "updatedReplicas": 2,
+                "readyReplicas": 2,
+                "availableReplicas": 2,
+            }
+        },
+        sub="status",
+    )
+    scenario.wait_status(lambda s, o: s.get("phase") == "Ready", "Ready")
+
+    def phase_events():
+        return [e["message"] for e in scenario.events() if e.get("reason") == "PhaseChanged"]
+
+    scenario.wait(lambda: any(m.startswith("Pending -> Ready") for m in phase_events()), "a Pending -> Ready event")
+    assert any(m.startswith("new -> Pending") for m in phase_events())
+
+
+def test_one_replica_gets_no_disruption_budget(scenario):
+    scenario.api.create(pagedllm(scenario.ns))
+    scenario.wait_deployment()
+    scenario.wait_status(lambda s, o: s.get("phase") == "Pending", "Pending")
+    assert scenario.get("PodDisruptionBudget") is None
+
+
 def test_invalid_spec_becomes_degraded_and_recovers(scenario):
     # blockSize 12 passes kmock (no schema) as it would pass an old CRD; the operator refuses it.
     scenario.api.create(pagedllm(scenario.ns, blockSize=12))

@@ -66,6 +66,14 @@ Nothing is deleted by the operator: owner references cascade deletion.
 - apiGroups: ["pagedllm.dev"]
   resources: ["pagedllms/status"]
   verbs: ["patch"]
+# Owner references with blockOwnerDeletion need this where the
+# OwnerReferencesPermissionEnforcement admission plugin runs (OpenShift).
+- apiGroups: ["pagedllm.dev"]
+  resources: ["pagedllms/finalizers"]
+  verbs: ["update"]
+- apiGroups: ["policy"]
+  resources: ["poddisruptionbudgets"]
+  verbs: ["create", "patch"]
 - apiGroups: ["apps"]
   resources: ["deployments"]
   verbs: ["get", "list", "watch", "create", "patch"]
