@@ -140,10 +140,8 @@ def render(body: Mapping[str, Any], config: RenderConfig) -> Manifests:
 
 
 def render_disruption_budget(name: str) -> dict:
-    """At most one server pod down at a time for voluntary disruptions (node drains), with 2+ replicas.
-
-    NOTE: left in place if replicas later drop to 1: maxUnavailable 1 never blocks a drain then.
-    """
+    """At most one server pod down at a time in voluntary disruptions (node drains), with 2+ replicas.
+    NOTE: left in place if replicas later drop to 1: maxUnavailable 1 never blocks a drain then."""
     return {
         "apiVersion": "policy/v1",
         "kind": "PodDisruptionBudget",

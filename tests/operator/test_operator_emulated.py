@@ -210,9 +210,8 @@ def test_phase_changes_are_events_and_two_replicas_get_a_disruption_budget(scena
     scenario.api.create(pagedllm(scenario.ns, replicas=2))
     dep = scenario.wait_deployment()
     budget = scenario.wait(lambda: scenario.get("PodDisruptionBudget"), "the PodDisruptionBudget")
-    assert budget["spec"]["maxUnavailable"] == 1
+    assert budget["spec"]["maxUnavailable"] == 1 and budget["metadata"]["ownerReferences"][0]["kind"] == KIND
     assert budget["spec"]["selector"]["matchLabels"] == dep["spec"]["selector"]["matchLabels"]
-    assert budget["metadata"]["ownerReferences"][0]["kind"] == KIND
     scenario.api.patch(
         "Deployment",
         scenario.ns,
