@@ -118,11 +118,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@contextlib.contextmanager
-def serve_process(model_dir: str, *extra: str, env: dict[str, str] | None = None):
-    """``pagedllm serve`` on a tiny model in a subprocess on loopback: yields (process, url)."""
-    port = free_port()
-    cmd = [
+def serve_command(model_dir: str, port: int) -> list[str]:
+    """``pagedllm serve`` of ``model_dir`` on 127.0.0.1:``port``, through this interpreter."""
+    return [
         sys.executable,
         "-m",
         "pagedllm.server.entrypoints.cli",
@@ -133,6 +131,15 @@ def serve_process(model_dir: str, *extra: str, env: dict[str, str] | None = None
         "127.0.0.1",
         "--port",
         str(port),
+    ]
+
+
+@contextlib.contextmanager
+def serve_process(model_dir: str, *extra: str, env: dict[str, str] | None = None):
+    """``pagedllm serve`` on a tiny model in a subprocess on loopback: yields (process, url)."""
+    port = free_port()
+    cmd = [
+        *serve_command(model_dir, port),
         "--served-model-name",
         "tiny",
         "--max-model-len",

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import socket
 import subprocess
-import sys
 
 import httpx
-from api_factories import free_port, serve_process
+from api_factories import free_port, serve_command, serve_process
 
 
 def test_start_up_block_access_lines_root_and_metrics(tiny_llama):
@@ -45,16 +44,7 @@ def test_a_busy_port_fails_before_the_model_loads(tiny_llama):
         holder.bind(("127.0.0.1", port))
         holder.listen()
         cmd = [
-            sys.executable,
-            "-m",
-            "pagedllm.server.entrypoints.cli",
-            "serve",
-            "--model",
-            "/does/not/matter",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
+            *serve_command("/does/not/matter", port),
         ]
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and f"--port={port} is already in use" in done.stderr, done.stderr

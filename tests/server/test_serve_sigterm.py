@@ -5,13 +5,12 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
-import sys
 import threading
 import time
 
 import httpx
 import pytest
-from api_factories import free_port, serve_process
+from api_factories import free_port, serve_command, serve_process
 
 pytestmark = pytest.mark.timeout(300)
 MAX_TOKENS = 900
@@ -92,16 +91,7 @@ def test_drain_timeout_aborts_what_is_left_and_still_exits_0(tiny_llama):
 
 def test_a_value_the_engine_refuses_at_load_fails_start_up_naming_the_flag(tiny_llama):
     cmd = [
-        sys.executable,
-        "-m",
-        "pagedllm.server.entrypoints.cli",
-        "serve",
-        "--model",
-        tiny_llama,
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(free_port()),
+        *serve_command(tiny_llama, free_port()),
         "--max-model-len",
         "5000",
         "--log-level",
