@@ -23,8 +23,7 @@ from typing import Any
 import kopf
 
 from pagedllm.operator.command import API_KEY_ENV, SERVE_COMMAND, check_engine, server_args
-from pagedllm.operator.placement import add_cluster_fields, disruption_budget, pod_metadata
-from pagedllm.operator.spec import PagedLLMSpec, SpecError
+from pagedllm.operator.spec import GPU_RESOURCE, PagedLLMSpec, SpecError
 
 GROUP, VERSION, PLURAL, KIND = "pagedllm.dev", "v1alpha1", "pagedllms", "PagedLLM"
 MANAGED_BY = "pagedllm-operator"
@@ -134,10 +133,21 @@ def render(body: Mapping[str, Any], config: RenderConfig) -> Manifests:
         deployment=render_deployment(name, spec, config, generation),
         service=render_service(name, spec),
         pvc=render_pvc(name, spec) if spec.model_cache is not None else None,
-        disruption_budget=disruption_budget(name, labels(name), selector_labels(name)) if spec.replicas > 1 else None,
+        disruption_budget=render_disruption_budget(name) if spec.replicas > 1 else None,
     )
     kopf.adopt(manifests.all(), owner=as_body(body))
     return manifests
+
+
+def render_disruption_budget(name: str) -> dict:
+    """At most one server pod down at a time in voluntary disruptions (node drains), with 2+ replicas.
+    NOTE: left in place if replicas later drop to 1: maxUnavailable 1 never blocks a drain then."""
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": {"name": name, "labels": labels(name)},
+        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector_labels(name)}},
+    }
 
 
 def render_service(name: str, spec: PagedLLMSpec) -> dict:
@@ -182,7 +192,7 @@ def render_deployment(name: str, spec: PagedLLMSpec, config: RenderConfig, gener
             "strategy": _strategy(spec),
             "progressDeadlineSeconds": spec.startup_timeout_seconds + PROGRESS_MARGIN_SECONDS,
             "revisionHistoryLimit": 3,
-            "template": {"metadata": pod_metadata(spec, labels(name)), "spec": _pod_spec(name, spec, config)},
+            "template": {"metadata": {"labels": labels(name)}, "spec": _pod_spec(name, spec, config)},
         },
     }
 
@@ -220,7 +230,6 @@ def _pod_spec(name: str, spec: PagedLLMSpec, config: RenderConfig) -> dict:
         pod["tolerations"] = [dict(t) for t in spec.tolerations]
     if spec.affinity:
         pod["affinity"] = dict(spec.affinity)
-    add_cluster_fields(pod, spec)
     return pod
 
 
@@ -279,7 +288,7 @@ def _server_env(spec: PagedLLMSpec) -> list[dict]:
 
 
 def _gpu_resources(spec: PagedLLMSpec) -> dict:
-    gpus = {spec.gpu_resource_name: spec.tensor_parallel_size}
+    gpus = {GPU_RESOURCE: spec.tensor_parallel_size}
     return {
         "requests": {**spec.resources.get("requests", {}), **gpus},
         "limits": {**spec.resources.get("limits", {}), **gpus},

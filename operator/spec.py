@@ -1,8 +1,11 @@
 """The ``PagedLLM`` spec as a typed, validated object.
 
-The CRD (``crds/pagedllm.yaml``) is the source of truth; every scalar field below carries its
-default, enum and range (``tests/operator/test_crd.py`` checks they agree). A spec that slipped
-past the schema is refused with a :class:`SpecError` naming field, value and what is allowed.
+The CRD (``crds/pagedllm.yaml``) is the source of truth for defaults and bounds; every
+scalar field below carries the same default, enum and range in its metadata, and
+``tests/operator/test_spec.py`` checks the two agree. Parsing here is the operator's
+second line of defence: a spec that slipped past the schema (an old CRD, a cluster
+without CEL) is refused with a :class:`SpecError` naming the field, the value and what
+is allowed, and the handlers turn that into a ``Degraded`` condition.
 """
 
 from __future__ import annotations
@@ -144,7 +147,11 @@ def _model_source(path: str, value: Any) -> ModelSource:
 
 
 def _quantity(path: str, value: Any) -> Any:
-    if isinstance(value, bool) or not isinstance(value, (int, str)) or not _QUANTITY_RE.match(str(value)):
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, str))
+        or (isinstance(value, str) and not _QUANTITY_RE.match(value))
+    ):
         raise SpecError(f"{path}={value!r} is not a quantity: use e.g. 4, 500m, 32Gi")
     return value
 
@@ -197,39 +204,6 @@ def _env(path: str, value: Any) -> tuple:
         if not isinstance(item.get("name"), str) or not item["name"]:
             raise SpecError(f"{path}[{index}].name={item.get('name')!r} is not allowed: must be a non-empty string")
     return items
-
-
-SELECTOR_LABEL_KEYS = ("app.kubernetes.io/name", "app.kubernetes.io/instance")  # NOTE: manifests.selector_labels
-
-
-def _matching(pattern: re.Pattern[str], allowed: str) -> Callable[[str, Any], str]:
-    def parse(path: str, value: Any) -> str:
-        if not isinstance(value, str) or not pattern.match(value) or len(value) > 253:
-            raise SpecError(f"{path}={value!r} is not allowed: {allowed}")
-        return value
-
-    return parse
-
-
-_gpu_resource_name = _matching(
-    re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?/[a-zA-Z0-9]([-a-zA-Z0-9._]*[a-zA-Z0-9])?$"),
-    "a resource name such as nvidia.com/gpu or amd.com/gpu",
-)
-_dns_name = _matching(
-    re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$"), "a lowercase DNS name (letters, digits, '-', '.')"
-)
-
-
-def _pull_secrets(path: str, value: Any) -> tuple[str, ...]:
-    items = _object_list(path, value)
-    return tuple(_dns_name(f"{path}[{index}].name", item.get("name")) for index, item in enumerate(items))
-
-
-def _pod_labels(path: str, value: Any) -> Mapping[str, str]:
-    labels = _string_map(path, value)
-    if taken := sorted(set(labels) & set(SELECTOR_LABEL_KEYS)):
-        raise SpecError(f"{path} sets {taken}: the operator owns these (they select the server pods)")
-    return labels
 
 
 def _string_list(path: str, value: Any) -> tuple[str, ...]:
@@ -296,14 +270,6 @@ class PagedLLMSpec:
     rollout_strategy: str = field(
         default="Recreate", metadata=_scalar("rolloutStrategy", str, choices=ROLLOUT_STRATEGIES)
     )
-    gpu_resource_name: str = field(default=GPU_RESOURCE, metadata=_nested("gpuResourceName", _gpu_resource_name))
-    image_pull_secrets: tuple[str, ...] = field(default=(), metadata=_nested("imagePullSecrets", _pull_secrets))
-    pod_annotations: Mapping[str, str] = field(default_factory=dict, metadata=_nested("podAnnotations", _string_map))
-    pod_labels: Mapping[str, str] = field(default_factory=dict, metadata=_nested("podLabels", _pod_labels))
-    priority_class_name: str | None = field(default=None, metadata=_nested("priorityClassName", _dns_name))
-    runtime_class_name: str | None = field(default=None, metadata=_nested("runtimeClassName", _dns_name))
-    service_account_name: str | None = field(default=None, metadata=_nested("serviceAccountName", _dns_name))
-    topology_spread_constraints: tuple = field(default=(), metadata=_nested("topologySpreadConstraints", _object_list))
 
     @property
     def model_is_path(self) -> bool:

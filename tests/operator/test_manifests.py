@@ -288,51 +288,7 @@ FULL = dict(
     rolloutStrategy="RollingUpdate",
     serviceType="NodePort",
     extraArgs=["--enable-chunked-prefill"],
-    gpuResourceName="nvidia.com/mig-1g.10gb",
-    imagePullSecrets=[{"name": "registry"}],
-    podAnnotations={"sidecar.istio.io/inject": "false"},
-    podLabels={"team": "ml"},
-    priorityClassName="inference",
-    runtimeClassName="nvidia",
-    serviceAccountName="llm",
-    topologySpreadConstraints=[
-        {
-            "maxSkew": 1,
-            "topologyKey": "topology.kubernetes.io/zone",
-            "whenUnsatisfiable": "ScheduleAnyway",
-            "labelSelector": {"matchLabels": {"app.kubernetes.io/instance": "llama"}},
-        }
-    ],
 )
-
-
-def test_cluster_fields_reach_the_pod():
-    m = render(body(**FULL), CONFIG)
-    template = m.deployment["spec"]["template"]
-    spec, container = template["spec"], template["spec"]["containers"][0]
-    assert container["resources"]["limits"]["nvidia.com/mig-1g.10gb"] == FULL.get("tensorParallelSize", 1)
-    assert "nvidia.com/gpu" not in container["resources"]["limits"]
-    assert spec["imagePullSecrets"] == [{"name": "registry"}] and spec["priorityClassName"] == "inference"
-    assert spec["runtimeClassName"] == "nvidia" and spec["serviceAccountName"] == "llm"
-    assert spec["topologySpreadConstraints"][0]["topologyKey"] == "topology.kubernetes.io/zone"
-    assert template["metadata"]["annotations"] == {"sidecar.istio.io/inject": "false"}
-    assert template["metadata"]["labels"]["team"] == "ml"
-    assert m.deployment["spec"]["selector"]["matchLabels"].items() <= template["metadata"]["labels"].items()
-
-
-@pytest.mark.parametrize(
-    "spec, message",
-    [
-        ({"gpuResourceName": "gpu"}, "spec.gpuResourceName='gpu' is not allowed"),
-        ({"podLabels": {"app.kubernetes.io/instance": "x"}}, "the operator owns these"),
-        ({"priorityClassName": "Not_A_Name"}, "spec.priorityClassName='Not_A_Name' is not allowed"),
-        ({"imagePullSecrets": [{"nam": "x"}]}, "spec.imagePullSecrets[0].name=None"),
-    ],
-)
-def test_bad_cluster_fields_are_refused(spec, message):
-    with pytest.raises(SpecError) as info:
-        render(body(**spec), CONFIG)
-    assert message in str(info.value)
 
 
 @pytest.mark.parametrize(
