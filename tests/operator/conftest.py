@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-from emulated_scenario import Scenario
 
 sys.path.insert(0, str(Path(__file__).parent))  # the helper modules, whatever pytest's import mode
 
@@ -82,9 +81,3 @@ def operator(cluster, tmp_path_factory):
 @pytest.fixture()
 def api(cluster) -> Client:
     return Client(cluster.url)
-
-
-@pytest.fixture()
-def scenario(api, operator, request) -> Scenario:
-    """The test's own namespace, the API client and the module's operator."""
-    return Scenario(api, operator, request.node.name.replace("_", "-")[:50].strip("-"))

@@ -6,12 +6,75 @@ each test works in its own namespace. Waits are polls with a deadline, never sle
 
 from __future__ import annotations
 
+import time
 import urllib.request
 
 import pytest
-from emulated_scenario import KIND, condition, flag_value, pagedllm, server_container
+from k8s_emulator import wait_for
 
 pytestmark = pytest.mark.k8s
+
+KIND = "PagedLLM"
+
+
+def pagedllm(namespace: str, name: str = "llama", **spec) -> dict:
+    return {
+        "apiVersion": "pagedllm.dev/v1alpha1",
+        "kind": KIND,
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": {"model": "meta-llama/Llama-2-7b-hf", **spec},
+    }
+
+
+def server_container(deployment: dict) -> dict:
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    return container
+
+
+def flag_value(args: list[str], flag: str):
+    return args[args.index(flag) + 1] if flag in args else None
+
+
+def condition(obj: dict, kind: str) -> dict:
+    for cond in (obj.get("status") or {}).get("conditions", []):
+        if cond["type"] == kind:
+            return cond
+    return {}
+
+
+class Scenario:
+    """A namespace's view: the API client, the operator, and polls with its log on timeout."""
+
+    def __init__(self, api, operator, namespace: str):
+        self.api, self.operator, self.ns = api, operator, namespace
+
+    def wait(self, probe, what: str, timeout: float = 15):
+        return wait_for(probe, timeout=timeout, what=what, on_timeout=self.operator.log)
+
+    def get(self, kind: str, name: str = "llama"):
+        return self.api.get(kind, self.ns, name)
+
+    def wait_status(self, check, what: str, name: str = "llama"):
+        def probe():
+            obj = self.get(KIND, name)
+            return obj if obj and check(obj.get("status") or {}, obj) else None
+
+        return self.wait(probe, what)
+
+    def wait_deployment(self, check=lambda d: True, what: str = "the Deployment", name: str = "llama"):
+        def probe():
+            dep = self.get("Deployment", name)
+            return dep if dep and check(dep) else None
+
+        return self.wait(probe, what)
+
+    def events(self) -> list[dict]:
+        return self.api.list("Event", self.ns)
+
+
+@pytest.fixture()
+def scenario(api, operator, request) -> Scenario:
+    return Scenario(api, operator, request.node.name.replace("_", "-")[:50].strip("-"))
 
 
 def test_liveness_endpoint_answers(operator):
@@ -144,6 +207,54 @@ def test_status_follows_deployment_readiness(scenario):
     assert "timed out" in degraded["message"]
 
 
+def test_phase_changes_are_events_and_two_replicas_get_a_disruption_budget(scenario):
+    scenario.api.create(pagedllm(scenario.ns, replicas=2))
+    dep = scenario.wait_deployment()
+    budget = scenario.wait(lambda: scenario.get("PodDisruptionBudget"), "the PodDisruptionBudget")
+    assert budget["spec"]["maxUnavailable"] == 1 and budget["metadata"]["ownerReferences"][0]["kind"] == KIND
+    assert budget["spec"]["selector"]["matchLabels"] == dep["spec"]["selector"]["matchLabels"]
+    scenario.api.patch(
+        "Deployment",
+        scenario.ns,
+        "llama",
+        {
+            "status": {
+                "observedGeneration": dep["metadata"]["generation"],
+                "replicas": 2,
+                "updatedReplicas": 2,
+                "readyReplicas": 2,
+                "availableReplicas": 2,
+            }
+        },
+        sub="status",
+    )
+    scenario.wait_status(lambda s, o: s.get("phase") == "Ready", "Ready")
+
+    def phase_events():
+        return [e["message"] for e in scenario.events() if e.get("reason") == "PhaseChanged"]
+
+    scenario.wait(lambda: any(m.startswith("Pending -> Ready") for m in phase_events()), "a Pending -> Ready event")
+    assert any(m.startswith("new -> Pending") for m in phase_events())
+
+
+def test_a_hand_edited_deployment_is_set_back(scenario, cluster):
+    scenario.api.create(pagedllm(scenario.ns, replicas=2))
+    scenario.wait_deployment()
+    scenario.api.patch("Deployment", scenario.ns, "llama", {"spec": {"replicas": 5}})
+    scenario.wait(lambda: (scenario.get("Deployment") or {}).get("spec", {}).get("replicas") == 2, "replicas set back")
+    scenario.wait(lambda: [e for e in scenario.events() if e.get("reason") == "DriftRepaired"], "a DriftRepaired event")
+    before = len(cluster.operator_requests())
+    time.sleep(1.5)
+    assert len(cluster.operator_requests()) - before < 10  # settled: no apply loop on its own updates
+
+
+def test_one_replica_gets_no_disruption_budget(scenario):
+    scenario.api.create(pagedllm(scenario.ns))
+    scenario.wait_deployment()
+    scenario.wait_status(lambda s, o: s.get("phase") == "Pending", "Pending")
+    assert scenario.get("PodDisruptionBudget") is None
+
+
 def test_invalid_spec_becomes_degraded_and_recovers(scenario):
     # blockSize 12 passes kmock (no schema) as it would pass an old CRD; the operator refuses it.
     scenario.api.create(pagedllm(scenario.ns, blockSize=12))
@@ -162,6 +273,43 @@ def test_invalid_spec_becomes_degraded_and_recovers(scenario):
         lambda s, o: s.get("phase") == "Pending" and condition(o, "Degraded")["status"] == "False",
         "recovered to Pending",
     )
+
+
+def test_a_server_that_refuses_to_start_shows_why_on_the_resource(scenario):
+    """A refusal only the model reveals (heads not divisible by the TP size) reaches the status."""
+    scenario.api.create(pagedllm(scenario.ns, tensorParallelSize=2))
+    dep = scenario.wait_deployment()
+    refusal = (
+        "pagedllm serve: error: the engine failed to start: --tensor-parallel-size=2 is not allowed: "
+        "a divisor of the model's number of attention heads (25)"
+    )
+    scenario.api.create(
+        {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {
+                "name": "llama-abc12",
+                "namespace": scenario.ns,
+                "labels": dep["spec"]["template"]["metadata"]["labels"],
+            },
+            "spec": {"containers": [{"name": "server", "image": "img"}]},
+            "status": {
+                "containerStatuses": [
+                    {
+                        "name": "server",
+                        "ready": False,
+                        "restartCount": 3,
+                        "state": {"waiting": {"reason": "CrashLoopBackOff"}},
+                        "lastState": {"terminated": {"exitCode": 2, "reason": "Error", "message": refusal}},
+                    }
+                ]
+            },
+        }
+    )
+    obj = scenario.wait_status(lambda s, o: s.get("phase") == "Degraded", "Degraded")
+    degraded = condition(obj, "Degraded")
+    assert degraded["reason"] == "ServerExited" and "--tensor-parallel-size=2 is not allowed" in degraded["message"]
+    assert "llama-abc12" in degraded["message"] and "code 2" in degraded["message"]
 
 
 def test_extra_args_cannot_override_rendered_flags(scenario):
