@@ -34,7 +34,7 @@ from pagedllm.operator.manifests import (
     render,
 )
 from pagedllm.operator.spec import SpecError
-from pagedllm.operator.status import DEGRADED, Problem, drifted, server_exit, status_from
+from pagedllm.operator.status import DEGRADED, Problem, server_exit, status_from
 
 RETRY_DELAY_SECONDS = 10
 RECREATE_BACKOFF_SECONDS = (1, 2, 4, 8)
@@ -204,31 +204,10 @@ async def on_deployment_event(
     if type == "DELETED":
         await _recreate(owner, "Deployment", memo, logger)
         return
-    if await _repair_drift(owner, body, memo, logger):
-        return  # NOTE: the apply's own MODIFIED event refreshes the status
     status = refresh_status(owner, body, memo.config)
     if status != _comparable(owner.get("status"), status):
         announce_phase(owner, status)
         await memo.kube.patch_status(KIND, owner["metadata"]["namespace"], owner["metadata"]["name"], status)
-
-
-async def _repair_drift(
-    owner: Mapping[str, Any], deployment: Mapping[str, Any], memo: kopf.Memo, logger: kopf.Logger
-) -> bool:
-    """Set back fields of the owned Deployment that were edited by hand; True if it did."""
-    try:
-        desired = render(owner, memo.config).deployment
-    except SpecError:
-        return False
-    changes = drifted(deployment, desired)
-    if not changes:
-        return False
-    name = owner["metadata"]["name"]
-    message = f"Deployment {name} was edited by hand ({'; '.join(changes)}): set back to the PagedLLM's spec"
-    logger.info("%s", message)
-    kopf.info(as_body(owner), reason="DriftRepaired", message=message)
-    await memo.kube.apply(desired)
-    return True
 
 
 async def on_service_event(type: str | None, body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **_: Any) -> None:

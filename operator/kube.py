@@ -41,12 +41,8 @@ class ApiError(Exception):
 
     @property
     def retriable(self) -> bool:
-        """Worth retrying as is: conflicts, throttling, server-side trouble.
-
-        NOTE: 401/403 (missing RBAC) and 422 (an object the API refuses) do not go away by
-        retrying: they become ``Degraded`` with the API's message instead of a hot loop.
-        """
-        return self.status in (409, 429) or self.status >= 500
+        """Worth retrying as is: conflicts, throttling, server-side trouble, auth races."""
+        return self.status in (401, 403, 409, 429) or self.status >= 500
 
 
 def object_path(kind: str, namespace: str, name: str, subresource: str | None = None) -> str:

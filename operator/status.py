@@ -107,29 +107,6 @@ def _conditions(verdict: _Verdict, previous: list, generation: int | None, now: 
 SERVER_EXITED = "ServerExited"
 
 
-def drifted(current: Mapping[str, Any], desired: Mapping[str, Any]) -> list[str]:
-    """The fields the operator owns on a Deployment that differ from its rendering (hand edits).
-
-    Only what a person edits by hand is compared (replicas; each container's image,
-    command and args), not what the API server fills in with defaults.
-    """
-    changes = []
-    have, want = (current.get("spec") or {}).get("replicas"), (desired.get("spec") or {}).get("replicas")
-    if have != want:
-        changes.append(f"spec.replicas={have}, wants {want}")
-    containers = {c.get("name"): c for c in _containers(current)}
-    for container in _containers(desired):
-        mine = containers.get(container["name"], {})
-        for key in ("image", "command", "args"):
-            if mine.get(key) != container.get(key):
-                changes.append(f"container {container['name']} {key} differs")
-    return changes
-
-
-def _containers(deployment: Mapping[str, Any]) -> list[dict]:
-    return ((((deployment.get("spec") or {}).get("template") or {}).get("spec") or {}).get("containers")) or []
-
-
 def server_exit(pod: Mapping[str, Any], container: str) -> Problem | None:
     """Why the pod's server container last exited with an error, if it did and the pod is not ready.
 

@@ -166,28 +166,3 @@ def test_server_exit_reads_the_last_termination_message():
     assert server_exit(ready, "server") is None
     clean = {"status": {"containerStatuses": [{"name": "server", "lastState": {"terminated": {"exitCode": 0}}}]}}
     assert server_exit(clean, "server") is None
-
-
-def test_drift_is_replicas_and_container_edits_only():
-    from pagedllm.operator.status import drifted
-
-    def deployment(replicas, image="img", **extra):
-        return {
-            "spec": {
-                "replicas": replicas,
-                "template": {"spec": {"containers": [{"name": "server", "image": image, "args": ["--a"], **extra}]}},
-            }
-        }
-
-    desired = deployment(2)
-    assert drifted(deployment(2, terminationMessagePath="/dev/termination-log"), desired) == []
-    assert drifted(deployment(5), desired) == ["spec.replicas=5, wants 2"]
-    assert drifted(deployment(2, image="other"), desired) == ["container server image differs"]
-
-
-def test_forbidden_and_unprocessable_are_not_retried():
-    from pagedllm.operator.kube import ApiError
-
-    assert not ApiError(403, "forbidden").retriable and not ApiError(401, "x").retriable
-    assert not ApiError(422, "invalid").retriable
-    assert ApiError(409, "conflict").retriable and ApiError(503, "x").retriable and ApiError(429, "x").retriable
