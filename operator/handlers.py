@@ -17,7 +17,6 @@ import datetime
 from collections.abc import Mapping
 from typing import Any
 
-import aiohttp
 import kopf
 
 from pagedllm.operator.kube import ApiError, KubeClient, default_login
@@ -109,8 +108,6 @@ async def converge(
         if exc.retriable:
             raise kopf.TemporaryError(f"applying {manifest['kind']} {name}: {exc}", delay=RETRY_DELAY_SECONDS) from exc
         return await _degraded(body, kube, Problem(APPLY_REFUSED, f"{manifest['kind']} {name}: {exc.message}"))
-    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-        raise kopf.TemporaryError(f"applying {name}: {exc!r}", delay=RETRY_DELAY_SECONDS) from exc
     if announce:
         kinds = ", ".join(applied)
         kopf.info(
@@ -127,7 +124,7 @@ async def _degraded(body: Mapping[str, Any], kube: KubeClient, problem: Problem)
     meta = body["metadata"]
     try:
         deployment = await kube.get("Deployment", meta["namespace"], meta["name"])
-    except (ApiError, aiohttp.ClientError, asyncio.TimeoutError):
+    except ApiError:
         deployment = None  # the status still says what is wrong with the spec
     return status_from(body, deployment, now=now(), problem=problem)
 
@@ -184,7 +181,7 @@ async def _recreate(owner: dict, what: str, memo: kopf.Memo, logger: kopf.Logger
             announce_phase(owner, status)
             await memo.kube.patch_status(KIND, meta["namespace"], meta["name"], status)
             return
-        except (kopf.TemporaryError, ApiError, aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        except (kopf.TemporaryError, ApiError) as exc:
             logger.warning("recreating %s %s failed (%s); retrying in %ss", what, meta["name"], exc, delay)
             await asyncio.sleep(delay)
     kopf.warn(
