@@ -223,10 +223,17 @@ class KubeClient:
             raise ApiError(404, f"the cluster does not serve {kind} in {api_version} (is its CRD installed?)")
         return found
 
-    async def get(self, kind: str, namespace: str, name: str) -> dict | None:
-        """The object, ``None`` if it does not exist (``kind`` one of :data:`RESOURCES`)."""
+    async def get(self, kind: str, namespace: str, name: str, api_version: str | None = None) -> dict | None:
+        """The object, ``None`` if it does not exist; ``api_version`` for kinds not in :data:`RESOURCES`."""
+        if api_version is None:
+            path = object_path(kind, namespace, name)
+        else:
+            where = await self.resource(api_version, kind)
+            if where is None:
+                return None  # a kind the cluster does not serve has no objects
+            path = where.path(namespace, name)
         try:
-            return await self.request("GET", object_path(kind, namespace, name))
+            return await self.request("GET", path)
         except ApiError as exc:
             if exc.status == 404:
                 return None
