@@ -49,9 +49,13 @@ class ApplyOutcome:
 
 
 async def apply_all(manifests: Iterable[Mapping[str, Any]], kube: Kube, owner_uid: str | None) -> ApplyOutcome:
-    """Apply each manifest in order (a claim before the pods that mount it), whatever the others did."""
+    """Apply each manifest, whatever the others did; the Deployment last.
+
+    NOTE: its pods then start only once what they use (the claim, the Service) exists, and
+    the status the caller reads right after is as fresh as it can be.
+    """
     outcome = ApplyOutcome()
-    for manifest in manifests:
+    for manifest in sorted(manifests, key=lambda m: m["kind"] == "Deployment"):
         kind, meta = manifest["kind"], manifest["metadata"]
         what = f"{kind} {meta['name']}"
         try:
