@@ -2,24 +2,30 @@
 
 - create / update / resume of a ``PagedLLM``: render, server-side apply, write status.
 - events of owned Deployments: refresh the owner's status (phase, conditions, replicas).
-- an owned Deployment or Service deleted by hand: apply the owner again (recreated).
+- an owned Deployment or Service deleted or edited by hand: apply the owner again
+  (recreated, or the edit reverted), and a periodic check for changes no event reported.
 
 A spec the operator cannot serve never raises out of a handler: it becomes a
 ``Degraded`` condition and a warning event, and waits for the next spec change. Only
-transient API trouble is retried (``kopf.TemporaryError``). Deletion is left to the
-owner references (no finalizer, so removing the operator never blocks a delete).
+transient API trouble is retried (``kopf.TemporaryError``, with exponential backoff);
+a refusal of the API (403 no permission, 422 invalid or immutable field, a child another
+controller owns) is ``Degraded`` with the API's message. Deletion is left to the owner
+references (no finalizer, so removing the operator never blocks a delete). The children
+are watched through a server-side label selector, not every Deployment in the cluster.
 """
 
 from __future__ import annotations
 
-import asyncio
 import datetime
+import time
 from collections.abc import Mapping
 from typing import Any
 
-import aiohttp
 import kopf
 
+from pagedllm.operator.apply import REFUSALS, apply_all
+from pagedllm.operator.backoff import Backoff, RepairPacer
+from pagedllm.operator.drift import drifted
 from pagedllm.operator.kube import ApiError, KubeClient, default_login
 from pagedllm.operator.manifests import (
     GROUP,
@@ -36,11 +42,18 @@ from pagedllm.operator.manifests import (
 from pagedllm.operator.spec import SpecError
 from pagedllm.operator.status import DEGRADED, Problem, server_exit, status_from
 
-RETRY_DELAY_SECONDS = 10
-RECREATE_BACKOFF_SECONDS = (1, 2, 4, 8)
-APPLY_REFUSED = "ApplyRefused"
+# kopf retries a failed reconcile after RETRY.delay(retry): 10 s, 20 s, 40 s … 5 min.
+RETRY = Backoff(base=10, cap=300)
+# Recreating a deleted child from its event (kopf does not retry event handlers).
+RECREATE = Backoff(base=1, cap=30)
+RECREATE_ATTEMPTS = 5
+# A child that drifts again right after a repair waits 1 s, 2 s, 4 s … 5 min for the next.
+REPAIR = Backoff(base=1, cap=300)
+DRIFT_CHECK_SECONDS = 60
 INVALID_SPEC = "InvalidSpec"
 _MANAGED = {"app.kubernetes.io/managed-by": MANAGED_BY}
+MANAGED_SELECTOR = f"app.kubernetes.io/managed-by={MANAGED_BY}"
+WATCHED_CHILDREN = (("apps", "v1", "deployments"), ("", "v1", "services"), ("", "v1", "pods"))
 
 
 def now() -> str:
@@ -54,6 +67,8 @@ def build_registry() -> kopf.OperatorRegistry:
     kopf.on.cleanup(registry=registry)(close_client)
     for on_cause in (kopf.on.create, kopf.on.update, kopf.on.resume):
         on_cause(GROUP, VERSION, PLURAL, registry=registry)(reconcile)
+    every = DRIFT_CHECK_SECONDS
+    kopf.timer(GROUP, VERSION, PLURAL, interval=every, initial_delay=every, registry=registry)(check_drift)
     kopf.on.event("apps", "v1", "deployments", labels=_MANAGED, registry=registry)(on_deployment_event)
     kopf.on.event("", "v1", "services", labels=_MANAGED, registry=registry)(on_service_event)
     kopf.on.event("", "v1", "pods", labels=_MANAGED, registry=registry)(on_pod_event)
@@ -71,7 +86,15 @@ def operator_settings() -> kopf.OperatorSettings:
     settings.watching.server_timeout = 300
     settings.watching.client_timeout = 330
     settings.networking.request_timeout = 60
+    # Only the operator's own children are listed and watched, filtered by the API server.
+    for resource in WATCHED_CHILDREN:
+        settings.watching.label_selectors[resource] = MANAGED_SELECTOR
     return settings
+
+
+def make_memo(config: RenderConfig, kube: KubeClient) -> kopf.Memo:
+    """What the handlers share: rendering settings, the API client, the drift-repair pacing."""
+    return kopf.Memo(config=config, kube=kube, pacer=RepairPacer(REPAIR, time.monotonic))
 
 
 def login(settings: kopf.OperatorSettings, **_: Any) -> kopf.ConnectionInfo:
@@ -84,33 +107,39 @@ async def close_client(memo: kopf.Memo, **_: Any) -> None:
 
 
 async def reconcile(
-    body: kopf.Body, reason: str, patch: kopf.Patch, memo: kopf.Memo, logger: kopf.Logger, **_: Any
+    body: kopf.Body, reason: str, patch: kopf.Patch, memo: kopf.Memo, logger: kopf.Logger, retry: int = 0, **_: Any
 ) -> None:
     """Apply the rendering of ``body`` and record the outcome in its status."""
-    status = await converge(body, memo.kube, memo.config, logger, announce=reason != "resume")
+    status = await converge(body, memo.kube, memo.config, logger, announce=reason != "resume", retry=retry)
     announce_phase(body, status)
     patch.setdefault("status", {}).update(status)
 
 
 async def converge(
-    body: Mapping[str, Any], kube: KubeClient, config: RenderConfig, logger: kopf.Logger, *, announce: bool = True
+    body: Mapping[str, Any],
+    kube: KubeClient,
+    config: RenderConfig,
+    logger: kopf.Logger,
+    *,
+    announce: bool = True,
+    retry: int = 0,
 ) -> dict:
-    """Render and apply; return the status to write. Raises only ``kopf.TemporaryError``."""
+    """Render and apply; return the status to write. Raises only ``kopf.TemporaryError``.
+
+    ``retry`` counts the failed attempts before this one; it sets the backoff.
+    """
     name, namespace = body["metadata"]["name"], body["metadata"]["namespace"]
     try:
         manifests = render(body, config)
     except SpecError as exc:
         return await _degraded(body, kube, Problem(INVALID_SPEC, str(exc)))
-    applied = {}
-    try:
-        for manifest in manifests.all():
-            applied[manifest["kind"]] = await kube.apply(manifest)
-    except ApiError as exc:
-        if exc.retriable:
-            raise kopf.TemporaryError(f"applying {manifest['kind']} {name}: {exc}", delay=RETRY_DELAY_SECONDS) from exc
-        return await _degraded(body, kube, Problem(APPLY_REFUSED, f"{manifest['kind']} {name}: {exc.message}"))
-    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-        raise kopf.TemporaryError(f"applying {name}: {exc!r}", delay=RETRY_DELAY_SECONDS) from exc
+    outcome = await apply_all(manifests.all(), kube, body["metadata"].get("uid"))
+    problem = outcome.problem()
+    if problem is not None:
+        return await _degraded(body, kube, problem)
+    if outcome.transient:
+        raise kopf.TemporaryError(f"applying {name}: {'; '.join(outcome.transient)}", delay=RETRY.delay(retry))
+    applied = outcome.applied
     if announce:
         kinds = ", ".join(applied)
         kopf.info(
@@ -119,16 +148,25 @@ async def converge(
             message=f"{kinds} {name} applied for generation {body['metadata'].get('generation')}",
         )
     logger.info("applied %s to %s/%s", list(applied), namespace, name)
-    return status_from(body, applied["Deployment"], now=now())
+    # NOTE: read again: the Deployment's status may have moved on while the other children
+    # were applied, and this status is written after the event handlers' (newer) ones.
+    deployment = await _get_or_none(kube, "Deployment", namespace, name)
+    return status_from(body, deployment or applied["Deployment"], now=now())
+
+
+async def _get_or_none(kube: KubeClient, kind: str, namespace: str, name: str) -> dict | None:
+    try:
+        return await kube.get(kind, namespace, name)
+    except ApiError:
+        return None
 
 
 async def _degraded(body: Mapping[str, Any], kube: KubeClient, problem: Problem) -> dict:
-    kopf.warn(as_body(body), reason=problem.reason, message=problem.message)
+    if not _standing(body, problem):  # NOTE: one warning per problem, not one per periodic check
+        kopf.warn(as_body(body), reason=problem.reason, message=problem.message)
     meta = body["metadata"]
-    try:
-        deployment = await kube.get("Deployment", meta["namespace"], meta["name"])
-    except (ApiError, aiohttp.ClientError, asyncio.TimeoutError):
-        deployment = None  # the status still says what is wrong with the spec
+    # NOTE: even without the Deployment, the status still says what is wrong.
+    deployment = await _get_or_none(kube, "Deployment", meta["namespace"], meta["name"])
     return status_from(body, deployment, now=now(), problem=problem)
 
 
@@ -142,17 +180,25 @@ def refresh_status(body: Mapping[str, Any], deployment: Mapping[str, Any] | None
 
 
 def _standing_refusal(body: Mapping[str, Any]) -> Problem | None:
-    """An apply refused for the current generation stays until the spec changes."""
+    """An apply refused for the current generation stays until the spec changes (or a retry succeeds)."""
     generation = body.get("metadata", {}).get("generation")
     for cond in (body.get("status") or {}).get("conditions", []) or []:
         if (
             cond.get("type") == DEGRADED
             and cond.get("status") == "True"
-            and cond.get("reason") == APPLY_REFUSED
+            and cond.get("reason") in REFUSALS
             and cond.get("observedGeneration") == generation
         ):
-            return Problem(APPLY_REFUSED, cond.get("message", ""))
+            return Problem(cond["reason"], cond.get("message", ""))
     return None
+
+
+def _standing(body: Mapping[str, Any], problem: Problem) -> bool:
+    """Whether ``body``'s status already reports exactly ``problem``."""
+    return any(
+        cond.get("type") == DEGRADED and cond.get("reason") == problem.reason and cond.get("message") == problem.message
+        for cond in (body.get("status") or {}).get("conditions", []) or []
+    )
 
 
 def owner_name(body: Mapping[str, Any]) -> str | None:
@@ -177,21 +223,70 @@ async def _recreate(owner: dict, what: str, memo: kopf.Memo, logger: kopf.Logger
     meta = owner["metadata"]
     kopf.warn(owner, reason="Recreating", message=f"{what} {meta['name']} was deleted; applying it again")
     # NOTE: kopf does not retry event handlers, so transient failures are retried here;
-    # an operator restart re-applies everything anyway (resume).
-    for delay in RECREATE_BACKOFF_SECONDS:
-        try:
-            status = await converge(owner, memo.kube, memo.config, logger, announce=False)
-            announce_phase(owner, status)
-            await memo.kube.patch_status(KIND, meta["namespace"], meta["name"], status)
+    # the periodic drift check and an operator restart (resume) re-apply everything anyway.
+    try:
+        await RECREATE.retry(
+            lambda: _apply_owner(owner, memo, logger),
+            attempts=RECREATE_ATTEMPTS,
+            retriable=lambda exc: isinstance(exc, kopf.TemporaryError) or (isinstance(exc, ApiError) and exc.retriable),
+        )
+    except (kopf.TemporaryError, ApiError) as exc:
+        kopf.warn(
+            owner,
+            reason="RecreateFailed",
+            message=f"{what} {meta['name']} could not be recreated ({exc}); the next periodic check tries again",
+        )
+
+
+async def _apply_owner(owner: Mapping[str, Any], memo: kopf.Memo, logger: kopf.Logger) -> None:
+    """Converge ``owner`` outside its own handlers and write its status."""
+    meta = owner["metadata"]
+    status = await converge(owner, memo.kube, memo.config, logger, announce=False)
+    announce_phase(owner, status)
+    await memo.kube.patch_status(KIND, meta["namespace"], meta["name"], status)
+
+
+async def repair_drift(
+    owner: Mapping[str, Any], live: Mapping[str, Any], kind: str, memo: kopf.Memo, logger: kopf.Logger
+) -> bool:
+    """Apply ``owner`` again if its child ``live`` no longer matches the rendering; True if it did."""
+    try:
+        rendered = render(owner, memo.config).all()
+    except SpecError:
+        return False  # nothing to repair towards; the status already says why
+    name = live["metadata"]["name"]
+    desired = next((m for m in rendered if m["kind"] == kind and m["metadata"]["name"] == name), None)
+    key = (kind, live["metadata"].get("namespace"), name)
+    paths = drifted(desired, live) if desired is not None else []
+    if not paths:
+        memo.pacer.settled(key)
+        return False
+    if not memo.pacer.due(key):
+        logger.info("%s %s drifted again (%s); repair postponed (backoff)", kind, name, ", ".join(paths))
+        return True
+    memo.pacer.repaired(key)
+    message = f"{kind} {name} was changed outside the operator ({', '.join(paths[:5])}); applying the rendering again"
+    kopf.info(as_body(owner), reason="DriftReverted", message=message)
+    try:
+        await _apply_owner(owner, memo, logger)
+    except (kopf.TemporaryError, ApiError) as exc:
+        logger.warning("reverting %s %s failed (%s); the periodic check tries again", kind, name, exc)
+    return True
+
+
+async def check_drift(body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **_: Any) -> None:
+    """Periodically: repair or recreate a Deployment or Service whose change no event reported."""
+    meta = body["metadata"]
+    if meta.get("deletionTimestamp"):
+        return
+    for kind in ("Deployment", "Service"):
+        live = await memo.kube.get(kind, meta["namespace"], meta["name"])
+        if live is None or owner_name(live) != meta["name"]:
+            # Missing (or never applied: a standing refusal is retried here, once a period).
+            await _apply_owner(body, memo, logger)
             return
-        except (kopf.TemporaryError, ApiError, aiohttp.ClientError, asyncio.TimeoutError) as exc:
-            logger.warning("recreating %s %s failed (%s); retrying in %ss", what, meta["name"], exc, delay)
-            await asyncio.sleep(delay)
-    kopf.warn(
-        owner,
-        reason="RecreateFailed",
-        message=f"{what} {meta['name']} could not be recreated; it will be on the next change or operator restart",
-    )
+        if await repair_drift(body, live, kind, memo, logger):
+            return
 
 
 async def on_deployment_event(
@@ -204,6 +299,8 @@ async def on_deployment_event(
     if type == "DELETED":
         await _recreate(owner, "Deployment", memo, logger)
         return
+    if type == "MODIFIED" and await repair_drift(owner, body, "Deployment", memo, logger):
+        return
     status = refresh_status(owner, body, memo.config)
     if status != _comparable(owner.get("status"), status):
         announce_phase(owner, status)
@@ -211,12 +308,16 @@ async def on_deployment_event(
 
 
 async def on_service_event(type: str | None, body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **_: Any) -> None:
-    """An owned Service was deleted: apply its owner again."""
-    if type != "DELETED":
+    """An owned Service was deleted or edited: apply its owner again."""
+    if type not in ("DELETED", "MODIFIED"):
         return
     owner = await _live_owner(body, memo.kube)
-    if owner is not None:
+    if owner is None:
+        return
+    if type == "DELETED":
         await _recreate(owner, "Service", memo, logger)
+    else:
+        await repair_drift(owner, body, "Service", memo, logger)
 
 
 def _comparable(current: Mapping[str, Any] | None, wanted: Mapping[str, Any]) -> dict:

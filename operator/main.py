@@ -16,8 +16,8 @@ from importlib import metadata
 
 import kopf
 
-from pagedllm.operator.handlers import build_registry, operator_settings
-from pagedllm.operator.kube import KubeClient, default_login
+from pagedllm.operator.handlers import build_registry, make_memo, operator_settings
+from pagedllm.operator.kube import KubeClient
 from pagedllm.operator.manifests import RenderConfig
 
 DEFAULT_IMAGE_ENV = "PAGEDLLM_DEFAULT_IMAGE"
@@ -96,9 +96,7 @@ def run_operator(args: argparse.Namespace) -> int:
         log_prefix=True,
     )
     settings = operator_settings()
-    memo = kopf.Memo(
-        config=RenderConfig(default_image=args.default_image), kube=KubeClient(lambda: default_login(settings))
-    )
+    memo = make_memo(RenderConfig(default_image=args.default_image), KubeClient())
     kopf.run(
         registry=build_registry(),
         settings=settings,

@@ -10,6 +10,8 @@ Volumes of a server pod::
     pvc source       /model   <- spec.modelSource.pvc.claimName, subPath pvc.path, read-only
     absolute path    (none)      the checkpoint is in the image
     TP > 1           /dev/shm <- emptyDir(medium=Memory), for NCCL between the ranks
+    always           /tmp, /home/pagedllm <- emptyDirs: the root filesystem is read-only, and
+                              Triton, torch and the Hub client write caches under $HOME and /tmp
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from typing import Any
 import kopf
 
 from pagedllm.operator.command import API_KEY_ENV, SERVE_COMMAND, check_engine, server_args
-from pagedllm.operator.spec import GPU_RESOURCE, PagedLLMSpec, SpecError
+from pagedllm.operator.spec import PagedLLMSpec, SpecError
 
 GROUP, VERSION, PLURAL, KIND = "pagedllm.dev", "v1alpha1", "pagedllms", "PagedLLM"
 MANAGED_BY = "pagedllm-operator"
@@ -33,6 +35,7 @@ MODELS_DIR = "/models"
 MODEL_MOUNT = "/model"
 HF_HOME = "/models/.hf"
 RUN_AS = 1000  # the image's non-root user (Dockerfile: USER 1000)
+HOME_DIR = "/home/pagedllm"  # the image's $HOME (Dockerfile), writable through an emptyDir
 
 # Seconds between the server's drain deadline and the kubelet's SIGKILL.
 GRACE_MARGIN_SECONDS = 30
@@ -192,7 +195,7 @@ def render_deployment(name: str, spec: PagedLLMSpec, config: RenderConfig, gener
             "strategy": _strategy(spec),
             "progressDeadlineSeconds": spec.startup_timeout_seconds + PROGRESS_MARGIN_SECONDS,
             "revisionHistoryLimit": 3,
-            "template": {"metadata": {"labels": labels(name)}, "spec": _pod_spec(name, spec, config)},
+            "template": {"metadata": _pod_metadata(name, spec), "spec": _pod_spec(name, spec, config)},
         },
     }
 
@@ -230,6 +233,36 @@ def _pod_spec(name: str, spec: PagedLLMSpec, config: RenderConfig) -> dict:
         pod["tolerations"] = [dict(t) for t in spec.tolerations]
     if spec.affinity:
         pod["affinity"] = dict(spec.affinity)
+    pod.update(_pod_placement(name, spec))
+    return pod
+
+
+def _pod_metadata(name: str, spec: PagedLLMSpec) -> dict:
+    """The pod template's labels (the operator's win over spec.podLabels) and annotations."""
+    metadata: dict[str, Any] = {"labels": {**spec.pod_labels, **labels(name)}}
+    if spec.pod_annotations:
+        metadata["annotations"] = dict(spec.pod_annotations)
+    return metadata
+
+
+def _pod_placement(name: str, spec: PagedLLMSpec) -> dict:
+    """Optional pod fields of the spec: pull secrets, priority, runtime class, identity, spreading."""
+    pod: dict[str, Any] = {}
+    if spec.image_pull_secrets:
+        pod["imagePullSecrets"] = [{"name": secret} for secret in spec.image_pull_secrets]
+    if spec.priority_class_name:
+        pod["priorityClassName"] = spec.priority_class_name
+    if spec.runtime_class_name:
+        pod["runtimeClassName"] = spec.runtime_class_name
+    if spec.service_account_name:
+        # NOTE: the token stays unmounted (automountServiceAccountToken): the account is for the
+        # node's or cloud's identity (image pulls, workload identity), not for the API.
+        pod["serviceAccountName"] = spec.service_account_name
+    if spec.topology_spread_constraints:
+        # Without a labelSelector a constraint would count no pods: default to this resource's pods.
+        pod["topologySpreadConstraints"] = [
+            {"labelSelector": {"matchLabels": selector_labels(name)}, **c} for c in spec.topology_spread_constraints
+        ]
     return pod
 
 
@@ -257,7 +290,14 @@ def _volumes(name: str, spec: PagedLLMSpec) -> tuple[list[dict], list[dict]]:
     if spec.tensor_parallel_size > 1:
         volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory"}})
         mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
+    for volume, path in WRITABLE_DIRS:
+        volumes.append({"name": volume, "emptyDir": {}})
+        mounts.append({"name": volume, "mountPath": path})
     return volumes, mounts
+
+
+# Writable emptyDirs under the read-only root filesystem: (volume, mount path).
+WRITABLE_DIRS = (("tmp", "/tmp"), ("home", HOME_DIR))
 
 
 def _secret_env(var: str, ref) -> dict:
@@ -288,7 +328,7 @@ def _server_env(spec: PagedLLMSpec) -> list[dict]:
 
 
 def _gpu_resources(spec: PagedLLMSpec) -> dict:
-    gpus = {GPU_RESOURCE: spec.tensor_parallel_size}
+    gpus = {spec.gpu_resource_name: spec.tensor_parallel_size}
     return {
         "requests": {**spec.resources.get("requests", {}), **gpus},
         "limits": {**spec.resources.get("limits", {}), **gpus},
@@ -296,7 +336,7 @@ def _gpu_resources(spec: PagedLLMSpec) -> dict:
 
 
 def _container_security() -> dict:
-    return {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
+    return {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True, "capabilities": {"drop": ["ALL"]}}
 
 
 def _server_container(spec: PagedLLMSpec, config: RenderConfig, mounts: list[dict]) -> dict:
@@ -345,5 +385,5 @@ def _fetch_container(spec: PagedLLMSpec, config: RenderConfig, mounts: list[dict
         "command": ["python", "-c", FETCH_SCRIPT, spec.model, model_path(spec)],
         "env": _hub_env(spec),
         "securityContext": _container_security(),
-        "volumeMounts": [m for m in mounts if m["name"] == "models"],
+        "volumeMounts": [m for m in mounts if m["name"] in ("models", "tmp", "home")],
     }

@@ -28,6 +28,20 @@ ACCESS_MODES = ("ReadWriteOnce", "ReadWriteMany")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 ROLLOUT_STRATEGIES = ("Recreate", "RollingUpdate")
 GPU_RESOURCE = "nvidia.com/gpu"
+# An extended resource a device plugin advertises: vendor domain / name, e.g.
+# nvidia.com/gpu, nvidia.com/mig-1g.10gb (MIG slices), amd.com/gpu, gpu.intel.com/i915.
+GPU_RESOURCE_PATTERN = (
+    r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)+/[a-z0-9]([-a-z0-9_.]*[a-z0-9])?$"
+)
+GPU_RESOURCE_RE = re.compile(GPU_RESOURCE_PATTERN)
+# Labels the operator sets on every server pod (its selectors): spec.podLabels cannot change them.
+RESERVED_POD_LABELS = (
+    "app.kubernetes.io/name",
+    "app.kubernetes.io/instance",
+    "app.kubernetes.io/component",
+    "app.kubernetes.io/managed-by",
+)
+_DNS_SUBDOMAIN_RE = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 
 _MODEL_RE = re.compile(r"^[A-Za-z0-9_./-]+$")
 _QUANTITY_RE = re.compile(
@@ -218,6 +232,30 @@ def _plain_object(path: str, value: Any) -> Mapping[str, Any]:
     return dict(_mapping(path, value))
 
 
+def _dns_subdomain(path: str, value: Any) -> str:
+    if not isinstance(value, str) or len(value) > 253 or not _DNS_SUBDOMAIN_RE.match(value):
+        raise SpecError(
+            f"{path}={value!r} is not allowed: a Kubernetes object name "
+            "(lowercase letters, digits, '-' and '.', at most 253)"
+        )
+    return value
+
+
+def _name_refs(path: str, value: Any) -> tuple[str, ...]:
+    """``[{name: regcred}, ...]`` (imagePullSecrets) -> the names."""
+    items = _object_list(path, value)
+    return tuple(_dns_subdomain(f"{path}[{index}].name", item.get("name")) for index, item in enumerate(items))
+
+
+def _spread_constraints(path: str, value: Any) -> tuple:
+    items = _object_list(path, value)
+    for index, item in enumerate(items):
+        missing = [key for key in ("maxSkew", "topologyKey", "whenUnsatisfiable") if key not in item]
+        if missing:
+            raise SpecError(f"{path}[{index}]={item!r} is not allowed: {', '.join(missing)} required")
+    return items
+
+
 @dataclass(frozen=True)
 class PagedLLMSpec:
     """The desired model server; one field per CRD spec key (``block_size`` <- ``blockSize``)."""
@@ -254,6 +292,20 @@ class PagedLLMSpec:
     node_selector: Mapping[str, str] = field(default_factory=dict, metadata=_nested("nodeSelector", _string_map))
     tolerations: tuple = field(default=(), metadata=_nested("tolerations", _object_list))
     affinity: Mapping[str, Any] | None = field(default=None, metadata=_nested("affinity", _plain_object))
+    gpu_resource_name: str = field(default=GPU_RESOURCE, metadata=_scalar("gpuResourceName", str))
+    image_pull_secrets: tuple[str, ...] = field(default=(), metadata=_nested("imagePullSecrets", _name_refs))
+    pod_annotations: Mapping[str, str] = field(default_factory=dict, metadata=_nested("podAnnotations", _string_map))
+    pod_labels: Mapping[str, str] = field(default_factory=dict, metadata=_nested("podLabels", _string_map))
+    priority_class_name: str | None = field(
+        default=None, metadata=_nested("priorityClassName", _dns_subdomain)
+    )
+    runtime_class_name: str | None = field(default=None, metadata=_nested("runtimeClassName", _dns_subdomain))
+    service_account_name: str | None = field(
+        default=None, metadata=_nested("serviceAccountName", _dns_subdomain)
+    )
+    topology_spread_constraints: tuple = field(
+        default=(), metadata=_nested("topologySpreadConstraints", _spread_constraints)
+    )
     env: tuple = field(default=(), metadata=_nested("env", _env))
     extra_args: tuple[str, ...] = field(default=(), metadata=_nested("extraArgs", _string_list))
     port: int = field(default=8000, metadata=_scalar("port", int, minimum=1024, maximum=65535))
@@ -307,8 +359,34 @@ class PagedLLMSpec:
             raise SpecError(f"spec.model={self.model!r} is not allowed: letters, digits and _ . / - only, no '..'")
         if self.model_cache is not None and self.uses_pvc_source:
             raise SpecError("spec.modelCache caches Hugging Face downloads: remove it when modelSource.type is pvc")
+        self._check_pod_fields()
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < self.max_num_seqs:
             raise SpecError(
                 f"spec.maxNumBatchedTokens={self.max_num_batched_tokens} is out of range: "
                 f"must be >= maxNumSeqs ({self.max_num_seqs})"
+            )
+
+    def _check_pod_fields(self) -> None:
+        # NOTE: these mirror the CRD's pattern and x-kubernetes-validations (CEL) rules too.
+        name = self.gpu_resource_name
+        if len(name) > 253 or not GPU_RESOURCE_RE.match(name) or name.split("/")[0].endswith("kubernetes.io"):
+            raise SpecError(
+                f"spec.gpuResourceName={name!r} is not allowed: an extended resource of a device plugin, "
+                "e.g. nvidia.com/gpu, nvidia.com/mig-1g.10gb or amd.com/gpu"
+            )
+        for part, amounts in self.resources.items():
+            if name in amounts:
+                raise SpecError(
+                    f"spec.resources.{part}[{name!r}]={amounts[name]!r} is not allowed: "
+                    "GPUs come from tensorParallelSize"
+                )
+        reserved = sorted(set(self.pod_labels) & set(RESERVED_POD_LABELS))
+        if reserved:
+            raise SpecError(f"spec.podLabels{reserved} is not allowed: the operator sets these labels (its selectors)")
+        cache = self.model_cache
+        if cache is not None and cache.access_mode == "ReadWriteOnce" and self.replicas > 1:
+            raise SpecError(
+                f"spec.modelCache.accessMode='ReadWriteOnce' is not allowed with spec.replicas={self.replicas}: "
+                "one claim cannot be mounted by pods on several nodes; use ReadWriteMany, or no modelCache "
+                "(each pod downloads into its own emptyDir)"
             )

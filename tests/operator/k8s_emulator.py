@@ -8,6 +8,9 @@ things a real API server does and kmock does not, which :class:`ApiServer` adds:
 - ``generation`` bumped when ``spec`` changes (through the object or its ``/scale``);
 - server-side apply (``application/apply-patch+yaml``) of a missing object creates it.
 
+Tests can also make it refuse calls (:meth:`EmulatedCluster.refuse`), as an API server
+without the RBAC grant (403) or with an immutable field (422) would.
+
 The server runs on its own event loop in a thread, so the operator (a subprocess) and
 the synchronous tests both talk to it over HTTP. Known gaps, harmless here: no schema
 validation or defaulting, no garbage collection, merge instead of apply semantics.
@@ -28,6 +31,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
+import aiohttp.web
 import attrs
 import kmock
 from kmock._internal import dicts as kmock_dicts
@@ -102,14 +106,28 @@ class ApiServer(kmock.KubernetesEmulator):
     """The emulator plus the API-server behaviour listed in the module docstring."""
 
     _versions: Any = attrs.field(factory=lambda: itertools.count(1), init=False)
+    # (METHOD, path prefix) -> (HTTP status, Status message), answered instead of serving.
+    refusals: dict[tuple[str, str], tuple[int, str]] = attrs.field(factory=dict, init=False)
 
     async def _handle(self, request: kmock.Request):
+        refusal = self._refusal(request)
+        if refusal is not None:
+            code, message = refusal
+            status = {"kind": "Status", "apiVersion": "v1", "status": "Failure", "message": message, "code": code}
+            return aiohttp.web.json_response(status, status=code)
         if request.resource is not None and isinstance(request.data, dict):
             if request.action == kmock.action.CREATE:
                 self._stamp_new(request.data)
             elif request.action == kmock.action.UPDATE and request.name is not None:
                 await self._before_patch(request)
         return await super()._handle(request)
+
+    def _refusal(self, request: kmock.Request) -> tuple[int, str] | None:
+        method, path = str(request.method.value if request.method else ""), request.url.path
+        for (refused_method, prefix), answer in list(self.refusals.items()):
+            if method == refused_method and path.startswith(prefix):
+                return answer
+        return None
 
     def _stamp_new(self, data: dict) -> None:
         meta = data.setdefault("metadata", {})
@@ -185,6 +203,11 @@ class EmulatedCluster:
             self.api, self.url = api, str(server.url).rstrip("/")
             self._started.set()
             await self._stop.wait()
+
+    def refuse(self, method: str, path_prefix: str, status: int, message: str) -> None:
+        """Answer ``method`` calls under ``path_prefix`` with ``status`` and ``message`` from now on."""
+        assert self.api is not None
+        self.api.refusals[(method, path_prefix)] = (status, message)
 
     def kubeconfig(self) -> dict:
         return {

@@ -132,11 +132,11 @@ NAMESPACED_RULES = (
     {("pagedllm.dev", "pagedllms", v) for v in ("get", "list", "watch", "patch")}
     | {("pagedllm.dev", "pagedllms/status", "patch")}
     | {("pagedllm.dev", "pagedllms/finalizers", "update")}
-    | {("policy", "poddisruptionbudgets", v) for v in ("create", "patch")}
+    | {("policy", "poddisruptionbudgets", v) for v in ("get", "create", "patch")}
     | {("apps", "deployments", v) for v in ("get", "list", "watch", "create", "patch")}
-    | {("", "services", v) for v in ("list", "watch", "create", "patch")}
+    | {("", "services", v) for v in ("get", "list", "watch", "create", "patch")}
     | {("", "pods", v) for v in ("list", "watch")}
-    | {("", "persistentvolumeclaims", v) for v in ("create", "patch")}
+    | {("", "persistentvolumeclaims", v) for v in ("get", "create", "patch")}
     | {("", "events", "create")}
 )
 CRD_WATCH = {("apiextensions.k8s.io", "customresourcedefinitions", v) for v in ("list", "watch")}

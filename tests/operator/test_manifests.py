@@ -209,7 +209,7 @@ def test_pvc_source_mounts_the_claim_read_only():
 
 def test_absolute_model_path_is_used_as_is():
     m = render(body(model="/opt/models/tiny"), CONFIG)
-    assert "initContainers" not in pod(m) and pod(m)["volumes"] == []
+    assert "initContainers" not in pod(m) and volume_names(m) == {"tmp", "home"}  # only the writable scratch dirs
     args = server(m)["args"]
     assert args[args.index("--model") + 1] == "/opt/models/tiny"
 
@@ -280,7 +280,7 @@ FULL = dict(
     replicas=2,
     hfTokenSecret={"name": "hf"},
     apiKeySecret={"name": "k"},
-    modelCache={"size": "10Gi"},
+    modelCache={"size": "10Gi", "accessMode": "ReadWriteMany"},
     resources={"requests": {"cpu": 4}},
     nodeSelector={"a": "b"},
     tolerations=[{"key": "k", "operator": "Exists"}],

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from pagedllm.operator.handlers import APPLY_REFUSED, refresh_status
+from pagedllm.operator.apply import APPLY_REFUSED
+from pagedllm.operator.handlers import refresh_status
 from pagedllm.operator.manifests import GENERATION_ANNOTATION, RenderConfig
 from pagedllm.operator.status import Problem, status_from
 

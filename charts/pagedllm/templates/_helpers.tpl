@@ -56,6 +56,8 @@ every API call the operator makes against the emulated cluster and checks it is 
 - deployments, services: server-side applied (patch; the API server also checks create
   when an apply creates the object), watched to report status and recreate deletions;
 - persistentvolumeclaims: the model cache, server-side applied;
+- every child is read (get) before it is applied: one that another controller owns is
+  refused, never taken over;
 - events: what the operator did, for kubectl describe.
 Nothing is deleted by the operator: owner references cascade deletion.
 */}}
@@ -73,20 +75,20 @@ Nothing is deleted by the operator: owner references cascade deletion.
   verbs: ["update"]
 - apiGroups: ["policy"]
   resources: ["poddisruptionbudgets"]
-  verbs: ["create", "patch"]
+  verbs: ["get", "create", "patch"]
 - apiGroups: ["apps"]
   resources: ["deployments"]
   verbs: ["get", "list", "watch", "create", "patch"]
 - apiGroups: [""]
   resources: ["services"]
-  verbs: ["list", "watch", "create", "patch"]
+  verbs: ["get", "list", "watch", "create", "patch"]
 # Server pods: read to report why a server exited (its termination message) on the resource.
 - apiGroups: [""]
   resources: ["pods"]
   verbs: ["list", "watch"]
 - apiGroups: [""]
   resources: ["persistentvolumeclaims"]
-  verbs: ["create", "patch"]
+  verbs: ["get", "create", "patch"]
 - apiGroups: [""]
   resources: ["events"]
   verbs: ["create"]

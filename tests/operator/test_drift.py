@@ -1,0 +1,125 @@
+"""What counts as drift of a child, whose child it is, and applying each child on its own."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+
+from pagedllm.operator.apply import ADOPTION_REFUSED, APPLY_REFUSED, apply_all
+from pagedllm.operator.drift import drifted, foreign_controller
+from pagedllm.operator.kube import ApiError
+from pagedllm.operator.manifests import RenderConfig, render
+
+CONFIG = RenderConfig(default_image="registry.example/pagedllm:test")
+
+
+def resource(**spec) -> dict:
+    return {
+        "apiVersion": "pagedllm.dev/v1alpha1",
+        "kind": "PagedLLM",
+        "metadata": {"name": "llama", "namespace": "ns", "uid": "owner-uid", "generation": 1},
+        "spec": {"model": "meta-llama/Llama-2-7b-hf", **spec},
+    }
+
+
+def as_served(manifest: dict) -> dict:
+    """``manifest`` as the API server keeps it: defaults added, quantities canonical, a status."""
+    live = copy.deepcopy(manifest)
+    live["metadata"].update(uid="dep-uid", resourceVersion="7", managedFields=[{"manager": "pagedllm-operator"}])
+    pod = live["spec"]["template"]["spec"]
+    pod["dnsPolicy"] = "ClusterFirst"
+    (container,) = pod["containers"]
+    container["terminationMessagePath"] = "/dev/termination-log"
+    container["ports"][0]["hostPort"] = None
+    for part in ("requests", "limits"):
+        container["resources"][part]["nvidia.com/gpu"] = "1"  # 1 -> "1"
+    live["status"] = {"replicas": 1, "readyReplicas": 1}
+    return live
+
+
+def deployment(**spec) -> dict:
+    return render(resource(**spec), CONFIG).deployment
+
+
+def test_as_rendered_with_server_defaults_is_no_drift():
+    assert drifted(deployment(), as_served(deployment())) == []
+
+
+def test_hand_edits_of_rendered_fields_are_drift():
+    live = as_served(deployment())
+    live["spec"]["replicas"] = 5
+    live["spec"]["template"]["spec"]["containers"][0]["image"] = "someone/else:1"
+    live["spec"]["template"]["spec"]["containers"][0]["args"].append("--enforce-eager")
+    assert drifted(deployment(), live) == [
+        "spec.replicas",
+        "spec.template.spec.containers[server]",
+    ]
+
+
+def test_a_removed_label_or_env_var_is_drift_but_an_added_one_is_not():
+    env = [{"name": "A", "value": "1"}]
+    live = as_served(deployment(env=env))
+    live["metadata"]["labels"]["team"] = "ml"
+    live["spec"]["template"]["spec"]["containers"][0]["env"].append({"name": "EXTRA", "value": "x"})
+    assert drifted(deployment(env=env), live) == []
+    del live["metadata"]["labels"]["app.kubernetes.io/managed-by"]
+    assert drifted(deployment(env=env), live) == ["metadata.labels.app.kubernetes.io/managed-by"]
+
+
+def test_quantities_compare_by_value():
+    live = as_served(deployment(resources={"requests": {"cpu": "0.5", "memory": "1Gi"}}))
+    live["spec"]["template"]["spec"]["containers"][0]["resources"]["requests"]["cpu"] = "500m"
+    assert drifted(deployment(resources={"requests": {"cpu": "0.5", "memory": "1Gi"}}), live) == []
+
+
+def test_foreign_controller_names_the_other_owner():
+    ours = {"metadata": {"ownerReferences": [{"kind": "PagedLLM", "name": "llama", "uid": "u", "controller": True}]}}
+    theirs = {"metadata": {"ownerReferences": [{"kind": "Notebook", "name": "lab", "uid": "x", "controller": True}]}}
+    merely_owned = {"metadata": {"ownerReferences": [{"kind": "Notebook", "name": "lab", "uid": "x"}]}}
+    assert foreign_controller(ours, "u") is None
+    assert foreign_controller(None, "u") is None
+    assert foreign_controller(merely_owned, "u") is None
+    assert foreign_controller(theirs, "u") == "Notebook/lab"
+
+
+class FakeKube:
+    """Objects by kind; refusals by kind (an ApiError raised on apply)."""
+
+    def __init__(self, live: dict | None = None, refuse: dict | None = None):
+        self.live, self.refuse, self.applied = live or {}, refuse or {}, []
+
+    async def get(self, kind, namespace, name, api_version=None):
+        return self.live.get(kind)
+
+    async def apply(self, manifest):
+        if manifest["kind"] in self.refuse:
+            raise self.refuse[manifest["kind"]]
+        self.applied.append(manifest["kind"])
+        return dict(manifest)
+
+
+def test_an_immutable_claim_is_reported_and_the_rest_still_applied():
+    manifests = render(resource(modelCache={"size": "10Gi"}), CONFIG).all()
+    kube = FakeKube(refuse={"PersistentVolumeClaim": ApiError(422, "spec: Forbidden: spec is immutable")})
+    outcome = asyncio.run(apply_all(manifests, kube, "owner-uid"))
+    assert kube.applied == ["Service", "Deployment"]
+    problem = outcome.problem()
+    assert problem is not None and problem.reason == APPLY_REFUSED
+    assert problem.message == "PersistentVolumeClaim llama-model-cache: spec: Forbidden: spec is immutable"
+
+
+def test_a_child_of_another_controller_is_not_applied():
+    other = {"metadata": {"ownerReferences": [{"kind": "Notebook", "name": "lab", "uid": "x", "controller": True}]}}
+    kube = FakeKube(live={"Service": other})
+    outcome = asyncio.run(apply_all(render(resource(), CONFIG).all(), kube, "owner-uid"))
+    assert kube.applied == ["Deployment"]
+    problem = outcome.problem()
+    assert problem is not None and problem.reason == ADOPTION_REFUSED
+    assert "Service llama already exists and is controlled by Notebook/lab" in problem.message
+
+
+def test_transient_failures_are_kept_apart_from_refusals():
+    kube = FakeKube(refuse={"Service": ApiError(429, "slow down")})
+    outcome = asyncio.run(apply_all(render(resource(), CONFIG).all(), kube, "owner-uid"))
+    assert outcome.problem() is None and outcome.transient == ["Service llama: HTTP 429: slow down"]
+    assert list(outcome.applied) == ["Deployment"]
