@@ -40,7 +40,15 @@ from pagedllm.operator.manifests import (
     render,
 )
 from pagedllm.operator.spec import SpecError
-from pagedllm.operator.status import DEGRADED, Problem, server_exit, status_from
+from pagedllm.operator.status import (
+    DEGRADED,
+    Problem,
+    announce_phase,
+    comparable,
+    owner_name,
+    server_exit,
+    status_from,
+)
 
 # kopf retries a failed reconcile after RETRY.delay(retry): 10 s, 20 s, 40 s … 5 min.
 RETRY = Backoff(base=10, cap=300)
@@ -201,14 +209,6 @@ def _standing(body: Mapping[str, Any], problem: Problem) -> bool:
     )
 
 
-def owner_name(body: Mapping[str, Any]) -> str | None:
-    """The ``PagedLLM`` that controls this object, if any."""
-    for ref in body.get("metadata", {}).get("ownerReferences", []) or []:
-        if ref.get("kind") == KIND and str(ref.get("apiVersion", "")).startswith(f"{GROUP}/"):
-            return ref.get("name")
-    return None
-
-
 async def _live_owner(body: Mapping[str, Any], kube: KubeClient) -> dict | None:
     name = owner_name(body)
     if name is None:
@@ -302,7 +302,7 @@ async def on_deployment_event(
     if type == "MODIFIED" and await repair_drift(owner, body, "Deployment", memo, logger):
         return
     status = refresh_status(owner, body, memo.config)
-    if status != _comparable(owner.get("status"), status):
+    if status != comparable(owner.get("status"), status):
         announce_phase(owner, status)
         await memo.kube.patch_status(KIND, owner["metadata"]["namespace"], owner["metadata"]["name"], status)
 
@@ -320,12 +320,6 @@ async def on_service_event(type: str | None, body: kopf.Body, memo: kopf.Memo, l
         await repair_drift(owner, body, "Service", memo, logger)
 
 
-def _comparable(current: Mapping[str, Any] | None, wanted: Mapping[str, Any]) -> dict:
-    """The current status restricted to the keys we write, to skip no-op patches."""
-    current = current or {}
-    return {key: current.get(key) for key in wanted}
-
-
 async def on_pod_event(type: str | None, body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **_: Any) -> None:
     """A server pod exited with an error: say why on its ``PagedLLM`` (``Degraded``)."""
     problem = server_exit(body, SERVER_CONTAINER)
@@ -340,20 +334,7 @@ async def on_pod_event(type: str | None, body: kopf.Body, memo: kopf.Memo, logge
         return
     deployment = await memo.kube.get("Deployment", meta["namespace"], name)
     status = status_from(owner, deployment, now=now(), problem=problem)
-    if status != _comparable(owner.get("status"), status):
+    if status != comparable(owner.get("status"), status):
         logger.warning("%s", problem.message)
         announce_phase(owner, status)
         await memo.kube.patch_status(KIND, meta["namespace"], name, status)
-
-
-def announce_phase(owner: Mapping[str, Any], status: Mapping[str, Any]) -> None:
-    """A Kubernetes Event on the resource when its phase changes (``kubectl describe pllm`` shows them)."""
-    old, new = (owner.get("status") or {}).get("phase"), status.get("phase")
-    if new is None or old == new:
-        return
-    reason = next((c.get("message") for c in status.get("conditions", []) if c.get("status") == "True"), "")
-    message = f"{old or 'new'} -> {new}" + (f": {reason}" if reason else "")
-    if new == DEGRADED:
-        kopf.warn(as_body(owner), reason="PhaseChanged", message=message)
-    else:
-        kopf.info(as_body(owner), reason="PhaseChanged", message=message)

@@ -25,6 +25,7 @@ from typing import Any
 import kopf
 
 from pagedllm.operator.command import API_KEY_ENV, SERVE_COMMAND, check_engine, server_args
+from pagedllm.operator.placement import disruption_budget, pod_metadata, pod_placement
 from pagedllm.operator.spec import PagedLLMSpec, SpecError
 
 GROUP, VERSION, PLURAL, KIND = "pagedllm.dev", "v1alpha1", "pagedllms", "PagedLLM"
@@ -136,21 +137,10 @@ def render(body: Mapping[str, Any], config: RenderConfig) -> Manifests:
         deployment=render_deployment(name, spec, config, generation),
         service=render_service(name, spec),
         pvc=render_pvc(name, spec) if spec.model_cache is not None else None,
-        disruption_budget=render_disruption_budget(name) if spec.replicas > 1 else None,
+        disruption_budget=disruption_budget(name, labels(name), selector_labels(name)) if spec.replicas > 1 else None,
     )
     kopf.adopt(manifests.all(), owner=as_body(body))
     return manifests
-
-
-def render_disruption_budget(name: str) -> dict:
-    """At most one server pod down at a time in voluntary disruptions (node drains), with 2+ replicas.
-    NOTE: left in place if replicas later drop to 1: maxUnavailable 1 never blocks a drain then."""
-    return {
-        "apiVersion": "policy/v1",
-        "kind": "PodDisruptionBudget",
-        "metadata": {"name": name, "labels": labels(name)},
-        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector_labels(name)}},
-    }
 
 
 def render_service(name: str, spec: PagedLLMSpec) -> dict:
@@ -195,7 +185,7 @@ def render_deployment(name: str, spec: PagedLLMSpec, config: RenderConfig, gener
             "strategy": _strategy(spec),
             "progressDeadlineSeconds": spec.startup_timeout_seconds + PROGRESS_MARGIN_SECONDS,
             "revisionHistoryLimit": 3,
-            "template": {"metadata": _pod_metadata(name, spec), "spec": _pod_spec(name, spec, config)},
+            "template": {"metadata": pod_metadata(spec, labels(name)), "spec": _pod_spec(name, spec, config)},
         },
     }
 
@@ -233,36 +223,7 @@ def _pod_spec(name: str, spec: PagedLLMSpec, config: RenderConfig) -> dict:
         pod["tolerations"] = [dict(t) for t in spec.tolerations]
     if spec.affinity:
         pod["affinity"] = dict(spec.affinity)
-    pod.update(_pod_placement(name, spec))
-    return pod
-
-
-def _pod_metadata(name: str, spec: PagedLLMSpec) -> dict:
-    """The pod template's labels (the operator's win over spec.podLabels) and annotations."""
-    metadata: dict[str, Any] = {"labels": {**spec.pod_labels, **labels(name)}}
-    if spec.pod_annotations:
-        metadata["annotations"] = dict(spec.pod_annotations)
-    return metadata
-
-
-def _pod_placement(name: str, spec: PagedLLMSpec) -> dict:
-    """Optional pod fields of the spec: pull secrets, priority, runtime class, identity, spreading."""
-    pod: dict[str, Any] = {}
-    if spec.image_pull_secrets:
-        pod["imagePullSecrets"] = [{"name": secret} for secret in spec.image_pull_secrets]
-    if spec.priority_class_name:
-        pod["priorityClassName"] = spec.priority_class_name
-    if spec.runtime_class_name:
-        pod["runtimeClassName"] = spec.runtime_class_name
-    if spec.service_account_name:
-        # NOTE: the token stays unmounted (automountServiceAccountToken): the account is for the
-        # node's or cloud's identity (image pulls, workload identity), not for the API.
-        pod["serviceAccountName"] = spec.service_account_name
-    if spec.topology_spread_constraints:
-        # Without a labelSelector a constraint would count no pods: default to this resource's pods.
-        pod["topologySpreadConstraints"] = [
-            {"labelSelector": {"matchLabels": selector_labels(name)}, **c} for c in spec.topology_spread_constraints
-        ]
+    pod.update(pod_placement(spec, selector_labels(name)))
     return pod
 
 

@@ -16,6 +16,22 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from pagedllm.operator.spec_fields import (  # noqa: F401 (SpecError and GPU_RESOURCE are imported from here)
+    GPU_RESOURCE,
+    SpecError,
+    _dns_subdomain,
+    _env,
+    _mapping,
+    _name_refs,
+    _object_list,
+    _plain_object,
+    _quantity,
+    _resources,
+    _spread_constraints,
+    _string_list,
+    _string_map,
+)
+
 MODEL_SOURCES = ("huggingface", "pvc")
 TENSOR_PARALLEL_SIZES = (1, 2, 4, 8)
 BLOCK_SIZES = (8, 16, 32, 64, 128)
@@ -27,7 +43,6 @@ SERVICE_TYPES = ("ClusterIP", "NodePort", "LoadBalancer")
 ACCESS_MODES = ("ReadWriteOnce", "ReadWriteMany")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 ROLLOUT_STRATEGIES = ("Recreate", "RollingUpdate")
-GPU_RESOURCE = "nvidia.com/gpu"
 # An extended resource a device plugin advertises: vendor domain / name, e.g.
 # nvidia.com/gpu, nvidia.com/mig-1g.10gb (MIG slices), amd.com/gpu, gpu.intel.com/i915.
 GPU_RESOURCE_PATTERN = (
@@ -41,16 +56,8 @@ RESERVED_POD_LABELS = (
     "app.kubernetes.io/component",
     "app.kubernetes.io/managed-by",
 )
-_DNS_SUBDOMAIN_RE = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 
 _MODEL_RE = re.compile(r"^[A-Za-z0-9_./-]+$")
-_QUANTITY_RE = re.compile(
-    r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"
-)
-
-
-class SpecError(ValueError):
-    """A spec value the operator cannot serve; the message names field, value and what is allowed."""
 
 
 @dataclass(frozen=True)
@@ -113,18 +120,6 @@ def _check_scalar(meta: Mapping[str, Any], value: Any) -> Any:
     return value
 
 
-def _mapping(path: str, value: Any) -> Mapping[str, Any]:
-    if not isinstance(value, Mapping):
-        raise SpecError(f"{path}={value!r} has the wrong type: must be an object")
-    return value
-
-
-def _list(path: str, value: Any) -> list:
-    if not isinstance(value, list):
-        raise SpecError(f"{path}={value!r} has the wrong type: must be a list")
-    return value
-
-
 def _secret_ref(default_key: str) -> Callable[[str, Any], SecretKeyRef]:
     def parse(path: str, value: Any) -> SecretKeyRef:
         value = _mapping(path, value)
@@ -160,31 +155,6 @@ def _model_source(path: str, value: Any) -> ModelSource:
     return ModelSource(type=kind, pvc=PvcModelSource(claim_name=claim, path=sub.strip("/")))
 
 
-def _quantity(path: str, value: Any) -> Any:
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, (int, str))
-        or (isinstance(value, str) and not _QUANTITY_RE.match(value))
-    ):
-        raise SpecError(f"{path}={value!r} is not a quantity: use e.g. 4, 500m, 32Gi")
-    return value
-
-
-def _resources(path: str, value: Any) -> Mapping[str, Mapping[str, Any]]:
-    value = _mapping(path, value)
-    out = {}
-    for part in ("requests", "limits"):
-        amounts = _mapping(f"{path}.{part}", value.get(part, {}))
-        if GPU_RESOURCE in amounts:
-            raise SpecError(
-                f"{path}.{part}[{GPU_RESOURCE!r}]={amounts[GPU_RESOURCE]!r} is not allowed: "
-                "GPUs come from tensorParallelSize"
-            )
-        if amounts:
-            out[part] = {name: _quantity(f"{path}.{part}[{name!r}]", q) for name, q in amounts.items()}
-    return out
-
-
 def _model_cache(path: str, value: Any) -> ModelCache:
     value = _mapping(path, value)
     size = _quantity(f"{path}.size", value.get("size"))
@@ -195,65 +165,6 @@ def _model_cache(path: str, value: Any) -> ModelCache:
     if storage_class is not None and not isinstance(storage_class, str):
         raise SpecError(f"{path}.storageClassName={storage_class!r} has the wrong type: must be a string")
     return ModelCache(size=str(size), storage_class_name=storage_class, access_mode=mode)
-
-
-def _string_map(path: str, value: Any) -> Mapping[str, str]:
-    value = _mapping(path, value)
-    for key, item in value.items():
-        if not isinstance(item, str):
-            raise SpecError(f"{path}[{key!r}]={item!r} has the wrong type: must be a string")
-    return dict(value)
-
-
-def _object_list(path: str, value: Any) -> tuple:
-    items = _list(path, value)
-    for index, item in enumerate(items):
-        _mapping(f"{path}[{index}]", item)
-    return tuple(dict(item) for item in items)
-
-
-def _env(path: str, value: Any) -> tuple:
-    items = _object_list(path, value)
-    for index, item in enumerate(items):
-        if not isinstance(item.get("name"), str) or not item["name"]:
-            raise SpecError(f"{path}[{index}].name={item.get('name')!r} is not allowed: must be a non-empty string")
-    return items
-
-
-def _string_list(path: str, value: Any) -> tuple[str, ...]:
-    items = _list(path, value)
-    for index, item in enumerate(items):
-        if not isinstance(item, str):
-            raise SpecError(f"{path}[{index}]={item!r} has the wrong type: must be a string")
-    return tuple(items)
-
-
-def _plain_object(path: str, value: Any) -> Mapping[str, Any]:
-    return dict(_mapping(path, value))
-
-
-def _dns_subdomain(path: str, value: Any) -> str:
-    if not isinstance(value, str) or len(value) > 253 or not _DNS_SUBDOMAIN_RE.match(value):
-        raise SpecError(
-            f"{path}={value!r} is not allowed: a Kubernetes object name "
-            "(lowercase letters, digits, '-' and '.', at most 253)"
-        )
-    return value
-
-
-def _name_refs(path: str, value: Any) -> tuple[str, ...]:
-    """``[{name: regcred}, ...]`` (imagePullSecrets) -> the names."""
-    items = _object_list(path, value)
-    return tuple(_dns_subdomain(f"{path}[{index}].name", item.get("name")) for index, item in enumerate(items))
-
-
-def _spread_constraints(path: str, value: Any) -> tuple:
-    items = _object_list(path, value)
-    for index, item in enumerate(items):
-        missing = [key for key in ("maxSkew", "topologyKey", "whenUnsatisfiable") if key not in item]
-        if missing:
-            raise SpecError(f"{path}[{index}]={item!r} is not allowed: {', '.join(missing)} required")
-    return items
 
 
 @dataclass(frozen=True)
@@ -296,13 +207,9 @@ class PagedLLMSpec:
     image_pull_secrets: tuple[str, ...] = field(default=(), metadata=_nested("imagePullSecrets", _name_refs))
     pod_annotations: Mapping[str, str] = field(default_factory=dict, metadata=_nested("podAnnotations", _string_map))
     pod_labels: Mapping[str, str] = field(default_factory=dict, metadata=_nested("podLabels", _string_map))
-    priority_class_name: str | None = field(
-        default=None, metadata=_nested("priorityClassName", _dns_subdomain)
-    )
+    priority_class_name: str | None = field(default=None, metadata=_nested("priorityClassName", _dns_subdomain))
     runtime_class_name: str | None = field(default=None, metadata=_nested("runtimeClassName", _dns_subdomain))
-    service_account_name: str | None = field(
-        default=None, metadata=_nested("serviceAccountName", _dns_subdomain)
-    )
+    service_account_name: str | None = field(default=None, metadata=_nested("serviceAccountName", _dns_subdomain))
     topology_spread_constraints: tuple = field(
         default=(), metadata=_nested("topologySpreadConstraints", _spread_constraints)
     )

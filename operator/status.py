@@ -19,7 +19,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from pagedllm.operator.manifests import GENERATION_ANNOTATION, endpoint, selector_string
+import kopf
+
+from pagedllm.operator.manifests import GENERATION_ANNOTATION, GROUP, KIND, as_body, endpoint, selector_string
 
 PENDING, PROGRESSING, READY, DEGRADED = "Pending", "Progressing", "Ready", "Degraded"
 CONDITION_TYPES = ("Ready", "Progressing", "Degraded")
@@ -171,3 +173,30 @@ def _observed_generation(
             return int(applied)
     generation = meta.get("generation")
     return generation if isinstance(generation, int) else None
+
+
+def owner_name(body: Mapping[str, Any]) -> str | None:
+    """The ``PagedLLM`` that controls this object, if any."""
+    for ref in body.get("metadata", {}).get("ownerReferences", []) or []:
+        if ref.get("kind") == KIND and str(ref.get("apiVersion", "")).startswith(f"{GROUP}/"):
+            return ref.get("name")
+    return None
+
+
+def comparable(current: Mapping[str, Any] | None, wanted: Mapping[str, Any]) -> dict:
+    """The current status restricted to the keys we write, to skip no-op patches."""
+    current = current or {}
+    return {key: current.get(key) for key in wanted}
+
+
+def announce_phase(owner: Mapping[str, Any], status: Mapping[str, Any]) -> None:
+    """A Kubernetes Event on the resource when its phase changes (``kubectl describe pllm`` shows them)."""
+    old, new = (owner.get("status") or {}).get("phase"), status.get("phase")
+    if new is None or old == new:
+        return
+    reason = next((c.get("message") for c in status.get("conditions", []) if c.get("status") == "True"), "")
+    message = f"{old or 'new'} -> {new}" + (f": {reason}" if reason else "")
+    if new == DEGRADED:
+        kopf.warn(as_body(owner), reason="PhaseChanged", message=message)
+    else:
+        kopf.info(as_body(owner), reason="PhaseChanged", message=message)

@@ -23,9 +23,12 @@ def operator_calls(cluster, method: str, path: str) -> int:
 
 
 def degraded(reason: str):
-    return lambda s, o: (condition(o, "Degraded").get("status"), condition(o, "Degraded").get("reason")) == (
-        "True",
-        reason,
+    return lambda s, o: (
+        (condition(o, "Degraded").get("status"), condition(o, "Degraded").get("reason"))
+        == (
+            "True",
+            reason,
+        )
     )
 
 
