@@ -45,6 +45,8 @@ class EngineStats:
     """A snapshot of the engine's queues, cache and counters."""
 
     num_running: int
+    """Sequences running (a request with n > 1 or beams counts each)."""
+    num_running_requests: int
     num_waiting: int
     num_swapped: int
     num_gpu_blocks: int
@@ -282,6 +284,7 @@ class LLMEngine:
         sharing = bm.sharing_stats()
         return EngineStats(
             num_running=sum(len(g.unfinished_seqs()) for g in self.scheduler.running),
+            num_running_requests=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
             num_swapped=len(self.scheduler.swapped),
             num_gpu_blocks=bm.gpu.num_blocks,

@@ -20,6 +20,7 @@ def test_start_up_block_access_lines_root_and_metrics(tiny_llama):
         metrics = httpx.get(f"{url}/metrics").text
         assert "_created" not in metrics
         assert 'vllm:num_requests_waiting{model_name="tiny"}' in metrics and "vllm:kv_cache_usage_perc" in metrics
+        assert "vllm:cache_config_info{" in metrics and 'vllm:num_requests_running{model_name="tiny"} 0.0' in metrics
         proc.terminate()
         log = proc.communicate(timeout=60)[0]
     assert "KV cache blocks" in log and "max model len" in log and "serving          http://" in log

@@ -218,7 +218,8 @@ class EngineStatsCollector(Collector):
             counter = CounterMetricFamily(f"pagedllm:{name}", doc, labels=labels)
             counter.add_metric(values, value)
             yield counter
-        yield self._cache_config_info(stats)
+        yield self._cache_config_info(stats, "pagedllm:cache_config_info")
+        yield self._cache_config_info(stats, "vllm:cache_config_info")  # NOTE: prefix-aware routing reads it
 
     def _vllm_names(self, stats: EngineStats) -> Iterator:
         """The gauges under vLLM's names too: what the Gateway API Inference Extension's endpoint
@@ -226,7 +227,7 @@ class EngineStatsCollector(Collector):
         usage = _usage(stats.num_gpu_blocks, stats.num_free_gpu_blocks)
         for name, doc, value in (
             ("num_requests_waiting", "Requests waiting to be scheduled (same as pagedllm:).", stats.num_waiting),
-            ("num_requests_running", "Sequences running (same as pagedllm:).", stats.num_running),
+            ("num_requests_running", "Requests running (the inference gateway's meaning).", stats.num_running_requests),
             ("kv_cache_usage_perc", "KV cache usage, 0-1 (same as pagedllm:).", usage),
             ("gpu_cache_usage_perc", "KV cache usage, 0-1 (vLLM's older name).", usage),
         ):
@@ -234,7 +235,7 @@ class EngineStatsCollector(Collector):
             gauge.add_metric([self.model_name], value)
             yield gauge
 
-    def _cache_config_info(self, stats: EngineStats) -> GaugeMetricFamily:
+    def _cache_config_info(self, stats: EngineStats, name: str) -> GaugeMetricFamily:
         cache = self.config.cache
         info = {
             "model_name": self.model_name,
@@ -245,9 +246,7 @@ class EngineStatsCollector(Collector):
             "gpu_memory_utilization": str(cache.gpu_memory_utilization),
             "swap_space": str(cache.swap_space),
         }
-        gauge = GaugeMetricFamily(
-            "pagedllm:cache_config_info", "Information of the KV cache configuration.", labels=list(info)
-        )
+        gauge = GaugeMetricFamily(name, "Information of the KV cache configuration.", labels=list(info))
         gauge.add_metric(list(info.values()), 1.0)
         return gauge
 
