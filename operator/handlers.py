@@ -23,8 +23,9 @@ from typing import Any
 
 import kopf
 
-from pagedllm.operator.apply import REFUSALS, apply_all
+from pagedllm.operator.apply import APPLY_REFUSED, REFUSALS, apply_all
 from pagedllm.operator.backoff import Backoff, RepairPacer
+from pagedllm.operator.capabilities import servable, with_features
 from pagedllm.operator.drift import drifted
 from pagedllm.operator.kube import ApiError, KubeClient, default_login
 from pagedllm.operator.manifests import (
@@ -141,7 +142,14 @@ async def converge(
         manifests = render(body, config)
     except SpecError as exc:
         return await _degraded(body, kube, Problem(INVALID_SPEC, str(exc)))
-    outcome = await apply_all(manifests.all(), kube, body["metadata"].get("uid"))
+    try:
+        # Kinds of CRDs the cluster lacks are skipped, and said so in a condition.
+        servable_manifests, features = await servable(manifests.all(), kube)
+    except ApiError as exc:
+        if exc.retriable:
+            raise kopf.TemporaryError(f"API discovery for {name}: {exc}", delay=RETRY.delay(retry)) from exc
+        return await _degraded(body, kube, Problem(APPLY_REFUSED, f"API discovery for {name}: {exc.message}"))
+    outcome = await apply_all(servable_manifests, kube, body["metadata"].get("uid"))
     problem = outcome.problem()
     if problem is not None:
         return await _degraded(body, kube, problem)
@@ -159,7 +167,7 @@ async def converge(
     # NOTE: read again: the Deployment's status may have moved on while the other children
     # were applied, and this status is written after the event handlers' (newer) ones.
     deployment = await _get_or_none(kube, "Deployment", namespace, name)
-    return status_from(body, deployment or applied["Deployment"], now=now())
+    return with_features(status_from(body, deployment or applied["Deployment"], now=now()), features, now())
 
 
 async def _get_or_none(kube: KubeClient, kind: str, namespace: str, name: str) -> dict | None:

@@ -41,6 +41,7 @@ RESOURCES: Mapping[str, tuple[str, str]] = {
     "PodDisruptionBudget": ("/apis/policy/v1", "poddisruptionbudgets"),
     "PersistentVolumeClaim": ("/api/v1", "persistentvolumeclaims"),
     "PagedLLM": ("/apis/pagedllm.dev/v1alpha1", "pagedllms"),
+    "HorizontalPodAutoscaler": ("/apis/autoscaling/v2", "horizontalpodautoscalers"),
 }
 
 

@@ -2,6 +2,7 @@
 
     pagedllm operator [--all-namespaces | --namespace NS ...] [--standalone]
                       [--liveness URL] [--default-image IMAGE] [-v | -d | -q]
+                      [--autoscaler hpa|keda] [--prometheus-address URL]
 
 Without ``--namespace`` it serves the whole cluster. Run exactly one replica: kopf's
 peering stops a second operator from handling the same resources, but does not elect
@@ -16,11 +17,14 @@ from importlib import metadata
 
 import kopf
 
+from pagedllm.operator.autoscaling import AUTOSCALERS, HPA
 from pagedllm.operator.handlers import build_registry, make_memo, operator_settings
 from pagedllm.operator.kube import KubeClient
-from pagedllm.operator.manifests import RenderConfig
+from pagedllm.operator.manifests import DEFAULT_PROMETHEUS, RenderConfig
 
 DEFAULT_IMAGE_ENV = "PAGEDLLM_DEFAULT_IMAGE"
+AUTOSCALER_ENV = "PAGEDLLM_AUTOSCALER"
+PROMETHEUS_ENV = "PAGEDLLM_PROMETHEUS_ADDRESS"
 IMAGE_REPOSITORY = "ghcr.io/pagedllm/pagedllm"
 
 
@@ -71,6 +75,20 @@ def add_operator_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
         metavar="IMAGE",
         help=f"Server image for resources without spec.image (env {DEFAULT_IMAGE_ENV}; default: %(default)s).",
     )
+    parser.add_argument(
+        "--autoscaler",
+        choices=list(AUTOSCALERS),
+        default=os.environ.get(AUTOSCALER_ENV) or HPA,
+        help="What spec.autoscaling renders to: hpa (a HorizontalPodAutoscaler on custom metrics) or keda "
+        f"(a KEDA ScaledObject with a Prometheus trigger; allows minReplicas 0) (env {AUTOSCALER_ENV}; "
+        "default: %(default)s).",
+    )
+    parser.add_argument(
+        "--prometheus-address",
+        default=os.environ.get(PROMETHEUS_ENV) or DEFAULT_PROMETHEUS,
+        metavar="URL",
+        help=f"Prometheus that KEDA's triggers query (env {PROMETHEUS_ENV}; default: %(default)s).",
+    )
     verbosity = parser.add_mutually_exclusive_group()
     verbosity.add_argument("-v", "--verbose", action="store_true", help="Log handler activity in detail.")
     verbosity.add_argument("-d", "--debug", action="store_true", help="Log everything, API calls included.")
@@ -96,7 +114,10 @@ def run_operator(args: argparse.Namespace) -> int:
         log_prefix=True,
     )
     settings = operator_settings()
-    memo = make_memo(RenderConfig(default_image=args.default_image), KubeClient())
+    config = RenderConfig(
+        default_image=args.default_image, autoscaler=args.autoscaler, prometheus_address=args.prometheus_address
+    )
+    memo = make_memo(config, KubeClient())
     kopf.run(
         registry=build_registry(),
         settings=settings,

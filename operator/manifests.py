@@ -24,8 +24,11 @@ from typing import Any
 
 import kopf
 
+from pagedllm.operator.autoscaling import AUTOSCALERS, HPA
 from pagedllm.operator.command import API_KEY_ENV, SERVE_COMMAND, check_engine, server_args
-from pagedllm.operator.placement import disruption_budget, pod_metadata, pod_placement
+from pagedllm.operator.fleet import Fleet, FleetConfig, render_fleet
+from pagedllm.operator.monitoring import scrape_annotations
+from pagedllm.operator.placement import pod_metadata, pod_placement
 from pagedllm.operator.spec import PagedLLMSpec, SpecError
 
 GROUP, VERSION, PLURAL, KIND = "pagedllm.dev", "v1alpha1", "pagedllms", "PagedLLM"
@@ -56,11 +59,23 @@ FETCH_SCRIPT = (
 )
 
 
+DEFAULT_PROMETHEUS = "http://prometheus-operated.monitoring.svc:9090"
+
+
 @dataclass(frozen=True)
 class RenderConfig:
     """Operator-wide rendering settings (from `pagedllm operator` flags)."""
 
     default_image: str
+    """Server image of resources without spec.image."""
+    autoscaler: str = HPA
+    """What spec.autoscaling renders to: hpa (HorizontalPodAutoscaler) or keda (ScaledObject)."""
+    prometheus_address: str = DEFAULT_PROMETHEUS
+    """Prometheus that KEDA's triggers query."""
+
+    def __post_init__(self) -> None:
+        if self.autoscaler not in AUTOSCALERS:
+            raise ValueError(f"autoscaler={self.autoscaler!r} is not allowed: choose one of {list(AUTOSCALERS)}")
 
 
 @dataclass(frozen=True)
@@ -70,11 +85,16 @@ class Manifests:
     deployment: dict
     service: dict
     pvc: dict | None = None
-    disruption_budget: dict | None = None
+    fleet: Fleet | None = None
+
+    @property
+    def disruption_budget(self) -> dict | None:
+        return self.fleet.disruption_budget if self.fleet is not None else None
 
     def all(self) -> list[dict]:
-        """In apply order: the claim before the pods that mount it."""
-        return [m for m in (self.pvc, self.deployment, self.service, self.disruption_budget) if m is not None]
+        """In apply order: the claim before the pods that mount it, the fleet objects after them."""
+        core = [m for m in (self.pvc, self.deployment, self.service) if m is not None]
+        return core + (self.fleet.all() if self.fleet is not None else [])
 
 
 def as_body(obj: Mapping[str, Any]) -> kopf.Body:
@@ -133,11 +153,15 @@ def render(body: Mapping[str, Any], config: RenderConfig) -> Manifests:
     spec = PagedLLMSpec.from_dict(body.get("spec"))
     check_engine(spec, model_path(spec))
     generation = meta.get("generation")
+    fleet_config = FleetConfig(autoscaler=config.autoscaler, prometheus_address=config.prometheus_address)
+    fleet = render_fleet(name, meta.get("namespace", ""), spec, selector_labels(name), fleet_config)
+    for obj in fleet.all():
+        obj["metadata"]["labels"] = labels(name)
     manifests = Manifests(
         deployment=render_deployment(name, spec, config, generation),
         service=render_service(name, spec),
         pvc=render_pvc(name, spec) if spec.model_cache is not None else None,
-        disruption_budget=disruption_budget(name, labels(name), selector_labels(name)) if spec.replicas > 1 else None,
+        fleet=fleet,
     )
     kopf.adopt(manifests.all(), owner=as_body(body))
     return manifests
@@ -175,18 +199,25 @@ def render_pvc(name: str, spec: PagedLLMSpec) -> dict:
 
 def render_deployment(name: str, spec: PagedLLMSpec, config: RenderConfig, generation: int | None) -> dict:
     annotations = {GENERATION_ANNOTATION: str(generation)} if generation is not None else {}
+    pod_meta = pod_metadata(spec, labels(name))
+    # NOTE: the scrape annotations win over spec.podAnnotations: they must name the server's port.
+    pod_meta["annotations"] = {**pod_meta.get("annotations", {}), **scrape_annotations(spec.port)}
+    deployment_spec: dict[str, Any] = {
+        "selector": {"matchLabels": selector_labels(name)},
+        "strategy": _strategy(spec),
+        "progressDeadlineSeconds": spec.startup_timeout_seconds + PROGRESS_MARGIN_SECONDS,
+        "revisionHistoryLimit": 3,
+        "template": {"metadata": pod_meta, "spec": _pod_spec(name, spec, config)},
+    }
+    # NOTE: under an autoscaler, replicas are left out so that server-side apply neither sets
+    # nor owns them: the autoscaler's count stands through every re-apply.
+    if spec.fixed_replicas is not None:
+        deployment_spec = {"replicas": spec.fixed_replicas, **deployment_spec}
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
         "metadata": {"name": name, "labels": labels(name), "annotations": annotations},
-        "spec": {
-            "replicas": spec.replicas,
-            "selector": {"matchLabels": selector_labels(name)},
-            "strategy": _strategy(spec),
-            "progressDeadlineSeconds": spec.startup_timeout_seconds + PROGRESS_MARGIN_SECONDS,
-            "revisionHistoryLimit": 3,
-            "template": {"metadata": pod_metadata(spec, labels(name)), "spec": _pod_spec(name, spec, config)},
-        },
+        "spec": deployment_spec,
     }
 
 

@@ -1,22 +1,11 @@
 """Where the server pods run and how the cluster treats them: pull secrets, priority and runtime
-class, service account, spreading, extra labels and annotations, and the disruption budget."""
+class, service account, spreading, extra labels and annotations."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from pagedllm.operator.spec import PagedLLMSpec
-
-
-def disruption_budget(name: str, labels: dict[str, str], selector: dict[str, str]) -> dict:
-    """At most one server pod down at a time in voluntary disruptions (node drains), with 2+ replicas.
-    NOTE: left in place if replicas later drop to 1: maxUnavailable 1 never blocks a drain then."""
-    return {
-        "apiVersion": "policy/v1",
-        "kind": "PodDisruptionBudget",
-        "metadata": {"name": name, "labels": labels},
-        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector}},
-    }
 
 
 def pod_metadata(spec: PagedLLMSpec, labels: dict[str, str]) -> dict:

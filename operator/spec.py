@@ -16,6 +16,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from pagedllm.operator.fleet_spec import Autoscaling, Routing, parse_autoscaling, parse_routing
 from pagedllm.operator.spec_fields import (  # noqa: F401 (SpecError and GPU_RESOURCE are imported from here)
     GPU_RESOURCE,
     SpecError,
@@ -174,7 +175,10 @@ class PagedLLMSpec:
     model: str = field(metadata=_scalar("model", str))
     model_source: ModelSource = field(default_factory=ModelSource, metadata=_nested("modelSource", _model_source))
     hf_token_secret: SecretKeyRef | None = field(default=None, metadata=_nested("hfTokenSecret", _secret_ref("token")))
-    replicas: int = field(default=1, metadata=_scalar("replicas", int, minimum=0))
+    # NOTE: no default in the CRD either: unset means 1, and it must stay unset with autoscaling.
+    replicas: int | None = field(default=None, metadata=_scalar("replicas", int, minimum=0))
+    autoscaling: Autoscaling | None = field(default=None, metadata=_nested("autoscaling", parse_autoscaling))
+    routing: Routing = field(default_factory=Routing, metadata=_nested("routing", parse_routing))
     tensor_parallel_size: int = field(
         default=1, metadata=_scalar("tensorParallelSize", int, choices=TENSOR_PARALLEL_SIZES)
     )
@@ -231,6 +235,13 @@ class PagedLLMSpec:
     )
 
     @property
+    def fixed_replicas(self) -> int | None:
+        """The replica count the Deployment is given; ``None`` when an autoscaler owns it."""
+        if self.autoscaling is not None:
+            return None
+        return 1 if self.replicas is None else self.replicas
+
+    @property
     def model_is_path(self) -> bool:
         """``model`` names a directory already in the image rather than a Hub id."""
         return self.model.startswith("/")
@@ -264,6 +275,11 @@ class PagedLLMSpec:
         # NOTE: these mirror the CRD's x-kubernetes-validations (CEL) rules.
         if not _MODEL_RE.match(self.model) or ".." in self.model:
             raise SpecError(f"spec.model={self.model!r} is not allowed: letters, digits and _ . / - only, no '..'")
+        if self.replicas is not None and self.autoscaling is not None:
+            raise SpecError(
+                f"spec.replicas={self.replicas} is not allowed with spec.autoscaling: the autoscaler sets the "
+                "replicas between autoscaling.minReplicas and maxReplicas; remove spec.replicas"
+            )
         if self.model_cache is not None and self.uses_pvc_source:
             raise SpecError("spec.modelCache caches Hugging Face downloads: remove it when modelSource.type is pvc")
         self._check_pod_fields()
@@ -291,9 +307,11 @@ class PagedLLMSpec:
         if reserved:
             raise SpecError(f"spec.podLabels{reserved} is not allowed: the operator sets these labels (its selectors)")
         cache = self.model_cache
-        if cache is not None and cache.access_mode == "ReadWriteOnce" and self.replicas > 1:
+        most = self.autoscaling.max_replicas if self.autoscaling is not None else self.fixed_replicas or 0
+        if cache is not None and cache.access_mode == "ReadWriteOnce" and most > 1:
+            where = f"spec.autoscaling.maxReplicas={most}" if self.autoscaling is not None else f"spec.replicas={most}"
             raise SpecError(
-                f"spec.modelCache.accessMode='ReadWriteOnce' is not allowed with spec.replicas={self.replicas}: "
+                f"spec.modelCache.accessMode='ReadWriteOnce' is not allowed with {where}: "
                 "one claim cannot be mounted by pods on several nodes; use ReadWriteMany, or no modelCache "
                 "(each pod downloads into its own emptyDir)"
             )

@@ -10,7 +10,10 @@ Phases::
                  Deployment reports a failed rollout (ProgressDeadlineExceeded, ReplicaFailure)
 
 Conditions ``Ready``, ``Progressing`` and ``Degraded`` are always all three present;
-``lastTransitionTime`` only moves when a condition's status flips.
+``lastTransitionTime`` only moves when a condition's status flips. Conditions of other
+types (``AutoscalingReady``, ``RoutingReady``, ``MonitoringReady``) are set by the apply
+(:mod:`capabilities`) and carried over unchanged here. ``desiredReplicas`` is
+spec.replicas, or under autoscaling the autoscaler's current choice.
 """
 
 from __future__ import annotations
@@ -61,7 +64,9 @@ def _rolled_out(deployment: Mapping[str, Any]) -> bool:
     return generation is None or (observed is not None and observed >= generation)
 
 
-def _verdict(deployment: Mapping[str, Any] | None, desired: int, problem: Problem | None) -> _Verdict:
+def _verdict(
+    deployment: Mapping[str, Any] | None, desired: int, problem: Problem | None, autoscaled: bool = False
+) -> _Verdict:
     if problem is not None:
         return _Verdict(DEGRADED, problem.reason, problem.message)
     if deployment is None:
@@ -71,6 +76,10 @@ def _verdict(deployment: Mapping[str, Any] | None, desired: int, problem: Proble
         return _Verdict(DEGRADED, failure.reason, failure.message)
     status = deployment.get("status", {}) or {}
     ready, updated, current = (_int(status.get(k), 0) for k in ("readyReplicas", "updatedReplicas", "replicas"))
+    if desired == 0 and autoscaled:
+        return _Verdict(
+            PENDING, "ScaledToZero", "the autoscaler scaled to zero: requests fail until it starts a replica"
+        )
     if desired == 0:
         return _Verdict(PENDING, "ScaledToZero", "spec.replicas is 0: scale up to serve")
     if _rolled_out(deployment) and ready >= desired and updated >= desired and current == desired:
@@ -89,7 +98,8 @@ def _conditions(verdict: _Verdict, previous: list, generation: int | None, now: 
         "Degraded": verdict.phase == DEGRADED,
     }
     before = {c.get("type"): c for c in previous or [] if isinstance(c, Mapping)}
-    out = []
+    # NOTE: the other conditions (RoutingReady, ...) are the apply's to set; they are kept as they are.
+    out = [dict(c) for kind, c in before.items() if kind not in CONDITION_TYPES]
     for kind in CONDITION_TYPES:
         status = "True" if wanted[kind] else "False"
         old = before.get(kind, {})
@@ -103,7 +113,12 @@ def _conditions(verdict: _Verdict, previous: list, generation: int | None, now: 
         if generation is not None:
             cond["observedGeneration"] = generation
         out.append(cond)
-    return out
+    return sorted(out, key=_condition_order)
+
+
+def _condition_order(cond: Mapping[str, Any]) -> tuple[int, str]:
+    kind = str(cond.get("type"))
+    return (CONDITION_TYPES.index(kind) if kind in CONDITION_TYPES else len(CONDITION_TYPES), kind)
 
 
 SERVER_EXITED = "ServerExited"
@@ -144,13 +159,15 @@ def status_from(
     meta = body.get("metadata", {})
     spec = body.get("spec") or {}
     name, namespace = meta.get("name", ""), meta.get("namespace", "")
-    desired = _int(spec.get("replicas"), 1)
+    autoscaling = spec.get("autoscaling")
+    desired = desired_replicas(spec, deployment)
     dep_status = (deployment or {}).get("status", {}) or {}
     ready = _int(dep_status.get("readyReplicas"), 0)
-    verdict = _verdict(deployment, desired, problem)
+    verdict = _verdict(deployment, desired, problem, autoscaled=isinstance(autoscaling, Mapping))
     generation = _observed_generation(meta, deployment, problem)
     status = {
         "phase": verdict.phase,
+        "desiredReplicas": desired,
         "replicas": _int(dep_status.get("replicas"), 0),
         "readyReplicas": ready,
         "ready": f"{ready}/{desired}",
@@ -161,6 +178,15 @@ def status_from(
     if generation is not None:
         status["observedGeneration"] = generation
     return status
+
+
+def desired_replicas(spec: Mapping[str, Any], deployment: Mapping[str, Any] | None) -> int:
+    """spec.replicas (1 if unset), or under autoscaling the count the autoscaler last set."""
+    autoscaling = spec.get("autoscaling")
+    if not isinstance(autoscaling, Mapping):
+        return _int(spec.get("replicas"), 1)
+    scaled = ((deployment or {}).get("spec") or {}).get("replicas")
+    return _int(scaled, _int(autoscaling.get("minReplicas"), 1))
 
 
 def _observed_generation(

@@ -1,8 +1,9 @@
 """Offline stand-ins for what the API server does with the CRD's structural schema.
 
-- :func:`to_jsonschema`: the openAPIV3Schema as a JSON Schema (draft 2020-12) that
-  rejects unknown fields (the API server would prune them; a test wants to see typos),
-  so ``jsonschema`` can validate resources against it.
+- :func:`to_jsonschema`: the openAPIV3Schema as a JSON Schema (draft 2020-12; OpenAPI
+  3.0's boolean ``exclusiveMinimum`` becomes a bound) that rejects unknown fields (the
+  API server would prune them; a test wants to see typos), so ``jsonschema`` can
+  validate resources against it.
 - :func:`apply_defaults`: the API server's defaulting (a ``default`` fills a missing
   field wherever its parent object exists).
 - :func:`cel_rules`: every ``x-kubernetes-validations`` rule with the path it applies at.
@@ -39,6 +40,8 @@ def to_jsonschema(node: Any) -> Any:
             out[key] = {name: to_jsonschema(sub) for name, sub in value.items()}
         else:
             out[key] = to_jsonschema(value)
+    if node.get("exclusiveMinimum") is True:  # OpenAPI 3.0's flag is JSON Schema's bound
+        out["exclusiveMinimum"] = out.pop("minimum")
     if (
         node.get("type") == "object"
         and "properties" in node

@@ -107,6 +107,9 @@ class ServerError:
     async def apply(self, manifest):
         raise ApiError(500, "etcd is unhappy")
 
+    async def served(self, api_version, kind):
+        raise ApiError(500, "etcd is unhappy")
+
 
 def test_a_failing_reconcile_is_retried_later_and_later():
     body = {

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import math
 
-import kubernetes_validate
 import pytest
+from third_party_schemas import validate_manifest
 
 from pagedllm.operator.command import API_KEY_ENV, SERVE_COMMAND
 from pagedllm.operator.manifests import (
@@ -103,8 +103,12 @@ def test_command_and_image():
 
 
 def test_owner_references_on_everything():
-    m = render(body(modelCache={"size": "10Gi"}), CONFIG)
-    assert len(m.all()) == 3
+    m = render(
+        body(modelCache={"size": "10Gi", "accessMode": "ReadWriteMany"}, routing={"inferencePool": True}, replicas=2),
+        CONFIG,
+    )
+    kinds = ["PersistentVolumeClaim", "Deployment", "Service", "PodDisruptionBudget", "PodMonitor", "InferencePool"]
+    assert [manifest["kind"] for manifest in m.all()] == kinds
     for manifest in m.all():
         assert manifest["metadata"]["namespace"] == "ml"
         assert manifest["metadata"]["ownerReferences"] == [
@@ -296,4 +300,4 @@ FULL = dict(
 )
 def test_rendered_manifests_validate_against_kubernetes_schemas(spec):
     for manifest in render(body(**spec), CONFIG).all():
-        kubernetes_validate.validate(manifest, "1.30", strict=True)
+        validate_manifest(manifest)

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import kubernetes_validate
 import pytest
 from crd_jsonschema import apply_defaults
 from test_crd import failed_cel_rules, resource
 from test_manifests import CONFIG, body, pod, server
+from third_party_schemas import validate_manifest
 
 from pagedllm.operator.manifests import HOME_DIR, render, selector_labels
 from pagedllm.operator.spec import PagedLLMSpec, SpecError
@@ -38,7 +38,8 @@ def test_pod_fields_pass_through():
     )
     p, meta = pod(m), m.deployment["spec"]["template"]["metadata"]
     assert p["imagePullSecrets"] == [{"name": "regcred"}]
-    assert meta["annotations"] == {"sidecar.istio.io/inject": "false"}
+    assert meta["annotations"]["sidecar.istio.io/inject"] == "false"
+    assert meta["annotations"]["prometheus.io/port"] == "8000"  # the scrape annotations stay
     assert meta["labels"]["team"] == "ml" and meta["labels"]["app.kubernetes.io/instance"] == "llama"
     assert (p["priorityClassName"], p["runtimeClassName"], p["serviceAccountName"]) == (
         "inference-high",
@@ -48,7 +49,7 @@ def test_pod_fields_pass_through():
     assert p["automountServiceAccountToken"] is False
     assert p["topologySpreadConstraints"] == [{**spread, "labelSelector": {"matchLabels": selector_labels("llama")}}]
     for manifest in m.all():
-        kubernetes_validate.validate(manifest, "1.30", strict=True)
+        validate_manifest(manifest)
 
 
 def test_unset_pod_fields_are_not_rendered():
@@ -76,6 +77,7 @@ BAD = [
     ({"gpuResourceName": "kubernetes.io/gpu"}, "gpuResourceName"),
     ({"podLabels": {"app.kubernetes.io/instance": "other"}}, "podLabels"),
     ({"modelCache": {"size": "10Gi"}, "replicas": 2}, "ReadWriteOnce"),
+    ({"modelCache": {"size": "10Gi"}, "autoscaling": {"maxReplicas": 3, "target": 4}}, "ReadWriteOnce"),
 ]
 
 
