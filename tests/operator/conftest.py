@@ -16,6 +16,7 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).parent))  # the helper modules, whatever pytest's import mode
 
+from emulated_scenario import Scenario  # noqa: E402
 from helm_tools import CHART_DIR, CRD_PATH, INSTALL_SCRIPT, TOOLS_BIN, run_helm  # noqa: E402
 from k8s_emulator import Client, EmulatedCluster  # noqa: E402
 from operator_process import running_operator  # noqa: E402
@@ -81,3 +82,9 @@ def operator(cluster, tmp_path_factory):
 @pytest.fixture()
 def api(cluster) -> Client:
     return Client(cluster.url)
+
+
+@pytest.fixture()
+def scenario(api, operator, request) -> Scenario:
+    """The test's own namespace, the API client and the module's operator."""
+    return Scenario(api, operator, request.node.name.replace("_", "-")[:50].strip("-"))

@@ -36,7 +36,7 @@ import attrs
 import kmock
 from kmock._internal import dicts as kmock_dicts
 
-from pagedllm.operator.kube import APPLY_PATCH, RESOURCES, object_path
+from pagedllm.operator.kube import APPLY_PATCH, RESOURCES
 
 RESOURCE_INFOS = {
     "pagedllm.dev/v1alpha1/pagedllms": kmock.ResourceInfo(
@@ -64,6 +64,13 @@ RESOURCE_INFOS = {
     "policy/v1/poddisruptionbudgets": kmock.ResourceInfo(
         kind="PodDisruptionBudget",
         singular="poddisruptionbudget",
+        namespaced=True,
+        subresources={"status"},
+        verbs={"get", "list", "watch", "create", "patch", "update", "delete"},
+    ),
+    "autoscaling/v2/horizontalpodautoscalers": kmock.ResourceInfo(
+        kind="HorizontalPodAutoscaler",
+        singular="horizontalpodautoscaler",
         namespaced=True,
         subresources={"status"},
         verbs={"get", "list", "watch", "create", "patch", "update", "delete"},
@@ -98,7 +105,26 @@ RESOURCE_INFOS = {
     ),
 }
 
-_STEM = {"Event": ("/api/v1", "events")}
+# Kinds of optional CRDs (KEDA, Gateway API Inference Extension, Prometheus Operator): served
+# only by clusters that install them (:meth:`EmulatedCluster.install`).
+_OPTIONAL_KINDS = (
+    ("keda.sh/v1alpha1", "scaledobjects", "ScaledObject"),
+    ("inference.networking.k8s.io/v1", "inferencepools", "InferencePool"),
+    ("monitoring.coreos.com/v1", "podmonitors", "PodMonitor"),
+)
+OPTIONAL_RESOURCE_INFOS = {
+    f"{group_version}/{plural}": kmock.ResourceInfo(
+        kind=kind,
+        singular=plural[:-1],
+        namespaced=True,
+        subresources={"status"},
+        verbs={"get", "list", "watch", "create", "patch", "update", "delete"},
+    )
+    for group_version, plural, kind in _OPTIONAL_KINDS
+}
+
+# Where the tests' client finds the kinds the operator names only through discovery.
+_STEM = {"Event": ("/api/v1", "events"), **{kind: (f"/apis/{gv}", plural) for gv, plural, kind in _OPTIONAL_KINDS}}
 
 
 @attrs.define(kw_only=True)
@@ -209,6 +235,12 @@ class EmulatedCluster:
         assert self.api is not None
         self.api.refusals[(method, path_prefix)] = (status, message)
 
+    def install(self, resources: dict[str, kmock.ResourceInfo]) -> None:
+        """Serve more kinds from now on, as installing their CRDs would (API discovery included)."""
+        assert self.api is not None
+        for resource, info in resources.items():
+            self.api.resources[resource] = info
+
     def kubeconfig(self) -> dict:
         return {
             "apiVersion": "v1",
@@ -251,10 +283,11 @@ class Client:
             return exc.code, json.loads(exc.read() or b"null")
 
     def path(self, kind: str, namespace: str, name: str | None = None, sub: str | None = None) -> str:
+        prefix, plural = {**RESOURCES, **_STEM}[kind]
+        path = f"{prefix}/namespaces/{namespace}/{plural}"
         if name is None:
-            prefix, plural = {**RESOURCES, **_STEM}[kind]
-            return f"{prefix}/namespaces/{namespace}/{plural}"
-        return object_path(kind, namespace, name, sub)
+            return path
+        return f"{path}/{name}/{sub}" if sub else f"{path}/{name}"
 
     def create(self, obj: dict) -> dict:
         meta = obj["metadata"]

@@ -45,7 +45,9 @@ def _answers(url: str) -> bool:
 
 
 @contextlib.contextmanager
-def running_operator(cluster: EmulatedCluster, workdir: Path, *, startup_timeout: float = 60):
+def running_operator(
+    cluster: EmulatedCluster, workdir: Path, *, startup_timeout: float = 60, extra_args: tuple[str, ...] = ()
+):
     """`pagedllm operator --all-namespaces --standalone` against ``cluster``, until the block ends.
 
     Cluster-wide because kmock cannot list namespaces (which kopf does when given some).
@@ -69,6 +71,7 @@ def running_operator(cluster: EmulatedCluster, workdir: Path, *, startup_timeout
         "--default-image",
         DEFAULT_IMAGE,
         "--verbose",
+        *extra_args,
     ]
     with open(log, "wb") as out:
         # NOTE: cwd outside the repo: the operator must run from the installed package alone.

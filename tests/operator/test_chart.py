@@ -44,7 +44,16 @@ def parse_operator_args(container: dict) -> argparse.Namespace:
     return parser.parse_args(container["command"][2:] + container["args"])
 
 
-@pytest.mark.parametrize("flags", [(), ("--set", "watchNamespaces={ml,research}", "--set", "crds.install=false")])
+KEDA_RULES = {("keda.sh", "scaledobjects", v) for v in ("get", "create", "patch")}
+SWITCHES = [
+    (),
+    ("--set", "watchNamespaces={ml,research}", "--set", "crds.install=false"),
+    ("--set", "autoscaler=keda", "--set", "prometheus.address=http://prom.monitoring.svc:9090"),
+    ("--set", "autoscaler=keda", "--set", "watchNamespaces={ml}"),
+]
+
+
+@pytest.mark.parametrize("flags", SWITCHES)
 def test_helm_lint_passes(helm, flags):
     out = run_helm(helm, "lint", "--strict", str(CHART_DIR), *flags)
     assert "0 chart(s) failed" in out
@@ -118,6 +127,21 @@ def test_values_reach_the_operator(helm_template):
     assert operator_container(docs)["image"] == "ghcr.io/pagedllm/pagedllm:1.2.3"
 
 
+def test_autoscaler_and_prometheus_reach_the_operator(helm_template):
+    args = parse_operator_args(operator_container(helm_template()))
+    assert args.autoscaler == "hpa" and args.prometheus_address == "http://prometheus-operated.monitoring.svc:9090"
+    docs = helm_template("--set", "autoscaler=keda", "--set", "prometheus.address=http://prom.monitoring.svc:9090")
+    args = parse_operator_args(operator_container(docs))
+    assert args.autoscaler == "keda" and args.prometheus_address == "http://prom.monitoring.svc:9090"
+
+
+def test_keda_rbac_only_with_keda(helm_template):
+    (role,) = by_kind(helm_template("--set", "autoscaler=keda"))["ClusterRole"]
+    assert rules_of(role) == NAMESPACED_RULES | KEDA_RULES | CRD_WATCH
+    for role in by_kind(helm_template("--set", "autoscaler=keda", "--set", "watchNamespaces={ml}"))["Role"]:
+        assert rules_of(role) == NAMESPACED_RULES | KEDA_RULES
+
+
 def rules_of(doc: dict) -> set[tuple[str, str, str]]:
     return {
         (group, resource, verb)
@@ -133,6 +157,9 @@ NAMESPACED_RULES = (
     | {("pagedllm.dev", "pagedllms/status", "patch")}
     | {("pagedllm.dev", "pagedllms/finalizers", "update")}
     | {("policy", "poddisruptionbudgets", v) for v in ("get", "create", "patch")}
+    | {("autoscaling", "horizontalpodautoscalers", v) for v in ("get", "create", "patch")}
+    | {("inference.networking.k8s.io", "inferencepools", v) for v in ("get", "create", "patch")}
+    | {("monitoring.coreos.com", "podmonitors", v) for v in ("get", "create", "patch")}
     | {("apps", "deployments", v) for v in ("get", "list", "watch", "create", "patch")}
     | {("", "services", v) for v in ("get", "list", "watch", "create", "patch")}
     | {("", "pods", v) for v in ("list", "watch")}
@@ -167,7 +194,7 @@ def test_no_wildcards_and_no_deletes(helm_template):
                     assert "*" not in (group, resource, verb) and verb not in ("delete", "deletecollection")
 
 
-@pytest.mark.parametrize("flags", [(), ("--set", "watchNamespaces={ml,research}")])
+@pytest.mark.parametrize("flags", SWITCHES)
 def test_rendered_manifests_validate_offline(helm_template, flags, monkeypatch):
     docs = helm_template(*flags)
 
@@ -181,7 +208,14 @@ def test_rendered_manifests_validate_offline(helm_template, flags, monkeypatch):
 
 @pytest.mark.parametrize(
     "flag, value",
-    [("operator.logLevel", "loud"), ("image.pullPolicy", "Sometimes"), ("crds.install", "maybe"), ("unknownKey", "1")],
+    [
+        ("operator.logLevel", "loud"),
+        ("image.pullPolicy", "Sometimes"),
+        ("crds.install", "maybe"),
+        ("unknownKey", "1"),
+        ("autoscaler", "kpa"),
+        ("prometheus.address", "prometheus:9090"),
+    ],
 )
 def test_values_schema_refuses_bad_values(helm, flag, value):
     with pytest.raises(HelmError, match="values don't meet the specifications|schema"):

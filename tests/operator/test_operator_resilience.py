@@ -5,17 +5,12 @@ from __future__ import annotations
 import time
 
 import pytest
-from test_operator_emulated import Scenario, condition, pagedllm
+from emulated_scenario import condition, pagedllm
 
 pytestmark = pytest.mark.k8s
 
 # How long the tests watch for a retry loop after a refusal.
 QUIET_SECONDS = 3
-
-
-@pytest.fixture()
-def scenario(api, operator, request) -> Scenario:
-    return Scenario(api, operator, request.node.name.replace("_", "-")[:50].strip("-"))
 
 
 def operator_calls(cluster, method: str, path: str) -> int:

@@ -58,6 +58,8 @@ every API call the operator makes against the emulated cluster and checks it is 
 - persistentvolumeclaims: the model cache, server-side applied;
 - every child is read (get) before it is applied: one that another controller owns is
   refused, never taken over;
+- horizontalpodautoscalers / scaledobjects, inferencepools, podmonitors, poddisruptionbudgets:
+  the fleet objects, server-side applied;
 - events: what the operator did, for kubectl describe.
 Nothing is deleted by the operator: owner references cascade deletion.
 */}}
@@ -75,6 +77,22 @@ Nothing is deleted by the operator: owner references cascade deletion.
   verbs: ["update"]
 - apiGroups: ["policy"]
   resources: ["poddisruptionbudgets"]
+  verbs: ["get", "create", "patch"]
+# The fleet objects, server-side applied: the autoscaler (KEDA's ScaledObject only with
+# autoscaler=keda), the InferencePool and PodMonitor where their CRDs are installed.
+- apiGroups: ["autoscaling"]
+  resources: ["horizontalpodautoscalers"]
+  verbs: ["get", "create", "patch"]
+{{- if eq .Values.autoscaler "keda" }}
+- apiGroups: ["keda.sh"]
+  resources: ["scaledobjects"]
+  verbs: ["get", "create", "patch"]
+{{- end }}
+- apiGroups: ["inference.networking.k8s.io"]
+  resources: ["inferencepools"]
+  verbs: ["get", "create", "patch"]
+- apiGroups: ["monitoring.coreos.com"]
+  resources: ["podmonitors"]
   verbs: ["get", "create", "patch"]
 - apiGroups: ["apps"]
   resources: ["deployments"]

@@ -1,0 +1,62 @@
+"""What the operator tests against the emulator share: resources, lookups, and a per-test namespace view."""
+
+from __future__ import annotations
+
+from k8s_emulator import wait_for
+
+KIND = "PagedLLM"
+
+
+def pagedllm(namespace: str, name: str = "llama", **spec) -> dict:
+    return {
+        "apiVersion": "pagedllm.dev/v1alpha1",
+        "kind": KIND,
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": {"model": "meta-llama/Llama-2-7b-hf", **spec},
+    }
+
+
+def server_container(deployment: dict) -> dict:
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    return container
+
+
+def flag_value(args: list[str], flag: str):
+    return args[args.index(flag) + 1] if flag in args else None
+
+
+def condition(obj: dict, kind: str) -> dict:
+    for cond in (obj.get("status") or {}).get("conditions", []):
+        if cond["type"] == kind:
+            return cond
+    return {}
+
+
+class Scenario:
+    """A namespace's view: the API client, the operator, and polls with its log on timeout."""
+
+    def __init__(self, api, operator, namespace: str):
+        self.api, self.operator, self.ns = api, operator, namespace
+
+    def wait(self, probe, what: str, timeout: float = 15):
+        return wait_for(probe, timeout=timeout, what=what, on_timeout=self.operator.log)
+
+    def get(self, kind: str, name: str = "llama"):
+        return self.api.get(kind, self.ns, name)
+
+    def wait_status(self, check, what: str, name: str = "llama"):
+        def probe():
+            obj = self.get(KIND, name)
+            return obj if obj and check(obj.get("status") or {}, obj) else None
+
+        return self.wait(probe, what)
+
+    def wait_deployment(self, check=lambda d: True, what: str = "the Deployment", name: str = "llama"):
+        def probe():
+            dep = self.get("Deployment", name)
+            return dep if dep and check(dep) else None
+
+        return self.wait(probe, what)
+
+    def events(self) -> list[dict]:
+        return self.api.list("Event", self.ns)

@@ -1,0 +1,70 @@
+"""A cluster without KEDA, the Inference Extension or the Prometheus Operator: what is applied, what is skipped.
+
+The module's emulated cluster serves only built-in kinds (and the PagedLLM CRD); the
+operator runs with its default autoscaler (HorizontalPodAutoscaler).
+"""
+
+from __future__ import annotations
+
+import pytest
+from emulated_scenario import condition, pagedllm
+
+pytestmark = pytest.mark.k8s
+
+SCALING = {"minReplicas": 2, "maxReplicas": 5, "metric": "queue", "target": 4, "scaleDownDelaySeconds": 60}
+
+
+def test_autoscaling_applies_an_hpa_and_leaves_replicas_to_it(scenario):
+    scenario.api.create(pagedllm(scenario.ns, autoscaling=SCALING))
+    hpa = scenario.wait(lambda: scenario.get("HorizontalPodAutoscaler"), "the HorizontalPodAutoscaler")
+    assert (hpa["spec"]["minReplicas"], hpa["spec"]["maxReplicas"]) == (2, 5)
+    assert hpa["spec"]["metrics"][0]["pods"]["metric"]["name"] == "pagedllm:num_requests_waiting"
+    assert hpa["metadata"]["ownerReferences"][0]["kind"] == "PagedLLM"
+    budget = scenario.wait(lambda: scenario.get("PodDisruptionBudget"), "the PodDisruptionBudget")
+    assert budget["spec"]["maxUnavailable"] == 1
+    dep = scenario.wait_deployment()
+    assert "replicas" not in dep["spec"]  # the emulator, unlike an API server, does not default it
+
+    # The autoscaler picks 3: the operator neither sets it back nor fights it, and reports it.
+    scenario.api.patch("Deployment", scenario.ns, "llama", {"spec": {"replicas": 3}})
+    report = {"status": {"replicas": 3, "readyReplicas": 1}}
+    scenario.api.patch("Deployment", scenario.ns, "llama", report, sub="status")
+    obj = scenario.wait_status(lambda s, o: s.get("desiredReplicas") == 3 and s.get("readyReplicas") == 1, "3 desired")
+    assert obj["status"]["ready"] == "1/3" and obj["status"]["replicas"] == 3
+    assert scenario.get("Deployment")["spec"]["replicas"] == 3
+    assert not [e for e in scenario.events() if e.get("reason") == "DriftRepaired"]
+    ready = condition(obj, "AutoscalingReady")
+    assert (ready["status"], ready["reason"]) == ("True", "Applied")
+
+
+def test_kinds_without_their_crd_are_skipped_with_a_condition(scenario):
+    scenario.api.create(pagedllm(scenario.ns, routing={"inferencePool": True}))
+    scenario.wait_deployment()
+    obj = scenario.wait_status(lambda s, o: condition(o, "RoutingReady"), "a RoutingReady condition")
+    routing = condition(obj, "RoutingReady")
+    assert (routing["status"], routing["reason"]) == ("False", "CRDNotInstalled")
+    assert "inferencepools.inference.networking.k8s.io" in routing["message"]
+    monitoring = condition(obj, "MonitoringReady")
+    assert (monitoring["status"], monitoring["reason"]) == ("False", "CRDNotInstalled")
+    assert "podmonitors.monitoring.coreos.com" in monitoring["message"]
+    assert condition(obj, "Degraded")["status"] == "False" and condition(obj, "AutoscalingReady") == {}
+    annotations = scenario.get("Deployment")["spec"]["template"]["metadata"]["annotations"]
+    assert annotations["prometheus.io/scrape"] == "true" and annotations["prometheus.io/port"] == "8000"
+    # nothing was sent for the kinds the cluster does not serve
+    pools = f"/apis/inference.networking.k8s.io/v1/namespaces/{scenario.ns}/inferencepools"
+    status, _ = scenario.api.request("GET", pools)
+    assert status == 404
+
+    # Turning routing off drops its condition; the others stay as they were.
+    scenario.api.patch("PagedLLM", scenario.ns, "llama", {"spec": {"routing": {"inferencePool": False}}})
+    obj = scenario.wait_status(lambda s, o: not condition(o, "RoutingReady"), "RoutingReady gone")
+    assert condition(obj, "MonitoringReady")["lastTransitionTime"] == monitoring["lastTransitionTime"]
+
+
+def test_scale_to_zero_without_keda_is_degraded(scenario):
+    scenario.api.create(pagedllm(scenario.ns, autoscaling={**SCALING, "minReplicas": 0}))
+    obj = scenario.wait_status(lambda s, o: s.get("phase") == "Degraded", "Degraded")
+    degraded = condition(obj, "Degraded")
+    assert degraded["reason"] == "InvalidSpec" and "scaling to zero needs KEDA" in degraded["message"]
+    assert "autoscaler=keda" in degraded["message"]
+    assert scenario.get("HorizontalPodAutoscaler") is None

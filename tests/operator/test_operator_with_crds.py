@@ -1,0 +1,88 @@
+"""A cluster with KEDA, the Gateway API Inference Extension and the Prometheus Operator installed.
+
+The module's emulated cluster serves their kinds before the operator starts, and the
+operator runs with ``--autoscaler keda`` (the chart's ``autoscaler=keda``).
+"""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+from emulated_scenario import condition, pagedllm
+from helm_tools import CRD_PATH
+from k8s_emulator import OPTIONAL_RESOURCE_INFOS, Client, EmulatedCluster
+from operator_process import running_operator
+from test_operator_emulated import VERBS
+
+pytestmark = pytest.mark.k8s
+
+PROMETHEUS = "http://prometheus.monitoring.svc:9090"
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    emulated = EmulatedCluster().start()
+    status, body = Client(emulated.url).request(
+        "POST", "/apis/apiextensions.k8s.io/v1/customresourcedefinitions", yaml.safe_load(CRD_PATH.read_text())
+    )
+    assert status in (200, 201), body
+    emulated.install(OPTIONAL_RESOURCE_INFOS)
+    yield emulated
+    emulated.stop()
+
+
+@pytest.fixture(scope="module")
+def operator(cluster, tmp_path_factory):
+    args = ("--autoscaler", "keda", "--prometheus-address", PROMETHEUS)
+    with running_operator(cluster, tmp_path_factory.mktemp("operator"), extra_args=args) as handle:
+        yield handle
+
+
+def test_scaled_object_inference_pool_and_pod_monitor_are_applied(scenario):
+    scaling = {"minReplicas": 0, "maxReplicas": 3, "metric": "kvCache", "target": 0.7}
+    scenario.api.create(pagedllm(scenario.ns, autoscaling=scaling, routing={"inferencePool": True}))
+    scaled = scenario.wait(lambda: scenario.get("ScaledObject"), "the ScaledObject")
+    assert (scaled["spec"]["minReplicaCount"], scaled["spec"]["maxReplicaCount"]) == (0, 3)
+    meta = scaled["spec"]["triggers"][0]["metadata"]
+    assert meta["serverAddress"] == PROMETHEUS and meta["threshold"] == "0.7"
+    assert f'pagedllm:kv_cache_usage_perc{{namespace="{scenario.ns}"' in meta["query"]
+    pool = scenario.wait(lambda: scenario.get("InferencePool"), "the InferencePool")
+    assert pool["spec"]["targetPorts"] == [{"number": 8000}]
+    monitor = scenario.wait(lambda: scenario.get("PodMonitor"), "the PodMonitor")
+    dep = scenario.wait_deployment()
+    for obj in (scaled, pool, monitor):
+        assert obj["metadata"]["ownerReferences"][0]["kind"] == "PagedLLM"
+    assert pool["spec"]["selector"]["matchLabels"] == dep["spec"]["selector"]["matchLabels"]
+    assert monitor["spec"]["selector"]["matchLabels"] == dep["spec"]["selector"]["matchLabels"]
+    assert scenario.get("HorizontalPodAutoscaler") is None  # KEDA makes its own
+
+    obj = scenario.wait_status(
+        lambda s, o: all(condition(o, c).get("status") == "True" for c in ("AutoscalingReady", "RoutingReady")),
+        "feature conditions True",
+    )
+    assert condition(obj, "MonitoringReady")["reason"] == "Applied"
+
+    # KEDA scales to zero: a Pending phase that says so, not an error.
+    scenario.api.patch("Deployment", scenario.ns, "llama", {"spec": {"replicas": 0}})
+    obj = scenario.wait_status(lambda s, o: s.get("desiredReplicas") == 0, "scaled to zero")
+    assert obj["status"]["phase"] == "Pending" and condition(obj, "Ready")["reason"] == "ScaledToZero"
+
+
+def test_chart_rbac_with_keda_grants_every_call_the_operator_made(cluster, helm_template):
+    (role,) = [doc for doc in helm_template("--set", "autoscaler=keda") if doc["kind"] == "ClusterRole"]
+    granted = {
+        (g, r, v) for rule in role["rules"] for g in rule["apiGroups"] for r in rule["resources"] for v in rule["verbs"]
+    }
+    used = set()
+    for request in cluster.operator_requests():
+        resource = request.resource
+        if resource is None or resource.plural is None:
+            continue  # discovery: open to every authenticated user
+        plural = f"{resource.plural}/{request.subresource}" if request.subresource else resource.plural
+        used.add((resource.group, plural, VERBS[request.action.value.lower()]))
+    assert used - granted == set(), f"calls the chart's RBAC does not allow: {sorted(used - granted)}"
+    assert {
+        ("keda.sh", "scaledobjects", "patch"),
+        ("inference.networking.k8s.io", "inferencepools", "patch"),
+        ("monitoring.coreos.com", "podmonitors", "patch"),
+    } <= used
