@@ -87,10 +87,6 @@ class Manifests:
     pvc: dict | None = None
     fleet: Fleet | None = None
 
-    @property
-    def disruption_budget(self) -> dict | None:
-        return self.fleet.disruption_budget if self.fleet is not None else None
-
     def all(self) -> list[dict]:
         """In apply order: the claim before the pods that mount it, the fleet objects after them."""
         core = [m for m in (self.pvc, self.deployment, self.service) if m is not None]
