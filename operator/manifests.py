@@ -25,7 +25,8 @@ from typing import Any
 import kopf
 
 from pagedllm.operator.autoscaling import AUTOSCALERS, HPA
-from pagedllm.operator.command import API_KEY_ENV, SERVE_COMMAND, check_engine, server_args
+from pagedllm.operator.command import SERVE_COMMAND, check_engine, server_args
+from pagedllm.operator.container_env import downloads, gpu_resources, hub_env, server_env
 from pagedllm.operator.fleet import Fleet, FleetConfig, render_fleet
 from pagedllm.operator.monitoring import scrape_annotations
 from pagedllm.operator.placement import pod_metadata, pod_placement
@@ -37,7 +38,6 @@ GENERATION_ANNOTATION = "pagedllm.dev/generation"
 SERVER_CONTAINER = "server"
 MODELS_DIR = "/models"
 MODEL_MOUNT = "/model"
-HF_HOME = "/models/.hf"
 RUN_AS = 1000  # the image's non-root user (Dockerfile: USER 1000)
 HOME_DIR = "/home/pagedllm"  # the image's $HOME (Dockerfile), writable through an emptyDir
 
@@ -242,7 +242,7 @@ def _pod_spec(name: str, spec: PagedLLMSpec, config: RenderConfig) -> dict:
         "containers": [_server_container(spec, config, mounts)],
         "volumes": volumes,
     }
-    if _downloads(spec):
+    if downloads(spec):
         pod["initContainers"] = [_fetch_container(spec, config, mounts)]
     if spec.node_selector:
         pod["nodeSelector"] = dict(spec.node_selector)
@@ -254,10 +254,6 @@ def _pod_spec(name: str, spec: PagedLLMSpec, config: RenderConfig) -> dict:
     return pod
 
 
-def _downloads(spec: PagedLLMSpec) -> bool:
-    return not spec.uses_pvc_source and not spec.model_is_path
-
-
 def _volumes(name: str, spec: PagedLLMSpec) -> tuple[list[dict], list[dict]]:
     volumes: list[dict] = []
     mounts: list[dict] = []
@@ -267,7 +263,7 @@ def _volumes(name: str, spec: PagedLLMSpec) -> tuple[list[dict], list[dict]]:
         volumes.append({"name": "model", "persistentVolumeClaim": {"claimName": pvc.claim_name, "readOnly": True}})
         mount = {"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True}
         mounts.append({**mount, "subPath": pvc.path} if pvc.path else mount)
-    elif _downloads(spec):
+    elif downloads(spec):
         source = (
             {"persistentVolumeClaim": {"claimName": cache_claim_name(name)}}
             if spec.model_cache is not None
@@ -286,41 +282,6 @@ def _volumes(name: str, spec: PagedLLMSpec) -> tuple[list[dict], list[dict]]:
 
 # Writable emptyDirs under the read-only root filesystem: (volume, mount path).
 WRITABLE_DIRS = (("tmp", "/tmp"), ("home", HOME_DIR))
-
-
-def _secret_env(var: str, ref) -> dict:
-    return {"name": var, "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}}
-
-
-def _hub_env(spec: PagedLLMSpec) -> list[dict]:
-    """Environment shared by the download and the server: the Hub token and cache."""
-    env = [_secret_env("HF_TOKEN", spec.hf_token_secret)] if spec.hf_token_secret else []
-    if _downloads(spec):
-        env.append({"name": "HF_HOME", "value": HF_HOME})
-    return env
-
-
-def _server_env(spec: PagedLLMSpec) -> list[dict]:
-    env = _hub_env(spec)
-    if spec.api_key_secret:
-        env.append(_secret_env(API_KEY_ENV, spec.api_key_secret))
-    reserved = {e["name"] for e in env} | {"HF_TOKEN", "HF_HOME", API_KEY_ENV}
-    for index, extra in enumerate(spec.env):
-        if extra["name"] in reserved:
-            raise SpecError(
-                f"spec.env[{index}].name={extra['name']!r} is not allowed: the operator sets it "
-                "(use hfTokenSecret or apiKeySecret)"
-            )
-        env.append(dict(extra))
-    return env
-
-
-def _gpu_resources(spec: PagedLLMSpec) -> dict:
-    gpus = {spec.gpu_resource_name: spec.tensor_parallel_size}
-    return {
-        "requests": {**spec.resources.get("requests", {}), **gpus},
-        "limits": {**spec.resources.get("limits", {}), **gpus},
-    }
 
 
 def _container_security() -> dict:
@@ -342,8 +303,8 @@ def _server_container(spec: PagedLLMSpec, config: RenderConfig, mounts: list[dic
         # SIGTERM starts the drain, so no new request is routed to a server that refuses it.
         "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(PRESTOP_SLEEP_SECONDS)]}}},
         "ports": [{"name": "http", "containerPort": spec.port, "protocol": "TCP"}],
-        "env": _server_env(spec),
-        "resources": _gpu_resources(spec),
+        "env": server_env(spec),
+        "resources": gpu_resources(spec),
         # The startup budget covers loading weights and profiling memory; /ready answers
         # only once a forward pass is done. Liveness uses /health, alive while loading.
         "startupProbe": {
@@ -371,7 +332,7 @@ def _fetch_container(spec: PagedLLMSpec, config: RenderConfig, mounts: list[dict
         "image": spec.image or config.default_image,
         "imagePullPolicy": spec.image_pull_policy,
         "command": ["python", "-c", FETCH_SCRIPT, spec.model, model_path(spec)],
-        "env": _hub_env(spec),
+        "env": hub_env(spec),
         "securityContext": _container_security(),
         "volumeMounts": [m for m in mounts if m["name"] in ("models", "tmp", "home")],
     }

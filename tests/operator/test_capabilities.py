@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import kopf
+import kubernetes
 import pytest
 from k8s_emulator import OPTIONAL_RESOURCE_INFOS
 from test_fleet_manifests import KEDA
@@ -13,6 +13,7 @@ from pagedllm.operator.kube import DISCOVERY_TTL_SECONDS, KubeClient
 from pagedllm.operator.manifests import render
 
 pytestmark = pytest.mark.asyncio
+
 
 class FakeDiscovery:
     def __init__(self, *served: tuple[str, str]):
@@ -60,7 +61,11 @@ async def test_feature_conditions_keep_their_transition_time_and_go_when_not_ask
 @pytest.mark.k8s
 async def test_kube_client_discovers_served_kinds_and_remembers_for_a_while(cluster):
     now = [0.0]
-    kube = KubeClient(lambda: kopf.ConnectionInfo(server=cluster.url, token="t"), clock=lambda: now[0])
+
+    def configure() -> kubernetes.client.Configuration:
+        return kubernetes.client.Configuration(host=cluster.url, api_key={"BearerToken": "Bearer t"})
+
+    kube = KubeClient(configure, clock=lambda: now[0])
     try:
         assert await kube.served("apps/v1", "Deployment")
         assert not await kube.served("apps/v1", "Deploymentx")

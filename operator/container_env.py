@@ -1,0 +1,48 @@
+"""The server and download containers' environment (Hub token and cache, API key, user env) and resources."""
+
+from __future__ import annotations
+
+from pagedllm.operator.command import API_KEY_ENV
+from pagedllm.operator.spec import PagedLLMSpec, SecretKeyRef, SpecError
+
+HF_HOME = "/models/.hf"
+
+
+def downloads(spec: PagedLLMSpec) -> bool:
+    """Whether the pod downloads the model from the Hub (an init container) before serving."""
+    return not spec.uses_pvc_source and not spec.model_is_path
+
+
+def _secret_env(var: str, ref: SecretKeyRef) -> dict:
+    return {"name": var, "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}}
+
+
+def hub_env(spec: PagedLLMSpec) -> list[dict]:
+    """Environment shared by the download and the server: the Hub token and cache."""
+    env = [_secret_env("HF_TOKEN", spec.hf_token_secret)] if spec.hf_token_secret else []
+    if downloads(spec):
+        env.append({"name": "HF_HOME", "value": HF_HOME})
+    return env
+
+
+def server_env(spec: PagedLLMSpec) -> list[dict]:
+    env = hub_env(spec)
+    if spec.api_key_secret:
+        env.append(_secret_env(API_KEY_ENV, spec.api_key_secret))
+    reserved = {e["name"] for e in env} | {"HF_TOKEN", "HF_HOME", API_KEY_ENV}
+    for index, extra in enumerate(spec.env):
+        if extra["name"] in reserved:
+            raise SpecError(
+                f"spec.env[{index}].name={extra['name']!r} is not allowed: the operator sets it "
+                "(use hfTokenSecret or apiKeySecret)"
+            )
+        env.append(dict(extra))
+    return env
+
+
+def gpu_resources(spec: PagedLLMSpec) -> dict:
+    gpus = {spec.gpu_resource_name: spec.tensor_parallel_size}
+    return {
+        "requests": {**spec.resources.get("requests", {}), **gpus},
+        "limits": {**spec.resources.get("limits", {}), **gpus},
+    }
