@@ -4,6 +4,10 @@ A claim whose immutable fields changed (the API answers 422), a kind the operato
 not write (403) or a same-named object that another controller owns is reported and
 skipped; the Deployment and Service are still applied. What went wrong comes back as
 data (:class:`ApplyOutcome`), for the handlers to turn into a condition or a retry.
+
+A fleet object the rendering no longer asks for (autoscaling, routing turned off, one
+replica left) is deleted when it is the owner's: a HorizontalPodAutoscaler left behind
+would keep resizing a Deployment whose replicas the operator sets again.
 """
 
 from __future__ import annotations
@@ -16,6 +20,16 @@ from pagedllm.operator.drift import foreign_controller
 from pagedllm.operator.kube import ApiError
 from pagedllm.operator.status import Problem
 
+# The objects a rendering may stop asking for, by the resource's name. The claim is never
+# pruned (it holds downloaded weights); the Deployment and Service are always rendered.
+PRUNABLE: tuple[tuple[str, str], ...] = (
+    ("policy/v1", "PodDisruptionBudget"),
+    ("autoscaling/v2", "HorizontalPodAutoscaler"),
+    ("keda.sh/v1alpha1", "ScaledObject"),
+    ("inference.networking.k8s.io/v1", "InferencePool"),
+    ("monitoring.coreos.com/v1", "PodMonitor"),
+)
+
 APPLY_REFUSED = "ApplyRefused"
 ADOPTION_REFUSED = "AdoptionRefused"
 REFUSALS = (APPLY_REFUSED, ADOPTION_REFUSED)
@@ -25,6 +39,8 @@ class Kube(Protocol):
     async def get(self, kind: str, namespace: str, name: str, api_version: str | None = None) -> dict | None: ...
 
     async def apply(self, manifest: Mapping[str, Any]) -> dict: ...
+
+    async def delete(self, kind: str, namespace: str, name: str, api_version: str, uid: str) -> None: ...
 
 
 @dataclass
@@ -37,6 +53,8 @@ class ApplyOutcome:
     """Children the operator cannot apply until something changes (spec, RBAC, the other owner)."""
     transient: list[str] = field(default_factory=list)
     """Children whose apply failed for a reason that may pass (conflict, throttling, 5xx)."""
+    deleted: list[str] = field(default_factory=list)
+    """Kinds of owned objects deleted because the rendering no longer has them."""
 
     def problem(self) -> Problem | None:
         """All refusals as one ``Degraded`` reason and message; ``None`` if there were none."""
@@ -73,3 +91,35 @@ async def apply_all(manifests: Iterable[Mapping[str, Any]], kube: Kube, owner_ui
             else:
                 outcome.refused.append(Problem(APPLY_REFUSED, f"{what}: {exc.message}"))
     return outcome
+
+
+async def prune(rendered: list[dict], kube: Kube, owner_uid: str | None, outcome: ApplyOutcome) -> None:
+    """Delete the owner's fleet objects of kinds not in ``rendered``, into ``outcome``.
+
+    Another controller's objects of those names are left alone.
+    """
+    kept = {m["kind"] for m in rendered}
+    meta = next(m["metadata"] for m in rendered if m["kind"] == "Deployment")
+    namespace, name = meta["namespace"], meta["name"]
+    for api_version, kind in PRUNABLE:
+        if kind in kept or owner_uid is None:
+            continue
+        what = f"{kind} {name}"
+        try:
+            live = await kube.get(kind, namespace, name, api_version=api_version)  # None: not served or absent
+            if live is None or not _controlled_by(live, owner_uid):
+                continue
+            await kube.delete(kind, namespace, name, api_version, live["metadata"]["uid"])
+            outcome.deleted.append(kind)
+        except ApiError as exc:
+            if exc.status in (404, 409):  # gone already, or replaced by a namesake since the get
+                continue
+            if exc.retriable:
+                outcome.transient.append(f"deleting {what}: {exc}")
+            else:
+                outcome.refused.append(Problem(APPLY_REFUSED, f"deleting {what}: {exc.message}"))
+
+
+def _controlled_by(live: Mapping[str, Any], owner_uid: str) -> bool:
+    refs = live.get("metadata", {}).get("ownerReferences") or []
+    return any(ref.get("controller") and ref.get("uid") == owner_uid for ref in refs)

@@ -9,9 +9,9 @@ A spec the operator cannot serve never raises out of a handler: it becomes a
 ``Degraded`` condition and a warning event, and waits for the next spec change. Only
 transient API trouble is retried (``kopf.TemporaryError``, with exponential backoff);
 a refusal of the API (403 no permission, 422 invalid or immutable field, a child another
-controller owns) is ``Degraded`` with the API's message. Deletion is left to the owner
-references (no finalizer, so removing the operator never blocks a delete). The children
-are watched through a server-side label selector, not every Deployment in the cluster.
+controller owns) is ``Degraded`` with the API's message. Deleting a resource is left to the
+owner references (no finalizer); a fleet object its spec no longer asks for is deleted.
+Children are watched through a server-side label selector, not every Deployment.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import Any
 
 import kopf
 
-from pagedllm.operator.apply import APPLY_REFUSED, REFUSALS, apply_all
+from pagedllm.operator.apply import APPLY_REFUSED, REFUSALS, apply_all, prune
 from pagedllm.operator.backoff import Backoff, RepairPacer
 from pagedllm.operator.capabilities import servable, with_features
 from pagedllm.operator.drift import drifted
@@ -41,15 +41,7 @@ from pagedllm.operator.manifests import (
     render,
 )
 from pagedllm.operator.spec import SpecError
-from pagedllm.operator.status import (
-    DEGRADED,
-    Problem,
-    announce_phase,
-    comparable,
-    owner_name,
-    server_exit,
-    status_from,
-)
+from pagedllm.operator.status import DEGRADED, Problem, announce_phase, comparable, owner_name, server_exit, status_from
 
 # kopf retries a failed reconcile after RETRY.delay(retry): 10 s, 20 s, 40 s … 5 min.
 RETRY = Backoff(base=10, cap=300)
@@ -150,6 +142,7 @@ async def converge(
             raise kopf.TemporaryError(f"API discovery for {name}: {exc}", delay=RETRY.delay(retry)) from exc
         return await _degraded(body, kube, Problem(APPLY_REFUSED, f"API discovery for {name}: {exc.message}"))
     outcome = await apply_all(servable_manifests, kube, body["metadata"].get("uid"))
+    await prune(manifests.all(), kube, body["metadata"].get("uid"), outcome)
     problem = outcome.problem()
     if problem is not None:
         return await _degraded(body, kube, problem)
@@ -164,6 +157,8 @@ async def converge(
             message=f"{kinds} {name} applied for generation {body['metadata'].get('generation')}",
         )
     logger.info("applied %s to %s/%s", list(applied), namespace, name)
+    if outcome.deleted:
+        kopf.info(as_body(body), reason="Deleted", message=f"{', '.join(outcome.deleted)} {name}: not in the spec")
     # NOTE: read again: the Deployment's status may have moved on while the other children
     # were applied, and this status is written after the event handlers' (newer) ones.
     deployment = await _get_or_none(kube, "Deployment", namespace, name)

@@ -255,6 +255,13 @@ class KubeClient:
             raise ApiError(500, f"server-side apply of {manifest['kind']} {meta['name']} answered {result!r}")
         return result
 
+    async def delete(self, kind: str, namespace: str, name: str, api_version: str, uid: str) -> None:
+        """Delete the object if it is still the one with ``uid`` (not a namesake created since)."""
+        where = await self._locate(api_version, kind)
+        options = {"apiVersion": "v1", "kind": "DeleteOptions", "preconditions": {"uid": uid}}
+        query = [("propagationPolicy", "Background")]
+        await self.request("DELETE", where.path(namespace, name), body=options, query=query)
+
     async def patch_status(self, kind: str, namespace: str, name: str, status: Mapping[str, Any]) -> None:
         path = object_path(kind, namespace, name, "status")
         await self.request("PATCH", path, body={"status": dict(status)}, content_type=MERGE_PATCH)

@@ -44,7 +44,7 @@ def parse_operator_args(container: dict) -> argparse.Namespace:
     return parser.parse_args(container["command"][2:] + container["args"])
 
 
-KEDA_RULES = {("keda.sh", "scaledobjects", v) for v in ("get", "create", "patch")}
+KEDA_RULES = {("keda.sh", "scaledobjects", v) for v in ("get", "create", "patch", "delete")}
 SWITCHES = [
     (),
     ("--set", "watchNamespaces={ml,research}", "--set", "crds.install=false"),
@@ -156,10 +156,10 @@ NAMESPACED_RULES = (
     {("pagedllm.dev", "pagedllms", v) for v in ("get", "list", "watch", "patch")}
     | {("pagedllm.dev", "pagedllms/status", "patch")}
     | {("pagedllm.dev", "pagedllms/finalizers", "update")}
-    | {("policy", "poddisruptionbudgets", v) for v in ("get", "create", "patch")}
-    | {("autoscaling", "horizontalpodautoscalers", v) for v in ("get", "create", "patch")}
-    | {("inference.networking.k8s.io", "inferencepools", v) for v in ("get", "create", "patch")}
-    | {("monitoring.coreos.com", "podmonitors", v) for v in ("get", "create", "patch")}
+    | {("policy", "poddisruptionbudgets", v) for v in ("get", "create", "patch", "delete")}
+    | {("autoscaling", "horizontalpodautoscalers", v) for v in ("get", "create", "patch", "delete")}
+    | {("inference.networking.k8s.io", "inferencepools", v) for v in ("get", "create", "patch", "delete")}
+    | {("monitoring.coreos.com", "podmonitors", v) for v in ("get", "create", "patch", "delete")}
     | {("apps", "deployments", v) for v in ("get", "list", "watch", "create", "patch")}
     | {("", "services", v) for v in ("get", "list", "watch", "create", "patch")}
     | {("", "pods", v) for v in ("list", "watch")}
@@ -186,12 +186,18 @@ def test_rbac_per_namespace(helm_template):
         assert rules_of(role) == NAMESPACED_RULES
 
 
-def test_no_wildcards_and_no_deletes(helm_template):
-    for flags in ((), ("--set", "watchNamespaces={ml}")):
+# What the operator may delete: the fleet objects a spec stops asking for. Never the
+# Deployment, Service, claim (downloaded weights) or anyone's PagedLLM.
+DELETABLE = {"poddisruptionbudgets", "horizontalpodautoscalers", "scaledobjects", "inferencepools", "podmonitors"}
+
+
+def test_no_wildcards_and_deletes_only_of_fleet_objects(helm_template):
+    for flags in ((), ("--set", "watchNamespaces={ml}"), ("--set", "autoscaler=keda")):
         for doc in helm_template(*flags):
             if doc["kind"] in RBAC_KINDS or doc["kind"] == "ClusterRole":
                 for group, resource, verb in rules_of(doc):
-                    assert "*" not in (group, resource, verb) and verb not in ("delete", "deletecollection")
+                    assert "*" not in (group, resource, verb) and verb != "deletecollection"
+                    assert verb != "delete" or resource in DELETABLE, (group, resource)
 
 
 @pytest.mark.parametrize("flags", SWITCHES)

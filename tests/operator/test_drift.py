@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import copy
 
-from pagedllm.operator.apply import ADOPTION_REFUSED, APPLY_REFUSED, apply_all
+from pagedllm.operator.apply import ADOPTION_REFUSED, APPLY_REFUSED, ApplyOutcome, apply_all, prune
 from pagedllm.operator.drift import drifted, foreign_controller
 from pagedllm.operator.kube import ApiError
 from pagedllm.operator.manifests import RenderConfig, render
@@ -86,7 +86,7 @@ class FakeKube:
     """Objects by kind; refusals by kind (an ApiError raised on apply)."""
 
     def __init__(self, live: dict | None = None, refuse: dict | None = None):
-        self.live, self.refuse, self.applied = live or {}, refuse or {}, []
+        self.live, self.refuse, self.applied, self.deleted = live or {}, refuse or {}, [], []
 
     async def get(self, kind, namespace, name, api_version=None):
         return self.live.get(kind)
@@ -123,3 +123,49 @@ def test_transient_failures_are_kept_apart_from_refusals():
     outcome = asyncio.run(apply_all(render(resource(), CONFIG).all(), kube, "owner-uid"))
     assert outcome.problem() is None and outcome.transient == ["Service llama: HTTP 429: slow down"]
     assert list(outcome.applied) == ["PodMonitor", "Deployment"]
+
+
+def owned(uid: str, owner_uid: str = "owner-uid") -> dict:
+    ref = {"kind": "PagedLLM", "name": "llama", "uid": owner_uid, "controller": True}
+    return {"metadata": {"uid": uid, "ownerReferences": [ref]}}
+
+
+class DeletingKube(FakeKube):
+    async def delete(self, kind, namespace, name, api_version, uid):
+        if kind in self.refuse:
+            raise self.refuse[kind]
+        self.deleted.append((kind, namespace, name, uid))
+
+
+def test_fleet_objects_the_spec_dropped_are_deleted_only_when_ours():
+    live = {
+        "HorizontalPodAutoscaler": owned("hpa-uid"),
+        "InferencePool": owned("pool-uid"),
+        "PodDisruptionBudget": owned("pdb-uid", owner_uid="someone-else"),
+    }
+    kube = DeletingKube(live=live)
+    outcome = ApplyOutcome()
+    asyncio.run(prune(render(resource(), CONFIG).all(), kube, "owner-uid", outcome))
+    assert kube.deleted == [
+        ("HorizontalPodAutoscaler", "ns", "llama", "hpa-uid"),
+        ("InferencePool", "ns", "llama", "pool-uid"),
+    ]
+    assert outcome.deleted == ["HorizontalPodAutoscaler", "InferencePool"] and outcome.problem() is None
+
+
+def test_what_the_spec_still_asks_for_is_kept():
+    spec = {"autoscaling": {"maxReplicas": 3, "target": 4}, "routing": {"inferencePool": True}}
+    live = {kind: owned(kind) for kind in ("HorizontalPodAutoscaler", "InferencePool", "PodDisruptionBudget")}
+    kube = DeletingKube(live={**live, "PodMonitor": owned("pm")})
+    asyncio.run(prune(render(resource(**spec), CONFIG).all(), kube, "owner-uid", ApplyOutcome()))
+    assert kube.deleted == []
+
+
+def test_a_refused_delete_is_a_problem_and_a_throttled_one_a_retry():
+    live = {"HorizontalPodAutoscaler": owned("h"), "InferencePool": owned("p")}
+    refuse = {"HorizontalPodAutoscaler": ApiError(403, "forbidden"), "InferencePool": ApiError(429, "slow down")}
+    outcome = ApplyOutcome()
+    asyncio.run(prune(render(resource(), CONFIG).all(), DeletingKube(live, refuse), "owner-uid", outcome))
+    problem = outcome.problem()
+    assert problem is not None and problem.message.startswith("deleting HorizontalPodAutoscaler llama: forbidden")
+    assert outcome.transient == ["deleting InferencePool llama: HTTP 429: slow down"]

@@ -68,3 +68,18 @@ def test_scale_to_zero_without_keda_is_degraded(scenario):
     assert degraded["reason"] == "InvalidSpec" and "scaling to zero needs KEDA" in degraded["message"]
     assert "autoscaler=keda" in degraded["message"]
     assert scenario.get("HorizontalPodAutoscaler") is None
+
+
+def test_turning_autoscaling_off_deletes_the_autoscaler(scenario):
+    scenario.api.create(pagedllm(scenario.ns, autoscaling=SCALING))
+    scenario.wait(lambda: scenario.get("HorizontalPodAutoscaler"), "the HorizontalPodAutoscaler")
+    scenario.wait(lambda: scenario.get("PodDisruptionBudget"), "the PodDisruptionBudget")
+    # Off again: a HorizontalPodAutoscaler left behind would keep resizing the Deployment.
+    scenario.api.patch("PagedLLM", scenario.ns, "llama", {"spec": {"autoscaling": None}})
+    scenario.wait(lambda: scenario.get("HorizontalPodAutoscaler") is None, "the HorizontalPodAutoscaler deleted")
+    scenario.wait(lambda: scenario.get("PodDisruptionBudget") is None, "the PodDisruptionBudget deleted (1 replica)")
+    scenario.wait_deployment(lambda d: d["spec"].get("replicas") == 1, "replicas 1 again")
+    deleted = [e for e in scenario.events() if e.get("reason") == "Deleted"]
+    assert deleted and "HorizontalPodAutoscaler" in deleted[0]["message"]
+    obj = scenario.wait_status(lambda s, o: not condition(o, "AutoscalingReady"), "AutoscalingReady gone")
+    assert condition(obj, "Degraded")["status"] == "False"

@@ -68,6 +68,16 @@ def test_scaled_object_inference_pool_and_pod_monitor_are_applied(scenario):
     assert obj["status"]["phase"] == "Pending" and condition(obj, "Ready")["reason"] == "ScaledToZero"
 
 
+def test_routing_and_autoscaling_turned_off_delete_their_objects(scenario):
+    scaling = {"minReplicas": 1, "maxReplicas": 3, "metric": "queue", "target": 2}
+    scenario.api.create(pagedllm(scenario.ns, autoscaling=scaling, routing={"inferencePool": True}))
+    scenario.wait(lambda: scenario.get("ScaledObject") and scenario.get("InferencePool"), "the fleet objects")
+    scenario.api.patch("PagedLLM", scenario.ns, "llama", {"spec": {"autoscaling": None, "routing": None}})
+    scenario.wait(lambda: scenario.get("ScaledObject") is None, "the ScaledObject deleted")
+    scenario.wait(lambda: scenario.get("InferencePool") is None, "the InferencePool deleted")
+    assert scenario.get("PodMonitor") is not None  # still asked for
+
+
 def test_chart_rbac_with_keda_grants_every_call_the_operator_made(cluster, helm_template):
     (role,) = [doc for doc in helm_template("--set", "autoscaler=keda") if doc["kind"] == "ClusterRole"]
     granted = {
@@ -85,4 +95,5 @@ def test_chart_rbac_with_keda_grants_every_call_the_operator_made(cluster, helm_
         ("keda.sh", "scaledobjects", "patch"),
         ("inference.networking.k8s.io", "inferencepools", "patch"),
         ("monitoring.coreos.com", "podmonitors", "patch"),
+        ("keda.sh", "scaledobjects", "delete"),
     } <= used

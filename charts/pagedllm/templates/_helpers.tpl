@@ -59,9 +59,10 @@ every API call the operator makes against the emulated cluster and checks it is 
 - every child is read (get) before it is applied: one that another controller owns is
   refused, never taken over;
 - horizontalpodautoscalers / scaledobjects, inferencepools, podmonitors, poddisruptionbudgets:
-  the fleet objects, server-side applied;
+  the fleet objects, server-side applied, and deleted when the spec no longer asks for them
+  (autoscaling or routing turned off, one replica left);
 - events: what the operator did, for kubectl describe.
-Nothing is deleted by the operator: owner references cascade deletion.
+Nothing else is deleted by the operator: owner references cascade deletion.
 */}}
 {{- define "pagedllm.namespacedRules" -}}
 - apiGroups: ["pagedllm.dev"]
@@ -77,23 +78,23 @@ Nothing is deleted by the operator: owner references cascade deletion.
   verbs: ["update"]
 - apiGroups: ["policy"]
   resources: ["poddisruptionbudgets"]
-  verbs: ["get", "create", "patch"]
+  verbs: ["get", "create", "patch", "delete"]
 # The fleet objects, server-side applied: the autoscaler (KEDA's ScaledObject only with
 # autoscaler=keda), the InferencePool and PodMonitor where their CRDs are installed.
 - apiGroups: ["autoscaling"]
   resources: ["horizontalpodautoscalers"]
-  verbs: ["get", "create", "patch"]
+  verbs: ["get", "create", "patch", "delete"]
 {{- if eq .Values.autoscaler "keda" }}
 - apiGroups: ["keda.sh"]
   resources: ["scaledobjects"]
-  verbs: ["get", "create", "patch"]
+  verbs: ["get", "create", "patch", "delete"]
 {{- end }}
 - apiGroups: ["inference.networking.k8s.io"]
   resources: ["inferencepools"]
-  verbs: ["get", "create", "patch"]
+  verbs: ["get", "create", "patch", "delete"]
 - apiGroups: ["monitoring.coreos.com"]
   resources: ["podmonitors"]
-  verbs: ["get", "create", "patch"]
+  verbs: ["get", "create", "patch", "delete"]
 - apiGroups: ["apps"]
   resources: ["deployments"]
   verbs: ["get", "list", "watch", "create", "patch"]
