@@ -18,6 +18,7 @@ DEVICES = ("auto", "cpu", "cuda")
 LOAD_FORMATS = ("auto", "safetensors", "pt", "dummy")
 PREEMPTION_MODES = (None, "recompute", "swap")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
+KV_RESERVATIONS = ("paged", "max", "pow2", "oracle")  # kept equal to core.kv_reservation's (config stays import-light)
 GiB = 1 << 30
 
 
@@ -133,6 +134,15 @@ class CacheConfig:
         default=None, metadata=_help("Use exactly this many device KV blocks (default: sized from memory).")
     )
     enable_prefix_caching: bool = field(default=True, metadata=_help("Reuse KV blocks of prompts that share a prefix."))
+    kv_reservation: str = field(
+        default="paged",
+        metadata=_help(
+            "Benchmarks only: paged, or reserve at admission as the paper's Orca baselines do"
+            " (max = max_model_len, pow2 = next power of two of prompt + output, oracle = prompt + output).",
+            choices=KV_RESERVATIONS,
+            benchmark_only=True,
+        ),
+    )
 
     def __post_init__(self) -> None:
         if not (
@@ -145,6 +155,7 @@ class CacheConfig:
         check_range("swap_space", self.swap_space, 0)
         check_range("kv_cache_memory", self.kv_cache_memory, 0.0, low_open=True)
         check_range("num_gpu_blocks_override", self.num_gpu_blocks_override, 1)
+        check_choice("kv_reservation", self.kv_reservation, KV_RESERVATIONS)
 
 
 @dataclass(frozen=True)
@@ -217,5 +228,8 @@ class EngineConfig:
 
 
 def engine_fields() -> list[dataclasses.Field]:
-    """All engine arguments, in declaration order."""
-    return [f for sub in SUB_CONFIGS for f in dataclasses.fields(sub)]
+    """The engine arguments a deployment sets (CLI flags, the CRD), in declaration order.
+
+    NOTE: fields marked ``benchmark_only`` are left out: ``LLM(...)`` accepts them, a server does not.
+    """
+    return [f for sub in SUB_CONFIGS for f in dataclasses.fields(sub) if not f.metadata.get("benchmark_only")]

@@ -21,6 +21,7 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
 from pagedllm.server.core.block_pool import BlockContent, BlockHash, BlockIdent, BlockPool
+from pagedllm.server.core.kv_reservation import KVReservation
 from pagedllm.server.core.sequence import Sequence, SequenceGroup, SequenceStatus
 
 
@@ -73,8 +74,11 @@ class BlockManager:
         num_cpu_blocks: int,
         enable_prefix_caching: bool = False,
         watermark: float = 0.01,
+        reservation: KVReservation | None = None,
     ) -> None:
         self.block_size = block_size
+        self.reservation = reservation
+        """None: paging (blocks on demand); else a benchmark's reservation-based baseline."""
         self.gpu = BlockPool(num_gpu_blocks, enable_caching=enable_prefix_caching)
         self.cpu = BlockPool(num_cpu_blocks)
         self.enable_prefix_caching = enable_prefix_caching
@@ -119,16 +123,29 @@ class BlockManager:
         return hashes[: len(blocks)], blocks
 
     # -- allocation ---------------------------------------------------------------------
+    @property
+    def num_available(self) -> int:
+        """Device blocks free for anyone: free and evictable blocks less those promised by reservations."""
+        return self.gpu.num_free - (self.reservation.outstanding if self.reservation else 0)
+
+    def reserved_blocks(self, seq: Sequence) -> int:
+        """Blocks promised to the sequence by its reservation and not yet allocated (0 when paging)."""
+        return self.reservation.left(seq.seq_id) if self.reservation else 0
+
+    def _blocks_at_admission(self, seq: Sequence) -> int:
+        needed = _blocks_for(len(seq), self.block_size)
+        return max(needed, self.reservation.blocks(seq.seq_id)) if self.reservation else needed
+
     def can_allocate(self, group: SequenceGroup, use_cache: bool = True) -> AllocStatus:
         needed = 0
         for seq in group.get_seqs(SequenceStatus.WAITING):
-            needed += _blocks_for(len(seq), self.block_size)
+            needed += self._blocks_at_admission(seq)
             if use_cache:
                 _, cached = self._cached_prefix(seq)
                 needed -= sum(1 for block in cached if self.gpu.ref_counts[block] > 0)
         if needed > self.gpu.num_blocks - self.watermark_blocks:
             return AllocStatus.NEVER
-        if self.gpu.num_free - needed >= self.watermark_blocks:
+        if self.num_available - needed >= self.watermark_blocks:
             return AllocStatus.OK
         return AllocStatus.LATER
 
@@ -145,12 +162,15 @@ class BlockManager:
             table.append(self.gpu.allocate())
         self.tables[seq.seq_id] = table
         self._hashes[seq.seq_id] = hashes
+        if self.reservation:
+            self.reservation.hold(seq.seq_id, len(table))
         seq.num_computed_tokens = len(hashes) * self.block_size
 
     def can_append_slots(self, group: SequenceGroup) -> bool:
         """Whether every running sequence of the group can get a slot for its next token."""
-        needed = sum(self._blocks_to_append(seq) for seq in group.get_seqs(SequenceStatus.RUNNING))
-        return needed <= self.gpu.num_free
+        seqs = group.get_seqs(SequenceStatus.RUNNING)
+        needed = sum(max(0, self._blocks_to_append(seq) - self.reserved_blocks(seq)) for seq in seqs)
+        return needed <= self.num_available
 
     def _blocks_to_append(self, seq: Sequence) -> int:
         table = self.tables[seq.seq_id]
@@ -164,19 +184,24 @@ class BlockManager:
         """Make room for every token of ``seq``; returns copy-on-write (src, dst) pairs."""
         table = self.tables[seq.seq_id]
         while len(table) * self.block_size < len(seq):
-            table.append(self.gpu.allocate())
+            table.append(self._allocate_for(seq))
         # NOTE: only the block the next tokens are written into can be shared and
         # unfull; full blocks before it are never written again.
         first = seq.num_computed_tokens // self.block_size
         copies = []
         for i in range(first, _blocks_for(len(seq), self.block_size)):
             if self.gpu.ref_counts[table[i]] > 1:
-                new = self.gpu.allocate()
+                new = self._allocate_for(seq)
                 self.gpu.decref(table[i])
                 copies.append((table[i], new))
                 table[i] = new
         self.num_copy_on_writes += len(copies)
         return copies
+
+    def _allocate_for(self, seq: Sequence) -> int:
+        if self.reservation:
+            self.reservation.draw(seq.seq_id)
+        return self.gpu.allocate()
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """The child shares every block of the parent."""
@@ -191,6 +216,8 @@ class BlockManager:
         """Drop the sequence's references; a no-op for a sequence without blocks."""
         table = self.tables.pop(seq.seq_id, None)
         self._hashes.pop(seq.seq_id, None)
+        if self.reservation:
+            self.reservation.release(seq.seq_id, finished=seq.status.finished)
         if table is None:
             return
         pool = self._pool_of(seq)

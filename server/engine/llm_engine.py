@@ -21,6 +21,7 @@ import torch
 
 from pagedllm.server.config import ConfigError, EngineConfig
 from pagedllm.server.core.block_manager import BlockManager
+from pagedllm.server.core.kv_reservation import KVReservation
 from pagedllm.server.core.scheduler import Scheduler, SchedulerOutput
 from pagedllm.server.core.sequence import Sequence, SequenceGroup, SequenceStatus
 from pagedllm.server.engine.beam_search import BeamSearch, BeamState
@@ -141,7 +142,11 @@ class LLMEngine:
         num_gpu_blocks = self.runner.num_device_blocks(useful)
         num_cpu_blocks = self.runner.num_host_blocks(useful)
         self.runner.allocate_cache(num_gpu_blocks, num_cpu_blocks)
-        return BlockManager(config.cache.block_size, num_gpu_blocks, num_cpu_blocks, config.cache.enable_prefix_caching)
+        mode, block_size = config.cache.kv_reservation, config.cache.block_size
+        reservation = KVReservation(mode, block_size, max_model_len) if mode != "paged" else None
+        return BlockManager(
+            block_size, num_gpu_blocks, num_cpu_blocks, config.cache.enable_prefix_caching, reservation=reservation
+        )
 
     def _next_seq_id(self) -> int:
         return next(self._seq_ids)
@@ -156,6 +161,7 @@ class LLMEngine:
         params = sampling_params
         processed = self.input_processor.process(prompt, params)
         seq = Sequence(self._next_seq_id(), processed.token_ids, cache_salt=processed.cache_salt)
+        self._expect_length(seq, params)
         group = SequenceGroup(
             request_id,
             [seq],
@@ -169,6 +175,20 @@ class LLMEngine:
         beam = BeamState() if params.use_beam_search else None
         self._requests[request_id] = RequestState(group, generator, beam, grammar)
         self.scheduler.add(group)
+
+    def _expect_length(self, seq: Sequence, params: SamplingParams) -> None:
+        """Tell a reservation-based allocator (benchmarks) how long the request can grow."""
+        reservation = self.block_manager.reservation
+        if reservation is None:
+            return
+        if params.best_of > 1:
+            raise ConfigError(
+                "best_of",
+                params.best_of,
+                "use kv_reservation='paged' for parallel sampling and beam search",
+                problem=f"is not supported with kv_reservation={reservation.mode!r}",
+            )
+        reservation.expect(seq.seq_id, len(seq) + (params.max_tokens or self.max_model_len))
 
     def abort_request(self, request_id: str | Iterable[str]) -> None:
         """Stop the request(s) wherever they are; their blocks are freed at once. Unknown ids are ignored."""
