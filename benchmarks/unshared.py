@@ -1,0 +1,62 @@
+"""The engine with block sharing disabled: every sequence owns a copy of its blocks.
+
+The paper's Fig. 14 baseline for parallel sampling and beam search. A forked sequence
+first shares its parent's blocks as usual; at its next step it copies every block it
+still shares (the prompt's and the generated ones), through the same room check as any
+other allocation, so a group with k sequences holds k full copies from then on.
+"""
+
+from __future__ import annotations
+
+from pagedllm.server.core.block_manager import BlockManager
+from pagedllm.server.core.sequence import Sequence
+from pagedllm.server.engine.llm_engine import LLMEngine
+
+
+class UnsharedBlockManager(BlockManager):
+    """A block manager whose forks end up copying instead of sharing."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._to_unshare: set[int] = set()  # forked sequences that still share blocks
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        super().fork(parent, child)
+        self._to_unshare.add(child.seq_id)
+
+    def _shared(self, seq: Sequence) -> list[int]:
+        table = self.tables[seq.seq_id]
+        return [i for i, block in enumerate(table) if self.gpu.ref_counts[block] > 1]
+
+    def _blocks_to_append(self, seq: Sequence) -> int:
+        if seq.seq_id not in self._to_unshare:
+            return super()._blocks_to_append(seq)
+        growth = max(0, -(-seq.num_tokens // self.block_size) - len(self.tables[seq.seq_id]))
+        return len(self._shared(seq)) + growth
+
+    def append_slots(self, seq: Sequence) -> list[tuple[int, int]]:
+        copies = []
+        if seq.seq_id in self._to_unshare:
+            self._to_unshare.discard(seq.seq_id)
+            table = self.tables[seq.seq_id]
+            for i in self._shared(seq):
+                new = self._allocate_for(seq)
+                self.gpu.decref(table[i])
+                copies.append((table[i], new))
+                table[i] = new
+            self.num_copy_on_writes += len(copies)
+        return copies + super().append_slots(seq)
+
+    def free(self, seq: Sequence) -> None:
+        self._to_unshare.discard(seq.seq_id)
+        super().free(seq)
+
+
+class UnsharedEngine(LLMEngine):
+    """:class:`LLMEngine` over an :class:`UnsharedBlockManager` (same pools, same watermark)."""
+
+    def _allocate_cache(self, max_model_len: int) -> BlockManager:
+        shared = super()._allocate_cache(max_model_len)
+        return UnsharedBlockManager(
+            shared.block_size, shared.gpu.num_blocks, shared.cpu.num_blocks, shared.enable_prefix_caching
+        )
