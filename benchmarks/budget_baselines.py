@@ -71,8 +71,8 @@ def _generate(model, batch: Sequence[Request]) -> float:
 
 def hf_static_online(
     batch_seconds: BatchSeconds, requests: Sequence[Request], arrivals: Sequence[float], budget_tokens: int
-) -> float:
-    """Normalized latency (s/token) of static batches served on the simulated clock."""
+) -> tuple[float, float]:
+    """Normalized latency (s/token) of static batches served on the simulated clock, and the duration."""
     clock, done, latencies = 0.0, 0, []
     while done < len(requests):
         clock = max(clock, arrivals[done])
@@ -82,7 +82,7 @@ def hf_static_online(
         clock += batch_seconds(batch)
         latencies += [(clock - arrivals[done + i]) / r.output_len for i, r in enumerate(batch)]
         done += size
-    return float(np.mean(latencies))
+    return float(np.mean(latencies)), clock
 
 
 @torch.inference_mode()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 
 import matplotlib.pyplot as plt
@@ -84,32 +85,54 @@ def _running_bars(ax, rows: dict, workload: str) -> None:
 
 
 # -- Fig. 12 ----------------------------------------------------------------------------
-def sweep(measure: Callable[[float], float], rates: Sequence[float], bound: float, desc: str) -> list:
-    """(rate, normalized latency) pairs, ascending, from the highest rate down to the first under the bound.
+Measure = Callable[[float], tuple[float, float]]  # rate -> (normalized latency, simulated duration)
 
-    NOTE: downwards because a run costs about as long as its arrivals span on the simulated
-    clock: high rates are cheap, and each system stops just below its knee.
+
+def sweep(measure: Measure, rates: Sequence[float], bound: float, num: int, desc: str) -> dict:
+    """Normalized latency from the highest useful rate down to the first under the bound.
+
+    NOTE: a run costs about as long as its arrivals span on the simulated clock, so the
+    sweep goes downwards and stops just below the knee. It starts with every request at
+    once, which gives the capacity (requests/s); rates over 3x that are skipped (over the
+    bound whenever the all-at-once run is: a finite trace's tail makes the capacity
+    underestimate what a steady load sustains), and fractions of it are tried when no
+    rate of the grid is low enough.
     """
-    points = []
-    for rate in tqdm(sorted(rates, reverse=True), desc=desc):
-        latency = measure(rate)
-        points.append((rate, latency))
-        if latency <= bound:
-            break
-    return sorted(points)
+    at_once, duration = measure(math.inf)
+    capacity = num / duration
+    points: list[tuple[float, float]] = []
+    if at_once > bound:
+        grid = [r for r in rates if r <= 3 * capacity] + [f * capacity for f in (0.8, 0.5, 0.25)]
+        for rate in tqdm(sorted(set(grid), reverse=True), desc=desc):
+            latency, _ = measure(rate)
+            points.append((rate, latency))
+            if latency <= bound:
+                break
+    return {"points": sorted(points), "capacity": capacity, "latency_all_at_once": at_once}
 
 
-def sustainable_rate(points: list, bound: float) -> dict:
+def sustainable_rate(curve: dict, bound: float) -> dict:
     """The highest rate under the bound, interpolated between the last rate under it and the first over."""
+    if curve["latency_all_at_once"] <= bound:
+        return {"rate": curve["capacity"], "note": "lower bound: under the bound with every request at once"}
+    points = curve["points"]
     under = [p for p in points if p[1] <= bound]
-    over = [p for p in points if p[1] > bound]
     if not under:
-        return {"rate": 0.0, "note": f"over the bound already at {points[0][0]}"}
+        return {"rate": 0.0, "note": f"over the bound at every rate tried, down to {points[0][0]:.3g}"}
     r1, l1 = under[-1]
+    over = [p for p in points if p[1] > bound and p[0] > r1]
     if not over:
         return {"rate": r1, "note": "lower bound: under the bound at every rate tried"}
     r2, l2 = over[0]
     return {"rate": r1 + (bound - l1) / (l2 - l1) * (r2 - r1), "note": "interpolated"}
+
+
+def _served(ctx: Context, workload: str, allocator: str, requests, clock: str) -> Measure:
+    def measure(rate: float) -> tuple[float, float]:
+        run = serve(ctx, workload, allocator, requests, ctx.arrivals(len(requests), rate), roofline=CLOCKS[clock])
+        return run.normalized_latency, run.duration
+
+    return measure
 
 
 def latency_bound(ctx: Context, workload: str, requests, clock: str) -> float:
@@ -139,16 +162,8 @@ def _fig12_workload(ctx: Context, workload: str, clock: str) -> dict:
     bound = latency_bound(ctx, workload, requests, clock)
     curves = {}
     for allocator in ALLOCATORS:
-        curves[allocator] = sweep(
-            lambda r, a=allocator: (
-                serve(
-                    ctx, workload, a, requests, ctx.arrivals(len(requests), r), roofline=CLOCKS[clock]
-                ).normalized_latency
-            ),
-            rates,
-            bound,
-            f"fig12 {clock} {workload} {allocator}",
-        )
+        measure = _served(ctx, workload, allocator, requests, clock)
+        curves[allocator] = sweep(measure, rates, bound, len(requests), f"fig12 {clock} {workload} {allocator}")
     extra = {}
     if ctx.profile.hf_baselines:
         model, budget = _load(ctx.model_dir), ctx.budget_tokens(workload)
@@ -157,6 +172,7 @@ def _fig12_workload(ctx: Context, workload: str, clock: str) -> dict:
             lambda r: hf_static_online(batch_seconds, requests, ctx.arrivals(len(requests), r), budget),
             rates,
             bound,
+            len(requests),
             f"fig12 {clock} {workload} hf-static",
         )
     if ctx.profile.hf_baselines and clock == "measured":
@@ -174,7 +190,8 @@ def _fig12_workload(ctx: Context, workload: str, clock: str) -> dict:
 
 
 def _plot_curves(ax, data: dict, bound: float, title: str) -> None:
-    for name, points in data["curves"].items():
+    for name, curve in data["curves"].items():
+        points = curve["points"] or [(curve["capacity"], curve["latency_all_at_once"])]
         rates, latencies = zip(*points)
         ax.plot(rates, latencies, marker="o", label=LABELS.get(name, name))
     if "hf-continuous" in data["sustainable_rate"]:
@@ -224,17 +241,9 @@ def fig17(ctx: Context) -> dict:
 
 def _fig17_clock(ctx: Context, requests, clock: str) -> dict:
     bound = latency_bound(ctx, "chatbot", requests, clock)
+    rates = ctx.profile.rates[clock]["chatbot"]
     curves = {
-        a: sweep(
-            lambda r, a=a: (
-                serve(
-                    ctx, "chatbot", a, requests, ctx.arrivals(len(requests), r), roofline=CLOCKS[clock]
-                ).normalized_latency
-            ),
-            ctx.profile.rates[clock]["chatbot"],
-            bound,
-            f"fig17 {clock} {a}",
-        )
+        a: sweep(_served(ctx, "chatbot", a, requests, clock), rates, bound, len(requests), f"fig17 {clock} {a}")
         for a in ALLOCATORS
     }
     sustained = {a: sustainable_rate(points, bound) for a, points in curves.items()}
