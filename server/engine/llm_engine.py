@@ -142,11 +142,12 @@ class LLMEngine:
         num_gpu_blocks = self.runner.num_device_blocks(useful)
         num_cpu_blocks = self.runner.num_host_blocks(useful)
         self.runner.allocate_cache(num_gpu_blocks, num_cpu_blocks)
-        mode, block_size = config.cache.kv_reservation, config.cache.block_size
-        reservation = KVReservation(mode, block_size, max_model_len) if mode != "paged" else None
-        return BlockManager(
-            block_size, num_gpu_blocks, num_cpu_blocks, config.cache.enable_prefix_caching, reservation=reservation
-        )
+        bm = BlockManager(config.cache.block_size, num_gpu_blocks, num_cpu_blocks, config.cache.enable_prefix_caching)
+        if config.cache.kv_reservation != "paged":
+            # NOTE: no reservation exceeds what the cache can hold, or Orca (Max) could admit nothing.
+            capacity = (bm.gpu.num_blocks - bm.watermark_blocks) * bm.block_size
+            bm.reservation = KVReservation(config.cache.kv_reservation, bm.block_size, min(max_model_len, capacity))
+        return bm
 
     def _next_seq_id(self) -> int:
         return next(self._seq_ids)
