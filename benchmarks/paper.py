@@ -123,6 +123,7 @@ class Context:
     threads: int
     vocab: int
     clocks: tuple[str, ...] = ("measured",)
+    workloads: tuple[str, ...] = ("sharegpt", "alpaca")  # of fig12
 
     def requests(self, workload: str, num: int | None = None) -> list[Request]:
         n = num or self.profile.num_requests[workload]
@@ -211,6 +212,7 @@ def main() -> None:
     parser.add_argument("--gpu", action="store_true", help="the GPU profile (LLaMA-7B shape, bf16, dummy weights)")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (CPU)")
     parser.add_argument("--seed", type=int, default=0, help="seed of every workload")
+    parser.add_argument("--workloads", default="sharegpt,alpaca", help="workloads of fig12, comma-separated")
     parser.add_argument(
         "--clocks", default=None, help="clocks of fig12/fig17, comma-separated (default: the profile's, see sim.py)"
     )
@@ -224,7 +226,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as model_dir:
         vocab = build_model(profile, model_dir)
         clocks = tuple(args.clocks.split(",")) if args.clocks else profile.clocks
-        ctx = Context(profile, model_dir, args.seed, args.threads, vocab, clocks)
+        ctx = Context(profile, model_dir, args.seed, args.threads, vocab, clocks, tuple(args.workloads.split(",")))
         for name in names:
             print(f"== {name} ({profile.name}, {args.threads} thread(s))", flush=True)
             table[name](ctx)
