@@ -8,8 +8,8 @@ other allocation, so a group with k sequences holds k full copies from then on.
 
 from __future__ import annotations
 
-from pagedllm.server.core.block_manager import BlockManager
-from pagedllm.server.core.sequence import Sequence
+from pagedllm.server.core.block_manager import AllocStatus, BlockManager
+from pagedllm.server.core.sequence import Sequence, SequenceGroup, SequenceStatus
 from pagedllm.server.engine.llm_engine import LLMEngine
 
 
@@ -46,6 +46,14 @@ class UnsharedBlockManager(BlockManager):
                 table[i] = new
             self.num_copy_on_writes += len(copies)
         return copies + super().append_slots(seq)
+
+    def can_swap_in(self, group: SequenceGroup) -> AllocStatus:
+        """Room for every sequence's own copy of its blocks, plus one to grow each (they unshare on their next step)."""
+        seqs = group.get_seqs(SequenceStatus.SWAPPED)
+        needed = sum(len(self.tables[seq.seq_id]) for seq in seqs) + len(seqs)
+        if needed > self.gpu.num_blocks - self.watermark_blocks:
+            return AllocStatus.NEVER
+        return AllocStatus.OK if self.num_available - needed >= self.watermark_blocks else AllocStatus.LATER
 
     def free(self, seq: Sequence) -> None:
         self._to_unshare.discard(seq.seq_id)
