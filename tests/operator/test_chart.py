@@ -142,6 +142,17 @@ def test_keda_rbac_only_with_keda(helm_template):
         assert rules_of(role) == NAMESPACED_RULES | KEDA_RULES
 
 
+def test_hpa_mode_may_still_read_and_delete_scaled_objects(helm_template):
+    """Where KEDA is installed, the operator in hpa mode looks for a ScaledObject it made before a
+    switch from keda (and deletes it): without the read, every resource would be Degraded (403)."""
+    from pagedllm.operator.apply import PRUNABLE
+
+    assert ("keda.sh/v1alpha1", "ScaledObject") in PRUNABLE
+    (role,) = by_kind(helm_template())["ClusterRole"]
+    scaled = {verb for group, resource, verb in rules_of(role) if resource == "scaledobjects"}
+    assert scaled == {"get", "delete"}
+
+
 def rules_of(doc: dict) -> set[tuple[str, str, str]]:
     return {
         (group, resource, verb)
@@ -160,6 +171,7 @@ NAMESPACED_RULES = (
     | {("autoscaling", "horizontalpodautoscalers", v) for v in ("get", "create", "patch", "delete")}
     | {("inference.networking.k8s.io", "inferencepools", v) for v in ("get", "create", "patch", "delete")}
     | {("monitoring.coreos.com", "podmonitors", v) for v in ("get", "create", "patch", "delete")}
+    | {("keda.sh", "scaledobjects", v) for v in ("get", "delete")}
     | {("apps", "deployments", v) for v in ("get", "list", "watch", "create", "patch")}
     | {("", "services", v) for v in ("get", "list", "watch", "create", "patch")}
     | {("", "pods", v) for v in ("list", "watch")}
