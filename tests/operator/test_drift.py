@@ -9,6 +9,7 @@ from pagedllm.operator.apply import ADOPTION_REFUSED, APPLY_REFUSED, ApplyOutcom
 from pagedllm.operator.drift import drifted, foreign_controller
 from pagedllm.operator.kube import ApiError
 from pagedllm.operator.manifests import RenderConfig, render
+from pagedllm.operator.status import Problem
 
 CONFIG = RenderConfig(default_image="registry.example/pagedllm:test")
 
@@ -116,6 +117,16 @@ def test_a_child_of_another_controller_is_not_applied():
     problem = outcome.problem()
     assert problem is not None and problem.reason == ADOPTION_REFUSED
     assert "Service llama already exists and is controlled by Notebook/lab" in problem.message
+
+
+def test_no_credentials_or_permission_and_invalid_objects_are_refusals_not_retries():
+    for status in (401, 403, 422):
+        assert not ApiError(status, "no").retriable, status
+    for status in (409, 429, 500, 503):
+        assert ApiError(status, "later").retriable, status
+    kube = FakeKube(refuse={"Deployment": ApiError(401, "Unauthorized")})
+    outcome = asyncio.run(apply_all(render(resource(), CONFIG).all(), kube, "owner-uid"))
+    assert outcome.transient == [] and outcome.problem() == Problem(APPLY_REFUSED, "Deployment llama: Unauthorized")
 
 
 def test_transient_failures_are_kept_apart_from_refusals():
