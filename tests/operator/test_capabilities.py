@@ -99,3 +99,22 @@ async def test_kube_client_logs_in_again_once_after_a_401_then_gives_up(cluster)
     assert (refused.value.status, refused.value.retriable) == (401, False)
     assert len(logins) == 2  # the token may have rotated: loaded again once, not in a loop
     assert sum(1 for r in cluster.operator_requests() if r.url.path == path) == 2
+
+
+async def test_kube_client_applies_under_the_field_manager_asked_for(cluster):
+    def configure() -> kubernetes.client.Configuration:
+        return kubernetes.client.Configuration(host=cluster.url, api_key={"BearerToken": "Bearer t"})
+
+    service = {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "s", "namespace": "managers"}, "spec": {}}
+    kube = KubeClient(configure)
+    try:
+        await kube.apply(service)
+        await kube.apply(service, field_manager="pagedllm-operator-handover")
+    finally:
+        await kube.close()
+    path = "/api/v1/namespaces/managers/services/s"
+    applies = [r.params for r in cluster.operator_requests() if r.method.value == "PATCH" and r.url.path == path]
+    assert [(p.get("fieldManager"), p.get("force")) for p in applies] == [
+        ("pagedllm-operator", "true"),
+        ("pagedllm-operator-handover", "true"),
+    ]
