@@ -50,6 +50,7 @@ SWITCHES = [
     ("--set", "watchNamespaces={ml,research}", "--set", "crds.install=false"),
     ("--set", "autoscaler=keda", "--set", "prometheus.address=http://prom.monitoring.svc:9090"),
     ("--set", "autoscaler=keda", "--set", "watchNamespaces={ml}"),
+    ("--set", "prometheus.podMonitorLabels.release=kps"),
 ]
 
 
@@ -133,6 +134,18 @@ def test_autoscaler_and_prometheus_reach_the_operator(helm_template):
     docs = helm_template("--set", "autoscaler=keda", "--set", "prometheus.address=http://prom.monitoring.svc:9090")
     args = parse_operator_args(operator_container(docs))
     assert args.autoscaler == "keda" and args.prometheus_address == "http://prom.monitoring.svc:9090"
+    assert parse_operator_args(operator_container(helm_template())).pod_monitor_labels == []
+    docs = helm_template(
+        "--set", "prometheus.podMonitorLabels.release=kps", "--set", "prometheus.podMonitorLabels.a\\.b/c=d"
+    )
+    assert parse_operator_args(operator_container(docs)).pod_monitor_labels == [("a.b/c", "d"), ("release", "kps")]
+
+
+def test_pod_monitor_labels_of_the_operator_are_refused():
+    parser = add_operator_args(argparse.ArgumentParser())
+    for bad in ("release", "=x", "app.kubernetes.io/name=other"):
+        with pytest.raises(SystemExit):
+            parser.parse_args([f"--pod-monitor-label={bad}"])
 
 
 def test_keda_rbac_only_with_keda(helm_template):

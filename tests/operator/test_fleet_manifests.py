@@ -176,6 +176,17 @@ def test_pod_monitor_and_scrape_annotations():
     }
 
 
+def test_pod_monitor_carries_the_labels_prometheus_selects_by():
+    config = RenderConfig(default_image="img", pod_monitor_labels=(("release", "kps"),))
+    monitor = by_kind(render(body(), config))["PodMonitor"]
+    validate_manifest(monitor)
+    assert monitor["metadata"]["labels"]["release"] == "kps"
+    assert monitor["metadata"]["labels"]["app.kubernetes.io/managed-by"] == "pagedllm-operator"
+    assert "release" not in by_kind(render(body(replicas=2), config))["PodDisruptionBudget"]["metadata"].get(
+        "labels", {}
+    )
+
+
 def test_fleet_objects_are_labelled_and_owned():
     manifests = render(body(routing={"inferencePool": True}, **scaling()), KEDA)
     for kind in ("ScaledObject", "InferencePool", "PodMonitor", "PodDisruptionBudget"):
