@@ -65,7 +65,19 @@ def test_names_scope_and_subresources(crd):
 
 def test_printer_columns(crd, crd_schema):
     columns = crd["spec"]["versions"][0]["additionalPrinterColumns"]
-    assert [c["name"] for c in columns] == ["Model", "TP", "Block", "Ready", "Phase", "Endpoint", "Age"]
+    assert [c["name"] for c in columns] == [
+        "Model",
+        "TP",
+        "Block",
+        "Ready",
+        "Phase",
+        "Endpoint",
+        "Desired",
+        "Current",
+        "Age",
+    ]
+    # desired vs current replicas (the autoscaler's choice) in kubectl get -o wide
+    assert [c["name"] for c in columns if c.get("priority")] == ["Desired", "Current"]
     for column in columns[:-1]:  # every path exists in the schema
         node = crd_schema
         for part in column["jsonPath"].strip(".").split("."):
