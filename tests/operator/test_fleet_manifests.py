@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import copy
 import re
+from pathlib import Path
 
 import jsonschema
 import kubernetes_validate
 import pytest
+import yaml
 from test_manifests import CONFIG, body
 from third_party_schemas import validate_manifest
 
@@ -223,3 +225,22 @@ def test_status_desired_replicas_follow_the_autoscaler():
     zero = status_from(body(**scaling(minReplicas=0)), {"spec": {"replicas": 0}, "status": {}}, now="t")
     assert zero["phase"] == "Pending" and "autoscaler scaled to zero" in zero["conditions"][0]["message"]
     assert status_from(body(replicas=2), None, now="t")["desiredReplicas"] == 2
+
+
+def test_the_gateway_example_routes_to_the_pool_the_operator_renders():
+    path = Path(__file__).parents[2] / "examples" / "gateway-inferencepool.yaml"
+    docs = {doc["kind"]: doc for doc in yaml.safe_load_all(path.read_text()) if doc}
+    resource = {**docs["PagedLLM"], "metadata": {**docs["PagedLLM"]["metadata"], "uid": "u"}}
+    pool = by_kind(render(resource, CONFIG))["InferencePool"]
+    validate_manifest(pool)
+    route, gateway = docs["HTTPRoute"], docs["Gateway"]
+    (rule,) = route["spec"]["rules"]
+    (backend,) = rule["backendRefs"]
+    assert (backend["group"], backend["kind"], backend["name"]) == (
+        pool["apiVersion"].split("/")[0],
+        pool["kind"],
+        pool["metadata"]["name"],
+    )
+    assert route["spec"]["parentRefs"] == [{"name": gateway["metadata"]["name"]}]
+    assert route["metadata"]["namespace"] == pool["metadata"]["namespace"] == gateway["metadata"]["namespace"]
+    assert gateway["apiVersion"] == route["apiVersion"] == "gateway.networking.k8s.io/v1"
