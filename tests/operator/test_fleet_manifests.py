@@ -13,7 +13,7 @@ import yaml
 from test_manifests import CONFIG, body
 from third_party_schemas import validate_manifest
 
-from pagedllm.operator.autoscaling import METRIC_SERIES, pod_pattern, prometheus_query, quantity
+from pagedllm.operator.autoscaling import MAX_KEDA_NAME, METRIC_SERIES, pod_pattern, prometheus_query, quantity
 from pagedllm.operator.drift import drifted
 from pagedllm.operator.manifests import RenderConfig, render, selector_labels
 from pagedllm.operator.spec import SpecError
@@ -117,6 +117,18 @@ def test_pod_pattern_matches_only_this_resources_pods():
     assert pattern.fullmatch("llama-7f9c8d6b5-x2k4p")
     assert not pattern.fullmatch("llama-big-7f9c8d6b5-x2k4p")
     assert not pattern.fullmatch("other-7f9c8d6b5-x2k4p")
+
+
+def test_keda_needs_a_name_its_pod_pattern_can_match():
+    longest = "l" * MAX_KEDA_NAME
+    # the longest pod name Kubernetes makes for it: hash of 10, the whole cut to 58, then 5 random characters
+    pod = f"{longest}-7f9c8d6b5a-"[:58] + "x2k4p"
+    assert re.compile(pod_pattern(longest)).fullmatch(pod)
+    named = body(**scaling())
+    named["metadata"]["name"] = longest + "x"
+    with pytest.raises(SpecError, match=rf"too long for KEDA autoscaling.*at most {MAX_KEDA_NAME}"):
+        render(named, KEDA)
+    assert by_kind(render(named, CONFIG))["HorizontalPodAutoscaler"]  # the HPA selects pods by label
 
 
 def test_quantities():
