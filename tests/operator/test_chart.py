@@ -246,6 +246,7 @@ def test_rendered_manifests_validate_offline(helm_template, flags, monkeypatch):
         ("unknownKey", "1"),
         ("autoscaler", "kpa"),
         ("prometheus.address", "prometheus:9090"),
+        ("prometheus.podMonitorLabels", "release"),
     ],
 )
 def test_values_schema_refuses_bad_values(helm, flag, value):
