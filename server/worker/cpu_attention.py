@@ -71,8 +71,10 @@ def plan_attention(
     prefill_cu_seqlens_q: torch.Tensor,  # [num_prefills + 1] int32
     prefill_context_lens: torch.Tensor,  # [num_prefills] int32
     block_size: int,
+    max_pad_tokens: int = MAX_PAD_TOKENS,
 ) -> AttentionPlan:
-    order, groups = _plan_decodes(decode_block_tables, decode_context_lens.tolist(), block_size)
+    """Decode groups (padding per row at most ``max_pad_tokens``, or 1/8 of the shortest) and prefill chunks."""
+    order, groups = _plan_decodes(decode_block_tables, decode_context_lens.tolist(), block_size, max_pad_tokens)
     cu, lens = prefill_cu_seqlens_q.tolist(), prefill_context_lens.tolist()
     prefills = [
         PrefillChunk(cu[s], cu[s + 1], length, prefill_block_tables[s])
@@ -83,7 +85,7 @@ def plan_attention(
 
 
 def _plan_decodes(
-    tables: torch.Tensor, lens: list[int], block_size: int
+    tables: torch.Tensor, lens: list[int], block_size: int, max_pad_tokens: int
 ) -> tuple[torch.Tensor | None, list[DecodeGroup]]:
     num_blocks = [-(-n // block_size) for n in lens]
     order = sorted(range(len(lens)), key=num_blocks.__getitem__)
@@ -93,19 +95,19 @@ def _plan_decodes(
     sorted_tables = tables if index is None else tables.index_select(0, index)
     sorted_lens = [lens[i] for i in order]
     groups = []
-    for start, end in _group_bounds([num_blocks[i] for i in order], block_size):
+    for start, end in _group_bounds([num_blocks[i] for i in order], block_size, max_pad_tokens):
         groups.append(_decode_group(sorted_tables[start:end], sorted_lens[start:end], start, end, block_size))
     return index, groups
 
 
-def _group_bounds(sorted_blocks: list[int], block_size: int) -> list[tuple[int, int]]:
+def _group_bounds(sorted_blocks: list[int], block_size: int, max_pad_tokens: int) -> list[tuple[int, int]]:
     """Split a sorted list of block counts into runs whose padding stays small."""
     bounds, start = [], 0
     for i in range(1, len(sorted_blocks) + 1):
         if i < len(sorted_blocks):
             first = sorted_blocks[start] * block_size
             pad = (sorted_blocks[i] - sorted_blocks[start]) * block_size
-            if pad <= max(MAX_PAD_TOKENS, first // 8):
+            if pad <= max(max_pad_tokens, first // 8):
                 continue
         bounds.append((start, i))
         start = i

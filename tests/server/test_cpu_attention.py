@@ -89,9 +89,9 @@ def test_sorted_decodes_need_no_reordering():
 
 
 def test_group_bounds_merge_close_lengths_only():
-    assert _group_bounds([1, 2, 3, 4, 10, 10, 100, 110], 16) == [(0, 3), (3, 4), (4, 6), (6, 8)]
-    assert _group_bounds([5], 1) == [(0, 1)]
-    assert _group_bounds([], 16) == []
+    assert _group_bounds([1, 2, 3, 4, 10, 10, 100, 110], 16, 32) == [(0, 3), (3, 4), (4, 6), (6, 8)]
+    assert _group_bounds([5], 1, 32) == [(0, 1)]
+    assert _group_bounds([], 16, 32) == []
 
 
 @settings(max_examples=30, deadline=None)
