@@ -158,43 +158,47 @@ def main() -> None:
     systems = args.systems.split(",")
     overhead = scheduling_overhead_us(args.overhead_seqs, steps=200)
     print(f"scheduling overhead: {overhead:.0f} us/step at {args.overhead_seqs} running sequences (no model)")
-    batches = [int(b) for b in args.batch_sizes.split(",")]
-    counts = [int(n) for n in args.num_requests.split(",")]
-    cases = []
-    with tempfile.TemporaryDirectory() as model_dir:
-        params = save_random_llama(model_dir)
-        for name in args.workloads.split(","):
-            for batch, num in zip(batches, counts):
-                requests = workload(name, num, args)
-                out_tokens = sum(r.output_len for r in requests)
-                print(
-                    f"\n{name} outputs, batch {batch}: {num} requests, {out_tokens} output tokens, "
-                    f"mean input {sum(len(r.prompt_token_ids) for r in requests) / num:.0f}, {threads} thread(s)"
-                )
-                rates = run_case(model_dir, requests, batch, systems, threads)
-                cases.append(
-                    dict(workload=name, batch_size=batch, num_requests=num, output_tokens=out_tokens)
-                    | {"tokens_per_s": rates}
-                    | ratios(rates)
-                )
     result = {
         "date": datetime.date.today().isoformat(),
         "machine": machine(),
         "threads": threads,
-        "model_params": params,
         "fixed_output": args.fixed_output,
         "max_output": args.max_output,
-        "cases": cases,
+        "cases": [],
         "scheduling_overhead_us_per_step": overhead,
         "overhead_running_seqs": args.overhead_seqs,
         "command": "python benchmarks/throughput.py " + " ".join(sys.argv[1:]),
     }
-    print(json.dumps(result, indent=2))
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, f"throughput-{result['date']}-cpu{os.cpu_count()}-{threads}t.json")
+    batches = [int(b) for b in args.batch_sizes.split(",")]
+    counts = [int(n) for n in args.num_requests.split(",")]
+    with tempfile.TemporaryDirectory() as model_dir:
+        result["model_params"] = save_random_llama(model_dir)
+        for name in args.workloads.split(","):
+            for batch, num in zip(batches, counts):
+                result["cases"].append(run_workload(model_dir, name, batch, num, systems, threads, args))
+                save(result, path)  # NOTE: after every case, so a run cut short keeps what it measured
+    print(json.dumps(result, indent=2))
+    print(f"wrote {path}")
+
+
+def run_workload(model_dir: str, name: str, batch: int, num: int, systems: list[str], threads: int, args) -> dict:
+    requests = workload(name, num, args)
+    out_tokens = sum(r.output_len for r in requests)
+    mean_input = sum(len(r.prompt_token_ids) for r in requests) / num
+    print(
+        f"\n{name} outputs, batch {batch}: {num} requests, {out_tokens} output tokens, "
+        f"mean input {mean_input:.0f}, {threads} thread(s)"
+    )
+    rates = run_case(model_dir, requests, batch, systems, threads)
+    case = dict(workload=name, batch_size=batch, num_requests=num, output_tokens=out_tokens, mean_input=mean_input)
+    return case | {"tokens_per_s": rates} | ratios(rates)
+
+
+def save(result: dict, path: str) -> None:
     with open(path, "w") as f:
         json.dump(result, f, indent=2)
-    print(f"wrote {path}")
 
 
 if __name__ == "__main__":
