@@ -1,9 +1,17 @@
-"""Offline throughput: PagedLLM vs Hugging Face ``generate`` with static batches, same run.
+"""Offline throughput, all in one run on the same model and requests: PagedLLM against
+``transformers`` static ``generate`` batches, ``transformers``' own continuous batching
+(paged cache), and the no-context forward ceiling (what the weights alone allow).
 
-Also measures the engine's scheduling overhead per step (scheduler + block manager,
-no model) with many running sequences.
+Two workloads, each at every batch size: prompts with ShareGPT's input lengths and
+  - fixed:    every output ``--fixed-output`` tokens long;
+  - sharegpt: ShareGPT-like output lengths (log-normal, capped at ``--max-output``),
+    where a static batch waits for its longest member.
+Greedy decoding, EOS ignored, so every system generates exactly the same number of tokens.
+Also measures the engine's scheduling overhead per step (scheduler + block manager, no
+model) with many running sequences.
 
-    python benchmarks/throughput.py --num-requests 64 --batch-size 32
+    python benchmarks/throughput.py --threads 2
+    python benchmarks/throughput.py --threads 1 --systems ours,ceiling
 """
 
 from __future__ import annotations
@@ -18,11 +26,11 @@ import tempfile
 import time
 
 import torch
-from tqdm import tqdm
 
 sys.path.insert(0, os.path.dirname(__file__))
 from common import HelpFormatter, set_threads  # noqa: E402
-from workloads import sample_requests  # noqa: E402
+from hf_baselines import forward_ceiling, run_hf_continuous, run_hf_static  # noqa: E402
+from workloads import Request, sample_requests  # noqa: E402
 
 MODEL_SHAPE = dict(
     vocab_size=8000,
@@ -33,6 +41,7 @@ MODEL_SHAPE = dict(
     num_key_value_heads=8,
     max_position_embeddings=2048,
 )
+SYSTEMS = ("ours", "hf_static", "hf_continuous", "ceiling")
 
 
 def save_random_llama(path: str) -> int:
@@ -44,10 +53,12 @@ def save_random_llama(path: str) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def run_pagedllm(model_dir: str, requests, batch_size: int) -> float:
+def run_pagedllm(model_dir: str, requests, batch_size: int, threads: int | None = None) -> float:
     from pagedllm.server import LLM, SamplingParams
 
-    llm = LLM(model=model_dir, skip_tokenizer_init=True, max_num_seqs=batch_size, max_model_len=2048)
+    llm = LLM(
+        model=model_dir, skip_tokenizer_init=True, max_num_seqs=batch_size, max_model_len=2048, cpu_threads=threads
+    )
     prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
     params = [SamplingParams(temperature=0, max_tokens=r.output_len, ignore_eos=True) for r in requests]
     start = time.perf_counter()
@@ -55,24 +66,6 @@ def run_pagedllm(model_dir: str, requests, batch_size: int) -> float:
     elapsed = time.perf_counter() - start
     assert [len(o.outputs[0].token_ids) for o in outputs] == [r.output_len for r in requests]
     return elapsed
-
-
-@torch.inference_mode()
-def run_hf(model_dir: str, requests, batch_size: int) -> float:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    start = time.perf_counter()
-    for i in tqdm(range(0, len(requests), batch_size), desc="hf batches"):
-        batch = requests[i : i + batch_size]
-        width = max(len(r.prompt_token_ids) for r in batch)
-        ids = torch.tensor([[2] * (width - len(r.prompt_token_ids)) + r.prompt_token_ids for r in batch])
-        mask = torch.tensor([[0] * (width - len(r.prompt_token_ids)) + [1] * len(r.prompt_token_ids) for r in batch])
-        new = max(r.output_len for r in batch)  # a static batch runs until its longest request ends
-        model.generate(
-            ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=2
-        )
-    return time.perf_counter() - start
 
 
 def scheduling_overhead_us(num_seqs: int, steps: int, block_size: int = 16) -> float:
@@ -104,54 +97,108 @@ def scheduling_overhead_us(num_seqs: int, steps: int, block_size: int = 16) -> f
     return times[len(times) // 2] * 1e6
 
 
-def main() -> None:
+def workload(name: str, num: int, args) -> list[Request]:
+    """ShareGPT input lengths; outputs fixed or ShareGPT-like (see the module docstring)."""
+    requests = sample_requests("sharegpt", num, MODEL_SHAPE["vocab_size"], args.seed, max_output=args.max_output)
+    if name == "fixed":
+        return [Request(r.prompt_token_ids, args.fixed_output) for r in requests]
+    return requests
+
+
+def run_case(model_dir: str, requests: list[Request], batch: int, systems: list[str], threads: int) -> dict:
+    """Output tokens/s of each system on ``requests`` at ``batch`` sequences at a time."""
+    tokens = sum(r.output_len for r in requests)
+    runners = {
+        "ours": lambda: run_pagedllm(model_dir, requests, batch, threads),
+        "hf_static": lambda: run_hf_static(model_dir, requests, batch),
+        "hf_continuous": lambda: run_hf_continuous(model_dir, requests, batch),
+    }
+    rates: dict[str, float] = {}
+    for name in systems:
+        if name == "ceiling":
+            rates[name] = forward_ceiling(model_dir, batch)
+        else:
+            rates[name] = tokens / runners[name]()
+        print(f"  {name:14s} {rates[name]:8.1f} tokens/s")
+    return rates
+
+
+def ratios(rates: dict[str, float]) -> dict[str, float]:
+    ours = rates.get("ours")
+    if ours is None:
+        return {}
+    return {f"ours_over_{name}": ours / rate for name, rate in rates.items() if name != "ours"}
+
+
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
-    parser.add_argument("--workload", default="sharegpt", help="length distribution (the paper's sharegpt or alpaca)")
-    parser.add_argument("--num-requests", type=int, default=64, help="requests to run")
-    parser.add_argument("--batch-size", type=int, default=32, help="sequences per batch, for both systems")
-    parser.add_argument("--max-output", type=int, default=1024, help="longest output, in tokens")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: the CPU quota)")
+    parser.add_argument("--batch-sizes", default="16,64", help="sequences per batch, for every system")
+    parser.add_argument("--num-requests", default="32,64", help="requests per batch size (same order)")
+    parser.add_argument("--workloads", default="fixed,sharegpt", help="output-length workloads to run")
+    parser.add_argument("--systems", default=",".join(SYSTEMS), help=f"which of {SYSTEMS} to run")
+    parser.add_argument("--fixed-output", type=int, default=128, help="output tokens per request (fixed)")
+    parser.add_argument("--max-output", type=int, default=512, help="longest output (sharegpt)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the workload")
     parser.add_argument("--overhead-seqs", type=int, default=256, help="sequences in the scheduler-overhead probe")
-    parser.add_argument("--skip-hf", action="store_true", help="only run PagedLLM")
     parser.add_argument(
         "--out", default=os.path.join(os.path.dirname(__file__), "results"), help="directory the results are written to"
     )
-    args = parser.parse_args()
-    set_threads()
+    return parser.parse_args()
 
+
+def machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    return f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__}, device cpu"
+
+
+def main() -> None:
+    args = parse_args()
+    threads = set_threads(args.threads)
+    systems = args.systems.split(",")
     overhead = scheduling_overhead_us(args.overhead_seqs, steps=200)
-    print(f"scheduling overhead: {overhead:.0f} us/step at {args.overhead_seqs} running sequences (stub model)")
-    requests = sample_requests(
-        args.workload, args.num_requests, MODEL_SHAPE["vocab_size"], args.seed, max_output=args.max_output
-    )
-    out_tokens = sum(r.output_len for r in requests)
-    with tempfile.TemporaryDirectory() as model_dir:
-        params = save_random_llama(model_dir)
-        ours = run_pagedllm(model_dir, requests, args.batch_size)
-        hf = None if args.skip_hf else run_hf(model_dir, requests, args.batch_size)
+    print(f"scheduling overhead: {overhead:.0f} us/step at {args.overhead_seqs} running sequences (no model)")
     result = {
         "date": datetime.date.today().isoformat(),
-        "machine": f"{platform.processor() or platform.machine()}, "
-        f"{os.cpu_count()} cores, torch {torch.__version__}, device cpu",
-        "model_params": params,
-        "workload": args.workload,
-        "num_requests": args.num_requests,
-        "batch_size": args.batch_size,
-        "mean_input": sum(len(r.prompt_token_ids) for r in requests) / len(requests),
-        "mean_output": out_tokens / len(requests),
-        "pagedllm_tokens_per_s": out_tokens / ours,
-        "hf_tokens_per_s": out_tokens / hf if hf else None,
-        "ratio": hf / ours if hf else None,
+        "machine": machine(),
+        "threads": threads,
+        "fixed_output": args.fixed_output,
+        "max_output": args.max_output,
+        "cases": [],
         "scheduling_overhead_us_per_step": overhead,
         "overhead_running_seqs": args.overhead_seqs,
         "command": "python benchmarks/throughput.py " + " ".join(sys.argv[1:]),
     }
-    print(json.dumps(result, indent=2))
     os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"throughput-{result['date']}-cpu-bs{args.batch_size}.json")
+    path = os.path.join(args.out, f"throughput-{result['date']}-cpu{os.cpu_count()}-{threads}t.json")
+    batches = [int(b) for b in args.batch_sizes.split(",")]
+    counts = [int(n) for n in args.num_requests.split(",")]
+    with tempfile.TemporaryDirectory() as model_dir:
+        result["model_params"] = save_random_llama(model_dir)
+        for name in args.workloads.split(","):
+            for batch, num in zip(batches, counts):
+                result["cases"].append(run_workload(model_dir, name, batch, num, systems, threads, args))
+                save(result, path)  # NOTE: after every case, so a run cut short keeps what it measured
+    print(json.dumps(result, indent=2))
+    print(f"wrote {path}")
+
+
+def run_workload(model_dir: str, name: str, batch: int, num: int, systems: list[str], threads: int, args) -> dict:
+    requests = workload(name, num, args)
+    out_tokens = sum(r.output_len for r in requests)
+    mean_input = sum(len(r.prompt_token_ids) for r in requests) / num
+    print(
+        f"\n{name} outputs, batch {batch}: {num} requests, {out_tokens} output tokens, "
+        f"mean input {mean_input:.0f}, {threads} thread(s)"
+    )
+    rates = run_case(model_dir, requests, batch, systems, threads)
+    case = dict(workload=name, batch_size=batch, num_requests=num, output_tokens=out_tokens, mean_input=mean_input)
+    return case | {"tokens_per_s": rates} | ratios(rates)
+
+
+def save(result: dict, path: str) -> None:
     with open(path, "w") as f:
         json.dump(result, f, indent=2)
-    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

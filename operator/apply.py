@@ -5,6 +5,9 @@ not write (403) or a same-named object that another controller owns is reported 
 skipped; the Deployment and Service are still applied. What went wrong comes back as
 data (:class:`ApplyOutcome`), for the handlers to turn into a condition or a retry.
 
+A Deployment that an autoscaler takes over keeps its replica count: see
+:func:`replicas_to_hand_over`.
+
 A fleet object the rendering no longer asks for (autoscaling, routing turned off, one
 replica left) is deleted when it is the owner's: a HorizontalPodAutoscaler left behind
 would keep resizing a Deployment whose replicas the operator sets again.
@@ -17,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from pagedllm.operator.drift import foreign_controller
-from pagedllm.operator.kube import ApiError
+from pagedllm.operator.kube import FIELD_MANAGER, ApiError
 from pagedllm.operator.status import Problem
 
 # The objects a rendering may stop asking for, by the resource's name. The claim is never
@@ -30,6 +33,9 @@ PRUNABLE: tuple[tuple[str, str], ...] = (
     ("monitoring.coreos.com/v1", "PodMonitor"),
 )
 
+# Keeps a Deployment's replica count while the operator stops applying it (autoscaling turned on).
+HANDOVER_MANAGER = "pagedllm-operator-handover"
+
 APPLY_REFUSED = "ApplyRefused"
 ADOPTION_REFUSED = "AdoptionRefused"
 REFUSALS = (APPLY_REFUSED, ADOPTION_REFUSED)
@@ -38,7 +44,7 @@ REFUSALS = (APPLY_REFUSED, ADOPTION_REFUSED)
 class Kube(Protocol):
     async def get(self, kind: str, namespace: str, name: str, api_version: str | None = None) -> dict | None: ...
 
-    async def apply(self, manifest: Mapping[str, Any]) -> dict: ...
+    async def apply(self, manifest: Mapping[str, Any], field_manager: str = FIELD_MANAGER) -> dict: ...
 
     async def delete(self, kind: str, namespace: str, name: str, api_version: str, uid: str) -> None: ...
 
@@ -84,6 +90,9 @@ async def apply_all(manifests: Iterable[Mapping[str, Any]], kube: Kube, owner_ui
                     Problem(ADOPTION_REFUSED, f"{what} already exists and is controlled by {other}: not taking it over")
                 )
                 continue
+            replicas = replicas_to_hand_over(manifest, live)
+            if replicas is not None:
+                await kube.apply(_replicas_only(manifest, replicas), field_manager=HANDOVER_MANAGER)
             outcome.applied[kind] = await kube.apply(manifest)
         except ApiError as exc:
             if exc.retriable:
@@ -91,6 +100,37 @@ async def apply_all(manifests: Iterable[Mapping[str, Any]], kube: Kube, owner_ui
             else:
                 outcome.refused.append(Problem(APPLY_REFUSED, f"{what}: {exc.message}"))
     return outcome
+
+
+def replicas_to_hand_over(manifest: Mapping[str, Any], live: Mapping[str, Any] | None) -> int | None:
+    """The live replica count to hand over before applying a Deployment that no longer sets it.
+
+    NOTE: server-side apply removes a field that its only manager stops applying, and a
+    Deployment without replicas defaults to 1: turning autoscaling on for a fleet of 4
+    would drop it to 1 pod until the new autoscaler acts. Applying the current count
+    first under a second field manager keeps it (the Kubernetes documentation's
+    "transferring ownership" to a HorizontalPodAutoscaler); the autoscaler then owns it.
+    """
+    if manifest["kind"] != "Deployment" or "replicas" in manifest["spec"] or live is None:
+        return None
+    replicas = (live.get("spec") or {}).get("replicas")
+    if not isinstance(replicas, int) or isinstance(replicas, bool):
+        return None
+    for entry in live.get("metadata", {}).get("managedFields") or []:
+        owned = ((entry.get("fieldsV1") or {}).get("f:spec") or {}).keys()
+        if entry.get("manager") == FIELD_MANAGER and entry.get("operation") == "Apply" and "f:replicas" in owned:
+            return replicas
+    return None
+
+
+def _replicas_only(manifest: Mapping[str, Any], replicas: int) -> dict:
+    meta = manifest["metadata"]
+    return {
+        "apiVersion": manifest["apiVersion"],
+        "kind": manifest["kind"],
+        "metadata": {"name": meta["name"], "namespace": meta["namespace"]},
+        "spec": {"replicas": replicas},
+    }
 
 
 async def prune(rendered: list[dict], kube: Kube, owner_uid: str | None, outcome: ApplyOutcome) -> None:

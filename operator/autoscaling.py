@@ -82,6 +82,11 @@ def render_hpa(name: str, scaling: Autoscaling) -> dict:
     }
 
 
+# Pod names are NAME-<template hash, up to 10>-<5 random>, the part before the random
+# suffix cut to 58 characters: past this length the pattern below would miss the pods.
+MAX_KEDA_NAME = 58 - len("-0123456789-")
+
+
 def pod_pattern(name: str) -> str:
     """A PromQL regular expression for the pod names of the Deployment ``name`` (NAME-<hash>-<suffix>).
 
@@ -101,6 +106,12 @@ def _number(value: float) -> str:
 
 
 def render_scaled_object(name: str, namespace: str, scaling: Autoscaling, prometheus_address: str) -> dict:
+    if len(name) > MAX_KEDA_NAME:
+        raise SpecError(
+            f"metadata.name={name!r} ({len(name)} characters) is too long for KEDA autoscaling: its Prometheus "
+            f"query finds the pods by name, which Kubernetes cuts short past {MAX_KEDA_NAME} characters of the "
+            f"resource's name; use a name of at most {MAX_KEDA_NAME}"
+        )
     return {
         "apiVersion": KEDA_API_VERSION,
         "kind": "ScaledObject",

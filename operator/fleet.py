@@ -25,6 +25,7 @@ class FleetConfig:
 
     autoscaler: str
     prometheus_address: str
+    pod_monitor_labels: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -62,7 +63,7 @@ def render_fleet(name: str, namespace: str, spec: PagedLLMSpec, selector: dict[s
         inference_pool=(
             render_inference_pool(name, selector, spec.port, spec.routing) if spec.routing.inference_pool else None
         ),
-        pod_monitor=render_pod_monitor(name, selector, "http"),
+        pod_monitor=render_pod_monitor(name, selector, "http", dict(config.pod_monitor_labels)),
     )
 
 

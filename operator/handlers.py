@@ -41,7 +41,17 @@ from pagedllm.operator.manifests import (
     render,
 )
 from pagedllm.operator.spec import SpecError
-from pagedllm.operator.status import DEGRADED, Problem, announce_phase, comparable, owner_name, server_exit, status_from
+from pagedllm.operator.status import (
+    DEGRADED,
+    Problem,
+    announce_phase,
+    comparable,
+    owner_name,
+    server_exit,
+    standing_exit,
+    standing_problem,
+    status_from,
+)
 
 # kopf retries a failed reconcile after RETRY.delay(retry): 10 s, 20 s, 40 s … 5 min.
 RETRY = Backoff(base=10, cap=300)
@@ -161,8 +171,9 @@ async def converge(
         kopf.info(as_body(body), reason="Deleted", message=f"{', '.join(outcome.deleted)} {name}: not in the spec")
     # NOTE: read again: the Deployment's status may have moved on while the other children
     # were applied, and this status is written after the event handlers' (newer) ones.
-    deployment = await _get_or_none(kube, "Deployment", namespace, name)
-    return with_features(status_from(body, deployment or applied["Deployment"], now=now()), features, now())
+    deployment = await _get_or_none(kube, "Deployment", namespace, name) or applied["Deployment"]
+    status = status_from(body, deployment, now=now(), problem=standing_exit(body, deployment))
+    return with_features(status, features, now())
 
 
 async def _get_or_none(kube: KubeClient, kind: str, namespace: str, name: str) -> dict | None:
@@ -182,26 +193,13 @@ async def _degraded(body: Mapping[str, Any], kube: KubeClient, problem: Problem)
 
 
 def refresh_status(body: Mapping[str, Any], deployment: Mapping[str, Any] | None, config: RenderConfig) -> dict:
-    """The status of ``body`` given its current Deployment, keeping a standing refusal."""
+    """The status of ``body`` given its current Deployment, keeping a standing refusal or server exit."""
     try:
         render(body, config)
     except SpecError as exc:
         return status_from(body, deployment, now=now(), problem=Problem(INVALID_SPEC, str(exc)))
-    return status_from(body, deployment, now=now(), problem=_standing_refusal(body))
-
-
-def _standing_refusal(body: Mapping[str, Any]) -> Problem | None:
-    """An apply refused for the current generation stays until the spec changes (or a retry succeeds)."""
-    generation = body.get("metadata", {}).get("generation")
-    for cond in (body.get("status") or {}).get("conditions", []) or []:
-        if (
-            cond.get("type") == DEGRADED
-            and cond.get("status") == "True"
-            and cond.get("reason") in REFUSALS
-            and cond.get("observedGeneration") == generation
-        ):
-            return Problem(cond["reason"], cond.get("message", ""))
-    return None
+    problem = standing_problem(body, REFUSALS) or standing_exit(body, deployment)
+    return status_from(body, deployment, now=now(), problem=problem)
 
 
 def _standing(body: Mapping[str, Any], problem: Problem) -> bool:

@@ -240,7 +240,7 @@ class KubeClient:
                 return None
             raise
 
-    async def apply(self, manifest: Mapping[str, Any]) -> dict:
+    async def apply(self, manifest: Mapping[str, Any], field_manager: str = FIELD_MANAGER) -> dict:
         """Server-side apply of any kind: create the object, or converge the fields this operator owns.
 
         ``force``: the operator is the one owner of what it renders, so a conflicting
@@ -248,7 +248,7 @@ class KubeClient:
         """
         meta = manifest["metadata"]
         where = await self._locate(manifest["apiVersion"], manifest["kind"])
-        query = [("fieldManager", FIELD_MANAGER), ("force", "true")]
+        query = [("fieldManager", field_manager), ("force", "true")]
         path = where.path(meta.get("namespace"), meta["name"])
         result = await self.request("PATCH", path, body=dict(manifest), query=query, content_type=APPLY_PATCH)
         if not isinstance(result, dict):

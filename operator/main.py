@@ -3,6 +3,7 @@
     pagedllm operator [--all-namespaces | --namespace NS ...] [--standalone]
                       [--liveness URL] [--default-image IMAGE] [-v | -d | -q]
                       [--autoscaler hpa|keda] [--prometheus-address URL]
+                      [--pod-monitor-label KEY=VALUE ...]
 
 Without ``--namespace`` it serves the whole cluster. Run exactly one replica: kopf's
 peering stops a second operator from handling the same resources, but does not elect
@@ -34,6 +35,16 @@ def _default_image() -> str:
     except metadata.PackageNotFoundError:  # pragma: no cover - running from a bare checkout
         version = "latest"
     return os.environ.get(DEFAULT_IMAGE_ENV) or f"{IMAGE_REPOSITORY}:{version}"
+
+
+def label_pair(text: str) -> tuple[str, str]:
+    """``KEY=VALUE`` -> (KEY, VALUE); the operator's own app.kubernetes.io/ labels are not allowed."""
+    key, sep, value = text.partition("=")
+    if not sep or not key or key.startswith("app.kubernetes.io/"):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not allowed: KEY=VALUE with a label key outside app.kubernetes.io/ (the operator's own)"
+        )
+    return key, value
 
 
 def add_operator_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -89,6 +100,16 @@ def add_operator_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
         metavar="URL",
         help=f"Prometheus that KEDA's triggers query (env {PROMETHEUS_ENV}; default: %(default)s).",
     )
+    parser.add_argument(
+        "--pod-monitor-label",
+        dest="pod_monitor_labels",
+        type=label_pair,
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="A label of every PodMonitor, for a Prometheus that selects them by label (kube-prometheus-stack: "
+        "release=RELEASE); repeat for several.",
+    )
     verbosity = parser.add_mutually_exclusive_group()
     verbosity.add_argument("-v", "--verbose", action="store_true", help="Log handler activity in detail.")
     verbosity.add_argument("-d", "--debug", action="store_true", help="Log everything, API calls included.")
@@ -115,7 +136,10 @@ def run_operator(args: argparse.Namespace) -> int:
     )
     settings = operator_settings()
     config = RenderConfig(
-        default_image=args.default_image, autoscaler=args.autoscaler, prometheus_address=args.prometheus_address
+        default_image=args.default_image,
+        autoscaler=args.autoscaler,
+        prometheus_address=args.prometheus_address,
+        pod_monitor_labels=tuple(args.pod_monitor_labels),
     )
     memo = make_memo(config, KubeClient())
     kopf.run(

@@ -72,6 +72,8 @@ class RenderConfig:
     """What spec.autoscaling renders to: hpa (HorizontalPodAutoscaler) or keda (ScaledObject)."""
     prometheus_address: str = DEFAULT_PROMETHEUS
     """Prometheus that KEDA's triggers query."""
+    pod_monitor_labels: tuple[tuple[str, str], ...] = ()
+    """Extra labels of every PodMonitor, the ones the cluster's Prometheus selects them by."""
 
     def __post_init__(self) -> None:
         if self.autoscaler not in AUTOSCALERS:
@@ -149,10 +151,10 @@ def render(body: Mapping[str, Any], config: RenderConfig) -> Manifests:
     spec = PagedLLMSpec.from_dict(body.get("spec"))
     check_engine(spec, model_path(spec))
     generation = meta.get("generation")
-    fleet_config = FleetConfig(autoscaler=config.autoscaler, prometheus_address=config.prometheus_address)
+    fleet_config = FleetConfig(config.autoscaler, config.prometheus_address, config.pod_monitor_labels)
     fleet = render_fleet(name, meta.get("namespace", ""), spec, selector_labels(name), fleet_config)
     for obj in fleet.all():
-        obj["metadata"]["labels"] = labels(name)
+        obj["metadata"]["labels"] = {**obj["metadata"].get("labels", {}), **labels(name)}
     manifests = Manifests(
         deployment=render_deployment(name, spec, config, generation),
         service=render_service(name, spec),

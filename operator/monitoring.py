@@ -22,12 +22,16 @@ def scrape_annotations(port: int) -> dict[str, str]:
     return {"prometheus.io/scrape": "true", "prometheus.io/port": str(port), "prometheus.io/path": METRICS_PATH}
 
 
-def render_pod_monitor(name: str, selector: dict[str, str], port_name: str) -> dict:
-    """Scrape the pods matching ``selector`` on their named port."""
+def render_pod_monitor(name: str, selector: dict[str, str], port_name: str, labels: dict[str, str]) -> dict:
+    """Scrape the pods matching ``selector`` on their named port.
+
+    ``labels`` are what the cluster's Prometheus selects PodMonitors by (kube-prometheus-stack
+    picks only those labelled ``release: <its release>`` unless told otherwise).
+    """
     return {
         "apiVersion": POD_MONITOR_API_VERSION,
         "kind": "PodMonitor",
-        "metadata": {"name": name},
+        "metadata": {"name": name, "labels": dict(labels)},
         "spec": {
             "selector": {"matchLabels": dict(selector)},
             "podMetricsEndpoints": [{"port": port_name, "path": METRICS_PATH, "interval": SCRAPE_INTERVAL}],

@@ -148,6 +148,35 @@ def server_exit(pod: Mapping[str, Any], container: str) -> Problem | None:
     return None
 
 
+def standing_problem(body: Mapping[str, Any], reasons: tuple[str, ...]) -> Problem | None:
+    """The ``Degraded`` problem of one of ``reasons`` that ``body``'s status reports for its current generation."""
+    generation = body.get("metadata", {}).get("generation")
+    for cond in (body.get("status") or {}).get("conditions", []) or []:
+        if (
+            cond.get("type") == DEGRADED
+            and cond.get("status") == "True"
+            and cond.get("reason") in reasons
+            and cond.get("observedGeneration") == generation
+        ):
+            return Problem(cond["reason"], cond.get("message", ""))
+    return None
+
+
+def standing_exit(body: Mapping[str, Any], deployment: Mapping[str, Any] | None) -> Problem | None:
+    """A server exit reported for the current spec, until every desired replica is ready.
+
+    NOTE: pod events report the exit; the Deployment's own events in between (its status
+    moves as the pod restarts) must not turn the resource back to Pending and hide why it
+    never gets ready. A spec change (a new generation, so a new pod template) or all
+    replicas ready ends it; the next crash of a new pod reports it again.
+    """
+    problem = standing_problem(body, (SERVER_EXITED,))
+    if problem is None or deployment is None:
+        return problem
+    ready = _int((deployment.get("status") or {}).get("readyReplicas"), 0)
+    return None if ready >= desired_replicas(body.get("spec") or {}, deployment) else problem
+
+
 def status_from(
     body: Mapping[str, Any], deployment: Mapping[str, Any] | None, *, now: str, problem: Problem | None = None
 ) -> dict:

@@ -168,13 +168,19 @@ class BlockManager:
 
     def can_append_slots(self, group: SequenceGroup) -> bool:
         """Whether every running sequence of the group can get a slot for its next token."""
-        seqs = group.get_seqs(SequenceStatus.RUNNING)
-        needed = sum(max(0, self._blocks_to_append(seq) - self.reserved_blocks(seq)) for seq in seqs)
-        return needed <= self.num_available
+        return self.blocks_to_append(group.running_seqs()) <= self.num_available
+
+    def blocks_to_append(self, seqs: list[Sequence]) -> int:
+        """New blocks (fresh or copy-on-write) ``seqs`` need for their uncomputed tokens, beyond their reservations."""
+        if self.reservation:
+            return sum(max(0, self._blocks_to_append(seq) - self.reserved_blocks(seq)) for seq in seqs)
+        if len(seqs) == 1:
+            return self._blocks_to_append(seqs[0])
+        return sum(self._blocks_to_append(seq) for seq in seqs)
 
     def _blocks_to_append(self, seq: Sequence) -> int:
         table = self.tables[seq.seq_id]
-        num_tokens = seq.num_tokens
+        num_tokens = len(seq.token_ids)
         if num_tokens > len(table) * self.block_size:
             return _blocks_for(num_tokens, self.block_size) - len(table)
         last = table[(num_tokens - 1) // self.block_size]
@@ -183,14 +189,15 @@ class BlockManager:
     def append_slots(self, seq: Sequence) -> list[tuple[int, int]]:
         """Make room for every token of ``seq``; returns copy-on-write (src, dst) pairs."""
         table = self.tables[seq.seq_id]
-        while len(table) * self.block_size < len(seq):
+        needed = _blocks_for(seq.num_tokens, self.block_size)
+        while len(table) < needed:
             table.append(self._allocate_for(seq))
         # NOTE: only the block the next tokens are written into can be shared and
         # unfull; full blocks before it are never written again.
-        first = seq.num_computed_tokens // self.block_size
+        ref_counts = self.gpu.ref_counts
         copies = []
-        for i in range(first, _blocks_for(len(seq), self.block_size)):
-            if self.gpu.ref_counts[table[i]] > 1:
+        for i in range(seq.num_computed_tokens // self.block_size, needed):
+            if ref_counts[table[i]] > 1:
                 new = self._allocate_for(seq)
                 self.gpu.decref(table[i])
                 copies.append((table[i], new))

@@ -23,10 +23,10 @@ from dataclasses import dataclass, field
 
 from pagedllm.server.config import SchedulerConfig
 from pagedllm.server.core.block_manager import AllocStatus, BlockManager
-from pagedllm.server.core.sequence import Sequence, SequenceGroup, SequenceStatus
+from pagedllm.server.core.sequence import FINISHED, Sequence, SequenceGroup, SequenceStatus
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledGroup:
     """A group in this step and how many new tokens each of its sequences computes."""
 
@@ -97,13 +97,15 @@ class Scheduler:
     def free_finished(self) -> list[SequenceGroup]:
         """Release finished sequences' blocks; return the groups that are now done."""
         done = []
-        for group in list(self.running):
+        for group in self.running:
             for seq in group.seqs:
-                if seq.status.finished:
-                    self.block_manager.free(seq)
+                if seq.status in FINISHED:
+                    self.block_manager.free(seq)  # NOTE: a no-op once its blocks are gone
             if group.is_finished():
-                self.running.remove(group)
                 done.append(group)
+        if done:
+            finished = set(map(id, done))
+            self.running = [g for g in self.running if id(g) not in finished]
         return done
 
     # -- one step -----------------------------------------------------------------------
@@ -118,26 +120,31 @@ class Scheduler:
         out.num_batched_tokens = budget.tokens
         now = time.monotonic()
         for item in out.scheduled:
-            if item.group.first_scheduled_time is None:
-                item.group.first_scheduled_time = now
+            group = item.group
+            if group.first_scheduled_time is None:
+                group.first_scheduled_time = now
         return out
 
     def _schedule_running(self, budget: _Budget, out: SchedulerOutput) -> None:
-        prefilling = {group: _in_prefill(group) for group in self.running}
+        decodes: list[tuple[SequenceGroup, list[Sequence]]] = []
+        prefills: list[tuple[SequenceGroup, list[Sequence]]] = []
+        for group in self.running:
+            seqs = group.running_seqs()
+            (prefills if _any_prefill(seqs) else decodes).append((group, seqs))
         # NOTE: `pending` keeps arrival order, so popitem() yields the latest-arrived group.
         pending = dict.fromkeys(self.running)
-        decodes_first = [g for g in self.running if not prefilling[g]] + [g for g in self.running if prefilling[g]]
-        for group in decodes_first:
+        for group, seqs in decodes + prefills:
             if group not in pending:
                 continue  # already preempted this step
-            if not self._make_room(group, pending, out):
+            if not self._make_room(group, seqs, pending, out):
                 continue
             del pending[group]
-            self._take(group, budget, out, group.get_seqs(SequenceStatus.RUNNING))
+            self._take(group, budget, out, seqs)
 
-    def _make_room(self, group: SequenceGroup, pending: dict, out: SchedulerOutput) -> bool:
+    def _make_room(self, group: SequenceGroup, seqs: list[Sequence], pending: dict, out: SchedulerOutput) -> bool:
         """Preempt the latest arrivals until ``group`` can append; False if it was preempted."""
-        while not self.block_manager.can_append_slots(group):
+        bm = self.block_manager
+        while bm.blocks_to_append(seqs) > bm.num_available:
             victim, _ = pending.popitem()
             self._preempt(victim, out)
             if victim is group:
@@ -148,22 +155,32 @@ class Scheduler:
         """Give each sequence its chunk of the token budget and room in the cache."""
         if not seqs or budget.seqs + len(seqs) > budget.max_seqs:
             return False
-        # NOTE: sequences of one group share the budget equally, so beams of equal length
-        # (all recomputed from scratch) finish their prefill in the same step.
-        share = budget.tokens_left // len(seqs)
-        chunks = {}
-        for seq in seqs:
-            chunk = min(seq.num_uncomputed_tokens, share)
-            if chunk <= 0 or (chunk < seq.num_uncomputed_tokens and not self.config.enable_chunked_prefill):
-                return False
-            chunks[seq.seq_id] = chunk
+        chunks = self._chunks(seqs, budget.max_tokens - budget.tokens)
+        if chunks is None:
+            return False
         budget.tokens += sum(chunks.values())
         budget.seqs += len(seqs)
+        append_slots = self.block_manager.append_slots
         for seq in seqs:
-            if seq.seq_id in chunks:
-                out.blocks_to_copy.extend(self.block_manager.append_slots(seq))
+            copies = append_slots(seq)
+            if copies:
+                out.blocks_to_copy.extend(copies)
         out.scheduled.append(ScheduledGroup(group, chunks))
         return True
+
+    def _chunks(self, seqs: list[Sequence], tokens_left: int) -> dict[int, int] | None:
+        """Tokens each sequence computes this step; None if one cannot make progress."""
+        # NOTE: sequences of one group share the budget equally, so beams of equal length
+        # (all recomputed from scratch) finish their prefill in the same step.
+        share = tokens_left // len(seqs)
+        chunks = {}
+        for seq in seqs:
+            uncomputed = seq.num_tokens - seq.num_computed_tokens
+            chunk = uncomputed if uncomputed <= share else share
+            if chunk <= 0 or (chunk < uncomputed and not self.config.enable_chunked_prefill):
+                return None
+            chunks[seq.seq_id] = chunk
+        return chunks
 
     def _preempt(self, group: SequenceGroup, out: SchedulerOutput) -> None:
         self.running.remove(group)
@@ -249,5 +266,8 @@ class Scheduler:
                     self.block_manager.mark_computed(seq)
 
 
-def _in_prefill(group: SequenceGroup) -> bool:
-    return any(s.is_prefill for s in group.get_seqs(SequenceStatus.RUNNING))
+def _any_prefill(seqs: list[Sequence]) -> bool:
+    for s in seqs:
+        if s.num_tokens - s.num_computed_tokens > 1:  # NOTE: Sequence.is_prefill, inlined: runs per sequence per step
+            return True
+    return False

@@ -23,11 +23,11 @@ class SequenceStatus(enum.Enum):
 
     @property
     def finished(self) -> bool:
-        return self in (
-            SequenceStatus.FINISHED_STOPPED,
-            SequenceStatus.FINISHED_LENGTH,
-            SequenceStatus.FINISHED_ABORTED,
-        )
+        return self in FINISHED
+
+
+FINISHED = (SequenceStatus.FINISHED_STOPPED, SequenceStatus.FINISHED_LENGTH, SequenceStatus.FINISHED_ABORTED)
+"""The statuses a sequence ends in (a tuple: membership by identity, the cheapest test on hot paths)."""
 
 
 Logprobs = dict[int, Logprob]
@@ -135,13 +135,23 @@ class SequenceGroup:
     def get_seqs(self, status: SequenceStatus | None = None) -> list[Sequence]:
         if status is None:
             return list(self.seqs)
-        return [s for s in self.seqs if s.status == status]
+        return [s for s in self.seqs if s.status is status]
+
+    def running_seqs(self) -> list[Sequence]:
+        """``get_seqs(RUNNING)``, without the copy for the usual single sequence: do not modify it."""
+        seqs = self.seqs
+        if len(seqs) == 1:
+            return seqs if seqs[0].status is SequenceStatus.RUNNING else []
+        return [s for s in seqs if s.status is SequenceStatus.RUNNING]
 
     def unfinished_seqs(self) -> list[Sequence]:
-        return [s for s in self.seqs if not s.status.finished]
+        return [s for s in self.seqs if s.status not in FINISHED]
 
     def is_finished(self) -> bool:
-        return all(s.status.finished for s in self.seqs)
+        for s in self.seqs:
+            if s.status not in FINISHED:
+                return False
+        return True
 
     @property
     def max_num_running_seqs(self) -> int:

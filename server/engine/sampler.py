@@ -47,32 +47,46 @@ class Sampler:
         # logits: [num_rows, vocab] float32
         logits = logits.float().cpu()
         raw_logprobs = torch.log_softmax(logits, dim=-1)
-        logits = logits.clone()
-        for i, req in enumerate(requests):
-            _apply_penalties(logits[i], req)
-            _block_early_stop(logits[i], req)
-            _apply_bias_and_mask(logits[i], req)
+        processed = [i for i, req in enumerate(requests) if _needs_processing(req)]
+        if processed:  # NOTE: plain rows (the usual case) skip the per-row work and the copy
+            logits = logits.clone()
+            for i in processed:
+                _apply_penalties(logits[i], requests[i])
+                _block_early_stop(logits[i], requests[i])
+                _apply_bias_and_mask(logits[i], requests[i])
+        sampled = self._sample(logits, requests)
+        return self._results(raw_logprobs, sampled, requests)
+
+    def _sample(self, logits: torch.Tensor, requests: list[SampleRequest]) -> list[list[int]]:
         greedy = [i for i, r in enumerate(requests) if r.params.greedy]
-        sampled: dict[int, list[int]] = {}
+        sampled: list[list[int]] = [[] for _ in requests]
         if greedy:
-            choice = logits[greedy].argmax(dim=-1)
-            sampled.update((i, [int(t)] * requests[i].num_samples) for i, t in zip(greedy, choice))
+            rows = logits if len(greedy) == len(requests) else logits[greedy]
+            for i, t in zip(greedy, rows.argmax(dim=-1).tolist()):
+                sampled[i] = [t] * requests[i].num_samples
         random_rows = [i for i, r in enumerate(requests) if not r.params.greedy]
         if random_rows:
-            probs = _filtered_probs(logits[random_rows], [requests[i].params for i in random_rows])
+            rows = logits if len(random_rows) == len(requests) else logits[random_rows]
+            probs = _filtered_probs(rows, [requests[i].params for i in random_rows])
             for row, i in enumerate(random_rows):
                 req = requests[i]
                 draw = torch.multinomial(
                     probs[row], req.num_samples, replacement=True, generator=req.generator or self.generator
                 )
-                sampled[i] = [int(t) for t in draw]
-        return [self._result(raw_logprobs[i], sampled[i], req) for i, req in enumerate(requests)]
+                sampled[i] = draw.tolist()
+        return sampled
 
     @staticmethod
-    def _result(logprobs: torch.Tensor, tokens: list[int], req: SampleRequest) -> Sample:
-        chosen = [float(logprobs[t]) for t in tokens]
-        tops = [top_logprobs(logprobs, t, req.params.logprobs) for t in tokens]
-        return Sample(tokens, chosen, tops)
+    def _results(logprobs: torch.Tensor, sampled: list[list[int]], requests: list[SampleRequest]) -> list[Sample]:
+        # logprobs: [num_rows, vocab]; one gather for every sampled token of every row
+        width = max(len(tokens) for tokens in sampled)
+        index = torch.tensor([tokens + tokens[-1:] * (width - len(tokens)) for tokens in sampled], dtype=torch.int64)
+        chosen = logprobs.gather(1, index).tolist()
+        results = []
+        for i, (tokens, req) in enumerate(zip(sampled, requests)):
+            tops = [top_logprobs(logprobs[i], t, req.params.logprobs) for t in tokens]
+            results.append(Sample(tokens, chosen[i][: len(tokens)], tops))
+        return results
 
 
 def top_logprobs(logprobs: torch.Tensor, token: int, num: int | None) -> dict[int, Logprob] | None:
@@ -90,6 +104,18 @@ def top_logprobs(logprobs: torch.Tensor, token: int, num: int | None) -> dict[in
 
 
 _LOGIT_LIMIT = 1e30
+
+
+def _needs_processing(req: SampleRequest) -> bool:
+    """Whether any logits processor changes this row (penalties, min_tokens, bias, grammar)."""
+    p = req.params
+    return (
+        p.repetition_penalty != 1.0
+        or bool(p.presence_penalty or p.frequency_penalty)
+        or len(req.output_token_ids) < p.min_tokens
+        or bool(p.logit_bias)
+        or req.allowed is not None
+    )
 
 
 def _apply_penalties(logits: torch.Tensor, req: SampleRequest) -> None:

@@ -7,11 +7,15 @@ The step's tokens are laid out decodes first, then prefill chunks::
     prefill:  q[3:]  -> paged_prefill_attention (cu_seqlens_q = [0, 4, 6])
 
 Every new token's K/V is written into the cache first (``reshape_and_cache``), so both
-kinds of attention read all keys, old and new, through the block tables.
+kinds of attention can read all keys, old and new, through the block tables. The Triton
+backend does exactly that; the torch backend (cpu_attention.py) plans the step once
+(``AttentionOps.prepare``) and lets prefill chunks without a cached prefix use their new
+K/V directly.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -19,6 +23,8 @@ from dataclasses import dataclass
 import torch
 
 import pagedllm.kernels as kernels
+from pagedllm.server.worker import cpu_attention
+from pagedllm.server.worker.cpu_attention import AttentionPlan
 
 
 @dataclass
@@ -32,25 +38,40 @@ class AttentionMetadata:
     prefill_block_tables: torch.Tensor  # [num_prefills, max_blocks] int32
     prefill_cu_seqlens_q: torch.Tensor  # [num_prefills + 1] int32
     prefill_context_lens: torch.Tensor  # [num_prefills] int32, including the new tokens
+    plan: AttentionPlan | None = None
+    """Built on each rank from the fields above by ``AttentionOps.prepare`` (torch backend); never sent."""
 
     @property
     def num_prefills(self) -> int:
         return self.prefill_context_lens.numel()
 
 
+TENSOR_FIELDS = (
+    "slot_mapping",
+    "decode_block_tables",
+    "decode_context_lens",
+    "prefill_block_tables",
+    "prefill_cu_seqlens_q",
+    "prefill_context_lens",
+)
+"""The fields of :class:`AttentionMetadata` that travel to other ranks and devices."""
+
+
 @dataclass(frozen=True)
 class AttentionOps:
-    """The three kernels a step needs, either the Triton ones or their torch references."""
+    """How one backend writes the cache and attends; ``decode``/``prefill`` read ``meta``."""
 
     name: str
     reshape_and_cache: Callable
-    decode: Callable
-    prefill: Callable
+    decode: Callable  # (query, key_cache, value_cache, meta, scale) -> out
+    prefill: Callable  # (query, key, value, key_cache, value_cache, meta, scale) -> out
     copy_blocks: Callable
+    prepare: Callable[[AttentionMetadata, int], AttentionMetadata]
+    """(meta, block_size) -> meta with whatever the backend computes once per step."""
 
 
 def select_attention_ops(backend: str, device: torch.device) -> AttentionOps:
-    """``auto`` picks Triton on CUDA and the torch reference elsewhere.
+    """``auto`` picks Triton on CUDA and the torch path elsewhere.
 
     The environment variable ``PAGEDLLM_ATTENTION_BACKEND`` (torch|triton) overrides
     an ``auto`` choice.
@@ -59,21 +80,64 @@ def select_attention_ops(backend: str, device: torch.device) -> AttentionOps:
         backend = os.environ.get("PAGEDLLM_ATTENTION_BACKEND") or ("triton" if device.type == "cuda" else "torch")
     if backend == "triton":
         return AttentionOps(
-            "triton",
-            kernels.reshape_and_cache,
-            kernels.paged_decode_attention,
-            kernels.paged_prefill_attention,
-            kernels.copy_blocks,
+            "triton", kernels.reshape_and_cache, _triton_decode, _triton_prefill, kernels.copy_blocks, _unchanged
         )
     if backend == "torch":
         return AttentionOps(
-            "torch",
-            kernels.reshape_and_cache_reference,
-            kernels.paged_decode_attention_reference,
-            kernels.paged_prefill_attention_reference,
-            kernels.copy_blocks_reference,
+            "torch", cpu_attention.write_kv, _torch_decode, _torch_prefill, kernels.copy_blocks_reference, with_plan
         )
     raise ValueError(f"attention backend {backend!r} is not allowed: choose one of ['auto', 'torch', 'triton']")
+
+
+def _unchanged(meta: AttentionMetadata, block_size: int) -> AttentionMetadata:
+    return meta
+
+
+def with_plan(meta: AttentionMetadata, block_size: int) -> AttentionMetadata:
+    """``meta`` with the torch backend's per-step plan (decode groups, prefill chunks)."""
+    plan = cpu_attention.plan_attention(
+        meta.decode_block_tables,
+        meta.decode_context_lens,
+        meta.prefill_block_tables,
+        meta.prefill_cu_seqlens_q,
+        meta.prefill_context_lens,
+        block_size,
+    )
+    return dataclasses.replace(meta, plan=plan)
+
+
+def _triton_decode(query, key_cache, value_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    return kernels.paged_decode_attention(
+        query, key_cache, value_cache, meta.decode_block_tables, meta.decode_context_lens, scale
+    )
+
+
+def _triton_prefill(query, key, value, key_cache, value_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    return kernels.paged_prefill_attention(
+        query,
+        key,
+        value,
+        key_cache,
+        value_cache,
+        meta.prefill_block_tables,
+        meta.prefill_cu_seqlens_q,
+        meta.prefill_context_lens,
+        scale,
+    )
+
+
+def _plan_of(meta: AttentionMetadata, key_cache: torch.Tensor) -> AttentionPlan:
+    # NOTE: the runner prepares the plan once per step; a caller that did not still gets a right answer.
+    return meta.plan if meta.plan is not None else with_plan(meta, key_cache.shape[1]).plan  # type: ignore[return-value]
+
+
+def _torch_decode(query, key_cache, value_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    return cpu_attention.decode_attention(query, key_cache, value_cache, _plan_of(meta, key_cache), scale)
+
+
+def _torch_prefill(query, key, value, key_cache, value_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    plan = _plan_of(meta, key_cache)
+    return cpu_attention.prefill_attention(query, key, value, key_cache, value_cache, plan, scale)
 
 
 class PagedAttention(torch.nn.Module):
@@ -101,19 +165,7 @@ class PagedAttention(torch.nn.Module):
         out = torch.empty_like(q)
         d = meta.num_decode_tokens
         if d:
-            out[:d] = ops.decode(
-                q[:d], key_cache, value_cache, meta.decode_block_tables, meta.decode_context_lens, self.scale
-            )
+            out[:d] = ops.decode(q[:d], key_cache, value_cache, meta, self.scale)
         if meta.num_prefills:
-            out[d:] = ops.prefill(
-                q[d:],
-                k[d:],
-                v[d:],
-                key_cache,
-                value_cache,
-                meta.prefill_block_tables,
-                meta.prefill_cu_seqlens_q,
-                meta.prefill_context_lens,
-                self.scale,
-            )
+            out[d:] = ops.prefill(q[d:], k[d:], v[d:], key_cache, value_cache, meta, self.scale)
         return out.view(-1, self.num_heads * self.head_dim)

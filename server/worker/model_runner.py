@@ -182,6 +182,7 @@ class ModelRunner:
             prefill_context_lens=torch.tensor([tokens], dtype=torch.int32, device=self.device),
         )
         ids = torch.tensor(seq.token_ids, device=self.device)
+        meta = self.ops.prepare(meta, self.block_size)
         hidden = self.model(ids, torch.arange(tokens, device=self.device), self.kv_caches, meta, self.ops)
         self.model.compute_logits(hidden[-min(tokens, self.config.scheduler.max_num_seqs) :])
         torch.cuda.synchronize()
@@ -266,7 +267,8 @@ class ModelRunner:
             self.ops.copy_blocks([k for k, _ in self.kv_caches], [v for _, v in self.kv_caches], mapping)
         if step.input_ids.numel() == 0:
             return torch.empty(0, 0), None
-        hidden = self.model(step.input_ids, step.positions, self.kv_caches, step.meta, self.ops)
+        meta = self.ops.prepare(step.meta, self.block_size)
+        hidden = self.model(step.input_ids, step.positions, self.kv_caches, meta, self.ops)
         logits = self.model.compute_logits(hidden[step.sample_index])
         prompt_logits = self.model.compute_logits(hidden[step.prompt_index]) if step.prompt_index is not None else None
         return logits, prompt_logits

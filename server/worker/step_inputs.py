@@ -11,7 +11,7 @@ import torch
 
 from pagedllm.server.core.scheduler import SchedulerOutput
 from pagedllm.server.core.sequence import Sequence, SequenceGroup
-from pagedllm.server.worker.attention import AttentionMetadata
+from pagedllm.server.worker.attention import TENSOR_FIELDS, AttentionMetadata
 
 
 @dataclass
@@ -49,7 +49,7 @@ class ModelStep:
 
     def to_wire(self) -> tuple:
         """A by-value form for the pipe to the other ranks (numpy arrays: no shared-memory handles)."""
-        meta = {f.name: _plain(getattr(self.meta, f.name)) for f in dataclasses.fields(self.meta)}
+        meta = {name: _plain(getattr(self.meta, name)) for name in (*TENSOR_FIELDS, "num_decode_tokens")}
         return (
             self.swap_out,
             self.swap_in,
@@ -77,8 +77,8 @@ class ModelStep:
         )
 
     def to(self, device: torch.device) -> ModelStep:
-        tensors = [f.name for f in dataclasses.fields(self.meta) if f.name != "num_decode_tokens"]
-        meta = dataclasses.replace(self.meta, **{name: getattr(self.meta, name).to(device) for name in tensors})
+        moved = {name: getattr(self.meta, name).to(device) for name in TENSOR_FIELDS}
+        meta = dataclasses.replace(self.meta, plan=None, **moved)
         index = self.prompt_index.to(device) if self.prompt_index is not None else None
         return dataclasses.replace(
             self,

@@ -9,7 +9,7 @@ from test_fleet_manifests import KEDA
 from test_manifests import body
 
 from pagedllm.operator.capabilities import servable, with_features
-from pagedllm.operator.kube import DISCOVERY_TTL_SECONDS, KubeClient
+from pagedllm.operator.kube import DISCOVERY_TTL_SECONDS, ApiError, KubeClient
 from pagedllm.operator.manifests import render
 
 pytestmark = pytest.mark.asyncio
@@ -79,3 +79,42 @@ async def test_kube_client_discovers_served_kinds_and_remembers_for_a_while(clus
         assert await kube.served("inference.networking.k8s.io/v1", "InferencePool")
     finally:
         await kube.close()
+
+
+async def test_kube_client_logs_in_again_once_after_a_401_then_gives_up(cluster):
+    logins = []
+
+    def configure() -> kubernetes.client.Configuration:
+        logins.append(1)
+        return kubernetes.client.Configuration(host=cluster.url, api_key={"BearerToken": "Bearer t"})
+
+    path = "/api/v1/namespaces/unauthorized/services/llama"
+    cluster.refuse("GET", path, 401, "Unauthorized")
+    kube = KubeClient(configure)
+    try:
+        with pytest.raises(ApiError) as refused:
+            await kube.get("Service", "unauthorized", "llama")
+    finally:
+        await kube.close()
+    assert (refused.value.status, refused.value.retriable) == (401, False)
+    assert len(logins) == 2  # the token may have rotated: loaded again once, not in a loop
+    assert sum(1 for r in cluster.operator_requests() if r.url.path == path) == 2
+
+
+async def test_kube_client_applies_under_the_field_manager_asked_for(cluster):
+    def configure() -> kubernetes.client.Configuration:
+        return kubernetes.client.Configuration(host=cluster.url, api_key={"BearerToken": "Bearer t"})
+
+    service = {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "s", "namespace": "managers"}, "spec": {}}
+    kube = KubeClient(configure)
+    try:
+        await kube.apply(service)
+        await kube.apply(service, field_manager="pagedllm-operator-handover")
+    finally:
+        await kube.close()
+    path = "/api/v1/namespaces/managers/services/s"
+    applies = [r.params for r in cluster.operator_requests() if r.method.value == "PATCH" and r.url.path == path]
+    assert [(p.get("fieldManager"), p.get("force")) for p in applies] == [
+        ("pagedllm-operator", "true"),
+        ("pagedllm-operator-handover", "true"),
+    ]

@@ -50,6 +50,7 @@ SWITCHES = [
     ("--set", "watchNamespaces={ml,research}", "--set", "crds.install=false"),
     ("--set", "autoscaler=keda", "--set", "prometheus.address=http://prom.monitoring.svc:9090"),
     ("--set", "autoscaler=keda", "--set", "watchNamespaces={ml}"),
+    ("--set", "prometheus.podMonitorLabels.release=kps"),
 ]
 
 
@@ -133,6 +134,18 @@ def test_autoscaler_and_prometheus_reach_the_operator(helm_template):
     docs = helm_template("--set", "autoscaler=keda", "--set", "prometheus.address=http://prom.monitoring.svc:9090")
     args = parse_operator_args(operator_container(docs))
     assert args.autoscaler == "keda" and args.prometheus_address == "http://prom.monitoring.svc:9090"
+    assert parse_operator_args(operator_container(helm_template())).pod_monitor_labels == []
+    docs = helm_template(
+        "--set", "prometheus.podMonitorLabels.release=kps", "--set", "prometheus.podMonitorLabels.a\\.b/c=d"
+    )
+    assert parse_operator_args(operator_container(docs)).pod_monitor_labels == [("a.b/c", "d"), ("release", "kps")]
+
+
+def test_pod_monitor_labels_of_the_operator_are_refused():
+    parser = add_operator_args(argparse.ArgumentParser())
+    for bad in ("release", "=x", "app.kubernetes.io/name=other"):
+        with pytest.raises(SystemExit):
+            parser.parse_args([f"--pod-monitor-label={bad}"])
 
 
 def test_keda_rbac_only_with_keda(helm_template):
@@ -140,6 +153,17 @@ def test_keda_rbac_only_with_keda(helm_template):
     assert rules_of(role) == NAMESPACED_RULES | KEDA_RULES | CRD_WATCH
     for role in by_kind(helm_template("--set", "autoscaler=keda", "--set", "watchNamespaces={ml}"))["Role"]:
         assert rules_of(role) == NAMESPACED_RULES | KEDA_RULES
+
+
+def test_hpa_mode_may_still_read_and_delete_scaled_objects(helm_template):
+    """Where KEDA is installed, the operator in hpa mode looks for a ScaledObject it made before a
+    switch from keda (and deletes it): without the read, every resource would be Degraded (403)."""
+    from pagedllm.operator.apply import PRUNABLE
+
+    assert ("keda.sh/v1alpha1", "ScaledObject") in PRUNABLE
+    (role,) = by_kind(helm_template())["ClusterRole"]
+    scaled = {verb for group, resource, verb in rules_of(role) if resource == "scaledobjects"}
+    assert scaled == {"get", "delete"}
 
 
 def rules_of(doc: dict) -> set[tuple[str, str, str]]:
@@ -160,6 +184,7 @@ NAMESPACED_RULES = (
     | {("autoscaling", "horizontalpodautoscalers", v) for v in ("get", "create", "patch", "delete")}
     | {("inference.networking.k8s.io", "inferencepools", v) for v in ("get", "create", "patch", "delete")}
     | {("monitoring.coreos.com", "podmonitors", v) for v in ("get", "create", "patch", "delete")}
+    | {("keda.sh", "scaledobjects", v) for v in ("get", "delete")}
     | {("apps", "deployments", v) for v in ("get", "list", "watch", "create", "patch")}
     | {("", "services", v) for v in ("get", "list", "watch", "create", "patch")}
     | {("", "pods", v) for v in ("list", "watch")}
@@ -221,6 +246,7 @@ def test_rendered_manifests_validate_offline(helm_template, flags, monkeypatch):
         ("unknownKey", "1"),
         ("autoscaler", "kpa"),
         ("prometheus.address", "prometheus:9090"),
+        ("prometheus.podMonitorLabels", "release"),
     ],
 )
 def test_values_schema_refuses_bad_values(helm, flag, value):

@@ -65,7 +65,19 @@ def test_names_scope_and_subresources(crd):
 
 def test_printer_columns(crd, crd_schema):
     columns = crd["spec"]["versions"][0]["additionalPrinterColumns"]
-    assert [c["name"] for c in columns] == ["Model", "TP", "Block", "Ready", "Phase", "Endpoint", "Age"]
+    assert [c["name"] for c in columns] == [
+        "Model",
+        "TP",
+        "Block",
+        "Ready",
+        "Phase",
+        "Endpoint",
+        "Desired",
+        "Current",
+        "Age",
+    ]
+    # desired vs current replicas (the autoscaler's choice) in kubectl get -o wide
+    assert [c["name"] for c in columns if c.get("priority")] == ["Desired", "Current"]
     for column in columns[:-1]:  # every path exists in the schema
         node = crd_schema
         for part in column["jsonPath"].strip(".").split("."):
@@ -261,11 +273,11 @@ CEL_CASES = [
     ),
     (resource(maxNumSeqs=64, maxNumBatchedTokens=32), "maxNumBatchedTokens must be at least maxNumSeqs"),
     (resource(maxNumSeqs=64, maxNumBatchedTokens=64), None),
-    (resource(resources={"limits": {"nvidia.com/gpu": 1}}), "remove nvidia.com/gpu from resources.limits"),
-    (
-        resource(resources={"requests": {"nvidia.com/gpu": 1, "cpu": 2}}),
-        "remove nvidia.com/gpu from resources.requests",
-    ),
+    (resource(resources={"limits": {"nvidia.com/gpu": 1}}), "from resources.limits"),
+    (resource(resources={"requests": {"nvidia.com/gpu": 1, "cpu": 2}}), "from resources.requests"),
+    (resource(gpuResourceName="amd.com/gpu", resources={"limits": {"amd.com/gpu": 1}}), "from resources.limits"),
+    (resource(gpuResourceName="amd.com/gpu", resources={"limits": {"nvidia.com/gpu": 1}}), "from resources.limits"),
+    (resource(gpuResourceName="amd.com/gpu", resources={"limits": {"memory": "8Gi"}}), None),
     (resource(resources={"requests": {"cpu": "2"}, "limits": {"memory": "8Gi"}}), None),
     (resource(model="org/../etc"), "must not contain '..'"),
     (resource(autoscaling={"maxReplicas": 4, "target": 2}), None),

@@ -5,10 +5,19 @@ from __future__ import annotations
 import asyncio
 import copy
 
-from pagedllm.operator.apply import ADOPTION_REFUSED, APPLY_REFUSED, ApplyOutcome, apply_all, prune
+from pagedllm.operator.apply import (
+    ADOPTION_REFUSED,
+    APPLY_REFUSED,
+    HANDOVER_MANAGER,
+    ApplyOutcome,
+    apply_all,
+    prune,
+    replicas_to_hand_over,
+)
 from pagedllm.operator.drift import drifted, foreign_controller
-from pagedllm.operator.kube import ApiError
+from pagedllm.operator.kube import FIELD_MANAGER, ApiError
 from pagedllm.operator.manifests import RenderConfig, render
+from pagedllm.operator.status import Problem
 
 CONFIG = RenderConfig(default_image="registry.example/pagedllm:test")
 
@@ -87,14 +96,17 @@ class FakeKube:
 
     def __init__(self, live: dict | None = None, refuse: dict | None = None):
         self.live, self.refuse, self.applied, self.deleted = live or {}, refuse or {}, [], []
+        self.calls: list[tuple[str, str, dict]] = []  # (kind, field manager, spec)
 
     async def get(self, kind, namespace, name, api_version=None):
         return self.live.get(kind)
 
-    async def apply(self, manifest):
+    async def apply(self, manifest, field_manager=FIELD_MANAGER):
         if manifest["kind"] in self.refuse:
             raise self.refuse[manifest["kind"]]
-        self.applied.append(manifest["kind"])
+        self.calls.append((manifest["kind"], field_manager, manifest["spec"]))
+        if field_manager == FIELD_MANAGER:
+            self.applied.append(manifest["kind"])
         return dict(manifest)
 
 
@@ -116,6 +128,16 @@ def test_a_child_of_another_controller_is_not_applied():
     problem = outcome.problem()
     assert problem is not None and problem.reason == ADOPTION_REFUSED
     assert "Service llama already exists and is controlled by Notebook/lab" in problem.message
+
+
+def test_no_credentials_or_permission_and_invalid_objects_are_refusals_not_retries():
+    for status in (401, 403, 422):
+        assert not ApiError(status, "no").retriable, status
+    for status in (409, 429, 500, 503):
+        assert ApiError(status, "later").retriable, status
+    kube = FakeKube(refuse={"Deployment": ApiError(401, "Unauthorized")})
+    outcome = asyncio.run(apply_all(render(resource(), CONFIG).all(), kube, "owner-uid"))
+    assert outcome.transient == [] and outcome.problem() == Problem(APPLY_REFUSED, "Deployment llama: Unauthorized")
 
 
 def test_transient_failures_are_kept_apart_from_refusals():
@@ -169,3 +191,29 @@ def test_a_refused_delete_is_a_problem_and_a_throttled_one_a_retry():
     problem = outcome.problem()
     assert problem is not None and problem.message.startswith("deleting HorizontalPodAutoscaler llama: forbidden")
     assert outcome.transient == ["deleting InferencePool llama: HTTP 429: slow down"]
+
+
+def applied_by_us(live: dict, *fields: str) -> dict:
+    """``live`` with a managedFields entry of the operator's last apply owning ``spec.<fields>``."""
+    owned = {f"f:{name}": {} for name in fields}
+    entry = {"manager": FIELD_MANAGER, "operation": "Apply", "fieldsV1": {"f:spec": owned}}
+    return {**live, "metadata": {**live["metadata"], "managedFields": [entry]}}
+
+
+def test_turning_autoscaling_on_hands_the_replica_count_over_before_dropping_it():
+    live = applied_by_us(as_served(deployment(replicas=4)), "replicas", "template")
+    autoscaled = render(resource(autoscaling={"maxReplicas": 8, "target": 4}), CONFIG).all()
+    kube = FakeKube(live={"Deployment": live})
+    assert asyncio.run(apply_all(autoscaled, kube, "owner-uid")).problem() is None
+    handover, applied = kube.calls[-2:]
+    assert handover == ("Deployment", HANDOVER_MANAGER, {"replicas": 4})
+    assert applied[:2] == ("Deployment", FIELD_MANAGER) and "replicas" not in applied[2]
+
+
+def test_no_handover_when_the_operator_sets_or_no_longer_owns_the_replicas():
+    autoscaled = deployment(autoscaling={"maxReplicas": 8, "target": 4})
+    live = applied_by_us(as_served(deployment(replicas=4)), "replicas", "template")
+    assert replicas_to_hand_over(autoscaled, live) == 4
+    assert replicas_to_hand_over(deployment(replicas=2), live) is None  # fixed replicas: applied as is
+    assert replicas_to_hand_over(autoscaled, applied_by_us(live, "template")) is None  # handed over already
+    assert replicas_to_hand_over(autoscaled, None) is None  # created without replicas

@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import copy
 import re
+from pathlib import Path
 
 import jsonschema
 import kubernetes_validate
 import pytest
+import yaml
 from test_manifests import CONFIG, body
 from third_party_schemas import validate_manifest
 
-from pagedllm.operator.autoscaling import METRIC_SERIES, pod_pattern, prometheus_query, quantity
+from pagedllm.operator.autoscaling import MAX_KEDA_NAME, METRIC_SERIES, pod_pattern, prometheus_query, quantity
 from pagedllm.operator.drift import drifted
 from pagedllm.operator.manifests import RenderConfig, render, selector_labels
 from pagedllm.operator.spec import SpecError
@@ -117,6 +119,18 @@ def test_pod_pattern_matches_only_this_resources_pods():
     assert not pattern.fullmatch("other-7f9c8d6b5-x2k4p")
 
 
+def test_keda_needs_a_name_its_pod_pattern_can_match():
+    longest = "l" * MAX_KEDA_NAME
+    # the longest pod name Kubernetes makes for it: hash of 10, the whole cut to 58, then 5 random characters
+    pod = f"{longest}-7f9c8d6b5a-"[:58] + "x2k4p"
+    assert re.compile(pod_pattern(longest)).fullmatch(pod)
+    named = body(**scaling())
+    named["metadata"]["name"] = longest + "x"
+    with pytest.raises(SpecError, match=rf"too long for KEDA autoscaling.*at most {MAX_KEDA_NAME}"):
+        render(named, KEDA)
+    assert by_kind(render(named, CONFIG))["HorizontalPodAutoscaler"]  # the HPA selects pods by label
+
+
 def test_quantities():
     assert [quantity(v) for v in (4, 4.0, 0.8, 0.25, 1.5)] == ["4", "4", "800m", "250m", "1500m"]
 
@@ -176,6 +190,17 @@ def test_pod_monitor_and_scrape_annotations():
     }
 
 
+def test_pod_monitor_carries_the_labels_prometheus_selects_by():
+    config = RenderConfig(default_image="img", pod_monitor_labels=(("release", "kps"),))
+    monitor = by_kind(render(body(), config))["PodMonitor"]
+    validate_manifest(monitor)
+    assert monitor["metadata"]["labels"]["release"] == "kps"
+    assert monitor["metadata"]["labels"]["app.kubernetes.io/managed-by"] == "pagedllm-operator"
+    assert "release" not in by_kind(render(body(replicas=2), config))["PodDisruptionBudget"]["metadata"].get(
+        "labels", {}
+    )
+
+
 def test_fleet_objects_are_labelled_and_owned():
     manifests = render(body(routing={"inferencePool": True}, **scaling()), KEDA)
     for kind in ("ScaledObject", "InferencePool", "PodMonitor", "PodDisruptionBudget"):
@@ -212,3 +237,22 @@ def test_status_desired_replicas_follow_the_autoscaler():
     zero = status_from(body(**scaling(minReplicas=0)), {"spec": {"replicas": 0}, "status": {}}, now="t")
     assert zero["phase"] == "Pending" and "autoscaler scaled to zero" in zero["conditions"][0]["message"]
     assert status_from(body(replicas=2), None, now="t")["desiredReplicas"] == 2
+
+
+def test_the_gateway_example_routes_to_the_pool_the_operator_renders():
+    path = Path(__file__).parents[2] / "examples" / "gateway-inferencepool.yaml"
+    docs = {doc["kind"]: doc for doc in yaml.safe_load_all(path.read_text()) if doc}
+    resource = {**docs["PagedLLM"], "metadata": {**docs["PagedLLM"]["metadata"], "uid": "u"}}
+    pool = by_kind(render(resource, CONFIG))["InferencePool"]
+    validate_manifest(pool)
+    route, gateway = docs["HTTPRoute"], docs["Gateway"]
+    (rule,) = route["spec"]["rules"]
+    (backend,) = rule["backendRefs"]
+    assert (backend["group"], backend["kind"], backend["name"]) == (
+        pool["apiVersion"].split("/")[0],
+        pool["kind"],
+        pool["metadata"]["name"],
+    )
+    assert route["spec"]["parentRefs"] == [{"name": gateway["metadata"]["name"]}]
+    assert route["metadata"]["namespace"] == pool["metadata"]["namespace"] == gateway["metadata"]["namespace"]
+    assert gateway["apiVersion"] == route["apiVersion"] == "gateway.networking.k8s.io/v1"

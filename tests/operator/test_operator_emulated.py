@@ -237,6 +237,15 @@ def test_a_server_that_refuses_to_start_shows_why_on_the_resource(scenario):
     assert degraded["reason"] == "ServerExited" and "--tensor-parallel-size=2 is not allowed" in degraded["message"]
     assert "llama-abc12" in degraded["message"] and "code 2" in degraded["message"]
 
+    # The Deployment's status moves while the pod restarts: the resource still says why.
+    report = {"status": {"observedGeneration": dep["metadata"]["generation"], "replicas": 1, "updatedReplicas": 1}}
+    scenario.api.patch("Deployment", scenario.ns, "llama", report, sub="status")
+    obj = scenario.wait_status(lambda s, o: s.get("replicas") == 1, "the Deployment's replicas reported")
+    assert (obj["status"]["phase"], condition(obj, "Degraded")["reason"]) == ("Degraded", "ServerExited")
+    # Once the replica is ready, the exit is history.
+    scenario.api.patch("Deployment", scenario.ns, "llama", {"status": {"readyReplicas": 1}}, sub="status")
+    scenario.wait_status(lambda s, o: s.get("phase") == "Ready", "Ready")
+
 
 def test_extra_args_cannot_override_rendered_flags(scenario):
     scenario.api.create(pagedllm(scenario.ns, extraArgs=["--block-size", "64"]))

@@ -32,7 +32,7 @@ def test_autoscaling_applies_an_hpa_and_leaves_replicas_to_it(scenario):
     obj = scenario.wait_status(lambda s, o: s.get("desiredReplicas") == 3 and s.get("readyReplicas") == 1, "3 desired")
     assert obj["status"]["ready"] == "1/3" and obj["status"]["replicas"] == 3
     assert scenario.get("Deployment")["spec"]["replicas"] == 3
-    assert not [e for e in scenario.events() if e.get("reason") == "DriftRepaired"]
+    assert not [e for e in scenario.events() if e.get("reason") == "DriftReverted"]
     ready = condition(obj, "AutoscalingReady")
     assert (ready["status"], ready["reason"]) == ("True", "Applied")
 

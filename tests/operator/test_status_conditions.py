@@ -167,3 +167,17 @@ def test_server_exit_reads_the_last_termination_message():
     assert server_exit(ready, "server") is None
     clean = {"status": {"containerStatuses": [{"name": "server", "lastState": {"terminated": {"exitCode": 0}}}]}}
     assert server_exit(clean, "server") is None
+
+
+def test_refresh_keeps_a_server_exit_until_the_replicas_are_ready_or_the_spec_changes():
+    from pagedllm.operator.status import SERVER_EXITED
+
+    exited = Problem(SERVER_EXITED, "pod llama-1: the server exited with code 2: bad flag")
+    crashed = status_from(resource(generation=4), deployment(replicas=2), now=T0, problem=exited)
+    restarting = deployment(ready=1, updated=2, replicas=2)  # its status moved as the pod restarted
+    status = refresh_status(resource(generation=4, status=crashed), restarting, CONFIG)
+    assert status["phase"] == "Degraded" and conditions(status)["Degraded"]["message"] == exited.message
+    assert status["readyReplicas"] == 1
+    healthy = deployment(ready=2, updated=2, replicas=2)
+    assert refresh_status(resource(generation=4, status=crashed), healthy, CONFIG)["phase"] == "Ready"
+    assert refresh_status(resource(generation=5, status=crashed), restarting, CONFIG)["phase"] == "Progressing"

@@ -84,11 +84,11 @@ Nothing else is deleted by the operator: owner references cascade deletion.
 - apiGroups: ["autoscaling"]
   resources: ["horizontalpodautoscalers"]
   verbs: ["get", "create", "patch", "delete"]
-{{- if eq .Values.autoscaler "keda" }}
+# With autoscaler=hpa, ScaledObjects are only read and deleted: where KEDA is installed the
+# operator looks for one it made before a switch from keda, which would fight the HPA.
 - apiGroups: ["keda.sh"]
   resources: ["scaledobjects"]
-  verbs: ["get", "create", "patch", "delete"]
-{{- end }}
+  verbs: {{ if eq .Values.autoscaler "keda" }}["get", "create", "patch", "delete"]{{ else }}["get", "delete"]{{ end }}
 - apiGroups: ["inference.networking.k8s.io"]
   resources: ["inferencepools"]
   verbs: ["get", "create", "patch", "delete"]

@@ -1,0 +1,99 @@
+"""CPU decode attention, one layer: the kernels' torch reference, the engine's planned
+path (cpu_attention.py) at several grouping thresholds, and SDPA over K/V that is
+already contiguous, padded to the longest context (a static batch's layout, no gather).
+
+ShareGPT-like context lengths (mean input 161 plus up to 128 generated tokens), blocks
+scattered at random over the cache.
+
+    python benchmarks/cpu_attention.py --threads 2 --batch 16 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import math
+import os
+import sys
+import time
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(__file__))
+from common import HelpFormatter, set_threads  # noqa: E402
+
+from pagedllm.kernels import paged_decode_attention_reference  # noqa: E402
+from pagedllm.server.worker import cpu_attention  # noqa: E402
+
+
+def median_ms(fn, repeats: int) -> float:
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2] * 1e3
+
+
+def make_case(batch: int, heads: int, head_dim: int, block_size: int, seed: int):
+    rng = np.random.default_rng(seed)
+    lens = np.round(rng.lognormal(math.log(161) - 0.32, 0.8, batch)).clip(1, 1024).astype(int)
+    lens += rng.integers(0, 128, batch)
+    width = -(-int(lens.max()) // block_size)
+    num_blocks = 4 * batch * width
+    key_cache = torch.randn(num_blocks, block_size, heads, head_dim)
+    value_cache = torch.randn(num_blocks, block_size, heads, head_dim)
+    perm = torch.randperm(num_blocks)
+    tables = torch.zeros(batch, width, dtype=torch.int32)
+    used = 0
+    for s, n in enumerate(lens):
+        k = -(-int(n) // block_size)
+        tables[s, :k] = perm[used : used + k].int()
+        used += k
+    query = torch.randn(batch, heads, head_dim)
+    return query, key_cache, value_cache, tables, torch.tensor(lens, dtype=torch.int32)
+
+
+def contiguous_padded(query, lens, head_dim):
+    batch, heads, _ = query.shape
+    length = int(lens.max())
+    keys = torch.randn(batch, heads, length, head_dim)
+    values = torch.randn(batch, heads, length, head_dim)
+    mask = (torch.arange(length) < lens.long()[:, None])[:, None, None, :]
+    return lambda: F.scaled_dot_product_attention(query[:, :, None], keys, values, attn_mask=mask)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: the CPU quota)")
+    parser.add_argument("--batch", type=int, nargs="+", default=[16, 64], help="decoding sequences")
+    parser.add_argument("--pad-tokens", type=int, nargs="+", default=[0, 32, 64, 100000], help="grouping thresholds")
+    parser.add_argument("--repeats", type=int, default=30, help="timed calls per variant (median reported)")
+    args = parser.parse_args()
+    set_threads(args.threads)
+    heads, head_dim, block_size, scale = 8, 64, 16, 0.125
+    for batch in args.batch:
+        query, kc, vc, tables, lens = make_case(batch, heads, head_dim, block_size, seed=0)
+        print(f"batch {batch}: mean context {lens.float().mean():.0f}, longest {int(lens.max())}")
+        ref = functools.partial(paged_decode_attention_reference, query, kc, vc, tables, lens, scale)
+        print(f"  {'reference (pad to longest)':44s} {median_ms(ref, args.repeats):8.2f} ms")
+        empty = (
+            torch.zeros(0, 0, dtype=torch.int32),
+            torch.zeros(1, dtype=torch.int32),
+            torch.zeros(0, dtype=torch.int32),
+        )
+        for pad in args.pad_tokens:
+            plan = cpu_attention.plan_attention(tables, lens, *empty, block_size, max_pad_tokens=pad)
+            run = functools.partial(cpu_attention.decode_attention, query, kc, vc, plan, scale)
+            label = f"planned, pad <= {pad} tokens ({len(plan.groups)} groups)"
+            print(f"  {label:44s} {median_ms(run, args.repeats):8.2f} ms")
+        floor = contiguous_padded(query, lens, head_dim)
+        print(f"  {'contiguous K/V padded to the longest':44s} {median_ms(floor, args.repeats):8.2f} ms")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,142 @@
+"""The torch backend's planned attention against the kernels' references, on random caches."""
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pagedllm.kernels import (
+    paged_decode_attention_reference,
+    paged_prefill_attention_reference,
+    reshape_and_cache_reference,
+)
+from pagedllm.server.worker.cpu_attention import (
+    _group_bounds,
+    decode_attention,
+    plan_attention,
+    prefill_attention,
+    write_kv,
+)
+
+HEADS = [(1, 1), (4, 4), (4, 2), (6, 2), (8, 1), (16, 2)]  # (num_heads, num_kv_heads): MHA, GQA, MQA
+
+
+def random_cache(num_blocks, block_size, kv_heads, head_dim, gen):
+    shape = (num_blocks, block_size, kv_heads, head_dim)
+    return torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
+
+
+def random_tables(lens, block_size, num_blocks, gen, garbage=True):
+    """Distinct physical blocks per sequence; entries past a sequence's last block are junk."""
+    width = max(-(-n // block_size) for n in lens) + 1
+    perm = torch.randperm(num_blocks, generator=gen)
+    fill = 10**6 if garbage else 0
+    tables = torch.full((len(lens), width), fill, dtype=torch.int32)
+    used = 0
+    for s, n in enumerate(lens):
+        k = -(-n // block_size)
+        tables[s, :k] = perm[used : used + k].int()
+        used += k
+    return tables
+
+
+def empty_prefill(device="cpu"):
+    return (
+        torch.zeros(0, 0, dtype=torch.int32),
+        torch.zeros(1, dtype=torch.int32),
+        torch.zeros(0, dtype=torch.int32),
+    )
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    lens=st.lists(st.integers(1, 150), min_size=1, max_size=12),
+    block_size=st.sampled_from([1, 4, 16, 32]),
+    heads=st.sampled_from(HEADS),
+    head_dim=st.sampled_from([8, 64]),
+    seed=st.integers(0, 2**16),
+)
+def test_decode_matches_reference(lens, block_size, heads, head_dim, seed):
+    gen = torch.Generator().manual_seed(seed)
+    num_heads, kv_heads = heads
+    num_blocks = sum(-(-n // block_size) for n in lens) + 2
+    key_cache, value_cache = random_cache(num_blocks, block_size, kv_heads, head_dim, gen)
+    tables = random_tables(lens, block_size, num_blocks, gen)
+    context_lens = torch.tensor(lens, dtype=torch.int32)
+    query = torch.randn(len(lens), num_heads, head_dim, generator=gen)
+    scale = head_dim**-0.5
+    plan = plan_attention(tables, context_lens, *empty_prefill(), block_size)
+    out = decode_attention(query, key_cache, value_cache, plan, scale)
+    ref = paged_decode_attention_reference(query, key_cache, value_cache, tables, context_lens, scale)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+
+
+def test_decode_groups_are_sorted_and_padding_is_bounded():
+    lens = [300, 17, 16, 1, 160, 150, 33, 900]
+    tables = random_tables(lens, 16, 200, torch.Generator().manual_seed(0), garbage=False)
+    plan = plan_attention(tables, torch.tensor(lens, dtype=torch.int32), *empty_prefill(), 16)
+    assert plan.order is not None and plan.order.tolist() == sorted(range(len(lens)), key=lambda i: -(-lens[i] // 16))
+    covered = [i for g in plan.groups for i in range(g.rows.start, g.rows.stop)]
+    assert covered == list(range(len(lens)))
+    assert [g.length for g in plan.groups] == [48, 160, 304, 912]
+
+
+def test_sorted_decodes_need_no_reordering():
+    plan = plan_attention(
+        torch.zeros(3, 4, dtype=torch.int32), torch.tensor([1, 2, 40], dtype=torch.int32), *empty_prefill(), 16
+    )
+    assert plan.order is None
+    assert plan.groups[0].mask is not None
+
+
+def test_group_bounds_merge_close_lengths_only():
+    assert _group_bounds([1, 2, 3, 4, 10, 10, 100, 110], 16, 32) == [(0, 3), (3, 4), (4, 6), (6, 8)]
+    assert _group_bounds([5], 1, 32) == [(0, 1)]
+    assert _group_bounds([], 16, 32) == []
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    chunks=st.lists(st.tuples(st.integers(0, 60), st.integers(0, 40)), min_size=1, max_size=5),
+    block_size=st.sampled_from([1, 4, 16]),
+    heads=st.sampled_from(HEADS),
+    seed=st.integers(0, 2**16),
+)
+def test_prefill_matches_reference(chunks, block_size, heads, seed):
+    """(prefix, new tokens) per sequence: no prefix reads the new K/V, a prefix reads the cache."""
+    gen = torch.Generator().manual_seed(seed)
+    num_heads, kv_heads = heads
+    head_dim = 16
+    lens = [max(1, p + q) for p, q in chunks]
+    q_lens = [min(q, n) for (_, q), n in zip(chunks, lens)]
+    num_blocks = sum(-(-n // block_size) for n in lens) + 2
+    key_cache, value_cache = random_cache(num_blocks, block_size, kv_heads, head_dim, gen)
+    tables = random_tables(lens, block_size, num_blocks, gen, garbage=False)
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    total = int(cu[-1])
+    query = torch.randn(total, num_heads, head_dim, generator=gen)
+    key = torch.randn(total, kv_heads, head_dim, generator=gen)
+    value = torch.randn(total, kv_heads, head_dim, generator=gen)
+    slots = [
+        int(tables[s, p // block_size]) * block_size + p % block_size
+        for s, (n, q) in enumerate(zip(lens, q_lens))
+        for p in range(n - q, n)
+    ]
+    reshape_and_cache_reference(key, value, key_cache, value_cache, torch.tensor(slots, dtype=torch.int64))
+    context_lens = torch.tensor(lens, dtype=torch.int32)
+    plan = plan_attention(
+        torch.zeros(0, 1, dtype=torch.int32), torch.zeros(0, dtype=torch.int32), tables, cu, context_lens, block_size
+    )
+    scale = head_dim**-0.5
+    out = prefill_attention(query, key, value, key_cache, value_cache, plan, scale)
+    ref = paged_prefill_attention_reference(query, key, value, key_cache, value_cache, tables, cu, context_lens, scale)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+
+
+def test_write_kv_matches_reference():
+    gen = torch.Generator().manual_seed(3)
+    caches = [torch.zeros(6, 4, 2, 8) for _ in range(4)]
+    key, value = torch.randn(5, 2, 8, generator=gen), torch.randn(5, 2, 8, generator=gen)
+    slots = torch.tensor([0, 7, 9, 23, 12])
+    write_kv(key, value, caches[0], caches[1], slots)
+    reshape_and_cache_reference(key, value, caches[2], caches[3], slots)
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
