@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
-from hf_baselines import PAD_ID, Request, _collect, _left_padded, _load
+from hf_baselines import PAD_ID, Request, _left_padded, _load, serve_continuous
 from sim import Roofline
 
 
@@ -88,7 +88,7 @@ def hf_static_online(
 @torch.inference_mode()
 def hf_continuous_capacity(model_dir: str, requests: Sequence[Request], budget_tokens: int, page: int) -> float:
     """Requests per second of ``transformers``' continuous batching with a paged cache of the budget."""
-    from transformers import ContinuousBatchingConfig, GenerationConfig
+    from transformers import ContinuousBatchingConfig
 
     model = _load(model_dir)
     cb = ContinuousBatchingConfig(
@@ -99,10 +99,4 @@ def hf_continuous_capacity(model_dir: str, requests: Sequence[Request], budget_t
         auto_switch_to_flash=False,
         use_cuda_graph=False,
     )
-    gen = GenerationConfig(do_sample=False, eos_token_id=-1, pad_token_id=PAD_ID)  # no EOS: fixed lengths
-    start = time.perf_counter()
-    with model.continuous_batching_context_manager(gen, continuous_batching_config=cb, warmup=False) as manager:
-        for i, r in enumerate(requests):
-            manager.add_request(r.prompt_token_ids, request_id=f"r{i}", max_new_tokens=r.output_len)
-        _collect(manager, requests, "transformers continuous")
-    return len(requests) / (time.perf_counter() - start)
+    return len(requests) / serve_continuous(model, requests, cb, "transformers continuous")

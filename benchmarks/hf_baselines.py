@@ -74,7 +74,7 @@ def run_hf_continuous(
     output length; at most ``batch_size`` requests are in flight. ``max_cache_tokens`` sizes
     the paged cache; by default it holds ``batch_size`` of the longest requests.
     """
-    from transformers import ContinuousBatchingConfig, GenerationConfig
+    from transformers import ContinuousBatchingConfig
 
     model = _load(model_dir, attn_implementation)
     longest = max(len(r.prompt_token_ids) + r.output_len for r in requests)
@@ -88,12 +88,19 @@ def run_hf_continuous(
         auto_switch_to_flash=False,
         use_cuda_graph=False,
     )
+    return serve_continuous(model, requests, cb, f"hf continuous bs{batch_size}")
+
+
+def serve_continuous(model, requests: Sequence[Request], cb, desc: str) -> float:
+    """Seconds ``transformers``' continuous batching (config ``cb``) takes to serve every request queued at once."""
+    from transformers import GenerationConfig
+
     gen = GenerationConfig(do_sample=False, eos_token_id=-1, pad_token_id=PAD_ID)  # no EOS: fixed lengths
     start = time.perf_counter()
     with model.continuous_batching_context_manager(gen, continuous_batching_config=cb, warmup=False) as manager:
         for i, r in enumerate(requests):
             manager.add_request(r.prompt_token_ids, request_id=f"r{i}", max_new_tokens=r.output_len)
-        _collect(manager, requests, f"hf continuous bs{batch_size}")
+        _collect(manager, requests, desc)
     return time.perf_counter() - start
 
 
