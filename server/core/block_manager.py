@@ -166,9 +166,9 @@ class BlockManager:
             self.reservation.hold(seq.seq_id, len(table))
         seq.num_computed_tokens = len(hashes) * self.block_size
 
-    def can_append_slots(self, group: SequenceGroup) -> bool:
-        """Whether every running sequence of the group can get a slot for its next token."""
-        return self.blocks_to_append(group.running_seqs()) <= self.num_available
+    def can_append_slots(self, seqs: list[Sequence]) -> bool:
+        """Whether every one of ``seqs`` (a group's running sequences) can get slots for its uncomputed tokens."""
+        return self.blocks_to_append(seqs) <= self.num_available
 
     def blocks_to_append(self, seqs: list[Sequence]) -> int:
         """New blocks (fresh or copy-on-write) ``seqs`` need for their uncomputed tokens, beyond their reservations."""

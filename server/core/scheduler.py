@@ -143,8 +143,7 @@ class Scheduler:
 
     def _make_room(self, group: SequenceGroup, seqs: list[Sequence], pending: dict, out: SchedulerOutput) -> bool:
         """Preempt the latest arrivals until ``group`` can append; False if it was preempted."""
-        bm = self.block_manager
-        while bm.blocks_to_append(seqs) > bm.num_available:
+        while not self.block_manager.can_append_slots(seqs):
             victim, _ = pending.popitem()
             self._preempt(victim, out)
             if victim is group:

@@ -137,7 +137,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         group = data.draw(st.sampled_from(self._running()))
         for seq in group.seqs:
             seq.append_token(7, 0.0, None)
-        if not self.bm.can_append_slots(group):
+        if not self.bm.can_append_slots(group.running_seqs()):
             for seq in group.seqs:
                 seq.output_token_ids.pop()
                 seq.token_ids.pop()

@@ -95,10 +95,9 @@ def test_a_reserved_sequence_appends_even_when_others_took_every_free_block():
     other = admit(bm, 1, 16, 0)  # the 4 other blocks
     assert bm.num_available == 0
     other.append_token(1, 0.0, None)
-    assert not bm.can_append_slots(SequenceGroup("1", [other], SamplingParams()))  # no room past its own
-    group = SequenceGroup("0", [first], SamplingParams())
+    assert not bm.can_append_slots([other])  # no room past its own
     for _ in range(12):
-        assert bm.can_append_slots(group)
+        assert bm.can_append_slots([first])
         grow(bm, first, 1)
     assert len(bm.block_table(first)) == 4 and bm.gpu.num_free == 0
 
