@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from pagedllm.operator.spec_fields import SpecError
+from pagedllm.operator.spec_fields import SpecError, dns_label
 
 AUTOSCALING_METRICS = ("queue", "kvCache", "runningRequests")
 FAILURE_MODES = ("FailClose", "FailOpen")
@@ -109,8 +109,8 @@ def parse_routing(path: str, value: Any) -> Routing:
         raise SpecError(f"{path}.inferencePool={enabled!r} has the wrong type: must be a boolean")
     picker = _mapping(f"{path}.endpointPicker", value.get("endpointPicker", {}))
     name = picker.get("name")
-    if name is not None and (not isinstance(name, str) or not name):
-        raise SpecError(f"{path}.endpointPicker.name={name!r} is not allowed: must be a non-empty string")
+    if name is not None:
+        dns_label(f"{path}.endpointPicker.name", name, "the endpoint picker's Service")
     return Routing(
         inference_pool=enabled,
         endpoint_picker=name,

@@ -17,7 +17,6 @@ Volumes of a server pod::
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -30,7 +29,8 @@ from pagedllm.operator.container_env import downloads, gpu_resources, hub_env, s
 from pagedllm.operator.fleet import Fleet, FleetConfig, render_fleet
 from pagedllm.operator.monitoring import scrape_annotations
 from pagedllm.operator.placement import pod_metadata, pod_placement
-from pagedllm.operator.spec import PagedLLMSpec, SpecError
+from pagedllm.operator.spec import PagedLLMSpec
+from pagedllm.operator.spec_fields import dns_label
 
 GROUP, VERSION, PLURAL, KIND = "pagedllm.dev", "v1alpha1", "pagedllms", "PagedLLM"
 MANAGED_BY = "pagedllm-operator"
@@ -49,7 +49,6 @@ PRESTOP_SLEEP_SECONDS = 5
 PROGRESS_MARGIN_SECONDS = 1800
 STARTUP_PROBE_PERIOD = 10
 
-_DNS_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 
 # The init container's download: the Hub client ships with transformers in the image.
 FETCH_SCRIPT = (
@@ -142,12 +141,7 @@ def model_path(spec: PagedLLMSpec) -> str:
 def render(body: Mapping[str, Any], config: RenderConfig) -> Manifests:
     """Render a ``PagedLLM`` resource; raise :class:`SpecError` if it cannot be served."""
     meta = body.get("metadata", {})
-    name = meta.get("name", "")
-    if not _DNS_LABEL.match(name) or len(name) > 63:
-        raise SpecError(
-            f"metadata.name={name!r} is not allowed: it names the Service, so it must be a "
-            "DNS-1035 label (lowercase letters, digits and '-', starting with a letter, at most 63)"
-        )
+    name = dns_label("metadata.name", meta.get("name", ""), "the Service")
     spec = PagedLLMSpec.from_dict(body.get("spec"))
     check_engine(spec, model_path(spec))
     generation = meta.get("generation")

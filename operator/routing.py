@@ -14,12 +14,18 @@ docs name current; the older ``inference.networking.x-k8s.io/v1alpha2`` pool (wi
 from __future__ import annotations
 
 from pagedllm.operator.spec import Routing
+from pagedllm.operator.spec_fields import dns_label
 
 INFERENCE_POOL_API_VERSION = "inference.networking.k8s.io/v1"
 
 
 def endpoint_picker_name(name: str, routing: Routing) -> str:
-    return routing.endpoint_picker or f"{name}-epp"
+    """The picker's Service: as given, else ``NAME-epp``, which a name of over 59 characters makes too long."""
+    if routing.endpoint_picker:
+        return routing.endpoint_picker
+    return dns_label(
+        "spec.routing.endpointPicker.name", f"{name}-epp", "the endpoint picker's Service (unset: NAME-epp)"
+    )
 
 
 def render_inference_pool(name: str, selector: dict[str, str], port: int, routing: Routing) -> dict:

@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from typing import Any
 
 GPU_RESOURCE = "nvidia.com/gpu"
+_DNS_LABEL_RE = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 _DNS_SUBDOMAIN_RE = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 _QUANTITY_RE = re.compile(
     r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"
@@ -88,6 +89,17 @@ def _string_list(path: str, value: Any) -> tuple[str, ...]:
 
 def _plain_object(path: str, value: Any) -> Mapping[str, Any]:
     return dict(_mapping(path, value))
+
+
+def dns_label(path: str, value: Any, names: str) -> str:
+    """``value`` if it is a DNS-1035 label (a Service's name), else a :class:`SpecError`
+    saying it ``names`` (what the name is used for)."""
+    if not isinstance(value, str) or len(value) > 63 or not _DNS_LABEL_RE.match(value):
+        raise SpecError(
+            f"{path}={value!r} is not allowed: it names {names}, so it must be a DNS-1035 label "
+            "(lowercase letters, digits and '-', starting with a letter, at most 63)"
+        )
+    return value
 
 
 def _dns_subdomain(path: str, value: Any) -> str:

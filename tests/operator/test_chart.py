@@ -139,6 +139,11 @@ def test_autoscaler_and_prometheus_reach_the_operator(helm_template):
         "--set", "prometheus.podMonitorLabels.release=kps", "--set", "prometheus.podMonitorLabels.a\\.b/c=d"
     )
     assert parse_operator_args(operator_container(docs)).pod_monitor_labels == [("a.b/c", "d"), ("release", "kps")]
+    # --set makes 1 a number and true a boolean: both are label values, passed on as text
+    docs = helm_template(
+        "--set", "prometheus.podMonitorLabels.release=1", "--set", "prometheus.podMonitorLabels.on=true"
+    )
+    assert parse_operator_args(operator_container(docs)).pod_monitor_labels == [("on", "true"), ("release", "1")]
 
 
 def test_pod_monitor_labels_of_the_operator_are_refused():

@@ -311,3 +311,10 @@ def test_operator_refuses_what_cel_refuses(crd_schema, obj, expected):
     else:
         with pytest.raises(SpecError):
             PagedLLMSpec.from_dict(spec)
+
+
+@pytest.mark.parametrize("picker, valid", [("epp", True), ("my-epp-2", True), ("EPP", False), ("x" * 64, False)])
+def test_the_endpoint_picker_name_is_a_service_name(crd_schema, picker, valid):
+    obj = apply_defaults(crd_schema, resource(routing={"inferencePool": True, "endpointPicker": {"name": picker}}))
+    errors = list(resource_validator(crd_schema).iter_errors(obj))
+    assert (errors == []) == valid, errors

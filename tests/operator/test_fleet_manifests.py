@@ -15,7 +15,9 @@ from third_party_schemas import validate_manifest
 
 from pagedllm.operator.autoscaling import MAX_KEDA_NAME, METRIC_SERIES, pod_pattern, prometheus_query, quantity
 from pagedllm.operator.drift import drifted
+from pagedllm.operator.fleet_spec import parse_routing
 from pagedllm.operator.manifests import RenderConfig, render, selector_labels
+from pagedllm.operator.routing import endpoint_picker_name
 from pagedllm.operator.spec import SpecError
 from pagedllm.operator.status import status_from
 
@@ -256,3 +258,16 @@ def test_the_gateway_example_routes_to_the_pool_the_operator_renders():
     assert route["spec"]["parentRefs"] == [{"name": gateway["metadata"]["name"]}]
     assert route["metadata"]["namespace"] == pool["metadata"]["namespace"] == gateway["metadata"]["namespace"]
     assert gateway["apiVersion"] == route["apiVersion"] == "gateway.networking.k8s.io/v1"
+
+
+@pytest.mark.parametrize("picker", ["EPP", "9epp", "epp.svc", "x" * 64, ""])
+def test_endpoint_picker_names_must_name_a_service(picker):
+    with pytest.raises(SpecError, match=r"spec.routing.endpointPicker.name=.* DNS-1035 label"):
+        parse_routing("spec.routing", {"inferencePool": True, "endpointPicker": {"name": picker}})
+
+
+def test_a_default_endpoint_picker_name_too_long_for_a_service_is_refused():
+    routing = parse_routing("spec.routing", {"inferencePool": True})
+    assert endpoint_picker_name("x" * 59, routing) == "x" * 59 + "-epp"
+    with pytest.raises(SpecError, match=r"'x{60}-epp' is not allowed: it names the endpoint picker's Service \(unset"):
+        endpoint_picker_name("x" * 60, routing)
