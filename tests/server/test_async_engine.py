@@ -121,14 +121,16 @@ def test_closing_or_cancelling_a_stream_aborts_and_frees_blocks(tiny_llama):
             await gen.aclose()
             assert engine.num_unfinished == 0
 
+            streaming = asyncio.Event()
+            long = SamplingParams(temperature=0, max_tokens=900, ignore_eos=True)
+
             async def consume():
-                async for _ in engine.generate({"prompt_token_ids": list(range(1, 40))}, params, "cancelled"):
-                    pass
+                # NOTE: cancelled after its first token, with hundreds to go, so it cannot finish first
+                async for _ in engine.generate({"prompt_token_ids": list(range(1, 40))}, long, "cancelled"):
+                    streaming.set()
 
             task = asyncio.create_task(consume())
-            while engine.num_unfinished == 0:
-                await asyncio.sleep(0.001)
-            await asyncio.sleep(0.05)
+            await streaming.wait()
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await task
