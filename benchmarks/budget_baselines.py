@@ -86,8 +86,11 @@ def hf_static_online(
 
 
 @torch.inference_mode()
-def hf_continuous_capacity(model_dir: str, requests: Sequence[Request], budget_tokens: int, page: int) -> float:
-    """Requests per second of ``transformers``' continuous batching with a paged cache of the budget."""
+def hf_continuous_capacity(
+    model_dir: str, requests: Sequence[Request], budget_tokens: int, page: int, batch_tokens: int
+) -> float:
+    """Requests per second of ``transformers``' continuous batching with a paged cache of the budget
+    and ``batch_tokens`` per step (the engine's ``max_num_batched_tokens``)."""
     from transformers import ContinuousBatchingConfig
 
     model = _load(model_dir)
@@ -95,7 +98,7 @@ def hf_continuous_capacity(model_dir: str, requests: Sequence[Request], budget_t
         page_size=page,
         num_blocks=budget_tokens // page,
         max_requests_per_batch=256,  # as the engine's max_num_seqs: memory decides
-        max_batch_tokens=2048,  # as the engine's max_num_batched_tokens
+        max_batch_tokens=batch_tokens,
         auto_switch_to_flash=False,
         use_cuda_graph=False,
     )

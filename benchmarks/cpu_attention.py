@@ -1,6 +1,11 @@
-"""CPU decode attention, one layer: the kernels' torch reference, the engine's planned
-path (cpu_attention.py) at several grouping thresholds, and SDPA over K/V that is
+"""CPU decode attention, one layer: the kernels' torch reference, the torch backend's
+planned path (cpu_attention.py) at several grouping thresholds, the compiled kernel the
+``numba`` backend runs (kernels/paged_decode_attention_cpu.py), and SDPA over K/V that is
 already contiguous, padded to the longest context (a static batch's layout, no gather).
+
+NOTE: one layer's cache of a small batch fits in the CPU's last-level cache and stays
+there across repeats; in the engine every layer has its own cache, read from memory.
+``--layers 8`` cycles through that many caches to show the memory-bound numbers.
 
 ShareGPT-like context lengths (mean input 161 plus up to 128 generated tokens), blocks
 scattered at random over the cache.
@@ -11,7 +16,6 @@ scattered at random over the cache.
 from __future__ import annotations
 
 import argparse
-import functools
 import math
 import os
 import sys
@@ -25,6 +29,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from common import HelpFormatter, set_threads  # noqa: E402
 
 from pagedllm.kernels import paged_decode_attention_reference  # noqa: E402
+from pagedllm.kernels.paged_decode_attention_cpu import paged_decode_attention_cpu  # noqa: E402
 from pagedllm.server.worker import cpu_attention  # noqa: E402
 
 
@@ -67,32 +72,52 @@ def contiguous_padded(query, lens, head_dim):
     return lambda: F.scaled_dot_product_attention(query[:, :, None], keys, values, attn_mask=mask)
 
 
+def layer_caches(batch: int, layers: int, heads: int, head_dim: int, block_size: int) -> list[tuple]:
+    """``layers`` cases sharing the query, block tables and lengths, each with its own caches."""
+    first = make_case(batch, heads, head_dim, block_size, seed=0)
+    query, key_cache, _, tables, lens = first
+    more = [(query, torch.randn_like(key_cache), torch.randn_like(key_cache), tables, lens) for _ in range(1, layers)]
+    return [first, *more]
+
+
+def run_batch(batch: int, args: argparse.Namespace, threads: int) -> None:
+    heads, head_dim, block_size, scale = 8, 64, 16, 0.125
+    layers = layer_caches(batch, args.layers, heads, head_dim, block_size)
+    query, _, _, tables, lens = layers[0]
+    kv_bytes = int(lens.sum()) * heads * head_dim * 4 * 2
+    print(
+        f"batch {batch}: mean context {lens.float().mean():.0f}, longest {int(lens.max())}, {threads} thread(s), "
+        f"{args.layers} cache(s), {kv_bytes / 1e6:.1f} MB of K/V per call; per call:"
+    )
+
+    def timed(label: str, fn) -> None:
+        ms = median_ms(lambda: [fn(*case) for case in layers], args.repeats) / len(layers)
+        print(f"  {label:44s} {ms:8.2f} ms  {kv_bytes / ms / 1e6:6.1f} GB/s")
+
+    timed(
+        "reference (pad to longest)", lambda q, kc, vc, t, n: paged_decode_attention_reference(q, kc, vc, t, n, scale)
+    )
+    empty = (torch.zeros(0, 0, dtype=torch.int32), torch.zeros(1, dtype=torch.int32), torch.zeros(0, dtype=torch.int32))
+    for pad in args.pad_tokens:
+        plan = cpu_attention.plan_attention(tables, lens, *empty, block_size, max_pad_tokens=pad)
+        label = f"planned, pad <= {pad} tokens ({len(plan.groups)} groups)"
+        timed(label, lambda q, kc, vc, t, n, plan=plan: cpu_attention.decode_attention(q, kc, vc, plan, scale))
+    timed("compiled kernel (numba backend)", lambda q, kc, vc, t, n: paged_decode_attention_cpu(q, kc, vc, t, n, scale))
+    floor = contiguous_padded(query, lens, head_dim)
+    print(f"  {'contiguous K/V padded to the longest':44s} {median_ms(floor, args.repeats):8.2f} ms")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: the CPU quota)")
     parser.add_argument("--batch", type=int, nargs="+", default=[16, 64], help="decoding sequences")
     parser.add_argument("--pad-tokens", type=int, nargs="+", default=[0, 32, 64, 100000], help="grouping thresholds")
     parser.add_argument("--repeats", type=int, default=30, help="timed calls per variant (median reported)")
+    parser.add_argument("--layers", type=int, default=1, help="distinct caches cycled through (see the NOTE)")
     args = parser.parse_args()
-    set_threads(args.threads)
-    heads, head_dim, block_size, scale = 8, 64, 16, 0.125
+    threads = set_threads(args.threads)
     for batch in args.batch:
-        query, kc, vc, tables, lens = make_case(batch, heads, head_dim, block_size, seed=0)
-        print(f"batch {batch}: mean context {lens.float().mean():.0f}, longest {int(lens.max())}")
-        ref = functools.partial(paged_decode_attention_reference, query, kc, vc, tables, lens, scale)
-        print(f"  {'reference (pad to longest)':44s} {median_ms(ref, args.repeats):8.2f} ms")
-        empty = (
-            torch.zeros(0, 0, dtype=torch.int32),
-            torch.zeros(1, dtype=torch.int32),
-            torch.zeros(0, dtype=torch.int32),
-        )
-        for pad in args.pad_tokens:
-            plan = cpu_attention.plan_attention(tables, lens, *empty, block_size, max_pad_tokens=pad)
-            run = functools.partial(cpu_attention.decode_attention, query, kc, vc, plan, scale)
-            label = f"planned, pad <= {pad} tokens ({len(plan.groups)} groups)"
-            print(f"  {label:44s} {median_ms(run, args.repeats):8.2f} ms")
-        floor = contiguous_padded(query, lens, head_dim)
-        print(f"  {'contiguous K/V padded to the longest':44s} {median_ms(floor, args.repeats):8.2f} ms")
+        run_batch(batch, args, threads)
 
 
 if __name__ == "__main__":

@@ -41,8 +41,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import HelpFormatter  # noqa: E402
 from workloads import Request, poisson_arrivals, sample_requests  # noqa: E402
 
-from pagedllm.server.config import EngineConfig  # noqa: E402
+from pagedllm.server.config import EngineConfig, choose_token_budget  # noqa: E402
 from pagedllm.server.engine.llm_engine import LLMEngine  # noqa: E402
+from pagedllm.server.worker.model_runner import resolve_device  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "paper")
 LLAMA_7B = dict(
@@ -138,6 +139,15 @@ class Context:
 
     def engine(self, workload: str, engine_cls: type[LLMEngine] = LLMEngine, **overrides) -> LLMEngine:
         """An engine with ``workload``'s KV budget (in tokens, whatever the block size)."""
+        return engine_cls(self.engine_config(workload, **overrides))
+
+    def token_budget(self, workload: str) -> int:
+        """The per-step token budget the engine resolves on this machine (baselines get the same)."""
+        config = self.engine_config(workload)
+        device = resolve_device(config.model.device).type
+        return choose_token_budget(config.scheduler, device, self.profile.max_model_len).tokens
+
+    def engine_config(self, workload: str, **overrides) -> EngineConfig:
         block_size = overrides.pop("block_size", self.profile.block_size)
         args = dict(
             model=self.model_dir,
@@ -152,7 +162,7 @@ class Context:
             **self.profile.engine,
         )
         args.update(overrides)
-        return engine_cls(EngineConfig.from_kwargs(**args))
+        return EngineConfig.from_kwargs(**args)
 
 
 def build_model(profile: Profile, path: str) -> int:

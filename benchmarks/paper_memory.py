@@ -187,7 +187,9 @@ def _fig12_workload(ctx: Context, workload: str, clock: str) -> dict:
         )
     if ctx.profile.hf_baselines and clock == "measured":
         extra["hf-continuous"] = {
-            "rate": hf_continuous_capacity(ctx.model_dir, requests, budget, ctx.profile.block_size),
+            "rate": hf_continuous_capacity(
+                ctx.model_dir, requests, budget, ctx.profile.block_size, ctx.token_budget(workload)
+            ),
             "note": "offline capacity (requests/s, all queued at once): an upper bound on its sustainable rate",
         }
     sustained = {name: sustainable_rate(points, bound) for name, points in curves.items()} | extra

@@ -44,6 +44,8 @@ class UnsharedBlockManager(BlockManager):
                 self.gpu.decref(table[i])
                 copies.append((table[i], new))
                 table[i] = new
+            if copies:
+                self._rewritten(seq.seq_id)  # NOTE: the worker's mirror of the table must be rebuilt
             self.num_copy_on_writes += len(copies)
         return copies + super().append_slots(seq)
 

@@ -17,7 +17,7 @@ DTYPES = ("auto", "float32", "float16", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
 LOAD_FORMATS = ("auto", "safetensors", "pt", "dummy")
 PREEMPTION_MODES = (None, "recompute", "swap")
-ATTENTION_BACKENDS = ("auto", "torch", "triton")
+ATTENTION_BACKENDS = ("auto", "numba", "torch", "triton")
 KV_RESERVATIONS = ("paged", "max", "pow2", "oracle")  # kept equal to core.kv_reservation's (config stays import-light)
 GiB = 1 << 30
 
@@ -109,7 +109,10 @@ class ModelConfig:
     )
     attention_backend: str = field(
         default="auto",
-        metadata=_help("Attention implementation; auto = triton on CUDA, torch on CPU.", choices=ATTENTION_BACKENDS),
+        metadata=_help(
+            "Attention implementation; auto = triton on CUDA, on CPU numba for float32 and torch otherwise.",
+            choices=ATTENTION_BACKENDS,
+        ),
     )
 
     def __post_init__(self) -> None:
@@ -162,7 +165,11 @@ class CacheConfig:
 class SchedulerConfig:
     max_num_seqs: int = field(default=256, metadata=_help("Most sequences running in one iteration."))
     max_num_batched_tokens: int | None = field(
-        default=None, metadata=_help("Token budget of one iteration (prompt chunks + decodes); default 2048.")
+        default=None,
+        metadata=_help(
+            "Token budget of one iteration (prompt chunks + decodes); default 512 on CPU, 2048 on CUDA,"
+            " at least max_model_len with chunked prefill off."
+        ),
     )
     preemption_mode: str | None = field(
         default=None,
@@ -179,7 +186,62 @@ class SchedulerConfig:
 
     @property
     def token_budget(self) -> int:
-        return self.max_num_batched_tokens or 2048
+        """The per-iteration token budget, once the engine has resolved it for its device.
+
+        NOTE: the default depends on the device, known only when the engine starts; it
+        writes the value from :func:`choose_token_budget` into ``max_num_batched_tokens``,
+        so every reader (scheduler, checks, CUDA profiling) sees that same number.
+        """
+        if self.max_num_batched_tokens is None:
+            raise RuntimeError("the token budget depends on the device: resolve it with choose_token_budget() first")
+        return self.max_num_batched_tokens
+
+    def with_token_budget(self, budget: TokenBudget) -> SchedulerConfig:
+        """This config with its token budget resolved (what the engine runs with)."""
+        return dataclasses.replace(self, max_num_batched_tokens=budget.tokens)
+
+
+DEFAULT_TOKEN_BUDGETS = {"cpu": 512, "cuda": 2048}
+"""Per-iteration token budget when ``max_num_batched_tokens`` is unset, by device type.
+
+NOTE: on CPU a step's time grows with its tokens while throughput does not: on 2 cores
+budgets 256-2048 gave the same tokens/s, but the longest step (the stall every running
+stream sees between two tokens) went 126 -> 222 -> 407 -> 821 ms, so 512 keeps it short
+(``benchmarks/prefill_budget.py``). On CUDA it is vLLM's default.
+"""
+
+
+@dataclass(frozen=True)
+class TokenBudget:
+    tokens: int
+    reason: str
+    """Where the number came from, for the start-up log."""
+
+
+def choose_token_budget(config: SchedulerConfig, device_type: str, max_model_len: int) -> TokenBudget:
+    """The per-iteration token budget on ``device_type`` (``cpu`` or ``cuda``).
+
+    An explicit ``max_num_batched_tokens`` always wins (the engine refuses it later if it
+    cannot hold a whole prompt with chunked prefill off). Otherwise the device's default,
+    raised to fit one token per running sequence (``max_num_seqs``) and, with chunked
+    prefill off, the longest prompt (``max_model_len``), as vLLM does.
+    """
+    if config.max_num_batched_tokens is not None:
+        return TokenBudget(config.max_num_batched_tokens, "set by max_num_batched_tokens")
+    check_choice("device", device_type, [d for d in DEVICES if d != "auto"])
+    default = DEFAULT_TOKEN_BUDGETS[device_type]
+    tokens, reason = default, f"the {device_type} default"
+    if config.max_num_seqs > tokens:
+        tokens, reason = (
+            config.max_num_seqs,
+            f"max_num_seqs, one token per sequence (the {device_type} default is {default})",
+        )
+    if not config.enable_chunked_prefill and max_model_len > tokens:
+        tokens, reason = (
+            max_model_len,
+            f"max_model_len, chunked prefill being off (the {device_type} default is {default})",
+        )
+    return TokenBudget(tokens, reason)
 
 
 @dataclass(frozen=True)

@@ -84,6 +84,16 @@ class BlockManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.watermark_blocks = int(watermark * num_gpu_blocks)
         self.tables: dict[int, list[int]] = {}
+        self.table_versions: dict[int, int] = {}
+        """seq_id -> a stamp that changes whenever the sequence's table changes other than by appending.
+
+        NOTE: a worker that mirrors block tables across steps may keep its copy of a table
+        while the stamp is unchanged and write only the entries past its copy's length:
+        between two equal stamps the table only grew at its end. Stamps come from one
+        counter and are never reused, so a sequence freed and allocated again (recompute
+        preemption) or a table rebuilt in place (copy-on-write, swap) always gets a new one.
+        """
+        self._version_counter = 0
         self._on_host: set[int] = set()  # sequences whose table holds host blocks
         # Chain hashes of the sequence's full, computed blocks (prefix caching).
         self._hashes: dict[int, list[BlockHash]] = {}
@@ -161,6 +171,7 @@ class BlockManager:
         for _ in range(len(table), _blocks_for(len(seq), self.block_size)):
             table.append(self.gpu.allocate())
         self.tables[seq.seq_id] = table
+        self._rewritten(seq.seq_id)
         self._hashes[seq.seq_id] = hashes
         if self.reservation:
             self.reservation.hold(seq.seq_id, len(table))
@@ -202,8 +213,35 @@ class BlockManager:
                 self.gpu.decref(table[i])
                 copies.append((table[i], new))
                 table[i] = new
+        if copies:
+            self._rewritten(seq.seq_id)
         self.num_copy_on_writes += len(copies)
         return copies
+
+    def append_decode_slot(self, seq: Sequence) -> list[tuple[int, int]] | None:
+        """``can_append_slots([seq])`` then ``append_slots(seq)`` in one look, for a sequence
+        with exactly one uncomputed token; None (nothing changed) when there is no room.
+
+        NOTE: the scheduler's per-step hot path: one table lookup and at most one new
+        block, since a single new token lands in the table's last needed block.
+        """
+        if self.reservation:
+            return self.append_slots(seq) if self.can_append_slots([seq]) else None
+        table = self.tables[seq.seq_id]
+        num_tokens = len(seq.token_ids)
+        if num_tokens > len(table) * self.block_size:
+            if not self.gpu.num_free:
+                return None
+            table.append(self.gpu.allocate())
+            return []
+        if self.gpu.ref_counts[table[(num_tokens - 1) // self.block_size]] == 1:
+            return []
+        return self.append_slots(seq) if self.gpu.num_free else None
+
+    def _rewritten(self, seq_id: int) -> None:
+        """Record that the table of ``seq_id`` changed other than by appending (see ``table_versions``)."""
+        self._version_counter += 1
+        self.table_versions[seq_id] = self._version_counter
 
     def _allocate_for(self, seq: Sequence) -> int:
         if self.reservation:
@@ -217,11 +255,13 @@ class BlockManager:
         for block in table:
             pool.incref(block)
         self.tables[child.seq_id] = table
+        self._rewritten(child.seq_id)
         self._hashes[child.seq_id] = list(self._hashes[parent.seq_id])
 
     def free(self, seq: Sequence) -> None:
         """Drop the sequence's references; a no-op for a sequence without blocks."""
         table = self.tables.pop(seq.seq_id, None)
+        self.table_versions.pop(seq.seq_id, None)
         self._hashes.pop(seq.seq_id, None)
         if self.reservation:
             self.reservation.release(seq.seq_id, finished=seq.status.finished)
@@ -293,6 +333,7 @@ class BlockManager:
                     mapping[block] = dst.allocate()
                 src.decref(block)
                 table[i] = mapping[block]
+            self._rewritten(seq.seq_id)
             if dst is self.cpu:
                 self._on_host.add(seq.seq_id)
             else:

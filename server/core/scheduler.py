@@ -68,6 +68,7 @@ class Scheduler:
 
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
         self.config = config
+        self.token_budget = config.token_budget  # NOTE: resolved for the device by the engine
         self.block_manager = block_manager
         self.waiting: deque[SequenceGroup] = deque()
         self.running: list[SequenceGroup] = []  # NOTE: kept in arrival order
@@ -111,7 +112,7 @@ class Scheduler:
     # -- one step -----------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        budget = _Budget(self.config.token_budget, self.config.max_num_seqs)
+        budget = _Budget(self.token_budget, self.config.max_num_seqs)
         self._schedule_running(budget, out)
         if not out.preempted:
             self._schedule_swapped(budget, out)
@@ -136,10 +137,32 @@ class Scheduler:
         for group, seqs in decodes + prefills:
             if group not in pending:
                 continue  # already preempted this step
+            if len(seqs) == 1 and self._take_decode(group, seqs[0], budget, out):
+                del pending[group]
+                continue
             if not self._make_room(group, seqs, pending, out):
                 continue
             del pending[group]
             self._take(group, budget, out, seqs)
+
+    def _take_decode(self, group: SequenceGroup, seq: Sequence, budget: _Budget, out: SchedulerOutput) -> bool:
+        """The common case in one step: a lone sequence decoding one token, with room in the
+        budget and the cache. False (nothing changed) sends it down the general path."""
+        if (
+            len(seq.token_ids) - seq.num_computed_tokens != 1
+            or budget.seqs >= budget.max_seqs
+            or budget.tokens >= budget.max_tokens
+        ):
+            return False
+        copies = self.block_manager.append_decode_slot(seq)
+        if copies is None:
+            return False
+        budget.tokens += 1
+        budget.seqs += 1
+        if copies:
+            out.blocks_to_copy.extend(copies)
+        out.scheduled.append(ScheduledGroup(group, {seq.seq_id: 1}))
+        return True
 
     def _make_room(self, group: SequenceGroup, seqs: list[Sequence], pending: dict, out: SchedulerOutput) -> bool:
         """Preempt the latest arrivals until ``group`` can append; False if it was preempted."""

@@ -86,7 +86,7 @@ class AsyncLLMEngine:
 
     # -- lifecycle ----------------------------------------------------------------------
     def start(self) -> None:
-        """Start the engine thread; it loads the model, runs one warm-up step, then serves."""
+        """Start the engine thread; it loads the model, runs a warm-up request, then serves."""
         if self._thread is not None:
             return
         self._loop = asyncio.get_running_loop()

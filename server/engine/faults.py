@@ -4,7 +4,7 @@ Off unless ``PAGEDLLM_INJECT_FAULTS`` is set (never in production). Comma-separa
 
     request=SUBSTR   output processing raises for requests whose id contains SUBSTR
     sampler=SUBSTR   the sampler raises while a request whose id contains SUBSTR is in its batch
-    step=N           the Nth model step raises (1 is the warm-up step)
+    step=N           the Nth model step raises (1 and 2 are the warm-up's steps)
     step=N+          every model step from the Nth raises
 
     PAGEDLLM_INJECT_FAULTS='request=poison,step=40+' pagedllm serve

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedllm.server.config import ConfigError, EngineConfig
+from pagedllm.server.config import ConfigError, EngineConfig, choose_token_budget
 from pagedllm.server.core.block_manager import BlockManager
 from pagedllm.server.core.kv_reservation import KVReservation
 from pagedllm.server.core.scheduler import Scheduler, SchedulerOutput
@@ -75,9 +75,11 @@ class LLMEngine:
             None if config.model.skip_tokenizer_init else load_tokenizer(config.model.tokenizer or config.model.model)
         )
         info = read_model_info(config, hf_config, self.tokenizer)
+        device = resolve_device(config.model.device)
+        config = self.config = _with_token_budget(config, device.type, info.max_model_len)
         self._check_scheduler_fits(info.max_model_len)
         tp = config.parallel.tensor_parallel_size
-        check_tensor_parallel(hf_config, tp, resolve_device(config.model.device))
+        check_tensor_parallel(hf_config, tp, device)
         self.runner = ModelRunner(config, hf_config, info.max_model_len)
         # NOTE: stops the other tensor-parallel ranks when the engine is collected or the interpreter exits.
         self._finalizer = weakref.finalize(self, self.runner.shutdown)
@@ -132,7 +134,7 @@ class LLMEngine:
             raise ConfigError(
                 "max_num_batched_tokens",
                 sched.token_budget,
-                "raise it or enable chunked prefill",
+                "raise it, leave it unset, or enable chunked prefill",
                 problem=f"is smaller than max_model_len={max_model_len}",
             )
 
@@ -218,7 +220,7 @@ class LLMEngine:
             try:
                 if self.faults is not None:
                     self.faults.check_step(self._num_steps)
-                result = self.runner.execute(out, self.block_manager.tables)
+                result = self.runner.execute(out, self.block_manager.tables, self.block_manager.table_versions)
             except WorkerDiedError as exc:
                 raise EngineFatalError(str(exc)) from exc
             except Exception as exc:
@@ -278,20 +280,27 @@ class LLMEngine:
             f"attention        {runner.ops.name}",
             f"KV cache blocks  {bm.gpu.num_blocks} device + {bm.cpu.num_blocks} host,"
             f" {config.cache.block_size} tokens each",
-            f"max model len    {self.max_model_len} tokens, max {config.scheduler.max_num_seqs} sequences per step",
+            f"max model len    {self.max_model_len} tokens, max {config.scheduler.max_num_seqs} sequences"
+            f" and {config.scheduler.token_budget} tokens per step",
         ]
         if host is not None:
             lines.append(f"serving          http://{host}:{port}/v1 (docs at /docs)")
         return "ready\n  " + "\n  ".join(lines)
 
     def warm_up(self, max_steps: int = 100) -> None:
-        """Run one real one-token request, so a caller knows the model has run."""
+        """Run one real request, so a caller knows the model has run.
+
+        NOTE: a two-token prompt and two output tokens make a prefill step and a decode
+        step (a one-token prompt would take the decode path), so both attention paths are
+        compiled here (the CPU decode kernel by Numba, the Triton kernels on a GPU), not
+        during the first user request.
+        """
         eos = self.model_info.eos_token_ids
         request_id = "pagedllm-warmup"
         self.add_request(
             request_id,
-            {"prompt_token_ids": [eos[0] if eos else 0]},
-            SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True),
+            {"prompt_token_ids": [eos[0] if eos else 0] * 2},
+            SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True),
         )
         for _ in range(max_steps):
             if not self.has_unfinished_requests():
@@ -320,6 +329,13 @@ class LLMEngine:
             sharing_saving=sharing.saving,
             num_copy_on_writes=bm.num_copy_on_writes,
         )
+
+
+def _with_token_budget(config: EngineConfig, device_type: str, max_model_len: int) -> EngineConfig:
+    """``config`` with the per-iteration token budget resolved for the device it runs on."""
+    budget = choose_token_budget(config.scheduler, device_type, max_model_len)
+    logger.info("the scheduler batches up to %d tokens per step (%s)", budget.tokens, budget.reason)
+    return dataclasses.replace(config, scheduler=config.scheduler.with_token_budget(budget))
 
 
 def _with_model_dir(config: EngineConfig) -> EngineConfig:

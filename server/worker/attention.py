@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 import pagedllm.kernels as kernels
+from pagedllm.kernels.paged_decode_attention_cpu import HAS_NUMBA
 from pagedllm.server.worker import cpu_attention
 from pagedllm.server.worker.cpu_attention import AttentionPlan
 
@@ -70,14 +71,20 @@ class AttentionOps:
     """(meta, block_size) -> meta with whatever the backend computes once per step."""
 
 
-def select_attention_ops(backend: str, device: torch.device) -> AttentionOps:
-    """``auto`` picks Triton on CUDA and the torch path elsewhere.
+def select_attention_ops(backend: str, device: torch.device, dtype: torch.dtype = torch.float32) -> AttentionOps:
+    """``auto`` picks Triton on CUDA; on CPU the compiled decode kernel (``numba``) for
+    float32, the plain torch path otherwise.
 
-    The environment variable ``PAGEDLLM_ATTENTION_BACKEND`` (torch|triton) overrides
+    The environment variable ``PAGEDLLM_ATTENTION_BACKEND`` (torch|triton|numba) overrides
     an ``auto`` choice.
     """
     if backend == "auto":
-        backend = os.environ.get("PAGEDLLM_ATTENTION_BACKEND") or ("triton" if device.type == "cuda" else "torch")
+        backend = os.environ.get("PAGEDLLM_ATTENTION_BACKEND") or _default_backend(device, dtype)
+    if backend == "numba":
+        _check_numba(device, dtype)
+        return AttentionOps(
+            "numba", cpu_attention.write_kv, _numba_decode, _torch_prefill, kernels.copy_blocks_reference, _numba_plan
+        )
     if backend == "triton":
         return AttentionOps(
             "triton", kernels.reshape_and_cache, _triton_decode, _triton_prefill, kernels.copy_blocks, _unchanged
@@ -86,15 +93,32 @@ def select_attention_ops(backend: str, device: torch.device) -> AttentionOps:
         return AttentionOps(
             "torch", cpu_attention.write_kv, _torch_decode, _torch_prefill, kernels.copy_blocks_reference, with_plan
         )
-    raise ValueError(f"attention backend {backend!r} is not allowed: choose one of ['auto', 'torch', 'triton']")
+    raise ValueError(
+        f"attention backend {backend!r} is not allowed: choose one of ['auto', 'numba', 'torch', 'triton']"
+    )
+
+
+def _default_backend(device: torch.device, dtype: torch.dtype) -> str:
+    if device.type == "cuda":
+        return "triton"
+    return "numba" if HAS_NUMBA and dtype == torch.float32 else "torch"
+
+
+def _check_numba(device: torch.device, dtype: torch.dtype) -> None:
+    if not HAS_NUMBA:
+        raise ValueError("attention backend 'numba' needs numba installed: pip install numba, or use 'torch'")
+    if device.type != "cpu" or dtype != torch.float32:
+        raise ValueError(
+            f"attention backend 'numba' runs float32 on the CPU, not {dtype} on {device.type}: use 'torch' or 'triton'"
+        )
 
 
 def _unchanged(meta: AttentionMetadata, block_size: int) -> AttentionMetadata:
     return meta
 
 
-def with_plan(meta: AttentionMetadata, block_size: int) -> AttentionMetadata:
-    """``meta`` with the torch backend's per-step plan (decode groups, prefill chunks)."""
+def with_plan(meta: AttentionMetadata, block_size: int, compiled_decode: bool = False) -> AttentionMetadata:
+    """``meta`` with the CPU backends' per-step plan (decode groups or whole rows, prefill chunks)."""
     plan = cpu_attention.plan_attention(
         meta.decode_block_tables,
         meta.decode_context_lens,
@@ -102,8 +126,19 @@ def with_plan(meta: AttentionMetadata, block_size: int) -> AttentionMetadata:
         meta.prefill_cu_seqlens_q,
         meta.prefill_context_lens,
         block_size,
+        compiled_decode=compiled_decode,
     )
     return dataclasses.replace(meta, plan=plan)
+
+
+def _numba_plan(meta: AttentionMetadata, block_size: int) -> AttentionMetadata:
+    """``meta`` with a plan whose decode rows go to the compiled kernel whole."""
+    return with_plan(meta, block_size, compiled_decode=True)
+
+
+def _numba_decode(query, key_cache, value_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    plan = _plan_of(meta, key_cache, compiled_decode=True)
+    return cpu_attention.compiled_decode_attention(query, key_cache, value_cache, plan, scale)
 
 
 def _triton_decode(query, key_cache, value_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
@@ -126,9 +161,11 @@ def _triton_prefill(query, key, value, key_cache, value_cache, meta: AttentionMe
     )
 
 
-def _plan_of(meta: AttentionMetadata, key_cache: torch.Tensor) -> AttentionPlan:
+def _plan_of(meta: AttentionMetadata, key_cache: torch.Tensor, compiled_decode: bool = False) -> AttentionPlan:
     # NOTE: the runner prepares the plan once per step; a caller that did not still gets a right answer.
-    return meta.plan if meta.plan is not None else with_plan(meta, key_cache.shape[1]).plan  # type: ignore[return-value]
+    if meta.plan is not None:
+        return meta.plan
+    return with_plan(meta, key_cache.shape[1], compiled_decode).plan  # type: ignore[return-value]
 
 
 def _torch_decode(query, key_cache, value_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:

@@ -12,6 +12,8 @@ sequences of similar length batched together so that padding stays small::
 (the reference pads every sequence to the longest and zero-fills the padding: most of
 its time is that gather). The grouping and the flattened block indices depend only on
 the step, so they are built once (:func:`plan_attention`) and shared by every layer.
+The ``numba`` backend skips all of that for decode: its compiled kernel
+(kernels/paged_decode_attention_cpu.py) reads the blocks in place through the tables.
 
 Prefill chunks with no cached prefix attend to their own new K/V directly (causal SDPA);
 others read their whole context from the cache.
@@ -28,6 +30,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from pagedllm.kernels.paged_decode_attention_cpu import paged_decode_attention_cpu
 
 # NOTE: measured on a 2-core CPU (benchmarks/cpu_attention.py): merging sequences whose
 # lengths differ by up to this many tokens (or 1/8 of the shorter) costs less padding work
@@ -56,12 +60,22 @@ class PrefillChunk:
 
 
 @dataclass(frozen=True)
+class CompiledDecode:
+    """The decode rows as the compiled kernel reads them: straight through the block tables."""
+
+    block_tables: torch.Tensor  # [num_decodes, max_blocks] int32
+    context_lens: torch.Tensor  # [num_decodes] int32
+
+
+@dataclass(frozen=True)
 class AttentionPlan:
     """What every layer's attention reuses within one step."""
 
     order: torch.Tensor | None  # [num_decodes] int64: decode rows by length; None when already sorted
     groups: list[DecodeGroup]
     prefills: list[PrefillChunk]
+    compiled: CompiledDecode | None = None
+    """Set when decode runs the compiled kernel (then ``order`` is None and ``groups`` empty)."""
 
 
 def plan_attention(
@@ -72,15 +86,20 @@ def plan_attention(
     prefill_context_lens: torch.Tensor,  # [num_prefills] int32
     block_size: int,
     max_pad_tokens: int = MAX_PAD_TOKENS,
+    compiled_decode: bool = False,
 ) -> AttentionPlan:
-    """Decode groups (padding per row at most ``max_pad_tokens``, or 1/8 of the shortest) and prefill chunks."""
-    order, groups = _plan_decodes(decode_block_tables, decode_context_lens.tolist(), block_size, max_pad_tokens)
+    """Decode groups (padding per row at most ``max_pad_tokens``, or 1/8 of the shortest) and
+    prefill chunks; with ``compiled_decode`` the decode rows are left whole for the compiled kernel."""
     cu, lens = prefill_cu_seqlens_q.tolist(), prefill_context_lens.tolist()
     prefills = [
         PrefillChunk(cu[s], cu[s + 1], length, prefill_block_tables[s])
         for s, length in enumerate(lens)
         if cu[s + 1] > cu[s]
     ]
+    if compiled_decode:
+        compiled = CompiledDecode(decode_block_tables.contiguous(), decode_context_lens.contiguous())
+        return AttentionPlan(None, [], prefills, compiled)
+    order, groups = _plan_decodes(decode_block_tables, decode_context_lens.tolist(), block_size, max_pad_tokens)
     return AttentionPlan(order, groups, prefills)
 
 
@@ -154,6 +173,19 @@ def decode_attention(
         )
     out = out.view(num_seqs, num_heads, head_dim)
     return out if plan.order is None else torch.empty_like(out).index_copy_(0, plan.order, out)
+
+
+def compiled_decode_attention(
+    query: torch.Tensor,  # [num_decodes, num_heads, head_dim] float32
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim] float32
+    value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim] float32
+    plan: AttentionPlan,
+    scale: float,
+) -> torch.Tensor:  # [num_decodes, num_heads, head_dim]
+    """Decode through the compiled CPU kernel, which reads the cache in place (no gather)."""
+    assert plan.compiled is not None, "the plan was made with compiled_decode=True"
+    decode = plan.compiled
+    return paged_decode_attention_cpu(query, key_cache, value_cache, decode.block_tables, decode.context_lens, scale)
 
 
 def prefill_attention(

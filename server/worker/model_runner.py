@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Mapping
 
 import torch
 
@@ -13,11 +14,12 @@ from pagedllm.server.core.scheduler import SchedulerOutput
 from pagedllm.server.core.sequence import Sequence
 from pagedllm.server.worker.attention import AttentionMetadata, select_attention_ops
 from pagedllm.server.worker.cpu_threads import choose_threads
+from pagedllm.server.worker.input_batch import InputBatch
 from pagedllm.server.worker.model_loader import checkpoint_dtype, init_dummy_weights, iterate_weights
 from pagedllm.server.worker.models import model_class
 from pagedllm.server.worker.models.base import CausalLM
 from pagedllm.server.worker.models.tensor_parallel import TPGroup
-from pagedllm.server.worker.step_inputs import ModelStep, StepResult, prepare_inputs
+from pagedllm.server.worker.step_inputs import ModelStep, StepResult, prepare_batched_inputs
 from pagedllm.server.worker.tp_workers import TPWorkers
 
 logger = logging.getLogger(__name__)
@@ -78,7 +80,10 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.model.dtype, hf_config, self.device)
         self.block_size = config.cache.block_size
         self.max_model_len = max_model_len
-        self.ops = select_attention_ops(config.model.attention_backend, self.device)
+        self.ops = select_attention_ops(config.model.attention_backend, self.device, self.dtype)
+        max_blocks_per_seq = -(-max_model_len // self.block_size)
+        self.input_batch = InputBatch(config.scheduler.max_num_seqs, max_blocks_per_seq, self.block_size)
+        """The decoding sequences' rows, kept across steps (used on the driver only)."""
         try:
             self.model = self._load_model(hf_config)
             if self.workers is not None:
@@ -225,9 +230,17 @@ class ModelRunner:
                 else:
                     device_cache[dst.to(self.device)] = host_cache[src].to(self.device, non_blocking=True)
 
-    def execute(self, out: SchedulerOutput, block_tables: dict[int, list[int]]) -> StepResult:
-        """Move and copy blocks as scheduled, then run the model on the step's tokens (on every rank)."""
-        inputs = prepare_inputs(out, block_tables, self.block_size, self.device)
+    def execute(
+        self, out: SchedulerOutput, block_tables: Mapping[int, list[int]], table_versions: Mapping[int, int]
+    ) -> StepResult:
+        """Move and copy blocks as scheduled, then run the model on the step's tokens (on every rank).
+
+        ``block_tables`` and ``table_versions`` are the block manager's (see
+        ``BlockManager.table_versions``). NOTE: the step's decode block table is a view of
+        :attr:`input_batch`, which the next call updates in place: a step must be done
+        with its inputs before the next one is prepared (the engine runs one at a time).
+        """
+        inputs = prepare_batched_inputs(out, self.input_batch, block_tables, table_versions, self.device)
         step = ModelStep(
             out.blocks_to_swap_out,
             out.blocks_to_swap_in,

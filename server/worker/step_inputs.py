@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -12,6 +13,7 @@ import torch
 from pagedllm.server.core.scheduler import SchedulerOutput
 from pagedllm.server.core.sequence import Sequence, SequenceGroup
 from pagedllm.server.worker.attention import TENSOR_FIELDS, AttentionMetadata
+from pagedllm.server.worker.input_batch import DecodeInputs, InputBatch
 
 
 @dataclass
@@ -105,32 +107,111 @@ class StepResult:
     prompt_logits: torch.Tensor | None  # [len(inputs.prompt_index), vocab] float32
 
 
-def prepare_inputs(
-    out: SchedulerOutput, block_tables: dict[int, list[int]], block_size: int, device: torch.device
-) -> StepInputs:
-    """Flatten the step: decodes first, then prefill chunks (see attention.py)."""
-    decodes: list[tuple[SequenceGroup, Sequence, int]] = []
-    prefills: list[tuple[SequenceGroup, Sequence, int]] = []
+Entry = tuple[SequenceGroup, Sequence, int]
+"""A sequence in the step and how many new tokens it computes."""
+
+
+def split_step(out: SchedulerOutput) -> tuple[list[Entry], list[Entry]]:
+    """The step's single-token sequences and its longer chunks, each in scheduled order."""
+    decodes: list[Entry] = []
+    prefills: list[Entry] = []
     for item in out.scheduled:
         for seq in item.group.seqs:
             chunk = item.chunks.get(seq.seq_id)
             if chunk:
                 (decodes if chunk == 1 else prefills).append((item.group, seq, chunk))
-    ids: list[int] = []
-    positions: list[int] = []
-    slots: list[int] = []
+    return decodes, prefills
+
+
+def prepare_inputs(
+    out: SchedulerOutput, block_tables: dict[int, list[int]], block_size: int, device: torch.device
+) -> StepInputs:
+    """Flatten the step from Python lists: decodes first, then prefill chunks (see attention.py).
+
+    The engine keeps decodes in an :class:`~pagedllm.server.worker.input_batch.InputBatch`
+    (:func:`prepare_batched_inputs`); this builder is the reference it is tested against.
+    """
+    decodes, prefills = split_step(out)
+    tokens = _Tokens()
+    tokens.add(decodes + prefills, block_tables, block_size)
+    meta = _metadata(decodes, prefills, block_tables, tokens.slots, device)
+    return _step_inputs(decodes + prefills, tokens.ids, tokens.positions, meta, device)
+
+
+def prepare_batched_inputs(
+    out: SchedulerOutput,
+    batch: InputBatch,
+    block_tables: Mapping[int, list[int]],
+    table_versions: Mapping[int, int],
+    device: torch.device,
+) -> StepInputs:
+    """The same step as :func:`prepare_inputs`, its decodes taken from the persistent ``batch``."""
+    decodes, prefills = split_step(out)
+    rows = batch.prepare([seq for _, seq, _ in decodes], block_tables, table_versions)
+    ids, positions, slots = rows.input_ids, rows.positions, rows.slot_mapping
+    if prefills:
+        tokens = _Tokens()
+        tokens.add(prefills, block_tables, batch.block_size)
+        ids = np.concatenate((ids, np.array(tokens.ids, dtype=np.int64)))
+        positions = np.concatenate((positions, np.array(tokens.positions, dtype=np.int64)))
+        slots = np.concatenate((slots, np.array(tokens.slots, dtype=np.int64)))
+    meta = AttentionMetadata(
+        slot_mapping=torch.from_numpy(slots).to(device),
+        num_decode_tokens=len(decodes),
+        decode_block_tables=rows.block_tables.to(device),
+        decode_context_lens=rows.context_lens.to(device),
+        prefill_block_tables=_tables(prefills, block_tables, device),
+        prefill_cu_seqlens_q=_cu_seqlens(prefills, device),
+        prefill_context_lens=_context_lens(prefills, device),
+    )
+    if prefills or not _plain_decodes(decodes, rows):
+        return _step_inputs(decodes + prefills, torch.from_numpy(ids), torch.from_numpy(positions), meta, device)
+    return StepInputs(  # every row samples its one token and none scores its prompt: the usual step
+        input_ids=torch.from_numpy(ids).to(device),
+        positions=torch.from_numpy(positions).to(device),
+        meta=meta,
+        sample_rows=[SampleRow(group, seq) for group, seq, _ in decodes],
+        sample_index=torch.from_numpy(np.arange(len(decodes), dtype=np.int64)).to(device),
+        prompt_rows=[],
+        prompt_index=torch.zeros(0, dtype=torch.int64, device=device),
+    )
+
+
+def _plain_decodes(decodes: list[Entry], rows: DecodeInputs) -> bool:
+    """Whether every decode samples (its token is its last) and none wants prompt logprobs."""
+    if not (rows.positions + 1 == rows.num_tokens).all():
+        return False
+    return all(group.sampling_params.prompt_logprobs is None for group, _, _ in decodes)
+
+
+class _Tokens:
+    """The list path: token ids, positions and cache slots of whole chunks, one token at a time."""
+
+    def __init__(self) -> None:
+        self.ids: list[int] = []
+        self.positions: list[int] = []
+        self.slots: list[int] = []
+
+    def add(self, entries: list[Entry], block_tables: Mapping[int, list[int]], block_size: int) -> None:
+        for _, seq, chunk in entries:
+            start = seq.num_computed_tokens
+            table = block_tables[seq.seq_id]
+            self.ids.extend(seq.token_ids[start : start + chunk])
+            self.positions.extend(range(start, start + chunk))
+            self.slots.extend(table[p // block_size] * block_size + p % block_size for p in range(start, start + chunk))
+
+
+def _step_inputs(
+    entries: list[Entry], ids: Any, positions: Any, meta: AttentionMetadata, device: torch.device
+) -> StepInputs:
+    """The rows whose logits the step needs, around the step's tokens (``entries`` in token order)."""
     sample_rows: list[SampleRow] = []
     sample_index: list[int] = []
     prompt_rows: list[SampleRow] = []
     prompt_index: list[int] = []
-    for group, seq, chunk in decodes + prefills:
+    offset = 0
+    for group, seq, chunk in entries:
         start = seq.num_computed_tokens
-        table = block_tables[seq.seq_id]
-        tokens = seq.token_ids
-        offset = len(ids)
-        ids.extend(tokens[start : start + chunk])
-        positions.extend(range(start, start + chunk))
-        slots.extend(table[p // block_size] * block_size + p % block_size for p in range(start, start + chunk))
         if start + chunk == len(seq):
             sample_rows.append(SampleRow(group, seq))
             sample_index.append(offset + chunk - 1)
@@ -138,39 +219,46 @@ def prepare_inputs(
             scored = [p for p in range(start, start + chunk) if p + 1 < len(seq.prompt_token_ids)]
             prompt_rows.append(SampleRow(group, seq, [p + 1 for p in scored]))
             prompt_index.extend(offset + p - start for p in scored)
-    meta = _metadata(decodes, prefills, block_tables, slots, device)
+        offset += chunk
     return StepInputs(
-        input_ids=torch.tensor(ids, dtype=torch.int64, device=device),
-        positions=torch.tensor(positions, dtype=torch.int64, device=device),
+        input_ids=torch.as_tensor(ids, dtype=torch.int64, device=device),
+        positions=torch.as_tensor(positions, dtype=torch.int64, device=device),
         meta=meta,
         sample_rows=sample_rows,
-        sample_index=torch.tensor(sample_index, dtype=torch.int64, device=device),
+        sample_index=torch.from_numpy(np.array(sample_index, dtype=np.int64)).to(device),
         prompt_rows=prompt_rows,
-        prompt_index=torch.tensor(prompt_index, dtype=torch.int64, device=device),
+        prompt_index=torch.from_numpy(np.array(prompt_index, dtype=np.int64)).to(device),
     )
 
 
 def _metadata(decodes, prefills, block_tables, slots, device: torch.device) -> AttentionMetadata:
-    def tables(entries):
-        rows = [block_tables[seq.seq_id] for _, seq, _ in entries]
-        width = max((len(r) for r in rows), default=0)
-        padded = [r + [0] * (width - len(r)) for r in rows]
-        return torch.tensor(padded, dtype=torch.int32, device=device).view(len(rows), width)
-
-    def context_lens(entries):
-        return torch.tensor(
-            [seq.num_computed_tokens + chunk for _, seq, chunk in entries], dtype=torch.int32, device=device
-        )
-
-    cu = [0]
-    for _, _, chunk in prefills:
-        cu.append(cu[-1] + chunk)
     return AttentionMetadata(
         slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
         num_decode_tokens=len(decodes),
-        decode_block_tables=tables(decodes),
-        decode_context_lens=context_lens(decodes),
-        prefill_block_tables=tables(prefills),
-        prefill_cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=device),
-        prefill_context_lens=context_lens(prefills),
+        decode_block_tables=_tables(decodes, block_tables, device),
+        decode_context_lens=_context_lens(decodes, device),
+        prefill_block_tables=_tables(prefills, block_tables, device),
+        prefill_cu_seqlens_q=_cu_seqlens(prefills, device),
+        prefill_context_lens=_context_lens(prefills, device),
     )
+
+
+def _tables(entries: list[Entry], block_tables: Mapping[int, list[int]], device: torch.device) -> torch.Tensor:
+    if not entries:
+        return torch.zeros((0, 0), dtype=torch.int32, device=device)
+    rows = [block_tables[seq.seq_id] for _, seq, _ in entries]
+    width = max((len(r) for r in rows), default=0)
+    padded = [r + [0] * (width - len(r)) for r in rows]
+    return torch.tensor(padded, dtype=torch.int32, device=device).view(len(rows), width)
+
+
+def _context_lens(entries: list[Entry], device: torch.device) -> torch.Tensor:
+    lens = [seq.num_computed_tokens + chunk for _, seq, chunk in entries]
+    return torch.from_numpy(np.array(lens, dtype=np.int32)).to(device)
+
+
+def _cu_seqlens(prefills: list[Entry], device: torch.device) -> torch.Tensor:
+    cu = [0]
+    for _, _, chunk in prefills:
+        cu.append(cu[-1] + chunk)
+    return torch.tensor(cu, dtype=torch.int32, device=device)

@@ -104,6 +104,35 @@ def test_prefix_cache_reuses_full_blocks_and_evicts_lru():
     bm.free(c)
 
 
+def test_table_version_changes_unless_the_table_only_grows():
+    bm = make_manager(num_gpu=12)
+    group = make_group(0, 4)
+    seq = group.seqs[0]
+    bm.allocate(seq)
+    seq.status = SequenceStatus.RUNNING
+    seq.num_computed_tokens = 4
+    first = bm.table_versions[0]
+    seq.append_token(1, 0.0, None)
+    bm.append_slots(seq)  # a new block at the end: same version
+    assert bm.block_table(seq) == [0, 1] and bm.table_versions[0] == first
+    child = seq.fork(1)
+    bm.fork(seq, child)
+    assert bm.table_versions[1] not in (first, None)
+    seq.num_computed_tokens = 5
+    seq.append_token(1, 0.0, None)
+    assert bm.append_slots(seq) == [(1, 2)]  # copy-on-write replaces the last block
+    assert bm.table_versions[0] > bm.table_versions[1] > first
+    before = bm.table_versions[0]
+    bm.swap_out(group)
+    assert bm.table_versions[0] > before
+    bm.free(seq)
+    assert 0 not in bm.table_versions
+    bm.free(child)
+    seq.reset_for_recompute()
+    bm.allocate(seq)  # re-admitted after recompute preemption: never an old stamp
+    assert bm.table_versions[0] > before
+
+
 class BlockManagerMachine(RuleBasedStateMachine):
     """Random allocate / append / fork / free / swap keep reference counts exact."""
 
@@ -114,6 +143,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         )
         self.groups: list[SequenceGroup] = []
         self.next_id = 0
+        self.mirrors: dict[int, tuple[int, list[int]]] = {}  # seq_id -> (version, table) last seen
 
     def _running(self):
         return [g for g in self.groups if g.seqs[0].status == SequenceStatus.RUNNING]
@@ -192,6 +222,16 @@ class BlockManagerMachine(RuleBasedStateMachine):
                         holders.update(self.bm.block_table(seq))
             assert [pool.ref_counts[b] for b in range(pool.num_blocks)] == [holders[b] for b in range(pool.num_blocks)]
             assert pool.num_free == pool.num_blocks - len(holders)
+
+    @invariant()
+    def an_unchanged_version_means_the_table_only_grew(self):
+        assert self.bm.table_versions.keys() == self.bm.tables.keys()
+        for seq_id, table in self.bm.tables.items():
+            version = self.bm.table_versions[seq_id]
+            seen = self.mirrors.get(seq_id)
+            if seen is not None and seen[0] == version:
+                assert table[: len(seen[1])] == seen[1], (seq_id, seen, table)
+            self.mirrors[seq_id] = (version, list(table))
 
     @invariant()
     def free_and_evictable_blocks_are_unused(self):

@@ -45,11 +45,18 @@ def assert_all_blocks_free(llm):
     assert not llm.llm_engine.has_unfinished_requests()
 
 
+@pytest.mark.parametrize("backend", ["numba", "torch"])
 @pytest.mark.parametrize("name", ["mha", "gqa"])
-def test_greedy_matches_transformers(tiny_llama_dirs, references, expected, prompts, name):
-    llm, outputs = run_greedy(tiny_llama_dirs[name], prompts, block_size=16)
+def test_greedy_matches_transformers(tiny_llama_dirs, references, expected, prompts, name, backend):
+    llm, outputs = run_greedy(tiny_llama_dirs[name], prompts, block_size=16, attention_backend=backend)
+    assert llm.llm_engine.runner.ops.name == backend
     check(references, expected, name, prompts, outputs)
     assert_all_blocks_free(llm)
+
+
+def test_cpu_float32_defaults_to_the_compiled_decode_kernel(tiny_llama_dirs):
+    llm = LLM(model=tiny_llama_dirs["gqa"], num_gpu_blocks_override=8)
+    assert llm.llm_engine.runner.ops.name == "numba"
 
 
 def test_logprobs_close_to_transformers(tiny_llama_dirs, references, expected, prompts):
@@ -103,12 +110,13 @@ def test_prefix_caching_matches_and_hits(tiny_llama_dirs, references):
     assert_all_blocks_free(llm)
 
 
-def test_triton_backend_matches_torch_backend(tiny_llama_dirs):
-    """The engine's greedy tokens are the same through the Triton kernels (interpreter on CPU)."""
+def test_triton_and_numba_backends_match_torch_backend(tiny_llama_dirs):
+    """The engine's greedy tokens are the same through the Triton kernels (interpreter on CPU)
+    and the compiled CPU decode kernel."""
     prompts = make_prompts(3, min_len=3, max_len=40, seed=5)
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     runs = {}
-    for backend in ("torch", "triton"):
+    for backend in ("torch", "triton", "numba"):
         llm = LLM(
             model=tiny_llama_dirs["gqa"],
             block_size=8,
@@ -119,7 +127,7 @@ def test_triton_backend_matches_torch_backend(tiny_llama_dirs):
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
         runs[backend] = [o.outputs[0].token_ids for o in outs]
         assert llm.llm_engine.runner.ops.name == backend
-    assert runs["triton"] == runs["torch"]
+    assert runs["triton"] == runs["torch"] == runs["numba"]
 
 
 def test_prefix_caching_on_and_off_give_identical_tokens(tiny_llama_dirs):

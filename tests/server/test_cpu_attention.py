@@ -1,5 +1,6 @@
-"""The torch backend's planned attention against the kernels' references, on random caches."""
+"""The CPU backends (torch ops, the compiled decode kernel) against the kernels' references, on random caches."""
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -9,8 +10,10 @@ from pagedllm.kernels import (
     paged_prefill_attention_reference,
     reshape_and_cache_reference,
 )
+from pagedllm.server.worker.attention import select_attention_ops
 from pagedllm.server.worker.cpu_attention import (
     _group_bounds,
+    compiled_decode_attention,
     decode_attention,
     plan_attention,
     prefill_attention,
@@ -140,3 +143,28 @@ def test_write_kv_matches_reference():
     write_kv(key, value, caches[0], caches[1], slots)
     reshape_and_cache_reference(key, value, caches[2], caches[3], slots)
     assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+
+
+def test_compiled_plan_sends_whole_decode_rows_to_the_kernel():
+    gen = torch.Generator().manual_seed(3)
+    lens = [300, 17, 1, 160]
+    key_cache, value_cache = random_cache(40, 16, 2, 32, gen)
+    tables = random_tables(lens, 16, 40, gen)
+    context_lens = torch.tensor(lens, dtype=torch.int32)
+    query = torch.randn(len(lens), 8, 32, generator=gen)
+    plan = plan_attention(tables, context_lens, *empty_prefill(), 16, compiled_decode=True)
+    assert plan.order is None and plan.groups == [] and plan.compiled is not None
+    out = compiled_decode_attention(query, key_cache, value_cache, plan, 0.2)
+    grouped = decode_attention(
+        query, key_cache, value_cache, plan_attention(tables, context_lens, *empty_prefill(), 16), 0.2
+    )
+    torch.testing.assert_close(out, grouped, atol=2e-5, rtol=1e-4)
+
+
+def test_backend_choice_on_cpu():
+    cpu = torch.device("cpu")
+    assert select_attention_ops("auto", cpu, torch.float32).name == "numba"
+    assert select_attention_ops("auto", cpu, torch.bfloat16).name == "torch"
+    assert select_attention_ops("torch", cpu, torch.float32).name == "torch"
+    with pytest.raises(ValueError, match="'numba' runs float32 on the CPU, not torch.bfloat16"):
+        select_attention_ops("numba", cpu, torch.bfloat16)

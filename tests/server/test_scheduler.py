@@ -2,16 +2,23 @@
 
 from __future__ import annotations
 
-from pagedllm.server.config import SchedulerConfig
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pagedllm.server.config import SchedulerConfig, choose_token_budget
 from pagedllm.server.core.block_manager import BlockManager
 from pagedllm.server.core.scheduler import Scheduler
 from pagedllm.server.core.sequence import Sequence, SequenceGroup, SequenceStatus
 from pagedllm.server.sampling_params import SamplingParams
 
 
-def make_scheduler(num_blocks=16, block_size=4, **config) -> Scheduler:
+def make_scheduler(num_blocks=16, block_size=4, device="cpu", **config) -> Scheduler:
+    """A scheduler over a fresh block manager, its token budget resolved as the engine does on ``device``."""
     bm = BlockManager(block_size, num_blocks, num_blocks, watermark=0.0)
-    return Scheduler(SchedulerConfig(**config), bm)
+    sched = SchedulerConfig(**config)
+    budget = choose_token_budget(sched, device, max_model_len=num_blocks * block_size)
+    return Scheduler(sched.with_token_budget(budget), bm)
 
 
 def make_request(request_id: str, num_tokens: int, seq_id: int, arrival: float, best_of: int = 1) -> SequenceGroup:
@@ -47,6 +54,27 @@ def test_chunked_prefill_runs_beside_decodes():
         chunks.append(by_id.get("long"))
         assert out.num_batched_tokens <= 8
     assert chunks == [7, 7, 6]
+
+
+def test_cpu_default_budget_chunks_a_long_prompt_beside_decodes():
+    s = make_scheduler(num_blocks=128, block_size=16)
+    assert s.token_budget == 512
+    s.add(make_request("short", 3, 0, arrival=0.0))
+    run_step(s)
+    s.add(make_request("long", 1200, 1, arrival=1.0))
+    chunks = []
+    for _ in range(3):
+        out = run_step(s)
+        by_id = {item.group.request_id: sum(item.chunks.values()) for item in out.scheduled}
+        assert by_id["short"] == 1  # the decode goes on in every step of the long prefill
+        assert out.num_batched_tokens <= 512
+        chunks.append(by_id["long"])
+    assert chunks == [511, 511, 178]
+
+
+def test_an_unresolved_budget_is_refused():
+    with pytest.raises(RuntimeError, match="choose_token_budget"):
+        Scheduler(SchedulerConfig(), BlockManager(4, 4, 4))
 
 
 def test_admission_is_first_come_first_served():
@@ -104,3 +132,54 @@ def test_multi_sequence_group_is_swapped_and_resumes_before_admissions():
                 for seq in g.seqs:
                     seq.status = SequenceStatus.FINISHED_LENGTH
     assert not s.swapped
+
+
+class _GeneralPathOnly(Scheduler):
+    """The scheduler with its lone-decode shortcut turned off: every group takes the general path."""
+
+    def _take_decode(self, group, seq, budget, out) -> bool:
+        return False
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    requests=st.lists(
+        st.tuples(st.integers(0, 12), st.integers(1, 30), st.integers(1, 25)), min_size=1, max_size=14
+    ),  # (arrival step, prompt tokens, output tokens)
+    num_blocks=st.integers(8, 40),
+    max_seqs=st.integers(1, 8),
+    budget=st.integers(2, 24),
+    caching=st.booleans(),
+)
+def test_lone_decode_shortcut_schedules_exactly_like_the_general_path(requests, num_blocks, max_seqs, budget, caching):
+    """Same arrivals into both schedulers: every step's plan (chunks, copies, preemptions) is identical."""
+    plans = []
+    for cls in (Scheduler, _GeneralPathOnly):
+        bm = BlockManager(4, num_blocks, num_blocks, enable_prefix_caching=caching, watermark=0.0)
+        config = SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget)
+        sched = cls(config, bm)
+        groups, plan = {}, []
+        for step in range(120):
+            for i, (arrival, prompt, _) in enumerate(requests):
+                if arrival == step:
+                    groups[i] = make_request(str(i), prompt, i, arrival=float(i))  # prompts share prefixes
+                    sched.add(groups[i])
+            out = run_step(sched)
+            plan.append(
+                (
+                    [(item.group.request_id, dict(item.chunks)) for item in out.scheduled],
+                    [g.request_id for g in out.preempted],
+                    [g.request_id for g in out.ignored],
+                    list(out.blocks_to_copy),
+                    list(out.blocks_to_swap_out),
+                    list(out.blocks_to_swap_in),
+                )
+            )
+            for i, group in groups.items():
+                seq = group.seqs[0]
+                if not seq.status.finished and len(seq.output_token_ids) >= requests[i][2]:
+                    seq.status = SequenceStatus.FINISHED_LENGTH
+            sched.free_finished()
+            assert not bm.check_invariants()
+        plans.append(plan)
+    assert plans[0] == plans[1]

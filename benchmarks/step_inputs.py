@@ -1,0 +1,88 @@
+"""Input preparation per decode step: the list-based builder against the persistent batch.
+
+A real scheduler and block manager run ``--batch`` decoding sequences (prompts of 161
+tokens, the ShareGPT mean, each with its own blocks); every decode step both builders
+turn the same ``SchedulerOutput`` into the step's tensors (token ids, positions, slot
+mapping, block tables, context lengths, sample rows), in alternating order. Reported:
+the median over steps of each, in microseconds, and the ratio.
+
+    python benchmarks/step_inputs.py --threads 1 --batch 16 64 256
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from common import HelpFormatter, set_threads  # noqa: E402
+
+from pagedllm.server.config import SchedulerConfig  # noqa: E402
+from pagedllm.server.core.block_manager import BlockManager  # noqa: E402
+from pagedllm.server.core.scheduler import Scheduler  # noqa: E402
+from pagedllm.server.core.sequence import Sequence, SequenceGroup  # noqa: E402
+from pagedllm.server.sampling_params import SamplingParams  # noqa: E402
+from pagedllm.server.worker.input_batch import InputBatch  # noqa: E402
+from pagedllm.server.worker.step_inputs import prepare_batched_inputs, prepare_inputs  # noqa: E402
+
+CPU = torch.device("cpu")
+
+
+def median_us(times: list[float]) -> float:
+    return sorted(times)[len(times) // 2] * 1e6
+
+
+def run(batch: int, steps: int, block_size: int, prompt_len: int, max_model_len: int) -> tuple[float, float]:
+    """Median microseconds per decode step of (list builder, persistent batch)."""
+    bm = BlockManager(block_size, batch * (-(-max_model_len // block_size)), 0)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=batch, max_num_batched_tokens=max(2048, batch)), bm)
+    for i in range(batch):
+        prompt = [(i * 7 + k) % 1000 for k in range(prompt_len)]
+        sched.add(SequenceGroup(str(i), [Sequence(i, prompt)], SamplingParams(), arrival_time=i))
+    input_batch = InputBatch(batch, -(-max_model_len // block_size), block_size)
+    builders = {
+        "list": lambda out: prepare_inputs(out, bm.tables, block_size, CPU),
+        "persistent": lambda out: prepare_batched_inputs(out, input_batch, bm.tables, bm.table_versions, CPU),
+    }
+    times: dict[str, list[float]] = {name: [] for name in builders}
+    step = 0
+    while len(times["list"]) < steps:
+        out = sched.schedule()
+        decoding = out.num_batched_tokens == batch  # every sequence computes exactly one token
+        order = list(builders) if step % 2 == 0 else list(reversed(builders))
+        for name in order:
+            start = time.perf_counter()
+            builders[name](out)
+            if decoding:
+                times[name].append(time.perf_counter() - start)
+        sched.mark_computed(out)
+        for item in out.scheduled:
+            for seq in item.group.seqs:
+                if seq.num_computed_tokens == len(seq):
+                    seq.append_token(5, 0.0, None)
+        step += 1
+    return median_us(times["list"]), median_us(times["persistent"])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: the CPUs allowed)")
+    parser.add_argument("--batch", type=int, nargs="+", default=[16, 64, 256], help="decoding sequences")
+    parser.add_argument("--steps", type=int, default=200, help="decode steps timed per batch size")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--prompt-len", type=int, default=161)
+    parser.add_argument("--max-model-len", type=int, default=2048)
+    args = parser.parse_args()
+    set_threads(args.threads)
+    print(f"{'batch':>6} {'list us':>9} {'persistent us':>14} {'speedup':>8}")
+    for batch in args.batch:
+        old, new = run(batch, args.steps, args.block_size, args.prompt_len, args.max_model_len)
+        print(f"{batch:>6} {old:>9.1f} {new:>14.1f} {old / new:>7.2f}x")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,209 @@
+"""Paged decode attention compiled for the CPU (Numba): each cached K/V row is read once.
+
+The torch path has to gather a sequence's blocks into one contiguous tensor before SDPA
+can run: it reads every K/V byte, writes it again and reads the copy. This kernel walks
+the block table instead and reads each block where it lies. One work item is one
+sequence and a run of its KV heads; Numba spreads the items over the CPU threads::
+
+    item (seq s, kv heads h0..h1)
+      pass 1: for each block of s, each slot, each query head: score = q . k   (reads K once)
+      softmax over the scores of each query head
+      pass 2: for each block of s, each slot: out += p * v                     (reads V once)
+
+A block's slots hold every KV head contiguously (``[block_size, num_kv_heads, head_dim]``),
+so an item that takes all the KV heads of its sequence streams whole blocks. With few
+sequences the heads are split over more items so every thread has work.
+
+:func:`paged_decode_attention_reference` (same signature) is the oracle.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import torch
+
+from ._paged import check_block_tables, check_int_vector, check_kv_caches, check_query
+from .paged_decode_attention import paged_decode_attention_reference
+
+try:
+    import numba
+except ImportError:  # pragma: no cover - numba is a dependency; this keeps the package importable
+    numba = None  # type: ignore[assignment]
+
+HAS_NUMBA = numba is not None
+_prange = numba.prange if HAS_NUMBA else range
+
+
+# NOTE: at least this many work items per thread keeps the threads evenly loaded when
+# context lengths differ; fewer sequences than that get their KV heads split.
+ITEMS_PER_THREAD = 4
+
+__all__ = ["HAS_NUMBA", "paged_decode_attention_cpu", "paged_decode_attention_reference"]
+
+
+def _device_function(fn):
+    """A helper the kernel calls: compiled into it by Numba (inlined), plain Python without numba."""
+    return numba.njit(inline="always", fastmath=True, boundscheck=False)(fn) if HAS_NUMBA else fn
+
+
+@_device_function
+def _cache_slots(block_table, length, block_size):
+    """Where each of the first ``length`` positions lives: (block ids, slots in the block)."""
+    blocks = np.empty(length, np.int64)
+    slots = np.empty(length, np.int64)
+    for p in range(length):
+        blocks[p] = block_table[p // block_size]
+        slots[p] = p % block_size
+    return blocks, slots
+
+
+@_device_function
+def _scores(query, key_cache, blocks, slots, kv0, group, scale):
+    """Pass 1, ``[heads, length]``: each query head (``query`` is ``[heads, head_dim]``)
+    against every cached key; head i reads KV head ``kv0 + i // group``."""
+    heads, head_dim = query.shape
+    scores = np.empty((heads, len(blocks)), np.float32)
+    for p in range(len(blocks)):
+        block, slot = blocks[p], slots[p]
+        for i in range(heads):
+            kv = kv0 + i // group
+            acc = np.float32(0.0)
+            for d in range(head_dim):
+                acc += query[i, d] * key_cache[block, slot, kv, d]
+            scores[i, p] = acc * scale
+    return scores
+
+
+@_device_function
+def _softmax_rows(scores):
+    """In place: each row of scores becomes probabilities (an empty row stays empty)."""
+    for i in range(scores.shape[0]):
+        row = scores[i]
+        if len(row) == 0:
+            continue
+        row -= row.max()
+        np.exp(row, row)
+        row *= np.float32(1.0) / row.sum()
+
+
+@_device_function
+def _weighted_values(probs, value_cache, blocks, slots, kv0, group, out):
+    """Pass 2: ``out[i] = sum_p probs[i, p] * v[p]`` (``out`` is ``[heads, head_dim]``)."""
+    heads, head_dim = out.shape
+    acc = np.zeros((heads, head_dim), np.float32)
+    for p in range(len(blocks)):
+        block, slot = blocks[p], slots[p]
+        for i in range(heads):
+            kv = kv0 + i // group
+            w = probs[i, p]
+            for d in range(head_dim):
+                acc[i, d] += w * value_cache[block, slot, kv, d]
+    out[:, :] = acc
+
+
+def paged_decode_attention_cpu_kernel(
+    query,  # [num_seqs, num_heads, head_dim] float32
+    key_cache,  # [num_blocks, block_size, num_kv_heads, head_dim] float32
+    value_cache,  # [num_blocks, block_size, num_kv_heads, head_dim] float32
+    block_tables,  # [num_seqs, max_blocks] int32
+    context_lens,  # [num_seqs] int32
+    scale,
+    kv_splits,  # items per sequence; divides num_kv_heads
+    out,  # [num_seqs, num_heads, head_dim] float32, written
+):
+    """The kernel's source (one work item = one sequence and a run of its heads);
+    :func:`_compiled_kernel` is what runs."""
+    num_seqs, num_heads, _ = query.shape
+    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+    group = num_heads // num_kv_heads
+    heads = num_heads // kv_splits  # query heads per item, a multiple of group
+    for item in _prange(num_seqs * kv_splits):
+        seq = item // kv_splits
+        h0 = (item - seq * kv_splits) * heads
+        blocks, slots = _cache_slots(block_tables[seq], context_lens[seq], block_size)
+        probs = _scores(query[seq, h0 : h0 + heads], key_cache, blocks, slots, h0 // group, group, scale)
+        _softmax_rows(probs)
+        _weighted_values(probs, value_cache, blocks, slots, h0 // group, group, out[seq, h0 : h0 + heads])
+
+
+@functools.cache
+def _compiled_kernel():
+    """The kernel compiled by Numba on first use, its machine code cached on disk when a
+    cache directory is writable (else compiled once per process, a few seconds).
+
+    NOTE: compiled lazily so that importing the kernels never needs numba's cache
+    directory: a read-only image and an unwritable home still import and serve.
+    """
+    try:
+        return _jit(cache=True)
+    except RuntimeError:  # numba: "cannot cache function ... no locator available"
+        return _jit(cache=False)
+
+
+def _jit(cache: bool):
+    jit = numba.njit(cache=cache, parallel=True, fastmath=True, nogil=True, boundscheck=False)
+    return jit(paged_decode_attention_cpu_kernel)
+
+
+def choose_kv_splits(num_seqs: int, num_kv_heads: int, threads: int) -> int:
+    """Items per sequence: 1 (whole blocks streamed) unless there are too few sequences to
+    give each thread ``ITEMS_PER_THREAD`` items; then the smallest divisor of the KV heads that does."""
+    wanted = -(-ITEMS_PER_THREAD * threads // max(num_seqs, 1))
+    for splits in range(1, num_kv_heads + 1):
+        if num_kv_heads % splits == 0 and splits >= wanted:
+            return splits
+    return num_kv_heads
+
+
+def paged_decode_attention_cpu(
+    query: torch.Tensor,  # [num_seqs, num_heads, head_dim] float32
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim] float32
+    value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim] float32
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
+    context_lens: torch.Tensor,  # [num_seqs] int32
+    scale: float,
+) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
+    """Decode attention on CPU float32 tensors, on as many threads as torch uses.
+
+    NOTE: like the Triton kernel, table entries for a sequence's blocks (positions below
+    its context length) must be valid block ids: they are not bounds-checked. Entries
+    past them are never read. An empty context gives zeros.
+    """
+    if not HAS_NUMBA:
+        raise RuntimeError("the compiled CPU decode kernel needs numba: pip install numba")
+    check_kv_caches(key_cache, value_cache)
+    check_query(query, key_cache)
+    check_block_tables(block_tables, query.shape[0])
+    check_int_vector(context_lens, "context_lens", query.shape[0])
+    tensors = dict(query=query, key_cache=key_cache, value_cache=value_cache, block_tables=block_tables)
+    for name, t in (*tensors.items(), ("context_lens", context_lens)):
+        if t.device.type != "cpu":
+            raise ValueError(f"{name} must be on the CPU, got {t.device}")
+    if query.dtype != torch.float32:
+        raise TypeError(f"the compiled CPU decode kernel takes float32, got {query.dtype}")
+    out = torch.empty_like(query, memory_format=torch.contiguous_format)
+    if query.shape[0] == 0:
+        return out
+    threads = torch.get_num_threads()
+    _use_threads(threads)
+    splits = choose_kv_splits(query.shape[0], key_cache.shape[2], threads)
+    _compiled_kernel()(
+        query.contiguous().numpy(),
+        key_cache.numpy(),
+        value_cache.numpy(),
+        block_tables.numpy(),
+        context_lens.numpy(),
+        np.float32(scale),
+        splits,
+        out.numpy(),
+    )
+    return out
+
+
+def _use_threads(threads: int) -> None:
+    """Numba's pool follows torch's thread count (the engine sets that from the CPU quota)."""
+    threads = min(threads, numba.config.NUMBA_NUM_THREADS)  # type: ignore[attr-defined]
+    if numba.get_num_threads() != threads:
+        numba.set_num_threads(threads)

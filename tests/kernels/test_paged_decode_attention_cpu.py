@@ -1,0 +1,131 @@
+"""paged_decode_attention_cpu (Numba) against the torch reference and a dense oracle."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from kernel_factories import huge_cache, make_paged_kv, naive_attention
+
+import pagedllm.kernels.paged_decode_attention_cpu as cpu_kernel
+from pagedllm.kernels import paged_decode_attention_reference
+from pagedllm.kernels.paged_decode_attention_cpu import (
+    ITEMS_PER_THREAD,
+    choose_kv_splits,
+    paged_decode_attention_cpu,
+)
+
+
+def _case(lens, num_heads, num_kv_heads, head_dim, block_size, **kwargs):
+    kv = make_paged_kv(lens, num_kv_heads, head_dim, block_size, torch.float32, device="cpu", **kwargs)
+    query = torch.randn(len(lens), num_heads, head_dim)
+    return query, kv
+
+
+def _run(fn, query, kv, scale):
+    return fn(query, kv.key_cache, kv.value_cache, kv.block_tables, kv.context_lens, scale)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    lens=st.lists(st.integers(1, 90), min_size=1, max_size=9),
+    block_size=st.sampled_from([1, 3, 8, 16, 32]),
+    heads=st.sampled_from([(1, 1), (4, 4), (4, 2), (6, 2), (8, 1), (16, 2), (8, 8)]),
+    head_dim=st.sampled_from([8, 64, 80]),
+    threads=st.sampled_from([1, 2]),
+)
+def test_matches_reference(lens, block_size, heads, head_dim, threads):
+    """Any lengths (around block boundaries too), GQA/MQA, NaN in unused slots and junk
+    table entries past each sequence, with the KV heads split over items or not."""
+    query, kv = _case(lens, *heads, head_dim, block_size)
+    scale = head_dim**-0.5
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = _run(paged_decode_attention_cpu, query, kv, scale)
+    finally:
+        torch.set_num_threads(previous)
+    assert not out.isnan().any()
+    torch.testing.assert_close(out, _run(paged_decode_attention_reference, query, kv, scale), atol=2e-5, rtol=1e-4)
+
+
+def test_matches_dense_attention_on_long_contexts():
+    query, kv = _case([700, 1, 333], 8, 2, 64, 16)
+    out = _run(paged_decode_attention_cpu, query, kv, 0.125)
+    dense = torch.cat([naive_attention(query[s : s + 1], kv.keys[s], kv.values[s], 0.125) for s in range(3)])
+    torch.testing.assert_close(out.double(), dense, atol=1e-5, rtol=1e-4)
+
+
+def test_empty_context_gives_zeros_and_empty_batch_gives_empty():
+    query, kv = _case([0, 5], 4, 2, 16, 4)
+    out = _run(paged_decode_attention_cpu, query, kv, 0.25)
+    assert torch.equal(out[0], torch.zeros_like(out[0]))
+    torch.testing.assert_close(out, _run(paged_decode_attention_reference, query, kv, 0.25))
+    none = paged_decode_attention_cpu(
+        query[:0], kv.key_cache, kv.value_cache, kv.block_tables[:0], kv.context_lens[:0], 1
+    )
+    assert none.shape == (0, 4, 16)
+
+
+def test_block_offsets_past_int32():
+    """Block ids whose element offset overflows int32 are addressed correctly."""
+    shape = (2**31 // (4 * 2 * 8) + 8, 4, 2, 8)  # block_size 4, 2 KV heads, head_dim 8
+    caches = (huge_cache(shape, torch.float32, "cpu"), huge_cache(shape, torch.float32, "cpu"))
+    far = torch.tensor([shape[0] - 1, shape[0] - 3, 5], dtype=torch.int64)
+    query, kv = _case([6, 3], 4, 2, 8, 4, caches=caches, block_ids=far)
+    torch.testing.assert_close(
+        _run(paged_decode_attention_cpu, query, kv, 0.3), _run(paged_decode_attention_reference, query, kv, 0.3)
+    )
+
+
+def test_non_contiguous_query_and_table_views():
+    query, kv = _case([9, 30, 17], 8, 4, 32, 8)
+    wide = torch.randn(3, 8, 64)[:, :, :32]  # a strided query view
+    wide.copy_(query)
+    tables = torch.cat([kv.block_tables, kv.block_tables], dim=1)[:, : kv.block_tables.shape[1]]
+    out = paged_decode_attention_cpu(wide, kv.key_cache, kv.value_cache, tables, kv.context_lens, 0.2)
+    torch.testing.assert_close(out, _run(paged_decode_attention_reference, query, kv, 0.2))
+
+
+@pytest.mark.parametrize(
+    ("num_seqs", "kv_heads", "threads", "splits"),
+    [(64, 8, 2, 1), (8, 8, 2, 1), (2, 8, 2, 4), (1, 8, 2, 8), (1, 6, 2, 6), (3, 6, 2, 3), (1, 1, 8, 1), (0, 4, 2, 4)],
+)
+def test_kv_splits_give_every_thread_work(num_seqs, kv_heads, threads, splits):
+    got = choose_kv_splits(num_seqs, kv_heads, threads)
+    assert got == splits
+    assert kv_heads % got == 0
+    assert num_seqs * got >= min(ITEMS_PER_THREAD * threads, num_seqs * kv_heads)
+
+
+def test_refuses_what_it_cannot_run():
+    query, kv = _case([4], 4, 2, 8, 4)
+    with pytest.raises(TypeError, match="float32"):
+        paged_decode_attention_cpu(
+            query.bfloat16(), kv.key_cache.bfloat16(), kv.value_cache.bfloat16(), kv.block_tables, kv.context_lens, 1.0
+        )
+    with pytest.raises(ValueError, match="block_tables must be int32"):
+        paged_decode_attention_cpu(query, kv.key_cache, kv.value_cache, kv.block_tables.long(), kv.context_lens, 1.0)
+    with pytest.raises(ValueError, match="multiple of num_kv_heads"):
+        paged_decode_attention_cpu(query[:, :3], kv.key_cache, kv.value_cache, kv.block_tables, kv.context_lens, 1.0)
+
+
+def test_compiles_without_a_writable_cache_directory(monkeypatch):
+    """Where numba finds no writable cache directory (read-only image, no home), the
+    kernel is compiled without the on-disk cache instead of failing."""
+    asked = []
+
+    def njit(**options):
+        asked.append(options.get("cache", False))
+        if options.get("cache"):
+            raise RuntimeError("cannot cache function 'kernel': no locator available for file 'kernel.py'")
+        return lambda fn: fn  # the kernel's Python source, run as it is: same numbers, slowly
+
+    monkeypatch.setattr(cpu_kernel.numba, "njit", njit)
+    cpu_kernel._compiled_kernel.cache_clear()
+    try:
+        query, kv = _case([5, 2], 4, 2, 8, 4)
+        out = _run(paged_decode_attention_cpu, query, kv, 0.5)
+    finally:
+        cpu_kernel._compiled_kernel.cache_clear()
+    assert asked == [True, False]
+    torch.testing.assert_close(out, _run(paged_decode_attention_reference, query, kv, 0.5), atol=2e-5, rtol=1e-4)

@@ -1,0 +1,67 @@
+"""Engine configuration: the per-iteration token budget each device gets."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagedllm.server.args import add_engine_args
+from pagedllm.server.config import ConfigError, SchedulerConfig, choose_token_budget
+
+
+def test_cpu_default_is_512():
+    budget = choose_token_budget(SchedulerConfig(), "cpu", max_model_len=4096)
+    assert (budget.tokens, budget.reason) == (512, "the cpu default")
+
+
+def test_cuda_default_is_2048():
+    budget = choose_token_budget(SchedulerConfig(), "cuda", max_model_len=4096)
+    assert (budget.tokens, budget.reason) == (2048, "the cuda default")
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+@pytest.mark.parametrize("chunked", [True, False])
+def test_an_explicit_value_always_wins(device, chunked):
+    config = SchedulerConfig(max_num_batched_tokens=100, enable_chunked_prefill=chunked)
+    budget = choose_token_budget(config, device, max_model_len=4096)
+    assert (budget.tokens, budget.reason) == (100, "set by max_num_batched_tokens")
+
+
+@pytest.mark.parametrize(("device", "max_model_len", "tokens"), [("cpu", 4096, 4096), ("cuda", 8192, 8192)])
+def test_chunked_prefill_off_fits_the_longest_prompt(device, max_model_len, tokens):
+    budget = choose_token_budget(SchedulerConfig(enable_chunked_prefill=False), device, max_model_len)
+    assert budget.tokens == tokens
+    assert "chunked prefill being off" in budget.reason
+
+
+def test_chunked_prefill_off_keeps_the_default_above_a_short_model():
+    assert choose_token_budget(SchedulerConfig(enable_chunked_prefill=False), "cpu", 128).tokens == 512
+    assert choose_token_budget(SchedulerConfig(enable_chunked_prefill=False), "cuda", 128).tokens == 2048
+
+
+def test_the_default_fits_one_token_per_running_sequence():
+    budget = choose_token_budget(SchedulerConfig(max_num_seqs=1024), "cpu", max_model_len=256)
+    assert budget.tokens == 1024 and "max_num_seqs" in budget.reason
+
+
+def test_the_device_must_be_resolved():
+    with pytest.raises(ConfigError) as info:
+        choose_token_budget(SchedulerConfig(), "auto", max_model_len=256)
+    assert info.value.field == "device"
+
+
+def test_resolved_config_carries_the_budget_and_stays_frozen():
+    config = SchedulerConfig()
+    with pytest.raises(RuntimeError, match="depends on the device"):
+        _ = config.token_budget
+    resolved = config.with_token_budget(choose_token_budget(config, "cpu", 256))
+    assert resolved.token_budget == resolved.max_num_batched_tokens == 512
+    assert config.max_num_batched_tokens is None
+
+
+def test_the_flag_help_names_both_defaults():
+    import argparse
+
+    parser = add_engine_args(argparse.ArgumentParser())
+    action = next(a for a in parser._actions if a.dest == "max_num_batched_tokens")
+    assert action.default is None
+    assert "512 on CPU" in action.help and "2048 on CUDA" in action.help and "(default: None)" not in action.help

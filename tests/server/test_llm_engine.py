@@ -1,0 +1,91 @@
+"""The engine's start-up choices: the token budget resolved for its device, and what it serves with it."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+from engine_factories import HFReference, assert_greedy_matches, make_prompts
+
+from pagedllm.server import LLM, SamplingParams
+from pagedllm.server.config import ConfigError, EngineConfig
+from pagedllm.server.engine.llm_engine import LLMEngine
+
+
+def engine(model_dir: str, **kwargs) -> LLMEngine:
+    return LLMEngine(EngineConfig.from_kwargs(model=model_dir, device="cpu", **kwargs))
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+
+
+def test_cpu_default_budget_is_512_and_logged(tiny_llama, caplog):
+    with caplog.at_level(logging.INFO, logger="pagedllm.engine"):
+        e = engine(tiny_llama)
+    assert e.config.scheduler.token_budget == e.scheduler.token_budget == 512
+    assert "the scheduler batches up to 512 tokens per step (the cpu default)" in caplog.text
+    assert "512 tokens per step" in e.describe()
+
+
+def test_explicit_budget_is_kept(tiny_llama):
+    e = engine(tiny_llama, max_num_batched_tokens=96)
+    assert e.config.scheduler.token_budget == e.scheduler.token_budget == 96
+
+
+def test_long_prompt_is_chunked_while_others_decode_and_matches_transformers(tiny_llama):
+    e = engine(tiny_llama, block_size=16)
+    short, long = make_prompts(2, min_len=5, max_len=900, seed=3)
+    e.add_request("short", {"prompt_token_ids": short}, greedy(30))
+    e.step()  # the short prompt is prefilled and decodes from now on
+    e.add_request("long", {"prompt_token_ids": long}, greedy(8))
+    long_seq = e.scheduler.waiting[-1].seqs[0]
+    steps, short_tokens = 0, []
+    while long_seq.num_computed_tokens < len(long):
+        steps += 1
+        out = {o.request_id: o for o in e.step()}
+        short_tokens.append(len(out["short"].outputs[0].token_ids))
+    assert steps == 2  # 900 tokens in chunks of 511 and 389
+    assert short_tokens == [2, 3]  # and the short request got a token in each of those steps
+    outputs = {}
+    while e.has_unfinished_requests():
+        outputs.update({o.request_id: o for o in e.step() if o.finished})
+    ref = HFReference(tiny_llama)
+    for name, prompt, n in (("short", short, 30), ("long", long, 8)):
+        assert_greedy_matches(ref, prompt, outputs[name].outputs[0].token_ids, ref.greedy(prompt, n))
+
+
+def test_chunked_prefill_off_defaults_to_fit_the_longest_prompt(tiny_llama):
+    llm = LLM(model=tiny_llama, device="cpu", enable_chunked_prefill=False)
+    e = llm.llm_engine
+    assert e.config.scheduler.token_budget >= e.max_model_len == 1024
+    prompt = make_prompts(1, min_len=e.max_model_len - 1, max_len=e.max_model_len - 1)[0]
+    [out] = llm.generate([{"prompt_token_ids": prompt}], greedy(4))
+    assert len(out.outputs[0].token_ids) == 1  # the prompt fills the model but for the one token
+    assert out.outputs[0].finish_reason == "length"
+
+
+def test_chunked_prefill_off_refuses_an_explicit_budget_too_small(tiny_llama):
+    with pytest.raises(ConfigError) as info:
+        engine(tiny_llama, enable_chunked_prefill=False, max_num_batched_tokens=300)
+    assert (info.value.field, info.value.value) == ("max_num_batched_tokens", 300)
+    assert "max_model_len=1024" in str(info.value)
+
+
+def test_warm_up_runs_a_prefill_and_a_decode_step_and_leaves_nothing_behind(tiny_llama):
+    """So the decode kernel is compiled (Numba here, Triton on a GPU) before the first request."""
+    e = engine(tiny_llama)
+    decodes = []
+    execute = e.runner.execute
+
+    def counting(out, *args):
+        result = execute(out, *args)
+        decodes.append(result.inputs.meta.num_decode_tokens)
+        return result
+
+    e.runner.execute = counting
+    e.warm_up()
+    assert decodes == [0, 1]
+    assert not e.has_unfinished_requests()
+    stats = e.stats()
+    assert stats.num_free_gpu_blocks == stats.num_gpu_blocks
