@@ -204,6 +204,22 @@ def paged_decode_attention_cpu(
 
 def _use_threads(threads: int) -> None:
     """Numba's pool follows torch's thread count (the engine sets that from the CPU quota)."""
+    _launch_pool()
     threads = min(threads, numba.config.NUMBA_NUM_THREADS)  # type: ignore[attr-defined]
     if numba.get_num_threads() != threads:
         numba.set_num_threads(threads)
+
+
+@functools.cache
+def _launch_pool() -> None:
+    """Start Numba's thread pool once, leaving torch's thread count as it was.
+
+    NOTE: with Numba's OpenMP layer both share one OpenMP runtime, and starting the pool
+    sets OpenMP's thread count to NUMBA_NUM_THREADS (every CPU of the host, not the
+    process's quota): torch would go on with that many threads, the oversubscription the
+    engine's thread choice exists to avoid.
+    """
+    threads = torch.get_num_threads()
+    numba.get_num_threads()  # starts the pool
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)

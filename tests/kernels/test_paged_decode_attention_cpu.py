@@ -1,5 +1,9 @@
 """paged_decode_attention_cpu (Numba) against the torch reference and a dense oracle."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -129,3 +133,22 @@ def test_compiles_without_a_writable_cache_directory(monkeypatch):
         cpu_kernel._compiled_kernel.cache_clear()
     assert asked == [True, False]
     torch.testing.assert_close(out, _run(paged_decode_attention_reference, query, kv, 0.5), atol=2e-5, rtol=1e-4)
+
+
+def test_first_call_keeps_torchs_thread_count_and_uses_it():
+    """Starting Numba's pool (on the first call, in a fresh process) must not raise torch's
+    thread count to every CPU of the host: they share one OpenMP runtime."""
+    if (os.cpu_count() or 1) < 2:
+        pytest.skip("needs 2 CPUs to tell 1 thread from all of them")
+    script = """
+import torch
+torch.set_num_threads(1)
+from pagedllm.kernels.paged_decode_attention_cpu import numba, paged_decode_attention_cpu
+q, k = torch.randn(3, 4, 8), torch.randn(6, 4, 2, 8)
+tables, lens = torch.arange(6, dtype=torch.int32).view(3, 2), torch.tensor([5, 8, 1], dtype=torch.int32)
+for _ in range(2):
+    paged_decode_attention_cpu(q, k, k, tables, lens, 0.3)
+    print(torch.get_num_threads(), numba.get_num_threads())
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["1", "1", "1", "1"], out
