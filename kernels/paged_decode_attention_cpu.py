@@ -14,6 +14,14 @@ A block's slots hold every KV head contiguously (``[block_size, num_kv_heads, he
 so an item that takes all the KV heads of its sequence streams whole blocks. With few
 sequences the heads are split over more items so every thread has work.
 
+Blocks lie anywhere in the cache, so the CPU's own prefetcher, which follows addresses
+that rise steadily, stalls at every block boundary. Each pass therefore asks for the
+row one block ahead of the one it reads (software prefetch), and pass 1's last block
+asks for the first rows of V::
+
+    pass 1 reads K[p] and prefetches K[p + block_size], or V[p + block_size - length]
+    pass 2 reads V[p] and prefetches V[p + block_size]
+
 :func:`paged_decode_attention_reference` (same signature) is the oracle.
 """
 
@@ -29,6 +37,8 @@ from .paged_decode_attention import paged_decode_attention_reference
 
 try:
     import numba
+    from llvmlite import ir
+    from numba.extending import intrinsic
 except ImportError:  # pragma: no cover - numba is a dependency; this keeps the package importable
     numba = None  # type: ignore[assignment]
 
@@ -48,6 +58,42 @@ def _device_function(fn):
     return numba.njit(inline="always", fastmath=True, boundscheck=False)(fn) if HAS_NUMBA else fn
 
 
+if HAS_NUMBA:
+
+    @intrinsic
+    def _prefetch_intrinsic(typingctx, flat, index):
+        """``llvm.prefetch`` of ``flat[index]``'s cache line (read, keep in all levels): no load, no wait."""
+        sig = numba.types.void(flat, numba.types.intp)
+
+        def codegen(context, builder, signature, args):
+            array = context.make_array(signature.args[0])(context, builder, args[0])
+            i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
+            fn_type = ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32])
+            fn = builder.module.globals.get("llvm.prefetch.p0") or ir.Function(
+                builder.module, fn_type, name="llvm.prefetch.p0"
+            )
+            address = builder.bitcast(builder.gep(array.data, [args[1]]), i8p)
+            builder.call(fn, [address, ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+else:  # pragma: no cover
+
+    def _prefetch_intrinsic(flat, index):
+        pass
+
+
+@_device_function
+def _prefetch_row(cache, block, slot, kv0, num_kv):
+    """Prefetch the ``num_kv`` KV heads from ``kv0`` of one cached position, a line (64 bytes) at a time."""
+    flat = cache.reshape(-1)
+    _, block_size, num_kv_heads, head_dim = cache.shape
+    start = ((block * block_size + slot) * num_kv_heads + kv0) * head_dim
+    for offset in range(start, start + num_kv * head_dim, 16):
+        _prefetch_intrinsic(flat, offset)
+
+
 @_device_function
 def _cache_slots(block_table, length, block_size):
     """Where each of the first ``length`` positions lives: (block ids, slots in the block)."""
@@ -60,12 +106,18 @@ def _cache_slots(block_table, length, block_size):
 
 
 @_device_function
-def _scores(query, key_cache, blocks, slots, kv0, group, scale):
+def _scores(query, key_cache, value_cache, blocks, slots, kv0, group, scale):
     """Pass 1, ``[heads, length]``: each query head (``query`` is ``[heads, head_dim]``)
     against every cached key; head i reads KV head ``kv0 + i // group``."""
     heads, head_dim = query.shape
-    scores = np.empty((heads, len(blocks)), np.float32)
-    for p in range(len(blocks)):
+    length, ahead, num_kv = len(blocks), key_cache.shape[1], heads // group
+    scores = np.empty((heads, length), np.float32)
+    for p in range(length):
+        q = p + ahead
+        if q < length:
+            _prefetch_row(key_cache, blocks[q], slots[q], kv0, num_kv)
+        elif q - length < length:
+            _prefetch_row(value_cache, blocks[q - length], slots[q - length], kv0, num_kv)
         block, slot = blocks[p], slots[p]
         for i in range(heads):
             kv = kv0 + i // group
@@ -92,8 +144,11 @@ def _softmax_rows(scores):
 def _weighted_values(probs, value_cache, blocks, slots, kv0, group, out):
     """Pass 2: ``out[i] = sum_p probs[i, p] * v[p]`` (``out`` is ``[heads, head_dim]``)."""
     heads, head_dim = out.shape
+    length, ahead, num_kv = len(blocks), value_cache.shape[1], heads // group
     acc = np.zeros((heads, head_dim), np.float32)
-    for p in range(len(blocks)):
+    for p in range(length):
+        if p + ahead < length:
+            _prefetch_row(value_cache, blocks[p + ahead], slots[p + ahead], kv0, num_kv)
         block, slot = blocks[p], slots[p]
         for i in range(heads):
             kv = kv0 + i // group
@@ -123,7 +178,7 @@ def paged_decode_attention_cpu_kernel(
         seq = item // kv_splits
         h0 = (item - seq * kv_splits) * heads
         blocks, slots = _cache_slots(block_tables[seq], context_lens[seq], block_size)
-        probs = _scores(query[seq, h0 : h0 + heads], key_cache, blocks, slots, h0 // group, group, scale)
+        probs = _scores(query[seq, h0 : h0 + heads], key_cache, value_cache, blocks, slots, h0 // group, group, scale)
         _softmax_rows(probs)
         _weighted_values(probs, value_cache, blocks, slots, h0 // group, group, out[seq, h0 : h0 + heads])
 
