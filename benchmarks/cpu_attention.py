@@ -1,7 +1,8 @@
 """CPU decode attention, one layer: the kernels' torch reference, the torch backend's
 planned path (cpu_attention.py) at several grouping thresholds, the compiled kernel the
 ``numba`` backend runs (kernels/paged_decode_attention_cpu.py), and SDPA over K/V that is
-already contiguous, padded to the longest context (a static batch's layout, no gather).
+already contiguous, padded to the longest context (a static batch's layout, no gather),
+and, as the memory's own limit, a plain sum over as many bytes laid out in order.
 
 NOTE: one layer's cache of a small batch fits in the CPU's last-level cache and stays
 there across repeats; in the engine every layer has its own cache, read from memory.
@@ -105,6 +106,10 @@ def run_batch(batch: int, args: argparse.Namespace, threads: int) -> None:
     timed("compiled kernel (numba backend)", lambda q, kc, vc, t, n: paged_decode_attention_cpu(q, kc, vc, t, n, scale))
     floor = contiguous_padded(query, lens, head_dim)
     print(f"  {'contiguous K/V padded to the longest':44s} {median_ms(floor, args.repeats):8.2f} ms")
+    # NOTE: what the memory allows: the same bytes per layer, read once in order (no attention).
+    streams = [torch.randn(kv_bytes // 4) for _ in layers]
+    ms = median_ms(lambda: [x.sum() for x in streams], args.repeats) / len(streams)
+    print(f"  {'memory: sum() of as many bytes, in order':44s} {ms:8.2f} ms  {kv_bytes / ms / 1e6:6.1f} GB/s")
 
 
 def main() -> None:
