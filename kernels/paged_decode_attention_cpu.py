@@ -28,6 +28,7 @@ asks for the first rows of V::
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -58,30 +59,32 @@ def _device_function(fn):
     return numba.njit(inline="always", fastmath=True, boundscheck=False)(fn) if HAS_NUMBA else fn
 
 
-if HAS_NUMBA:
+def _llvm_prefetch(typingctx, flat, index):
+    """``llvm.prefetch`` of ``flat[index]``'s cache line (read, keep in all levels): no load, no wait.
 
-    @intrinsic
-    def _prefetch_intrinsic(typingctx, flat, index):
-        """``llvm.prefetch`` of ``flat[index]``'s cache line (read, keep in all levels): no load, no wait."""
-        sig = numba.types.void(flat, numba.types.intp)
+    A Numba intrinsic: the kernel's helpers call it as ``_prefetch(flat, index)``.
+    """
+    sig = numba.types.void(flat, numba.types.intp)
 
-        def codegen(context, builder, signature, args):
-            array = context.make_array(signature.args[0])(context, builder, args[0])
-            i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
-            fn_type = ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32])
-            fn = builder.module.globals.get("llvm.prefetch.p0") or ir.Function(
-                builder.module, fn_type, name="llvm.prefetch.p0"
-            )
-            address = builder.bitcast(builder.gep(array.data, [args[1]]), i8p)
-            builder.call(fn, [address, ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
-            return context.get_dummy_value()
+    def codegen(context, builder, signature, args):
+        array = context.make_array(signature.args[0])(context, builder, args[0])
+        i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
+        fn_type = ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32])
+        fn = builder.module.globals.get("llvm.prefetch.p0") or ir.Function(
+            builder.module, fn_type, name="llvm.prefetch.p0"
+        )
+        address = builder.bitcast(builder.gep(array.data, [args[1]]), i8p)
+        builder.call(fn, [address, ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
+        return context.get_dummy_value()
 
-        return sig, codegen
+    return sig, codegen
 
-else:  # pragma: no cover
 
-    def _prefetch_intrinsic(flat, index):
-        pass
+def _no_prefetch(flat, index) -> None:
+    """Without numba the kernel runs as Python, where a prefetch has nothing to do."""
+
+
+_prefetch: Callable[..., None] = intrinsic(_llvm_prefetch) if HAS_NUMBA else _no_prefetch
 
 
 @_device_function
@@ -91,7 +94,7 @@ def _prefetch_row(cache, block, slot, kv0, num_kv):
     _, block_size, num_kv_heads, head_dim = cache.shape
     start = ((block * block_size + slot) * num_kv_heads + kv0) * head_dim
     for offset in range(start, start + num_kv * head_dim, 16):
-        _prefetch_intrinsic(flat, offset)
+        _prefetch(flat, offset)
 
 
 @_device_function
