@@ -180,8 +180,18 @@ def _torch_prefill(query, key, value, key_cache, value_cache, meta: AttentionMet
 class PagedAttention(torch.nn.Module):
     """Multi-head (grouped-query) attention over the paged KV cache of one layer."""
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        scale: float,
+        sliding_window: int | None = None,
+        logit_softcap: float | None = None,
+    ) -> None:
         super().__init__()
+        if sliding_window is not None or logit_softcap is not None:
+            raise NotImplementedError("sliding windows and soft-capping")
         self.num_heads, self.num_kv_heads, self.head_dim, self.scale = num_heads, num_kv_heads, head_dim, scale
 
     def forward(

@@ -4,13 +4,26 @@ from __future__ import annotations
 
 from pagedllm.server.config import ConfigError
 from pagedllm.server.worker.models.base import CausalLM
+from pagedllm.server.worker.models.decoder import DecoderForCausalLM
 from pagedllm.server.worker.models.gpt2 import GPT2LMHeadModel
-from pagedllm.server.worker.models.llama import LlamaForCausalLM
 from pagedllm.server.worker.models.opt import OPTForCausalLM
 
+DECODER_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "Phi3ForCausalLM",
+    "GemmaForCausalLM",
+    "Gemma2ForCausalLM",
+    "Gemma3ForCausalLM",
+    "MixtralForCausalLM",
+    "Qwen3MoeForCausalLM",
+)
+"""Hugging Face architectures the one decoder (decoder.py) runs; decoder_arch.py lists what differs."""
+
 _REGISTRY: dict[str, type[CausalLM]] = {
-    "LlamaForCausalLM": LlamaForCausalLM,
-    "MistralForCausalLM": LlamaForCausalLM,
+    **dict.fromkeys(DECODER_ARCHITECTURES, DecoderForCausalLM),
     "OPTForCausalLM": OPTForCausalLM,
     "GPT2LMHeadModel": GPT2LMHeadModel,
 }

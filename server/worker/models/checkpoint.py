@@ -2,22 +2,46 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from typing import Protocol
 
 import torch
 from torch import nn
 
 
-def copy_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], family: str) -> None:
+class TensorLoader(Protocol):
+    """A module that takes its checkpoint tensors itself (stacked experts, say)."""
+
+    def load_checkpoint_tensor(self, name: str, tensor: torch.Tensor) -> None: ...
+
+    def missing_checkpoint_tensors(self) -> list[str]: ...
+
+
+def copy_weights(
+    model: nn.Module,
+    weights: Iterable[tuple[str, torch.Tensor]],
+    family: str,
+    delegates: Mapping[str, TensorLoader] | None = None,
+) -> None:
     """Copy ``(name, tensor)`` pairs into ``model``; every parameter must be filled once.
 
     The caller has already renamed the tensors to the model's parameter names, laid them
     out as the parameters expect and dropped the ones the model does not keep (tied heads,
-    cached masks). ``family`` names the model in errors.
+    cached masks). ``family`` names the model in errors. A tensor whose name starts with a
+    prefix of ``delegates`` goes to that module, by its name after the prefix.
     """
-    params = dict(model.named_parameters())
+    delegates = delegates or {}
+    params = {
+        name: param
+        for name, param in model.named_parameters()
+        if not any(name.startswith(prefix) for prefix in delegates)
+    }
     loaded = set()
     for name, tensor in weights:
+        prefix = next((p for p in delegates if name.startswith(p)), None)
+        if prefix is not None:
+            delegates[prefix].load_checkpoint_tensor(name[len(prefix) :], tensor)
+            continue
         if name not in params:
             raise ValueError(f"checkpoint tensor {name!r} does not belong to a {family} model")
         param = params[name]
@@ -31,9 +55,10 @@ def copy_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], 
         with torch.no_grad():
             param.copy_(tensor)
         loaded.add(name)
-    missing = set(params) - loaded
+    missing = sorted(set(params) - loaded)
+    missing += [prefix + name for prefix, module in delegates.items() for name in module.missing_checkpoint_tensors()]
     if missing:
-        raise ValueError(f"checkpoint is missing tensors: {sorted(missing)[:5]}")
+        raise ValueError(f"checkpoint is missing tensors: {missing[:5]}")
 
 
 def require(cfg: dict, *keys: str) -> int:

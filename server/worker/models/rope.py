@@ -62,3 +62,15 @@ class RotaryEmbedding(nn.Module):
         rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
         out = x * cos.to(x.dtype) + rotated * sin.to(x.dtype)
         return out.view(shape)
+
+
+def rope_parameters_for(cfg: dict, layer_type: str | None = None) -> dict:
+    """RoPE settings of one layer type, from either config style."""
+    params = cfg.get("rope_parameters") or {}
+    if layer_type is not None and layer_type in params:
+        params = params[layer_type]
+    scaling = cfg.get("rope_scaling") or {}
+    params = {**scaling, **params}
+    params.setdefault("rope_theta", cfg.get("rope_theta", 10000.0))
+    params["rope_type"] = params.get("rope_type") or params.get("type") or "default"
+    return params

@@ -1,0 +1,185 @@
+"""One decoder-only transformer for every LLaMA-like family, built from its Hugging Face config.
+
+Parameter names are the Hugging Face ones (``model.layers.0.self_attn.q_proj``); families
+whose checkpoints fuse or rename tensors are mapped onto them by families.py. A layer::
+
+    x ─ input_layernorm ─ attention ─(post_attention_layernorm)─ + ─ norm ─ MLP or MoE ─(post_ffn norm)─ +
+    └──────────────────────────────────────────────────────────┘ └────────────────────────────────────┘
+
+The norms in brackets exist in Gemma's "sandwich" layout only; there the norm before the
+MLP is ``pre_feedforward_layernorm``, in LLaMA's it is ``post_attention_layernorm``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from pagedllm.server.worker.attention import AttentionMetadata, AttentionOps, PagedAttention
+from pagedllm.server.worker.models.activations import activation
+from pagedllm.server.worker.models.decoder_arch import DecoderArch
+from pagedllm.server.worker.models.families import load_decoder_weights
+from pagedllm.server.worker.models.rope import RotaryEmbedding
+from pagedllm.server.worker.models.tensor_parallel import (
+    ColumnParallelLinear,
+    ParallelLMHead,
+    RowParallelLinear,
+    TPGroup,
+    VocabParallelEmbedding,
+)
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm as LLaMA writes it (``w * x``, cast first) or as Gemma does (``(1 + w) * x``, in float32)."""
+
+    def __init__(self, size: int, eps: float, gemma: bool = False) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(size) if gemma else torch.ones(size))
+        self.eps = eps
+        self.gemma = gemma
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.gemma:
+            return (normed * (1.0 + self.weight.float())).to(dtype)
+        return self.weight * normed.to(dtype)
+
+
+class DecoderAttention(nn.Module):
+    def __init__(self, arch: DecoderArch, layer: int, tp: TPGroup) -> None:
+        super().__init__()
+        d, hidden = arch.head_dim, arch.hidden_size
+        self.num_heads = tp.split(arch.num_heads, "number of attention heads")
+        self.num_kv_heads, first_kv = tp.kv_heads(arch.num_kv_heads)
+        self.head_dim = d
+        self.q_proj = ColumnParallelLinear(hidden, arch.num_heads * d, arch.qkv_bias, tp)
+        self.k_proj = ColumnParallelLinear(hidden, self.num_kv_heads * d, arch.qkv_bias, tp, first_row=first_kv * d)
+        self.v_proj = ColumnParallelLinear(hidden, self.num_kv_heads * d, arch.qkv_bias, tp, first_row=first_kv * d)
+        self.o_proj = RowParallelLinear(arch.num_heads * d, hidden, arch.o_bias, tp)
+        if arch.family.qk_norm:
+            self.q_norm = RMSNorm(d, arch.rms_norm_eps, arch.family.gemma_norms)
+            self.k_norm = RMSNorm(d, arch.rms_norm_eps, arch.family.gemma_norms)
+        self.rotary = RotaryEmbedding(d, arch.max_position_embeddings, arch.layer_rope[layer])
+        self.attn = PagedAttention(
+            self.num_heads,
+            self.num_kv_heads,
+            d,
+            scale=arch.attn_scale,
+            sliding_window=arch.layer_windows[layer],
+            logit_softcap=arch.attn_softcap,
+        )
+
+    def forward(self, x, positions, kv_cache, meta: AttentionMetadata, ops: AttentionOps):
+        q, k = self.q_proj(x), self.k_proj(x)
+        if hasattr(self, "q_norm"):
+            q = self.q_norm(q.view(-1, self.num_heads, self.head_dim)).view(q.shape)
+            k = self.k_norm(k.view(-1, self.num_kv_heads, self.head_dim)).view(k.shape)
+        q, k = self.rotary(positions, q, k)
+        return self.o_proj(self.attn(q, k, self.v_proj(x), kv_cache, meta, ops))
+
+
+class GatedMLP(nn.Module):
+    """``down(act(gate(x)) * up(x))``: SwiGLU with SiLU, GeGLU with GELU."""
+
+    def __init__(self, arch: DecoderArch, tp: TPGroup) -> None:
+        super().__init__()
+        hidden, inner, bias = arch.hidden_size, arch.intermediate_size, arch.mlp_bias
+        self.gate_proj = ColumnParallelLinear(hidden, inner, bias, tp)
+        self.up_proj = ColumnParallelLinear(hidden, inner, bias, tp)
+        self.down_proj = RowParallelLinear(inner, hidden, bias, tp)
+        self.act = activation(arch.hidden_act, "hidden_act")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+def _mlp(arch: DecoderArch, layer: int, tp: TPGroup) -> nn.Module:
+    if arch.moe is None or not arch.moe_layers[layer]:
+        return GatedMLP(arch, tp)
+    from pagedllm.server.worker.models.moe import SparseMoeBlock
+
+    moe = arch.moe
+    return SparseMoeBlock(
+        arch.hidden_size, moe.intermediate_size, moe.num_experts, moe.top_k, moe.norm_topk_prob, arch.hidden_act, tp
+    )
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, arch: DecoderArch, layer: int, tp: TPGroup) -> None:
+        super().__init__()
+        eps, gemma = arch.rms_norm_eps, arch.family.gemma_norms
+        self.self_attn = DecoderAttention(arch, layer, tp)
+        self.mlp = _mlp(arch, layer, tp)
+        self.input_layernorm = RMSNorm(arch.hidden_size, eps, gemma)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, eps, gemma)
+        if gemma:
+            self.pre_feedforward_layernorm = RMSNorm(arch.hidden_size, eps, gemma)
+            self.post_feedforward_layernorm = RMSNorm(arch.hidden_size, eps, gemma)
+        self.sandwich = gemma
+
+    def forward(self, x, positions, kv_cache, meta, ops):
+        h = self.self_attn(self.input_layernorm(x), positions, kv_cache, meta, ops)
+        if not self.sandwich:
+            x = x + h
+            return x + self.mlp(self.post_attention_layernorm(x))
+        x = x + self.post_attention_layernorm(h)
+        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, arch: DecoderArch, tp: TPGroup) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(arch.vocab_size, arch.hidden_size, tp)
+        self.layers = nn.ModuleList(DecoderLayer(arch, i, tp) for i in range(arch.num_layers))
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, arch.family.gemma_norms)
+
+
+class DecoderForCausalLM(nn.Module):
+    """Token ids and positions in, final hidden states out; logits only where asked."""
+
+    def __init__(self, arch: DecoderArch, tp: TPGroup) -> None:
+        super().__init__()
+        self.arch = arch
+        self.tp = tp
+        self.model = DecoderModel(arch, tp)
+        tied = self.model.embed_tokens if arch.tie_word_embeddings else None
+        self.lm_head = ParallelLMHead(arch.hidden_size, arch.vocab_size, tp, tied=tied)
+        # NOTE: Gemma multiplies embeddings by sqrt(hidden) rounded to the weights' dtype.
+        self.embed_scale = arch.hidden_size**0.5 if arch.family.gemma_norms else None
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict, tp: TPGroup = TPGroup()) -> DecoderForCausalLM:
+        return cls(DecoderArch.from_hf(cfg), tp)
+
+    @property
+    def kv_shape(self) -> tuple[int, int, int]:
+        """(num_layers, num_kv_heads, head_dim) of this rank's KV cache."""
+        return self.arch.num_layers, self.tp.kv_heads(self.arch.num_kv_heads)[0], self.arch.head_dim
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+        ops: AttentionOps,
+    ) -> torch.Tensor:
+        # input_ids, positions: [num_tokens] -> hidden: [num_tokens, hidden_size]
+        x = self.model.embed_tokens(input_ids)
+        if self.embed_scale is not None:
+            x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
+        for layer, kv_cache in zip(self.model.layers, kv_caches):
+            x = layer(x, positions, kv_cache, meta, ops)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head(hidden)
+        cap = self.arch.final_softcap
+        return torch.tanh(logits / cap) * cap if cap else logits
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy checkpoint tensors in by name (renamed and split per family); each parameter once."""
+        load_decoder_weights(self, weights)

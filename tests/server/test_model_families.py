@@ -1,0 +1,106 @@
+"""Every decoder family against transformers: greedy tokens on tiny random checkpoints.
+
+Prompts run several sliding windows long (family_factories.WINDOW), under preemption and
+with prefix caching, at one and two tensor-parallel ranks.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from engine_factories import HFReference, assert_greedy_matches, make_prompts
+from family_factories import FAMILIES, WINDOW, WINDOWED, save_tiny_family
+
+from pagedllm.server import LLM, SamplingParams
+
+MAX_TOKENS = 10
+NAMES = sorted(FAMILIES)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("families")
+    return {name: save_tiny_family(str(root / name), name, seed=i) for i, name in enumerate(NAMES)}
+
+
+@pytest.fixture(scope="module")
+def references(model_dirs):
+    return {name: HFReference(path, attn_implementation="eager") for name, path in model_dirs.items()}
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    # NOTE: up to 7 windows long, so every windowed layer drops keys many times over.
+    return make_prompts(5, min_len=3, max_len=7 * WINDOW)
+
+
+@pytest.fixture(scope="module")
+def expected(references, prompts):
+    return {name: [ref.greedy(p, MAX_TOKENS) for p in prompts] for name, ref in references.items()}
+
+
+def run_greedy(model_dir, prompts, **engine_args):
+    llm = LLM(model=model_dir, **engine_args)
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    return llm, llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+
+
+def check(ref, prompts, expected, outputs):
+    for prompt, want, out in zip(prompts, expected, outputs):
+        assert_greedy_matches(ref, prompt, out.outputs[0].token_ids, want)
+
+
+def assert_all_blocks_free(llm):
+    stats = llm.llm_engine.stats()
+    assert stats.num_free_gpu_blocks == stats.num_gpu_blocks
+    assert not llm.llm_engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_greedy_matches_transformers(model_dirs, references, expected, prompts, name):
+    llm, outputs = run_greedy(model_dirs[name], prompts, block_size=8)
+    check(references[name], prompts, expected[name], outputs)
+    assert_all_blocks_free(llm)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_preemption_and_prefix_caching_match(model_dirs, references, expected, prompts, name):
+    # A cache too small for all prompts at once, shared prefixes, and small prefill chunks.
+    shared = [prompts[-1][: 2 * WINDOW] + p for p in prompts[:3]]
+    want = [references[name].greedy(p, MAX_TOKENS) for p in shared]
+    llm, outputs = run_greedy(
+        model_dirs[name],
+        shared + shared,
+        block_size=8,
+        num_gpu_blocks_override=48,
+        enable_prefix_caching=True,
+        max_num_batched_tokens=64,
+        enable_chunked_prefill=True,
+    )
+    check(references[name], shared + shared, want + want, outputs)
+    assert llm.llm_engine.stats().prefix_cache_hits > 0
+    assert_all_blocks_free(llm)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", NAMES)
+def test_two_tensor_parallel_ranks_match(model_dirs, references, expected, prompts, name):
+    llm, outputs = run_greedy(model_dirs[name], prompts, block_size=16, tensor_parallel_size=2)
+    try:
+        check(references[name], prompts, expected[name], outputs)
+    finally:
+        llm.llm_engine.shutdown()
+
+
+def test_windowed_families_hold_long_contexts(model_dirs):
+    for name in WINDOWED:
+        llm = LLM(model=model_dirs[name], num_gpu_blocks_override=64, block_size=8)
+        assert llm.llm_engine.max_model_len > WINDOW, name
