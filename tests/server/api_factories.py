@@ -69,9 +69,13 @@ class LiveServer:
         return self.engine.submit(lambda engine: engine.stats()).result(timeout)
 
 
-def wait_ready(url: str, timeout: float = READY_TIMEOUT_S) -> None:
+def wait_ready(url: str, timeout: float = READY_TIMEOUT_S, proc: subprocess.Popen | None = None) -> None:
+    """Wait for ``/ready``; a server process that exits first fails at once with its output."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            output = proc.stdout.read() if proc.stdout else ""
+            raise RuntimeError(f"the server exited with {proc.returncode} before it was ready:\n{output[-3000:]}")
         with contextlib.suppress(httpx.HTTPError):
             if httpx.get(f"{url}/ready", timeout=5).status_code == 200:
                 return
@@ -157,7 +161,7 @@ def serve_process(model_dir: str, *extra: str, env: dict[str, str] | None = None
         cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**environment, **(env or {})}
     )
     try:
-        wait_ready(f"http://127.0.0.1:{port}")
+        wait_ready(f"http://127.0.0.1:{port}", proc=proc)
         yield proc, f"http://127.0.0.1:{port}"
     finally:
         if proc.poll() is None:

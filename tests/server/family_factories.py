@@ -21,7 +21,7 @@ _COMMON: dict[str, Any] = dict(
     num_hidden_layers=2,
     num_attention_heads=4,
     num_key_value_heads=2,
-    max_position_embeddings=512,
+    max_position_embeddings=1024,
     initializer_range=0.2,
     tie_word_embeddings=False,
 )

@@ -104,3 +104,30 @@ def test_windowed_families_hold_long_contexts(model_dirs):
     for name in WINDOWED:
         llm = LLM(model=model_dirs[name], num_gpu_blocks_override=64, block_size=8)
         assert llm.llm_engine.max_model_len > WINDOW, name
+
+
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+@pytest.mark.parametrize("name", ["qwen3", "gemma3", "qwen3-moe"])
+def test_serve_answers_chat_with_the_models_template(tmp_path, name):
+    from api_factories import serve_process
+    from transformers import AutoTokenizer
+
+    path = save_tiny_family(str(tmp_path / name), name)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer.chat_template = CHATML
+    tokenizer.save_pretrained(path)
+    messages = [{"role": "user", "content": "What does json.dumps do?"}]
+    prompt = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=False)
+    want = HFReference(path, attn_implementation="eager").greedy(list(prompt), 8)
+    import httpx
+
+    with serve_process(path) as (_, url):
+        body = {"model": "tiny", "messages": messages, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+        reply = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60).json()
+    assert reply["usage"] == {"prompt_tokens": len(prompt), "completion_tokens": 8, "total_tokens": len(prompt) + 8}
+    assert reply["choices"][0]["message"]["content"] == tokenizer.decode(want, skip_special_tokens=True)
