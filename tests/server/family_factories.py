@@ -38,6 +38,7 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "phi3": ("Phi3Config", dict(num_key_value_heads=4, sliding_window=None)),
     "phi3-window": ("Phi3Config", dict(num_key_value_heads=4, sliding_window=WINDOW)),
     "mistral-window": ("MistralConfig", dict(sliding_window=WINDOW)),
+    "gemma": ("GemmaConfig", dict(head_dim=16, tie_word_embeddings=True)),
     "gemma2": ("Gemma2Config", dict(_GEMMA, tie_word_embeddings=True)),
     "gemma3": ("Gemma3TextConfig", dict(_GEMMA, layer_types=["sliding_attention"] * 3 + ["full_attention"])),
     "mixtral": ("MixtralConfig", dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=WINDOW)),

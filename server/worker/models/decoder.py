@@ -115,10 +115,10 @@ class DecoderLayer(nn.Module):
         self.mlp = _mlp(arch, layer, tp)
         self.input_layernorm = RMSNorm(arch.hidden_size, eps, gemma)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, eps, gemma)
-        if gemma:
+        self.sandwich = arch.family.sandwich_norms
+        if self.sandwich:
             self.pre_feedforward_layernorm = RMSNorm(arch.hidden_size, eps, gemma)
             self.post_feedforward_layernorm = RMSNorm(arch.hidden_size, eps, gemma)
-        self.sandwich = gemma
 
     def forward(self, x, positions, kv_cache, meta, ops):
         h = self.self_attn(self.input_layernorm(x), positions, kv_cache, meta, ops)

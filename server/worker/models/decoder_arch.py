@@ -9,6 +9,7 @@ them is data, not code::
     qwen2       q/k/v bias, windows per layer      SwiGLU       RMSNorm w*x        -
     qwen3       q/k RMSNorm per head               SwiGLU       RMSNorm w*x        -
     phi3        fused qkv in the checkpoint        fused gate/up RMSNorm w*x       LongRoPE
+    gemma       -                                  GeGLU        (1+w)              scaled embeddings
     gemma2      local/global layers, soft-capping  GeGLU        (1+w), sandwich    scaled embeddings, capped logits
     gemma3      local/global, q/k (1+w) norm       GeGLU        (1+w), sandwich    RoPE per layer type
     mixtral     sliding window                     sparse MoE   RMSNorm w*x        -
@@ -35,7 +36,9 @@ class Family:
     qk_norm: bool = False
     """RMSNorm over each head of q and k before the rotation (Qwen3, Gemma 3)."""
     gemma_norms: bool = False
-    """Norms scale by ``1 + w`` in float32, four norms per layer, embeddings scaled by sqrt(hidden)."""
+    """Norms scale by ``1 + w`` in float32; embeddings are scaled by sqrt(hidden)."""
+    sandwich_norms: bool = False
+    """Four norms per layer: after attention and around the MLP (Gemma 2 and 3)."""
     act_key: str = "hidden_act"
     """The config entry that names the MLP activation."""
     moe: bool = False
@@ -48,9 +51,9 @@ FAMILIES: dict[str, Family] = {
     "qwen2": Family(qkv_bias=True),
     "qwen3": Family(qk_norm=True),
     "phi3": Family(),
-    "gemma": Family(gemma_norms=True, act_key="hidden_activation"),
-    "gemma2": Family(gemma_norms=True, act_key="hidden_activation"),
-    "gemma3_text": Family(qk_norm=True, gemma_norms=True, act_key="hidden_activation"),
+    "gemma": Family(gemma_norms=True),
+    "gemma2": Family(gemma_norms=True, sandwich_norms=True, act_key="hidden_activation"),
+    "gemma3_text": Family(qk_norm=True, gemma_norms=True, sandwich_norms=True, act_key="hidden_activation"),
     "mixtral": Family(moe=True),
     "qwen3_moe": Family(qk_norm=True, moe=True),
 }
