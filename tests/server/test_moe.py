@@ -173,25 +173,6 @@ def test_zero_and_one_token(tmp_path, num_tokens):
         torch.testing.assert_close(out, hf_forward(model, x), atol=1e-5, rtol=1e-5)
 
 
-def test_one_matmul_per_expert_over_its_rows(tmp_path):
-    model = hf_model("qwen3_moe", 8, 2, True)
-    block = loaded_block(saved_block_tensors(model, tmp_path), 8, 2, True)
-    calls: list[tuple[int, int]] = []
-    run_expert = block._expert
-
-    def counting(local: int, rows: torch.Tensor) -> torch.Tensor:
-        calls.append((local, rows.shape[0]))
-        return run_expert(local, rows)
-
-    block._expert = counting  # type: ignore[method-assign]
-    x = torch.randn(40, HIDDEN)
-    with torch.no_grad():
-        _, experts = block.route(x)
-        block(x)
-    counts = torch.bincount(experts.flatten(), minlength=8).tolist()
-    assert calls == [(e, n) for e, n in enumerate(counts) if n]
-
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_precision_close_to_float32(tmp_path, dtype):
     model = hf_model("qwen3_moe", 8, 2, True)

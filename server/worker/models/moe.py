@@ -8,7 +8,8 @@ summed, weighted by the router's probabilities::
     y     = sum_j w_j * expert_{e_j}(x)      expert(x) = down(act(gate_proj(x)) * up_proj(x))
 
 The experts run grouped, not per token: the (token, slot) pairs are sorted by expert, so
-each expert's rows are contiguous and it runs as one matmul over them::
+each expert's rows are contiguous and it runs as one matmul over them
+(:mod:`pagedllm.kernels.fused_moe`: Triton on CUDA, its torch reference elsewhere)::
 
     pairs sorted by expert   [ e0 e0 e0 | e1 | (e2: none) | e3 e3 ]
     rows = x[token of pair]  one gate/up matmul and one down matmul per expert's slice
@@ -26,6 +27,7 @@ import re
 import torch
 from torch import nn
 
+from pagedllm.kernels.fused_moe import fused_moe, fused_moe_reference
 from pagedllm.server.config import ConfigError
 from pagedllm.server.worker.models.activations import activation
 from pagedllm.server.worker.models.tensor_parallel import TPGroup
@@ -55,7 +57,9 @@ class SparseMoeBlock(nn.Module):
     ) -> None:
         super().__init__()
         if not 1 <= top_k <= num_experts:
-            raise ValueError(f"num_experts_per_tok={top_k} is not allowed: choose 1 to the {num_experts} experts")
+            raise ValueError(
+                f"num_experts_per_tok={top_k} is not allowed: choose 1 to {num_experts} (the number of experts)"
+            )
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size
         self.num_experts = num_experts
@@ -85,41 +89,14 @@ class SparseMoeBlock(nn.Module):
         return weights, experts
 
     def experts_forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-        """This rank's experts' weighted outputs for the routed pairs, in x's dtype.
+        """This rank's experts' weighted outputs for the routed pairs, in x's dtype: the Triton
+        grouped matmul on CUDA, the torch one (one matmul per expert) elsewhere.
 
         NOTE: the weighted sum is accumulated in float32 (the routing weights stay float32),
         so half-precision inputs are rounded once, at the end, not once per expert.
         """
-        pairs, tokens, counts = self._group_by_expert(experts)
-        rows = torch.empty(pairs.numel(), self.hidden_size, dtype=x.dtype, device=x.device)
-        grouped = x[tokens]
-        start = 0
-        for local, count in enumerate(counts):
-            if count:
-                rows[start : start + count] = self._expert(local, grouped[start : start + count])
-            start += count
-        out = torch.zeros(x.shape[0], self.hidden_size, dtype=torch.float32, device=x.device)
-        out.index_add_(0, tokens, rows.float() * weights.reshape(-1)[pairs, None])
-        return out.to(x.dtype)
-
-    def _group_by_expert(self, experts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
-        """The (token, slot) pairs routed to this rank's experts, sorted by expert.
-
-        Returns (pair index into the flattened [tokens * top_k] routing [n], token of each
-        pair [n], pairs per local expert).
-        """
-        local = experts.reshape(-1) - self.first_expert
-        pairs = torch.nonzero((local >= 0) & (local < self.num_local_experts)).squeeze(1)
-        local = local[pairs]
-        order = torch.argsort(local, stable=True)
-        pairs, local = pairs[order], local[order]
-        counts = torch.bincount(local, minlength=self.num_local_experts).tolist()
-        return pairs, pairs // self.top_k, counts
-
-    def _expert(self, local: int, rows: torch.Tensor) -> torch.Tensor:
-        # rows: [n, hidden] -> [n, hidden]
-        gate, up = nn.functional.linear(rows, self.w13[local]).split(self.intermediate_size, dim=-1)
-        return nn.functional.linear(self.act(gate) * up, self.w2[local])
+        moe = fused_moe if x.is_cuda else fused_moe_reference
+        return moe(x, self.w13, self.w2, weights, experts - self.first_expert, self.act)
 
     # -- loading -------------------------------------------------------------------------------
     def load_checkpoint_tensor(self, name: str, tensor: torch.Tensor) -> None:
