@@ -1,4 +1,4 @@
-"""Triton PagedAttention kernels and their plain-torch references.
+"""Triton kernels (PagedAttention, mixture-of-experts) and their plain-torch references.
 
 Every op comes as a Triton launcher and a ``*_reference`` twin with the same signature:
 the Triton versions run on CUDA (or on CPU through ``TRITON_INTERPRET=1``), the
@@ -10,6 +10,7 @@ All caches are ``[num_blocks, block_size, num_kv_heads, head_dim]`` per layer.
 
 from ._triton import HAS_TRITON
 from .copy_blocks import copy_blocks, copy_blocks_reference
+from .fused_moe import fused_moe, fused_moe_reference
 from .paged_decode_attention import paged_decode_attention, paged_decode_attention_reference
 from .paged_prefill_attention import paged_prefill_attention, paged_prefill_attention_reference
 from .reshape_and_cache import reshape_and_cache, reshape_and_cache_reference
@@ -18,6 +19,8 @@ __all__ = [
     "HAS_TRITON",
     "copy_blocks",
     "copy_blocks_reference",
+    "fused_moe",
+    "fused_moe_reference",
     "paged_decode_attention",
     "paged_decode_attention_reference",
     "paged_prefill_attention",
