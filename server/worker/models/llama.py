@@ -15,7 +15,7 @@ from torch import nn
 
 from pagedllm.server.worker.attention import AttentionMetadata, AttentionOps, PagedAttention
 from pagedllm.server.worker.models.checkpoint import copy_weights
-from pagedllm.server.worker.models.rope import RotaryEmbedding
+from pagedllm.server.worker.models.rope import RotaryEmbedding, rope_parameters_for
 from pagedllm.server.worker.models.tensor_parallel import (
     ColumnParallelLinear,
     ParallelLMHead,
@@ -64,21 +64,11 @@ class LlamaArch:
             attention_bias=bool(cfg.get("attention_bias", False)),
             mlp_bias=bool(cfg.get("mlp_bias", False)),
             hidden_act=act,
-            rope=rope_parameters(cfg),
+            rope=rope_parameters_for(cfg),
         )
 
 
 _ACTS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"silu": nn.functional.silu, "gelu": nn.functional.gelu}
-
-
-def rope_parameters(cfg: dict) -> dict:
-    """RoPE settings from either config style (``rope_theta`` + ``rope_scaling``, or ``rope_parameters``)."""
-    params = dict(cfg.get("rope_parameters") or {})
-    scaling = cfg.get("rope_scaling") or {}
-    params = {**scaling, **params}
-    params.setdefault("rope_theta", cfg.get("rope_theta", 10000.0))
-    params["rope_type"] = params.get("rope_type") or params.get("type") or "default"
-    return params
 
 
 class RMSNorm(nn.Module):
