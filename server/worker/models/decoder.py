@@ -49,7 +49,7 @@ class RMSNorm(nn.Module):
 
 
 class DecoderAttention(nn.Module):
-    def __init__(self, arch: DecoderArch, layer: int, tp: TPGroup) -> None:
+    def __init__(self, arch: DecoderArch, layer: int, rotary: RotaryEmbedding, tp: TPGroup) -> None:
         super().__init__()
         d, hidden = arch.head_dim, arch.hidden_size
         self.num_heads = tp.split(arch.num_heads, "number of attention heads")
@@ -62,7 +62,7 @@ class DecoderAttention(nn.Module):
         if arch.family.qk_norm:
             self.q_norm = RMSNorm(d, arch.rms_norm_eps, arch.family.gemma_norms)
             self.k_norm = RMSNorm(d, arch.rms_norm_eps, arch.family.gemma_norms)
-        self.rotary = RotaryEmbedding(d, arch.max_position_embeddings, arch.layer_rope[layer])
+        self.rotary = rotary
         self.attn = PagedAttention(
             self.num_heads,
             self.num_kv_heads,
@@ -108,10 +108,10 @@ def _mlp(arch: DecoderArch, layer: int, tp: TPGroup) -> nn.Module:
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, arch: DecoderArch, layer: int, tp: TPGroup) -> None:
+    def __init__(self, arch: DecoderArch, layer: int, rotary: RotaryEmbedding, tp: TPGroup) -> None:
         super().__init__()
         eps, gemma = arch.rms_norm_eps, arch.family.gemma_norms
-        self.self_attn = DecoderAttention(arch, layer, tp)
+        self.self_attn = DecoderAttention(arch, layer, rotary, tp)
         self.mlp = _mlp(arch, layer, tp)
         self.input_layernorm = RMSNorm(arch.hidden_size, eps, gemma)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, eps, gemma)
@@ -133,7 +133,14 @@ class DecoderModel(nn.Module):
     def __init__(self, arch: DecoderArch, tp: TPGroup) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(arch.vocab_size, arch.hidden_size, tp)
-        self.layers = nn.ModuleList(DecoderLayer(arch, i, tp) for i in range(arch.num_layers))
+        # NOTE: one rotation table per distinct RoPE setting (two at most, Gemma 3's), not one per layer.
+        tables: dict[str, RotaryEmbedding] = {}
+        for params in arch.layer_rope:
+            key = repr(sorted(params.items()))
+            if key not in tables:
+                tables[key] = RotaryEmbedding(arch.head_dim, arch.max_position_embeddings, params)
+        rotary = [tables[repr(sorted(params.items()))] for params in arch.layer_rope]
+        self.layers = nn.ModuleList(DecoderLayer(arch, i, rotary[i], tp) for i in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, arch.family.gemma_norms)
 
 

@@ -135,7 +135,7 @@ class DecoderArch:
             attn_softcap=cfg.get("attn_logit_softcapping"),
             final_softcap=cfg.get("final_logit_softcapping"),
             layer_windows=tuple(cfg.get("sliding_window") if t == "sliding_attention" else None for t in types),
-            layer_rope=tuple(rope_parameters_for(cfg, t if _rope_by_type(cfg) else None) for t in types),
+            layer_rope=tuple(rope_parameters_for(cfg, t) for t in types),
             moe=moe,
             moe_layers=tuple(_is_moe_layer(cfg, i) if moe else False for i in range(num_layers)),
         )
@@ -156,11 +156,6 @@ def layer_types(cfg: dict, num_layers: int) -> list[str]:
         return list(types)
     sliding = cfg.get("sliding_window") and cfg.get("use_sliding_window", True)
     return ["sliding_attention" if sliding else "full_attention"] * num_layers
-
-
-def _rope_by_type(cfg: dict) -> bool:
-    params = cfg.get("rope_parameters")
-    return isinstance(params, dict) and "full_attention" in params
 
 
 def _moe_arch(cfg: dict) -> MoEArch:

@@ -357,15 +357,3 @@ class RotaryEmbedding(nn.Module):
         if kept.shape[-1]:
             out = torch.cat((out, kept), dim=-1)
         return out.view(shape)
-
-
-def rope_parameters_for(cfg: dict, layer_type: str | None = None) -> dict:
-    """RoPE settings of one layer type, from either config style."""
-    params = cfg.get("rope_parameters") or {}
-    if layer_type is not None and layer_type in params:
-        params = params[layer_type]
-    scaling = cfg.get("rope_scaling") or {}
-    params = {**scaling, **params}
-    params.setdefault("rope_theta", cfg.get("rope_theta", 10000.0))
-    params["rope_type"] = params.get("rope_type") or params.get("type") or "default"
-    return params
