@@ -133,3 +133,10 @@ def test_serve_answers_chat_with_the_models_template(tmp_path, name):
     text, full = reply["choices"][0]["message"]["content"], tokenizer.decode(want, skip_special_tokens=True)
     # NOTE: random bytes; a character cut off by the last token is held back, as in a stream.
     assert full.startswith(text) and set(full[len(text) :]) <= {"\ufffd"}, (text, full)
+
+
+@pytest.mark.parametrize("name", ["gemma3", "qwen3-moe", "phi3"])
+def test_dummy_weights_construct_and_generate(model_dirs, name):
+    llm = LLM(model=model_dirs[name], load_format="dummy", num_gpu_blocks_override=32)
+    out = llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
