@@ -9,6 +9,7 @@ from collections.abc import Sequence
 
 from pagedllm.server.args import add_engine_args, engine_config_from_args
 from pagedllm.server.entrypoints.serve import add_serve_parser
+from pagedllm.server.version import package_version
 
 
 def _add_generate(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -71,6 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="pagedllm", description="PagedLLM: serve or run language models with a paged KV cache."
     )
+    parser.add_argument("--version", action="version", version=f"pagedllm {package_version()}")
     subparsers = parser.add_subparsers(dest="command", required=True)
     _add_generate(subparsers)
     add_serve_parser(subparsers)

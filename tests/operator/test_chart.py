@@ -99,7 +99,9 @@ def test_operator_runs_standalone_and_cluster_wide_by_default(helm_template):
     container = operator_container(helm_template())
     args = parse_operator_args(container)
     assert args.standalone and args.all_namespaces and args.namespaces == []
-    assert args.default_image == container["image"] == "ghcr.io/pagedllm/pagedllm:0.1.0"
+    # The operator runs from its own torch-free image; the servers it creates from the serving image.
+    assert container["image"] == "ghcr.io/pagedllm/pagedllm-operator:0.1.0"
+    assert args.default_image == "ghcr.io/pagedllm/pagedllm:0.1.0"
     assert args.liveness == "http://0.0.0.0:8080/healthz"
     probe = container["livenessProbe"]["httpGet"]
     assert probe == {"path": "/healthz", "port": "liveness"}
@@ -116,7 +118,9 @@ def test_values_reach_the_operator(helm_template):
         "--set",
         "watchNamespaces={ml,research}",
         "--set",
-        "servingImage=reg/serve:9",
+        "servingImage.repository=reg/serve",
+        "--set",
+        "servingImage.tag=v9",
         "--set",
         "operator.logLevel=debug",
         "--set",
@@ -124,8 +128,11 @@ def test_values_reach_the_operator(helm_template):
     )
     args = parse_operator_args(operator_container(docs))
     assert args.namespaces == ["ml", "research"] and not args.all_namespaces
-    assert args.default_image == "reg/serve:9" and args.debug
-    assert operator_container(docs)["image"] == "ghcr.io/pagedllm/pagedllm:1.2.3"
+    assert args.default_image == "reg/serve:v9" and args.debug
+    assert operator_container(docs)["image"] == "ghcr.io/pagedllm/pagedllm-operator:1.2.3"
+    docs = helm_template("--set", "image.repository=reg/operator", "--set", "servingImage.repository=reg/serve")
+    assert operator_container(docs)["image"] == "reg/operator:0.1.0"
+    assert parse_operator_args(operator_container(docs)).default_image == "reg/serve:0.1.0"
 
 
 def test_autoscaler_and_prometheus_reach_the_operator(helm_template):
@@ -247,6 +254,7 @@ def test_rendered_manifests_validate_offline(helm_template, flags, monkeypatch):
     [
         ("operator.logLevel", "loud"),
         ("image.pullPolicy", "Sometimes"),
+        ("servingImage", "reg/serve:9"),
         ("crds.install", "maybe"),
         ("unknownKey", "1"),
         ("autoscaler", "kpa"),

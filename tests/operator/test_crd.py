@@ -21,9 +21,10 @@ import yaml
 from crd_jsonschema import apply_defaults, cel_rules, to_jsonschema, walk
 
 from pagedllm.operator.command import ENGINE_FIELDS
-from pagedllm.operator.manifests import RenderConfig, render
+from pagedllm.operator.manifests import GRACE_MARGIN_SECONDS, PRESTOP_SLEEP_SECONDS, RenderConfig, render
 from pagedllm.operator.spec import PagedLLMSpec, SpecError
 from pagedllm.server import config as engine_config
+from pagedllm.server.entrypoints.openai.errors import unavailable
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
@@ -113,6 +114,28 @@ def test_the_offline_validation_catches_schema_mistakes(crd, no_network):
     ] = "high"
     with pytest.raises(kubernetes_validate.ValidationError):
         kubernetes_validate.validate(wrong_type, "1.30", strict=True)
+
+
+def description(crd_schema: dict, field: str) -> str:
+    return " ".join(spec_schema(crd_schema)["properties"][field]["description"].split())
+
+
+def test_drain_text_gives_the_grace_period_the_operator_renders(crd_schema):
+    text = description(crd_schema, "drainTimeoutSeconds")
+    assert f"terminationGracePeriodSeconds is {PRESTOP_SLEEP_SECONDS + GRACE_MARGIN_SECONDS} s longer" in text
+    assert f"a {PRESTOP_SLEEP_SECONDS} s preStop pause" in text and f"{GRACE_MARGIN_SECONDS} s are left" in text
+    body = {"metadata": {"name": "m", "namespace": "n", "uid": "u"}, "spec": {"model": "m", "drainTimeoutSeconds": 40}}
+    pod = render(body, RenderConfig(default_image="img")).deployment["spec"]["template"]["spec"]
+    assert pod["terminationGracePeriodSeconds"] == 40 + PRESTOP_SLEEP_SECONDS + GRACE_MARGIN_SECONDS
+    (container,) = pod["containers"]
+    assert container["lifecycle"]["preStop"]["exec"]["command"] == ["sleep", str(PRESTOP_SLEEP_SECONDS)]
+
+
+def test_queue_text_gives_the_status_a_full_queue_answers(crd_schema):
+    text = description(crd_schema, "maxQueueLen")
+    refusal = unavailable("the waiting queue is full")  # what the server raises (OpenAIServing.check_queue)
+    assert f"HTTP {refusal.status} with a {next(iter(refusal.headers))} header" in text
+    assert "429" not in text
 
 
 def test_every_default_is_valid_for_its_own_schema(crd_schema):

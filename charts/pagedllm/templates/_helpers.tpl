@@ -38,13 +38,14 @@ app.kubernetes.io/component: operator
 {{- end }}
 {{- end }}
 
-{{/* The operator image, and the default image of the servers it creates. */}}
+{{/* The operator's image. */}}
 {{- define "pagedllm.image" -}}
 {{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
 {{- end }}
 
+{{/* The default image of the servers the operator creates. */}}
 {{- define "pagedllm.servingImage" -}}
-{{- default (include "pagedllm.image" .) .Values.servingImage }}
+{{- printf "%s:%s" .Values.servingImage.repository (default .Chart.AppVersion .Values.servingImage.tag) }}
 {{- end }}
 
 {{/*

@@ -47,6 +47,7 @@ from pagedllm.server.entrypoints.openai.serving import OpenAIServing, RequestCon
 from pagedllm.server.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.server.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedllm.server.entrypoints.openai.settings import ServerSettings
+from pagedllm.server.version import package_version
 
 logger = logging.getLogger("pagedllm.api_server")
 MAX_REQUEST_ID_LEN = 128
@@ -82,7 +83,7 @@ def build_app(config: EngineConfig, settings: ServerSettings | None = None) -> F
         yield
         await engine.shutdown()
 
-    app = FastAPI(title="PagedLLM OpenAI-compatible API", version=_version(), lifespan=lifespan)
+    app = FastAPI(title="PagedLLM OpenAI-compatible API", version=package_version(), lifespan=lifespan)
     app.state.settings, app.state.engine, app.state.serving, app.state.metrics = settings, engine, serving, metrics
     app.add_middleware(GateMiddleware, serving=serving, api_key=settings.api_key)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
@@ -144,7 +145,7 @@ def _add_ops_routes(app: FastAPI, serving: OpenAIServing, metrics: ServerMetrics
         """Where to go from here."""
         return {
             "name": "PagedLLM",
-            "version": _version(),
+            "version": package_version(),
             "models": serving.served_model_names,
             "endpoints": {"docs": "/docs", "models": "/v1/models", "health": "/health", "metrics": "/metrics"},
         }
@@ -165,7 +166,7 @@ def _add_ops_routes(app: FastAPI, serving: OpenAIServing, metrics: ServerMetrics
 
     @app.get("/version", response_model=VersionResponse)
     async def version() -> VersionResponse:
-        return VersionResponse(version=_version())
+        return VersionResponse(version=package_version())
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
@@ -243,12 +244,3 @@ async def _wait_for_disconnect(request: Request) -> None:
         message = await request.receive()
         if message["type"] == "http.disconnect":
             return
-
-
-def _version() -> str:
-    try:
-        from importlib.metadata import version
-
-        return version("pagedllm")
-    except Exception:  # noqa: BLE001 (not installed as a distribution)
-        return "0.0.0+unknown"
