@@ -1,4 +1,4 @@
-"""The LLaMA family (LLaMA 1/2/3, Mistral-style GQA) written for paged attention.
+"""The LLaMA family (LLaMA 1/2/3, Mistral-style GQA and sliding window) written for paged attention.
 
 Parameter names follow the Hugging Face checkpoints (``model.layers.0.self_attn.q_proj``),
 so loading is a name-for-name copy.
@@ -43,6 +43,8 @@ class LlamaArch:
     mlp_bias: bool
     hidden_act: str
     rope: dict
+    sliding_window: int | None = None
+    """Every layer's attention window (Mistral); None: full causal attention."""
 
     @classmethod
     def from_hf(cls, cfg: dict) -> LlamaArch:
@@ -65,6 +67,7 @@ class LlamaArch:
             mlp_bias=bool(cfg.get("mlp_bias", False)),
             hidden_act=act,
             rope=rope_parameters(cfg),
+            sliding_window=cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None,
         )
 
 
@@ -105,7 +108,7 @@ class LlamaAttention(nn.Module):
         self.v_proj = ColumnParallelLinear(hidden, kvh * d, bias, tp, first_row=first_kv * d)
         self.o_proj = RowParallelLinear(arch.num_heads * d, hidden, bias, tp)
         self.rotary = rotary
-        self.attn = PagedAttention(h, kvh, d, scale=1.0 / math.sqrt(d))
+        self.attn = PagedAttention(h, kvh, d, scale=1.0 / math.sqrt(d), sliding_window=arch.sliding_window)
 
     def forward(self, x, positions, kv_cache, meta: AttentionMetadata, ops: AttentionOps):
         q, k = self.rotary(positions, self.q_proj(x), self.k_proj(x))
