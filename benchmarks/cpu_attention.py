@@ -101,7 +101,7 @@ def run_batch(batch: int, args: argparse.Namespace, threads: int) -> None:
     empty = (torch.zeros(0, 0, dtype=torch.int32), torch.zeros(1, dtype=torch.int32), torch.zeros(0, dtype=torch.int32))
     for pad in args.pad_tokens:
         plan = cpu_attention.plan_attention(tables, lens, *empty, block_size, max_pad_tokens=pad)
-        label = f"planned, pad <= {pad} tokens ({len(plan.groups)} groups)"
+        label = f"planned, pad <= {pad} tokens ({len(plan.grouped().groups)} groups)"
         timed(label, lambda q, kc, vc, t, n, plan=plan: cpu_attention.decode_attention(q, kc, vc, plan, scale))
     timed("compiled kernel (numba backend)", lambda q, kc, vc, t, n: paged_decode_attention_cpu(q, kc, vc, t, n, scale))
     floor = contiguous_padded(query, lens, head_dim)

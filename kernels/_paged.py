@@ -5,6 +5,16 @@ Block-table arithmetic, for ``block_size = 4``::
     block_tables[s] = [ 7, 2, 9, ... ]          (logical block -> physical block)
     token position p  ->  block_tables[s][p // 4], slot p % 4
     positions 0..3 live in block 7, 4..7 in block 2, 8..11 in block 9, ...
+
+Sliding-window attention: a query at position ``q`` sees key ``k`` iff
+``q - window < k <= q``. Reading starts at the block of the first visible key, so
+table entries before it are never read (the block manager may have freed them)::
+
+    window = 6, query at position 10:  keys 5..10 are visible
+    block_tables[s] = [ x, 2, 9, ... ]   block 0 (positions 0..3) is not read: x may be stale
+
+Logit soft-capping replaces each scaled score ``s`` by ``cap * tanh(s / cap)`` before
+masking and softmax.
 """
 
 from __future__ import annotations
@@ -27,6 +37,26 @@ def check_kv_caches(key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
     block_size = key_cache.shape[1]
     if not 1 <= block_size <= MAX_BLOCK_SIZE:
         raise ValueError(f"block_size must be in [1, {MAX_BLOCK_SIZE}], got {block_size}")
+
+
+def check_window(sliding_window: int | None, logit_softcap: float | None) -> None:
+    """``sliding_window`` is None (off) or a positive number of positions; ``logit_softcap`` None or > 0."""
+    if sliding_window is not None and (isinstance(sliding_window, bool) or not isinstance(sliding_window, int)):
+        raise TypeError(f"sliding_window must be an int or None, got {sliding_window!r}")
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be >= 1 (or None for no window), got {sliding_window}")
+    if logit_softcap is not None and not logit_softcap > 0:
+        raise ValueError(f"logit_softcap must be > 0 (or None for no capping), got {logit_softcap}")
+
+
+def window_start(context_len: int, sliding_window: int | None) -> int:
+    """The first position a query at ``context_len - 1`` sees."""
+    return 0 if sliding_window is None else max(0, context_len - sliding_window)
+
+
+def soft_cap(scores: torch.Tensor, logit_softcap: float | None) -> torch.Tensor:
+    """``cap * tanh(scores / cap)``, or ``scores`` unchanged when capping is off."""
+    return scores if logit_softcap is None else torch.tanh(scores / logit_softcap) * logit_softcap
 
 
 def check_query(query: torch.Tensor, key_cache: torch.Tensor, name: str = "query") -> int:
@@ -71,9 +101,11 @@ def gather_sequence_kv(
     cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     block_table: torch.Tensor,  # [max_blocks] int32
     length: int,
-) -> torch.Tensor:  # [length, num_kv_heads, head_dim]
-    """The first ``length`` cached positions of one sequence, contiguous."""
+    first_block: int = 0,
+) -> torch.Tensor:  # [length - first_block * block_size, num_kv_heads, head_dim]
+    """Cached positions ``first_block * block_size .. length - 1`` of one sequence, contiguous
+    (table entries before ``first_block`` are not read)."""
     block_size = cache.shape[1]
     num_blocks = -(-length // block_size)
-    blocks = cache[block_table[:num_blocks].long()]  # [num_blocks, block_size, kv_heads, d]
-    return blocks.flatten(0, 1)[:length]
+    blocks = cache[block_table[first_block:num_blocks].long()]  # [blocks, block_size, kv_heads, d]
+    return blocks.flatten(0, 1)[: length - first_block * block_size]

@@ -35,7 +35,22 @@ except ImportError:  # pragma: no cover - exercised by a subprocess test
     triton = _MissingTriton()
     tl = _MissingTriton()
 
-__all__ = ["HAS_TRITON", "triton", "tl", "check_can_launch", "next_pow2"]
+__all__ = ["HAS_TRITON", "triton", "tl", "check_can_launch", "next_pow2", "soft_cap_log2", "NO_WINDOW"]
+
+NO_WINDOW = 2**31 - 1
+"""The window the kernels get when there is none: every position is inside it (int32, no overflow)."""
+
+
+@triton.jit
+def soft_cap_log2(scores, scale, cap):
+    """``cap * tanh(scores * scale / cap)`` in the log2 domain (times log2(e)).
+
+    NOTE: tanh(x) = 1 - 2 / (exp(2x) + 1) saturates cleanly: exp2 overflows to inf for
+    large x (giving 1) and underflows to 0 for very negative x (giving -1).
+    """
+    x = scores * (scale / cap)
+    tanh = 1.0 - 2.0 / (tl.exp2(x * 2.8853900817779268) + 1.0)  # 2 * log2(e)
+    return tanh * (cap * 1.4426950408889634)  # log2(e)
 
 
 def check_can_launch(kernel, *tensors: torch.Tensor) -> None:

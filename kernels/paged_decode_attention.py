@@ -12,12 +12,14 @@ read once for the whole group) over one split of the context::
 Positions map to cache slots through the block table (``block_size`` is a compile-time
 constant independent of BLOCK_N, so a tile may span several blocks or part of one).
 With a single split the main kernel writes ``out`` directly and no reduce runs.
+
+With a sliding window the splits cover only the visible span
+``[context_len - window, context_len)``: nothing before it is read, table entries included.
 """
 
 from __future__ import annotations
 
 import functools
-import math
 
 import torch
 
@@ -28,10 +30,11 @@ from ._paged import (
     check_last_dim_contiguous,
     check_query,
     check_tile,
+    check_window,
+    soft_cap,
 )
-from ._triton import check_can_launch, is_interpreted, next_pow2, tl, triton
+from ._triton import NO_WINDOW, check_can_launch, is_interpreted, next_pow2, soft_cap_log2, tl, triton
 
-LOG2E = math.log2(math.e)
 # NOTE: a split shorter than this costs more in partial-result traffic and the reduce
 # launch than it wins in parallelism.
 MIN_TOKENS_PER_SPLIT = 256
@@ -49,7 +52,9 @@ def paged_decode_attention_kernel(
     context_lens_ptr,  # [num_seqs] int32
     out_ptr,  # DIRECT_OUT: [num_seqs, num_heads, head_dim]; else [num_seqs, num_heads, num_splits, head_dim] fp32
     lse_ptr,  # [num_seqs, num_heads, num_splits] fp32, log2 domain (unused when DIRECT_OUT)
-    qk_scale,  # softmax scale * log2(e)
+    scale,  # softmax scale
+    softcap,  # logit soft-cap (read only when SOFTCAP)
+    window,  # sliding window in positions (NO_WINDOW: none)
     num_splits,
     head_dim,
     stride_q_seq,
@@ -69,6 +74,7 @@ def paged_decode_attention_kernel(
     QUERIES_PER_KV: tl.constexpr,
     block_size: tl.constexpr,
     DIRECT_OUT: tl.constexpr,
+    SOFTCAP: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     BLOCK_G: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -79,8 +85,9 @@ def paged_decode_attention_kernel(
     split = tl.program_id(2)
 
     context_len = tl.load(context_lens_ptr + seq)
-    tokens_per_split = tl.cdiv(tl.cdiv(context_len, num_splits), BLOCK_N) * BLOCK_N
-    start = split * tokens_per_split
+    kv_start = tl.maximum(context_len - window, 0)  # the first position the query sees
+    tokens_per_split = tl.cdiv(tl.cdiv(context_len - kv_start, num_splits), BLOCK_N) * BLOCK_N
+    start = kv_start + split * tokens_per_split
     end = tl.minimum(start + tokens_per_split, context_len)
 
     g = tl.arange(0, BLOCK_G)
@@ -114,7 +121,11 @@ def paged_decode_attention_kernel(
             mask=kv_mask,
             other=0.0,
         )
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_G, BLOCK_N]
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_G, BLOCK_N]
+        if SOFTCAP:
+            s = soft_cap_log2(s, scale, softcap)
+        else:
+            s = s * (scale * 1.4426950408889634)  # log2(e): the softmax runs on exp2
         s = tl.where(n_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp2(m_i - m_new)
@@ -182,11 +193,14 @@ def paged_decode_reduce_kernel(
     tl.store(out_ptr + seq * stride_o_seq + head * stride_o_head + d, out.to(out_ptr.dtype.element_ty), mask=d_mask)
 
 
-def _check_args(query, key_cache, value_cache, block_tables, context_lens) -> None:
+def _check_args(
+    query, key_cache, value_cache, block_tables, context_lens, sliding_window=None, logit_softcap=None
+) -> None:
     check_kv_caches(key_cache, value_cache)
     check_query(query, key_cache)
     check_block_tables(block_tables, query.shape[0])
     check_int_vector(context_lens, "context_lens", query.shape[0])
+    check_window(sliding_window, logit_softcap)
 
 
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context_len: int, block_n: int, num_sms: int) -> int:
@@ -216,13 +230,15 @@ def paged_decode_attention_launch(
     block_tables,
     context_lens,
     scale,
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
     *,
     num_splits: int | None = None,
     block_n: int | None = None,
     num_warps: int = 4,
 ) -> torch.Tensor:
     """:func:`paged_decode_attention` with the tuning knobs exposed (tests, benchmarks)."""
-    _check_args(query, key_cache, value_cache, block_tables, context_lens)
+    _check_args(query, key_cache, value_cache, block_tables, context_lens, sliding_window, logit_softcap)
     check_can_launch(paged_decode_attention_kernel, query, key_cache, value_cache, block_tables, context_lens)
     check_last_dim_contiguous(
         query=query, key_cache=key_cache, value_cache=value_cache, block_tables=block_tables, context_lens=context_lens
@@ -240,6 +256,8 @@ def paged_decode_attention_launch(
     elif num_splits is None:
         num_sms = _multiprocessor_count(query.device.index or 0)
         max_len = block_tables.shape[1] * block_size
+        if sliding_window is not None:
+            max_len = min(max_len, sliding_window)
         num_splits = choose_num_splits(num_seqs, num_kv_heads, max_len, block_n, num_sms)
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
@@ -262,7 +280,9 @@ def paged_decode_attention_launch(
         context_lens,
         partial,
         lse,
-        float(scale) * LOG2E,
+        float(scale),
+        float(logit_softcap or 1.0),
+        NO_WINDOW if sliding_window is None else sliding_window,
         num_splits,
         head_dim,
         query.stride(0),
@@ -279,6 +299,7 @@ def paged_decode_attention_launch(
         QUERIES_PER_KV=group,
         block_size=block_size,
         DIRECT_OUT=direct,
+        SOFTCAP=logit_softcap is not None,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         BLOCK_G=max(16, next_pow2(group)),
         BLOCK_N=block_n,
@@ -309,17 +330,23 @@ def paged_decode_attention(
     block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
     context_lens: torch.Tensor,  # [num_seqs] int32
     scale: float,
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
     """Attention of each sequence's single new query over its paged K/V (Triton).
 
     ``context_lens[s]`` counts the tokens in the cache for sequence ``s``, the current
     one included (its K/V must already be written with ``reshape_and_cache``). Only the
-    first ``ceil(context_lens[s] / block_size)`` entries of ``block_tables[s]`` are read;
-    the rest may hold anything. A sequence with ``context_lens[s] == 0`` gets zeros.
+    entries of ``block_tables[s]`` for visible positions are read: from the block of
+    position ``context_lens[s] - sliding_window`` (0 without a window) to that of the
+    last position; the rest may hold anything. A sequence with ``context_lens[s] == 0``
+    gets zeros. ``logit_softcap`` caps the scaled scores (``cap * tanh(s / cap)``).
     ``num_heads`` must be a multiple of ``num_kv_heads`` (GQA/MQA). The output has the
     query's dtype; softmax and accumulation run in float32.
     """
-    return paged_decode_attention_launch(query, key_cache, value_cache, block_tables, context_lens, scale)
+    return paged_decode_attention_launch(
+        query, key_cache, value_cache, block_tables, context_lens, scale, sliding_window, logit_softcap
+    )
 
 
 def paged_decode_attention_reference(
@@ -329,36 +356,48 @@ def paged_decode_attention_reference(
     block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
     context_lens: torch.Tensor,  # [num_seqs] int32
     scale: float,
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
     """Plain-torch twin of :func:`paged_decode_attention`, vectorized over sequences."""
-    _check_args(query, key_cache, value_cache, block_tables, context_lens)
+    _check_args(query, key_cache, value_cache, block_tables, context_lens, sliding_window, logit_softcap)
     num_seqs, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
     if num_seqs == 0:
         return torch.empty_like(query)
-    max_len = int(context_lens.max())
-    num_blocks = -(-max_len // block_size)
     lens = context_lens.long()
-    # NOTE: entries past a sequence's last block may be garbage; they are read as its first
-    # block instead, and zeroed below like every slot past the context.
-    needed = torch.arange(num_blocks, device=query.device) * block_size < lens[:, None]  # [num_seqs, num_blocks]
-    first = torch.where(lens > 0, block_tables[:, 0].long(), 0)[:, None]
-    tables = torch.where(needed, block_tables[:, :num_blocks].long(), first).view(-1)
+    # [num_seqs] the first position each query sees
+    starts = torch.zeros_like(lens) if sliding_window is None else (lens - sliding_window).clamp(min=0)
+    first_blocks = starts // block_size
+    end_blocks = -(-lens // block_size)
+    num_blocks = int((end_blocks - first_blocks).max())
+    if num_blocks == 0:
+        return torch.zeros_like(query)
+    # Row s reads table columns first_blocks[s] .. end_blocks[s] - 1 (its visible blocks).
+    # NOTE: other entries may be garbage (past the context, or freed before the window):
+    # those columns are read as the row's first visible block instead, and zeroed below
+    # like every slot outside the visible span.
+    cols = first_blocks[:, None] + torch.arange(num_blocks, device=query.device)  # [num_seqs, num_blocks]
+    needed = cols < end_blocks[:, None]
+    cols = torch.where(needed, cols, first_blocks[:, None]).clamp(max=block_tables.shape[1] - 1)
+    tables = block_tables.long().gather(1, cols)
+    first = torch.where(lens > 0, tables[:, 0], 0)[:, None]
+    tables = torch.where(needed, tables, first).view(-1)
     length = num_blocks * block_size
     keys = key_cache.index_select(0, tables).view(num_seqs, length, num_kv_heads, head_dim).float()
     values = value_cache.index_select(0, tables).view(num_seqs, length, num_kv_heads, head_dim).float()
-    valid = torch.arange(length, device=query.device) < lens[:, None]  # [num_seqs, length]
-    # NOTE: slots past the context may hold anything, NaN included, and a zero probability
+    pos = first_blocks[:, None] * block_size + torch.arange(length, device=query.device)  # [num_seqs, length]
+    valid = (pos >= starts[:, None]) & (pos < lens[:, None])
+    # NOTE: slots outside the span may hold anything, NaN included, and a zero probability
     # times NaN is NaN: they are zeroed (only those rows are touched).
     tail_rows = (~valid).view(-1).nonzero().view(-1)
     keys.view(-1, num_kv_heads, head_dim).index_fill_(0, tail_rows, 0.0)
     values.view(-1, num_kv_heads, head_dim).index_fill_(0, tail_rows, 0.0)
-    # The query heads of one KV head play the part of a query sequence of length `group`,
-    # so one SDPA call covers GQA/MQA without repeating K/V:
-    #   q [num_seqs, kv_heads, group, d] x k, v [num_seqs, kv_heads, length, d]
+    # The query heads of one KV head play the part of a query sequence of length `group`:
+    #   q [num_seqs, kv_heads, group, d] x k, v [num_seqs, length, kv_heads, d]
     q = query.reshape(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim).float()
-    out = torch.nn.functional.scaled_dot_product_attention(
-        q, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=valid[:, None, None, :], scale=scale
-    )
+    scores = soft_cap(torch.einsum("skgd,slkd->skgl", q, keys) * scale, logit_softcap)
+    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+    out = torch.einsum("skgl,slkd->skgd", torch.softmax(scores, dim=-1), values)
     out = out.masked_fill((lens == 0)[:, None, None, None], 0.0)  # empty contexts: zeros, not NaN
     return out.reshape(num_seqs, num_heads, head_dim).to(query.dtype)

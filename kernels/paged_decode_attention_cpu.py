@@ -7,12 +7,13 @@ sequence and a run of its KV heads; Numba spreads the items over the CPU threads
 
     item (seq s, kv heads h0..h1)
       pass 1: for each block of s, each slot, each query head: score = q . k   (reads K once)
-      softmax over the scores of each query head
+      soft-cap (if asked) and softmax over the scores of each query head
       pass 2: for each block of s, each slot: out += p * v                     (reads V once)
 
 A block's slots hold every KV head contiguously (``[block_size, num_kv_heads, head_dim]``),
 so an item that takes all the KV heads of its sequence streams whole blocks. With few
-sequences the heads are split over more items so every thread has work.
+sequences the heads are split over more items so every thread has work. With a sliding
+window the passes walk only the visible positions ``[context_len - window, context_len)``.
 
 Blocks lie anywhere in the cache, so the CPU's own prefetcher, which follows addresses
 that rise steadily, stalls at every block boundary. Each pass therefore asks for the
@@ -33,7 +34,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from ._paged import check_block_tables, check_int_vector, check_kv_caches, check_query
+from ._paged import check_block_tables, check_int_vector, check_kv_caches, check_query, check_window
 from .paged_decode_attention import paged_decode_attention_reference
 
 try:
@@ -98,14 +99,25 @@ def _prefetch_row(cache, block, slot, kv0, num_kv):
 
 
 @_device_function
-def _cache_slots(block_table, length, block_size):
-    """Where each of the first ``length`` positions lives: (block ids, slots in the block)."""
+def _cache_slots(block_table, start, end, block_size):
+    """Where each position ``start .. end - 1`` lives: (block ids, slots in the block)."""
+    length = max(end - start, 0)
     blocks = np.empty(length, np.int64)
     slots = np.empty(length, np.int64)
-    for p in range(length):
-        blocks[p] = block_table[p // block_size]
-        slots[p] = p % block_size
+    for i in range(length):
+        p = start + i
+        blocks[i] = block_table[p // block_size]
+        slots[i] = p % block_size
     return blocks, slots
+
+
+@_device_function
+def _soft_cap(scores, cap):
+    """In place: ``cap * tanh(score / cap)``."""
+    heads, length = scores.shape
+    for i in range(heads):
+        for p in range(length):
+            scores[i, p] = cap * np.tanh(scores[i, p] / cap)
 
 
 @_device_function
@@ -168,6 +180,8 @@ def paged_decode_attention_cpu_kernel(
     block_tables,  # [num_seqs, max_blocks] int32
     context_lens,  # [num_seqs] int32
     scale,
+    window,  # sliding window in positions; 0: none
+    softcap,  # logit soft-cap; 0: none
     kv_splits,  # items per sequence; divides num_kv_heads
     out,  # [num_seqs, num_heads, head_dim] float32, written
 ):
@@ -180,8 +194,12 @@ def paged_decode_attention_cpu_kernel(
     for item in _prange(num_seqs * kv_splits):
         seq = item // kv_splits
         h0 = (item - seq * kv_splits) * heads
-        blocks, slots = _cache_slots(block_tables[seq], context_lens[seq], block_size)
+        end = context_lens[seq]
+        start = max(end - window, 0) if window > 0 else 0
+        blocks, slots = _cache_slots(block_tables[seq], start, end, block_size)
         probs = _scores(query[seq, h0 : h0 + heads], key_cache, value_cache, blocks, slots, h0 // group, group, scale)
+        if softcap > 0:
+            _soft_cap(probs, softcap)
         _softmax_rows(probs)
         _weighted_values(probs, value_cache, blocks, slots, h0 // group, group, out[seq, h0 : h0 + heads])
 
@@ -222,12 +240,15 @@ def paged_decode_attention_cpu(
     block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
     context_lens: torch.Tensor,  # [num_seqs] int32
     scale: float,
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
     """Decode attention on CPU float32 tensors, on as many threads as torch uses.
 
-    NOTE: like the Triton kernel, table entries for a sequence's blocks (positions below
-    its context length) must be valid block ids: they are not bounds-checked. Entries
-    past them are never read. An empty context gives zeros.
+    NOTE: like the Triton kernel, table entries for a sequence's visible blocks must be
+    valid block ids: they are not bounds-checked. Entries past them, and with a
+    ``sliding_window`` those before the window's first block, are never read. An empty
+    context gives zeros.
     """
     if not HAS_NUMBA:
         raise RuntimeError("the compiled CPU decode kernel needs numba: pip install numba")
@@ -235,6 +256,7 @@ def paged_decode_attention_cpu(
     check_query(query, key_cache)
     check_block_tables(block_tables, query.shape[0])
     check_int_vector(context_lens, "context_lens", query.shape[0])
+    check_window(sliding_window, logit_softcap)
     tensors = dict(query=query, key_cache=key_cache, value_cache=value_cache, block_tables=block_tables)
     for name, t in (*tensors.items(), ("context_lens", context_lens)):
         if t.device.type != "cpu":
@@ -254,6 +276,8 @@ def paged_decode_attention_cpu(
         block_tables.numpy(),
         context_lens.numpy(),
         np.float32(scale),
+        sliding_window or 0,
+        np.float32(logit_softcap or 0.0),
         splits,
         out.numpy(),
     )

@@ -7,6 +7,7 @@ The new tokens are the LAST ``q_len`` positions of each sequence::
     positions:  0 1 2 3 4 5 | 6 7 8 9
                 cached prefix | new tokens (query i sits at position 6 + i)
     query i attends to positions 0 .. 6 + i
+    (with a sliding window W: positions 6 + i - W + 1 .. 6 + i; earlier blocks are not read)
 
 Grid: ``(total_q // BLOCK_Q + num_seqs, num_kv_heads)``. Program ``b`` serves query
 tile ``b - start(s)`` of the sequence ``s`` with ``start(s) <= b < start(s+1)``, where
@@ -18,8 +19,6 @@ read once for the whole GQA group.
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from ._paged import (
@@ -29,11 +28,12 @@ from ._paged import (
     check_last_dim_contiguous,
     check_query,
     check_tile,
+    check_window,
     gather_sequence_kv,
+    soft_cap,
+    window_start,
 )
-from ._triton import check_can_launch, is_interpreted, next_pow2, tl, triton
-
-LOG2E = math.log2(math.e)
+from ._triton import NO_WINDOW, check_can_launch, is_interpreted, next_pow2, soft_cap_log2, tl, triton
 
 
 @triton.jit
@@ -60,7 +60,9 @@ def paged_prefill_attention_kernel(
     cu_seqlens_q_ptr,  # [num_seqs + 1] int32
     context_lens_ptr,  # [num_seqs] int32
     out_ptr,  # [total_q, num_heads, head_dim]
-    qk_scale,  # softmax scale * log2(e)
+    scale,  # softmax scale
+    softcap,  # logit soft-cap (read only when SOFTCAP)
+    window,  # sliding window in positions (NO_WINDOW: none)
     num_seqs,
     head_dim,
     stride_q_tok,
@@ -76,6 +78,7 @@ def paged_prefill_attention_kernel(
     stride_o_head,
     QUERIES_PER_KV: tl.constexpr,
     block_size: tl.constexpr,
+    SOFTCAP: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     BLOCK_Q: tl.constexpr,
     BLOCK_G: tl.constexpr,
@@ -117,9 +120,11 @@ def paged_prefill_attention_kernel(
     block_table = block_tables_ptr + seq64 * stride_bt_seq
     k_head = key_cache_ptr + kv_head * stride_kc_head
     v_head = value_cache_ptr + kv_head * stride_vc_head
-    # causal: the tile's last token sees positions < kv_end, earlier rows fewer
+    # causal: the tile's last token sees positions < kv_end, earlier rows fewer; with a
+    # window its first token sees nothing before kv_start, later rows less
     kv_end = prefix_len + tl.minimum((q_tile + 1) * BLOCK_Q, q_len)
-    for tile_start in range(0, kv_end, BLOCK_N):
+    kv_start = tl.maximum(prefix_len + q_tile * BLOCK_Q - window + 1, 0)
+    for tile_start in range(kv_start, kv_end, BLOCK_N):
         pos = tile_start + n  # [BLOCK_N]
         n_mask = pos < kv_end
         physical = tl.load(block_table + pos // block_size, mask=n_mask, other=0).to(tl.int64)
@@ -130,10 +135,15 @@ def paged_prefill_attention_kernel(
             mask=kv_mask,
             other=0.0,
         )
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
-        s = tl.where(n_mask[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
-        # NOTE: a row may see no key of a tile (causal); shift by 0 instead of -inf there
-        # so exp2 yields 0 rather than NaN.
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
+        if SOFTCAP:
+            s = soft_cap_log2(s, scale, softcap)
+        else:
+            s = s * (scale * 1.4426950408889634)  # log2(e): the softmax runs on exp2
+        seen = (pos[None, :] <= q_pos[:, None]) & (pos[None, :] > q_pos[:, None] - window)
+        s = tl.where(n_mask[None, :] & seen, s, float("-inf"))
+        # NOTE: a row may see no key of a tile (causal, window); shift by 0 instead of -inf
+        # there so exp2 yields 0 rather than NaN.
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_i - m_safe)
@@ -175,6 +185,8 @@ def paged_prefill_attention_launch(
     cu_seqlens_q,
     context_lens,
     scale,
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
     *,
     block_m: int | None = None,
     block_n: int | None = None,
@@ -185,6 +197,7 @@ def paged_prefill_attention_launch(
     ``block_m`` is the number of (token, head) rows per program: ``BLOCK_Q`` tokens times
     the GQA group padded to a power of two.
     """
+    check_window(sliding_window, logit_softcap)
     _check_args(query, key, value, key_cache, value_cache, block_tables, cu_seqlens_q, context_lens)
     check_can_launch(
         paged_prefill_attention_kernel, query, key_cache, value_cache, block_tables, cu_seqlens_q, context_lens
@@ -221,7 +234,9 @@ def paged_prefill_attention_launch(
         cu_seqlens_q,
         context_lens,
         out,
-        float(scale) * LOG2E,
+        float(scale),
+        float(logit_softcap or 1.0),
+        NO_WINDOW if sliding_window is None else sliding_window,
         num_seqs,
         head_dim,
         query.stride(0),
@@ -237,6 +252,7 @@ def paged_prefill_attention_launch(
         out.stride(1),
         QUERIES_PER_KV=group,
         block_size=block_size,
+        SOFTCAP=logit_softcap is not None,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         BLOCK_Q=block_q,
         BLOCK_G=block_g,
@@ -257,6 +273,8 @@ def paged_prefill_attention(
     cu_seqlens_q: torch.Tensor,  # [num_seqs + 1] int32
     context_lens: torch.Tensor,  # [num_seqs] int32
     scale: float,
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
 ) -> torch.Tensor:  # [total_q, num_heads, head_dim]
     """Causal attention of the new tokens of several sequences over their paged K/V (Triton).
 
@@ -264,7 +282,10 @@ def paged_prefill_attention(
     ``cu_seqlens_q[s]:cu_seqlens_q[s+1]`` (``q_len`` of them, possibly 0).
     ``context_lens[s]`` is the sequence's total length INCLUDING its new tokens, which
     are its last ``q_len`` positions: new token ``i`` is at position
-    ``context_lens[s] - q_len + i`` and attends to positions ``<=`` its own.
+    ``context_lens[s] - q_len + i`` and attends to positions ``<=`` its own, and with a
+    ``sliding_window`` only to those ``> its own - sliding_window``: table entries before
+    the block of the first new token's first visible position are not read.
+    ``logit_softcap`` caps the scaled scores (``cap * tanh(s / cap)``).
 
     CONTRACT: the new tokens' K/V must ALREADY be in ``key_cache``/``value_cache``
     (written with ``reshape_and_cache`` before this call); everything, new tokens
@@ -273,7 +294,17 @@ def paged_prefill_attention(
     Output dtype = query dtype; softmax and accumulation in float32.
     """
     return paged_prefill_attention_launch(
-        query, key, value, key_cache, value_cache, block_tables, cu_seqlens_q, context_lens, scale
+        query,
+        key,
+        value,
+        key_cache,
+        value_cache,
+        block_tables,
+        cu_seqlens_q,
+        context_lens,
+        scale,
+        sliding_window,
+        logit_softcap,
     )
 
 
@@ -287,12 +318,15 @@ def paged_prefill_attention_reference(
     cu_seqlens_q: torch.Tensor,  # [num_seqs + 1] int32
     context_lens: torch.Tensor,  # [num_seqs] int32
     scale: float,
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
 ) -> torch.Tensor:  # [total_q, num_heads, head_dim]
     """Plain-torch twin of :func:`paged_prefill_attention` (same contract: reads the
     caches only); loops over sequences, vectorized within each."""
+    check_window(sliding_window, logit_softcap)
     _check_args(query, key, value, key_cache, value_cache, block_tables, cu_seqlens_q, context_lens)
     total_q, num_heads, head_dim = query.shape
-    num_kv_heads = key_cache.shape[2]
+    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     group = num_heads // num_kv_heads
     out = torch.zeros_like(query)
     cu, lens = cu_seqlens_q.tolist(), context_lens.tolist()
@@ -302,13 +336,19 @@ def paged_prefill_attention_reference(
             continue
         if not q_len <= length:
             raise ValueError(f"sequence {s} has {q_len} new tokens but context_lens[{s}] = {length}")
-        keys = gather_sequence_kv(key_cache, block_tables[s], length).float()  # [length, kv_heads, d]
-        values = gather_sequence_kv(value_cache, block_tables[s], length).float()
+        # the first new token's first visible position decides the first block read
+        first_block = window_start(length - q_len + 1, sliding_window) // block_size
+        offset = first_block * block_size
+        keys = gather_sequence_kv(key_cache, block_tables[s], length, first_block).float()  # [span, kv_heads, d]
+        values = gather_sequence_kv(value_cache, block_tables[s], length, first_block).float()
         q = query[cu[s] : cu[s + 1]].reshape(q_len, num_kv_heads, group, head_dim).float()
-        scores = torch.einsum("qkgd,lkd->kgql", q, keys) * scale  # [kv_heads, group, q_len, length]
-        q_pos = torch.arange(length - q_len, length, device=query.device)
-        causal = torch.arange(length, device=query.device)[None, :] <= q_pos[:, None]  # [q_len, length]
-        probs = torch.softmax(scores.masked_fill(~causal, float("-inf")), dim=-1)
+        scores = soft_cap(torch.einsum("qkgd,lkd->kgql", q, keys) * scale, logit_softcap)  # [kv, group, q, span]
+        q_pos = torch.arange(length - q_len, length, device=query.device)[:, None]
+        k_pos = torch.arange(offset, length, device=query.device)[None, :]
+        seen = k_pos <= q_pos  # [q_len, span]
+        if sliding_window is not None:
+            seen &= k_pos > q_pos - sliding_window
+        probs = torch.softmax(scores.masked_fill(~seen, float("-inf")), dim=-1)
         seq_out = torch.einsum("kgql,lkd->qkgd", probs, values)  # [q_len, kv_heads, group, d]
         out[cu[s] : cu[s + 1]] = seq_out.reshape(q_len, num_heads, head_dim).to(query.dtype)
     return out

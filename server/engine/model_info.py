@@ -22,6 +22,8 @@ class ModelInfo:
     """Longest prompt plus output the engine serves (the model's limit, the flag and the cache agree)."""
     vocab_size: int
     eos_token_ids: tuple[int, ...]
+    kv_window: int | None = None
+    """Positions every layer's attention window spans when all layers slide (see :func:`kv_window`), else None."""
     default_sampling: dict[str, Any] = field(default_factory=dict)
     """Sampling defaults from the model's generation_config.json (temperature, top_p, ...)."""
 
@@ -35,6 +37,7 @@ def read_model_info(config: EngineConfig, hf_config: dict[str, Any], tokenizer: 
         max_model_len=max_model_len(config, hf_config),
         vocab_size=hf_config["vocab_size"],
         eos_token_ids=eos_token_ids(model_dir, hf_config, tokenizer),
+        kv_window=kv_window(hf_config),
         default_sampling=default_sampling(model_dir),
     )
 
@@ -70,10 +73,12 @@ def default_sampling(model_dir: str) -> dict[str, Any]:
 
 
 def max_model_len(config: EngineConfig, hf_config: dict[str, Any]) -> int:
-    """``--max-model-len`` if given (never above the model's own limit), else that limit."""
+    """``--max-model-len`` if given (never above the model's own limit), else that limit.
+
+    NOTE: a sliding window does not limit the length: attention masks what lies before
+    the window, so a sequence may run to ``max_position_embeddings``.
+    """
     limit = hf_config.get("max_position_embeddings") or hf_config.get("n_positions") or 2048
-    if hf_config.get("sliding_window"):
-        limit = min(limit, hf_config["sliding_window"])
     asked: int | None = config.model.max_model_len
     if asked is not None and asked > limit:
         raise ConfigError(
@@ -83,3 +88,35 @@ def max_model_len(config: EngineConfig, hf_config: dict[str, Any]) -> int:
             problem="is larger than the model allows",
         )
     return asked or limit
+
+
+# NOTE: families whose configs interleave windowed and global layers by a rule of their
+# own when ``layer_types`` is absent (older checkpoints): their global layers need every block.
+_INTERLEAVED_FAMILIES = ("gemma2", "gemma3", "gemma3_text", "cohere2")
+
+
+def kv_window(hf_config: dict[str, Any]) -> int | None:
+    """The window past which no layer looks, when every layer slides; None when any layer
+    attends to its whole context (or none slides).
+
+    Blocks of a sequence wholly before this many positions back from its next query are
+    dead for every layer and can be freed. Windows that differ per layer give the largest.
+
+    - ``layer_types`` (newer configs): "sliding_attention" layers use ``sliding_window``;
+      any other layer type (``full_attention``) means None;
+    - ``use_sliding_window: false`` (Qwen2/Qwen3) means None;
+    - Qwen2-style ``max_window_layers``: the layers below it are global, so None unless it is 0;
+    - families that interleave by their own rule (Gemma 2/3) without ``layer_types``: None;
+    - else ``sliding_window`` (Mistral, Phi-3), if set, applies to every layer.
+    """
+    window = hf_config.get("sliding_window")
+    if not window or hf_config.get("use_sliding_window") is False:
+        return None
+    layer_types = hf_config.get("layer_types")
+    if layer_types is not None:
+        return window if layer_types and all(t == "sliding_attention" for t in layer_types) else None
+    if hf_config.get("use_sliding_window") and hf_config.get("max_window_layers", 0) > 0:
+        return None
+    if hf_config.get("model_type") in _INTERLEAVED_FAMILIES or "sliding_window_pattern" in hf_config:
+        return None
+    return int(window)

@@ -11,6 +11,11 @@ kinds of attention can read all keys, old and new, through the block tables. The
 backend does exactly that; the torch backend (cpu_attention.py) plans the step once
 (``AttentionOps.prepare``) and lets prefill chunks without a cached prefix use their new
 K/V directly.
+
+The metadata and the plan belong to the step and serve every layer; a layer's sliding
+window and logit soft-cap belong to the layer (Gemma alternates windowed and global
+layers) and are passed at each call. A windowed layer reads only the blocks inside its
+window, so the block manager may free the blocks before the window of every layer.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 import pagedllm.kernels as kernels
+from pagedllm.kernels._paged import check_window
 from pagedllm.kernels.paged_decode_attention_cpu import HAS_NUMBA
 from pagedllm.server.worker import cpu_attention
 from pagedllm.server.worker.cpu_attention import AttentionPlan
@@ -64,8 +70,8 @@ class AttentionOps:
 
     name: str
     reshape_and_cache: Callable
-    decode: Callable  # (query, key_cache, value_cache, meta, scale) -> out
-    prefill: Callable  # (query, key, value, key_cache, value_cache, meta, scale) -> out
+    decode: Callable  # (query, key_cache, value_cache, meta, scale, sliding_window, logit_softcap) -> out
+    prefill: Callable  # (query, key, value, key_cache, value_cache, meta, scale, sliding_window, logit_softcap)
     copy_blocks: Callable
     prepare: Callable[[AttentionMetadata, int], AttentionMetadata]
     """(meta, block_size) -> meta with whatever the backend computes once per step."""
@@ -136,18 +142,28 @@ def _numba_plan(meta: AttentionMetadata, block_size: int) -> AttentionMetadata:
     return with_plan(meta, block_size, compiled_decode=True)
 
 
-def _numba_decode(query, key_cache, value_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+Window = int | None  # sliding window in positions; None: the layer sees its whole context
+SoftCap = float | None  # logit soft-cap; None: off
+
+
+def _numba_decode(
+    query, key_cache, value_cache, meta: AttentionMetadata, scale: float, window: Window, softcap: SoftCap
+) -> torch.Tensor:
     plan = _plan_of(meta, key_cache, compiled_decode=True)
-    return cpu_attention.compiled_decode_attention(query, key_cache, value_cache, plan, scale)
+    return cpu_attention.compiled_decode_attention(query, key_cache, value_cache, plan, scale, window, softcap)
 
 
-def _triton_decode(query, key_cache, value_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+def _triton_decode(
+    query, key_cache, value_cache, meta: AttentionMetadata, scale: float, window: Window, softcap: SoftCap
+) -> torch.Tensor:
     return kernels.paged_decode_attention(
-        query, key_cache, value_cache, meta.decode_block_tables, meta.decode_context_lens, scale
+        query, key_cache, value_cache, meta.decode_block_tables, meta.decode_context_lens, scale, window, softcap
     )
 
 
-def _triton_prefill(query, key, value, key_cache, value_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+def _triton_prefill(
+    query, key, value, key_cache, value_cache, meta: AttentionMetadata, scale: float, window: Window, softcap: SoftCap
+) -> torch.Tensor:
     return kernels.paged_prefill_attention(
         query,
         key,
@@ -158,6 +174,8 @@ def _triton_prefill(query, key, value, key_cache, value_cache, meta: AttentionMe
         meta.prefill_cu_seqlens_q,
         meta.prefill_context_lens,
         scale,
+        window,
+        softcap,
     )
 
 
@@ -168,17 +186,28 @@ def _plan_of(meta: AttentionMetadata, key_cache: torch.Tensor, compiled_decode: 
     return with_plan(meta, key_cache.shape[1], compiled_decode).plan  # type: ignore[return-value]
 
 
-def _torch_decode(query, key_cache, value_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    return cpu_attention.decode_attention(query, key_cache, value_cache, _plan_of(meta, key_cache), scale)
-
-
-def _torch_prefill(query, key, value, key_cache, value_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+def _torch_decode(
+    query, key_cache, value_cache, meta: AttentionMetadata, scale: float, window: Window, softcap: SoftCap
+) -> torch.Tensor:
     plan = _plan_of(meta, key_cache)
-    return cpu_attention.prefill_attention(query, key, value, key_cache, value_cache, plan, scale)
+    return cpu_attention.decode_attention(query, key_cache, value_cache, plan, scale, window, softcap)
+
+
+def _torch_prefill(
+    query, key, value, key_cache, value_cache, meta: AttentionMetadata, scale: float, window: Window, softcap: SoftCap
+) -> torch.Tensor:
+    plan = _plan_of(meta, key_cache)
+    return cpu_attention.prefill_attention(query, key, value, key_cache, value_cache, plan, scale, window, softcap)
 
 
 class PagedAttention(torch.nn.Module):
-    """Multi-head (grouped-query) attention over the paged KV cache of one layer."""
+    """Multi-head (grouped-query) attention over the paged KV cache of one layer.
+
+    ``sliding_window``: a query at position ``q`` sees keys at ``q - sliding_window < k <= q``
+    (None: every key up to ``q``). ``logit_softcap``: scaled scores ``s`` become
+    ``logit_softcap * tanh(s / logit_softcap)`` before masking and softmax (None: off).
+    Both as Hugging Face transformers' Mistral and Gemma 2 define them.
+    """
 
     def __init__(
         self,
@@ -190,9 +219,10 @@ class PagedAttention(torch.nn.Module):
         logit_softcap: float | None = None,
     ) -> None:
         super().__init__()
-        if sliding_window is not None or logit_softcap is not None:
-            raise NotImplementedError("sliding windows and soft-capping")
+        check_window(sliding_window, logit_softcap)
         self.num_heads, self.num_kv_heads, self.head_dim, self.scale = num_heads, num_kv_heads, head_dim, scale
+        self.sliding_window = sliding_window
+        self.logit_softcap = logit_softcap
 
     def forward(
         self,
@@ -211,8 +241,9 @@ class PagedAttention(torch.nn.Module):
         ops.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping)
         out = torch.empty_like(q)
         d = meta.num_decode_tokens
+        window, softcap = self.sliding_window, self.logit_softcap
         if d:
-            out[:d] = ops.decode(q[:d], key_cache, value_cache, meta, self.scale)
+            out[:d] = ops.decode(q[:d], key_cache, value_cache, meta, self.scale, window, softcap)
         if meta.num_prefills:
-            out[d:] = ops.prefill(q[d:], k[d:], v[d:], key_cache, value_cache, meta, self.scale)
+            out[d:] = ops.prefill(q[d:], k[d:], v[d:], key_cache, value_cache, meta, self.scale, window, softcap)
         return out.view(-1, self.num_heads * self.head_dim)

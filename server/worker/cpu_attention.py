@@ -11,12 +11,20 @@ sequences of similar length batched together so that padding stays small::
 
 (the reference pads every sequence to the longest and zero-fills the padding: most of
 its time is that gather). The grouping and the flattened block indices depend only on
-the step, so they are built once (:func:`plan_attention`) and shared by every layer.
+the step and the layer's sliding window, so they are built once per window
+(:meth:`AttentionPlan.grouped`) and shared by every layer with that window. With a
+window a row gathers only its visible blocks, from the block of ``len - window`` on::
+
+    window 20, block_size 8, len 45: positions 25..44 visible -> blocks 3, 4, 5 gathered
+    (block 3 holds 24..31: position 24 is masked; blocks 0..2 are never read)
+
 The ``numba`` backend skips all of that for decode: its compiled kernel
 (kernels/paged_decode_attention_cpu.py) reads the blocks in place through the tables.
 
 Prefill chunks with no cached prefix attend to their own new K/V directly (causal SDPA);
-others read their whole context from the cache.
+others read their context from the cache, from the block of the first new token's
+first visible position on. Logit soft-capping (which SDPA cannot do) runs the same
+steps with explicit scores.
 
 NOTE: positions past a context inside a gathered block are masked, not zeroed. Their
 probabilities are exactly 0, which is enough because the cache only ever holds finite
@@ -26,7 +34,7 @@ move whole blocks of such values).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -45,8 +53,16 @@ class DecodeGroup:
 
     rows: slice
     block_index: torch.Tensor  # [num_rows * num_blocks] int64: physical blocks, row-major
-    mask: torch.Tensor | None  # [num_rows, 1, 1, length] bool: inside the context; None if all full
+    mask: torch.Tensor | None  # [num_rows, 1, 1, length] bool: visible positions; None if all are
     length: int  # num_blocks * block_size
+
+
+@dataclass(frozen=True)
+class GroupedDecodes:
+    """The decode rows sorted by how many blocks they read, in groups, for one window."""
+
+    order: torch.Tensor | None  # [num_decodes] int64: decode rows by length; None when already sorted
+    groups: list[DecodeGroup]
 
 
 @dataclass(frozen=True)
@@ -71,11 +87,28 @@ class CompiledDecode:
 class AttentionPlan:
     """What every layer's attention reuses within one step."""
 
-    order: torch.Tensor | None  # [num_decodes] int64: decode rows by length; None when already sorted
-    groups: list[DecodeGroup]
+    decode_tables: torch.Tensor  # [num_decodes, max_blocks] int32
+    decode_lens: list[int]
+    block_size: int
+    max_pad_tokens: int
     prefills: list[PrefillChunk]
     compiled: CompiledDecode | None = None
-    """Set when decode runs the compiled kernel (then ``order`` is None and ``groups`` empty)."""
+    """Set when decode runs the compiled kernel (which needs no groups)."""
+    _grouped: dict[int | None, GroupedDecodes] = field(default_factory=dict, compare=False, repr=False)
+
+    def grouped(self, sliding_window: int | None = None) -> GroupedDecodes:
+        """The decode groups for layers with this window, built by the first such layer of the step.
+
+        NOTE: the cache only memoizes what the step's tables and lengths determine; a plan
+        lives for one step, and layers differ only in their window (Gemma alternates two).
+        """
+        grouped = self._grouped.get(sliding_window)
+        if grouped is None:
+            grouped = _plan_decodes(
+                self.decode_tables, self.decode_lens, self.block_size, self.max_pad_tokens, sliding_window
+            )
+            self._grouped[sliding_window] = grouped
+        return grouped
 
 
 def plan_attention(
@@ -88,35 +121,47 @@ def plan_attention(
     max_pad_tokens: int = MAX_PAD_TOKENS,
     compiled_decode: bool = False,
 ) -> AttentionPlan:
-    """Decode groups (padding per row at most ``max_pad_tokens``, or 1/8 of the shortest) and
-    prefill chunks; with ``compiled_decode`` the decode rows are left whole for the compiled kernel."""
+    """Prefill chunks, and how decode rows are grouped (padding per row at most
+    ``max_pad_tokens``, or 1/8 of the shortest; built per window on first use); with
+    ``compiled_decode`` the decode rows are left whole for the compiled kernel."""
     cu, lens = prefill_cu_seqlens_q.tolist(), prefill_context_lens.tolist()
     prefills = [
         PrefillChunk(cu[s], cu[s + 1], length, prefill_block_tables[s])
         for s, length in enumerate(lens)
         if cu[s + 1] > cu[s]
     ]
+    compiled = None
     if compiled_decode:
         compiled = CompiledDecode(decode_block_tables.contiguous(), decode_context_lens.contiguous())
-        return AttentionPlan(None, [], prefills, compiled)
-    order, groups = _plan_decodes(decode_block_tables, decode_context_lens.tolist(), block_size, max_pad_tokens)
-    return AttentionPlan(order, groups, prefills)
+    decode_lens = decode_context_lens.tolist()
+    return AttentionPlan(decode_block_tables, decode_lens, block_size, max_pad_tokens, prefills, compiled)
 
 
 def _plan_decodes(
-    tables: torch.Tensor, lens: list[int], block_size: int, max_pad_tokens: int
-) -> tuple[torch.Tensor | None, list[DecodeGroup]]:
-    num_blocks = [-(-n // block_size) for n in lens]
+    tables: torch.Tensor, lens: list[int], block_size: int, max_pad_tokens: int, window: int | None
+) -> GroupedDecodes:
+    starts = [0 if window is None else max(0, n - window) for n in lens]  # first visible position
+    first = [s // block_size for s in starts]
+    num_blocks = [-(-n // block_size) - f for n, f in zip(lens, first)]  # blocks each row reads
     order = sorted(range(len(lens)), key=num_blocks.__getitem__)
     is_sorted = order == list(range(len(lens)))
     device = tables.device
     index = None if is_sorted else torch.tensor(order, dtype=torch.int64, device=device)
     sorted_tables = tables if index is None else tables.index_select(0, index)
-    sorted_lens = [lens[i] for i in order]
+    rows = [_VisibleSpan(starts[i], lens[i], first[i] * block_size) for i in order]
     groups = []
     for start, end in _group_bounds([num_blocks[i] for i in order], block_size, max_pad_tokens):
-        groups.append(_decode_group(sorted_tables[start:end], sorted_lens[start:end], start, end, block_size))
-    return index, groups
+        groups.append(_decode_group(sorted_tables[start:end], rows[start:end], start, end, block_size))
+    return GroupedDecodes(index, groups)
+
+
+@dataclass(frozen=True)
+class _VisibleSpan:
+    """The positions a decode row's query sees, ``start .. end - 1``, and where its first gathered block begins."""
+
+    start: int
+    end: int
+    offset: int  # first visible block * block_size
 
 
 def _group_bounds(sorted_blocks: list[int], block_size: int, max_pad_tokens: int) -> list[tuple[int, int]]:
@@ -133,20 +178,51 @@ def _group_bounds(sorted_blocks: list[int], block_size: int, max_pad_tokens: int
     return bounds
 
 
-def _decode_group(tables: torch.Tensor, lens: list[int], start: int, end: int, block_size: int) -> DecodeGroup:
-    # tables: [rows, max_blocks] int32, sorted by length
-    num_blocks = -(-max(lens) // block_size)
+def _decode_group(
+    tables: torch.Tensor, spans: list[_VisibleSpan], start: int, end: int, block_size: int
+) -> DecodeGroup:
+    # tables: [rows, max_blocks] int32, sorted by the number of blocks each row reads
+    num_blocks = max(-(-(s.end - s.offset) // block_size) for s in spans)
     length = num_blocks * block_size
     device = tables.device
-    lens_t = torch.tensor(lens, dtype=torch.int64, device=device)
-    blocks = tables[:, :num_blocks].long()  # [rows, num_blocks]
-    # NOTE: table entries past a row's last block may hold anything: read its first block instead.
-    needed = torch.arange(num_blocks, device=device) * block_size < lens_t[:, None]
-    blocks = torch.where(needed, blocks, blocks[:, :1])
+    offsets = torch.tensor([s.offset // block_size for s in spans], dtype=torch.int64, device=device)
+    cols = offsets[:, None] + torch.arange(num_blocks, device=device)  # [rows, num_blocks]
+    ends = torch.tensor([-(-s.end // block_size) for s in spans], dtype=torch.int64, device=device)
+    # NOTE: table entries past a row's last block, and before its window, may hold anything:
+    # read its first visible block instead.
+    cols = torch.where(cols < ends[:, None], cols, offsets[:, None]).clamp(max=tables.shape[1] - 1)
+    blocks = tables.long().gather(1, cols)
     mask = None
-    if min(lens) < length:
-        mask = (torch.arange(length, device=device) < lens_t[:, None])[:, None, None, :]
+    if any(s.start > s.offset or s.end < s.offset + length for s in spans):
+        pos = torch.tensor([s.offset for s in spans], device=device)[:, None] + torch.arange(length, device=device)
+        first = torch.tensor([s.start for s in spans], device=device)[:, None]
+        last = torch.tensor([s.end for s in spans], device=device)[:, None]
+        mask = ((pos >= first) & (pos < last))[:, None, None, :]
     return DecodeGroup(slice(start, end), blocks.reshape(-1), mask, length)
+
+
+def _attend(
+    q: torch.Tensor,  # [..., heads, q_len, head_dim]
+    k: torch.Tensor,  # [..., kv_heads, length, head_dim]
+    v: torch.Tensor,  # [..., kv_heads, length, head_dim]
+    mask: torch.Tensor | None,  # broadcasts to [..., heads, q_len, length] bool: True = visible
+    scale: float,
+    logit_softcap: float | None,
+    causal: bool = False,
+) -> torch.Tensor:  # [..., heads, q_len, head_dim]
+    """SDPA, or the same with soft-capped scores (``cap * tanh(s / cap)``) where SDPA cannot."""
+    gqa = q.shape[-3] != k.shape[-3]
+    if logit_softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, mask, is_causal=causal, scale=scale, enable_gqa=gqa)
+    if gqa:
+        group = q.shape[-3] // k.shape[-3]
+        k, v = k.repeat_interleave(group, dim=-3), v.repeat_interleave(group, dim=-3)
+    scores = torch.tanh((q @ k.transpose(-1, -2)) * (scale / logit_softcap)) * logit_softcap
+    if causal:
+        mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril()
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.softmax(scores, dim=-1) @ v
 
 
 def decode_attention(
@@ -155,24 +231,25 @@ def decode_attention(
     value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     plan: AttentionPlan,
     scale: float,
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
 ) -> torch.Tensor:  # [num_decodes, num_heads, head_dim]
-    """Each decode's query over its cached context, one gather + SDPA per group of rows."""
+    """Each decode's query over its cached context (its window), one gather + SDPA per group of rows."""
     num_seqs, num_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[2]
-    q = query if plan.order is None else query.index_select(0, plan.order)
+    grouped = plan.grouped(sliding_window)
+    q = query if grouped.order is None else query.index_select(0, grouped.order)
     # The query heads of one KV head act as a query sequence of length `group` (GQA
     # without repeating K/V): q [rows, kv_heads, group, d] x k, v [rows, kv_heads, length, d]
     q = q.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
     out = torch.empty_like(q)
-    for g in plan.groups:
+    for g in grouped.groups:
         rows = g.rows.stop - g.rows.start
         keys = key_cache.index_select(0, g.block_index).view(rows, g.length, num_kv_heads, head_dim)
         values = value_cache.index_select(0, g.block_index).view(rows, g.length, num_kv_heads, head_dim)
-        out[g.rows] = F.scaled_dot_product_attention(
-            q[g.rows], keys.transpose(1, 2), values.transpose(1, 2), attn_mask=g.mask, scale=scale
-        )
+        out[g.rows] = _attend(q[g.rows], keys.transpose(1, 2), values.transpose(1, 2), g.mask, scale, logit_softcap)
     out = out.view(num_seqs, num_heads, head_dim)
-    return out if plan.order is None else torch.empty_like(out).index_copy_(0, plan.order, out)
+    return out if grouped.order is None else torch.empty_like(out).index_copy_(0, grouped.order, out)
 
 
 def compiled_decode_attention(
@@ -181,11 +258,15 @@ def compiled_decode_attention(
     value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim] float32
     plan: AttentionPlan,
     scale: float,
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
 ) -> torch.Tensor:  # [num_decodes, num_heads, head_dim]
     """Decode through the compiled CPU kernel, which reads the cache in place (no gather)."""
     assert plan.compiled is not None, "the plan was made with compiled_decode=True"
     decode = plan.compiled
-    return paged_decode_attention_cpu(query, key_cache, value_cache, decode.block_tables, decode.context_lens, scale)
+    return paged_decode_attention_cpu(
+        query, key_cache, value_cache, decode.block_tables, decode.context_lens, scale, sliding_window, logit_softcap
+    )
 
 
 def prefill_attention(
@@ -196,37 +277,49 @@ def prefill_attention(
     value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     plan: AttentionPlan,
     scale: float,
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
 ) -> torch.Tensor:  # [total_q, num_heads, head_dim]
-    """Causal attention of each chunk's new tokens over its whole context."""
+    """Causal attention of each chunk's new tokens over its context (within the window)."""
     out = torch.zeros_like(query)
-    gqa = query.shape[1] != key_cache.shape[2]
+    block_size = key_cache.shape[1]
     for chunk in plan.prefills:
         q = query[chunk.start : chunk.end].transpose(0, 1)  # [num_heads, q_len, head_dim]
         q_len = chunk.end - chunk.start
         if chunk.context_len == q_len:  # no prefix: the new K/V is the whole context
-            keys, values = key[chunk.start : chunk.end], value[chunk.start : chunk.end]
-            mask, causal = None, True
-        else:
-            keys = _gather(key_cache, chunk.block_table, chunk.context_len)
-            values = _gather(value_cache, chunk.block_table, chunk.context_len)
-            mask, causal = _offset_causal_mask(q_len, chunk.context_len, query.device), False
-        o = F.scaled_dot_product_attention(
-            q, keys.transpose(0, 1), values.transpose(0, 1), mask, is_causal=causal, scale=scale, enable_gqa=gqa
+            keys, values, offset = key[chunk.start : chunk.end], value[chunk.start : chunk.end], 0
+        else:  # read from the block of the first new token's first visible position
+            first_query = chunk.context_len - q_len
+            offset = 0 if sliding_window is None else max(0, first_query - sliding_window + 1)
+            offset -= offset % block_size
+            keys = _gather(key_cache, chunk.block_table, offset, chunk.context_len)
+            values = _gather(value_cache, chunk.block_table, offset, chunk.context_len)
+        causal = offset == 0 and chunk.context_len == q_len and sliding_window is None
+        mask = None if causal else _causal_mask(q_len, chunk.context_len, offset, sliding_window, query.device)
+        o = _attend(
+            q, keys.transpose(0, 1), values.transpose(0, 1), mask, scale, logit_softcap, causal
         )  # [num_heads, q_len, head_dim]
         out[chunk.start : chunk.end] = o.transpose(0, 1)
     return out
 
 
-def _gather(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
-    # -> [length, num_kv_heads, head_dim]
-    num_blocks = -(-length // cache.shape[1])
-    return cache.index_select(0, block_table[:num_blocks].long()).flatten(0, 1)[:length]
+def _gather(cache: torch.Tensor, block_table: torch.Tensor, offset: int, length: int) -> torch.Tensor:
+    # -> [length - offset, num_kv_heads, head_dim]: positions offset .. length - 1 (offset: a block start)
+    block_size = cache.shape[1]
+    blocks = block_table[offset // block_size : -(-length // block_size)].long()
+    return cache.index_select(0, blocks).flatten(0, 1)[: length - offset]
 
 
-def _offset_causal_mask(q_len: int, length: int, device: torch.device) -> torch.Tensor:
-    # [q_len, length] bool: new token i sits at position length - q_len + i
-    q_pos = torch.arange(length - q_len, length, device=device)
-    return torch.arange(length, device=device)[None, :] <= q_pos[:, None]
+def _causal_mask(
+    q_len: int, length: int, offset: int, sliding_window: int | None, device: torch.device
+) -> torch.Tensor:
+    # [q_len, length - offset] bool: new token i sits at position length - q_len + i, key j at offset + j
+    q_pos = torch.arange(length - q_len, length, device=device)[:, None]
+    k_pos = torch.arange(offset, length, device=device)[None, :]
+    mask = k_pos <= q_pos
+    if sliding_window is not None:
+        mask &= k_pos > q_pos - sliding_window
+    return mask
 
 
 def write_kv(

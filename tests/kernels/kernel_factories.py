@@ -60,12 +60,16 @@ def make_paged_kv(
     spare_blocks: int = 3,
     caches: tuple[torch.Tensor, torch.Tensor] | None = None,
     block_ids: torch.Tensor | None = None,
+    visible_from: list[int] | None = None,
 ) -> PagedKV:
     """Random K/V per sequence written into caches through a permuted block table.
 
     Unused cache slots are NaN, and table entries past each sequence's last block are
-    garbage (a huge id), so a kernel that reads outside the context shows it. ``caches``
-    and ``block_ids`` let a test bring huge (virtual) caches and far-away block ids.
+    garbage (a huge id), so a kernel that reads outside the context shows it. With
+    ``visible_from`` (the first position any query of sequence ``s`` sees, as under a
+    sliding window) the entries of blocks wholly before it are garbage too and their
+    blocks NaN, as if freed: a kernel that reads them shows it. ``caches`` and
+    ``block_ids`` let a test bring huge (virtual) caches and far-away block ids.
     """
     blocks_per_seq = [-(-n // block_size) for n in lens]
     needed = sum(blocks_per_seq)
@@ -93,6 +97,11 @@ def make_paged_kv(
         value_cache[blocks, slots] = v
         keys.append(k)
         values.append(v)
+    for s, first in enumerate(visible_from or []):
+        dead = block_tables[s, : first // block_size]
+        key_cache[dead.long()] = float("nan")
+        value_cache[dead.long()] = float("nan")
+        block_tables[s, : first // block_size] = 2**31 - 1
     context_lens = torch.tensor(lens, dtype=torch.int32, device=device)
     return PagedKV(keys, values, key_cache, value_cache, block_tables.to(device), context_lens)
 
@@ -102,8 +111,14 @@ def naive_attention(
     k: torch.Tensor,  # [length, num_kv_heads, head_dim]
     v: torch.Tensor,  # [length, num_kv_heads, head_dim]
     scale: float,
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
 ) -> torch.Tensor:  # [q_len, num_heads, head_dim], float64
-    """Dense causal attention in float64; the queries are the last ``q_len`` positions."""
+    """Dense causal attention in float64; the queries are the last ``q_len`` positions.
+
+    With ``sliding_window`` a query at ``q`` sees keys ``k`` with ``q - window < k <= q``;
+    ``logit_softcap`` maps each scaled score ``s`` to ``cap * tanh(s / cap)`` (as
+    transformers' Mistral and Gemma 2 do)."""
     q_len, num_heads, _ = q.shape
     length, num_kv_heads, _ = k.shape
     if length == 0:
@@ -112,8 +127,14 @@ def naive_attention(
     k = k.double().repeat_interleave(group, dim=1)  # [length, num_heads, head_dim]
     v = v.double().repeat_interleave(group, dim=1)
     scores = torch.einsum("qhd,lhd->hql", q.double(), k) * scale
-    q_pos = torch.arange(length - q_len, length)[:, None]
-    scores = scores.masked_fill(torch.arange(length)[None, :] > q_pos.to(q.device), float("-inf"))
+    if logit_softcap is not None:
+        scores = logit_softcap * torch.tanh(scores / logit_softcap)
+    q_pos = torch.arange(length - q_len, length, device=q.device)[:, None]
+    k_pos = torch.arange(length, device=q.device)[None, :]
+    hidden = k_pos > q_pos
+    if sliding_window is not None:
+        hidden |= k_pos <= q_pos - sliding_window
+    scores = scores.masked_fill(hidden, float("-inf"))
     return torch.einsum("hql,lhd->qhd", torch.softmax(scores, dim=-1), v)
 
 

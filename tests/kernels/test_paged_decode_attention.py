@@ -17,14 +17,27 @@ def _lens(block_size: int) -> list[int]:
     return sorted({1, max(1, block_size - 1), block_size, block_size + 1, 3 * block_size + 5})
 
 
-def _case(lens, num_heads, num_kv_heads, head_dim, block_size, dtype, device=DEVICE):
-    kv = make_paged_kv(lens, num_kv_heads, head_dim, block_size, dtype, device=device)
+def _case(lens, num_heads, num_kv_heads, head_dim, block_size, dtype, device=DEVICE, window=None):
+    """With a ``window`` the blocks before each query's window are garbage in the table (freed)."""
+    visible_from = None if window is None else [max(0, n - window) for n in lens]
+    kv = make_paged_kv(lens, num_kv_heads, head_dim, block_size, dtype, device=device, visible_from=visible_from)
     query = torch.randn(len(lens), num_heads, head_dim, device=device).to(dtype)
     return query, kv
 
 
-def _naive(query, kv, scale):
-    return torch.cat([naive_attention(query[s : s + 1], kv.keys[s], kv.values[s], scale) for s in range(len(kv.keys))])
+def _naive(query, kv, scale, window=None, softcap=None):
+    return torch.cat(
+        [
+            naive_attention(query[s : s + 1], kv.keys[s], kv.values[s], scale, window, softcap)
+            for s in range(len(kv.keys))
+        ]
+    )
+
+
+# a window: none, one position, or any size (smaller than, equal to or larger than the
+# context, a multiple of the block size or not); soft-capping off or on
+WINDOWS = st.one_of(st.none(), st.just(1), st.integers(1, 80))
+SOFTCAPS = st.sampled_from([None, 0.5, 5.0, 50.0])
 
 
 @settings(max_examples=25, deadline=None)
@@ -33,12 +46,28 @@ def _naive(query, kv, scale):
     block_size=st.sampled_from([1, 3, 8, 16, 32]),
     heads=st.sampled_from([(1, 1), (4, 4), (4, 2), (6, 2), (8, 1), (16, 2)]),
     head_dim=st.sampled_from([8, 80]),
+    window=WINDOWS,
+    softcap=SOFTCAPS,
 )
-def test_reference_matches_naive_attention(lens, block_size, heads, head_dim):
-    query, kv = _case(lens, *heads, head_dim, block_size, torch.float32, device="cpu")
+def test_reference_matches_naive_attention(lens, block_size, heads, head_dim, window, softcap):
+    query, kv = _case(lens, *heads, head_dim, block_size, torch.float32, device="cpu", window=window)
     scale = head_dim**-0.5
-    out = paged_decode_attention_reference(query, kv.key_cache, kv.value_cache, kv.block_tables, kv.context_lens, scale)
-    torch.testing.assert_close(out.double(), _naive(query, kv, scale), atol=1e-5, rtol=1e-5)
+    args = (query, kv.key_cache, kv.value_cache, kv.block_tables, kv.context_lens, scale)
+    out = paged_decode_attention_reference(*args, sliding_window=window, logit_softcap=softcap)
+    torch.testing.assert_close(out.double(), _naive(query, kv, scale, window, softcap), atol=1e-5, rtol=1e-5)
+
+
+def test_window_and_softcap_change_the_reference():
+    """The oracle's knobs are live: a window shorter than the context and a small cap both
+    change the output, a window as long as the context does not."""
+    query, kv = _case([40, 25], 4, 2, 16, 8, torch.float32, device="cpu")
+    args = (query, kv.key_cache, kv.value_cache, kv.block_tables, kv.context_lens, 0.25)
+    full = paged_decode_attention_reference(*args)
+    assert torch.equal(paged_decode_attention_reference(*args, sliding_window=40), full)
+    windowed = paged_decode_attention_reference(*args, sliding_window=10)
+    assert (windowed - full).abs().amax(dim=(1, 2)).min() > 1e-3
+    capped = paged_decode_attention_reference(*args, logit_softcap=0.5)
+    assert (capped - full).abs().amax(dim=(1, 2)).min() > 1e-3
 
 
 def test_reference_returns_zeros_for_empty_context():
@@ -69,6 +98,28 @@ def test_kernel_matches_reference(seed, dtype, heads, head_dim, block_size, num_
     args = (query, kv.key_cache, kv.value_cache, kv.block_tables, kv.context_lens, head_dim**-0.5)
     out = paged_decode_attention_launch(*args, num_splits=num_splits)
     assert out.dtype == dtype and out.shape == query.shape
+    assert_close(out, paged_decode_attention_reference(*args), seed)
+
+
+# (lens, window, softcap, block_size, num_splits): windows shorter than, equal to and longer
+# than the contexts, window 1, windows that are and are not block multiples, several splits
+WINDOW_CASES = [
+    ([1, 7, 8, 9, 40], 8, None, 8, 4),
+    ([1, 5, 30, 41], 1, None, 4, 2),
+    ([3, 17, 33, 50], 13, 5.0, 8, 3),
+    ([20, 21, 64], 21, 0.5, 16, 1),
+    ([2, 33, 70], 100, 30.0, 5, 4),
+    ([9, 66], None, 2.0, 16, 2),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("lens,window,softcap,block_size,num_splits", WINDOW_CASES)
+def test_kernel_with_window_and_softcap_matches_reference(seed, dtype, lens, window, softcap, block_size, num_splits):
+    """Blocks before each window are garbage in the table and NaN in the cache: the kernel must not read them."""
+    query, kv = _case(lens, 8, 2, 32, block_size, dtype, window=window)
+    args = (query, kv.key_cache, kv.value_cache, kv.block_tables, kv.context_lens, 32**-0.5, window, softcap)
+    out = paged_decode_attention_launch(*args, num_splits=num_splits)
     assert_close(out, paged_decode_attention_reference(*args), seed)
 
 
@@ -123,6 +174,11 @@ def test_num_splits_heuristic():
 def test_launcher_rejects_bad_arguments():
     query, kv = _case([5], 4, 2, 64, 8, torch.float32)
     args = [query, kv.key_cache, kv.value_cache, kv.block_tables, kv.context_lens, 0.1]
+    for fn in (paged_decode_attention, paged_decode_attention_reference):
+        with pytest.raises(ValueError, match="sliding_window must be >= 1"):
+            fn(*args, sliding_window=0)
+        with pytest.raises(ValueError, match="logit_softcap must be > 0"):
+            fn(*args, logit_softcap=0.0)
     with pytest.raises(ValueError, match="multiple of num_kv_heads"):
         paged_decode_attention(torch.randn(1, 3, 64, device=DEVICE), *args[1:])
     with pytest.raises(ValueError, match="block_tables must be int32"):
@@ -139,9 +195,10 @@ def test_launcher_rejects_bad_arguments():
     "heads,head_dim,block_size", [((32, 8), 128, 16), ((32, 32), 128, 128), ((8, 1), 80, 8), ((12, 4), 96, 32)]
 )
 @pytest.mark.parametrize("num_splits", [None, 1, 5])
-def test_kernel_matches_reference_cuda(seed, dtype, heads, head_dim, block_size, num_splits):
+@pytest.mark.parametrize("window,softcap", [(None, None), (1000, None), (37, 50.0)])
+def test_kernel_matches_reference_cuda(seed, dtype, heads, head_dim, block_size, num_splits, window, softcap):
     lens = [1, block_size - 1 or 1, block_size, block_size + 1, 1000, 4097, 0]
-    query, kv = _case(lens, *heads, head_dim, block_size, dtype, device="cuda")
+    query, kv = _case(lens, *heads, head_dim, block_size, dtype, device="cuda", window=window)
     args = (query, kv.key_cache, kv.value_cache, kv.block_tables, kv.context_lens, 1 / math.sqrt(head_dim))
-    out = paged_decode_attention_launch(*args, num_splits=num_splits)
-    assert_close(out, paged_decode_attention_reference(*args), seed)
+    out = paged_decode_attention_launch(*args, window, softcap, num_splits=num_splits)
+    assert_close(out, paged_decode_attention_reference(*args, window, softcap), seed)

@@ -19,14 +19,18 @@ from pagedllm.kernels.paged_decode_attention_cpu import (
 )
 
 
-def _case(lens, num_heads, num_kv_heads, head_dim, block_size, **kwargs):
-    kv = make_paged_kv(lens, num_kv_heads, head_dim, block_size, torch.float32, device="cpu", **kwargs)
+def _case(lens, num_heads, num_kv_heads, head_dim, block_size, window=None, **kwargs):
+    """With a ``window`` the blocks before each query's window are garbage in the table (freed)."""
+    visible_from = None if window is None else [max(0, n - window) for n in lens]
+    kv = make_paged_kv(
+        lens, num_kv_heads, head_dim, block_size, torch.float32, device="cpu", visible_from=visible_from, **kwargs
+    )
     query = torch.randn(len(lens), num_heads, head_dim)
     return query, kv
 
 
-def _run(fn, query, kv, scale):
-    return fn(query, kv.key_cache, kv.value_cache, kv.block_tables, kv.context_lens, scale)
+def _run(fn, query, kv, scale, window=None, softcap=None):
+    return fn(query, kv.key_cache, kv.value_cache, kv.block_tables, kv.context_lens, scale, window, softcap)
 
 
 @settings(max_examples=40, deadline=None)
@@ -36,26 +40,33 @@ def _run(fn, query, kv, scale):
     heads=st.sampled_from([(1, 1), (4, 4), (4, 2), (6, 2), (8, 1), (16, 2), (8, 8)]),
     head_dim=st.sampled_from([8, 64, 80]),
     threads=st.sampled_from([1, 2]),
+    window=st.one_of(st.none(), st.just(1), st.integers(1, 100)),
+    softcap=st.sampled_from([None, 0.5, 5.0, 50.0]),
 )
-def test_matches_reference(lens, block_size, heads, head_dim, threads):
+def test_matches_reference(lens, block_size, heads, head_dim, threads, window, softcap):
     """Any lengths (around block boundaries too), GQA/MQA, NaN in unused slots and junk
-    table entries past each sequence, with the KV heads split over items or not."""
-    query, kv = _case(lens, *heads, head_dim, block_size)
+    table entries past each sequence (and before its window), with the KV heads split
+    over items or not, with or without a sliding window and soft-capping."""
+    query, kv = _case(lens, *heads, head_dim, block_size, window)
     scale = head_dim**-0.5
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        out = _run(paged_decode_attention_cpu, query, kv, scale)
+        out = _run(paged_decode_attention_cpu, query, kv, scale, window, softcap)
     finally:
         torch.set_num_threads(previous)
     assert not out.isnan().any()
-    torch.testing.assert_close(out, _run(paged_decode_attention_reference, query, kv, scale), atol=2e-5, rtol=1e-4)
+    expected = _run(paged_decode_attention_reference, query, kv, scale, window, softcap)
+    torch.testing.assert_close(out, expected, atol=2e-5, rtol=1e-4)
 
 
-def test_matches_dense_attention_on_long_contexts():
-    query, kv = _case([700, 1, 333], 8, 2, 64, 16)
-    out = _run(paged_decode_attention_cpu, query, kv, 0.125)
-    dense = torch.cat([naive_attention(query[s : s + 1], kv.keys[s], kv.values[s], 0.125) for s in range(3)])
+@pytest.mark.parametrize("window,softcap", [(None, None), (100, None), (16, 20.0), (1, None), (333, 1.0)])
+def test_matches_dense_attention_on_long_contexts(window, softcap):
+    query, kv = _case([700, 1, 333], 8, 2, 64, 16, window)
+    out = _run(paged_decode_attention_cpu, query, kv, 0.125, window, softcap)
+    dense = torch.cat(
+        [naive_attention(query[s : s + 1], kv.keys[s], kv.values[s], 0.125, window, softcap) for s in range(3)]
+    )
     torch.testing.assert_close(out.double(), dense, atol=1e-5, rtol=1e-4)
 
 
@@ -111,6 +122,10 @@ def test_refuses_what_it_cannot_run():
         paged_decode_attention_cpu(query, kv.key_cache, kv.value_cache, kv.block_tables.long(), kv.context_lens, 1.0)
     with pytest.raises(ValueError, match="multiple of num_kv_heads"):
         paged_decode_attention_cpu(query[:, :3], kv.key_cache, kv.value_cache, kv.block_tables, kv.context_lens, 1.0)
+    with pytest.raises(ValueError, match="sliding_window must be >= 1"):
+        _run(paged_decode_attention_cpu, query, kv, 1.0, window=-3)
+    with pytest.raises(ValueError, match="logit_softcap must be > 0"):
+        _run(paged_decode_attention_cpu, query, kv, 1.0, softcap=-1.0)
 
 
 def test_compiles_without_a_writable_cache_directory(monkeypatch):

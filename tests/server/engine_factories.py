@@ -103,6 +103,30 @@ def hf_config(family: str, **overrides):
     return GPT2Config(**{**_GPT2, **overrides})
 
 
+_MISTRAL = dict(
+    _COMMON,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    initializer_range=0.2,
+    tie_word_embeddings=False,
+)
+
+
+def save_tiny_mistral(path: str, seed: int, sliding_window: int | None, **overrides) -> str:
+    """Write a random-weight Mistral (GQA, every layer windowed) with the byte tokenizer to ``path``."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(seed)
+    config = MistralConfig(**{**_MISTRAL, "sliding_window": sliding_window, **overrides})
+    MistralForCausalLM(config).save_pretrained(path, safe_serialization=True)
+    build_byte_tokenizer().save_pretrained(path)
+    return path
+
+
 def save_tiny(path: str, family: str, seed: int, **overrides) -> str:
     """Write a random-weight OPT or GPT-2 with the byte tokenizer to ``path`` (safetensors)."""
     from transformers import AutoModelForCausalLM

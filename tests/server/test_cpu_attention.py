@@ -28,8 +28,9 @@ def random_cache(num_blocks, block_size, kv_heads, head_dim, gen):
     return torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
 
 
-def random_tables(lens, block_size, num_blocks, gen, garbage=True):
-    """Distinct physical blocks per sequence; entries past a sequence's last block are junk."""
+def random_tables(lens, block_size, num_blocks, gen, garbage=True, visible_from=None):
+    """Distinct physical blocks per sequence; entries past a sequence's last block are junk,
+    and so are those of blocks wholly before ``visible_from[s]`` (freed, out of the window)."""
     width = max(-(-n // block_size) for n in lens) + 1
     perm = torch.randperm(num_blocks, generator=gen)
     fill = 10**6 if garbage else 0
@@ -39,7 +40,13 @@ def random_tables(lens, block_size, num_blocks, gen, garbage=True):
         k = -(-n // block_size)
         tables[s, :k] = perm[used : used + k].int()
         used += k
+    for s, first in enumerate(visible_from or []):
+        tables[s, : first // block_size] = 10**6
     return tables
+
+
+WINDOWS = st.one_of(st.none(), st.just(1), st.integers(1, 100))
+SOFTCAPS = st.sampled_from([None, 0.5, 30.0])
 
 
 def empty_prefill(device="cpu"):
@@ -57,38 +64,67 @@ def empty_prefill(device="cpu"):
     heads=st.sampled_from(HEADS),
     head_dim=st.sampled_from([8, 64]),
     seed=st.integers(0, 2**16),
+    window=WINDOWS,
+    softcap=SOFTCAPS,
 )
-def test_decode_matches_reference(lens, block_size, heads, head_dim, seed):
+def test_decode_matches_reference(lens, block_size, heads, head_dim, seed, window, softcap):
+    """Grouped torch decode and the compiled kernel, with or without a window (the blocks
+    before it junk in the table) and soft-capping, against the reference."""
     gen = torch.Generator().manual_seed(seed)
     num_heads, kv_heads = heads
     num_blocks = sum(-(-n // block_size) for n in lens) + 2
     key_cache, value_cache = random_cache(num_blocks, block_size, kv_heads, head_dim, gen)
-    tables = random_tables(lens, block_size, num_blocks, gen)
+    visible_from = None if window is None else [max(0, n - window) for n in lens]
+    tables = random_tables(lens, block_size, num_blocks, gen, visible_from=visible_from)
     context_lens = torch.tensor(lens, dtype=torch.int32)
     query = torch.randn(len(lens), num_heads, head_dim, generator=gen)
     scale = head_dim**-0.5
-    plan = plan_attention(tables, context_lens, *empty_prefill(), block_size)
-    out = decode_attention(query, key_cache, value_cache, plan, scale)
-    ref = paged_decode_attention_reference(query, key_cache, value_cache, tables, context_lens, scale)
+    plan = plan_attention(tables, context_lens, *empty_prefill(), block_size, compiled_decode=True)
+    ref = paged_decode_attention_reference(query, key_cache, value_cache, tables, context_lens, scale, window, softcap)
+    out = decode_attention(query, key_cache, value_cache, plan, scale, window, softcap)
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+    out = compiled_decode_attention(query, key_cache, value_cache, plan, scale, window, softcap)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+
+
+def test_one_plan_serves_layers_with_different_windows():
+    """Each window gets its own groups, built once per step: a windowed row reads only its window's blocks."""
+    lens = [300, 17, 100]
+    tables = random_tables(lens, 16, 40, torch.Generator().manual_seed(0), garbage=False)
+    plan = plan_attention(tables, torch.tensor(lens, dtype=torch.int32), *empty_prefill(), 16)
+    full, windowed = plan.grouped(None), plan.grouped(40)
+    assert plan.grouped(40) is windowed and plan.grouped(None) is full
+    assert [g.length for g in full.groups] == [32, 112, 304]
+    # window 40: 300 -> positions 260..299 (blocks 16..18), 17 -> 0..16 (0..1), 100 -> 60..99 (3..6);
+    # one group of 4 blocks per row, the shorter rows padded with their first visible block
+    assert windowed.order is not None and windowed.order.tolist() == [1, 0, 2]
+    assert [g.length for g in windowed.groups] == [64]
+    t = tables.tolist()
+    expected = [t[1][c] for c in (0, 1, 0, 0)] + [t[0][c] for c in (16, 17, 18, 16)] + [t[2][c] for c in (3, 4, 5, 6)]
+    assert windowed.groups[0].block_index.tolist() == expected
+    mask = windowed.groups[0].mask
+    assert mask is not None
+    assert mask[:, 0, 0].sum(dim=1).tolist() == [17, 40, 40]  # visible positions per row
+    assert mask[1, 0, 0].nonzero().view(-1).tolist() == list(range(260 - 256, 300 - 256))
 
 
 def test_decode_groups_are_sorted_and_padding_is_bounded():
     lens = [300, 17, 16, 1, 160, 150, 33, 900]
     tables = random_tables(lens, 16, 200, torch.Generator().manual_seed(0), garbage=False)
-    plan = plan_attention(tables, torch.tensor(lens, dtype=torch.int32), *empty_prefill(), 16)
-    assert plan.order is not None and plan.order.tolist() == sorted(range(len(lens)), key=lambda i: -(-lens[i] // 16))
-    covered = [i for g in plan.groups for i in range(g.rows.start, g.rows.stop)]
+    grouped = plan_attention(tables, torch.tensor(lens, dtype=torch.int32), *empty_prefill(), 16).grouped()
+    order = grouped.order
+    assert order is not None and order.tolist() == sorted(range(len(lens)), key=lambda i: -(-lens[i] // 16))
+    covered = [i for g in grouped.groups for i in range(g.rows.start, g.rows.stop)]
     assert covered == list(range(len(lens)))
-    assert [g.length for g in plan.groups] == [48, 160, 304, 912]
+    assert [g.length for g in grouped.groups] == [48, 160, 304, 912]
 
 
 def test_sorted_decodes_need_no_reordering():
     plan = plan_attention(
         torch.zeros(3, 4, dtype=torch.int32), torch.tensor([1, 2, 40], dtype=torch.int32), *empty_prefill(), 16
     )
-    assert plan.order is None
-    assert plan.groups[0].mask is not None
+    assert plan.grouped().order is None
+    assert plan.grouped().groups[0].mask is not None
 
 
 def test_group_bounds_merge_close_lengths_only():
@@ -103,9 +139,12 @@ def test_group_bounds_merge_close_lengths_only():
     block_size=st.sampled_from([1, 4, 16]),
     heads=st.sampled_from(HEADS),
     seed=st.integers(0, 2**16),
+    window=WINDOWS,
+    softcap=SOFTCAPS,
 )
-def test_prefill_matches_reference(chunks, block_size, heads, seed):
-    """(prefix, new tokens) per sequence: no prefix reads the new K/V, a prefix reads the cache."""
+def test_prefill_matches_reference(chunks, block_size, heads, seed, window, softcap):
+    """(prefix, new tokens) per sequence: no prefix reads the new K/V, a prefix reads the
+    cache (from the first new token's window on: the blocks before it are junk in the table)."""
     gen = torch.Generator().manual_seed(seed)
     num_heads, kv_heads = heads
     head_dim = 16
@@ -113,7 +152,8 @@ def test_prefill_matches_reference(chunks, block_size, heads, seed):
     q_lens = [min(q, n) for (_, q), n in zip(chunks, lens)]
     num_blocks = sum(-(-n // block_size) for n in lens) + 2
     key_cache, value_cache = random_cache(num_blocks, block_size, kv_heads, head_dim, gen)
-    tables = random_tables(lens, block_size, num_blocks, gen, garbage=False)
+    visible_from = None if window is None else [max(0, n - q + 1 - window) for n, q in zip(lens, q_lens)]
+    tables = random_tables(lens, block_size, num_blocks, gen, garbage=False, visible_from=visible_from)
     cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
     total = int(cu[-1])
     query = torch.randn(total, num_heads, head_dim, generator=gen)
@@ -123,15 +163,17 @@ def test_prefill_matches_reference(chunks, block_size, heads, seed):
         int(tables[s, p // block_size]) * block_size + p % block_size
         for s, (n, q) in enumerate(zip(lens, q_lens))
         for p in range(n - q, n)
-    ]
+    ]  # NOTE: new tokens are always inside their own window, so their table entries are live
     reshape_and_cache_reference(key, value, key_cache, value_cache, torch.tensor(slots, dtype=torch.int64))
     context_lens = torch.tensor(lens, dtype=torch.int32)
     plan = plan_attention(
         torch.zeros(0, 1, dtype=torch.int32), torch.zeros(0, dtype=torch.int32), tables, cu, context_lens, block_size
     )
     scale = head_dim**-0.5
-    out = prefill_attention(query, key, value, key_cache, value_cache, plan, scale)
-    ref = paged_prefill_attention_reference(query, key, value, key_cache, value_cache, tables, cu, context_lens, scale)
+    out = prefill_attention(query, key, value, key_cache, value_cache, plan, scale, window, softcap)
+    ref = paged_prefill_attention_reference(
+        query, key, value, key_cache, value_cache, tables, cu, context_lens, scale, window, softcap
+    )
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
 
 
@@ -153,7 +195,7 @@ def test_compiled_plan_sends_whole_decode_rows_to_the_kernel():
     context_lens = torch.tensor(lens, dtype=torch.int32)
     query = torch.randn(len(lens), 8, 32, generator=gen)
     plan = plan_attention(tables, context_lens, *empty_prefill(), 16, compiled_decode=True)
-    assert plan.order is None and plan.groups == [] and plan.compiled is not None
+    assert plan.compiled is not None
     out = compiled_decode_attention(query, key_cache, value_cache, plan, 0.2)
     grouped = decode_attention(
         query, key_cache, value_cache, plan_attention(tables, context_lens, *empty_prefill(), 16), 0.2
