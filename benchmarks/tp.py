@@ -78,8 +78,9 @@ def message_cost(batch: int, context: int, block_size: int, repeats: int) -> dic
 
 
 def throughput(model_dir: str, tp: int, num_requests: int, prompt_len: int, output_len: int) -> dict:
-    llm = LLM(model=model_dir, tensor_parallel_size=tp, load_format="dummy", block_size=16, max_num_seqs=num_requests)
-    try:
+    with LLM(
+        model=model_dir, tensor_parallel_size=tp, load_format="dummy", block_size=16, max_num_seqs=num_requests
+    ) as llm:
         prompts = [
             {"prompt_token_ids": [(i * 7 + j) % 200 + 1 for j in range(prompt_len)]} for i in range(num_requests)
         ]
@@ -89,8 +90,6 @@ def throughput(model_dir: str, tp: int, num_requests: int, prompt_len: int, outp
         llm.generate(prompts, params)
         elapsed = time.perf_counter() - start
         threads = llm.llm_engine.runner.threads
-    finally:
-        llm.llm_engine.shutdown()
     return {
         "tp": tp,
         "seconds": round(elapsed, 3),
