@@ -8,7 +8,7 @@
    the N ranks share the machine's cores (each gets cores / N threads), so this measures
    the overhead of splitting, not a speed-up; on GPUs each rank has its own device.
 
-    python benchmarks/tp.py --tp 2 --save
+    python -m benchmarks.tp --tp 2 --save
 """
 
 from __future__ import annotations
@@ -27,12 +27,10 @@ import time
 import torch
 from tqdm import tqdm
 
+from benchmarks.common import HelpFormatter, set_threads
 from pagedllm.server import LLM, SamplingParams
 from pagedllm.server.worker.attention import AttentionMetadata
 from pagedllm.server.worker.step_inputs import ModelStep
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import HelpFormatter, set_threads  # noqa: E402
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
@@ -114,7 +112,7 @@ def tiny_llama(path: str, hidden: int, layers: int, heads: int) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m benchmarks.tp", description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--tp", type=int, default=2, help="tensor-parallel size compared with 1")
     p.add_argument("--context", type=int, default=1024, help="context length of the probed decode steps")
     p.add_argument("--repeats", type=int, default=200, help="messages timed per batch size")
@@ -138,7 +136,7 @@ def main(argv=None) -> int:
     result = {
         "date": datetime.date.today().isoformat(),
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.platform()}, torch {torch.__version__}",
-        "command": "python benchmarks/tp.py " + " ".join(sys.argv[1:]),
+        "command": "python -m benchmarks.tp " + " ".join(sys.argv[1:]),
         "model": f"random LLaMA, hidden {args.hidden}, {args.layers} layers, {args.heads} heads",
         "step_messages": messages,
         "throughput": runs,
