@@ -19,8 +19,9 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
-from hf_baselines import PAD_ID, Request, _left_padded, _load, serve_continuous
-from sim import Roofline
+
+from benchmarks.hf_baselines import PAD_ID, Request, _left_padded, _load, serve_continuous
+from benchmarks.sim import Roofline
 
 
 def padded_slots(batch: Sequence[Request]) -> int:

@@ -11,27 +11,23 @@ there across repeats; in the engine every layer has its own cache, read from mem
 ShareGPT-like context lengths (mean input 161 plus up to 128 generated tokens), blocks
 scattered at random over the cache.
 
-    python benchmarks/cpu_attention.py --threads 2 --batch 16 64
+    python -m benchmarks.cpu_attention --threads 2 --batch 16 64
 """
 
 from __future__ import annotations
 
 import argparse
 import math
-import os
-import sys
 import time
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(__file__))
-from common import HelpFormatter, set_threads  # noqa: E402
-
-from pagedllm.kernels import paged_decode_attention_reference  # noqa: E402
-from pagedllm.kernels.paged_decode_attention_cpu import paged_decode_attention_cpu  # noqa: E402
-from pagedllm.server.worker import cpu_attention  # noqa: E402
+from benchmarks.common import HelpFormatter, set_threads
+from pagedllm.kernels import paged_decode_attention_reference
+from pagedllm.kernels.paged_decode_attention_cpu import paged_decode_attention_cpu
+from pagedllm.server.worker import cpu_attention
 
 
 def median_ms(fn, repeats: int) -> float:
@@ -113,7 +109,9 @@ def run_batch(batch: int, args: argparse.Namespace, threads: int) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.cpu_attention", description=__doc__, formatter_class=HelpFormatter
+    )
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: the CPU quota)")
     parser.add_argument("--batch", type=int, nargs="+", default=[16, 64], help="decoding sequences")
     parser.add_argument("--pad-tokens", type=int, nargs="+", default=[0, 32, 64, 100000], help="grouping thresholds")

@@ -3,9 +3,9 @@ stored contiguously, and against the GPU's measured device-to-device copy bandwi
 
 One command on a CUDA machine (writes benchmarks/results/kernels_<date>_<device>.{csv,md}):
 
-    python benchmarks/kernels.py            # full sweep: batch 1..256, context 512..8k
-    python benchmarks/kernels.py --quick    # a few points, a minute or so
-    python benchmarks/kernels.py --list     # print the sweep and exit (no GPU needed)
+    python -m benchmarks.kernels            # full sweep: batch 1..256, context 512..8k
+    python -m benchmarks.kernels --quick    # a few points, a minute or so
+    python -m benchmarks.kernels --list     # print the sweep and exit (no GPU needed)
 
 Per configuration (all sequences of one batch share the context length, so the
 contiguous baseline is exact):
@@ -24,7 +24,6 @@ import csv
 import datetime
 import itertools
 import math
-import os
 import re
 import statistics
 import sys
@@ -33,8 +32,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import HelpFormatter  # noqa: E402
+from benchmarks.common import HelpFormatter
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -62,7 +60,9 @@ def _ints(text: str) -> list[int]:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.kernels", description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter
+    )
     p.add_argument("--batch-sizes", type=_ints, default=[1, 8, 32, 64, 128, 256], help="comma-separated batch sizes")
     p.add_argument(
         "--context-lens",

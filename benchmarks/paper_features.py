@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import matplotlib.pyplot as plt
 import numpy as np
-from paper import Context, save
-from paper_memory import greedy
-from sim import replay
 from tqdm import tqdm
-from unshared import UnsharedEngine
-from workloads import Request
 
+from benchmarks.paper_memory import greedy
+from benchmarks.paper_setting import Context, save
+from benchmarks.sim import replay
+from benchmarks.unshared import UnsharedEngine
+from benchmarks.workloads import Request
 from pagedllm.server import SamplingParams
 from pagedllm.server.engine.llm_engine import LLMEngine
 

@@ -7,13 +7,13 @@ from collections.abc import Callable, Sequence
 
 import matplotlib.pyplot as plt
 import numpy as np
-from budget_baselines import hf_continuous_capacity, hf_static_online, measured_batch, roofline_batch
-from hf_baselines import _load
-from paper import Context, save
-from sim import ReplayResult, Roofline, replay
 from tqdm import tqdm
-from workloads import Request
 
+from benchmarks.budget_baselines import hf_continuous_capacity, hf_static_online, measured_batch, roofline_batch
+from benchmarks.hf_baselines import _load
+from benchmarks.paper_setting import Context, save
+from benchmarks.sim import ReplayResult, Roofline, replay
+from benchmarks.workloads import Request
 from pagedllm.server import SamplingParams
 
 ALLOCATORS = ("paged", "oracle", "pow2", "max")

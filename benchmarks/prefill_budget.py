@@ -4,21 +4,18 @@ For each budget: offline output tokens/s of the same requests, and the longest s
 which is how long running sequences wait for their next token while a prompt chunk is
 computed (the inter-token stall a streaming client sees).
 
-    python benchmarks/prefill_budget.py --threads 2 --budgets 256 512 1024 2048
+    python -m benchmarks.prefill_budget --threads 2 --budgets 256 512 1024 2048
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(__file__))
-from common import HelpFormatter, set_threads  # noqa: E402
-from throughput import MODEL_SHAPE, save_random_llama  # noqa: E402
-from workloads import Request, sample_requests  # noqa: E402
+from benchmarks.common import HelpFormatter, set_threads
+from benchmarks.throughput import MODEL_SHAPE, save_random_llama
+from benchmarks.workloads import Request, sample_requests
 
 
 def run(model_dir: str, requests: list[Request], batch: int, budget: int, threads: int) -> tuple[float, float]:
@@ -48,7 +45,9 @@ def run(model_dir: str, requests: list[Request], batch: int, budget: int, thread
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.prefill_budget", description=__doc__, formatter_class=HelpFormatter
+    )
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: the CPU quota)")
     parser.add_argument("--budgets", type=int, nargs="+", default=[256, 512, 1024, 2048], help="token budgets")
     parser.add_argument("--batch", type=int, default=32, help="max_num_seqs")

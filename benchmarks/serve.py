@@ -13,9 +13,9 @@ Metrics use ``vllm bench serve``'s definitions, so the numbers compare:
   E2EL                 send -> last chunk
 
     # against a running server
-    python benchmarks/serve.py --base-url http://127.0.0.1:8000 --num-prompts 200 --request-rate 4
+    python -m benchmarks.serve --base-url http://127.0.0.1:8000 --num-prompts 200 --request-rate 4
     # or start `pagedllm serve` (the demo model unless --serve-args gives --model) for the run
-    python benchmarks/serve.py --launch --num-prompts 200 --request-rate 4
+    python -m benchmarks.serve --launch --num-prompts 200 --request-rate 4
 """
 
 from __future__ import annotations
@@ -37,10 +37,9 @@ import time
 import httpx
 from tqdm.asyncio import tqdm
 
-sys.path.insert(0, os.path.dirname(__file__))
-from common import HelpFormatter  # noqa: E402
-from serve_metrics import RequestResult, report, summarize  # noqa: E402
-from workloads import WORKLOADS, poisson_arrivals, sample_requests  # noqa: E402
+from benchmarks.common import HelpFormatter
+from benchmarks.serve_metrics import RequestResult, report, summarize
+from benchmarks.workloads import WORKLOADS, poisson_arrivals, sample_requests
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
@@ -189,7 +188,7 @@ def _auth(args) -> dict:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m benchmarks.serve", description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--base-url", default="http://127.0.0.1:8000", help="The server (default: %(default)s).")
     p.add_argument("--launch", action="store_true", help="Start `pagedllm serve` on a free port for the run.")
     p.add_argument("--serve-args", default="", help="Extra `pagedllm serve` flags with --launch, as one string.")
@@ -270,7 +269,7 @@ def _save(args, model: str, summary: dict, text: str) -> None:
         "machine": machine,
         "env": env,
         "args": {k: (str(v) if isinstance(v, float) and not math.isfinite(v) else v) for k, v in config.items()},
-        "command": prefix + "python benchmarks/serve.py " + " ".join(sys.argv[1:]),
+        "command": prefix + "python -m benchmarks.serve " + " ".join(sys.argv[1:]),
         "summary": summary,
     }
     base = os.path.join(RESULTS_DIR, args.result_name)

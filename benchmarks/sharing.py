@@ -5,7 +5,7 @@ ShareGPT-like lengths, every step records the KV blocks in use and the blocks th
 sequences would hold without sharing; saving = 1 - sum(used) / sum(unshared) over the
 run. A tiny random LLaMA is enough: sharing depends on lengths, not on weights.
 
-    python benchmarks/sharing.py --num-requests 40
+    python -m benchmarks.sharing --num-requests 40
 """
 
 from __future__ import annotations
@@ -20,12 +20,10 @@ import time
 
 from tqdm import tqdm
 
-sys.path.insert(0, os.path.dirname(__file__))
-from common import HelpFormatter, set_threads  # noqa: E402
-from workloads import sample_requests  # noqa: E402
-
-from pagedllm.server import LLM, SamplingParams  # noqa: E402
-from pagedllm.server.demo import save_tiny_llama  # noqa: E402
+from benchmarks.common import HelpFormatter, set_threads
+from benchmarks.workloads import sample_requests
+from pagedllm.server import LLM, SamplingParams
+from pagedllm.server.demo import save_tiny_llama
 
 PAPER = {  # Fig. 15 of the paper, % saving
     ("alpaca", "parallel"): "6.1-9.8",
@@ -117,7 +115,9 @@ def prefix_caching(model_dir: str, args) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.sharing", description=__doc__, formatter_class=HelpFormatter
+    )
     parser.add_argument("--num-requests", type=int, default=40, help="requests per case")
     parser.add_argument("--max-output", type=int, default=1024, help="longest output, in tokens")
     parser.add_argument("--max-num-seqs", type=int, default=256, help="engine max_num_seqs")
@@ -138,7 +138,7 @@ def main() -> None:
     result = {
         "date": datetime.date.today().isoformat(),
         "device": "cpu",
-        "command": "python benchmarks/sharing.py " + " ".join(sys.argv[1:]),
+        "command": "python -m benchmarks.sharing " + " ".join(sys.argv[1:]),
         "sharing": rows,
         "prefix_caching": prefix,
     }

@@ -12,8 +12,8 @@ Afterwards it waits for the server to drain and checks, exiting non-zero on a fa
 - no 5xx other than the injected faults, no transport error other than the intended ones;
 - the server's RSS grew by at most ``--max-rss-growth-mib`` after the warm-up share.
 
-    python benchmarks/soak.py --launch --num-requests 10000 --concurrency 32
-    python benchmarks/soak.py --base-url http://127.0.0.1:8000 --server-pid 1234
+    python -m benchmarks.soak --launch --num-requests 10000 --concurrency 32
+    python -m benchmarks.soak --base-url http://127.0.0.1:8000 --server-pid 1234
 """
 
 from __future__ import annotations
@@ -34,9 +34,8 @@ from dataclasses import dataclass, field
 import httpx
 from tqdm.asyncio import tqdm
 
-sys.path.insert(0, os.path.dirname(__file__))
-from common import HelpFormatter  # noqa: E402
-from serve import launch  # noqa: E402
+from benchmarks.common import HelpFormatter
+from benchmarks.serve import launch
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 POISON = "poison"
@@ -259,7 +258,7 @@ def verdict(tally: Tally, extra: dict, args) -> tuple[dict, list[str]]:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m benchmarks.soak", description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--base-url", default="http://127.0.0.1:8000", help="server to soak (ignored with --launch)")
     p.add_argument("--launch", action="store_true", help="Start `pagedllm serve` (with fault injection) for the run.")
     p.add_argument("--serve-args", default="--max-num-seqs 32", help="Extra `pagedllm serve` flags with --launch.")
@@ -312,7 +311,7 @@ def main(argv=None) -> int:
         record = {
             "date": datetime.date.today().isoformat(),
             "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.platform()}",
-            "command": "python benchmarks/soak.py " + " ".join(sys.argv[1:]),
+            "command": "python -m benchmarks.soak " + " ".join(sys.argv[1:]),
             "args": vars(args),
             "summary": summary,
         }

@@ -6,28 +6,24 @@ turn the same ``SchedulerOutput`` into the step's tensors (token ids, positions,
 mapping, block tables, context lengths, sample rows), in alternating order. Reported:
 the median over steps of each, in microseconds, and the ratio.
 
-    python benchmarks/step_inputs.py --threads 1 --batch 16 64 256
+    python -m benchmarks.step_inputs --threads 1 --batch 16 64 256
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
-from common import HelpFormatter, set_threads  # noqa: E402
-
-from pagedllm.server.config import SchedulerConfig  # noqa: E402
-from pagedllm.server.core.block_manager import BlockManager  # noqa: E402
-from pagedllm.server.core.scheduler import Scheduler  # noqa: E402
-from pagedllm.server.core.sequence import Sequence, SequenceGroup  # noqa: E402
-from pagedllm.server.sampling_params import SamplingParams  # noqa: E402
-from pagedllm.server.worker.input_batch import InputBatch  # noqa: E402
-from pagedllm.server.worker.step_inputs import prepare_batched_inputs, prepare_inputs  # noqa: E402
+from benchmarks.common import HelpFormatter, set_threads
+from pagedllm.server.config import SchedulerConfig
+from pagedllm.server.core.block_manager import BlockManager
+from pagedllm.server.core.scheduler import Scheduler
+from pagedllm.server.core.sequence import Sequence, SequenceGroup
+from pagedllm.server.sampling_params import SamplingParams
+from pagedllm.server.worker.input_batch import InputBatch
+from pagedllm.server.worker.step_inputs import prepare_batched_inputs, prepare_inputs
 
 CPU = torch.device("cpu")
 
@@ -69,7 +65,9 @@ def run(batch: int, steps: int, block_size: int, prompt_len: int, max_model_len:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.step_inputs", description=__doc__, formatter_class=HelpFormatter
+    )
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: the CPUs allowed)")
     parser.add_argument("--batch", type=int, nargs="+", default=[16, 64, 256], help="decoding sequences")
     parser.add_argument("--steps", type=int, default=200, help="decode steps timed per batch size")

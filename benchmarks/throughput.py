@@ -10,8 +10,8 @@ Greedy decoding, EOS ignored, so every system generates exactly the same number 
 Also measures the engine's scheduling overhead per step (scheduler + block manager, no
 model) with many running sequences.
 
-    python benchmarks/throughput.py --threads 2
-    python benchmarks/throughput.py --threads 1 --systems ours,ceiling
+    python -m benchmarks.throughput --threads 2
+    python -m benchmarks.throughput --threads 1 --systems ours,ceiling
 """
 
 from __future__ import annotations
@@ -27,10 +27,9 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
-from common import HelpFormatter, set_threads  # noqa: E402
-from hf_baselines import forward_ceiling, run_hf_continuous, run_hf_static  # noqa: E402
-from workloads import Request, sample_requests  # noqa: E402
+from benchmarks.common import HelpFormatter, set_threads
+from benchmarks.hf_baselines import forward_ceiling, run_hf_continuous, run_hf_static
+from benchmarks.workloads import Request, sample_requests
 
 MODEL_SHAPE = dict(
     vocab_size=8000,
@@ -131,7 +130,9 @@ def ratios(rates: dict[str, float]) -> dict[str, float]:
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.throughput", description=__doc__, formatter_class=HelpFormatter
+    )
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: the CPU quota)")
     parser.add_argument("--batch-sizes", default="16,64", help="sequences per batch, for every system")
     parser.add_argument("--num-requests", default="32,64", help="requests per batch size (same order)")
@@ -167,7 +168,7 @@ def main() -> None:
         "cases": [],
         "scheduling_overhead_us_per_step": overhead,
         "overhead_running_seqs": args.overhead_seqs,
-        "command": "python benchmarks/throughput.py " + " ".join(sys.argv[1:]),
+        "command": "python -m benchmarks.throughput " + " ".join(sys.argv[1:]),
     }
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, f"throughput-{result['date']}-cpu{os.cpu_count()}-{threads}t.json")

@@ -8,7 +8,7 @@
    the N ranks share the machine's cores (each gets cores / N threads), so this measures
    the overhead of splitting, not a speed-up; on GPUs each rank has its own device.
 
-    python benchmarks/tp.py --tp 2 --save
+    python -m benchmarks.tp --tp 2 --save
 """
 
 from __future__ import annotations
@@ -27,12 +27,10 @@ import time
 import torch
 from tqdm import tqdm
 
+from benchmarks.common import HelpFormatter, set_threads
 from pagedllm.server import LLM, SamplingParams
 from pagedllm.server.worker.attention import AttentionMetadata
 from pagedllm.server.worker.step_inputs import ModelStep
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import HelpFormatter, set_threads  # noqa: E402
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
@@ -78,8 +76,9 @@ def message_cost(batch: int, context: int, block_size: int, repeats: int) -> dic
 
 
 def throughput(model_dir: str, tp: int, num_requests: int, prompt_len: int, output_len: int) -> dict:
-    llm = LLM(model=model_dir, tensor_parallel_size=tp, load_format="dummy", block_size=16, max_num_seqs=num_requests)
-    try:
+    with LLM(
+        model=model_dir, tensor_parallel_size=tp, load_format="dummy", block_size=16, max_num_seqs=num_requests
+    ) as llm:
         prompts = [
             {"prompt_token_ids": [(i * 7 + j) % 200 + 1 for j in range(prompt_len)]} for i in range(num_requests)
         ]
@@ -89,8 +88,6 @@ def throughput(model_dir: str, tp: int, num_requests: int, prompt_len: int, outp
         llm.generate(prompts, params)
         elapsed = time.perf_counter() - start
         threads = llm.llm_engine.runner.threads
-    finally:
-        llm.llm_engine.shutdown()
     return {
         "tp": tp,
         "seconds": round(elapsed, 3),
@@ -115,7 +112,7 @@ def tiny_llama(path: str, hidden: int, layers: int, heads: int) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m benchmarks.tp", description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--tp", type=int, default=2, help="tensor-parallel size compared with 1")
     p.add_argument("--context", type=int, default=1024, help="context length of the probed decode steps")
     p.add_argument("--repeats", type=int, default=200, help="messages timed per batch size")
@@ -139,7 +136,7 @@ def main(argv=None) -> int:
     result = {
         "date": datetime.date.today().isoformat(),
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.platform()}, torch {torch.__version__}",
-        "command": "python benchmarks/tp.py " + " ".join(sys.argv[1:]),
+        "command": "python -m benchmarks.tp " + " ".join(sys.argv[1:]),
         "model": f"random LLaMA, hidden {args.hidden}, {args.layers} layers, {args.heads} heads",
         "step_messages": messages,
         "throughput": runs,

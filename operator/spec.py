@@ -2,10 +2,11 @@
 
 The CRD (``crds/pagedllm.yaml``) is the source of truth for defaults and bounds; every
 scalar field below carries the same default, enum and range in its metadata, and
-``tests/operator/test_spec.py`` checks the two agree. Parsing here is the operator's
-second line of defence: a spec that slipped past the schema (an old CRD, a cluster
-without CEL) is refused with a :class:`SpecError` naming the field, the value and what
-is allowed, and the handlers turn that into a ``Degraded`` condition.
+``test_operator_spec_mirrors_the_schema`` in ``tests/operator/test_crd.py`` checks the
+two agree (``tests/operator/test_crd_scalars.py``: both accept the same values). Parsing
+here is the operator's second line of defence: a spec that slipped past the schema (an
+old CRD, a cluster without CEL) is refused with a :class:`SpecError` naming the field,
+the value and what is allowed, and the handlers turn that into a ``Degraded`` condition.
 """
 
 from __future__ import annotations

@@ -14,7 +14,12 @@ from pagedllm.server.sampling_params import SamplingParams
 
 
 class LLM:
-    """Generate completions for a batch of prompts: ``LLM(model=path).generate(prompts, params)``."""
+    """Generate completions for a batch of prompts: ``LLM(model=path).generate(prompts, params)``.
+
+    ``with LLM(model=path) as llm:`` (or :meth:`shutdown`) releases the engine at a known
+    point: its tensor-parallel ranks, process group and KV cache. Dropping the last
+    reference does the same, so another ``LLM`` can be built in the same process either way.
+    """
 
     def __init__(self, model: str | None = None, **engine_args) -> None:
         self.llm_engine = LLMEngine(EngineConfig.from_kwargs(model=model, **engine_args))
@@ -29,6 +34,19 @@ class LLM:
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel ranks, leave the process group and free the KV cache (idempotent).
+
+        A later :meth:`generate` raises :class:`~pagedllm.server.engine.llm_engine.EngineClosedError`.
+        """
+        self.llm_engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.shutdown()
 
     def generate(
         self,

@@ -46,9 +46,11 @@ class SharingStats:
 def block_hash(parent: BlockHash | None, token_ids: Seq[int]) -> BlockHash:
     """The prefix-cache key of a full block: sha256 over its parent's key and its tokens.
 
-    NOTE: a hit hands one request's KV blocks to another without comparing tokens, so the
-    key must not collide: a 256-bit digest, chained through the parent so equal keys mean
-    equal whole prefixes, not just equal blocks.
+    NOTE: the key only finds a candidate block. The hit itself compares the block's tokens
+    and its parent (its :class:`BlockContent`, in :meth:`BlockPool.cached_block`), so even
+    a colliding key cannot hand one request's KV blocks to another; a collision costs a
+    cache miss. Chained through the parent, equal keys stand for equal whole prefixes, and
+    a 256-bit digest keeps such misses out of the way.
     """
     digest = hashlib.sha256(parent or b"")
     digest.update(struct.pack(f"<{len(token_ids)}q", *token_ids))

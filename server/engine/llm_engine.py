@@ -63,8 +63,17 @@ class EngineStats:
     num_copy_on_writes: int
 
 
+class EngineClosedError(RuntimeError):
+    """The engine was shut down: its ranks are stopped and its KV cache is freed."""
+
+
 class LLMEngine:
-    """Owns the scheduler, block manager, model runner and sampler for one model."""
+    """Owns the scheduler, block manager, model runner and sampler for one model.
+
+    ``shutdown()`` (or leaving a ``with LLMEngine(config) as engine:`` block) stops the
+    tensor-parallel ranks, leaves the process group and frees the KV cache at once; an
+    engine that is dropped does the same as soon as its last reference goes.
+    """
 
     def __init__(self, config: EngineConfig) -> None:
         config = _with_model_dir(config)
@@ -81,7 +90,10 @@ class LLMEngine:
         tp = config.parallel.tensor_parallel_size
         check_tensor_parallel(hf_config, tp, device)
         self.runner = ModelRunner(config, hf_config, info.max_model_len)
-        # NOTE: stops the other tensor-parallel ranks when the engine is collected or the interpreter exits.
+        # NOTE: runs shutdown() when the last reference to the engine goes or the interpreter exits.
+        # Nothing the engine owns may point back at it (no bound methods of it handed to its
+        # parts), or the engine sits in a cycle and its ranks and process group outlive it
+        # until a garbage-collection pass: a second tensor-parallel engine could not start.
         self._finalizer = weakref.finalize(self, self.runner.shutdown)
         try:
             self._build(config, info)
@@ -99,7 +111,7 @@ class LLMEngine:
         self.sampler = Sampler(config.model.seed)
         self.input_processor = InputProcessor(self.tokenizer, info.vocab_size, limit, config.scheduler.max_num_seqs)
         self.output_processor = OutputProcessor(self.tokenizer, info.eos_token_ids, limit)
-        self._seq_ids = itertools.count()
+        self._next_seq_id = itertools.count().__next__  # NOTE: the counter's method, not the engine's
         self._requests: dict[str, RequestState] = {}
         self._num_steps = 0
         self.step_failures = StepFailureWindow()
@@ -151,14 +163,12 @@ class LLMEngine:
             bm.reservation = KVReservation(config.cache.kv_reservation, bm.block_size, min(max_model_len, capacity))
         return bm
 
-    def _next_seq_id(self) -> int:
-        return next(self._seq_ids)
-
     # -- requests -----------------------------------------------------------------------
     def add_request(
         self, request_id: str, prompt: PromptType, sampling_params: SamplingParams, arrival_time: float | None = None
     ) -> None:
         """Queue a request; an invalid prompt or parameters raise :class:`ConfigError` at once."""
+        self._check_open()
         if request_id in self._requests:
             raise ConfigError("request_id", request_id, "give each request its own id", problem="is already in use")
         params = sampling_params
@@ -211,6 +221,7 @@ class LLMEngine:
         requests. Either way their blocks are freed and the engine goes on, unless the
         bookkeeping no longer adds up or steps keep failing (:class:`EngineFatalError`).
         """
+        self._check_open()
         out = self.scheduler.schedule()
         touched = {id(g): g for g in out.ignored}
         failed: dict[str, str] = {}
@@ -266,9 +277,31 @@ class LLMEngine:
         except WorkerDiedError as exc:
             raise EngineFatalError(str(exc)) from exc
 
+    # -- lifecycle -----------------------------------------------------------------------
     def shutdown(self) -> None:
-        """Stop the other tensor-parallel ranks (idempotent; also runs when the engine is collected)."""
+        """Stop the other tensor-parallel ranks, leave the process group, free the KV cache.
+
+        Idempotent; also runs when the engine is dropped and at interpreter exit. Afterwards
+        :meth:`add_request` and :meth:`step` raise :class:`EngineClosedError`.
+        """
         self._finalizer()
+
+    @property
+    def is_closed(self) -> bool:
+        """True once :meth:`shutdown` has run."""
+        return not self._finalizer.alive
+
+    def _check_open(self) -> None:
+        if self.is_closed:
+            raise EngineClosedError(
+                "the engine was shut down (shutdown() or the end of its `with` block): build a new one"
+            )
+
+    def __enter__(self) -> LLMEngine:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.shutdown()
 
     def describe(self, host: str | None = None, port: int | None = None) -> str:
         """The start-up summary a person reads: what runs where, and how much cache it has."""

@@ -37,8 +37,9 @@ def _run_generate(args: argparse.Namespace) -> int:
         n=args.n,
         seed=config.model.seed,
     )
-    llm = LLM.from_config(config)
-    for output in llm.generate(args.prompts, params):
+    with LLM.from_config(config) as llm:
+        outputs = llm.generate(args.prompts, params)
+    for output in outputs:
         for completion in output.outputs:
             print((output.prompt or "") + completion.text)
             print("-" * 40)

@@ -119,7 +119,15 @@ class ModelRunner:
         return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * element
 
     def shutdown(self) -> None:
-        """Stop the other tensor-parallel ranks, if any."""
+        """Free this rank's KV cache and stop the other tensor-parallel ranks, if any (idempotent).
+
+        NOTE: the other ranks free their caches as their processes exit; the workers leave the
+        process group last, so a new tensor-parallel runner can start in this process.
+        """
+        self.kv_caches = []
+        self.host_caches = []
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # NOTE: hands the freed blocks back to the device, not only to torch's pool
         if self.workers is not None:
             self.workers.shutdown()
 

@@ -1,25 +1,21 @@
 """The paper benchmarks at smoke scale: the properties that hold on any machine.
 
-Each experiment of ``benchmarks/paper.py`` runs on a tiny random LLaMA with a few short
-requests and a KV budget small enough that memory decides who runs.
+Each experiment of ``python -m benchmarks.paper`` runs on a tiny random LLaMA with a few
+short requests and a KV budget small enough that memory decides who runs.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import pathlib
-import sys
 
 import pytest
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "benchmarks"))
-import paper  # noqa: E402
-import paper_features  # noqa: E402
-import paper_memory  # noqa: E402
+from benchmarks import paper_features, paper_memory
+from benchmarks.paper_setting import CPU, Context, build_model
 
 SMOKE = dataclasses.replace(
-    paper.CPU,
+    CPU,
     name="smoke",
     budget_blocks={"sharegpt": 40, "alpaca": 24, "chatbot": 40, "prefix": 40},
     num_requests={"sharegpt": 16, "alpaca": 24, "chatbot": 8, "prefix": 10},
@@ -37,16 +33,23 @@ SMOKE = dataclasses.replace(
 
 
 @pytest.fixture(scope="module")
-def ctx(tmp_path_factory):
-    root = tmp_path_factory.mktemp("paper")
-    vocab = paper.build_model(SMOKE, str(root / "model"))
-    return paper.Context(SMOKE, str(root / "model"), seed=0, threads=1, vocab=vocab, clocks=("measured", "roofline"))
+def model(tmp_path_factory) -> tuple[str, int]:
+    """The tiny model's directory and vocabulary size, written once for the module."""
+    path = str(tmp_path_factory.mktemp("paper") / "model")
+    return path, build_model(SMOKE, path)
 
 
-@pytest.fixture(autouse=True)
-def results_dir(tmp_path, monkeypatch):
-    monkeypatch.setattr(paper, "RESULTS", str(tmp_path))
+@pytest.fixture
+def results_dir(tmp_path):
     return tmp_path
+
+
+@pytest.fixture
+def ctx(model, results_dir) -> Context:
+    model_dir, vocab = model
+    return Context(
+        SMOKE, model_dir, seed=0, threads=1, vocab=vocab, clocks=("measured", "roofline"), results=str(results_dir)
+    )
 
 
 def test_paging_wastes_least_and_reservations_order_oracle_pow2_max(ctx, results_dir):

@@ -17,7 +17,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 def test_300_mixed_requests_leak_nothing():
     cmd = [
         sys.executable,
-        str(ROOT / "benchmarks" / "soak.py"),
+        "-m",
+        "benchmarks.soak",
         "--launch",
         "--num-requests",
         "300",
@@ -26,7 +27,9 @@ def test_300_mixed_requests_leak_nothing():
         "--serve-args",
         "--max-num-seqs 16",
     ]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=540, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    done = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=540, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     summary = json.loads(done.stdout[done.stdout.index("{") : done.stdout.rindex("}") + 1])
     assert summary["requests"] == 300 and summary["problems"] == []

@@ -6,14 +6,20 @@
   validate resources against it.
 - :func:`apply_defaults`: the API server's defaulting (a ``default`` fills a missing
   field wherever its parent object exists).
-- :func:`cel_rules`: every ``x-kubernetes-validations`` rule with the path it applies at.
+- :func:`cel_rules`: every ``x-kubernetes-validations`` rule with the path it applies at,
+  and :func:`failed_cel_rules`: the messages of those a resource breaks (``celpy``).
+- :func:`resource_validator`: a validator for whole resources, built once per schema.
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 from collections.abc import Iterator
 from typing import Any
+
+import jsonschema
+import pytest
 
 _DROP = {
     "x-kubernetes-validations",
@@ -89,3 +95,68 @@ def cel_rules(schema: dict) -> Iterator[tuple[str, str, str]]:
     for path, sub in walk(schema):
         for rule in sub.get("x-kubernetes-validations", []):
             yield path, rule["rule"], rule.get("message", "")
+
+
+def spec_schema(crd_schema: dict) -> dict:
+    """The schema of a resource's ``spec``."""
+    return crd_schema["properties"]["spec"]
+
+
+_VALIDATORS: dict = {}
+
+
+def resource_validator(crd_schema: dict) -> jsonschema.Draft202012Validator:
+    """A validator for whole resources (built once: checking the schema itself is slow)."""
+    key = id(crd_schema)
+    if key not in _VALIDATORS:
+        schema = to_jsonschema(crd_schema)
+        jsonschema.Draft202012Validator.check_schema(schema)
+        _VALIDATORS[key] = jsonschema.Draft202012Validator(schema)
+    return _VALIDATORS[key]
+
+
+def _resolve(obj, path: str):
+    node = obj
+    for part in path.split(".") if path else []:
+        if not isinstance(node, dict) or part not in node:
+            return _ABSENT
+        node = node[part]
+    return node
+
+
+_ABSENT = object()
+
+
+def failed_cel_rules(crd_schema: dict, obj: dict, *, required: bool = True) -> list[str]:
+    """Messages of the CEL rules ``obj`` (a defaulted resource) breaks."""
+    celpy = (
+        pytest.importorskip("celpy", reason="cel-python evaluates the CRD's CEL rules offline")
+        if required
+        else _maybe_celpy()
+    )
+    if celpy is None:
+        return []
+    failed = []
+    for path, rule, message in cel_rules(crd_schema):
+        value = _resolve(obj, path)
+        if value is _ABSENT:
+            continue
+        if not _cel_program(rule).evaluate({"self": celpy.json_to_cel(value)}):
+            failed.append(message)
+    return failed
+
+
+@functools.cache
+def _cel_program(rule: str):
+    import celpy
+
+    env = celpy.Environment()
+    return env.program(env.compile(rule))
+
+
+def _maybe_celpy():
+    try:
+        import celpy
+    except ImportError:
+        return None
+    return celpy

@@ -1,4 +1,4 @@
-"""Repository paths and the helm runner shared by the chart and operator tests."""
+"""Repository paths, the helm runner and RBAC rule sets shared by the chart and operator tests."""
 
 from __future__ import annotations
 
@@ -21,3 +21,14 @@ def run_helm(helm: str, *args: str) -> str:
     if result.returncode != 0:
         raise HelmError(f"helm {' '.join(args)} failed:\n{result.stdout}\n{result.stderr}")
     return result.stdout
+
+
+def rules_of(role: dict) -> set[tuple[str, str, str]]:
+    """(group, resource, verb) of every grant in a (Cluster)Role."""
+    return {
+        (group, resource, verb)
+        for rule in role["rules"]
+        for group in rule["apiGroups"]
+        for resource in rule["resources"]
+        for verb in rule["verbs"]
+    }

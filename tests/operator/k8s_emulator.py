@@ -256,6 +256,32 @@ class EmulatedCluster:
         assert self.api is not None
         return [r for r in list(self.api._requests) if r.headers.get("User-Agent", "") != CLIENT_AGENT]
 
+    def operator_rbac_calls(self) -> set[tuple[str, str, str]]:
+        """(group, resource[/subresource], verb) of the operator's requests, as RBAC rules name them.
+
+        Discovery (``/api``, ``/apis/GROUP/VERSION``) is left out: it is open to every
+        authenticated user.
+        """
+        calls = set()
+        for request in self.operator_requests():
+            resource = request.resource
+            if resource is None or resource.plural is None:
+                continue
+            plural = f"{resource.plural}/{request.subresource}" if request.subresource else resource.plural
+            calls.add((resource.group, plural, RBAC_VERBS[request.action.value.lower()]))
+        return calls
+
+
+# kmock's action names -> the RBAC verbs they need.
+RBAC_VERBS = {
+    "list": "list",
+    "watch": "watch",
+    "fetch": "get",
+    "create": "create",
+    "update": "patch",
+    "delete": "delete",
+}
+
 
 CLIENT_AGENT = "pagedllm-tests"
 

@@ -5,8 +5,7 @@ from __future__ import annotations
 import kubernetes
 import pytest
 from k8s_emulator import OPTIONAL_RESOURCE_INFOS
-from test_fleet_manifests import KEDA
-from test_manifests import body
+from resource_factories import KEDA, body
 
 from pagedllm.operator.capabilities import servable, with_features
 from pagedllm.operator.kube import DISCOVERY_TTL_SECONDS, ApiError, KubeClient

@@ -16,7 +16,7 @@ import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
-from helm_tools import CHART_DIR, CRD_PATH, ROOT, HelmError, run_helm
+from helm_tools import CHART_DIR, CRD_PATH, ROOT, HelmError, rules_of, run_helm
 
 from pagedllm.operator.main import add_operator_args
 from pagedllm.operator.spec import PagedLLMSpec
@@ -176,16 +176,6 @@ def test_hpa_mode_may_still_read_and_delete_scaled_objects(helm_template):
     (role,) = by_kind(helm_template())["ClusterRole"]
     scaled = {verb for group, resource, verb in rules_of(role) if resource == "scaledobjects"}
     assert scaled == {"get", "delete"}
-
-
-def rules_of(doc: dict) -> set[tuple[str, str, str]]:
-    return {
-        (group, resource, verb)
-        for rule in doc["rules"]
-        for group in rule["apiGroups"]
-        for resource in rule["resources"]
-        for verb in rule["verbs"]
-    }
 
 
 NAMESPACED_RULES = (

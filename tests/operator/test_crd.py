@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import functools
 import socket
 from pathlib import Path
 
@@ -18,7 +17,8 @@ import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
-from crd_jsonschema import apply_defaults, cel_rules, to_jsonschema, walk
+from crd_jsonschema import apply_defaults, failed_cel_rules, resource_validator, spec_schema, to_jsonschema, walk
+from resource_factories import resource
 
 from pagedllm.operator.command import ENGINE_FIELDS
 from pagedllm.operator.manifests import GRACE_MARGIN_SECONDS, PRESTOP_SLEEP_SECONDS, RenderConfig, render
@@ -40,10 +40,6 @@ def no_network(monkeypatch):
 
     monkeypatch.setattr(socket.socket, "connect", refuse)
     monkeypatch.setattr(socket, "create_connection", refuse)
-
-
-def spec_schema(crd_schema: dict) -> dict:
-    return crd_schema["properties"]["spec"]
 
 
 def test_names_scope_and_subresources(crd):
@@ -193,19 +189,6 @@ def test_engine_fields_agree_with_the_engine(crd_schema):
         engine_config.CacheConfig(block_size=size)
 
 
-_VALIDATORS: dict = {}
-
-
-def resource_validator(crd_schema: dict) -> jsonschema.Draft202012Validator:
-    """A validator for whole resources (built once: checking the schema itself is slow)."""
-    key = id(crd_schema)
-    if key not in _VALIDATORS:
-        schema = to_jsonschema(crd_schema)
-        jsonschema.Draft202012Validator.check_schema(schema)
-        _VALIDATORS[key] = jsonschema.Draft202012Validator(schema)
-    return _VALIDATORS[key]
-
-
 def example_resources() -> list[dict]:
     docs = [doc for path in EXAMPLES for doc in yaml.safe_load_all(path.read_text()) if doc]
     return [doc for doc in docs if doc.get("kind") == "PagedLLM"]
@@ -214,8 +197,8 @@ def example_resources() -> list[dict]:
 def test_examples_exist_and_validate(crd_schema):
     resources = example_resources()
     assert len(resources) >= 2, "examples/ should show a PagedLLM or two"
-    for resource in resources:
-        defaulted = apply_defaults(crd_schema, resource)
+    for example in resources:
+        defaulted = apply_defaults(crd_schema, example)
         resource_validator(crd_schema).validate(defaulted)
         assert not failed_cel_rules(crd_schema, defaulted, required=False)
         render(
@@ -225,62 +208,6 @@ def test_examples_exist_and_validate(crd_schema):
 
 
 # -- CEL rules ----------------------------------------------------------------------------
-
-
-def _resolve(obj, path: str):
-    node = obj
-    for part in path.split(".") if path else []:
-        if not isinstance(node, dict) or part not in node:
-            return _ABSENT
-        node = node[part]
-    return node
-
-
-_ABSENT = object()
-
-
-def failed_cel_rules(crd_schema: dict, obj: dict, *, required: bool = True) -> list[str]:
-    """Messages of the CEL rules ``obj`` (a defaulted resource) breaks."""
-    celpy = (
-        pytest.importorskip("celpy", reason="cel-python evaluates the CRD's CEL rules offline")
-        if required
-        else _maybe_celpy()
-    )
-    if celpy is None:
-        return []
-    failed = []
-    for path, rule, message in cel_rules(crd_schema):
-        value = _resolve(obj, path)
-        if value is _ABSENT:
-            continue
-        if not _cel_program(rule).evaluate({"self": celpy.json_to_cel(value)}):
-            failed.append(message)
-    return failed
-
-
-@functools.cache
-def _cel_program(rule: str):
-    import celpy
-
-    env = celpy.Environment()
-    return env.program(env.compile(rule))
-
-
-def _maybe_celpy():
-    try:
-        import celpy
-    except ImportError:
-        return None
-    return celpy
-
-
-def resource(**spec) -> dict:
-    return {
-        "apiVersion": "pagedllm.dev/v1alpha1",
-        "kind": "PagedLLM",
-        "metadata": {"name": "llama"},
-        "spec": {"model": "org/model", **spec},
-    }
 
 
 CEL_CASES = [

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import pytest
-from crd_jsonschema import apply_defaults
+from crd_jsonschema import apply_defaults, failed_cel_rules, resource_validator, spec_schema
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_crd import failed_cel_rules, resource, resource_validator, spec_schema
+from resource_factories import resource
 
 from pagedllm.operator.spec import PagedLLMSpec, SpecError
 

@@ -10,7 +10,7 @@ import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
-from test_manifests import CONFIG, body
+from resource_factories import CONFIG, KEDA, body
 from third_party_schemas import validate_manifest
 
 from pagedllm.operator.autoscaling import MAX_KEDA_NAME, METRIC_SERIES, pod_pattern, prometheus_query, quantity
@@ -20,8 +20,6 @@ from pagedllm.operator.manifests import RenderConfig, render, selector_labels
 from pagedllm.operator.routing import endpoint_picker_name
 from pagedllm.operator.spec import SpecError
 from pagedllm.operator.status import status_from
-
-KEDA = RenderConfig(default_image="img", autoscaler="keda", prometheus_address="http://prom.monitoring.svc:9090")
 
 
 def by_kind(manifests) -> dict[str, dict]:

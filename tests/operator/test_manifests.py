@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import pytest
+from resource_factories import CONFIG, UID, body, pod, server
 from third_party_schemas import validate_manifest
 
 from pagedllm.operator.command import API_KEY_ENV, SERVE_COMMAND
@@ -13,33 +14,11 @@ from pagedllm.operator.manifests import (
     GRACE_MARGIN_SECONDS,
     PRESTOP_SLEEP_SECONDS,
     RUN_AS,
-    RenderConfig,
     labels,
     render,
     selector_labels,
 )
 from pagedllm.operator.spec import SpecError
-
-CONFIG = RenderConfig(default_image="registry.example/pagedllm:1")
-UID = "6f1c2c1e-0000-4000-8000-000000000001"
-
-
-def body(name: str = "llama", namespace: str = "ml", generation: int = 3, **spec) -> dict:
-    return {
-        "apiVersion": "pagedllm.dev/v1alpha1",
-        "kind": "PagedLLM",
-        "metadata": {"name": name, "namespace": namespace, "uid": UID, "generation": generation},
-        "spec": {"model": "meta-llama/Llama-2-7b-hf", **spec},
-    }
-
-
-def pod(manifests) -> dict:
-    return manifests.deployment["spec"]["template"]["spec"]
-
-
-def server(manifests) -> dict:
-    (container,) = pod(manifests)["containers"]
-    return container
 
 
 def volume_names(manifests) -> set[str]:

@@ -10,6 +10,7 @@ import urllib.request
 
 import pytest
 from emulated_scenario import KIND, condition, flag_value, pagedllm, server_container
+from helm_tools import rules_of
 
 pytestmark = pytest.mark.k8s
 
@@ -266,21 +267,10 @@ def test_model_cache_renders_an_owned_claim(scenario):
 
 # -- run last: they look back at everything the operator did in this module ---------------
 
-VERBS = {"list": "list", "watch": "watch", "fetch": "get", "create": "create", "update": "patch", "delete": "delete"}
-
 
 def test_chart_rbac_grants_every_call_the_operator_made(cluster, helm_template):
     (role,) = [doc for doc in helm_template() if doc["kind"] == "ClusterRole"]
-    granted = {
-        (g, r, v) for rule in role["rules"] for g in rule["apiGroups"] for r in rule["resources"] for v in rule["verbs"]
-    }
-    used = set()
-    for request in cluster.operator_requests():
-        resource = request.resource
-        if resource is None or resource.plural is None:
-            continue  # discovery (/api, /apis/GROUP/VERSION): open to every authenticated user
-        plural = f"{resource.plural}/{request.subresource}" if request.subresource else resource.plural
-        used.add((resource.group, plural, VERBS[request.action.value.lower()]))
+    granted, used = rules_of(role), cluster.operator_rbac_calls()
     assert used - granted == set(), f"calls the chart's RBAC does not allow: {sorted(used - granted)}"
     # The module exercised the operator enough for this to mean something.
     assert {

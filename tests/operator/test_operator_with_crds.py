@@ -9,10 +9,9 @@ from __future__ import annotations
 import pytest
 import yaml
 from emulated_scenario import condition, pagedllm
-from helm_tools import CRD_PATH
+from helm_tools import CRD_PATH, rules_of
 from k8s_emulator import OPTIONAL_RESOURCE_INFOS, Client, EmulatedCluster
 from operator_process import running_operator
-from test_operator_emulated import VERBS
 
 pytestmark = pytest.mark.k8s
 
@@ -80,16 +79,7 @@ def test_routing_and_autoscaling_turned_off_delete_their_objects(scenario):
 
 def test_chart_rbac_with_keda_grants_every_call_the_operator_made(cluster, helm_template):
     (role,) = [doc for doc in helm_template("--set", "autoscaler=keda") if doc["kind"] == "ClusterRole"]
-    granted = {
-        (g, r, v) for rule in role["rules"] for g in rule["apiGroups"] for r in rule["resources"] for v in rule["verbs"]
-    }
-    used = set()
-    for request in cluster.operator_requests():
-        resource = request.resource
-        if resource is None or resource.plural is None:
-            continue  # discovery: open to every authenticated user
-        plural = f"{resource.plural}/{request.subresource}" if request.subresource else resource.plural
-        used.add((resource.group, plural, VERBS[request.action.value.lower()]))
+    granted, used = rules_of(role), cluster.operator_rbac_calls()
     assert used - granted == set(), f"calls the chart's RBAC does not allow: {sorted(used - granted)}"
     assert {
         ("keda.sh", "scaledobjects", "patch"),

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from crd_jsonschema import apply_defaults
-from test_crd import failed_cel_rules, resource
-from test_manifests import CONFIG, body, pod, server
+from crd_jsonschema import apply_defaults, failed_cel_rules
+from resource_factories import CONFIG, body, pod, resource, server
 from third_party_schemas import validate_manifest
 
 from pagedllm.operator.manifests import HOME_DIR, render, selector_labels

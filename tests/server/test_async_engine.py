@@ -108,6 +108,7 @@ def test_only_the_engine_thread_touches_the_engine(tiny_llama):
     callers = holder["engine"].callers
     assert len(callers) == 1 and threading.get_ident() not in callers
     assert not engine_thread or callers == set(engine_thread)
+    assert holder["engine"].is_closed, "the engine thread shuts the engine down on its way out"
 
 
 def test_closing_or_cancelling_a_stream_aborts_and_frees_blocks(tiny_llama):

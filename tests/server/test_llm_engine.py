@@ -1,15 +1,18 @@
-"""The engine's start-up choices: the token budget resolved for its device, and what it serves with it."""
+"""The engine's start-up choices: the token budget resolved for its device, and what it serves with it;
+how it is released."""
 
 from __future__ import annotations
 
+import gc
 import logging
+import weakref
 
 import pytest
 from engine_factories import HFReference, assert_greedy_matches, make_prompts
 
 from pagedllm.server import LLM, SamplingParams
 from pagedllm.server.config import ConfigError, EngineConfig
-from pagedllm.server.engine.llm_engine import LLMEngine
+from pagedllm.server.engine.llm_engine import EngineClosedError, LLMEngine
 
 
 def engine(model_dir: str, **kwargs) -> LLMEngine:
@@ -89,3 +92,36 @@ def test_warm_up_runs_a_prefill_and_a_decode_step_and_leaves_nothing_behind(tiny
     assert not e.has_unfinished_requests()
     stats = e.stats()
     assert stats.num_free_gpu_blocks == stats.num_gpu_blocks
+
+
+def test_leaving_the_with_block_frees_the_cache_and_refuses_more_work(tiny_llama):
+    with engine(tiny_llama, num_gpu_blocks_override=16) as e:
+        e.add_request("a", {"prompt_token_ids": [1, 2, 3]}, greedy(2))
+        while e.has_unfinished_requests():
+            e.step()
+        cache = weakref.ref(e.runner.kv_caches[0][0])
+        assert not e.is_closed
+    assert e.is_closed and e.runner.kv_caches == [] and e.runner.host_caches == []
+    assert cache() is None, "the KV cache tensors are still referenced after shutdown"
+    with pytest.raises(EngineClosedError, match="the engine was shut down"):
+        e.add_request("b", {"prompt_token_ids": [1, 2, 3]}, greedy(2))
+    with pytest.raises(EngineClosedError, match="the engine was shut down"):
+        e.step()
+    e.shutdown()  # idempotent
+
+
+def test_a_dropped_engine_is_freed_by_reference_counting_alone(tiny_llama):
+    """Nothing the engine owns points back at it, so dropping it releases it without a gc pass."""
+    e = engine(tiny_llama, num_gpu_blocks_override=16)
+    e.add_request("a", {"prompt_token_ids": [1, 2, 3]}, SamplingParams(n=2, best_of=2, max_tokens=2, seed=1))
+    while e.has_unfinished_requests():
+        e.step()
+    dropped, runner = weakref.ref(e), e.runner
+    gc.collect()
+    gc.disable()
+    try:
+        del e
+        assert dropped() is None, "the engine sits in a reference cycle"
+        assert runner.kv_caches == [], "dropping the engine did not shut it down"
+    finally:
+        gc.enable()

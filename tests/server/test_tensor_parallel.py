@@ -9,15 +9,18 @@ import multiprocessing
 import os
 import signal
 import time
+import weakref
 
 import httpx
 import pytest
+import torch
 from api_factories import serve_process
 from engine_factories import HFReference, assert_greedy_matches, make_prompts, save_tiny
 
 from pagedllm.server import LLM, SamplingParams
 from pagedllm.server.demo import save_tiny_llama
 from pagedllm.server.engine.faults import EngineFatalError
+from pagedllm.server.engine.llm_engine import EngineClosedError
 
 pytestmark = pytest.mark.timeout(600)
 MAX_TOKENS = 10
@@ -50,10 +53,8 @@ def prompts():
 
 def generate(model: str, prompts, params=GREEDY, **engine_args):
     llm = LLM(model=model, block_size=8, **{"num_gpu_blocks_override": 128, **engine_args})
-    try:
+    with llm:
         return llm, llm.generate([{"prompt_token_ids": p} for p in prompts], params)
-    finally:
-        llm.llm_engine.shutdown()
 
 
 def same_outputs(a, b, logprob_tol=1e-4):
@@ -110,12 +111,9 @@ def test_preemption_sampling_and_beams_at_two_ranks(models, prompts, mode):
 def test_prefix_caching_hits_at_two_ranks(models):
     shared = list(range(1, 33))
     prompts = [shared + [40 + i] for i in range(4)]
-    llm = LLM(model=models["llama-mha"], block_size=8, num_gpu_blocks_override=128, tensor_parallel_size=2)
-    try:
+    with LLM(model=models["llama-mha"], block_size=8, num_gpu_blocks_override=128, tensor_parallel_size=2) as llm:
         outs = [llm.generate([{"prompt_token_ids": p}], GREEDY)[0] for p in prompts]  # one after another
         assert llm.llm_engine.stats().prefix_cache_hits == 3 * 32
-    finally:
-        llm.llm_engine.shutdown()
     _, one = generate(models["llama-mha"], prompts, enable_prefix_caching=False)
     same_outputs(one, outs)
 
@@ -142,15 +140,60 @@ def test_a_dead_or_hung_rank_ends_the_engine_naming_it(models, monkeypatch, faul
     assert child_processes() == []
 
 
-def test_collecting_the_llm_stops_its_ranks(models):
-    llm = LLM(model=models["llama-mha"], tensor_parallel_size=2, num_gpu_blocks_override=64)
-    assert len(child_processes()) == 1
-    del llm
+@pytest.fixture()
+def no_gc():
+    """Only reference counting frees objects while the test runs: what it releases is released without a gc pass."""
     gc.collect()
-    deadline = time.monotonic() + 10
-    while child_processes() and time.monotonic() < deadline:
-        time.sleep(0.1)
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
+def assert_released() -> None:
+    """No rank process is left and the process group is gone, at once (no waiting)."""
     assert child_processes() == [] and multiprocessing.active_children() == []
+    assert not torch.distributed.is_initialized()
+
+
+@pytest.mark.parametrize("release", ["del", "shutdown", "with"])
+def test_a_released_tp_llm_lets_the_next_one_start(models, no_gc, release):
+    short = [{"prompt_token_ids": [1, 2, 3, 4, 5]}, {"prompt_token_ids": [9, 8, 7]}]
+    args = dict(model=models["llama-mha"], tensor_parallel_size=2, num_gpu_blocks_override=64)
+    tokens = []
+    for _ in range(2):
+        if release == "with":
+            with LLM(**args) as llm:
+                assert len(child_processes()) == 1
+                tokens.append([o.outputs[0].token_ids for o in llm.generate(short, GREEDY)])
+        else:
+            llm = LLM(**args)
+            assert len(child_processes()) == 1
+            tokens.append([o.outputs[0].token_ids for o in llm.generate(short, GREEDY)])
+            if release == "shutdown":
+                llm.shutdown()
+                llm.shutdown()  # idempotent
+            else:
+                del llm
+        assert_released()
+        if release != "del":
+            with pytest.raises(EngineClosedError, match="the engine was shut down"):
+                llm.generate(short, GREEDY)
+    assert tokens[0] == tokens[1] and all(len(t) == MAX_TOKENS for t in tokens[0])
+
+
+def test_shutting_down_a_one_rank_llm_frees_its_cache(models):
+    llm = LLM(model=models["llama-mha"], num_gpu_blocks_override=64)
+    llm.generate([{"prompt_token_ids": [1, 2, 3]}], GREEDY)
+    runner = llm.llm_engine.runner
+    caches = [weakref.ref(t) for pair in runner.kv_caches + runner.host_caches for t in pair]
+    llm.shutdown()
+    assert runner.kv_caches == [] and runner.host_caches == []
+    assert all(ref() is None for ref in caches), "a KV cache tensor is still referenced after shutdown"
+    with pytest.raises(EngineClosedError, match="build a new one"):
+        llm.generate([{"prompt_token_ids": [1, 2, 3]}], GREEDY)
+    llm.shutdown()
 
 
 def test_serve_with_two_ranks_answers_the_openai_client(models):

@@ -1,8 +1,9 @@
-"""What every OpenAI endpoint shares: checks, sampling parameters, running requests, streaming.
+"""What every OpenAI endpoint shares: checks, sampling parameters, starting requests and collecting their outputs.
 
 :mod:`serving_completion` and :mod:`serving_chat` build on :class:`OpenAIServing`; the
 differences between the two endpoints (prompt shape, choice shape) are passed in, so
-their streams run through one implementation (:meth:`OpenAIServing.stream`).
+their streams run through one implementation (:func:`.streaming.stream`, in
+:mod:`pagedllm.server.entrypoints.openai.streaming`).
 """
 
 from __future__ import annotations
