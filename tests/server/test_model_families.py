@@ -94,10 +94,8 @@ def test_preemption_and_prefix_caching_match(model_dirs, references, expected, p
 @pytest.mark.parametrize("name", NAMES)
 def test_two_tensor_parallel_ranks_match(model_dirs, references, expected, prompts, name):
     llm, outputs = run_greedy(model_dirs[name], prompts, block_size=16, tensor_parallel_size=2)
-    try:
+    with llm:
         check(references[name], prompts, expected[name], outputs)
-    finally:
-        llm.llm_engine.shutdown()
 
 
 def test_windowed_families_hold_long_contexts(model_dirs):
