@@ -25,8 +25,8 @@ class UnsharedBlockManager(BlockManager):
         self._to_unshare.add(child.seq_id)
 
     def _shared(self, seq: Sequence) -> list[int]:
-        table = self.tables[seq.seq_id]
-        return [i for i, block in enumerate(table) if self.gpu.ref_counts[block] > 1]
+        table, first = self.tables[seq.seq_id], len(self.tables[seq.seq_id]) - len(self.held_blocks(seq))
+        return [i for i in range(first, len(table)) if self.gpu.ref_counts[table[i]] > 1]
 
     def _blocks_to_append(self, seq: Sequence) -> int:
         if seq.seq_id not in self._to_unshare:
@@ -52,7 +52,7 @@ class UnsharedBlockManager(BlockManager):
     def can_swap_in(self, group: SequenceGroup) -> AllocStatus:
         """Room for every sequence's own copy of its blocks, plus one to grow each (they unshare on their next step)."""
         seqs = group.get_seqs(SequenceStatus.SWAPPED)
-        needed = sum(len(self.tables[seq.seq_id]) for seq in seqs) + len(seqs)
+        needed = sum(len(self.held_blocks(seq)) for seq in seqs) + len(seqs)
         if needed > self.gpu.num_blocks - self.watermark_blocks:
             return AllocStatus.NEVER
         return AllocStatus.OK if self.num_available - needed >= self.watermark_blocks else AllocStatus.LATER
@@ -65,8 +65,12 @@ class UnsharedBlockManager(BlockManager):
 class UnsharedEngine(LLMEngine):
     """:class:`LLMEngine` over an :class:`UnsharedBlockManager` (same pools, same watermark)."""
 
-    def _allocate_cache(self, max_model_len: int) -> BlockManager:
-        shared = super()._allocate_cache(max_model_len)
+    def _allocate_cache(self, max_model_len: int, kv_window: int | None) -> BlockManager:
+        shared = super()._allocate_cache(max_model_len, kv_window)
         return UnsharedBlockManager(
-            shared.block_size, shared.gpu.num_blocks, shared.cpu.num_blocks, shared.enable_prefix_caching
+            shared.block_size,
+            shared.gpu.num_blocks,
+            shared.cpu.num_blocks,
+            shared.enable_prefix_caching,
+            sliding_window=kv_window,
         )

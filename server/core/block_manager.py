@@ -10,6 +10,17 @@ maps it to a physical block of the device pool (or the host pool while swapped o
 Sequences forked from one another share blocks (reference counts > 1). Writing the
 next token into a shared last block first copies it (copy-on-write); the copy is
 reported as a (src, dst) pair for the worker to perform before the step runs.
+
+When every layer of the model attends within a sliding window of W positions, a query
+at position q reads nothing before q - W + 1, and later queries read even less. A block
+whose last position lies before the window of the sequence's next query is dead for
+good, and its reference is dropped (it goes back to the pool, or to the evictable list
+if cached)::
+
+    W = 6, B = 4, next query at position 13: it sees 8..13
+    table:   [ 7 , 3 , 12 , 5 ]     logical blocks 0 and 1 (positions 0..7) are dead
+              ^^^^^^^               freed; the entries stay, stale, so that position p
+                                    still maps to table[p // B]: attention never reads them
 """
 
 from __future__ import annotations
@@ -77,8 +88,12 @@ class BlockManager:
         enable_prefix_caching: bool = False,
         watermark: float = 0.01,
         reservation: KVReservation | None = None,
+        sliding_window: int | None = None,
     ) -> None:
         self.block_size = block_size
+        self.sliding_window = sliding_window
+        """The window every layer attends within (None: some layer sees the whole context); blocks
+        before the window of a sequence's next query are freed (not under a reservation)."""
         self.reservation = reservation
         """None: paging (blocks on demand); else a benchmark's reservation-based baseline."""
         self.gpu = BlockPool(num_gpu_blocks, enable_caching=enable_prefix_caching)
@@ -97,11 +112,19 @@ class BlockManager:
         """
         self._version_counter = 0
         self._on_host: set[int] = set()  # sequences whose table holds host blocks
+        self._num_freed: dict[int, int] = {}
+        """seq_id -> leading table entries freed as out of the window (absent: none).
+
+        NOTE: those entries are stale ids the sequence no longer holds; everything that
+        walks a table for the blocks it holds (free, fork, swap, caching, accounting)
+        starts past them. Attention does not read them: it starts at the window.
+        """
         # Chain hashes of the sequence's full, computed blocks (prefix caching).
         self._hashes: dict[int, list[BlockHash]] = {}
         self.prefix_cache_queries = 0  # prompt tokens looked up
         self.prefix_cache_hits = 0  # of which found cached
         self.num_copy_on_writes = 0
+        self.num_window_frees = 0  # blocks released because they fell out of every layer's window
 
     # -- hashing ------------------------------------------------------------------------
     def _chain_hashes(self, seq: Sequence, num_blocks: int, start: list[BlockHash]) -> list[BlockHash]:
@@ -178,6 +201,7 @@ class BlockManager:
         if self.reservation:
             self.reservation.hold(seq.seq_id, len(table))
         seq.num_computed_tokens = len(hashes) * self.block_size
+        self._free_out_of_window(seq)  # a long cached prefix may reach past the window
 
     def can_append_slots(self, seqs: list[Sequence]) -> bool:
         """Whether every one of ``seqs`` (a group's running sequences) can get slots for its uncomputed tokens."""
@@ -251,36 +275,72 @@ class BlockManager:
         return self.gpu.allocate()
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
-        """The child shares every block of the parent."""
+        """The child shares every block the parent holds (its freed entries stay freed)."""
         table = list(self.tables[parent.seq_id])
         pool = self._pool_of(parent)
-        for block in table:
+        for block in self.held_blocks(parent):
             pool.incref(block)
         self.tables[child.seq_id] = table
         self._rewritten(child.seq_id)
         self._hashes[child.seq_id] = list(self._hashes[parent.seq_id])
+        if parent.seq_id in self._num_freed:
+            self._num_freed[child.seq_id] = self._num_freed[parent.seq_id]
 
     def free(self, seq: Sequence) -> None:
         """Drop the sequence's references; a no-op for a sequence without blocks."""
-        table = self.tables.pop(seq.seq_id, None)
+        held = self.held_blocks(seq) if seq.seq_id in self.tables else None
+        self.tables.pop(seq.seq_id, None)
         self.table_versions.pop(seq.seq_id, None)
         self._hashes.pop(seq.seq_id, None)
+        self._num_freed.pop(seq.seq_id, None)
         if self.reservation:
             self.reservation.release(seq.seq_id, finished=seq.status.finished)
-        if table is None:
+        if held is None:
             return
         pool = self._pool_of(seq)
         self._on_host.discard(seq.seq_id)
-        for block in reversed(table):  # NOTE: tail blocks become least recently used
+        for block in reversed(held):  # NOTE: tail blocks become least recently used
             pool.decref(block)
+
+    def held_blocks(self, seq: Sequence) -> list[int]:
+        """The blocks the sequence holds: its table less the entries freed as out of the window."""
+        return self.tables[seq.seq_id][self._num_freed.get(seq.seq_id, 0) :]
+
+    def _free_out_of_window(self, seq: Sequence) -> None:
+        """Drop the blocks no query of ``seq`` will read again: those whose every position lies
+        before the window of its next query (position ``seq.num_computed_tokens``).
+
+        NOTE: a block is cached naming the block before it, so with prefix caching the block
+        before the next one to cache is kept until that one is cached (with windows of at
+        most a block, one block more than the window needs).
+        """
+        if self.sliding_window is None or self.reservation:
+            return
+        dead = max(0, seq.num_computed_tokens - self.sliding_window + 1) // self.block_size
+        if self.enable_prefix_caching:
+            dead = min(dead, len(self._hashes[seq.seq_id]) - 1)
+        freed = self._num_freed.get(seq.seq_id, 0)
+        if dead <= freed:
+            return
+        assert seq.seq_id not in self._on_host, "only a running sequence advances"
+        for block in self.tables[seq.seq_id][freed:dead]:
+            self.gpu.decref(block)
+        self._num_freed[seq.seq_id] = dead
+        self.num_window_frees += dead - freed
 
     def _pool_of(self, seq: Sequence) -> BlockPool:
         return self.cpu if seq.seq_id in self._on_host else self.gpu
 
     def mark_computed(self, seq: Sequence) -> None:
-        """Register the sequence's newly completed full blocks in the prefix cache."""
-        if not self.enable_prefix_caching or seq.seq_id not in self.tables:
+        """After a step: register the sequence's newly completed full blocks in the prefix
+        cache, and free the blocks that fell out of the window."""
+        if seq.seq_id not in self.tables:
             return
+        if self.enable_prefix_caching:
+            self._cache_full_blocks(seq)
+        self._free_out_of_window(seq)
+
+    def _cache_full_blocks(self, seq: Sequence) -> None:
         hashes = self._hashes[seq.seq_id]
         num_full = seq.num_computed_tokens // self.block_size
         if num_full <= len(hashes):
@@ -289,15 +349,18 @@ class BlockManager:
         self._register(seq, self.tables[seq.seq_id], hashes)
 
     def _register(self, seq: Sequence, table: list[int], hashes: list[BlockHash]) -> None:
-        for i, key in enumerate(hashes):
+        # NOTE: freed entries are stale (another sequence may hold those blocks now), and the
+        # first held block's predecessor is one of them: caching starts after it.
+        freed = self._num_freed.get(seq.seq_id, 0)
+        for i in range(freed + 1 if freed else 0, len(hashes)):
             parent = self.gpu.ident(table[i - 1]) if i else None
-            self.gpu.register(table[i], key, self._content(seq, i, parent))
+            self.gpu.register(table[i], hashes[i], self._content(seq, i, parent))
 
     # -- swapping -----------------------------------------------------------------------
     def _unique_blocks(self, group: SequenceGroup, status: SequenceStatus) -> list[int]:
         seen: dict[int, None] = {}
         for seq in group.get_seqs(status):
-            for block in self.tables[seq.seq_id]:
+            for block in self.held_blocks(seq):
                 seen[block] = None
         return list(seen)
 
@@ -328,7 +391,8 @@ class BlockManager:
         mapping: dict[int, int] = {}
         for seq in group.get_seqs(status):
             table = self.tables[seq.seq_id]
-            for i, block in enumerate(table):
+            for i in range(self._num_freed.get(seq.seq_id, 0), len(table)):  # held blocks only
+                block = table[i]
                 if block in mapping:
                     dst.incref(mapping[block])
                 else:
@@ -352,16 +416,19 @@ class BlockManager:
             held = [0] * pool.num_blocks
             for seq_id, table in self.tables.items():
                 if (seq_id in self._on_host) == host:
-                    for block in table:
+                    for block in table[self._num_freed.get(seq_id, 0) :]:
                         held[block] += 1
             problems += pool.check_invariants(held)
         return problems
 
     def block_table(self, seq: Sequence) -> list[int]:
+        """The sequence's whole table, position p in entry p // block_size (freed entries included)."""
         return self.tables[seq.seq_id]
 
     def sharing_stats(self) -> SharingStats:
-        device_tables = [t for seq_id, t in self.tables.items() if seq_id not in self._on_host]
+        device_tables = [
+            t[self._num_freed.get(seq_id, 0) :] for seq_id, t in self.tables.items() if seq_id not in self._on_host
+        ]
         used = len({b for t in device_tables for b in t})
         unshared = sum(len(t) for t in device_tables)
         return SharingStats(used=used, unshared=unshared)

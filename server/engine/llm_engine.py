@@ -61,6 +61,8 @@ class EngineStats:
     blocks_unshared: int
     sharing_saving: float
     num_copy_on_writes: int
+    num_window_frees: int
+    """Blocks released because they fell out of every layer's sliding window."""
 
 
 class EngineClosedError(RuntimeError):
@@ -102,7 +104,7 @@ class LLMEngine:
             raise
 
     def _build(self, config: EngineConfig, info: ModelInfo) -> None:
-        self.block_manager = self._allocate_cache(info.max_model_len)
+        self.block_manager = self._allocate_cache(info.max_model_len, info.kv_window)
         # NOTE: a single sequence must always fit in the cache on its own, else it could never finish.
         capacity = (self.block_manager.gpu.num_blocks - self.block_manager.watermark_blocks) * config.cache.block_size
         self.model_info: ModelInfo = dataclasses.replace(info, max_model_len=min(info.max_model_len, capacity))
@@ -150,13 +152,19 @@ class LLMEngine:
                 problem=f"is smaller than max_model_len={max_model_len}",
             )
 
-    def _allocate_cache(self, max_model_len: int) -> BlockManager:
+    def _allocate_cache(self, max_model_len: int, kv_window: int | None) -> BlockManager:
         config = self.config
         useful = config.scheduler.max_num_seqs * -(-max_model_len // config.cache.block_size)
         num_gpu_blocks = self.runner.num_device_blocks(useful)
         num_cpu_blocks = self.runner.num_host_blocks(useful)
         self.runner.allocate_cache(num_gpu_blocks, num_cpu_blocks)
-        bm = BlockManager(config.cache.block_size, num_gpu_blocks, num_cpu_blocks, config.cache.enable_prefix_caching)
+        bm = BlockManager(
+            config.cache.block_size,
+            num_gpu_blocks,
+            num_cpu_blocks,
+            config.cache.enable_prefix_caching,
+            sliding_window=kv_window,
+        )
         if config.cache.kv_reservation != "paged":
             # NOTE: no reservation exceeds what the cache can hold, or Orca (Max) could admit nothing.
             capacity = (bm.gpu.num_blocks - bm.watermark_blocks) * bm.block_size
@@ -361,6 +369,7 @@ class LLMEngine:
             blocks_unshared=sharing.unshared,
             sharing_saving=sharing.saving,
             num_copy_on_writes=bm.num_copy_on_writes,
+            num_window_frees=bm.num_window_frees,
         )
 
 

@@ -17,8 +17,21 @@ def make_group(seq_id: int, num_tokens: int, request_id: str = "r") -> SequenceG
     return SequenceGroup(request_id, [Sequence(seq_id, list(range(num_tokens)))], SamplingParams())
 
 
-def make_manager(num_gpu=8, num_cpu=8, block_size=4, caching=False) -> BlockManager:
-    return BlockManager(block_size, num_gpu, num_cpu, enable_prefix_caching=caching, watermark=0.0)
+def make_manager(num_gpu=8, num_cpu=8, block_size=4, caching=False, window=None) -> BlockManager:
+    return BlockManager(
+        block_size, num_gpu, num_cpu, enable_prefix_caching=caching, watermark=0.0, sliding_window=window
+    )
+
+
+def advance(bm: BlockManager, seq: Sequence, tokens: int) -> list[tuple[int, int]]:
+    """Append and compute ``tokens`` new tokens one step at a time, as decoding does; the copies made."""
+    copies = []
+    for _ in range(tokens):
+        seq.append_token(1000 + len(seq), 0.0, None)
+        copies += bm.append_slots(seq)
+        seq.num_computed_tokens = len(seq)
+        bm.mark_computed(seq)
+    return copies
 
 
 def test_allocate_append_and_free_exact_ids():
@@ -133,13 +146,155 @@ def test_table_version_changes_unless_the_table_only_grows():
     assert bm.table_versions[0] > before
 
 
+def test_blocks_behind_the_window_are_freed_exact_ids():
+    """Window 6, blocks of 4: the next query at q sees q-5..q, so block i is dead once 4i+3 < q-5."""
+    bm = make_manager(window=6)
+    seq = make_group(0, 10).seqs[0]
+    bm.allocate(seq)
+    assert bm.block_table(seq) == [0, 1, 2] and bm.num_window_frees == 0  # nothing computed yet
+    seq.num_computed_tokens = 10
+    version = bm.table_versions[0]
+    bm.mark_computed(seq)  # next query at 10 sees 5..10: block 0 (0..3) is dead
+    assert bm.block_table(seq) == [0, 1, 2] and bm.held_blocks(seq) == [1, 2]
+    assert bm.gpu.ref_counts[:3] == [0, 1, 1] and list(bm.gpu._free) == [3, 4, 5, 6, 7, 0]
+    assert bm.table_versions[0] == version  # entries unchanged: a mirrored table stays valid
+    advance(bm, seq, 2)  # next query at 12 sees 7..12: block 1 (4..7) still needed
+    assert bm.held_blocks(seq) == [1, 2] and bm.num_window_frees == 1
+    advance(bm, seq, 1)  # position 12 took block 3; next query at 13 sees 8..13: block 1 is dead
+    assert bm.block_table(seq) == [0, 1, 2, 3] and bm.held_blocks(seq) == [2, 3]
+    assert list(bm.gpu._free) == [4, 5, 6, 7, 0, 1] and bm.num_window_frees == 2
+    assert bm.sharing_stats().used == 2 and bm.sharing_stats().unshared == 2
+    assert bm.check_invariants() == []
+    bm.free(seq)
+    assert bm.gpu.num_free == 8 and list(bm.gpu._free) == [4, 5, 6, 7, 0, 1, 3, 2]
+
+
+def test_a_window_of_one_keeps_only_the_current_block():
+    bm = make_manager(window=1)
+    seq = make_group(0, 9).seqs[0]
+    bm.allocate(seq)
+    seq.num_computed_tokens = 9
+    bm.mark_computed(seq)  # next query at 9 sees only 9 (block 2)
+    assert bm.held_blocks(seq) == [2]
+    advance(bm, seq, 2)  # positions 9, 10 in block 2
+    assert bm.held_blocks(seq) == [2]
+    advance(bm, seq, 1)  # position 11 ends block 2: the next query, at 12, needs only the block to come
+    assert bm.block_table(seq) == [0, 1, 2] and bm.held_blocks(seq) == [] and bm.gpu.num_free == 8
+    advance(bm, seq, 1)
+    assert bm.block_table(seq) == [0, 1, 2, 3] and bm.held_blocks(seq) == [3] and bm.gpu.num_free == 7
+
+
+def test_no_window_frees_nothing():
+    bm = make_manager()
+    seq = make_group(0, 10).seqs[0]
+    bm.allocate(seq)
+    seq.num_computed_tokens = 10
+    bm.mark_computed(seq)
+    advance(bm, seq, 20)
+    assert bm.held_blocks(seq) == bm.block_table(seq) == list(range(8)) and bm.num_window_frees == 0
+
+
+def test_freed_cached_blocks_stay_in_the_prefix_cache():
+    """A block out of the window goes to the evictable list like any freed cached block, and
+    a later prompt with the same prefix takes it back."""
+    bm = make_manager(caching=True, window=6)
+    a = Sequence(0, list(range(12)))
+    bm.allocate(a)
+    a.num_computed_tokens = 12
+    bm.mark_computed(a)  # 3 full blocks cached; next query at 12 sees 7..12: block 0 is dead
+    assert bm.held_blocks(a) == [1, 2] and bm.gpu.num_cached == 3
+    assert bm.gpu.ref_counts[0] == 0 and list(bm.gpu._evictable) == [0] and bm.gpu.num_free == 6
+    b = Sequence(1, list(range(8)) + [99, 98])
+    bm.allocate(b)  # blocks 0 (revived) and 1 (shared) from the cache; 8 tokens computed
+    assert bm.block_table(b) == [0, 1, 3] and b.num_computed_tokens == 8
+    assert bm.held_blocks(b) == [0, 1, 3]  # its next query at 8 sees 3..8: block 0 still needed
+    assert bm.gpu.ref_counts[:4] == [1, 2, 1, 1]
+    c = Sequence(2, list(range(12)) + [5])
+    bm.allocate(c)  # 12 tokens cached: its next query at 12 needs nothing before 7, so block 0 is dropped at once
+    assert bm.block_table(c) == [0, 1, 2, 4] and bm.held_blocks(c) == [1, 2, 4]
+    assert bm.gpu.ref_counts[:5] == [1, 3, 2, 1, 1] and bm.num_window_frees == 2
+    assert bm.check_invariants() == []
+    for seq in (a, b, c):
+        bm.free(seq)
+    assert bm.gpu.num_free == 8 and bm.gpu.num_cached == 3
+
+
+def test_with_caching_a_block_is_kept_until_the_next_one_is_cached():
+    """A full block is cached naming the block before it: a window within one block keeps
+    that block until the next one is full and cached (one block more than the window needs)."""
+    cached, plain = make_manager(caching=True, window=2), make_manager(window=2)
+    seqs = [Sequence(0, list(range(5))), Sequence(0, list(range(5)))]
+    for bm, seq in zip((cached, plain), seqs):
+        bm.allocate(seq)
+        seq.num_computed_tokens = 5
+        bm.mark_computed(seq)  # next query at 5 sees 4..5: block 0 is dead
+    assert plain.held_blocks(seqs[1]) == [1]
+    assert cached.held_blocks(seqs[0]) == [0, 1] and cached.gpu.num_cached == 1
+    advance(cached, seqs[0], 2)  # 7 computed: block 1 not full yet
+    assert cached.held_blocks(seqs[0]) == [0, 1]
+    advance(cached, seqs[0], 1)  # 8 computed: block 1 full and cached, so block 0 goes
+    assert cached.held_blocks(seqs[0]) == [1] and cached.gpu.num_cached == 2
+    assert list(cached.gpu._evictable) == [0] and cached.check_invariants() == []
+
+
+def test_fork_shares_only_held_blocks_and_a_dead_block_returns_when_both_drop_it():
+    bm = make_manager(window=6)
+    parent = make_group(0, 10).seqs[0]
+    bm.allocate(parent)
+    parent.num_computed_tokens = 10
+    bm.mark_computed(parent)  # block 0 freed
+    child = parent.fork(1)
+    bm.fork(parent, child)
+    assert bm.block_table(child) == [0, 1, 2] and bm.held_blocks(child) == [1, 2]
+    assert bm.gpu.ref_counts[:3] == [0, 2, 2]
+    assert advance(bm, parent, 1) == [(2, 3)]  # copy-on-write of the shared last block
+    advance(bm, parent, 2)  # position 12 in block 4; next query at 13 drops block 1
+    assert bm.block_table(parent) == [0, 1, 3, 4] and bm.held_blocks(parent) == [3, 4]
+    assert bm.gpu.ref_counts[:5] == [0, 1, 1, 1, 1]  # the child still holds blocks 1 and 2
+    assert bm.check_invariants() == []
+    bm.free(child)
+    assert bm.gpu.ref_counts[:3] == [0, 0, 0]
+    bm.free(parent)
+    assert bm.gpu.num_free == 8 and bm.check_invariants() == []
+
+
+def test_swap_moves_only_held_blocks():
+    bm = make_manager(window=6)
+    group = make_group(0, 10)
+    seq = group.seqs[0]
+    bm.allocate(seq)
+    seq.status = SequenceStatus.RUNNING
+    seq.num_computed_tokens = 10
+    bm.mark_computed(seq)  # block 0 freed: free list [3, 4, 5, 6, 7, 0]
+    assert bm.can_swap_out(group)
+    assert bm.swap_out(group) == [(1, 0), (2, 1)]
+    seq.status = SequenceStatus.SWAPPED
+    assert bm.gpu.num_free == 8 and bm.cpu.ref_counts[:3] == [1, 1, 0]
+    assert bm.check_invariants() == []
+    assert bm.swap_in(group) == [(0, 3), (1, 4)]
+    seq.status = SequenceStatus.RUNNING
+    assert bm.block_table(seq) == [0, 3, 4] and bm.held_blocks(seq) == [3, 4]
+    assert bm.cpu.num_free == 8 and bm.check_invariants() == []
+    advance(bm, seq, 3)  # goes on decoding from the moved blocks
+    assert bm.held_blocks(seq) == [4, 5]
+    bm.free(seq)
+    assert bm.gpu.num_free == 8
+
+
 class BlockManagerMachine(RuleBasedStateMachine):
     """Random allocate / append / fork / free / swap keep reference counts exact."""
+
+    WINDOW: int | None = None
 
     def __init__(self) -> None:
         super().__init__()
         self.bm = BlockManager(
-            block_size=2, num_gpu_blocks=12, num_cpu_blocks=12, enable_prefix_caching=True, watermark=0.0
+            block_size=2,
+            num_gpu_blocks=12,
+            num_cpu_blocks=12,
+            enable_prefix_caching=True,
+            watermark=0.0,
+            sliding_window=self.WINDOW,
         )
         self.groups: list[SequenceGroup] = []
         self.next_id = 0
@@ -219,7 +374,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
             for group in self.groups:
                 if (group.seqs[0].status == SequenceStatus.SWAPPED) == on_host:
                     for seq in group.seqs:
-                        holders.update(self.bm.block_table(seq))
+                        holders.update(self.bm.held_blocks(seq))
             assert [pool.ref_counts[b] for b in range(pool.num_blocks)] == [holders[b] for b in range(pool.num_blocks)]
             assert pool.num_free == pool.num_blocks - len(holders)
 
@@ -247,6 +402,25 @@ class BlockManagerMachine(RuleBasedStateMachine):
         assert self.bm.gpu.num_free == self.bm.gpu.num_blocks
         assert self.bm.cpu.num_free == self.bm.cpu.num_blocks
 
+    @invariant()
+    def a_window_leaves_only_the_blocks_the_next_query_needs(self):
+        if self.WINDOW is None:
+            return
+        for group in self.groups:
+            for seq in group.seqs:
+                first_seen = max(0, seq.num_computed_tokens - self.WINDOW + 1)
+                held = len(self.bm.held_blocks(seq))
+                # blocks from the window's first one to the last, plus one kept for the prefix cache
+                assert held <= -(-len(seq) // 2) - first_seen // 2 + 1
+
+
+class WindowedBlockManagerMachine(BlockManagerMachine):
+    """The same, with blocks freed behind a window of 3 positions (blocks of 2)."""
+
+    WINDOW = 3
+
 
 TestBlockManagerMachine = BlockManagerMachine.TestCase
 TestBlockManagerMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+TestWindowedBlockManagerMachine = WindowedBlockManagerMachine.TestCase
+TestWindowedBlockManagerMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)

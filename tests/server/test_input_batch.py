@@ -46,9 +46,13 @@ def assert_same_step(ours: StepInputs, expected: StepInputs) -> None:
 class Driver:
     """Plays the engine around a scheduler: samples, forks, beams, finishes and aborts at random."""
 
-    def __init__(self, seed: int, num_blocks: int, block_size: int, caching: bool, max_len: int, **config) -> None:
+    def __init__(
+        self, seed: int, num_blocks: int, block_size: int, caching: bool, max_len: int, window=None, **config
+    ) -> None:
         self.rng = random.Random(seed)
-        self.bm = BlockManager(block_size, num_blocks, num_blocks, enable_prefix_caching=caching, watermark=0.0)
+        self.bm = BlockManager(
+            block_size, num_blocks, num_blocks, enable_prefix_caching=caching, watermark=0.0, sliding_window=window
+        )
         self.sched = Scheduler(SchedulerConfig(**config), self.bm)
         self.batch = InputBatch(self.sched.config.max_num_seqs, -(-max_len // block_size), block_size)
         self.max_len = max_len
@@ -150,6 +154,9 @@ class Driver:
         (2, 200, True, dict(max_num_seqs=32, max_num_batched_tokens=64)),  # a large batch, few preemptions
         (3, 30, True, dict(max_num_seqs=8, max_num_batched_tokens=12, preemption_mode="recompute")),
         (4, 30, False, dict(max_num_seqs=8, max_num_batched_tokens=64, preemption_mode="swap")),
+        # blocks freed behind a sliding window: the tables keep their length, the rows stay right
+        (5, 40, True, dict(max_num_seqs=16, max_num_batched_tokens=48, window=6)),
+        (6, 24, False, dict(max_num_seqs=8, max_num_batched_tokens=32, window=3)),
     ],
 )
 def test_persistent_batch_equals_the_list_builder(seed, num_blocks, caching, config):
@@ -169,6 +176,8 @@ def test_persistent_batch_equals_the_list_builder(seed, num_blocks, caching, con
         assert events["preempted"], events
     if caching:
         assert driver.bm.prefix_cache_hits, events
+    if "window" in config:
+        assert driver.bm.num_window_frees > 100, driver.bm.num_window_frees
 
 
 def test_rows_follow_the_step_order_and_only_new_blocks_are_written():

@@ -150,12 +150,17 @@ class _GeneralPathOnly(Scheduler):
     max_seqs=st.integers(1, 8),
     budget=st.integers(2, 24),
     caching=st.booleans(),
+    window=st.one_of(st.none(), st.integers(1, 12)),
 )
-def test_lone_decode_shortcut_schedules_exactly_like_the_general_path(requests, num_blocks, max_seqs, budget, caching):
+def test_lone_decode_shortcut_schedules_exactly_like_the_general_path(
+    requests, num_blocks, max_seqs, budget, caching, window
+):
     """Same arrivals into both schedulers: every step's plan (chunks, copies, preemptions) is identical."""
     plans = []
     for cls in (Scheduler, _GeneralPathOnly):
-        bm = BlockManager(4, num_blocks, num_blocks, enable_prefix_caching=caching, watermark=0.0)
+        bm = BlockManager(
+            4, num_blocks, num_blocks, enable_prefix_caching=caching, watermark=0.0, sliding_window=window
+        )
         config = SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget)
         sched = cls(config, bm)
         groups, plan = {}, []
@@ -183,3 +188,31 @@ def test_lone_decode_shortcut_schedules_exactly_like_the_general_path(requests, 
             assert not bm.check_invariants()
         plans.append(plan)
     assert plans[0] == plans[1]
+
+
+@pytest.mark.parametrize("caching", [False, True])
+@pytest.mark.parametrize("window,block_size", [(10, 4), (8, 4), (3, 4), (1, 2), (37, 8)])
+def test_a_windowed_sequence_holds_only_its_window_while_decoding_far_past_it(window, block_size, caching):
+    """Every layer slides: decoding 20 windows past the prompt, in a cache far smaller than
+    the sequence, never preempts and never holds more than the window's blocks plus one."""
+    bound = -(-window // block_size) + 1
+    num_blocks = max(-(-30 // block_size), bound) + 1  # the prompt, or the window, and one spare
+    bm = BlockManager(block_size, num_blocks, 0, enable_prefix_caching=caching, watermark=0.0, sliding_window=window)
+    s = Scheduler(SchedulerConfig(max_num_batched_tokens=16), bm)
+    group = make_request("long", 30, 0, arrival=0.0)
+    s.add(group)
+    seq = group.seqs[0]
+    while len(seq) < max(30 + 20 * window, 3 * num_blocks * block_size):
+        out = run_step(s)
+        assert [i.group.request_id for i in out.scheduled] == ["long"] and not out.preempted
+        # the logical table keeps every position: the prompt's from admission, then the computed
+        # ones (the sampled token gets its block in the next step)
+        assert len(bm.block_table(seq)) == -(-max(seq.num_computed_tokens, 30) // block_size)
+        if seq.num_computed_tokens >= 30:  # decoding
+            assert len(bm.held_blocks(seq)) <= bound
+        assert bm.check_invariants() == []
+    assert len(seq) > 2 * num_blocks * block_size  # far longer than the whole cache could hold
+    assert bm.num_window_frees == len(bm.block_table(seq)) - len(bm.held_blocks(seq)) > 0
+    seq.status = SequenceStatus.FINISHED_LENGTH
+    s.free_finished()
+    assert bm.gpu.num_free == num_blocks
