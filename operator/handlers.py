@@ -27,7 +27,7 @@ from pagedllm.operator.apply import APPLY_REFUSED, REFUSALS, apply_all, prune
 from pagedllm.operator.backoff import Backoff, RepairPacer
 from pagedllm.operator.capabilities import servable, with_features
 from pagedllm.operator.drift import drifted
-from pagedllm.operator.kube import ApiError, KubeClient, default_login
+from pagedllm.operator.kube import ApiError, KubeClient, collection_path, default_login
 from pagedllm.operator.manifests import (
     GROUP,
     INSTANCE_LABEL,
@@ -46,6 +46,7 @@ from pagedllm.operator.status import (
     Problem,
     announce_phase,
     comparable,
+    desired_replicas,
     owner_name,
     server_exit,
     standing_exit,
@@ -172,8 +173,28 @@ async def converge(
     # NOTE: read again: the Deployment's status may have moved on while the other children
     # were applied, and this status is written after the event handlers' (newer) ones.
     deployment = await _get_or_none(kube, "Deployment", namespace, name) or applied["Deployment"]
-    status = status_from(body, deployment, now=now(), problem=standing_exit(body, deployment))
+    problem = standing_exit(body, deployment) or await _pods_exit(kube, body, deployment)
+    status = status_from(body, deployment, now=now(), problem=problem)
     return with_features(status, features, now())
+
+
+async def _pods_exit(kube: KubeClient, body: Mapping[str, Any], deployment: Mapping[str, Any]) -> Problem | None:
+    """A server exit one of the resource's pods shows now, until every desired replica is ready.
+
+    NOTE: the pod handler reports an exit as it happens; this status is written after it and
+    would hide it (``body`` predates it), so it reads the pods too and agrees.
+    """
+    meta = body["metadata"]
+    ready = int((deployment.get("status") or {}).get("readyReplicas") or 0)
+    if ready >= desired_replicas(body.get("spec") or {}, deployment):
+        return None
+    selector = f"{INSTANCE_LABEL}={meta['name']},app.kubernetes.io/managed-by={MANAGED_BY}"
+    try:
+        pods = await kube.request("GET", collection_path("Pod", meta["namespace"]), query=[("labelSelector", selector)])
+    except ApiError:
+        return None  # NOTE: the status without it is still true; the pod handler will say it
+    exits = (server_exit(pod, SERVER_CONTAINER) for pod in (pods or {}).get("items", []))
+    return next((problem for problem in exits if problem is not None), None)
 
 
 async def _get_or_none(kube: KubeClient, kind: str, namespace: str, name: str) -> dict | None:

@@ -98,6 +98,12 @@ def object_path(kind: str, namespace: str, name: str, subresource: str | None = 
     return ApiResource(prefix, plural).path(namespace, name, subresource)
 
 
+def collection_path(kind: str, namespace: str) -> str:
+    """Where the objects of ``kind`` in ``namespace`` are listed."""
+    prefix, plural = RESOURCES[kind]
+    return f"{prefix}/namespaces/{namespace}/{plural}"
+
+
 def default_login(settings: kopf.OperatorSettings) -> kopf.ConnectionInfo:
     """kopf's credentials, found by the same ``kubernetes`` loaders as :func:`load_configuration`."""
     info = kopf.login_via_client(settings=settings, logger=logging.getLogger(__name__))
