@@ -38,10 +38,15 @@ class StreamOptions(OpenAIBaseModel):
     continuous_usage_stats: bool | None = False
 
 
+class PromptTokensDetails(OpenAIBaseModel):
+    cached_tokens: int = Field(0, description="Prompt tokens served from the prefix cache (whole KV blocks).")
+
+
 class UsageInfo(OpenAIBaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class SamplingFields(OpenAIBaseModel):

@@ -19,7 +19,13 @@ from pagedllm.server.entrypoints.openai.protocol import (
     ChatMessage,
     ChatResponseMessage,
 )
-from pagedllm.server.entrypoints.openai.serving import OpenAIServing, Prompt, RequestContext, usage
+from pagedllm.server.entrypoints.openai.serving import (
+    OpenAIServing,
+    Prompt,
+    RequestContext,
+    cached_prompt_tokens,
+    usage,
+)
 from pagedllm.server.entrypoints.openai.sse import SSEResponse
 from pagedllm.server.entrypoints.openai.streaming import Tracker, holdback, stream
 from pagedllm.server.entrypoints.openai.tool_calls import ToolPlan
@@ -99,7 +105,10 @@ class OpenAIServingChat:
         completion_tokens = sum(len(c.token_ids) for c in output.outputs)
         serving.log_access(request_id, [prompt], completion_tokens, started)
         return ChatCompletionResponse(
-            id=request_id, model=serving.model_name, choices=choices, usage=usage([prompt], completion_tokens)
+            id=request_id,
+            model=serving.model_name,
+            choices=choices,
+            usage=usage([prompt], completion_tokens, cached_prompt_tokens([output])),
         )
 
     def prompt(

@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 
 from pagedllm.server.engine.request_stream import RequestStream
 from pagedllm.server.entrypoints.openai.protocol import StreamOptions, UsageInfo
-from pagedllm.server.entrypoints.openai.serving import OpenAIServing, Prompt, usage
+from pagedllm.server.entrypoints.openai.serving import OpenAIServing, Prompt, cached_prompt_tokens, usage
 from pagedllm.server.entrypoints.openai.sse import SSEResponse, sse_response
 from pagedllm.server.outputs import CompletionOutput, RequestOutput
 from pagedllm.server.sampling_params import SamplingParams
@@ -145,9 +145,10 @@ def stream(
     include_usage = bool(options and options.include_usage)
     continuous = bool(options and options.continuous_usage_stats)
     trackers: dict[int, Tracker] = {}
+    latest: dict[int, RequestOutput] = {}  # prompt index -> its newest output
 
     def so_far() -> UsageInfo:
-        return usage(prompts, sum(t.num_tokens for t in trackers.values()))
+        return usage(prompts, sum(t.num_tokens for t in trackers.values()), cached_prompt_tokens(latest.values()))
 
     def chunk(choices: list[dict[str, Any]], final: UsageInfo | None = None) -> dict[str, Any]:
         body: dict[str, Any] = {
@@ -176,6 +177,7 @@ def stream(
         if first_choices:
             yield chunk(first_choices)
         async for i, output in until_timeout(serving, merged(serving, streams)):
+            latest[i] = output
             choices = []
             for c in output.outputs:
                 index = i * params.n + c.index
