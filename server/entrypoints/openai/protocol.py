@@ -154,6 +154,9 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = Field(
+        True, description="false: at most one tool call per choice (the first the model makes)."
+    )
     add_generation_prompt: bool = True
 
 

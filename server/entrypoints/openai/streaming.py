@@ -61,9 +61,11 @@ class Tracker:
         return delta
 
 
-ChoiceMaker = Callable[[int, int, RequestOutput, CompletionOutput, Tracker], dict[str, Any] | None]
+ChoiceMaker = Callable[
+    [int, int, RequestOutput, CompletionOutput, Tracker], dict[str, Any] | list[dict[str, Any]] | None
+]
 """(prompt index, choice index, the request's output, the choice, its tracker) -> a chunk's choice,
-or None for nothing new."""
+several successive ones (each goes out in a chunk of its own, in order), or None for nothing new."""
 
 
 def holdback(params: SamplingParams) -> int:
@@ -178,13 +180,15 @@ def stream(
             yield chunk(first_choices)
         async for i, output in until_timeout(serving, merged(serving, streams)):
             latest[i] = output
-            choices = []
+            rounds: list[list[dict[str, Any]]] = []  # NOTE: chunk k carries the k-th delta of each choice
             for c in output.outputs:
                 index = i * params.n + c.index
-                choice = make_choice(i, index, output, c, trackers.setdefault(index, Tracker()))
-                if choice is not None:
-                    choices.append(choice)
-            if choices:
+                made = make_choice(i, index, output, c, trackers.setdefault(index, Tracker()))
+                for k, choice in enumerate([made] if isinstance(made, dict) else made or []):
+                    if k == len(rounds):
+                        rounds.append([])
+                    rounds[k].append(choice)
+            for choices in rounds:
                 yield chunk(choices)
         if include_usage:
             yield chunk([], so_far())
