@@ -39,3 +39,5 @@ class RequestOutput:
     finished: bool = False
     error: str | None = None
     """Why the request failed inside the engine (it is then finished); None when it did not."""
+    num_cached_tokens: int | None = None
+    """Prompt tokens served from the prefix cache (whole blocks); None until the request is scheduled."""

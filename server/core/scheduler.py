@@ -260,6 +260,9 @@ class Scheduler:
             for seq in seqs:
                 self.block_manager.allocate(seq, use_cache)
                 seq.status = SequenceStatus.RUNNING
+            if group.num_cached_tokens is None:
+                # NOTE: right after allocate(), the computed tokens are exactly the cached prefix blocks.
+                group.num_cached_tokens = seqs[0].num_computed_tokens
             self._insert_running(group)
             if not self._take(group, budget, out, seqs):
                 break

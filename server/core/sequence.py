@@ -127,6 +127,11 @@ class SequenceGroup:
     prompt_logprobs: list[Logprobs | None] = field(default_factory=list)
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
+    num_cached_tokens: int | None = None
+    """Prompt tokens found in the prefix cache when the request was first admitted; None before.
+
+    NOTE: set once, as vLLM does: a request preempted by recomputation and admitted again may
+    find its own blocks in the cache, which the client did not save by its prompt."""
 
     @property
     def prompt_token_ids(self) -> list[int]:

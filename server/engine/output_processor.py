@@ -79,7 +79,13 @@ class OutputProcessor:
         ]
         prompt_logprobs = group.prompt_logprobs if params.prompt_logprobs is not None else None
         return RequestOutput(
-            group.request_id, group.prompt, group.prompt_token_ids, prompt_logprobs, completions, finished
+            group.request_id,
+            group.prompt,
+            group.prompt_token_ids,
+            prompt_logprobs,
+            completions,
+            finished,
+            num_cached_tokens=group.num_cached_tokens,
         )
 
 

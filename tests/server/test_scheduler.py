@@ -216,3 +216,22 @@ def test_a_windowed_sequence_holds_only_its_window_while_decoding_far_past_it(wi
     seq.status = SequenceStatus.FINISHED_LENGTH
     s.free_finished()
     assert bm.gpu.num_free == num_blocks
+
+
+def test_a_request_learns_how_many_prompt_tokens_the_prefix_cache_served():
+    bm = BlockManager(4, 16, 16, enable_prefix_caching=True, watermark=0.0)
+    s = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64), bm)
+    first = make_request("first", 11, 0, arrival=0.0)
+    s.add(first)
+    assert first.num_cached_tokens is None  # not admitted yet
+    run_step(s)
+    assert first.num_cached_tokens == 0
+    first.seqs[0].status = SequenceStatus.FINISHED_LENGTH
+    s.free_finished()
+    again = make_request("again", 11, 1, arrival=1.0)  # same prompt: two of its full blocks are cached
+    longer = SequenceGroup("longer", [Sequence(2, list(range(6)) + [99] * 9)], SamplingParams(), arrival_time=2.0)
+    s.add(again)
+    s.add(longer)
+    run_step(s)
+    assert again.num_cached_tokens == 8  # both full blocks of its 11 tokens
+    assert longer.num_cached_tokens == 4  # the first block matches, the second differs at its 3rd token

@@ -162,9 +162,14 @@ def test_required_picks_one_of_the_tools_and_streams_it(client):
             model="demo", messages=ASK, tools=[WEATHER, TIME], tool_choice="required", max_tokens=80, stream=True
         )
     )
-    calls = [call for c in chunks if c.choices for call in (c.choices[0].delta.tool_calls or [])]
-    assert len(calls) == 1 and calls[0].function.name in ("get_weather", "get_time")
-    json.loads(calls[0].function.arguments)
+    calls: dict[int, list[str]] = {}  # index -> [name, arguments], put together from the fragments
+    for delta in (call for c in chunks if c.choices for call in (c.choices[0].delta.tool_calls or [])):
+        name, arguments = calls.setdefault(delta.index, ["", ""])
+        calls[delta.index] = [name + (delta.function.name or ""), arguments + (delta.function.arguments or "")]
+    assert sorted(calls) == list(range(len(calls))) and calls
+    for name, arguments in calls.values():
+        assert name in ("get_weather", "get_time")
+        json.loads(arguments)
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 

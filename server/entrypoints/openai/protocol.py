@@ -38,10 +38,15 @@ class StreamOptions(OpenAIBaseModel):
     continuous_usage_stats: bool | None = False
 
 
+class PromptTokensDetails(OpenAIBaseModel):
+    cached_tokens: int = Field(0, description="Prompt tokens served from the prefix cache (whole KV blocks).")
+
+
 class UsageInfo(OpenAIBaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class SamplingFields(OpenAIBaseModel):
@@ -149,6 +154,9 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = Field(
+        True, description="false: at most one tool call per choice (the first the model makes)."
+    )
     add_generation_prompt: bool = True
 
 

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import itertools
 import logging
 import time
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from pagedllm.server.config import ConfigError
@@ -29,7 +30,7 @@ from pagedllm.server.entrypoints.openai.errors import (
     unavailable,
 )
 from pagedllm.server.entrypoints.openai.guided import guided_decoding, logit_bias
-from pagedllm.server.entrypoints.openai.protocol import SamplingFields, UsageInfo
+from pagedllm.server.entrypoints.openai.protocol import PromptTokensDetails, SamplingFields, UsageInfo
 from pagedllm.server.outputs import RequestOutput
 from pagedllm.server.sampling_params import SamplingParams
 
@@ -70,6 +71,7 @@ class OpenAIServing:
     log_requests: bool = True
     """One access-log line per finished request (``--disable-log-requests`` turns it off)."""
     draining: bool = False
+    _serials: Iterator[int] = field(default_factory=itertools.count, init=False, repr=False)
 
     @property
     def model_name(self) -> str:
@@ -203,16 +205,22 @@ class OpenAIServing:
     ) -> list[RequestStream]:
         """Add one engine request per prompt; on any failure the ones added are aborted.
 
-        ``param_names`` maps engine fields to this request's parameter names for errors.
+        ``request_id`` is the client's name for the request (``X-Request-Id`` or one made up);
+        each engine request gets ``{request_id}-{serial}-{prompt index}``, the serial unique in
+        this server, so two requests with the same ``X-Request-Id`` (a retry while the first
+        still runs) never collide (the last two fields are numbers, so no other client id can
+        end up spelling the same engine id). ``param_names`` maps engine fields to this request's
+        parameter names for errors.
         """
         self.check_ready()
         self.check_queue(len(prompts))
         streams: list[RequestStream] = []
         now = time.monotonic()
+        engine_id = f"{request_id}-{next(self._serials)}"
         try:
             for i, prompt in enumerate(prompts):
                 engine_prompt = {"prompt": prompt.text, "prompt_token_ids": prompt.token_ids, "cache_salt": cache_salt}
-                streams.append(await self.engine.add_request(f"{request_id}-{i}", engine_prompt, params, now))
+                streams.append(await self.engine.add_request(f"{engine_id}-{i}", engine_prompt, params, now))
         except ConfigError as exc:
             raise from_config_error(exc, param_names) from exc
         except EngineDeadError as exc:
@@ -266,8 +274,17 @@ class OpenAIServing:
         )
 
 
-def usage(prompts: list[Prompt], completion_tokens: int) -> UsageInfo:
+def usage(prompts: list[Prompt], completion_tokens: int, cached_tokens: int = 0) -> UsageInfo:
+    """Token counts as OpenAI reports them; ``cached_tokens``: prompt tokens the prefix cache served."""
     prompt_tokens = sum(len(p.token_ids) for p in prompts)
     return UsageInfo(
-        prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, total_tokens=prompt_tokens + completion_tokens
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        total_tokens=prompt_tokens + completion_tokens,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens),
     )
+
+
+def cached_prompt_tokens(outputs: Iterable[RequestOutput]) -> int:
+    """Prompt tokens the prefix cache served, over one output per engine request."""
+    return sum(o.num_cached_tokens or 0 for o in outputs)

@@ -9,7 +9,7 @@ import uuid
 from typing import Any
 
 from pagedllm.server.entrypoints.openai import tool_calls
-from pagedllm.server.entrypoints.openai.errors import bad_request, internal_error
+from pagedllm.server.entrypoints.openai.errors import bad_request
 from pagedllm.server.entrypoints.openai.guided import guided_param_names
 from pagedllm.server.entrypoints.openai.logprobs import LogprobFormatter
 from pagedllm.server.entrypoints.openai.protocol import (
@@ -19,10 +19,17 @@ from pagedllm.server.entrypoints.openai.protocol import (
     ChatMessage,
     ChatResponseMessage,
 )
-from pagedllm.server.entrypoints.openai.serving import OpenAIServing, Prompt, RequestContext, usage
+from pagedllm.server.entrypoints.openai.serving import (
+    OpenAIServing,
+    Prompt,
+    RequestContext,
+    cached_prompt_tokens,
+    usage,
+)
 from pagedllm.server.entrypoints.openai.sse import SSEResponse
-from pagedllm.server.entrypoints.openai.streaming import Tracker, holdback, stream
+from pagedllm.server.entrypoints.openai.streaming import Delta, Tracker, holdback, stream
 from pagedllm.server.entrypoints.openai.tool_calls import ToolPlan
+from pagedllm.server.entrypoints.openai.tool_parser import ToolCall, ToolCallParser
 from pagedllm.server.outputs import CompletionOutput, RequestOutput
 
 
@@ -39,7 +46,7 @@ class OpenAIServingChat:
         serving.check_ready()
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
-        tools = tool_calls.plan(req.tools, req.tool_choice)
+        tools = tool_calls.plan(req.tools, req.tool_choice, parallel=req.parallel_tool_calls is not False)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params = serving.sampling_params(
             req, max_tokens=max_tokens, logprobs=(req.top_logprobs or 0) if req.logprobs else None
@@ -67,8 +74,15 @@ class OpenAIServingChat:
         }
         streams = await serving.start(request_id, [prompt], params, param_names, cache_salt)
         if req.stream:
+            # NOTE: a forced call has no text content, as a non-streamed reply says with null
+            content = None if tools is not None and tools.mode in ("named", "required") else ""
             role = [
-                {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+                {
+                    "index": i,
+                    "delta": {"role": "assistant", "content": content},
+                    "logprobs": None,
+                    "finish_reason": None,
+                }
                 for i in range(params.n)
             ]
             return stream(
@@ -99,7 +113,10 @@ class OpenAIServingChat:
         completion_tokens = sum(len(c.token_ids) for c in output.outputs)
         serving.log_access(request_id, [prompt], completion_tokens, started)
         return ChatCompletionResponse(
-            id=request_id, model=serving.model_name, choices=choices, usage=usage([prompt], completion_tokens)
+            id=request_id,
+            model=serving.model_name,
+            choices=choices,
+            usage=usage([prompt], completion_tokens, cached_prompt_tokens([output])),
         )
 
     def prompt(
@@ -133,69 +150,51 @@ class OpenAIServingChat:
     def _choice_maker(self, req: ChatCompletionRequest, keep: int, tools: ToolPlan | None):
         formatter = LogprobFormatter(self.serving.tokenizer)
         with_logprobs = bool(req.logprobs)
+        reads_calls = tools is not None and tools.reads_calls
 
         def make(
             i: int, index: int, output: RequestOutput, c: CompletionOutput, tracker: Tracker
-        ) -> dict[str, Any] | None:
-            if tools is not None and _holding(tools, c, tracker):
-                return _tool_delta(tools, index, c, tracker)
+        ) -> list[dict[str, Any]] | None:
             delta = tracker.advance(c, keep, with_logprobs)
             if delta is None:
                 return None
             logprobs = None
             if with_logprobs and delta.token_end > delta.token_start:
                 logprobs = formatter.chat(c, delta.token_start, delta.token_end, req.top_logprobs or 0)
-            return {
-                "index": index,
-                "delta": {"content": delta.text} if delta.text or not tracker.finished else {},
-                "logprobs": logprobs.model_dump() if logprobs else None,
-                "finish_reason": delta.finish_reason,
-                "stop_reason": delta.stop_reason,
-            }
+            finish_reason = delta.finish_reason
+            if reads_calls:
+                assert tools is not None
+                messages, finish_reason = _tool_messages(tools, delta, tracker)
+            else:
+                messages = [{"content": delta.text}] if delta.text else []
+            if not messages and (finish_reason or logprobs):
+                messages = [{"content": ""} if not tracker.finished else {}]
+            choices: list[dict[str, Any]] = [
+                {"index": index, "delta": m, "logprobs": None, "finish_reason": None, "stop_reason": None}
+                for m in messages
+            ]
+            if choices:
+                choices[0]["logprobs"] = logprobs.model_dump() if logprobs else None
+                choices[-1].update(finish_reason=finish_reason, stop_reason=delta.stop_reason)
+            return choices
 
         return make
 
 
-def _parse(tools: ToolPlan | None, c: CompletionOutput) -> tuple[str | None, list[tool_calls.ToolCall]]:
+def _tool_messages(tools: ToolPlan, delta: Delta, tracker: Tracker) -> tuple[list[dict[str, Any]], str | None]:
+    """The deltas a choice's new text makes when read for tool calls, and its finish reason."""
+    parser = tracker.extra.get("tools")
+    if parser is None:
+        parser = tracker.extra["tools"] = ToolCallParser(tools)
+    messages = parser.feed(delta.text) + (parser.finish() if delta.finish_reason else [])
+    called = parser.calls and delta.finish_reason == "stop"
+    return messages, "tool_calls" if called else delta.finish_reason
+
+
+def _parse(tools: ToolPlan | None, c: CompletionOutput) -> tuple[str | None, list[ToolCall]]:
     if tools is None or c.finish_reason != "stop":
         return c.text, []
-    try:
-        return tools.parse(c.text)
-    except (ValueError, KeyError) as exc:
-        raise internal_error(f"the tool call could not be read back: {exc!r}") from exc
-
-
-def _holding(tools: ToolPlan, c: CompletionOutput, tracker: Tracker) -> bool:
-    """Whether this choice's text is kept back because it is (or may become) a tool call."""
-    if tools.mode in ("named", "required"):
-        return True
-    holding = tracker.extra.get("holding", True) and tools.may_be_call(c.text)
-    tracker.extra["holding"] = holding
-    return holding
-
-
-def _tool_delta(tools: ToolPlan, index: int, c: CompletionOutput, tracker: Tracker) -> dict[str, Any] | None:
-    """Nothing until the choice finishes; then its tool calls (or its text, if it was none)."""
-    if c.finish_reason is None:
-        return None
-    start = tracker.text_len
-    delta = tracker.advance(c, 0, True)
-    if delta is None:
-        return None
-    content, calls = _parse(tools, c)
-    if calls:
-        message: dict[str, Any] = {"tool_calls": [t.openai(i) for i, t in enumerate(calls)]}
-        if content:
-            message["content"] = content
-    else:
-        message = {"content": c.text[start:]}
-    return {
-        "index": index,
-        "delta": message,
-        "logprobs": None,
-        "finish_reason": "tool_calls" if calls and c.finish_reason == "stop" else c.finish_reason,
-        "stop_reason": delta.stop_reason,
-    }
+    return tools.parse(c.text)
 
 
 def _plain(message: ChatMessage) -> dict[str, Any]:

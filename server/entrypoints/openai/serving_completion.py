@@ -16,7 +16,13 @@ from pagedllm.server.entrypoints.openai.protocol import (
     CompletionResponse,
     PromptInput,
 )
-from pagedllm.server.entrypoints.openai.serving import OpenAIServing, Prompt, RequestContext, usage
+from pagedllm.server.entrypoints.openai.serving import (
+    OpenAIServing,
+    Prompt,
+    RequestContext,
+    cached_prompt_tokens,
+    usage,
+)
 from pagedllm.server.entrypoints.openai.sse import SSEResponse
 from pagedllm.server.entrypoints.openai.streaming import Tracker, holdback, stream
 from pagedllm.server.outputs import CompletionOutput, RequestOutput
@@ -123,7 +129,10 @@ class OpenAIServingCompletion:
                 )
                 completion_tokens += len(c.token_ids)
         return CompletionResponse(
-            id=request_id, model=self.serving.model_name, choices=choices, usage=usage(prompts, completion_tokens)
+            id=request_id,
+            model=self.serving.model_name,
+            choices=choices,
+            usage=usage(prompts, completion_tokens, cached_prompt_tokens(outputs)),
         )
 
     def _choice_maker(self, req: CompletionRequest, prompts: list[Prompt], params: SamplingParams):

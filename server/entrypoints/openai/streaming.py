@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 
 from pagedllm.server.engine.request_stream import RequestStream
 from pagedllm.server.entrypoints.openai.protocol import StreamOptions, UsageInfo
-from pagedllm.server.entrypoints.openai.serving import OpenAIServing, Prompt, usage
+from pagedllm.server.entrypoints.openai.serving import OpenAIServing, Prompt, cached_prompt_tokens, usage
 from pagedllm.server.entrypoints.openai.sse import SSEResponse, sse_response
 from pagedllm.server.outputs import CompletionOutput, RequestOutput
 from pagedllm.server.sampling_params import SamplingParams
@@ -61,9 +61,11 @@ class Tracker:
         return delta
 
 
-ChoiceMaker = Callable[[int, int, RequestOutput, CompletionOutput, Tracker], dict[str, Any] | None]
+ChoiceMaker = Callable[
+    [int, int, RequestOutput, CompletionOutput, Tracker], dict[str, Any] | list[dict[str, Any]] | None
+]
 """(prompt index, choice index, the request's output, the choice, its tracker) -> a chunk's choice,
-or None for nothing new."""
+several successive ones (each goes out in a chunk of its own, in order), or None for nothing new."""
 
 
 def holdback(params: SamplingParams) -> int:
@@ -145,9 +147,10 @@ def stream(
     include_usage = bool(options and options.include_usage)
     continuous = bool(options and options.continuous_usage_stats)
     trackers: dict[int, Tracker] = {}
+    latest: dict[int, RequestOutput] = {}  # prompt index -> its newest output
 
     def so_far() -> UsageInfo:
-        return usage(prompts, sum(t.num_tokens for t in trackers.values()))
+        return usage(prompts, sum(t.num_tokens for t in trackers.values()), cached_prompt_tokens(latest.values()))
 
     def chunk(choices: list[dict[str, Any]], final: UsageInfo | None = None) -> dict[str, Any]:
         body: dict[str, Any] = {
@@ -176,13 +179,16 @@ def stream(
         if first_choices:
             yield chunk(first_choices)
         async for i, output in until_timeout(serving, merged(serving, streams)):
-            choices = []
+            latest[i] = output
+            rounds: list[list[dict[str, Any]]] = []  # NOTE: chunk k carries the k-th delta of each choice
             for c in output.outputs:
                 index = i * params.n + c.index
-                choice = make_choice(i, index, output, c, trackers.setdefault(index, Tracker()))
-                if choice is not None:
-                    choices.append(choice)
-            if choices:
+                made = make_choice(i, index, output, c, trackers.setdefault(index, Tracker()))
+                for k, choice in enumerate([made] if isinstance(made, dict) else made or []):
+                    if k == len(rounds):
+                        rounds.append([])
+                    rounds[k].append(choice)
+            for choices in rounds:
                 yield chunk(choices)
         if include_usage:
             yield chunk([], so_far())

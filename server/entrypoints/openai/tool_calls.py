@@ -1,40 +1,28 @@
-"""Tool calling on chat: ``tools`` and ``tool_choice`` as OpenAI defines them.
+"""Tool calling on chat: ``tools``, ``tool_choice`` and ``parallel_tool_calls`` as OpenAI defines them.
 
 - ``none``: the tools are shown to the chat template, the model answers in text.
-- a named function or ``required``: the arguments are generated under that function's JSON
-  schema (``required``: an object naming one of the functions and its arguments), so they
+- a named function: the arguments are generated under that function's JSON schema, so they
   always parse and match.
-- ``auto`` (the default when tools are given): the model decides; its text is parsed for
-  the common formats: Hermes-style ``<tool_call>{"name": ..., "arguments": ...}</tool_call>``
-  and LLaMA-3's bare ``{"name": ..., "parameters": ...}``.
+- ``required``: a JSON list of calls is generated, each ``{"name": ..., "arguments": ...}``
+  naming one of the functions with arguments under its schema (one call at most when
+  ``parallel_tool_calls`` is false).
+- ``auto`` (the default when tools are given): the model decides; its text is read for the
+  common formats: Hermes-style ``<tool_call>{"name": ..., "arguments": ...}</tool_call>``
+  (any number, between text) and LLaMA-3's bare ``{"name": ..., "parameters": ...}``.
+  With ``parallel_tool_calls`` false only the first call is kept.
+
+Both streamed and whole replies read the model's text with
+:class:`~pagedllm.server.entrypoints.openai.tool_parser.ToolCallParser`.
 """
 
 from __future__ import annotations
 
-import json
-import re
-import uuid
 from dataclasses import dataclass
 from typing import Any
 
 from pagedllm.server.entrypoints.openai.errors import bad_request
+from pagedllm.server.entrypoints.openai.tool_parser import ToolCall, ToolCallParser
 from pagedllm.server.sampling_params import GuidedDecodingParams
-
-HERMES = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.S)
-
-
-@dataclass(frozen=True)
-class ToolCall:
-    name: str
-    arguments: str  # JSON text
-
-    def openai(self, index: int | None = None) -> dict[str, Any]:
-        call = {
-            "id": f"call_{uuid.uuid4().hex[:24]}",
-            "type": "function",
-            "function": {"name": self.name, "arguments": self.arguments},
-        }
-        return call if index is None else {"index": index, **call}
 
 
 @dataclass(frozen=True)
@@ -44,19 +32,30 @@ class ToolPlan:
     tools: list[dict[str, Any]]
     mode: str  # "none" | "auto" | "required" | "named"
     named: str | None = None
+    parallel: bool = True
+    """``parallel_tool_calls``: false keeps at most one call per choice."""
 
     @property
     def template_tools(self) -> list[dict[str, Any]] | None:
         return self.tools or None
 
+    @property
+    def names(self) -> set[str]:
+        return {t["function"]["name"] for t in self.tools}
+
+    @property
+    def reads_calls(self) -> bool:
+        """Whether the output is read for tool calls (every mode but ``none``)."""
+        return self.mode != "none"
+
     def guided(self) -> GuidedDecodingParams | None:
-        """The grammar that enforces the call (named / required), else None."""
+        """The grammar that enforces the calls (named / required), else None."""
         schemas = {t["function"]["name"]: t["function"].get("parameters") or {"type": "object"} for t in self.tools}
         if self.mode == "named":
             assert self.named is not None
             return GuidedDecodingParams(json=schemas[self.named])
         if self.mode == "required":
-            options = [
+            one_call = [
                 {
                     "type": "object",
                     "properties": {"name": {"const": name}, "arguments": schema},
@@ -65,51 +64,25 @@ class ToolPlan:
                 }
                 for name, schema in schemas.items()
             ]
-            return GuidedDecodingParams(json={"anyOf": options})
+            calls: dict[str, Any] = {"type": "array", "items": {"anyOf": one_call}, "minItems": 1}
+            return GuidedDecodingParams(json=calls if self.parallel else {**calls, "maxItems": 1})
         return None
 
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
-        """(content, calls) of a finished completion."""
-        if self.mode == "named":
-            assert self.named is not None
-            return None, [ToolCall(self.named, text)]
-        if self.mode == "required":
-            value = json.loads(text)
-            return None, [ToolCall(value["name"], json.dumps(value["arguments"]))]
-        if self.mode == "auto":
-            return self._parse_auto(text)
-        return text, []
-
-    def _parse_auto(self, text: str) -> tuple[str | None, list[ToolCall]]:
-        known = {t["function"]["name"] for t in self.tools}
-        calls = [c for c in (_call(m) for m in HERMES.findall(text)) if c and c.name in known]
-        if calls:
-            rest = HERMES.sub("", text).strip()
-            return rest or None, calls
-        bare = text.strip().removeprefix("<|python_tag|>").strip()
-        call = _call(bare) if bare.startswith("{") else None
-        if call is not None and call.name in known:
-            return None, [call]
-        return text, []
-
-    def may_be_call(self, text: str) -> bool:
-        """Whether streamed text could still turn into a tool call (so it is held back)."""
-        head = text.lstrip().removeprefix("<|python_tag|>").lstrip()
-        return self.mode == "auto" and (head == "" or head.startswith(("{", "<tool_call>", "<tool_call"[: len(head)])))
+        """(content, calls) of a finished completion: its text when it holds no complete call."""
+        if not self.reads_calls:
+            return text, []
+        parser = ToolCallParser(self)
+        parser.feed(text)
+        parser.finish()
+        if not parser.calls:
+            return text, []
+        return parser.content or None, parser.calls
 
 
-def _call(text: str) -> ToolCall | None:
-    try:
-        value = json.loads(text)
-    except ValueError:
-        return None
-    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
-        return None
-    arguments = value.get("arguments", value.get("parameters", {}))
-    return ToolCall(value["name"], arguments if isinstance(arguments, str) else json.dumps(arguments))
-
-
-def plan(tools: list[dict[str, Any]] | None, tool_choice: str | dict[str, Any] | None) -> ToolPlan | None:
+def plan(
+    tools: list[dict[str, Any]] | None, tool_choice: str | dict[str, Any] | None, parallel: bool = True
+) -> ToolPlan | None:
     """Check ``tools`` and ``tool_choice``; None when the request uses no tools."""
     if not tools:
         if tool_choice not in (None, "none", "auto"):
@@ -131,9 +104,9 @@ def plan(tools: list[dict[str, Any]] | None, tool_choice: str | dict[str, Any] |
             raise bad_request(
                 f"tool_choice names function {name!r}, which is not among the tools {names}", "tool_choice"
             )
-        return ToolPlan(tools, "named", name)
+        return ToolPlan(tools, "named", name, parallel)
     if choice not in ("none", "auto", "required"):
         raise bad_request(
             f"tool_choice={choice!r} is not allowed: none, auto, required or a named function", "tool_choice"
         )
-    return ToolPlan(tools, choice)
+    return ToolPlan(tools, choice, parallel=parallel)
