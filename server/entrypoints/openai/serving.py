@@ -30,10 +30,12 @@ from pagedllm.server.entrypoints.openai.errors import (
 )
 from pagedllm.server.entrypoints.openai.guided import guided_decoding, logit_bias
 from pagedllm.server.entrypoints.openai.protocol import SamplingFields, UsageInfo
-from pagedllm.server.outputs import RequestOutput
+from pagedllm.server.outputs import EngineOutput, RequestOutput
+from pagedllm.server.pooling_params import PoolingParams
 from pagedllm.server.sampling_params import SamplingParams
 
 _T = TypeVar("_T")
+_Output = TypeVar("_Output", bound=EngineOutput)
 
 
 access_log = logging.getLogger("pagedllm.access")
@@ -197,7 +199,7 @@ class OpenAIServing:
         self,
         request_id: str,
         prompts: list[Prompt],
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         param_names: Mapping[str, str],
         cache_salt: str | None = None,
     ) -> list[RequestStream]:
@@ -227,11 +229,17 @@ class OpenAIServing:
             self.engine.abort(stream.request_id)
 
     async def final_outputs(self, streams: list[RequestStream]) -> list[RequestOutput]:
-        async def last(stream: RequestStream) -> RequestOutput:
+        """Each generation request's finished output."""
+        return await self.finished(streams, RequestOutput)
+
+    async def finished(self, streams: list[RequestStream], kind: type[_Output]) -> list[_Output]:
+        """Each stream's finished output (``kind``: what its requests produce); aborts them all on any failure."""
+
+        async def last(stream: RequestStream) -> _Output:
             output = None
             async for latest in self.engine.iterate(stream):
                 output = latest
-            assert output is not None, "a stream ends with a finished output or an error"
+            assert isinstance(output, kind), "a stream ends with a finished output or an error"
             return output
 
         try:
