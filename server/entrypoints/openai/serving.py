@@ -29,7 +29,7 @@ from pagedllm.server.entrypoints.openai.errors import (
     unavailable,
 )
 from pagedllm.server.entrypoints.openai.guided import guided_decoding, logit_bias
-from pagedllm.server.entrypoints.openai.protocol import SamplingFields, UsageInfo
+from pagedllm.server.entrypoints.openai.protocol import PromptInput, SamplingFields, UsageInfo
 from pagedllm.server.outputs import EngineOutput, RequestOutput
 from pagedllm.server.pooling_params import PoolingParams
 from pagedllm.server.sampling_params import SamplingParams
@@ -118,6 +118,25 @@ class OpenAIServing:
         if self.tokenizer is None:
             raise bad_request("this server has no tokenizer (--skip-tokenizer-init): send token ids")
         return self.tokenizer
+
+    def prompts(self, value: PromptInput, param: str) -> list[Prompt]:
+        """A string, a list of strings, a list of token ids or a list of such lists (request parameter ``param``)."""
+        items: list[str | list[int]]
+        if isinstance(value, str):
+            items = [value]
+        elif value and all(isinstance(p, int) for p in value):
+            items = [[int(p) for p in value]]  # type: ignore[arg-type]
+        else:
+            items = list(value)  # type: ignore[arg-type]
+        if not items:
+            raise bad_request(f"{param} is empty: give a string, strings, token ids or lists of token ids", param)
+        prompts = []
+        for item in items:
+            if isinstance(item, str):
+                prompts.append(Prompt(item, self.need_tokenizer().encode(item)))
+            else:
+                prompts.append(Prompt(None, list(item)))  # NOTE: ids are checked by the engine's input processor
+        return prompts
 
     def check_token_ids(self, ids: list[int], param: str) -> None:
         try:
