@@ -12,8 +12,11 @@ import importlib
 _EXPORTS = {
     "LLM": "pagedllm.server.llm",
     "SamplingParams": "pagedllm.server.sampling_params",
+    "PoolingParams": "pagedllm.server.pooling_params",
     "RequestOutput": "pagedllm.server.outputs",
     "CompletionOutput": "pagedllm.server.outputs",
+    "EmbeddingRequestOutput": "pagedllm.server.outputs",
+    "EmbeddingOutput": "pagedllm.server.outputs",
 }
 __all__ = list(_EXPORTS)
 

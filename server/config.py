@@ -18,6 +18,9 @@ DEVICES = ("auto", "cpu", "cuda")
 LOAD_FORMATS = ("auto", "safetensors", "pt", "dummy")
 PREEMPTION_MODES = (None, "recompute", "swap")
 ATTENTION_BACKENDS = ("auto", "numba", "torch", "triton")
+POOLING_TYPES = ("last", "mean")
+"""Embedding pooling: ``last`` takes the last prompt token's final hidden state (vLLM's default for
+``*ForCausalLM`` used as embedding models), ``mean`` averages every prompt position's."""
 KV_RESERVATIONS = ("paged", "max", "pow2", "oracle")  # kept equal to core.kv_reservation's (config stays import-light)
 GiB = 1 << 30
 
@@ -114,6 +117,14 @@ class ModelConfig:
             choices=ATTENTION_BACKENDS,
         ),
     )
+    pooling_type: str | None = field(
+        default=None,
+        metadata=_help(
+            "How /v1/embeddings pools hidden states: last or mean; default: the model's sentence-transformers"
+            " 1_Pooling/config.json if it has one, else last.",
+            choices=(None, *POOLING_TYPES),
+        ),
+    )
 
     def __post_init__(self) -> None:
         check_choice("dtype", self.dtype, DTYPES)
@@ -121,6 +132,7 @@ class ModelConfig:
         check_choice("load_format", self.load_format, LOAD_FORMATS)
         check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         check_range("max_model_len", self.max_model_len, 1)
+        check_choice("pooling_type", self.pooling_type, (None, *POOLING_TYPES))
 
 
 @dataclass(frozen=True)

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TypeVar
 
 from tqdm.auto import tqdm
 
 from pagedllm.server.config import EngineConfig
 from pagedllm.server.engine.input_processor import PromptType
 from pagedllm.server.engine.llm_engine import LLMEngine
-from pagedllm.server.outputs import RequestOutput
+from pagedllm.server.outputs import EmbeddingRequestOutput, EngineOutput, RequestOutput
+from pagedllm.server.pooling_params import PoolingParams
 from pagedllm.server.sampling_params import SamplingParams
 
 
@@ -55,13 +57,32 @@ class LLM:
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in prompt order."""
-        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        prompts = list(prompts)
+        prompts = _prompt_list(prompts)
         given = sampling_params or SamplingParams()
         params = [given] * len(prompts) if isinstance(given, SamplingParams) else list(given)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts: pass one or one each")
+        return [_expect(o, RequestOutput) for o in self._run_all(prompts, params, use_tqdm)]
+
+    def embed(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | None = None,
+        use_tqdm: bool = False,
+    ) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt, in prompt order: ``llm.embed(texts)[i].outputs.embedding``.
+
+        The prompts are prefilled in the same batches as any generation (chunked when long)
+        and pooled (``pooling_type``: the last token's final hidden state by default, or the
+        mean); embeddings are L2-normalised unless ``PoolingParams(normalize=False)``.
+        """
+        prompts = _prompt_list(prompts)
+        params = [pooling_params or PoolingParams()] * len(prompts)
+        return [_expect(o, EmbeddingRequestOutput) for o in self._run_all(prompts, params, use_tqdm)]
+
+    def _run_all(
+        self, prompts: list[PromptType], params: Sequence[SamplingParams | PoolingParams], use_tqdm: bool
+    ) -> list[EngineOutput]:
         engine = self.llm_engine
         ids = []
         try:
@@ -97,8 +118,8 @@ class LLM:
         )
         return self.generate(prompts, params)
 
-    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
-        done: dict[str, RequestOutput] = {}
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[EngineOutput]:
+        done: dict[str, EngineOutput] = {}
         with tqdm(total=len(ids), desc="requests", disable=not use_tqdm) as bar:
             while self.llm_engine.has_unfinished_requests():
                 for output in self.llm_engine.step():
@@ -106,3 +127,18 @@ class LLM:
                         done[output.request_id] = output
                         bar.update(1)
         return [done[i] for i in ids]
+
+
+def _prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
+    """One prompt (a string, token ids or a dict) or several, as a list."""
+    if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        return [prompts]
+    return list(prompts)
+
+
+_O = TypeVar("_O", RequestOutput, EmbeddingRequestOutput)
+
+
+def _expect(output: EngineOutput, kind: type[_O]) -> _O:
+    assert isinstance(output, kind), f"a {kind.__name__} was expected, got {type(output).__name__}"
+    return output

@@ -41,3 +41,28 @@ class RequestOutput:
     """Why the request failed inside the engine (it is then finished); None when it did not."""
     num_cached_tokens: int | None = None
     """Prompt tokens served from the prefix cache (whole blocks); None until the request is scheduled."""
+
+
+@dataclass
+class EmbeddingOutput:
+    """One prompt's embedding, as vLLM's ``EmbeddingOutput``."""
+
+    embedding: list[float] = field(default_factory=list)
+    """The pooled final hidden state (empty until the request finishes)."""
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """An embedding request's state after a step, as vLLM's ``EmbeddingRequestOutput``."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput = field(default_factory=EmbeddingOutput)
+    finished: bool = False
+    error: str | None = None
+    """Why the request failed inside the engine (it is then finished); None when it did not."""
+
+
+EngineOutput = RequestOutput | EmbeddingRequestOutput
+"""What one engine step reports for a request: a generation's or an embedding's state."""

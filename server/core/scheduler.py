@@ -247,7 +247,7 @@ class Scheduler:
             if budget.seqs + group.max_num_running_seqs > budget.max_seqs:
                 break
             # NOTE: recomputed beams must restart from equal computed lengths (see _take).
-            use_cache = group.sampling_params.prompt_logprobs is None and not (
+            use_cache = not group.reads_every_prompt_position and not (
                 group.sampling_params.use_beam_search and seqs[0].output_token_ids
             )
             status = self.block_manager.can_allocate(group, use_cache)

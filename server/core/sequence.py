@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 from pagedllm.server.outputs import Logprob
+from pagedllm.server.pooling_params import PoolingParams
 from pagedllm.server.sampling_params import SamplingParams
 
 StopReason = str | int | None
@@ -132,6 +133,17 @@ class SequenceGroup:
 
     NOTE: set once, as vLLM does: a request preempted by recomputation and admitted again may
     find its own blocks in the cache, which the client did not save by its prompt."""
+
+    pooling_params: PoolingParams | None = None
+    """Set for an embedding request: it runs its prompt, is pooled, and never samples."""
+
+    @property
+    def reads_every_prompt_position(self) -> bool:
+        """Prompt logprobs and mean pooling need every prompt position computed (none taken from the cache)."""
+        pooling = self.pooling_params
+        return self.sampling_params.prompt_logprobs is not None or (
+            pooling is not None and pooling.reads_every_position
+        )
 
     @property
     def prompt_token_ids(self) -> list[int]:

@@ -5,7 +5,7 @@
     event loop (HTTP)                         engine thread (owns LLMEngine)
     ─────────────────                         ──────────────────────────────
     add_request ──► commands (SimpleQueue) ──► between steps: add / abort / call
-    RequestStream ◄── call_soon_threadsafe ◄── step() -> [RequestOutput] per step
+    RequestStream ◄── call_soon_threadsafe ◄── step() -> [EngineOutput] per step
 
 NOTE: only the engine thread touches :class:`LLMEngine`. Everything else reaches it
 through the command queue, which the thread drains between steps, so an abort frees the
@@ -29,7 +29,8 @@ from pagedllm.server.engine.input_processor import PromptType
 from pagedllm.server.engine.llm_engine import EngineStats, LLMEngine
 from pagedllm.server.engine.model_info import ModelInfo, load_tokenizer
 from pagedllm.server.engine.request_stream import EngineDeadError, RequestFailedError, RequestStream, StepTimes
-from pagedllm.server.outputs import RequestOutput
+from pagedllm.server.outputs import EngineOutput
+from pagedllm.server.pooling_params import PoolingParams
 from pagedllm.server.sampling_params import SamplingParams
 
 logger = logging.getLogger("pagedllm.async_engine")
@@ -129,7 +130,11 @@ class AsyncLLMEngine:
         return sum(1 for s in self._streams.values() if not s.scheduled)
 
     async def add_request(
-        self, request_id: str, prompt: PromptType, params: SamplingParams, arrival_time: float | None = None
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams | PoolingParams,
+        arrival_time: float | None = None,
     ) -> RequestStream:
         """Queue a request; the engine's :class:`ConfigError` (bad prompt or params) is re-raised here."""
         if not self.is_ready:
@@ -154,8 +159,12 @@ class AsyncLLMEngine:
         return stream
 
     async def generate(
-        self, prompt: PromptType, params: SamplingParams, request_id: str, arrival_time: float | None = None
-    ) -> AsyncIterator[RequestOutput]:
+        self,
+        prompt: PromptType,
+        params: SamplingParams | PoolingParams,
+        request_id: str,
+        arrival_time: float | None = None,
+    ) -> AsyncIterator[EngineOutput]:
         """Outputs of one request until it finishes; closing the iterator early aborts it."""
         stream = await self.add_request(request_id, prompt, params, arrival_time)
         try:
@@ -166,7 +175,7 @@ class AsyncLLMEngine:
             if not stream.finished:
                 self.abort(stream.request_id)
 
-    async def iterate(self, stream: RequestStream) -> AsyncIterator[RequestOutput]:
+    async def iterate(self, stream: RequestStream) -> AsyncIterator[EngineOutput]:
         """Outputs of an added request; if the consumer stops early the request is aborted."""
         try:
             async for output in stream:
@@ -261,7 +270,7 @@ class AsyncLLMEngine:
                 return
 
     # -- back on the event loop -------------------------------------------------------------
-    def _dispatch(self, outputs: list[RequestOutput], times: StepTimes) -> None:
+    def _dispatch(self, outputs: list[EngineOutput], times: StepTimes) -> None:
         for output in outputs:
             stream = self._streams.get(output.request_id)
             if stream is None:

@@ -14,6 +14,7 @@ from typing import Any
 
 from pagedllm.server.engine.input_processor import PromptType
 from pagedllm.server.engine.llm_engine import LLMEngine
+from pagedllm.server.pooling_params import PoolingParams
 from pagedllm.server.sampling_params import SamplingParams
 
 
@@ -21,7 +22,7 @@ from pagedllm.server.sampling_params import SamplingParams
 class AddRequest:
     request_id: str
     prompt: PromptType
-    params: SamplingParams
+    params: SamplingParams | PoolingParams
     arrival_time: float
     done: concurrent.futures.Future
     """Resolved once the engine queued the request, or failed with its :class:`ConfigError`."""

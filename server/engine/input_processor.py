@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagedllm.server.config import ConfigError
+from pagedllm.server.pooling_params import PoolingParams
 from pagedllm.server.sampling_params import SamplingParams
 
 PromptType = str | dict | list
@@ -52,11 +53,18 @@ class InputProcessor:
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
 
-    def process(self, prompt: PromptType, params: SamplingParams) -> ProcessedPrompt:
-        """The prompt's text and token ids; raises :class:`ConfigError` if the request cannot run."""
+    def process(self, prompt: PromptType, params: SamplingParams | PoolingParams) -> ProcessedPrompt:
+        """The prompt's text and token ids; raises :class:`ConfigError` if the request cannot run.
+
+        An embedding request (``PoolingParams``) generates nothing, so its prompt may fill ``max_model_len``.
+        """
         processed = self.encode(prompt)
-        self.check_prompt(processed.token_ids)
-        self.check_params(params)
+        generates = isinstance(params, SamplingParams)
+        self.check_prompt(processed.token_ids, room_to_generate=generates)
+        if isinstance(params, SamplingParams):
+            self.check_params(params)
+        else:
+            self.check_pooling(params)
         return processed
 
     def encode(self, prompt: PromptType) -> ProcessedPrompt:
@@ -84,21 +92,34 @@ class InputProcessor:
             return ProcessedPrompt(prompt, self.tokenizer.encode(prompt))
         raise ConfigError("prompt", prompt, "pass a string or {'prompt_token_ids': [...]}", problem="is invalid")
 
-    def check_prompt(self, token_ids: list[int]) -> None:
+    def check_prompt(self, token_ids: list[int], room_to_generate: bool = True) -> None:
         if not token_ids:
             raise ConfigError(
                 "prompt", token_ids, "at least one token is required", problem="is empty", subject="{name}"
             )
         check_token_ids(token_ids, "prompt_token_ids", self.vocab_size)
         n, limit = len(token_ids), self.max_model_len
-        if n >= limit:
+        longest = limit - 1 if room_to_generate else limit
+        if n > longest:
             problem = (
                 f"is longer than max_model_len={limit}"
                 if n > limit
                 else f"leaves no room to generate within max_model_len={limit}"
             )
             raise ConfigError(
-                "prompt", n, f"at most {limit - 1} tokens", problem=problem, subject=f"{{name}} of {n} tokens"
+                "prompt", n, f"at most {longest} tokens", problem=problem, subject=f"{{name}} of {n} tokens"
+            )
+
+    @staticmethod
+    def check_pooling(params: PoolingParams) -> None:
+        # NOTE: truncating an embedding is only meaningful for a model trained for it (matryoshka);
+        # the models here are not, so, as vLLM, every value is refused rather than silently cut.
+        if params.dimensions is not None:
+            raise ConfigError(
+                "dimensions",
+                params.dimensions,
+                "leave it unset: embeddings have the model's hidden size",
+                problem="is not supported: this model was not trained for matryoshka (truncated) embeddings",
             )
 
     def check_params(self, params: SamplingParams) -> None:

@@ -3,8 +3,12 @@
 ::
 
     add_request ─► InputProcessor (encode, validate) ─► Scheduler.waiting
-    step():  Scheduler.schedule() ─► ModelRunner.execute() ─► Sampler / BeamSearch
-             ─► OutputProcessor (text, stop checks) ─► [RequestOutput]
+    step():  Scheduler.schedule() ─► ModelRunner.execute() ─► Sampler / BeamSearch / pooling
+             ─► OutputProcessor (text, stop checks) ─► [RequestOutput | EmbeddingRequestOutput]
+
+Embedding requests (``PoolingParams``) are scheduled with the others and prefilled the
+same way, in chunks; the step that computes the end of the prompt pools it, the request
+finishes, and its blocks are freed after that step.
 """
 
 from __future__ import annotations
@@ -32,7 +36,8 @@ from pagedllm.server.engine.output_processor import OutputProcessor
 from pagedllm.server.engine.sampler import Sampler
 from pagedllm.server.engine.step_results import RequestState, StepResults
 from pagedllm.server.engine.structured_output import StructuredOutputs
-from pagedllm.server.outputs import RequestOutput
+from pagedllm.server.outputs import EngineOutput
+from pagedllm.server.pooling_params import PoolingParams
 from pagedllm.server.sampling_params import SamplingParams
 from pagedllm.server.worker.model_loader import read_hf_config
 from pagedllm.server.worker.model_runner import ModelRunner, check_tensor_parallel, resolve_device
@@ -173,34 +178,56 @@ class LLMEngine:
 
     # -- requests -----------------------------------------------------------------------
     def add_request(
-        self, request_id: str, prompt: PromptType, sampling_params: SamplingParams, arrival_time: float | None = None
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams | PoolingParams,
+        arrival_time: float | None = None,
     ) -> None:
-        """Queue a request; an invalid prompt or parameters raise :class:`ConfigError` at once."""
+        """Queue a generation (``SamplingParams``) or an embedding (``PoolingParams``) request.
+
+        An invalid prompt or parameters raise :class:`ConfigError` at once.
+        """
         self._check_open()
         if request_id in self._requests:
             raise ConfigError("request_id", request_id, "give each request its own id", problem="is already in use")
-        params = sampling_params
         processed = self.input_processor.process(prompt, params)
         seq = Sequence(self._next_seq_id(), processed.token_ids, cache_salt=processed.cache_salt)
-        self._expect_length(seq, params)
+        pooling = self._pooling_params(params)
+        # NOTE: an embedding request carries plain one-sequence sampling parameters, so the
+        # scheduler treats it as any prompt; it never samples (see StepResults._pool).
+        sampling = params if isinstance(params, SamplingParams) else SamplingParams(max_tokens=1)
+        self._expect_length(seq, sampling, pooling)
         group = SequenceGroup(
             request_id,
             [seq],
-            params,
+            sampling,
             prompt=processed.text,
             arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
+            pooling_params=pooling,
         )
-        generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
-        guided = params.guided_decoding
+        generator = torch.Generator().manual_seed(sampling.seed) if sampling.seed is not None else None
+        guided = sampling.guided_decoding
         grammar = self.step_results.structured.compile(guided) if guided is not None else None
-        beam = BeamState() if params.use_beam_search else None
+        beam = BeamState() if sampling.use_beam_search else None
         self._requests[request_id] = RequestState(group, generator, beam, grammar)
         self.scheduler.add(group)
 
-    def _expect_length(self, seq: Sequence, params: SamplingParams) -> None:
+    def _pooling_params(self, params: SamplingParams | PoolingParams) -> PoolingParams | None:
+        """An embedding request's parameters with the engine's pooling type filled in; None for generation."""
+        if not isinstance(params, PoolingParams):
+            return None
+        if params.pooling_type is not None:
+            return params
+        return dataclasses.replace(params, pooling_type=self.model_info.pooling_type)
+
+    def _expect_length(self, seq: Sequence, params: SamplingParams, pooling: PoolingParams | None) -> None:
         """Tell a reservation-based allocator (benchmarks) how long the request can grow."""
         reservation = self.block_manager.reservation
         if reservation is None:
+            return
+        if pooling is not None:
+            reservation.expect(seq.seq_id, len(seq))
             return
         if params.best_of > 1:
             raise ConfigError(
@@ -221,7 +248,7 @@ class LLMEngine:
         return self.scheduler.has_unfinished()
 
     # -- the step -----------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[EngineOutput]:
         """Run one iteration; return the outputs of every request it advanced.
 
         NOTE: a failure in one request's work (sampling, stop checks, text, logprobs, beam
@@ -253,12 +280,18 @@ class LLMEngine:
         self.scheduler.free_finished()
         outputs = []
         for group in touched.values():
-            output = self.output_processor.request_output(group)
+            output = self._output(group)
             output.error = failed.get(group.request_id)
             if output.finished:
                 self._requests.pop(output.request_id, None)
             outputs.append(output)
         return outputs
+
+    def _output(self, group: SequenceGroup) -> EngineOutput:
+        if group.pooling_params is None:
+            return self.output_processor.request_output(group)
+        state = self._requests.get(group.request_id)
+        return self.output_processor.embedding_output(group, state.embedding if state is not None else None)
 
     def _model_step_failed(
         self, out: SchedulerOutput, error: Exception, failed: dict[str, str], touched: dict[int, SequenceGroup]

@@ -26,6 +26,8 @@ class ModelInfo:
     """Positions every layer's attention window spans when all layers slide (see :func:`kv_window`), else None."""
     default_sampling: dict[str, Any] = field(default_factory=dict)
     """Sampling defaults from the model's generation_config.json (temperature, top_p, ...)."""
+    pooling_type: str = "last"
+    """How embedding requests pool hidden states when they do not say (see :func:`pooling_type`)."""
 
 
 def read_model_info(config: EngineConfig, hf_config: dict[str, Any], tokenizer: Any) -> ModelInfo:
@@ -39,6 +41,7 @@ def read_model_info(config: EngineConfig, hf_config: dict[str, Any], tokenizer: 
         eos_token_ids=eos_token_ids(model_dir, hf_config, tokenizer),
         kv_window=kv_window(hf_config),
         default_sampling=default_sampling(model_dir),
+        pooling_type=pooling_type(config, model_dir),
     )
 
 
@@ -70,6 +73,41 @@ def default_sampling(model_dir: str) -> dict[str, Any]:
     """The model's own sampling defaults, as vLLM applies them (``--generation-config auto``)."""
     config = _generation_config(model_dir)
     return {k: config[k] for k in SAMPLING_DEFAULT_KEYS if config.get(k) is not None}
+
+
+# sentence-transformers' Pooling modes -> ours; any other mode set to true is refused.
+_SENTENCE_TRANSFORMERS_MODES = {"pooling_mode_lasttoken": "last", "pooling_mode_mean_tokens": "mean"}
+
+
+def pooling_type(config: EngineConfig, model_dir: str) -> str:
+    """``--pooling-type`` if given, else the model's sentence-transformers pooling, else ``last``.
+
+    A sentence-transformers checkpoint lists its modules in ``modules.json``; the one of type
+    ``sentence_transformers.models.Pooling`` keeps its ``config.json`` in its ``path``
+    (``1_Pooling``), with one ``pooling_mode_*`` flag set.
+    """
+    if config.model.pooling_type is not None:
+        return config.model.pooling_type
+    modules_path = os.path.join(model_dir, "modules.json")
+    if not os.path.isfile(modules_path):
+        return "last"
+    with open(modules_path) as f:
+        modules = json.load(f)
+    pooling = next((m for m in modules if str(m.get("type", "")).endswith(".Pooling")), None)
+    config_path = os.path.join(model_dir, pooling.get("path", ""), "config.json") if pooling else ""
+    if not os.path.isfile(config_path):
+        return "last"
+    with open(config_path) as f:
+        modes = [key for key, on in json.load(f).items() if key.startswith("pooling_mode_") and on is True]
+    if len(modes) == 1 and modes[0] in _SENTENCE_TRANSFORMERS_MODES:
+        return _SENTENCE_TRANSFORMERS_MODES[modes[0]]
+    raise ConfigError(
+        "pooling_type",
+        modes,
+        "give last or mean explicitly",
+        problem="is not supported",
+        subject=f"{{name}} from {config_path} ({', '.join(modes) or 'no pooling mode set'})",
+    )
 
 
 def max_model_len(config: EngineConfig, hf_config: dict[str, Any]) -> int:

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from pagedllm.server.core.sequence import Logprobs, Sequence, SequenceGroup, SequenceStatus
 from pagedllm.server.engine.detokenizer import decode_new_text
-from pagedllm.server.outputs import CompletionOutput, RequestOutput
+from pagedllm.server.outputs import CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
 from pagedllm.server.sampling_params import SamplingParams
 
 
@@ -86,6 +88,14 @@ class OutputProcessor:
             completions,
             finished,
             num_cached_tokens=group.num_cached_tokens,
+        )
+
+    @staticmethod
+    def embedding_output(group: SequenceGroup, embedding: torch.Tensor | None) -> EmbeddingRequestOutput:
+        """An embedding request's state now: its embedding once its prompt is pooled."""
+        vector = embedding.tolist() if embedding is not None else []
+        return EmbeddingRequestOutput(
+            group.request_id, group.prompt, group.prompt_token_ids, EmbeddingOutput(vector), group.is_finished()
         )
 
 

@@ -6,7 +6,7 @@ import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from pagedllm.server.outputs import RequestOutput
+from pagedllm.server.outputs import EngineOutput
 
 
 class EngineDeadError(RuntimeError):
@@ -36,11 +36,11 @@ class RequestStream:
         self.first_token_time: float | None = None
         self.last_token_time: float | None = None
         self.num_tokens = 0
-        self._latest: RequestOutput | None = None
+        self._latest: EngineOutput | None = None
         self._error: BaseException | None = None
         self._event = asyncio.Event()
 
-    def put(self, output: RequestOutput) -> None:
+    def put(self, output: EngineOutput) -> None:
         self._latest = output
         self.finished = output.finished
         self._event.set()
@@ -50,7 +50,7 @@ class RequestStream:
         self.finished = True
         self._event.set()
 
-    async def __aiter__(self) -> AsyncIterator[RequestOutput]:
+    async def __aiter__(self) -> AsyncIterator[EngineOutput]:
         while True:
             await self._event.wait()
             self._event.clear()

@@ -1,4 +1,4 @@
-"""A finished model step's logits into requests: prompt logprobs, sampled tokens, beams.
+"""A finished model step's logits into requests: prompt logprobs, sampled tokens, beams, embeddings.
 
 NOTE: all of this is per-request work, so a failure in it fails that request alone: it
 is recorded in ``failed`` (request id -> reason) and the engine aborts those requests
@@ -22,7 +22,7 @@ from pagedllm.server.engine.faults import FaultInjector
 from pagedllm.server.engine.output_processor import OutputProcessor
 from pagedllm.server.engine.sampler import Sample, Sampler, SampleRequest, top_logprobs
 from pagedllm.server.engine.structured_output import StructuredOutputs
-from pagedllm.server.worker.step_inputs import SampleRow, StepResult
+from pagedllm.server.worker.step_inputs import PoolRow, SampleRow, StepResult
 
 logger = logging.getLogger("pagedllm.engine")
 
@@ -40,6 +40,11 @@ class RequestState:
     """The compiled grammar of a structured-output request."""
     matchers: dict[int, Any] = field(default_factory=dict)
     """seq_id -> the grammar matcher following that sequence's tokens."""
+    pooled: torch.Tensor | None = None
+    """An embedding request's sum of hidden states over ``num_pooled`` positions so far (float32)."""
+    num_pooled: int = 0
+    embedding: torch.Tensor | None = None
+    """An embedding request's result, once its whole prompt is pooled."""
 
     def matcher(self, seq: Sequence, structured: StructuredOutputs) -> Any:
         if seq.seq_id not in self.matchers:
@@ -71,9 +76,10 @@ class StepResults:
         self.faults = faults
 
     def apply(self, result: StepResult, failed: dict[str, str]) -> None:
-        """Record prompt logprobs and append sampled tokens; failures go to ``failed``."""
+        """Record prompt logprobs, append sampled tokens and pool embeddings; failures go to ``failed``."""
         self._record_prompt_logprobs(result, failed)
         self._samples(result, failed)
+        self._pool(result, failed)
 
     def _fail(self, failed: dict[str, str], group: SequenceGroup, stage: str, error: Exception) -> None:
         logger.error("request %s failed in %s: %r", group.request_id, stage, error, exc_info=error)
@@ -204,3 +210,36 @@ class StepResults:
         for position, row_logprobs in zip(row.prompt_positions, logprobs):
             token = row.seq.prompt_token_ids[position]
             group.prompt_logprobs.append(top_logprobs(row_logprobs, token, group.sampling_params.prompt_logprobs))
+
+    def _pool(self, result: StepResult, failed: dict[str, str]) -> None:
+        rows = result.inputs.pool_rows
+        if not rows:
+            return
+        assert result.pooled is not None
+        for row, pooled in zip(rows, result.pooled):
+            if row.group.request_id in failed:
+                continue
+            try:
+                if self.faults is not None:
+                    self.faults.check_request(row.group.request_id)
+                self._add_pooled(self.requests[row.group.request_id], row, pooled)
+            except Exception as exc:
+                self._fail(failed, row.group, "pooling", exc)
+
+    @staticmethod
+    def _add_pooled(state: RequestState, row: PoolRow, pooled: torch.Tensor) -> None:
+        """Add a chunk's hidden-state sum; the chunk ending the prompt finishes the request with its embedding."""
+        # NOTE: a prompt preempted by recomputation starts again from position 0: so does its sum.
+        if row.start == 0 or state.pooled is None:
+            state.pooled, state.num_pooled = torch.zeros_like(pooled), 0
+        state.pooled += pooled
+        state.num_pooled += row.num
+        if not row.completes_prompt:
+            return
+        params = row.group.pooling_params
+        assert params is not None
+        embedding = state.pooled / state.num_pooled
+        if params.normalize:
+            embedding = torch.nn.functional.normalize(embedding, p=2.0, dim=0)
+        state.embedding = embedding
+        row.seq.status = SequenceStatus.FINISHED_STOPPED

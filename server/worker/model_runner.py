@@ -258,24 +258,29 @@ class ModelRunner:
             inputs.meta,
             inputs.sample_index,
             inputs.prompt_index if inputs.prompt_rows else None,
+            inputs.pool_index,
+            torch.tensor([row.num for row in inputs.pool_rows], dtype=torch.int64) if inputs.pool_rows else None,
         )
         if self.workers is None:
-            logits, prompt_logits = self.run_step(step)
-            return StepResult(inputs, logits, prompt_logits)
+            return StepResult(inputs, *self.run_step(step))
         self.workers.send(("step", step.to_wire()))
         self.workers.step_started()
         try:
-            logits, prompt_logits = self.run_step(step)
+            outputs = self.run_step(step)
         except Exception as exc:
             self.workers.check()  # NOTE: a dead or hung rank is the likely cause: name it
             raise RuntimeError(f"the tensor-parallel step failed: {exc!r}") from exc
         finally:
             self.workers.step_ended()
-        return StepResult(inputs, logits, prompt_logits)
+        return StepResult(inputs, *outputs)
 
     @torch.inference_mode()
-    def run_step(self, step: ModelStep) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """This rank's part of a step: block moves, then the model; logits (whole on rank 0)."""
+    def run_step(self, step: ModelStep) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """This rank's part of a step: block moves, then the model.
+
+        Returns the sampled rows' logits, the prompt-logprob rows' logits (whole on rank 0)
+        and the embedding requests' pooled hidden-state sums (float32, on the CPU).
+        """
         if self.fault == "die":
             os._exit(3)
         if self.fault == "hang":
@@ -287,9 +292,22 @@ class ModelRunner:
             mapping = torch.tensor(step.copies, dtype=torch.int64, device=self.device)
             self.ops.copy_blocks([k for k, _ in self.kv_caches], [v for _, v in self.kv_caches], mapping)
         if step.input_ids.numel() == 0:
-            return torch.empty(0, 0), None
+            return torch.empty(0, 0), None, None
         meta = self.ops.prepare(step.meta, self.block_size)
         hidden = self.model(step.input_ids, step.positions, self.kv_caches, meta, self.ops)
         logits = self.model.compute_logits(hidden[step.sample_index])
         prompt_logits = self.model.compute_logits(hidden[step.prompt_index]) if step.prompt_index is not None else None
-        return logits, prompt_logits
+        return logits, prompt_logits, _pool(hidden, step.pool_index, step.pool_lens)
+
+
+def _pool(hidden: torch.Tensor, index: torch.Tensor | None, lens: torch.Tensor | None) -> torch.Tensor | None:
+    """Sum ``hidden`` over each pool row's token indices: [len(lens), hidden_size] float32 on the CPU.
+
+    NOTE: a sum, not a mean: a prompt chunked over several steps adds its chunks' sums up
+    and divides once at the end. Rows after the last layer's all-reduce are whole on every rank.
+    """
+    if index is None or lens is None:
+        return None
+    rows = torch.repeat_interleave(torch.arange(lens.numel(), device=hidden.device), lens, output_size=index.numel())
+    sums = torch.zeros((lens.numel(), hidden.shape[1]), dtype=torch.float32, device=hidden.device)
+    return sums.index_add_(0, rows, hidden[index].float()).cpu()

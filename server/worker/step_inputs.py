@@ -26,6 +26,20 @@ class SampleRow:
 
 
 @dataclass
+class PoolRow:
+    """A row of the step's pooled hidden states: the sum over ``num`` prompt positions from ``start``."""
+
+    group: SequenceGroup
+    seq: Sequence
+    start: int
+    num: int
+
+    @property
+    def completes_prompt(self) -> bool:
+        return self.start + self.num == len(self.seq)
+
+
+@dataclass
 class StepInputs:
     input_ids: torch.Tensor  # [num_tokens] int64
     positions: torch.Tensor  # [num_tokens] int64
@@ -34,6 +48,8 @@ class StepInputs:
     sample_index: torch.Tensor  # [len(sample_rows)] token index of each row's last token
     prompt_rows: list[SampleRow]  # sequences that want prompt logprobs for this chunk
     prompt_index: torch.Tensor  # [sum of their positions] token indices whose logits score the prompt
+    pool_rows: list[PoolRow] = field(default_factory=list)  # embedding requests' positions pooled this step
+    pool_index: torch.Tensor | None = None  # [sum of their num] token indices pooled, row after row
 
 
 @dataclass
@@ -48,6 +64,10 @@ class ModelStep:
     meta: AttentionMetadata
     sample_index: torch.Tensor
     prompt_index: torch.Tensor | None
+    pool_index: torch.Tensor | None = None
+    """[tokens pooled] the step's token indices whose hidden states are summed, row after row."""
+    pool_lens: torch.Tensor | None = None
+    """[pool rows] how many of ``pool_index`` each row sums."""
 
     def to_wire(self) -> tuple:
         """A by-value form for the pipe to the other ranks (numpy arrays: no shared-memory handles)."""
@@ -61,11 +81,13 @@ class ModelStep:
             meta,
             _plain(self.sample_index),
             _plain(self.prompt_index),
+            _plain(self.pool_index),
+            _plain(self.pool_lens),
         )
 
     @classmethod
     def from_wire(cls, wire: tuple) -> ModelStep:
-        swap_out, swap_in, copies, ids, positions, meta, sample_index, prompt_index = wire
+        swap_out, swap_in, copies, ids, positions, meta, sample_index, prompt_index, pool_index, pool_lens = wire
         tensors = {name: _tensor(value) for name, value in meta.items()}
         return cls(
             swap_out,
@@ -76,20 +98,27 @@ class ModelStep:
             AttentionMetadata(**tensors),
             _tensor(sample_index),
             _tensor(prompt_index),
+            _tensor(pool_index),
+            _tensor(pool_lens),
         )
 
     def to(self, device: torch.device) -> ModelStep:
         moved = {name: getattr(self.meta, name).to(device) for name in TENSOR_FIELDS}
         meta = dataclasses.replace(self.meta, plan=None, **moved)
-        index = self.prompt_index.to(device) if self.prompt_index is not None else None
         return dataclasses.replace(
             self,
             input_ids=self.input_ids.to(device),
             positions=self.positions.to(device),
             meta=meta,
             sample_index=self.sample_index.to(device),
-            prompt_index=index,
+            prompt_index=_to(self.prompt_index, device),
+            pool_index=_to(self.pool_index, device),
+            pool_lens=_to(self.pool_lens, device),
         )
+
+
+def _to(value: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
+    return value.to(device) if value is not None else None
 
 
 def _plain(value: Any) -> Any:
@@ -105,6 +134,7 @@ class StepResult:
     inputs: StepInputs
     logits: torch.Tensor  # [len(inputs.sample_rows), vocab] float32
     prompt_logits: torch.Tensor | None  # [len(inputs.prompt_index), vocab] float32
+    pooled: torch.Tensor | None = None  # [len(inputs.pool_rows), hidden] float32 sums, on the CPU
 
 
 Entry = tuple[SequenceGroup, Sequence, int]
@@ -178,10 +208,12 @@ def prepare_batched_inputs(
 
 
 def _plain_decodes(decodes: list[Entry], rows: DecodeInputs) -> bool:
-    """Whether every decode samples (its token is its last) and none wants prompt logprobs."""
+    """Whether every decode samples (its token is its last), none wants prompt logprobs and none is pooled."""
     if not (rows.positions + 1 == rows.num_tokens).all():
         return False
-    return all(group.sampling_params.prompt_logprobs is None for group, _, _ in decodes)
+    return all(
+        group.sampling_params.prompt_logprobs is None and group.pooling_params is None for group, _, _ in decodes
+    )
 
 
 class _Tokens:
@@ -209,10 +241,17 @@ def _step_inputs(
     sample_index: list[int] = []
     prompt_rows: list[SampleRow] = []
     prompt_index: list[int] = []
+    pool_rows: list[PoolRow] = []
+    pool_index: list[int] = []
     offset = 0
     for group, seq, chunk in entries:
         start = seq.num_computed_tokens
-        if start + chunk == len(seq):
+        if group.pooling_params is not None:
+            row = _pool_row(group, seq, start, chunk)
+            if row is not None:
+                pool_rows.append(row)
+                pool_index.extend(range(offset + row.start - start, offset + row.start - start + row.num))
+        elif start + chunk == len(seq):
             sample_rows.append(SampleRow(group, seq))
             sample_index.append(offset + chunk - 1)
         if group.sampling_params.prompt_logprobs is not None and start < len(seq.prompt_token_ids):
@@ -228,7 +267,17 @@ def _step_inputs(
         sample_index=torch.from_numpy(np.array(sample_index, dtype=np.int64)).to(device),
         prompt_rows=prompt_rows,
         prompt_index=torch.from_numpy(np.array(prompt_index, dtype=np.int64)).to(device),
+        pool_rows=pool_rows,
+        pool_index=torch.from_numpy(np.array(pool_index, dtype=np.int64)).to(device) if pool_rows else None,
     )
+
+
+def _pool_row(group: SequenceGroup, seq: Sequence, start: int, chunk: int) -> PoolRow | None:
+    """The positions of this chunk an embedding request pools: all of them (mean), or the last prompt token."""
+    assert group.pooling_params is not None
+    if group.pooling_params.reads_every_position:
+        return PoolRow(group, seq, start, chunk)
+    return PoolRow(group, seq, len(seq) - 1, 1) if start + chunk == len(seq) else None
 
 
 def _metadata(decodes, prefills, block_tables, slots, device: torch.device) -> AttentionMetadata:

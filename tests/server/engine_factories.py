@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import os
+
 import torch
 
 from pagedllm.server.demo import BYTE_SPECIALS, build_byte_tokenizer
@@ -55,6 +58,13 @@ class HFReference:
         """[len(tokens), vocab] log-probabilities of the next token after each prefix."""
         logits = self.model(torch.tensor([tokens])).logits[0].float()
         return torch.log_softmax(logits, dim=-1)
+
+    @torch.no_grad()
+    def embedding(self, tokens: list[int], pooling: str, normalize: bool = True) -> torch.Tensor:
+        """The final hidden state (after the final norm) of the last token or the mean over all, L2-normalised."""
+        hidden = self.model(torch.tensor([tokens]), output_hidden_states=True).hidden_states[-1][0]
+        pooled = hidden[-1] if pooling == "last" else hidden.mean(0)
+        return torch.nn.functional.normalize(pooled, dim=0) if normalize else pooled
 
 
 def assert_greedy_matches(
@@ -135,3 +145,18 @@ def save_tiny(path: str, family: str, seed: int, **overrides) -> str:
     AutoModelForCausalLM.from_config(hf_config(family, **overrides)).save_pretrained(path, safe_serialization=True)
     build_byte_tokenizer().save_pretrained(path)
     return path
+
+
+def write_sentence_transformers_pooling(model_dir: str, **modes: bool) -> None:
+    """Make ``model_dir`` a sentence-transformers checkpoint whose Pooling module sets ``modes``."""
+    modules = [
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+        {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"},
+    ]
+    with open(os.path.join(model_dir, "modules.json"), "w") as f:
+        json.dump(modules, f)
+    os.makedirs(os.path.join(model_dir, "1_Pooling"), exist_ok=True)
+    config = {"word_embedding_dimension": 64, "pooling_mode_cls_token": False, "pooling_mode_mean_tokens": False}
+    with open(os.path.join(model_dir, "1_Pooling", "config.json"), "w") as f:
+        json.dump({**config, **modes}, f)

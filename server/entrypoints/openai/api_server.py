@@ -36,6 +36,8 @@ from pagedllm.server.entrypoints.openai.protocol import (
     CompletionResponse,
     DetokenizeRequest,
     DetokenizeResponse,
+    EmbeddingRequest,
+    EmbeddingResponse,
     ErrorResponse,
     ModelCard,
     ModelList,
@@ -46,6 +48,7 @@ from pagedllm.server.entrypoints.openai.protocol import (
 from pagedllm.server.entrypoints.openai.serving import OpenAIServing, RequestContext, access_log
 from pagedllm.server.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.server.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagedllm.server.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
 from pagedllm.server.entrypoints.openai.settings import ServerSettings
 from pagedllm.server.version import package_version
 
@@ -116,6 +119,12 @@ def _add_openai_routes(app: FastAPI, serving: OpenAIServing) -> None:
     @app.post("/v1/chat/completions", responses={200: {"model": ChatCompletionResponse}, **ERROR_RESPONSES})
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
         return await until_disconnected(request, chat.create(body, request_context(request)))
+
+    embedding = OpenAIServingEmbedding(serving)
+
+    @app.post("/v1/embeddings", responses={200: {"model": EmbeddingResponse}, **ERROR_RESPONSES})
+    async def embeddings(body: EmbeddingRequest, request: Request) -> Any:
+        return await until_disconnected(request, embedding.create(body, request_context(request)))
 
     @app.post("/tokenize", response_model=TokenizeResponse, responses=ERROR_RESPONSES)
     async def tokenize(body: TokenizeRequest) -> TokenizeResponse:

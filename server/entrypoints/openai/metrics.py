@@ -18,6 +18,7 @@ from prometheus_client.registry import Collector
 
 from pagedllm.server.config import EngineConfig
 from pagedllm.server.engine.llm_engine import EngineStats
+from pagedllm.server.outputs import EmbeddingRequestOutput
 
 TTFT_BUCKETS = (
     0.001,
@@ -154,6 +155,9 @@ class ServerMetrics:
             return
         if not stream.scheduled:
             self.queue_time.labels(name).observe(max(0.0, times.start - stream.arrival_time))
+        if isinstance(output, EmbeddingRequestOutput):
+            self._observe_embedding(stream, output, times)
+            return
         tokens = sum(len(c.token_ids) for c in output.outputs)
         if tokens > stream.num_tokens:
             self.generation_tokens.labels(name).inc(tokens - stream.num_tokens)
@@ -170,6 +174,16 @@ class ServerMetrics:
         elif output.finished:
             reason = output.outputs[0].finish_reason if output.outputs else "length"
             self.request_success.labels(name, reason or "stop").inc()
+            self.e2e.labels(name).observe(max(0.0, times.end - stream.arrival_time))
+
+    def _observe_embedding(self, stream, output: EmbeddingRequestOutput, times) -> None:
+        """An embedding request generates nothing: its prompt tokens, its end and its latency."""
+        name = self.model_name
+        if output.error is not None:
+            self.request_success.labels(name, "error").inc()
+        elif output.finished:
+            self.prompt_tokens.labels(name).inc(len(output.prompt_token_ids))
+            self.request_success.labels(name, "stop").inc()
             self.e2e.labels(name).observe(max(0.0, times.end - stream.arrival_time))
 
 

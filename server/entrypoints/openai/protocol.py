@@ -237,3 +237,42 @@ class DetokenizeResponse(OpenAIBaseModel):
 
 class VersionResponse(OpenAIBaseModel):
     version: str
+
+
+# -- /v1/embeddings ---------------------------------------------------------------------
+class EmbeddingRequest(OpenAIBaseModel):
+    cache_salt: str | None = Field(
+        None,
+        min_length=1,
+        max_length=256,
+        description="Prefix-cache blocks are shared only between requests with the same salt.",
+    )
+    model: str | None = Field(None, description="The served model name; defaults to it.")
+    input: PromptInput = Field(..., description="A string, strings, token ids, or lists of token ids.")
+    encoding_format: Literal["float", "base64"] = Field(
+        "float", description="float: lists of numbers; base64: each embedding's little-endian float32 bytes."
+    )
+    dimensions: int | None = Field(None, description="Not supported by these models: must be null.")
+    user: str | None = None
+    # vLLM's extras
+    normalize: bool = Field(True, description="Scale each embedding to unit L2 norm.")
+
+
+class EmbeddingData(OpenAIBaseModel):
+    object: Literal["embedding"] = "embedding"
+    index: int
+    embedding: list[float] | str
+
+
+class EmbeddingUsage(OpenAIBaseModel):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingResponse(OpenAIBaseModel):
+    id: str
+    object: Literal["list"] = "list"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    data: list[EmbeddingData]
+    usage: EmbeddingUsage

@@ -30,11 +30,13 @@ from pagedllm.server.entrypoints.openai.errors import (
     unavailable,
 )
 from pagedllm.server.entrypoints.openai.guided import guided_decoding, logit_bias
-from pagedllm.server.entrypoints.openai.protocol import PromptTokensDetails, SamplingFields, UsageInfo
-from pagedllm.server.outputs import RequestOutput
+from pagedllm.server.entrypoints.openai.protocol import PromptInput, PromptTokensDetails, SamplingFields, UsageInfo
+from pagedllm.server.outputs import EngineOutput, RequestOutput
+from pagedllm.server.pooling_params import PoolingParams
 from pagedllm.server.sampling_params import SamplingParams
 
 _T = TypeVar("_T")
+_Output = TypeVar("_Output", bound=EngineOutput)
 
 
 access_log = logging.getLogger("pagedllm.access")
@@ -119,6 +121,25 @@ class OpenAIServing:
             raise bad_request("this server has no tokenizer (--skip-tokenizer-init): send token ids")
         return self.tokenizer
 
+    def prompts(self, value: PromptInput, param: str) -> list[Prompt]:
+        """A string, a list of strings, a list of token ids or a list of such lists (request parameter ``param``)."""
+        items: list[str | list[int]]
+        if isinstance(value, str):
+            items = [value]
+        elif value and all(isinstance(p, int) for p in value):
+            items = [[int(p) for p in value]]  # type: ignore[arg-type]
+        else:
+            items = list(value)  # type: ignore[arg-type]
+        if not items:
+            raise bad_request(f"{param} is empty: give a string, strings, token ids or lists of token ids", param)
+        prompts = []
+        for item in items:
+            if isinstance(item, str):
+                prompts.append(Prompt(item, self.need_tokenizer().encode(item)))
+            else:
+                prompts.append(Prompt(None, list(item)))  # NOTE: ids are checked by the engine's input processor
+        return prompts
+
     def check_token_ids(self, ids: list[int], param: str) -> None:
         try:
             check_token_ids(ids, param, self.model_info.vocab_size)
@@ -199,7 +220,7 @@ class OpenAIServing:
         self,
         request_id: str,
         prompts: list[Prompt],
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         param_names: Mapping[str, str],
         cache_salt: str | None = None,
     ) -> list[RequestStream]:
@@ -235,11 +256,17 @@ class OpenAIServing:
             self.engine.abort(stream.request_id)
 
     async def final_outputs(self, streams: list[RequestStream]) -> list[RequestOutput]:
-        async def last(stream: RequestStream) -> RequestOutput:
+        """Each generation request's finished output."""
+        return await self.finished(streams, RequestOutput)
+
+    async def finished(self, streams: list[RequestStream], kind: type[_Output]) -> list[_Output]:
+        """Each stream's finished output (``kind``: what its requests produce); aborts them all on any failure."""
+
+        async def last(stream: RequestStream) -> _Output:
             output = None
             async for latest in self.engine.iterate(stream):
                 output = latest
-            assert output is not None, "a stream ends with a finished output or an error"
+            assert isinstance(output, kind), "a stream ends with a finished output or an error"
             return output
 
         try:

@@ -14,7 +14,6 @@ from pagedllm.server.entrypoints.openai.protocol import (
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
-    PromptInput,
 )
 from pagedllm.server.entrypoints.openai.serving import (
     OpenAIServing,
@@ -49,7 +48,7 @@ class OpenAIServingCompletion:
         )
         if req.suffix:
             raise bad_request("suffix is not supported by this server: leave it null", "suffix")
-        prompts = self.prompts(req.prompt)
+        prompts = serving.prompts(req.prompt, "prompt")
         for prompt in prompts:
             serving.check_length(prompt, req.max_tokens, "max_tokens")
         request_id = context.request_id or f"cmpl-{uuid.uuid4().hex}"
@@ -71,25 +70,6 @@ class OpenAIServingCompletion:
         response = self._response(request_id, req, prompts, params, outputs)
         serving.log_access(request_id, prompts, sum(len(c.token_ids) for o in outputs for c in o.outputs), started)
         return response
-
-    def prompts(self, prompt: PromptInput) -> list[Prompt]:
-        """A string, a list of strings, a list of token ids or a list of such lists."""
-        items: list[str | list[int]]
-        if isinstance(prompt, str):
-            items = [prompt]
-        elif prompt and all(isinstance(p, int) for p in prompt):
-            items = [[int(p) for p in prompt]]  # type: ignore[arg-type]
-        else:
-            items = list(prompt)  # type: ignore[arg-type]
-        if not items:
-            raise bad_request("prompt is empty: give a string, strings, token ids or lists of token ids", "prompt")
-        prompts = []
-        for item in items:
-            if isinstance(item, str):
-                prompts.append(Prompt(item, self.serving.need_tokenizer().encode(item)))
-            else:
-                prompts.append(Prompt(None, list(item)))  # NOTE: ids are checked by the engine's input processor
-        return prompts
 
     def _formatter(self) -> LogprobFormatter:
         return LogprobFormatter(self.serving.tokenizer)

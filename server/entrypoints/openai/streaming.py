@@ -16,7 +16,7 @@ from pagedllm.server.engine.request_stream import RequestStream
 from pagedllm.server.entrypoints.openai.protocol import StreamOptions, UsageInfo
 from pagedllm.server.entrypoints.openai.serving import OpenAIServing, Prompt, cached_prompt_tokens, usage
 from pagedllm.server.entrypoints.openai.sse import SSEResponse, sse_response
-from pagedllm.server.outputs import CompletionOutput, RequestOutput
+from pagedllm.server.outputs import CompletionOutput, EngineOutput, RequestOutput
 from pagedllm.server.sampling_params import SamplingParams
 
 _T = TypeVar("_T")
@@ -73,6 +73,12 @@ def holdback(params: SamplingParams) -> int:
     return max((len(s) for s in params.stop_list), default=1) - 1
 
 
+def generated(output: EngineOutput) -> RequestOutput:
+    """A generation request's output (streams carry generations only; embeddings are never streamed)."""
+    assert isinstance(output, RequestOutput), f"a stream got a {type(output).__name__}"
+    return output
+
+
 async def merged(
     serving: OpenAIServing, streams: list[RequestStream]
 ) -> AsyncGenerator[tuple[int, RequestOutput], None]:
@@ -80,7 +86,7 @@ async def merged(
     if len(streams) == 1:
         try:
             async for output in streams[0]:
-                yield 0, output
+                yield 0, generated(output)
         finally:
             serving.abort(streams)  # NOTE: a no-op for finished requests
         return
@@ -89,7 +95,7 @@ async def merged(
     async def pump(i: int, stream: RequestStream) -> None:
         try:
             async for output in serving.engine.iterate(stream):
-                queue.put_nowait((i, output, None))
+                queue.put_nowait((i, generated(output), None))
         except BaseException as exc:  # noqa: BLE001 (forwarded to the consumer)
             queue.put_nowait((i, None, exc))
             return
