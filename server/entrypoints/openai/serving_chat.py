@@ -6,8 +6,11 @@ import dataclasses
 import json
 import time
 import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
+from pagedllm.server.engine.request_stream import RequestStream
 from pagedllm.server.entrypoints.openai import tool_calls
 from pagedllm.server.entrypoints.openai.errors import bad_request, internal_error
 from pagedllm.server.entrypoints.openai.guided import guided_param_names
@@ -24,6 +27,20 @@ from pagedllm.server.entrypoints.openai.sse import SSEResponse
 from pagedllm.server.entrypoints.openai.streaming import Tracker, holdback, stream
 from pagedllm.server.entrypoints.openai.tool_calls import ToolPlan
 from pagedllm.server.outputs import CompletionOutput, RequestOutput
+from pagedllm.server.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class ChatRun:
+    """A chat-shaped request, checked and added to the engine: what an endpoint then streams or collects."""
+
+    request_id: str
+    prompt: Prompt
+    params: SamplingParams
+    tools: ToolPlan | None
+    streams: list[RequestStream]
+    started: float
+    """``time.monotonic()`` when the request came in (for the access log)."""
 
 
 class OpenAIServingChat:
@@ -34,38 +51,8 @@ class OpenAIServingChat:
         self, req: ChatCompletionRequest, context: RequestContext = RequestContext()
     ) -> ChatCompletionResponse | SSEResponse:
         serving = self.serving
-        started = time.monotonic()
-        serving.check_model(req.model)
-        serving.check_ready()
-        if req.top_logprobs is not None and not req.logprobs:
-            raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
-        tools = tool_calls.plan(req.tools, req.tool_choice)
-        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        params = serving.sampling_params(
-            req, max_tokens=max_tokens, logprobs=(req.top_logprobs or 0) if req.logprobs else None
-        )
-        if tools is not None and tools.guided() is not None:
-            if params.guided_decoding is not None:
-                raise bad_request(
-                    "tool_choice required or a named function already constrains the output: "
-                    "drop response_format / guided_*",
-                    "tool_choice",
-                )
-            params = dataclasses.replace(params, guided_decoding=tools.guided())
-        prompt = self.prompt(req.messages, req.add_generation_prompt, tools)
-        max_tokens_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-        serving.check_length(prompt, max_tokens, max_tokens_param)
-        request_id = context.request_id or f"chatcmpl-{uuid.uuid4().hex}"
-        cache_salt = serving.cache_salt(req.cache_salt, context)
-        param_names = {
-            "prompt": "messages",
-            "prompt_token_ids": "messages",
-            "logprobs": "top_logprobs",
-            "max_tokens": max_tokens_param,
-            **guided_param_names(req),
-            **({} if req.best_of is not None else {"best_of": "n"}),
-        }
-        streams = await serving.start(request_id, [prompt], params, param_names, cache_salt)
+        run = await self.start(req, context, context.request_id or f"chatcmpl-{uuid.uuid4().hex}")
+        request_id, prompt, params, tools, streams = run.request_id, run.prompt, run.params, run.tools, run.streams
         if req.stream:
             role = [
                 {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
@@ -86,7 +73,7 @@ class OpenAIServingChat:
         formatter = LogprobFormatter(serving.tokenizer)
         choices = []
         for c in output.outputs:
-            content, calls = _parse(tools, c)
+            content, calls = parse_tool_calls(tools, c)
             choices.append(
                 ChatChoice(
                     index=c.index,
@@ -97,38 +84,93 @@ class OpenAIServingChat:
                 )
             )
         completion_tokens = sum(len(c.token_ids) for c in output.outputs)
-        serving.log_access(request_id, [prompt], completion_tokens, started)
+        serving.log_access(request_id, [prompt], completion_tokens, run.started)
         return ChatCompletionResponse(
             id=request_id, model=serving.model_name, choices=choices, usage=usage([prompt], completion_tokens)
         )
 
+    async def start(
+        self, req: ChatCompletionRequest, context: RequestContext, request_id: str, renames: Mapping[str, str] = {}
+    ) -> ChatRun:
+        """Check a chat-shaped request, render its prompt and add it to the engine.
+
+        ``renames`` maps chat's parameter names to the calling endpoint's, for its errors
+        (the Responses API says ``input`` where chat says ``messages``).
+        """
+        serving = self.serving
+        started = time.monotonic()
+        serving.check_model(req.model)
+        serving.check_ready()
+        if req.top_logprobs is not None and not req.logprobs:
+            raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
+        tools = tool_calls.plan(req.tools, req.tool_choice)
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        params = serving.sampling_params(
+            req, max_tokens=max_tokens, logprobs=(req.top_logprobs or 0) if req.logprobs else None
+        )
+        if tools is not None and tools.guided() is not None:
+            if params.guided_decoding is not None:
+                raise bad_request(
+                    "tool_choice required or a named function already constrains the output: "
+                    f"drop {renames.get('response_format', 'response_format / guided_*')}",
+                    "tool_choice",
+                )
+            params = dataclasses.replace(params, guided_decoding=tools.guided())
+        messages_param = renames.get("messages", "messages")
+        prompt = self.prompt(req.messages, req.add_generation_prompt, tools, messages_param)
+        max_tokens_param = renames.get("max_tokens") or (
+            "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        )
+        serving.check_length(prompt, max_tokens, max_tokens_param)
+        cache_salt = serving.cache_salt(req.cache_salt, context)
+        param_names = {
+            "prompt": messages_param,
+            "prompt_token_ids": messages_param,
+            "logprobs": "top_logprobs",
+            "max_tokens": max_tokens_param,
+            **{field: renames.get(param, param) for field, param in guided_param_names(req).items()},
+            **({} if req.best_of is not None else {"best_of": "n"}),
+        }
+        streams = await serving.start(request_id, [prompt], params, param_names, cache_salt)
+        return ChatRun(request_id, prompt, params, tools, streams, started)
+
     def prompt(
-        self, messages: list[ChatMessage], add_generation_prompt: bool = True, tools: ToolPlan | None = None
+        self,
+        messages: list[ChatMessage],
+        add_generation_prompt: bool = True,
+        tools: ToolPlan | None = None,
+        param: str = "messages",
     ) -> Prompt:
-        text = self.render(messages, add_generation_prompt, tools.template_tools if tools else None)
+        text = self.render(messages, add_generation_prompt, tools.template_tools if tools else None, param)
         return Prompt(text, self.serving.need_tokenizer().encode(text, add_special_tokens=False))
 
     def render(
-        self, messages: list[ChatMessage], add_generation_prompt: bool, tools: list[dict[str, Any]] | None = None
+        self,
+        messages: list[ChatMessage],
+        add_generation_prompt: bool,
+        tools: list[dict[str, Any]] | None = None,
+        param: str = "messages",
     ) -> str:
-        """The messages as prompt text, through the server's or the tokenizer's chat template."""
+        """The messages as prompt text, through the server's or the tokenizer's chat template.
+
+        ``param`` names the messages in errors (the request's own name for them)."""
         tokenizer = self.serving.need_tokenizer()
         template = self.serving.chat_template
         if template is None and not getattr(tokenizer, "chat_template", None):
             raise bad_request(
                 "this model has no chat template: start the server with --chat-template FILE "
                 "(a Jinja template) or use /v1/completions",
-                "messages",
+                param,
             )
         if not messages:
-            raise bad_request("messages is empty: give at least one message", "messages")
+            raise bad_request(f"{param} is empty: give at least one message", param)
         plain = [_plain(m) for m in messages]
         try:
             return tokenizer.apply_chat_template(
                 plain, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt, chat_template=template
             )
         except Exception as exc:  # noqa: BLE001 (jinja raises many kinds; all are the request's fault)
-            raise bad_request(f"the chat template could not render these messages: {exc}", "messages") from exc
+            raise bad_request(f"the chat template could not render these messages: {exc}", param) from exc
 
     def _choice_maker(self, req: ChatCompletionRequest, keep: int, tools: ToolPlan | None):
         formatter = LogprobFormatter(self.serving.tokenizer)
@@ -137,7 +179,7 @@ class OpenAIServingChat:
         def make(
             i: int, index: int, output: RequestOutput, c: CompletionOutput, tracker: Tracker
         ) -> dict[str, Any] | None:
-            if tools is not None and _holding(tools, c, tracker):
+            if tools is not None and holds_tool_call(tools, c, tracker):
                 return _tool_delta(tools, index, c, tracker)
             delta = tracker.advance(c, keep, with_logprobs)
             if delta is None:
@@ -156,7 +198,8 @@ class OpenAIServingChat:
         return make
 
 
-def _parse(tools: ToolPlan | None, c: CompletionOutput) -> tuple[str | None, list[tool_calls.ToolCall]]:
+def parse_tool_calls(tools: ToolPlan | None, c: CompletionOutput) -> tuple[str | None, list[tool_calls.ToolCall]]:
+    """(content, tool calls) of a finished choice; a choice cut off by its token limit is text only."""
     if tools is None or c.finish_reason != "stop":
         return c.text, []
     try:
@@ -165,7 +208,7 @@ def _parse(tools: ToolPlan | None, c: CompletionOutput) -> tuple[str | None, lis
         raise internal_error(f"the tool call could not be read back: {exc!r}") from exc
 
 
-def _holding(tools: ToolPlan, c: CompletionOutput, tracker: Tracker) -> bool:
+def holds_tool_call(tools: ToolPlan, c: CompletionOutput, tracker: Tracker) -> bool:
     """Whether this choice's text is kept back because it is (or may become) a tool call."""
     if tools.mode in ("named", "required"):
         return True
@@ -182,7 +225,7 @@ def _tool_delta(tools: ToolPlan, index: int, c: CompletionOutput, tracker: Track
     delta = tracker.advance(c, 0, True)
     if delta is None:
         return None
-    content, calls = _parse(tools, c)
+    content, calls = parse_tool_calls(tools, c)
     if calls:
         message: dict[str, Any] = {"tool_calls": [t.openai(i) for i, t in enumerate(calls)]}
         if content:
