@@ -215,6 +215,23 @@ def test_the_store_keeps_the_last_responses_store_size(tiny_llama):
             assert tiny.responses.create(input="more", previous_response_id=second.id, max_output_tokens=2).output
 
 
+def test_a_stream_that_fails_ends_with_an_error_event_the_client_raises(tiny_llama):
+    settings = ServerSettings(served_model_names=["tiny"], chat_template=CHAT_TEMPLATE, request_timeout=0.001)
+    with live_server(tiny_llama, settings) as small:
+        body = {"input": "hi", "max_output_tokens": 64, "stream": True}
+        text = httpx.post(f"{small.url}/v1/responses", json=body, timeout=30).text
+        frames = [frame.split("\n") for frame in text.strip().split("\n\n")]
+        events = [(name.removeprefix("event: "), json.loads(data.removeprefix("data: "))) for name, data in frames]
+        assert all(name == event["type"] for name, event in events)  # no [DONE]: the last event ends it
+        assert [event["sequence_number"] for _, event in events] == list(range(len(events)))
+        assert events[0][0] == "response.created" and events[-1][0] == "error"
+        error = events[-1][1]
+        assert error["code"] == "504" and "--request-timeout" in error["message"] and error["error"]["code"] == 504
+        with openai.OpenAI(base_url=f"{small.url}/v1", api_key="none", max_retries=0) as tiny:
+            with pytest.raises(openai.APIError, match="--request-timeout"):
+                list(tiny.responses.create(input="hi", max_output_tokens=64, stream=True))
+
+
 # -- structured output and tools -------------------------------------------------------------------------
 def test_text_format_json_schema_gives_valid_json(client):
     fmt = {"type": "json_schema", "name": "module", "schema": SCHEMA, "strict": True}
