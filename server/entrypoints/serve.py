@@ -17,7 +17,11 @@ import time
 
 from pagedllm.server.args import add_engine_args, as_flag_error, engine_config_from_args
 from pagedllm.server.config import ConfigError
-from pagedllm.server.entrypoints.openai.settings import CACHE_SALT_POLICIES, DEFAULT_MAX_BODY_BYTES
+from pagedllm.server.entrypoints.openai.settings import (
+    CACHE_SALT_POLICIES,
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_RESPONSES_STORE_SIZE,
+)
 
 API_KEY_ENV = "PAGEDLLM_API_KEY"
 SERVE_DESCRIPTION = (
@@ -32,6 +36,7 @@ SERVER_FLAGS = {  # ServerSettings field -> flag, for error messages
     "max_body_bytes": "--max-request-body-bytes",
     "drain_timeout": "--drain-timeout",
     "api_key": "--api-key",
+    "responses_store_size": "--responses-store-size",
 }
 
 logger = logging.getLogger("pagedllm.serve")
@@ -108,6 +113,13 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         default=None,
         help="Jinja chat template, as a file path or the template text (default: the tokenizer's).",
     )
+    group.add_argument(
+        "--responses-store-size",
+        type=int,
+        default=DEFAULT_RESPONSES_STORE_SIZE,
+        help="Most /v1/responses answers kept in memory for previous_response_id, least recently used out "
+        f"first; 0 keeps none (default: {DEFAULT_RESPONSES_STORE_SIZE}).",
+    )
     group.add_argument("--log-level", default="info", choices=LOG_LEVELS, help="Logging level (default: info).")
     group.add_argument(
         "--disable-log-requests",
@@ -131,6 +143,7 @@ def settings_from_args(args: argparse.Namespace):
             request_timeout=args.request_timeout,
             max_body_bytes=args.max_body_bytes,
             cache_salt_policy=args.cache_salt_policy,
+            responses_store_size=args.responses_store_size,
             log_requests=not args.disable_log_requests,
             drain_timeout=args.drain_timeout,
             chat_template=load_chat_template(args.chat_template),

@@ -45,10 +45,13 @@ from pagedllm.server.entrypoints.openai.protocol import (
     TokenizeResponse,
     VersionResponse,
 )
+from pagedllm.server.entrypoints.openai.protocol_responses import ResponsesRequest, ResponsesResponse
+from pagedllm.server.entrypoints.openai.response_store import ResponseStore
 from pagedllm.server.entrypoints.openai.serving import OpenAIServing, RequestContext, access_log
 from pagedllm.server.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.server.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedllm.server.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
+from pagedllm.server.entrypoints.openai.serving_responses import OpenAIServingResponses
 from pagedllm.server.entrypoints.openai.settings import ServerSettings
 from pagedllm.server.version import package_version
 
@@ -92,6 +95,9 @@ def build_app(config: EngineConfig, settings: ServerSettings | None = None) -> F
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
     _add_error_handlers(app)
     _add_openai_routes(app, serving)
+    _add_responses_routes(
+        app, OpenAIServingResponses(OpenAIServingChat(serving), ResponseStore(settings.responses_store_size))
+    )
     _add_ops_routes(app, serving, metrics)
     return app
 
@@ -146,6 +152,16 @@ def _add_openai_routes(app: FastAPI, serving: OpenAIServing) -> None:
         tokenizer = serving.need_tokenizer()
         serving.check_token_ids(body.tokens, "tokens")
         return DetokenizeResponse(prompt=tokenizer.decode(body.tokens))
+
+
+def _add_responses_routes(app: FastAPI, responses: OpenAIServingResponses) -> None:
+    @app.post("/v1/responses", responses={200: {"model": ResponsesResponse}, **ERROR_RESPONSES})
+    async def create_response(body: ResponsesRequest, request: Request) -> Any:
+        return await until_disconnected(request, responses.create(body, request_context(request)))
+
+    @app.get("/v1/responses/{response_id}", response_model=ResponsesResponse, responses=ERROR_RESPONSES)
+    async def retrieve_response(response_id: str) -> ResponsesResponse:
+        return responses.retrieve(response_id)
 
 
 def _add_ops_routes(app: FastAPI, serving: OpenAIServing, metrics: ServerMetrics) -> None:

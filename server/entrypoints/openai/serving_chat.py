@@ -6,8 +6,11 @@ import dataclasses
 import json
 import time
 import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
+from pagedllm.server.engine.request_stream import RequestStream
 from pagedllm.server.entrypoints.openai import tool_calls
 from pagedllm.server.entrypoints.openai.errors import bad_request
 from pagedllm.server.entrypoints.openai.guided import guided_param_names
@@ -31,6 +34,20 @@ from pagedllm.server.entrypoints.openai.streaming import Delta, Tracker, holdbac
 from pagedllm.server.entrypoints.openai.tool_calls import ToolPlan
 from pagedllm.server.entrypoints.openai.tool_parser import ToolCall, ToolCallParser
 from pagedllm.server.outputs import CompletionOutput, RequestOutput
+from pagedllm.server.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class ChatRun:
+    """A chat-shaped request, checked and added to the engine: what an endpoint then streams or collects."""
+
+    request_id: str
+    prompt: Prompt
+    params: SamplingParams
+    tools: ToolPlan | None
+    streams: list[RequestStream]
+    started: float
+    """``time.monotonic()`` when the request came in (for the access log)."""
 
 
 class OpenAIServingChat:
@@ -41,38 +58,8 @@ class OpenAIServingChat:
         self, req: ChatCompletionRequest, context: RequestContext = RequestContext()
     ) -> ChatCompletionResponse | SSEResponse:
         serving = self.serving
-        started = time.monotonic()
-        serving.check_model(req.model)
-        serving.check_ready()
-        if req.top_logprobs is not None and not req.logprobs:
-            raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
-        tools = tool_calls.plan(req.tools, req.tool_choice, parallel=req.parallel_tool_calls is not False)
-        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        params = serving.sampling_params(
-            req, max_tokens=max_tokens, logprobs=(req.top_logprobs or 0) if req.logprobs else None
-        )
-        if tools is not None and tools.guided() is not None:
-            if params.guided_decoding is not None:
-                raise bad_request(
-                    "tool_choice required or a named function already constrains the output: "
-                    "drop response_format / guided_*",
-                    "tool_choice",
-                )
-            params = dataclasses.replace(params, guided_decoding=tools.guided())
-        prompt = self.prompt(req.messages, req.add_generation_prompt, tools)
-        max_tokens_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-        serving.check_length(prompt, max_tokens, max_tokens_param)
-        request_id = context.request_id or f"chatcmpl-{uuid.uuid4().hex}"
-        cache_salt = serving.cache_salt(req.cache_salt, context)
-        param_names = {
-            "prompt": "messages",
-            "prompt_token_ids": "messages",
-            "logprobs": "top_logprobs",
-            "max_tokens": max_tokens_param,
-            **guided_param_names(req),
-            **({} if req.best_of is not None else {"best_of": "n"}),
-        }
-        streams = await serving.start(request_id, [prompt], params, param_names, cache_salt)
+        run = await self.start(req, context, context.request_id or f"chatcmpl-{uuid.uuid4().hex}")
+        request_id, prompt, params, tools, streams = run.request_id, run.prompt, run.params, run.tools, run.streams
         if req.stream:
             # NOTE: a forced call has no text content, as a non-streamed reply says with null
             content = None if tools is not None and tools.mode in ("named", "required") else ""
@@ -100,7 +87,7 @@ class OpenAIServingChat:
         formatter = LogprobFormatter(serving.tokenizer)
         choices = []
         for c in output.outputs:
-            content, calls = _parse(tools, c)
+            content, calls = parse_tool_calls(tools, c)
             choices.append(
                 ChatChoice(
                     index=c.index,
@@ -111,7 +98,7 @@ class OpenAIServingChat:
                 )
             )
         completion_tokens = sum(len(c.token_ids) for c in output.outputs)
-        serving.log_access(request_id, [prompt], completion_tokens, started)
+        serving.log_access(request_id, [prompt], completion_tokens, run.started)
         return ChatCompletionResponse(
             id=request_id,
             model=serving.model_name,
@@ -119,33 +106,88 @@ class OpenAIServingChat:
             usage=usage([prompt], completion_tokens, cached_prompt_tokens([output])),
         )
 
+    async def start(
+        self, req: ChatCompletionRequest, context: RequestContext, request_id: str, renames: Mapping[str, str] = {}
+    ) -> ChatRun:
+        """Check a chat-shaped request, render its prompt and add it to the engine.
+
+        ``renames`` maps chat's parameter names to the calling endpoint's, for its errors
+        (the Responses API says ``input`` where chat says ``messages``).
+        """
+        serving = self.serving
+        started = time.monotonic()
+        serving.check_model(req.model)
+        serving.check_ready()
+        if req.top_logprobs is not None and not req.logprobs:
+            raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
+        tools = tool_calls.plan(req.tools, req.tool_choice, parallel=req.parallel_tool_calls is not False)
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        params = serving.sampling_params(
+            req, max_tokens=max_tokens, logprobs=(req.top_logprobs or 0) if req.logprobs else None
+        )
+        if tools is not None and tools.guided() is not None:
+            if params.guided_decoding is not None:
+                raise bad_request(
+                    "tool_choice required or a named function already constrains the output: "
+                    f"drop {renames.get('response_format', 'response_format / guided_*')}",
+                    "tool_choice",
+                )
+            params = dataclasses.replace(params, guided_decoding=tools.guided())
+        messages_param = renames.get("messages", "messages")
+        prompt = self.prompt(req.messages, req.add_generation_prompt, tools, messages_param)
+        max_tokens_param = renames.get("max_tokens") or (
+            "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        )
+        serving.check_length(prompt, max_tokens, max_tokens_param)
+        cache_salt = serving.cache_salt(req.cache_salt, context)
+        param_names = {
+            "prompt": messages_param,
+            "prompt_token_ids": messages_param,
+            "logprobs": "top_logprobs",
+            "max_tokens": max_tokens_param,
+            **{field: renames.get(param, param) for field, param in guided_param_names(req).items()},
+            **({} if req.best_of is not None else {"best_of": "n"}),
+        }
+        streams = await serving.start(request_id, [prompt], params, param_names, cache_salt)
+        return ChatRun(request_id, prompt, params, tools, streams, started)
+
     def prompt(
-        self, messages: list[ChatMessage], add_generation_prompt: bool = True, tools: ToolPlan | None = None
+        self,
+        messages: list[ChatMessage],
+        add_generation_prompt: bool = True,
+        tools: ToolPlan | None = None,
+        param: str = "messages",
     ) -> Prompt:
-        text = self.render(messages, add_generation_prompt, tools.template_tools if tools else None)
+        text = self.render(messages, add_generation_prompt, tools.template_tools if tools else None, param)
         return Prompt(text, self.serving.need_tokenizer().encode(text, add_special_tokens=False))
 
     def render(
-        self, messages: list[ChatMessage], add_generation_prompt: bool, tools: list[dict[str, Any]] | None = None
+        self,
+        messages: list[ChatMessage],
+        add_generation_prompt: bool,
+        tools: list[dict[str, Any]] | None = None,
+        param: str = "messages",
     ) -> str:
-        """The messages as prompt text, through the server's or the tokenizer's chat template."""
+        """The messages as prompt text, through the server's or the tokenizer's chat template.
+
+        ``param`` names the messages in errors (the request's own name for them)."""
         tokenizer = self.serving.need_tokenizer()
         template = self.serving.chat_template
         if template is None and not getattr(tokenizer, "chat_template", None):
             raise bad_request(
                 "this model has no chat template: start the server with --chat-template FILE "
                 "(a Jinja template) or use /v1/completions",
-                "messages",
+                param,
             )
         if not messages:
-            raise bad_request("messages is empty: give at least one message", "messages")
+            raise bad_request(f"{param} is empty: give at least one message", param)
         plain = [_plain(m) for m in messages]
         try:
             return tokenizer.apply_chat_template(
                 plain, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt, chat_template=template
             )
         except Exception as exc:  # noqa: BLE001 (jinja raises many kinds; all are the request's fault)
-            raise bad_request(f"the chat template could not render these messages: {exc}", "messages") from exc
+            raise bad_request(f"the chat template could not render these messages: {exc}", param) from exc
 
     def _choice_maker(self, req: ChatCompletionRequest, keep: int, tools: ToolPlan | None):
         formatter = LogprobFormatter(self.serving.tokenizer)
@@ -191,10 +233,20 @@ def _tool_messages(tools: ToolPlan, delta: Delta, tracker: Tracker) -> tuple[lis
     return messages, "tool_calls" if called else delta.finish_reason
 
 
-def _parse(tools: ToolPlan | None, c: CompletionOutput) -> tuple[str | None, list[ToolCall]]:
+def parse_tool_calls(tools: ToolPlan | None, c: CompletionOutput) -> tuple[str | None, list[ToolCall]]:
+    """(content, tool calls) of a finished choice; a choice cut off by its token limit is text only."""
     if tools is None or c.finish_reason != "stop":
         return c.text, []
     return tools.parse(c.text)
+
+
+def holds_tool_call(tools: ToolPlan, c: CompletionOutput, tracker: Tracker) -> bool:
+    """Whether an endpoint that sends calls whole keeps this choice's text back until it ends.
+
+    NOTE: any text may still turn into a call while tools are read, so all of it is held;
+    chat streams calls as fragments instead (:func:`_tool_messages`).
+    """
+    return tools.reads_calls
 
 
 def _plain(message: ChatMessage) -> dict[str, Any]:

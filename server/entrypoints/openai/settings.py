@@ -8,6 +8,7 @@ from pagedllm.server.config import ConfigError, check_choice
 
 DEFAULT_MAX_BODY_BYTES = 8 << 20
 CACHE_SALT_POLICIES = ("optional", "required", "api-key")
+DEFAULT_RESPONSES_STORE_SIZE = 500
 
 
 @dataclass
@@ -38,6 +39,9 @@ class ServerSettings:
     cache_salt_policy: str = "optional"
     """``optional``: requests may give a ``cache_salt``; ``required``: they must; ``api-key``: the salt is
     derived from the caller's bearer token (plus any salt given), so tenants never share prefix blocks."""
+    responses_store_size: int = DEFAULT_RESPONSES_STORE_SIZE
+    """Most ``/v1/responses`` answers kept in memory for ``previous_response_id`` (least recently used
+    out first); 0 keeps none."""
 
     def __post_init__(self) -> None:
         if self.request_timeout is not None and self.request_timeout <= 0:
@@ -52,4 +56,8 @@ class ServerSettings:
             raise ConfigError("drain_timeout", self.drain_timeout, "must be >= 0", problem="is out of range")
         if self.api_key == "":
             raise ConfigError("api_key", self.api_key, "give a non-empty key or none")
+        if self.responses_store_size < 0:
+            raise ConfigError(
+                "responses_store_size", self.responses_store_size, "must be >= 0", problem="is out of range"
+            )
         check_choice("cache_salt_policy", self.cache_salt_policy, CACHE_SALT_POLICIES)

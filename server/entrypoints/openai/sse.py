@@ -1,4 +1,5 @@
-"""Server-sent events: JSON chunks, an error event if the engine dies, then ``[DONE]``."""
+"""Server-sent events: JSON chunks, an error event if the engine dies, then ``[DONE]`` (or, for the
+Responses API, named events ending with the last one)."""
 
 from __future__ import annotations
 
@@ -29,19 +30,39 @@ class SSEResponse(StreamingResponse):
             self.on_close()
 
 
-def sse_response(events: AsyncIterator[dict[str, Any]], on_close: Callable[[], None]) -> SSEResponse:
-    """Each event as a ``data:`` line; a dead engine ends the stream with an error event in OpenAI's shape."""
+def sse_response(
+    events: AsyncIterator[dict[str, Any]],
+    on_close: Callable[[], None],
+    *,
+    named: bool = False,
+    error_event: Callable[[APIError], dict[str, Any]] = APIError.body,
+) -> SSEResponse:
+    """Each event as a ``data:`` line; a dead engine or a failed request ends the stream with
+    ``error_event`` of the error (OpenAI's error shape by default).
+
+    ``named``: each event also gets an ``event:`` line naming its ``type`` and the stream ends
+    with its last event, not ``[DONE]`` (the Responses API's form)."""
+
+    def frame(event: dict[str, Any]) -> str:
+        data = f"data: {json.dumps(event)}\n\n"
+        return f"event: {event['type']}\n{data}" if named else data
 
     async def body() -> AsyncIterator[str]:
         try:
             async for event in events:
-                yield f"data: {json.dumps(event)}\n\n"
-        except EngineDeadError as exc:
-            yield f"data: {json.dumps(unavailable(str(exc)).body())}\n\n"
-        except RequestFailedError as exc:
-            yield f"data: {json.dumps(internal_error(str(exc)).body())}\n\n"
-        except APIError as exc:
-            yield f"data: {json.dumps(exc.body())}\n\n"
-        yield "data: [DONE]\n\n"
+                yield frame(event)
+        except (EngineDeadError, RequestFailedError, APIError) as exc:
+            yield frame(error_event(stream_error(exc)))
+        if not named:
+            yield "data: [DONE]\n\n"
 
     return SSEResponse(body(), on_close=on_close)
+
+
+def stream_error(exc: EngineDeadError | RequestFailedError | APIError) -> APIError:
+    """What a client is told when its stream fails: 503 if the engine died, 500 if its request failed."""
+    if isinstance(exc, EngineDeadError):
+        return unavailable(str(exc))
+    if isinstance(exc, RequestFailedError):
+        return internal_error(str(exc))
+    return exc
