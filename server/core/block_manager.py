@@ -21,6 +21,7 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
 from pagedllm.server.core.block_pool import BlockContent, BlockHash, BlockIdent, BlockPool
+from pagedllm.server.core.kv_events import KVCacheEvent, blocks_stored
 from pagedllm.server.core.kv_reservation import KVReservation
 from pagedllm.server.core.sequence import Sequence, SequenceGroup, SequenceStatus
 
@@ -77,11 +78,14 @@ class BlockManager:
         enable_prefix_caching: bool = False,
         watermark: float = 0.01,
         reservation: KVReservation | None = None,
+        kv_events: bool = False,
     ) -> None:
         self.block_size = block_size
         self.reservation = reservation
         """None: paging (blocks on demand); else a benchmark's reservation-based baseline."""
-        self.gpu = BlockPool(num_gpu_blocks, enable_caching=enable_prefix_caching)
+        self.kv_events: list[KVCacheEvent] | None = [] if kv_events else None
+        """What entered and left the device prefix cache since :meth:`take_kv_events`; None: not recorded."""
+        self.gpu = BlockPool(num_gpu_blocks, enable_caching=enable_prefix_caching, events=self.kv_events)
         self.cpu = BlockPool(num_cpu_blocks)
         self.enable_prefix_caching = enable_prefix_caching
         self.watermark_blocks = int(watermark * num_gpu_blocks)
@@ -289,9 +293,25 @@ class BlockManager:
         self._register(seq, self.tables[seq.seq_id], hashes)
 
     def _register(self, seq: Sequence, table: list[int], hashes: list[BlockHash]) -> None:
+        stored = []
         for i, key in enumerate(hashes):
             parent = self.gpu.ident(table[i - 1]) if i else None
-            self.gpu.register(table[i], key, self._content(seq, i, parent))
+            if self.gpu.register(table[i], key, self._content(seq, i, parent)):
+                stored.append(i)
+        if stored and self.kv_events is not None:
+            self.kv_events.extend(blocks_stored(hashes, seq.token_ids, self.block_size, stored))
+
+    def take_kv_events(self) -> list[KVCacheEvent]:
+        """The prefix-cache events recorded since the last call, oldest first (none when not recording)."""
+        if not self.kv_events:
+            return []
+        events = list(self.kv_events)
+        self.kv_events.clear()  # NOTE: in place: the device pool records into the same list
+        return events
+
+    def reset_prefix_cache(self) -> bool:
+        """Empty the device prefix cache (recording :class:`AllBlocksCleared`); False while any block is held."""
+        return self.gpu.reset_cache()
 
     # -- swapping -----------------------------------------------------------------------
     def _unique_blocks(self, group: SequenceGroup, status: SequenceStatus) -> list[int]:
