@@ -34,8 +34,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add one flag per engine field to ``parser``."""
     group = parser.add_argument_group("engine")
     for f in engine_fields():
-        kind = _base_type(f)
         meta = f.metadata
+        kind = meta.get("flag_type") or _base_type(f)
         text = meta.get("help", "")
         # NOTE: a field whose help already says what happens when unset shows no "(default: None)".
         help_text = text if f.default is None and "default" in text.lower() else f"{text} (default: {f.default})"
@@ -80,5 +80,9 @@ def engine_config_from_args(namespace: argparse.Namespace) -> EngineConfig:
 
 
 def as_flag_error(error: ConfigError) -> ConfigError:
-    """``error`` shown under the CLI flag of its engine field (``block_size`` -> ``--block-size``)."""
-    return error.renamed(flag_for(error.field))
+    """``error`` shown under the CLI flag of its engine field (``block_size`` -> ``--block-size``).
+
+    A key inside a JSON-valued flag keeps its spelling: ``kv_events_config.topic`` -> ``--kv-events-config.topic``.
+    """
+    field, dot, key = error.field.partition(".")
+    return error.renamed(flag_for(field) + dot + key)

@@ -9,6 +9,7 @@ fields (see :mod:`pagedllm.server.args`), so there is one source of truth.
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -135,6 +136,94 @@ class ModelConfig:
         check_choice("pooling_type", self.pooling_type, (None, *POOLING_TYPES))
 
 
+KV_EVENT_PUBLISHERS = ("null", "zmq")
+KV_EVENT_ENDPOINT_SCHEMES = ("tcp://", "ipc://", "inproc://")
+
+
+@dataclass(frozen=True)
+class KVEventsConfig:
+    """KV-cache events for prefix-aware routers, given as vLLM's ``--kv-events-config`` JSON.
+
+    An ``endpoint`` with ``*`` (``tcp://*:5557``), ``::``, or an ``ipc://`` / ``inproc://``
+    one is bound and subscribers connect to it; any other (``tcp://router:5557``) is
+    connected to a subscriber that binds, as in vLLM.
+    """
+
+    enable_kv_cache_events: bool = False
+    """Record prefix-cache events (needs prefix caching)."""
+    publisher: str | None = None
+    """``zmq`` or ``null`` (nothing sent); default: zmq when enabled."""
+    endpoint: str = "tcp://*:5557"
+    """The ZeroMQ PUB socket's address."""
+    replay_endpoint: str | None = None
+    """A ROUTER address where a subscriber asks for recent batches again from a sequence number."""
+    buffer_steps: int = 10_000
+    """Batches (steps with events) kept for replay."""
+    hwm: int = 100_000
+    """ZeroMQ's high-water mark of the PUB socket: messages queued per subscriber before dropping."""
+    max_queue_size: int = 100_000
+    """Batches waiting for the publisher thread; when full the oldest is dropped (and counted)."""
+    topic: str = ""
+    """Sent as the first frame of every message; llm-d reads ``kv@<pod>@<model>``."""
+
+    def __post_init__(self) -> None:
+        if self.publisher is None:
+            object.__setattr__(self, "publisher", "zmq" if self.enable_kv_cache_events else "null")
+        check_choice("kv_events_config.publisher", self.publisher, KV_EVENT_PUBLISHERS)
+        for name in ("endpoint", "replay_endpoint"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, str) and value.startswith(KV_EVENT_ENDPOINT_SCHEMES)):
+                raise ConfigError(
+                    f"kv_events_config.{name}",
+                    value,
+                    f"a ZeroMQ address starting with one of {list(KV_EVENT_ENDPOINT_SCHEMES)}",
+                )
+        check_range("kv_events_config.buffer_steps", self.buffer_steps, 0)
+        check_range("kv_events_config.hwm", self.hwm, 0)
+        check_range("kv_events_config.max_queue_size", self.max_queue_size, 1)
+
+    @property
+    def enabled(self) -> bool:
+        """Events are recorded and sent."""
+        return self.enable_kv_cache_events and self.publisher != "null"
+
+    @classmethod
+    def parse(cls, value: str | dict[str, Any] | KVEventsConfig) -> KVEventsConfig:
+        """From the JSON text of the flag, a dict of its keys, or an instance; errors name the key at fault."""
+        if isinstance(value, KVEventsConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise ConfigError(
+                    "kv_events_config", value, f"give a JSON object ({exc.msg})", problem="is not JSON"
+                ) from exc
+        if not isinstance(value, dict):
+            raise ConfigError("kv_events_config", value, "give a JSON object of the fields", problem="is not an object")
+        known = {f.name: f for f in dataclasses.fields(cls)}
+        for key, item in value.items():
+            if key not in known:
+                raise ConfigError(
+                    f"kv_events_config.{key}", item, f"allowed are {sorted(known)}", problem="is an unknown key"
+                )
+            _check_json_type(f"kv_events_config.{key}", item, str(known[key].type))
+        return cls(**value)
+
+
+def _check_json_type(name: str, value: Any, annotation: str) -> None:
+    """Refuse a JSON value of another kind than the field's annotation (``"str | None"``) names."""
+    allowed = annotation.split(" | ")
+    if value is None:
+        ok = "None" in allowed
+    elif isinstance(value, bool):  # NOTE: before int, which bool is a subclass of
+        ok = "bool" in allowed
+    else:
+        ok = any(isinstance(value, kind) for word, kind in (("int", int), ("str", str)) if word in allowed)
+    if not ok:
+        raise ConfigError(name, value, f"must be of type {annotation}", problem="has the wrong type")
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     block_size: int = field(default=16, metadata=_help("Tokens per KV cache block (a power of two, 1-256)."))
@@ -158,8 +247,20 @@ class CacheConfig:
             benchmark_only=True,
         ),
     )
+    kv_events_config: KVEventsConfig | None = field(
+        default=None,
+        metadata=_help(
+            "Publish KV-cache events for prefix-aware routers, as vLLM's JSON, e.g. "
+            """{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557", "topic": "kv@POD@MODEL"}"""
+            " (default: off).",
+            flag_type=str,  # NOTE: the text goes to the config, whose errors name the key at fault
+        ),
+    )
 
     def __post_init__(self) -> None:
+        if self.kv_events_config is not None:
+            # NOTE: LLM(kv_events_config=...) may give the JSON text or a dict, as the flag does.
+            object.__setattr__(self, "kv_events_config", KVEventsConfig.parse(self.kv_events_config))
         if not (
             isinstance(self.block_size, int)
             and 1 <= self.block_size <= 256
@@ -171,6 +272,19 @@ class CacheConfig:
         check_range("kv_cache_memory", self.kv_cache_memory, 0.0, low_open=True)
         check_range("num_gpu_blocks_override", self.num_gpu_blocks_override, 1)
         check_choice("kv_reservation", self.kv_reservation, KV_RESERVATIONS)
+        if self.kv_events_enabled and not self.enable_prefix_caching:
+            raise ConfigError(
+                "kv_events_config",
+                self.kv_events_config,
+                "turn prefix caching on (--enable-prefix-caching) or the events off",
+                problem="needs prefix caching: only cached blocks have events",
+                subject="{name}",
+            )
+
+    @property
+    def kv_events_enabled(self) -> bool:
+        """Whether the engine records prefix-cache events and publishes them."""
+        return self.kv_events_config is not None and self.kv_events_config.enabled
 
 
 @dataclass(frozen=True)

@@ -37,6 +37,10 @@ class LLM:
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix block; False (nothing done) while requests hold blocks."""
+        return self.llm_engine.reset_prefix_cache()
+
     def shutdown(self) -> None:
         """Stop the tensor-parallel ranks, leave the process group and free the KV cache (idempotent).
 

@@ -32,6 +32,7 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
 from pagedllm.server.core.block_pool import BlockContent, BlockHash, BlockIdent, BlockPool
+from pagedllm.server.core.kv_events import KVCacheEvent, blocks_stored
 from pagedllm.server.core.kv_reservation import KVReservation
 from pagedllm.server.core.sequence import Sequence, SequenceGroup, SequenceStatus
 
@@ -89,6 +90,7 @@ class BlockManager:
         watermark: float = 0.01,
         reservation: KVReservation | None = None,
         sliding_window: int | None = None,
+        kv_events: bool = False,
     ) -> None:
         self.block_size = block_size
         self.sliding_window = sliding_window
@@ -96,7 +98,9 @@ class BlockManager:
         before the window of a sequence's next query are freed (not under a reservation)."""
         self.reservation = reservation
         """None: paging (blocks on demand); else a benchmark's reservation-based baseline."""
-        self.gpu = BlockPool(num_gpu_blocks, enable_caching=enable_prefix_caching)
+        self.kv_events: list[KVCacheEvent] | None = [] if kv_events else None
+        """What entered and left the device prefix cache since :meth:`take_kv_events`; None: not recorded."""
+        self.gpu = BlockPool(num_gpu_blocks, enable_caching=enable_prefix_caching, events=self.kv_events)
         self.cpu = BlockPool(num_cpu_blocks)
         self.enable_prefix_caching = enable_prefix_caching
         self.watermark_blocks = int(watermark * num_gpu_blocks)
@@ -352,9 +356,25 @@ class BlockManager:
         # NOTE: freed entries are stale (another sequence may hold those blocks now), and the
         # first held block's predecessor is one of them: caching starts after it.
         freed = self._num_freed.get(seq.seq_id, 0)
+        stored = []
         for i in range(freed + 1 if freed else 0, len(hashes)):
             parent = self.gpu.ident(table[i - 1]) if i else None
-            self.gpu.register(table[i], hashes[i], self._content(seq, i, parent))
+            if self.gpu.register(table[i], hashes[i], self._content(seq, i, parent)):
+                stored.append(i)
+        if stored and self.kv_events is not None:
+            self.kv_events.extend(blocks_stored(hashes, seq.token_ids, self.block_size, stored))
+
+    def take_kv_events(self) -> list[KVCacheEvent]:
+        """The prefix-cache events recorded since the last call, oldest first (none when not recording)."""
+        if not self.kv_events:
+            return []
+        events = list(self.kv_events)
+        self.kv_events.clear()  # NOTE: in place: the device pool records into the same list
+        return events
+
+    def reset_prefix_cache(self) -> bool:
+        """Empty the device prefix cache (recording :class:`AllBlocksCleared`); False while any block is held."""
+        return self.gpu.reset_cache()
 
     # -- swapping -----------------------------------------------------------------------
     def _unique_blocks(self, group: SequenceGroup, status: SequenceStatus) -> list[int]:

@@ -15,12 +15,18 @@ generation) stops matching once that parent block is reused for other tokens.
     free list:   [7, 9, 2]           never cached, contents meaningless
     evictable:   {4: h(..), 1: h(..)} oldest first, contents valid, ref 0
     in use:      ref >= 1
+
+A pool given an ``events`` list records there what leaves the cache (:class:`BlockRemoved`
+on eviction, :class:`AllBlocksCleared` on a reset); what enters it is recorded by the
+block manager, which knows the blocks' tokens.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict, deque
 from dataclasses import dataclass
+
+from pagedllm.server.core.kv_events import AllBlocksCleared, BlockRemoved, KVCacheEvent, external_hash
 
 BlockHash = bytes
 """A full block's prefix-cache key (see :func:`pagedllm.server.core.block_manager.block_hash`)."""
@@ -40,9 +46,11 @@ class BlockContent:
 class BlockPool:
     """Physical blocks ``0 .. num_blocks-1`` of one device."""
 
-    def __init__(self, num_blocks: int, enable_caching: bool = False) -> None:
+    def __init__(self, num_blocks: int, enable_caching: bool = False, events: list[KVCacheEvent] | None = None) -> None:
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
+        self.events = events
+        """Where cache removals are recorded, in order; None: not recorded."""
         self.ref_counts = [0] * num_blocks
         self._free: deque[int] = deque(range(num_blocks))
         self._evictable: OrderedDict[int, None] = OrderedDict()
@@ -62,8 +70,11 @@ class BlockPool:
             block = self._free.popleft()
         elif self._evictable:
             block, _ = self._evictable.popitem(last=False)
-            del self._hash_to_block[self._block_to_hash.pop(block)]
+            evicted = self._block_to_hash.pop(block)
+            del self._hash_to_block[evicted]
             del self._content[block]
+            if self.events is not None:
+                self.events.append(BlockRemoved((external_hash(evicted),)))
         else:
             raise RuntimeError("no free KV block: callers must check capacity first")
         self.ref_counts[block] = 1
@@ -101,13 +112,35 @@ class BlockPool:
             del self._evictable[block]
         self.ref_counts[block] += 1
 
-    def register(self, block: int, block_hash: BlockHash, content: BlockContent) -> None:
-        """Record that ``block`` (full, computed) holds ``content``, hashed by ``block_hash``."""
+    def register(self, block: int, block_hash: BlockHash, content: BlockContent) -> bool:
+        """Record that ``block`` (full, computed) holds ``content``, hashed by ``block_hash``.
+
+        True if that entered the cache; False when caching is off, the block is cached
+        already, or another block holds the hash (then this one stays uncached).
+        """
         if not self.enable_caching or block_hash in self._hash_to_block or block in self._block_to_hash:
-            return
+            return False
         self._hash_to_block[block_hash] = block
         self._block_to_hash[block] = block_hash
         self._content[block] = content
+        return True
+
+    def reset_cache(self) -> bool:
+        """Forget every cached block, making the evictable ones free; refused (False) while any block is held.
+
+        NOTE: as in vLLM, only an idle pool is reset: a block a sequence holds would
+        otherwise be cached again as soon as the sequence fills its next block.
+        """
+        if any(self.ref_counts):
+            return False
+        self._free.extend(self._evictable)
+        self._evictable.clear()
+        self._hash_to_block.clear()
+        self._block_to_hash.clear()
+        self._content.clear()
+        if self.events is not None:
+            self.events.append(AllBlocksCleared())
+        return True
 
     def check_invariants(self, held: list[int]) -> list[str]:
         """Problems with the pool given ``held[b]``, the number of block tables holding block b."""

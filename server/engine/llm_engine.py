@@ -18,8 +18,9 @@ import itertools
 import logging
 import time
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -42,6 +43,9 @@ from pagedllm.server.sampling_params import SamplingParams
 from pagedllm.server.worker.model_loader import read_hf_config
 from pagedllm.server.worker.model_runner import ModelRunner, check_tensor_parallel, resolve_device
 from pagedllm.server.worker.tp_workers import WorkerDiedError
+
+if TYPE_CHECKING:
+    from pagedllm.server.engine.kv_event_publisher import ZmqEventPublisher
 
 logger = logging.getLogger("pagedllm.engine")
 
@@ -68,6 +72,8 @@ class EngineStats:
     num_copy_on_writes: int
     num_window_frees: int
     """Blocks released because they fell out of every layer's sliding window."""
+    kv_event_batches_dropped: int = 0
+    """KV event batches the publisher dropped because its queue was full (0 when events are off)."""
 
 
 class EngineClosedError(RuntimeError):
@@ -97,11 +103,14 @@ class LLMEngine:
         tp = config.parallel.tensor_parallel_size
         check_tensor_parallel(hf_config, tp, device)
         self.runner = ModelRunner(config, hf_config, info.max_model_len)
+        self.kv_event_publisher: ZmqEventPublisher | None = None
+        """Sends the prefix cache's events (``--kv-events-config``); None when they are off."""
         # NOTE: runs shutdown() when the last reference to the engine goes or the interpreter exits.
         # Nothing the engine owns may point back at it (no bound methods of it handed to its
         # parts), or the engine sits in a cycle and its ranks and process group outlive it
         # until a garbage-collection pass: a second tensor-parallel engine could not start.
-        self._finalizer = weakref.finalize(self, self.runner.shutdown)
+        self._closers: list[Callable[[], None]] = [self.runner.shutdown]
+        self._finalizer = weakref.finalize(self, _close_all, self._closers)
         try:
             self._build(config, info)
         except BaseException:
@@ -109,6 +118,9 @@ class LLMEngine:
             raise
 
     def _build(self, config: EngineConfig, info: ModelInfo) -> None:
+        self.kv_event_publisher = _open_kv_event_publisher(config)
+        if self.kv_event_publisher is not None:
+            self._closers.insert(0, self.kv_event_publisher.close)
         self.block_manager = self._allocate_cache(info.max_model_len, info.kv_window)
         # NOTE: a single sequence must always fit in the cache on its own, else it could never finish.
         capacity = (self.block_manager.gpu.num_blocks - self.block_manager.watermark_blocks) * config.cache.block_size
@@ -169,6 +181,7 @@ class LLMEngine:
             num_cpu_blocks,
             config.cache.enable_prefix_caching,
             sliding_window=kv_window,
+            kv_events=self.kv_event_publisher is not None,
         )
         if config.cache.kv_reservation != "paged":
             # NOTE: no reservation exceeds what the cache can hold, or Orca (Max) could admit nothing.
@@ -278,6 +291,7 @@ class LLMEngine:
             self.scheduler.abort(failed)
             self._check_invariants()
         self.scheduler.free_finished()
+        self._publish_kv_events()
         outputs = []
         for group in touched.values():
             output = self._output(group)
@@ -292,6 +306,24 @@ class LLMEngine:
             return self.output_processor.request_output(group)
         state = self._requests.get(group.request_id)
         return self.output_processor.embedding_output(group, state.embedding if state is not None else None)
+
+    def _publish_kv_events(self) -> None:
+        """Hand what entered and left the prefix cache since the last call to the publisher, as one batch."""
+        if self.kv_event_publisher is None:
+            return
+        events = self.block_manager.take_kv_events()
+        if events:
+            self.kv_event_publisher.publish(events)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix block, as vLLM's; refused (False) while requests hold blocks.
+
+        With KV events on, subscribers get ``AllBlocksCleared``.
+        """
+        self._check_open()
+        done = self.block_manager.reset_prefix_cache()
+        self._publish_kv_events()
+        return done
 
     def _model_step_failed(
         self, out: SchedulerOutput, error: Exception, failed: dict[str, str], touched: dict[int, SequenceGroup]
@@ -403,7 +435,34 @@ class LLMEngine:
             sharing_saving=sharing.saving,
             num_copy_on_writes=bm.num_copy_on_writes,
             num_window_frees=bm.num_window_frees,
+            kv_event_batches_dropped=self.kv_event_publisher.num_dropped if self.kv_event_publisher else 0,
         )
+
+
+def _close_all(closers: list[Callable[[], None]]) -> None:
+    for close in closers:
+        close()
+
+
+def _open_kv_event_publisher(config: EngineConfig) -> ZmqEventPublisher | None:
+    """The KV event publisher ``--kv-events-config`` asks for, or None when events are off.
+
+    NOTE: pyzmq and msgspec are imported only here, so an engine without events runs without them.
+    """
+    if not config.cache.kv_events_enabled:
+        return None
+    assert config.cache.kv_events_config is not None
+    try:
+        from pagedllm.server.engine.kv_event_publisher import ZmqEventPublisher
+    except ImportError as exc:
+        raise ConfigError(
+            "kv_events_config",
+            config.cache.kv_events_config,
+            f"install them (pip install pyzmq msgspec): {exc}",
+            problem="needs pyzmq and msgspec",
+            subject="{name}",
+        ) from exc
+    return ZmqEventPublisher(config.cache.kv_events_config)
 
 
 def _with_token_budget(config: EngineConfig, device_type: str, max_model_len: int) -> EngineConfig:

@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from pagedllm.server.core.block_manager import AllocStatus, BlockManager
+from pagedllm.server.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, external_hash
 from pagedllm.server.core.sequence import Sequence, SequenceGroup, SequenceStatus
 from pagedllm.server.sampling_params import SamplingParams
 
@@ -282,7 +283,8 @@ def test_swap_moves_only_held_blocks():
 
 
 class BlockManagerMachine(RuleBasedStateMachine):
-    """Random allocate / append / fork / free / swap keep reference counts exact."""
+    """Random allocate / append / fork / free / swap / reset keep reference counts exact,
+    and a subscriber that replays the KV events knows exactly which hashes are cached."""
 
     WINDOW: int | None = None
 
@@ -295,7 +297,9 @@ class BlockManagerMachine(RuleBasedStateMachine):
             enable_prefix_caching=True,
             watermark=0.0,
             sliding_window=self.WINDOW,
+            kv_events=True,
         )
+        self.subscriber: set[int] = set()  # the hashes a router following the events believes cached
         self.groups: list[SequenceGroup] = []
         self.next_id = 0
         self.mirrors: dict[int, tuple[int, list[int]]] = {}  # seq_id -> (version, table) last seen
@@ -366,6 +370,27 @@ class BlockManagerMachine(RuleBasedStateMachine):
             self.bm.swap_in(group)
             for seq in group.seqs:
                 seq.status = SequenceStatus.RUNNING
+
+    @rule()
+    def reset_prefix_cache(self):
+        held = any(self.bm.gpu.ref_counts)
+        assert self.bm.reset_prefix_cache() is not held
+
+    @invariant()
+    def replayed_events_name_exactly_the_cached_blocks(self):
+        for event in self.bm.take_kv_events():
+            if isinstance(event, BlockStored):
+                assert event.parent_block_hash is None or event.parent_block_hash in self.subscriber
+                assert len(event.token_ids) == len(event.block_hashes) * event.block_size
+                assert not self.subscriber & set(event.block_hashes), "stored twice"
+                self.subscriber.update(event.block_hashes)
+            elif isinstance(event, BlockRemoved):
+                assert set(event.block_hashes) <= self.subscriber, "removed without being stored"
+                self.subscriber.difference_update(event.block_hashes)
+            else:
+                assert isinstance(event, AllBlocksCleared)
+                self.subscriber.clear()
+        assert self.subscriber == {external_hash(h) for h in self.bm.gpu._hash_to_block}
 
     @invariant()
     def ref_counts_equal_tables_holding_each_block(self):

@@ -1,11 +1,13 @@
-"""Engine configuration: the per-iteration token budget each device gets."""
+"""Engine configuration: the per-iteration token budget each device gets, and the KV events flag."""
 
 from __future__ import annotations
 
+import argparse
+
 import pytest
 
-from pagedllm.server.args import add_engine_args
-from pagedllm.server.config import ConfigError, SchedulerConfig, choose_token_budget
+from pagedllm.server.args import add_engine_args, engine_config_from_args
+from pagedllm.server.config import ConfigError, EngineConfig, KVEventsConfig, SchedulerConfig, choose_token_budget
 
 
 def test_cpu_default_is_512():
@@ -59,9 +61,69 @@ def test_resolved_config_carries_the_budget_and_stays_frozen():
 
 
 def test_the_flag_help_names_both_defaults():
-    import argparse
-
     parser = add_engine_args(argparse.ArgumentParser())
     action = next(a for a in parser._actions if a.dest == "max_num_batched_tokens")
     assert action.default is None
     assert "512 on CPU" in action.help and "2048 on CUDA" in action.help and "(default: None)" not in action.help
+
+
+# -- --kv-events-config ----------------------------------------------------------------------------------
+def parse_flags(*flags: str) -> EngineConfig:
+    return engine_config_from_args(add_engine_args(argparse.ArgumentParser()).parse_args(list(flags)))
+
+
+def test_kv_events_are_off_unless_asked_and_take_vllms_json():
+    assert parse_flags().cache.kv_events_config is None and not parse_flags().cache.kv_events_enabled
+    config = parse_flags(
+        "--kv-events-config",
+        '{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557",'
+        ' "replay_endpoint": "tcp://*:5558", "topic": "kv@10.0.0.7@llama"}',
+    ).cache
+    assert config.kv_events_enabled
+    assert config.kv_events_config == KVEventsConfig(
+        enable_kv_cache_events=True,
+        publisher="zmq",
+        endpoint="tcp://*:5557",
+        replay_endpoint="tcp://*:5558",
+        topic="kv@10.0.0.7@llama",
+    )
+
+
+@pytest.mark.parametrize(
+    "value, enabled",
+    [
+        ({"enable_kv_cache_events": True}, True),  # publisher defaults to zmq, as in vLLM
+        ({"enable_kv_cache_events": False}, False),
+        ({"enable_kv_cache_events": True, "publisher": "null"}, False),
+        ({}, False),
+    ],
+)
+def test_events_are_sent_only_when_enabled_with_a_real_publisher(value, enabled):
+    assert KVEventsConfig.parse(value).enabled is enabled
+    assert EngineConfig.from_kwargs(kv_events_config=value).cache.kv_events_enabled is enabled
+
+
+@pytest.mark.parametrize(
+    "text, flag, words",
+    [
+        ("{", "--kv-events-config", "is not JSON"),
+        ("[1]", "--kv-events-config", "is not an object"),
+        ('{"enable_kv_cache_events": 1}', "--kv-events-config.enable_kv_cache_events", "must be of type bool"),
+        ('{"hwm": true}', "--kv-events-config.hwm", "must be of type int"),
+        ('{"topics": "kv@"}', "--kv-events-config.topics", "allowed are ['buffer_steps'"),
+        ('{"publisher": "kafka"}', "--kv-events-config.publisher", "choose one of ['null', 'zmq']"),
+        ('{"endpoint": "http://x:1"}', "--kv-events-config.endpoint", "a ZeroMQ address starting with"),
+        ('{"max_queue_size": 0}', "--kv-events-config.max_queue_size", "must be >= 1"),
+    ],
+)
+def test_a_bad_value_is_refused_under_the_flag_and_key(text, flag, words):
+    with pytest.raises(ConfigError) as info:
+        parse_flags("--kv-events-config", text)
+    assert str(info.value).startswith(flag) and words in str(info.value)
+
+
+def test_kv_events_need_prefix_caching():
+    with pytest.raises(ConfigError) as info:
+        parse_flags("--no-enable-prefix-caching", "--kv-events-config", '{"enable_kv_cache_events": true}')
+    assert info.value.field == "kv_events_config" and "needs prefix caching" in str(info.value)
+    parse_flags("--no-enable-prefix-caching", "--kv-events-config", '{"enable_kv_cache_events": false}')

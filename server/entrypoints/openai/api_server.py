@@ -15,7 +15,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -58,6 +58,8 @@ from pagedllm.server.version import package_version
 logger = logging.getLogger("pagedllm.api_server")
 MAX_REQUEST_ID_LEN = 128
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {code: {"model": ErrorResponse} for code in (400, 401, 404, 503)}
+SSE_CONTENT = {"text/event-stream": {"schema": {"type": "string"}}}
+"""The other body a 200 of a streaming endpoint may have: ``stream=true`` answers with server-sent events."""
 
 
 def default_model_name(config: EngineConfig) -> str:
@@ -118,11 +120,16 @@ def _add_openai_routes(app: FastAPI, serving: OpenAIServing) -> None:
             ]
         )
 
-    @app.post("/v1/completions", responses={200: {"model": CompletionResponse}, **ERROR_RESPONSES})
+    @app.post(
+        "/v1/completions", responses={200: {"model": CompletionResponse, "content": SSE_CONTENT}, **ERROR_RESPONSES}
+    )
     async def completions(body: CompletionRequest, request: Request) -> Any:
         return await until_disconnected(request, completion.create(body, request_context(request)))
 
-    @app.post("/v1/chat/completions", responses={200: {"model": ChatCompletionResponse}, **ERROR_RESPONSES})
+    @app.post(
+        "/v1/chat/completions",
+        responses={200: {"model": ChatCompletionResponse, "content": SSE_CONTENT}, **ERROR_RESPONSES},
+    )
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
         return await until_disconnected(request, chat.create(body, request_context(request)))
 
@@ -193,7 +200,13 @@ def _add_ops_routes(app: FastAPI, serving: OpenAIServing, metrics: ServerMetrics
     async def version() -> VersionResponse:
         return VersionResponse(version=package_version())
 
-    @app.get("/metrics")
+    @app.get(
+        "/metrics",
+        response_class=PlainTextResponse,
+        responses={
+            200: {"description": "Prometheus' text format.", "content": {"text/plain": {"schema": {"type": "string"}}}}
+        },
+    )
     async def prometheus_metrics() -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 

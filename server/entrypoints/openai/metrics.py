@@ -228,6 +228,11 @@ class EngineStatsCollector(Collector):
             ("num_preemptions", "Preemptions (recompute or swap) since start.", stats.num_preemptions),
             ("prefix_cache_queries", "Prefix cache lookups.", stats.prefix_cache_queries),
             ("prefix_cache_hits", "Prefix cache lookups that found a cached block.", stats.prefix_cache_hits),
+            (
+                "kv_event_batches_dropped",
+                "KV event batches dropped because the publisher's queue was full (--kv-events-config).",
+                stats.kv_event_batches_dropped,
+            ),
         ):
             counter = CounterMetricFamily(f"pagedllm:{name}", doc, labels=labels)
             counter.add_metric(values, value)
