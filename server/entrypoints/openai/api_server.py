@@ -59,6 +59,16 @@ logger = logging.getLogger("pagedllm.api_server")
 MAX_REQUEST_ID_LEN = 128
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {code: {"model": ErrorResponse} for code in (400, 401, 404, 503)}
 SSE_CONTENT = {"text/event-stream": {"schema": {"type": "string"}}}
+# NOTE: the Responses API names its events (``event:`` lines), so each is an event name and its data.
+NAMED_SSE_CONTENT = {
+    "text/event-stream": {
+        "schema": {
+            "type": "object",
+            "properties": {"event": {"type": "string"}, "data": {"type": "string"}},
+            "required": ["event", "data"],
+        }
+    }
+}
 """The other body a 200 of a streaming endpoint may have: ``stream=true`` answers with server-sent events."""
 
 
@@ -162,7 +172,9 @@ def _add_openai_routes(app: FastAPI, serving: OpenAIServing) -> None:
 
 
 def _add_responses_routes(app: FastAPI, responses: OpenAIServingResponses) -> None:
-    @app.post("/v1/responses", responses={200: {"model": ResponsesResponse}, **ERROR_RESPONSES})
+    @app.post(
+        "/v1/responses", responses={200: {"model": ResponsesResponse, "content": NAMED_SSE_CONTENT}, **ERROR_RESPONSES}
+    )
     async def create_response(body: ResponsesRequest, request: Request) -> Any:
         return await until_disconnected(request, responses.create(body, request_context(request)))
 
