@@ -23,6 +23,14 @@ asks for the first rows of V::
     pass 1 reads K[p] and prefetches K[p + block_size], or V[p + block_size - length]
     pass 2 reads V[p] and prefetches V[p + block_size]
 
+Caches may be float32, bfloat16 or float16; scores, softmax and the weighted sum are
+float32 whatever the cache holds, and the output is rounded to the query's dtype once at
+the end. NumPy has no bfloat16 and Numba no float16 on the CPU, so a 16-bit cache reaches
+the kernel as its bit patterns and each element is widened as it is read::
+
+    bfloat16 (viewed as uint16):  float32 bits = bits << 16       (exact)
+    float16  (viewed as int16):   LLVM's fpext half -> float      (exact; vcvtph2ps)
+
 :func:`paged_decode_attention_reference` (same signature) is the oracle.
 """
 
@@ -52,7 +60,13 @@ _prange = numba.prange if HAS_NUMBA else range
 # context lengths differ; fewer sequences than that get their KV heads split.
 ITEMS_PER_THREAD = 4
 
-__all__ = ["HAS_NUMBA", "paged_decode_attention_cpu", "paged_decode_attention_reference"]
+__all__ = ["CACHE_DTYPES", "HAS_NUMBA", "paged_decode_attention_cpu", "paged_decode_attention_reference"]
+
+# NOTE: the integer type of each 16-bit format is what tells the kernel how to widen it
+# (see _llvm_widen): the two must never share one.
+_KERNEL_VIEWS = {torch.float32: torch.float32, torch.bfloat16: torch.uint16, torch.float16: torch.int16}
+CACHE_DTYPES = tuple(_KERNEL_VIEWS)
+"""The cache (and query) dtypes the compiled kernel reads."""
 
 
 def _device_function(fn):
@@ -88,13 +102,54 @@ def _no_prefetch(flat, index) -> None:
 _prefetch: Callable[..., None] = intrinsic(_llvm_prefetch) if HAS_NUMBA else _no_prefetch
 
 
+def _llvm_widen(typingctx, value):
+    """One cache element as float32: float32 as it is, bfloat16 bits (uint16) shifted into
+    the high half of a float32, float16 bits (int16) converted by ``fpext``.
+
+    A Numba intrinsic, chosen by the element's type when the kernel is compiled: the
+    float32 kernel compiles to exactly what it would without it.
+    """
+    types, i32 = numba.types, ir.IntType(32)
+    if value == types.float32:
+
+        def codegen(context, builder, signature, args):
+            return args[0]
+
+    elif value == types.uint16:
+
+        def codegen(context, builder, signature, args):
+            bits = builder.shl(builder.zext(args[0], i32), ir.Constant(i32, 16))
+            return builder.bitcast(bits, ir.FloatType())
+
+    elif value == types.int16:
+
+        def codegen(context, builder, signature, args):
+            return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
+
+    else:
+        return None
+    return types.float32(value), codegen
+
+
+def _widen_python(value):
+    """What :func:`_llvm_widen` computes, for the kernel run as Python without numba."""
+    if value.dtype == np.uint16:
+        return (np.uint32(value) << np.uint32(16)).view(np.float32)
+    if value.dtype == np.int16:
+        return np.float32(value.view(np.float16))
+    return value
+
+
+_widen: Callable = intrinsic(_llvm_widen) if HAS_NUMBA else _widen_python
+
+
 @_device_function
 def _prefetch_row(cache, block, slot, kv0, num_kv):
     """Prefetch the ``num_kv`` KV heads from ``kv0`` of one cached position, a line (64 bytes) at a time."""
     flat = cache.reshape(-1)
     _, block_size, num_kv_heads, head_dim = cache.shape
     start = ((block * block_size + slot) * num_kv_heads + kv0) * head_dim
-    for offset in range(start, start + num_kv * head_dim, 16):
+    for offset in range(start, start + num_kv * head_dim, 64 // flat.itemsize):
         _prefetch(flat, offset)
 
 
@@ -138,7 +193,7 @@ def _scores(query, key_cache, value_cache, blocks, slots, kv0, group, scale):
             kv = kv0 + i // group
             acc = np.float32(0.0)
             for d in range(head_dim):
-                acc += query[i, d] * key_cache[block, slot, kv, d]
+                acc += query[i, d] * _widen(key_cache[block, slot, kv, d])
             scores[i, p] = acc * scale
     return scores
 
@@ -169,14 +224,14 @@ def _weighted_values(probs, value_cache, blocks, slots, kv0, group, out):
             kv = kv0 + i // group
             w = probs[i, p]
             for d in range(head_dim):
-                acc[i, d] += w * value_cache[block, slot, kv, d]
+                acc[i, d] += w * _widen(value_cache[block, slot, kv, d])
     out[:, :] = acc
 
 
 def paged_decode_attention_cpu_kernel(
     query,  # [num_seqs, num_heads, head_dim] float32
-    key_cache,  # [num_blocks, block_size, num_kv_heads, head_dim] float32
-    value_cache,  # [num_blocks, block_size, num_kv_heads, head_dim] float32
+    key_cache,  # [num_blocks, block_size, num_kv_heads, head_dim] float32, or 16-bit patterns (see _widen)
+    value_cache,  # [num_blocks, block_size, num_kv_heads, head_dim] like key_cache
     block_tables,  # [num_seqs, max_blocks] int32
     context_lens,  # [num_seqs] int32
     scale,
@@ -234,16 +289,17 @@ def choose_kv_splits(num_seqs: int, num_kv_heads: int, threads: int) -> int:
 
 
 def paged_decode_attention_cpu(
-    query: torch.Tensor,  # [num_seqs, num_heads, head_dim] float32
-    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim] float32
-    value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim] float32
+    query: torch.Tensor,  # [num_seqs, num_heads, head_dim] float32, bfloat16 or float16
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim] query's dtype
+    value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim] query's dtype
     block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
     context_lens: torch.Tensor,  # [num_seqs] int32
     scale: float,
     sliding_window: int | None = None,
     logit_softcap: float | None = None,
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
-    """Decode attention on CPU float32 tensors, on as many threads as torch uses.
+    """Decode attention on CPU tensors of one dtype of :data:`CACHE_DTYPES`, on as many
+    threads as torch uses; computed in float32, returned in the query's dtype.
 
     NOTE: like the Triton kernel, table entries for a sequence's visible blocks must be
     valid block ids: they are not bounds-checked. Entries past them, and with a
@@ -261,18 +317,17 @@ def paged_decode_attention_cpu(
     for name, t in (*tensors.items(), ("context_lens", context_lens)):
         if t.device.type != "cpu":
             raise ValueError(f"{name} must be on the CPU, got {t.device}")
-    if query.dtype != torch.float32:
-        raise TypeError(f"the compiled CPU decode kernel takes float32, got {query.dtype}")
-    out = torch.empty_like(query, memory_format=torch.contiguous_format)
+    out = torch.empty(query.shape, dtype=torch.float32)
     if query.shape[0] == 0:
-        return out
+        return out.to(query.dtype)
+    cache_view = _KERNEL_VIEWS[key_cache.dtype]
     threads = torch.get_num_threads()
     _use_threads(threads)
     splits = choose_kv_splits(query.shape[0], key_cache.shape[2], threads)
     _compiled_kernel()(
-        query.contiguous().numpy(),
-        key_cache.numpy(),
-        value_cache.numpy(),
+        query.float().contiguous().numpy(),
+        key_cache.view(cache_view).numpy(),
+        value_cache.view(cache_view).numpy(),
         block_tables.numpy(),
         context_lens.numpy(),
         np.float32(scale),
@@ -281,7 +336,7 @@ def paged_decode_attention_cpu(
         splits,
         out.numpy(),
     )
-    return out
+    return out.to(query.dtype)
 
 
 def _use_threads(threads: int) -> None:

@@ -96,7 +96,11 @@ class ModelConfig:
     tokenizer: str | None = field(default=None, metadata=_help("Tokenizer directory; defaults to the model directory."))
     dtype: str = field(
         default="auto",
-        metadata=_help("Weight and activation dtype; auto = the checkpoint's (float32 on CPU).", choices=DTYPES),
+        metadata=_help(
+            "Weight and activation dtype; auto = the checkpoint's (on CPU: bfloat16 for 16-bit "
+            "checkpoints where the CPU has AVX-512-BF16 or AMX, else float32).",
+            choices=DTYPES,
+        ),
     )
     device: str = field(
         default="auto", metadata=_help("Where the model runs; auto picks cuda when available.", choices=DEVICES)
@@ -114,7 +118,7 @@ class ModelConfig:
     attention_backend: str = field(
         default="auto",
         metadata=_help(
-            "Attention implementation; auto = triton on CUDA, on CPU numba for float32 and torch otherwise.",
+            "Attention implementation; auto = triton on CUDA, numba on CPU (torch where numba is missing).",
             choices=ATTENTION_BACKENDS,
         ),
     )

@@ -228,7 +228,7 @@ def _lr(step: int, args: argparse.Namespace) -> float:
 
 
 def save(model, tokenizer, out: str, args: argparse.Namespace) -> None:
-    """Weights in bfloat16 safetensors (the engine computes in float32 on CPU)."""
+    """Weights in bfloat16 safetensors (the engine computes in them where the CPU has bf16 units, else in float32)."""
     import torch
 
     os.makedirs(out, exist_ok=True)

@@ -29,7 +29,7 @@ import torch
 
 import pagedllm.kernels as kernels
 from pagedllm.kernels._paged import check_window
-from pagedllm.kernels.paged_decode_attention_cpu import HAS_NUMBA
+from pagedllm.kernels.paged_decode_attention_cpu import CACHE_DTYPES, HAS_NUMBA
 from pagedllm.server.worker import cpu_attention
 from pagedllm.server.worker.cpu_attention import AttentionPlan
 
@@ -79,7 +79,7 @@ class AttentionOps:
 
 def select_attention_ops(backend: str, device: torch.device, dtype: torch.dtype = torch.float32) -> AttentionOps:
     """``auto`` picks Triton on CUDA; on CPU the compiled decode kernel (``numba``) for
-    float32, the plain torch path otherwise.
+    float32, bfloat16 and float16, the plain torch path without numba.
 
     The environment variable ``PAGEDLLM_ATTENTION_BACKEND`` (torch|triton|numba) overrides
     an ``auto`` choice.
@@ -107,15 +107,17 @@ def select_attention_ops(backend: str, device: torch.device, dtype: torch.dtype 
 def _default_backend(device: torch.device, dtype: torch.dtype) -> str:
     if device.type == "cuda":
         return "triton"
-    return "numba" if HAS_NUMBA and dtype == torch.float32 else "torch"
+    return "numba" if HAS_NUMBA and dtype in CACHE_DTYPES else "torch"
 
 
 def _check_numba(device: torch.device, dtype: torch.dtype) -> None:
     if not HAS_NUMBA:
         raise ValueError("attention backend 'numba' needs numba installed: pip install numba, or use 'torch'")
-    if device.type != "cpu" or dtype != torch.float32:
+    if device.type != "cpu" or dtype not in CACHE_DTYPES:
+        allowed = ", ".join(str(d).removeprefix("torch.") for d in CACHE_DTYPES)
         raise ValueError(
-            f"attention backend 'numba' runs float32 on the CPU, not {dtype} on {device.type}: use 'torch' or 'triton'"
+            f"attention backend 'numba' runs {allowed} on the CPU, not {dtype} on {device.type}: "
+            "use 'torch' or 'triton'"
         )
 
 

@@ -253,9 +253,9 @@ def decode_attention(
 
 
 def compiled_decode_attention(
-    query: torch.Tensor,  # [num_decodes, num_heads, head_dim] float32
-    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim] float32
-    value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim] float32
+    query: torch.Tensor,  # [num_decodes, num_heads, head_dim] float32, bfloat16 or float16
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim] query's dtype
+    value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim] query's dtype
     plan: AttentionPlan,
     scale: float,
     sliding_window: int | None = None,

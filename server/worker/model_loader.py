@@ -49,6 +49,7 @@ def normalized_config(raw: dict) -> dict:
 
 
 def checkpoint_dtype(hf_config: dict) -> torch.dtype:
+    """The dtype the checkpoint's config names (``torch_dtype`` or ``dtype``); float32 if none."""
     name = hf_config.get("torch_dtype") or hf_config.get("dtype") or "float32"
     return getattr(torch, str(name).replace("torch.", ""), torch.float32)
 

@@ -14,8 +14,9 @@ from pagedllm.server.core.scheduler import SchedulerOutput
 from pagedllm.server.core.sequence import Sequence
 from pagedllm.server.worker.attention import AttentionMetadata, select_attention_ops
 from pagedllm.server.worker.cpu_threads import choose_threads
+from pagedllm.server.worker.dtype_choice import choose_dtype
 from pagedllm.server.worker.input_batch import InputBatch
-from pagedllm.server.worker.model_loader import checkpoint_dtype, init_dummy_weights, iterate_weights
+from pagedllm.server.worker.model_loader import init_dummy_weights, iterate_weights
 from pagedllm.server.worker.models import model_class
 from pagedllm.server.worker.models.base import CausalLM
 from pagedllm.server.worker.models.tensor_parallel import TPGroup
@@ -32,15 +33,6 @@ def resolve_device(name: str, rank: int = 0) -> torch.device:
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
     return torch.device(name, rank) if name == "cuda" else torch.device(name)
-
-
-def resolve_dtype(name: str, hf_config: dict, device: torch.device) -> torch.dtype:
-    if name != "auto":
-        return getattr(torch, name)
-    if device.type == "cpu":
-        return torch.float32
-    dtype = checkpoint_dtype(hf_config)
-    return torch.bfloat16 if dtype == torch.float32 else dtype
 
 
 def check_tensor_parallel(hf_config: dict, size: int, device: torch.device) -> None:
@@ -77,7 +69,9 @@ class ModelRunner:
         self.threads = choose_threads(config.parallel.cpu_threads, ranks=size)
         torch.set_num_threads(self.threads.threads)
         logger.info("torch uses %d CPU threads (%s)", self.threads.threads, self.threads.reason)
-        self.dtype = resolve_dtype(config.model.dtype, hf_config, self.device)
+        dtype = choose_dtype(config.model.dtype, hf_config, self.device)
+        self.dtype = dtype.dtype
+        logger.info("the model computes in %s (%s)", str(self.dtype).removeprefix("torch."), dtype.reason)
         self.block_size = config.cache.block_size
         self.max_model_len = max_model_len
         self.ops = select_attention_ops(config.model.attention_backend, self.device, self.dtype)

@@ -1,5 +1,12 @@
-"""paged_decode_attention_cpu (Numba) against the torch reference and a dense oracle."""
+"""paged_decode_attention_cpu (Numba) against the torch reference and a dense oracle.
 
+16-bit caches are checked against the reference computed in float32 on the same 16-bit
+values: the kernel also computes in float32 and rounds only its output, so the two differ
+by at most half a unit in the last place of the output dtype (relative ``2**-8`` for
+bfloat16, ``2**-11`` for float16) beyond float32's own rounding differences.
+"""
+
+import dataclasses
 import os
 import subprocess
 import sys
@@ -18,15 +25,30 @@ from pagedllm.kernels.paged_decode_attention_cpu import (
     paged_decode_attention_cpu,
 )
 
+# NOTE: float32's own tolerance (two summation orders), widened by half an output ulp for 16-bit outputs.
+HALF_ULP = {torch.float32: 0.0, torch.bfloat16: 2**-8, torch.float16: 2**-11}
+DTYPES = list(HALF_ULP)
 
-def _case(lens, num_heads, num_kv_heads, head_dim, block_size, window=None, **kwargs):
+
+def _case(lens, num_heads, num_kv_heads, head_dim, block_size, window=None, dtype=torch.float32, **kwargs):
     """With a ``window`` the blocks before each query's window are garbage in the table (freed)."""
     visible_from = None if window is None else [max(0, n - window) for n in lens]
     kv = make_paged_kv(
-        lens, num_kv_heads, head_dim, block_size, torch.float32, device="cpu", visible_from=visible_from, **kwargs
+        lens, num_kv_heads, head_dim, block_size, dtype, device="cpu", visible_from=visible_from, **kwargs
     )
-    query = torch.randn(len(lens), num_heads, head_dim)
+    query = torch.randn(len(lens), num_heads, head_dim).to(dtype)
     return query, kv
+
+
+def _float32_reference(query, kv, scale, window=None, softcap=None):
+    """The reference in float32 on the same (possibly 16-bit) values."""
+    wide = dataclasses.replace(kv, key_cache=kv.key_cache.float(), value_cache=kv.value_cache.float())
+    return _run(paged_decode_attention_reference, query.float(), wide, scale, window, softcap)
+
+
+def _assert_matches(out, expected, dtype):
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.float(), expected, atol=2e-5, rtol=1e-4 + HALF_ULP[dtype])
 
 
 def _run(fn, query, kv, scale, window=None, softcap=None):
@@ -60,36 +82,82 @@ def test_matches_reference(lens, block_size, heads, head_dim, threads, window, s
     torch.testing.assert_close(out, expected, atol=2e-5, rtol=1e-4)
 
 
+@settings(max_examples=30, deadline=None)
+@given(
+    dtype=st.sampled_from([torch.bfloat16, torch.float16]),
+    lens=st.lists(st.integers(1, 90), min_size=1, max_size=9),
+    block_size=st.sampled_from([1, 3, 8, 16, 32]),
+    heads=st.sampled_from([(1, 1), (4, 2), (6, 2), (8, 1), (8, 8)]),
+    head_dim=st.sampled_from([8, 64, 80]),
+    threads=st.sampled_from([1, 2]),
+    window=st.one_of(st.none(), st.just(1), st.integers(1, 100)),
+    softcap=st.sampled_from([None, 0.5, 50.0]),
+)
+def test_16_bit_caches_match_the_float32_reference(dtype, lens, block_size, heads, head_dim, threads, window, softcap):
+    """bfloat16 and float16 caches and queries, read as 16-bit patterns and widened in the
+    kernel: within half an output ulp of float32 attention on the same values, with the
+    same NaN slots, junk table entries, splits, windows and caps as float32."""
+    query, kv = _case(lens, *heads, head_dim, block_size, window, dtype=dtype)
+    scale = head_dim**-0.5
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = _run(paged_decode_attention_cpu, query, kv, scale, window, softcap)
+    finally:
+        torch.set_num_threads(previous)
+    assert not out.isnan().any()
+    _assert_matches(out, _float32_reference(query, kv, scale, window, softcap), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("window,softcap", [(None, None), (100, None), (16, 20.0), (1, None), (333, 1.0)])
-def test_matches_dense_attention_on_long_contexts(window, softcap):
-    query, kv = _case([700, 1, 333], 8, 2, 64, 16, window)
+def test_matches_dense_attention_on_long_contexts(window, softcap, dtype):
+    query, kv = _case([700, 1, 333], 8, 2, 64, 16, window, dtype=dtype)
     out = _run(paged_decode_attention_cpu, query, kv, 0.125, window, softcap)
     dense = torch.cat(
         [naive_attention(query[s : s + 1], kv.keys[s], kv.values[s], 0.125, window, softcap) for s in range(3)]
     )
-    torch.testing.assert_close(out.double(), dense, atol=1e-5, rtol=1e-4)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.double(), dense, atol=1e-5, rtol=1e-4 + HALF_ULP[dtype])
 
 
-def test_empty_context_gives_zeros_and_empty_batch_gives_empty():
-    query, kv = _case([0, 5], 4, 2, 16, 4)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_every_finite_16_bit_value_is_widened_exactly(dtype):
+    """One cached position: the output is its value row times a probability of exactly 1, so
+    every finite 16-bit pattern (subnormals included) must come back unchanged."""
+    bits = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16)
+    values = bits.view(dtype)
+    values = values[values.isfinite()]
+    head_dim = values.numel()
+    cache = torch.zeros(1, 1, 1, head_dim, dtype=dtype)
+    value_cache = values.view(1, 1, 1, head_dim).clone()
+    one = torch.ones(1, dtype=torch.int32)
+    out = paged_decode_attention_cpu(cache[0], cache, value_cache, one[None] * 0, one, 1.0)
+    assert out.dtype == dtype
+    assert torch.equal(out.view(-1).float(), values.float())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_empty_context_gives_zeros_and_empty_batch_gives_empty(dtype):
+    query, kv = _case([0, 5], 4, 2, 16, 4, dtype=dtype)
     out = _run(paged_decode_attention_cpu, query, kv, 0.25)
     assert torch.equal(out[0], torch.zeros_like(out[0]))
-    torch.testing.assert_close(out, _run(paged_decode_attention_reference, query, kv, 0.25))
+    _assert_matches(out, _float32_reference(query, kv, 0.25), dtype)
     none = paged_decode_attention_cpu(
         query[:0], kv.key_cache, kv.value_cache, kv.block_tables[:0], kv.context_lens[:0], 1
     )
     assert none.shape == (0, 4, 16)
+    assert none.dtype == dtype
 
 
-def test_block_offsets_past_int32():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_block_offsets_past_int32(dtype):
     """Block ids whose element offset overflows int32 are addressed correctly."""
     shape = (2**31 // (4 * 2 * 8) + 8, 4, 2, 8)  # block_size 4, 2 KV heads, head_dim 8
-    caches = (huge_cache(shape, torch.float32, "cpu"), huge_cache(shape, torch.float32, "cpu"))
+    caches = (huge_cache(shape, dtype, "cpu"), huge_cache(shape, dtype, "cpu"))
     far = torch.tensor([shape[0] - 1, shape[0] - 3, 5], dtype=torch.int64)
-    query, kv = _case([6, 3], 4, 2, 8, 4, caches=caches, block_ids=far)
-    torch.testing.assert_close(
-        _run(paged_decode_attention_cpu, query, kv, 0.3), _run(paged_decode_attention_reference, query, kv, 0.3)
-    )
+    query, kv = _case([6, 3], 4, 2, 8, 4, caches=caches, block_ids=far, dtype=dtype)
+    _assert_matches(_run(paged_decode_attention_cpu, query, kv, 0.3), _float32_reference(query, kv, 0.3), dtype)
 
 
 def test_non_contiguous_query_and_table_views():
@@ -114,9 +182,13 @@ def test_kv_splits_give_every_thread_work(num_seqs, kv_heads, threads, splits):
 
 def test_refuses_what_it_cannot_run():
     query, kv = _case([4], 4, 2, 8, 4)
-    with pytest.raises(TypeError, match="float32"):
+    with pytest.raises(TypeError, match="differs from the cache dtype"):
         paged_decode_attention_cpu(
-            query.bfloat16(), kv.key_cache.bfloat16(), kv.value_cache.bfloat16(), kv.block_tables, kv.context_lens, 1.0
+            query.bfloat16(), kv.key_cache, kv.value_cache, kv.block_tables, kv.context_lens, 1.0
+        )
+    with pytest.raises(TypeError, match="caches must share one dtype"):
+        paged_decode_attention_cpu(
+            query, kv.key_cache.double(), kv.value_cache.double(), kv.block_tables, kv.context_lens, 1.0
         )
     with pytest.raises(ValueError, match="block_tables must be int32"):
         paged_decode_attention_cpu(query, kv.key_cache, kv.value_cache, kv.block_tables.long(), kv.context_lens, 1.0)

@@ -35,10 +35,10 @@ def make_prompts(num: int, vocab: int = 256, min_len: int = 1, max_len: int = 22
 class HFReference:
     """Greedy continuations and logits from Hugging Face transformers on the same weights."""
 
-    def __init__(self, model_dir: str, **kwargs) -> None:
+    def __init__(self, model_dir: str, dtype: torch.dtype = torch.float32, **kwargs) -> None:
         from transformers import AutoModelForCausalLM
 
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, **kwargs).eval()
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, **kwargs).eval()
 
     @torch.no_grad()
     def greedy(self, prompt: list[int], max_new_tokens: int) -> list[int]:

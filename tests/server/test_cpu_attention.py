@@ -205,8 +205,83 @@ def test_compiled_plan_sends_whole_decode_rows_to_the_kernel():
 
 def test_backend_choice_on_cpu():
     cpu = torch.device("cpu")
-    assert select_attention_ops("auto", cpu, torch.float32).name == "numba"
-    assert select_attention_ops("auto", cpu, torch.bfloat16).name == "torch"
-    assert select_attention_ops("torch", cpu, torch.float32).name == "torch"
-    with pytest.raises(ValueError, match="'numba' runs float32 on the CPU, not torch.bfloat16"):
-        select_attention_ops("numba", cpu, torch.bfloat16)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        assert select_attention_ops("auto", cpu, dtype).name == "numba"
+    assert select_attention_ops("torch", cpu, torch.bfloat16).name == "torch"
+    with pytest.raises(ValueError, match="'numba' runs float32, bfloat16, float16 on the CPU, not torch.float64"):
+        select_attention_ops("numba", cpu, torch.float64)
+
+
+# NOTE: the torch path computes in the 16-bit dtype (SDPA accumulates in float32 inside, but
+# soft-capped scores are rounded to it), so it gets the kernels' usual 16-bit tolerance; the
+# compiled kernel computes in float32 and rounds only its output.
+TORCH_16_BIT = {torch.bfloat16: dict(atol=2e-2, rtol=2e-2), torch.float16: dict(atol=3e-3, rtol=1e-2)}
+KERNEL_16_BIT = {torch.bfloat16: dict(atol=2e-5, rtol=2**-8 + 1e-4), torch.float16: dict(atol=2e-5, rtol=2**-11 + 1e-4)}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("window,softcap", [(None, None), (20, None), (None, 30.0), (7, 0.5)])
+def test_16_bit_attention_matches_the_float32_reference(dtype, window, softcap):
+    """A step of decodes and prefill chunks (with and without a cached prefix) in a 16-bit
+    dtype, against the references in float32 on the same 16-bit values."""
+    gen = torch.Generator().manual_seed(11)
+    block_size, num_heads, kv_heads, head_dim = 8, 8, 2, 32
+    decode_lens, chunks = [1, 45, 130], [(0, 37), (50, 21)]  # chunks: (cached prefix, new tokens)
+    prefill_lens = [p + q for p, q in chunks]
+    num_blocks = sum(-(-n // block_size) for n in decode_lens + prefill_lens) + 2
+    key_cache, value_cache = (c.to(dtype) for c in random_cache(num_blocks, block_size, kv_heads, head_dim, gen))
+    tables = random_tables(decode_lens + prefill_lens, block_size, num_blocks, gen, garbage=False)
+    decode_tables, prefill_tables = tables[: len(decode_lens)], tables[len(decode_lens) :]
+    decode_context = torch.tensor(decode_lens, dtype=torch.int32)
+    prefill_context = torch.tensor(prefill_lens, dtype=torch.int32)
+    cu = torch.tensor([0, chunks[0][1], chunks[0][1] + chunks[1][1]], dtype=torch.int32)
+    query = torch.randn(len(decode_lens) + int(cu[-1]), num_heads, head_dim, generator=gen).to(dtype)
+    key, value = (torch.randn(int(cu[-1]), kv_heads, head_dim, generator=gen).to(dtype) for _ in range(2))
+    slots = [
+        int(prefill_tables[s, p // block_size]) * block_size + p % block_size
+        for s, (c, q) in enumerate(chunks)
+        for p in range(c, c + q)
+    ]
+    write_kv(key, value, key_cache, value_cache, torch.tensor(slots))
+    plan = plan_attention(
+        decode_tables, decode_context, prefill_tables, cu, prefill_context, block_size, compiled_decode=True
+    )
+    scale = head_dim**-0.5
+    d = len(decode_lens)
+    kc, vc = key_cache.float(), value_cache.float()
+    decode_ref = paged_decode_attention_reference(
+        query[:d].float(), kc, vc, decode_tables, decode_context, scale, window, softcap
+    )
+    prefill_ref = paged_prefill_attention_reference(
+        query[d:].float(),
+        key.float(),
+        value.float(),
+        kc,
+        vc,
+        prefill_tables,
+        cu,
+        prefill_context,
+        scale,
+        window,
+        softcap,
+    )
+    outputs = {
+        "compiled decode": (
+            compiled_decode_attention(query[:d], key_cache, value_cache, plan, scale, window, softcap),
+            decode_ref,
+            KERNEL_16_BIT,
+        ),
+        "torch decode": (
+            decode_attention(query[:d], key_cache, value_cache, plan, scale, window, softcap),
+            decode_ref,
+            TORCH_16_BIT,
+        ),
+        "torch prefill": (
+            prefill_attention(query[d:], key, value, key_cache, value_cache, plan, scale, window, softcap),
+            prefill_ref,
+            TORCH_16_BIT,
+        ),
+    }
+    for name, (out, ref, tolerance) in outputs.items():
+        assert out.dtype == dtype, name
+        torch.testing.assert_close(out.float(), ref, **tolerance[dtype], msg=lambda m, name=name: f"{name}: {m}")
