@@ -7,7 +7,8 @@
 - ``forward_ceiling``: tokens/s of one batch-B forward of single tokens with no KV context,
   i.e. what the weights alone allow a decode step to reach.
 
-Each returns seconds (or tokens/s for the ceiling); every run loads the model afresh.
+Each returns seconds (or tokens/s for the ceiling); every run loads the model afresh, in
+``dtype`` (float32 unless given).
 """
 
 from __future__ import annotations
@@ -29,12 +30,10 @@ class Request(Protocol):
     output_len: int
 
 
-def _load(model_dir: str, attn_implementation: str = "sdpa"):
+def _load(model_dir: str, attn_implementation: str = "sdpa", dtype: torch.dtype = torch.float32):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(
-        model_dir, dtype=torch.float32, attn_implementation=attn_implementation
-    )
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation=attn_implementation)
     return model.eval()
 
 
@@ -46,9 +45,11 @@ def _left_padded(batch: Sequence[Request]) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @torch.inference_mode()
-def run_hf_static(model_dir: str, requests: Sequence[Request], batch_size: int) -> float:
+def run_hf_static(
+    model_dir: str, requests: Sequence[Request], batch_size: int, dtype: torch.dtype = torch.float32
+) -> float:
     """Seconds for greedy ``generate`` over ``requests`` in static batches of ``batch_size``."""
-    model = _load(model_dir)
+    model = _load(model_dir, dtype=dtype)
     start = time.perf_counter()
     for i in tqdm(range(0, len(requests), batch_size), desc=f"hf static bs{batch_size}"):
         batch = requests[i : i + batch_size]
@@ -67,6 +68,7 @@ def run_hf_continuous(
     batch_size: int,
     max_cache_tokens: int | None = None,
     attn_implementation: str = "sdpa",
+    dtype: torch.dtype = torch.float32,
 ) -> float:
     """Seconds for greedy continuous batching in ``transformers`` (paged cache) over ``requests``.
 
@@ -76,7 +78,7 @@ def run_hf_continuous(
     """
     from transformers import ContinuousBatchingConfig
 
-    model = _load(model_dir, attn_implementation)
+    model = _load(model_dir, attn_implementation, dtype)
     longest = max(len(r.prompt_token_ids) + r.output_len for r in requests)
     page = 256
     tokens = max_cache_tokens or batch_size * longest
@@ -121,9 +123,9 @@ def _collect(manager, requests: Sequence[Request], desc: str) -> None:
 
 
 @torch.inference_mode()
-def forward_ceiling(model_dir: str, batch_size: int, repeats: int = 20) -> float:
+def forward_ceiling(model_dir: str, batch_size: int, repeats: int = 20, dtype: torch.dtype = torch.float32) -> float:
     """Tokens/s of one forward of ``batch_size`` single tokens with no KV context (median of repeats)."""
-    model = _load(model_dir)
+    model = _load(model_dir, dtype=dtype)
     ids = torch.full((batch_size, 1), 5)  # [batch, 1]
     model(ids, use_cache=False)  # warm-up
     times = []

@@ -14,8 +14,20 @@ Metrics use ``vllm bench serve``'s definitions, so the numbers compare:
 
     # against a running server
     python -m benchmarks.serve --base-url http://127.0.0.1:8000 --num-prompts 200 --request-rate 4
-    # or start `pagedllm serve` (the demo model unless --serve-args gives --model) for the run
+    # or start `pagedllm serve` (the demo model unless --model-path or --serve-args gives one) for the run
     python -m benchmarks.serve --launch --num-prompts 200 --request-rate 4
+
+With ``--vllm-python PATH`` (the python of a venv holding vLLM's CPU build) the benchmark
+starts both servers on the same model directory, one at a time on a free loopback port,
+and sends each the same load, in turn (ours, vLLM, ours, ... for ``--repeats``); the
+results come side by side. ``--client vllm`` measures with vLLM's own client, ``vllm bench
+serve`` from that venv (random dataset only), instead of this module's; with ``--launch``
+alone that runs vLLM's client against our server. ``--model-path random`` serves the offline
+benchmark's random LLaMA (hidden 512, 8 layers, vocabulary 8000) with a BPE tokenizer.
+
+    python -m benchmarks.serve --vllm-python ~/vllm/V/bin/python --client vllm --model-path random \
+        --threads 2 --dataset random --random-input-len 256 --random-output-len 128 \
+        --num-prompts 64 --max-concurrency 16 --repeats 2 --result-name serve-vs-vllm
 """
 
 from __future__ import annotations
@@ -28,17 +40,19 @@ import math
 import os
 import platform
 import random
-import signal
-import socket
-import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import httpx
 from tqdm.asyncio import tqdm
 
+from benchmarks import vllm_baseline
 from benchmarks.common import HelpFormatter
-from benchmarks.serve_metrics import RequestResult, report, summarize
+from benchmarks.serve_metrics import RequestResult, median_summary, report, side_by_side, summarize
+from benchmarks.servers import launch_ours, launch_vllm, stop_server
 from benchmarks.workloads import WORKLOADS, poisson_arrivals, sample_requests
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
@@ -123,14 +137,12 @@ async def send(
     return result
 
 
-async def run_load(args, model: str, requests) -> tuple[list[RequestResult], float]:
+async def run_load(args, base_url: str, model: str, requests) -> tuple[list[RequestResult], float]:
     arrivals = poisson_arrivals(len(requests), args.request_rate, args.seed, args.burstiness)
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     semaphore = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
     pbar = None if args.disable_tqdm else tqdm(total=len(requests), desc="requests")
-    async with httpx.AsyncClient(
-        base_url=args.base_url, limits=limits, timeout=args.timeout, headers=_auth(args)
-    ) as client:
+    async with httpx.AsyncClient(base_url=base_url, limits=limits, timeout=args.timeout, headers=_auth(args)) as client:
         start = time.perf_counter()
 
         async def one(at: float, prompt: list[int], max_tokens: int) -> RequestResult:
@@ -147,41 +159,6 @@ async def run_load(args, model: str, requests) -> tuple[list[RequestResult], flo
     return list(results), duration
 
 
-# -- launching a server ------------------------------------------------------------------------------------
-def launch(args, env: dict[str, str] | None = None) -> subprocess.Popen:
-    """Start `pagedllm serve` (with ``args.serve_args``) on a free loopback port; sets ``args.base_url``."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    args.base_url = f"http://127.0.0.1:{port}"
-    cmd = [
-        sys.executable,
-        "-m",
-        "pagedllm.server.entrypoints.cli",
-        "serve",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--log-level",
-        "warning",
-        *args.serve_args.split(),
-    ]
-    proc = subprocess.Popen(cmd, env={**os.environ, **(env or {})})
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{args.base_url}/ready", timeout=5).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        if proc.poll() is not None:
-            raise SystemExit(f"the server exited with {proc.returncode} before it was ready")
-        time.sleep(0.5)
-    proc.kill()
-    raise SystemExit("the server was not ready within 600 s")
-
-
 def _auth(args) -> dict:
     key = args.api_key or os.environ.get("PAGEDLLM_API_KEY")
     return {"Authorization": f"Bearer {key}"} if key else {}
@@ -192,8 +169,26 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--base-url", default="http://127.0.0.1:8000", help="The server (default: %(default)s).")
     p.add_argument("--launch", action="store_true", help="Start `pagedllm serve` on a free port for the run.")
     p.add_argument("--serve-args", default="", help="Extra `pagedllm serve` flags with --launch, as one string.")
+    p.add_argument(
+        "--model-path",
+        default=None,
+        help="Model directory the launched servers serve (default: the demo model); "
+        "'random': the offline benchmark's random LLaMA with a tokenizer, written to a temp dir.",
+    )
+    p.add_argument("--threads", type=int, default=None, help="CPU threads of each launched server (default: its own).")
+    p.add_argument("--dtype", default=None, help="--dtype of each launched server (default: its own).")
     p.add_argument("--model", default=None, help="Model name to send (default: the server's first model).")
     p.add_argument("--api-key", default=None, help="Bearer key (default: $PAGEDLLM_API_KEY).")
+    p.add_argument("--vllm-python", default=None, help="python of vLLM's venv: also serve with `vllm serve`, compare.")
+    p.add_argument("--vllm-serve-args", default="", help="Extra `vllm serve` flags, as one string.")
+    p.add_argument("--vllm-kv-cache-gib", type=float, default=4.0, help="vLLM's KV cache (VLLM_CPU_KVCACHE_SPACE).")
+    p.add_argument(
+        "--client",
+        default="ours",
+        choices=["ours", "vllm"],
+        help="Load generator: this module's, or `vllm bench serve` from --vllm-python's venv (random dataset).",
+    )
+    p.add_argument("--repeats", type=int, default=1, help="Runs per server, the servers in turn.")
     p.add_argument(
         "--dataset",
         default="sharegpt",
@@ -224,35 +219,118 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--result-name", default=None, help="Write benchmarks/results/<name>.json and .md.")
     p.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
+    _check(p, args)
+    return args
+
+
+def _check(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if args.burstiness <= 0:
         p.error(f"--burstiness={args.burstiness} is out of range: must be > 0")
     if args.request_rate <= 0:
         p.error(f"--request-rate={args.request_rate} is out of range: must be > 0 (inf for all at once)")
-    return args
+    if args.repeats < 1:
+        p.error(f"--repeats={args.repeats} is out of range: must be >= 1")
+    if args.vllm_python:
+        try:
+            args.vllm_python = vllm_baseline.check_python(args.vllm_python)
+        except ValueError as exc:
+            p.error(str(exc))
+        args.launch = True  # NOTE: a comparison starts both servers itself, on the same model directory
+    if args.client == "vllm" and not args.vllm_python:
+        p.error("--client=vllm runs `vllm bench serve` from vLLM's venv: give --vllm-python")
+    if args.client == "vllm" and args.dataset != "random":
+        p.error(f"--dataset={args.dataset!r} with --client=vllm: vLLM's client generates only 'random' here")
+    if args.client == "vllm" and not args.launch and not args.model_path:
+        p.error("--client=vllm against a running server needs --model-path (its tokenizer)")
 
 
+# -- measuring ------------------------------------------------------------------------------------------
 def main(argv=None) -> int:
     args = parse_args(argv)
-    proc = launch(args) if args.launch else None
-    try:
-        with httpx.Client(base_url=args.base_url, timeout=120, headers=_auth(args)) as client:
-            card = client.get("/v1/models").raise_for_status().json()["data"][0]
-            model = args.model or card["id"]
-            requests = build_requests(args, token_pool(client), card.get("max_model_len") or 2048)
-        results, duration = asyncio.run(run_load(args, model, requests))
-    finally:
-        if proc is not None:
-            proc.send_signal(signal.SIGTERM)
-            proc.wait(timeout=120)
-    summary = summarize(results, duration)
-    text = report(summary, args)
-    print(text)
+    servers = ["ours", "vllm"] if args.vllm_python else ["ours"]
+    runs = []
+    with model_directory(args) as args.model_dir, tempfile.TemporaryDirectory(prefix="serve-bench-") as tmp:
+        for repeat in range(args.repeats):
+            for server in servers:  # NOTE: in turn, so a shared machine's drift hits both alike
+                model, summary = measure(server, args, tmp)
+                text = report(summary, args)
+                print(f"\n{server}, run {repeat + 1} of {args.repeats} ({args.client}'s client)\n{text}")
+                runs.append({"server": server, "repeat": repeat, "model": model, "summary": summary})
+    medians = {server: median_summary([r["summary"] for r in runs if r["server"] == server]) for server in servers}
+    table = side_by_side(runs, medians)
+    print("\n" + table)
     if args.result_name:
-        _save(args, model, summary, text)
-    return 0 if summary["completed"] else 1
+        _save(args, runs, medians, table)
+    return 0 if all(r["summary"]["completed"] for r in runs) else 1
 
 
-def _save(args, model: str, summary: dict, text: str) -> None:
+@contextmanager
+def model_directory(args) -> Iterator[str | None]:
+    """The directory every launched server serves: ``--model-path``, the random LLaMA written to a
+    temp dir, the demo model when two servers must share one, or None (each server's default)."""
+    if args.model_path == "random":
+        from benchmarks.throughput import save_random_llama
+
+        with tempfile.TemporaryDirectory(prefix="random-llama-") as path:
+            save_random_llama(path, tokenizer=True)
+            yield path
+    elif args.model_path:
+        yield os.path.abspath(args.model_path)
+    elif args.vllm_python:
+        from pagedllm.server.demo import ensure_demo_model
+
+        yield ensure_demo_model()
+    else:
+        yield None
+
+
+def measure(server: str, args, tmp: str) -> tuple[str, dict]:
+    """Start ``server`` if this run launches it, send the load with ``args.client``'s client, stop it."""
+    proc = None
+    log_path = os.path.join(tmp, f"{server}.log")
+    with open(log_path, "a") as log:
+        if server == "vllm":
+            print(f"starting vllm serve (its log: {log_path})")
+            proc, base_url = launch_vllm(args, log)
+        elif args.launch:
+            proc, base_url = launch_ours(args)
+        else:
+            base_url = args.base_url
+        try:
+            if args.client == "vllm":
+                return run_vllm_client(args, base_url, os.path.join(tmp, f"{server}-result.json"), log)
+            return run_our_client(args, base_url)
+        finally:
+            if proc is not None:
+                stop_server(proc)
+
+
+def run_our_client(args, base_url: str) -> tuple[str, dict]:
+    with httpx.Client(base_url=base_url, timeout=120, headers=_auth(args)) as client:
+        card = client.get("/v1/models").raise_for_status().json()["data"][0]
+        model = args.model or card["id"]
+        requests = build_requests(args, token_pool(client), card.get("max_model_len") or 2048)
+        warm_up(client, model, requests[0][0])
+    results, duration = asyncio.run(run_load(args, base_url, model, requests))
+    return model, summarize(results, duration)
+
+
+def warm_up(client: httpx.Client, model: str, prompt: list[int]) -> None:
+    """One short request before the timed load, as `vllm bench serve` sends (compiled kernels load on first use)."""
+    body = {"model": model, "prompt": prompt[:16], "max_tokens": 4, "temperature": 0.0}
+    client.post("/v1/completions", json=body).raise_for_status()
+
+
+def run_vllm_client(args, base_url: str, result_path: str, log) -> tuple[str, dict]:
+    """`vllm bench serve` against ``base_url``; its result in our summary's keys."""
+    models = httpx.get(f"{base_url}/v1/models", headers=_auth(args), timeout=30).raise_for_status()
+    model = args.model or models.json()["data"][0]["id"]
+    print(f"running `vllm bench serve` against {base_url} (its log: {log.name})")
+    summary = vllm_baseline.run_bench_serve(args.vllm_python, base_url, model, args.model_dir, result_path, args, log)
+    return model, summary
+
+
+def _save(args, runs: list[dict], medians: dict[str, dict], table: str) -> None:
     os.makedirs(RESULTS_DIR, exist_ok=True)
     machine = {
         "platform": platform.platform(),
@@ -265,20 +343,24 @@ def _save(args, model: str, summary: dict, text: str) -> None:
     prefix = "".join(f"{k}={v} " for k, v in env.items())
     record = {
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
-        "model": model,
+        "model": runs[0]["model"],
         "machine": machine,
         "env": env,
         "args": {k: (str(v) if isinstance(v, float) and not math.isfinite(v) else v) for k, v in config.items()},
         "command": prefix + "python -m benchmarks.serve " + " ".join(sys.argv[1:]),
-        "summary": summary,
+        "client": args.client,
+        "summary": medians["ours"],
+        "servers": medians,
+        "runs": runs,
     }
     base = os.path.join(RESULTS_DIR, args.result_name)
     with open(base + ".json", "w") as f:
         json.dump(record, f, indent=2)
+    reports = "\n\n".join(f"{r['server']}, run {r['repeat'] + 1}:\n{report(r['summary'], args)}" for r in runs)
     with open(base + ".md", "w") as f:
         f.write(
             f"# Serving benchmark: {args.result_name}\n\n`{record['command']}`\n\n"
-            f"Model `{model}`; machine: {machine}\n\n```\n{text}\n```\n"
+            f"Model `{record['model']}`; machine: {machine}\n\n{table}\n\n```\n{reports}\n```\n"
         )
 
 

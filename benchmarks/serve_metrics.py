@@ -79,3 +79,46 @@ def report(summary: dict, args) -> str:
             lines.append(f"{f'{stat.capitalize()} {key.upper()} (ms):':<40}{summary[f'{stat}_{key}_ms']:<10.2f}")
     lines.append("=" * 50)
     return "\n".join(lines)
+
+
+def median_summary(summaries: list[dict]) -> dict:
+    """Every numeric metric's median over ``summaries`` (runs of one server); errors pooled."""
+    merged: dict = {}
+    for key, value in summaries[0].items():
+        if isinstance(value, (int, float)):
+            merged[key] = float(np.median([s[key] for s in summaries]))
+    merged["errors"] = sorted({e for s in summaries for e in s["errors"]})[:5]
+    return merged
+
+
+# (summary key, column title): what a comparison of servers shows side by side
+COLUMNS = (
+    ("request_throughput", "req/s"),
+    ("output_throughput", "output tok/s"),
+    ("mean_ttft_ms", "mean TTFT ms"),
+    ("p99_ttft_ms", "P99 TTFT ms"),
+    ("mean_tpot_ms", "mean TPOT ms"),
+    ("median_itl_ms", "median ITL ms"),
+    ("p99_itl_ms", "P99 ITL ms"),
+    ("completed", "completed"),
+)
+
+
+def side_by_side(runs: list[dict], medians: dict[str, dict]) -> str:
+    """A markdown table: each run (``{"server", "repeat", "summary"}``), each server's medians and,
+    with two servers, ours over vLLM (above 1 is better for throughput, worse for latencies)."""
+    head = "| server | run | " + " | ".join(title for _, title in COLUMNS) + " |"
+    lines = [head, "|---|---|" + "---|" * len(COLUMNS)]
+    for run in runs:
+        lines.append(_row(run["server"], str(run["repeat"] + 1), run["summary"]))
+    if len(runs) > len(medians):
+        lines += [_row(server, "median", summary) for server, summary in medians.items()]
+    if {"ours", "vllm"} <= medians.keys():
+        ours, vllm = medians["ours"], medians["vllm"]
+        ratios = [f"{ours[k] / vllm[k]:.2f}" if vllm[k] else "-" for k, _ in COLUMNS]
+        lines.append("| ours / vLLM | median | " + " | ".join(ratios) + " |")
+    return "\n".join(lines)
+
+
+def _row(server: str, run: str, summary: dict) -> str:
+    return f"| {server} | {run} | " + " | ".join(f"{summary[k]:.2f}" for k, _ in COLUMNS) + " |"

@@ -35,7 +35,7 @@ import httpx
 from tqdm.asyncio import tqdm
 
 from benchmarks.common import HelpFormatter
-from benchmarks.serve import launch
+from benchmarks.servers import launch
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 POISON = "poison"

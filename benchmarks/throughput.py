@@ -1,17 +1,26 @@
 """Offline throughput, all in one run on the same model and requests: PagedLLM against
 ``transformers`` static ``generate`` batches, ``transformers``' own continuous batching
-(paged cache), and the no-context forward ceiling (what the weights alone allow).
+(paged cache), the no-context forward ceiling (what the weights alone allow) and, when its
+venv is given (``--vllm-python``), vLLM's CPU build.
 
 Two workloads, each at every batch size: prompts with ShareGPT's input lengths and
   - fixed:    every output ``--fixed-output`` tokens long;
   - sharegpt: ShareGPT-like output lengths (log-normal, capped at ``--max-output``),
     where a static batch waits for its longest member.
 Greedy decoding, EOS ignored, so every system generates exactly the same number of tokens.
-Also measures the engine's scheduling overhead per step (scheduler + block manager, no
-model) with many running sequences.
+Only generation is timed: loading, compiling and warming up (vLLM does these at start-up;
+our engine gets two short requests first) are not. vLLM loads the very checkpoint our
+engine loads (random weights saved to a temp dir), gets the same prompt token ids,
+``max_num_seqs`` = the batch size and the same thread count; its greedy tokens are
+compared with ours (``greedy_mismatches``: requests whose tokens differ).
+``--repeats N`` runs every system N times in turn (ours, vLLM, ..., ours, vLLM, ...), so a
+shared machine's drift hits all of them alike. Also measures the engine's scheduling
+overhead per step (scheduler + block manager, no model) with many running sequences.
 
     python -m benchmarks.throughput --threads 2
     python -m benchmarks.throughput --threads 1 --systems ours,ceiling
+    python -m benchmarks.throughput --threads 2 --systems ours,vllm --vllm-python ~/vllm/V/bin/python \
+        --workloads fixed --batch-sizes 16,64 --num-requests 32,128 --repeats 2
 """
 
 from __future__ import annotations
@@ -21,6 +30,7 @@ import datetime
 import json
 import os
 import platform
+import statistics
 import sys
 import tempfile
 import time
@@ -29,6 +39,7 @@ import torch
 
 from benchmarks.common import HelpFormatter, set_threads
 from benchmarks.hf_baselines import forward_ceiling, run_hf_continuous, run_hf_static
+from benchmarks.vllm_baseline import Job, Result, check_python, run_offline
 from benchmarks.workloads import Request, sample_requests
 
 MODEL_SHAPE = dict(
@@ -40,31 +51,77 @@ MODEL_SHAPE = dict(
     num_key_value_heads=8,
     max_position_embeddings=2048,
 )
-SYSTEMS = ("ours", "hf_static", "hf_continuous", "ceiling")
+SYSTEMS = ("ours", "vllm", "hf_static", "hf_continuous", "ceiling")
+DTYPES = ("float32", "bfloat16")
 
 
-def save_random_llama(path: str) -> int:
+def save_random_llama(path: str, tokenizer: bool = False) -> int:
+    """Write the benchmark's random-weight LLaMA (seeded: always the same weights) to ``path``;
+    its parameter count. ``tokenizer``: also a BPE tokenizer of the model's vocabulary, trained
+    on the standard library's documentation, for servers and clients that speak text."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(**MODEL_SHAPE, bos_token_id=0, eos_token_id=1, pad_token_id=2))
     model.save_pretrained(path, safe_serialization=True)
+    if tokenizer:
+        save_tokenizer(path)
     return sum(p.numel() for p in model.parameters())
 
 
-def run_pagedllm(model_dir: str, requests, batch_size: int, threads: int | None = None) -> float:
+def save_tokenizer(path: str) -> None:
+    from pydoc_data.topics import topics
+
+    from pagedllm.server.demo.train import train_tokenizer
+
+    tok = train_tokenizer([topics[k] for k in sorted(topics)], MODEL_SHAPE["vocab_size"])
+    if len(tok) != MODEL_SHAPE["vocab_size"]:
+        raise RuntimeError(f"the tokenizer has {len(tok)} tokens, not the model's {MODEL_SHAPE['vocab_size']}")
+    tok.model_max_length = MODEL_SHAPE["max_position_embeddings"]
+    tok.save_pretrained(path)  # NOTE: ids 0, 1, 2 are <s>, </s>, <pad>, as the model's config says
+
+
+def run_pagedllm(
+    model_dir: str, requests, batch_size: int, threads: int | None = None, dtype: str = "float32"
+) -> tuple[float, list[list[int]]]:
+    """Seconds ``LLM.generate`` takes over ``requests`` (greedy, EOS ignored), and the tokens it generated."""
     from pagedllm.server import LLM, SamplingParams
 
     llm = LLM(
-        model=model_dir, skip_tokenizer_init=True, max_num_seqs=batch_size, max_model_len=2048, cpu_threads=threads
+        model=model_dir,
+        skip_tokenizer_init=True,
+        max_num_seqs=batch_size,
+        max_model_len=2048,
+        cpu_threads=threads,
+        dtype=dtype,
     )
+    # NOTE: vLLM compiles and warms its model up before it serves; this is ours (loading the
+    # compiled attention kernel, the first prefill and decode), also left out of the timing
+    llm.generate([{"prompt_token_ids": list(range(3, 19))}] * 2, SamplingParams(temperature=0, max_tokens=4))
     prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
     params = [SamplingParams(temperature=0, max_tokens=r.output_len, ignore_eos=True) for r in requests]
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=True)
     elapsed = time.perf_counter() - start
-    assert [len(o.outputs[0].token_ids) for o in outputs] == [r.output_len for r in requests]
-    return elapsed
+    llm.shutdown()
+    token_ids = [list(o.outputs[0].token_ids) for o in outputs]
+    assert [len(t) for t in token_ids] == [r.output_len for r in requests]
+    return elapsed, token_ids
+
+
+def run_vllm(model_dir: str, requests, batch_size: int, threads: int, args) -> Result:
+    """What :func:`run_pagedllm` measures, by vLLM's offline ``LLM`` in its own venv (``args.vllm_python``)."""
+    job = Job(
+        model=model_dir,
+        requests=[(r.prompt_token_ids, r.output_len) for r in requests],
+        dtype=args.dtype,
+        max_num_seqs=batch_size,
+        max_model_len=2048,
+        threads=threads,
+        kv_cache_gib=args.vllm_kv_cache_gib,
+    )
+    print(f"  (vLLM starting in {args.vllm_python}; its log: {args.vllm_log})")
+    return run_offline(args.vllm_python, job, args.vllm_log)
 
 
 def scheduling_overhead_us(num_seqs: int, steps: int, block_size: int = 16) -> float:
@@ -104,22 +161,52 @@ def workload(name: str, num: int, args) -> list[Request]:
     return requests
 
 
-def run_case(model_dir: str, requests: list[Request], batch: int, systems: list[str], threads: int) -> dict:
-    """Output tokens/s of each system on ``requests`` at ``batch`` sequences at a time."""
+def run_case(model_dir: str, requests: list[Request], batch: int, systems: list[str], threads: int, args) -> dict:
+    """Output tokens/s of each system on ``requests`` at ``batch`` sequences at a time, ``args.repeats``
+    times in turn, and how many requests' greedy tokens differ between the engines."""
     tokens = sum(r.output_len for r in requests)
+    dtype = getattr(torch, args.dtype)
     runners = {
-        "ours": lambda: run_pagedllm(model_dir, requests, batch, threads),
-        "hf_static": lambda: run_hf_static(model_dir, requests, batch),
-        "hf_continuous": lambda: run_hf_continuous(model_dir, requests, batch),
+        "ours": lambda: run_pagedllm(model_dir, requests, batch, threads, args.dtype),
+        "vllm": lambda: run_vllm(model_dir, requests, batch, threads, args),
+        "hf_static": lambda: (run_hf_static(model_dir, requests, batch, dtype), None),
+        "hf_continuous": lambda: (run_hf_continuous(model_dir, requests, batch, dtype=dtype), None),
     }
-    rates: dict[str, float] = {}
-    for name in systems:
-        if name == "ceiling":
-            rates[name] = forward_ceiling(model_dir, batch)
-        else:
-            rates[name] = tokens / runners[name]()
-        print(f"  {name:14s} {rates[name]:8.1f} tokens/s")
-    return rates
+    runs: list[dict[str, float]] = []
+    outputs: dict[str, list[list[int]]] = {}
+    extra: dict = {}
+    for repeat in range(args.repeats):
+        rates: dict[str, float] = {}
+        for name in systems:
+            if name == "ceiling":
+                rates[name] = forward_ceiling(model_dir, batch, dtype=dtype)
+            elif name == "vllm":
+                result = runners[name]()
+                rates[name] = tokens / result.elapsed_s
+                outputs.setdefault(name, result.token_ids)
+                extra["vllm"] = {"version": result.vllm_version, "engine": result.engine}
+            else:
+                seconds, token_ids = runners[name]()
+                rates[name] = tokens / seconds
+                if token_ids is not None:
+                    outputs.setdefault(name, token_ids)
+            print(f"  {name:14s} {rates[name]:8.1f} tokens/s   (run {repeat + 1} of {args.repeats})")
+        runs.append(rates)
+    medians = {name: statistics.median(run[name] for run in runs) for name in systems}
+    return {"tokens_per_s": medians, "runs": runs} | greedy_check(outputs) | extra
+
+
+def greedy_check(outputs: dict[str, list[list[int]]]) -> dict:
+    """Requests whose greedy tokens differ between our engine and vLLM, and where the first few diverge."""
+    if "ours" not in outputs or "vllm" not in outputs:
+        return {}
+    diverge = [
+        {"request": i, "position": next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))}
+        for i, (a, b) in enumerate(zip(outputs["ours"], outputs["vllm"]))
+        if a != b
+    ]
+    print(f"  greedy tokens: {len(diverge)} of {len(outputs['ours'])} requests differ between ours and vLLM")
+    return {"greedy_checked": len(outputs["ours"]), "greedy_mismatches": len(diverge), "first_divergences": diverge[:5]}
 
 
 def ratios(rates: dict[str, float]) -> dict[str, float]:
@@ -137,7 +224,13 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--batch-sizes", default="16,64", help="sequences per batch, for every system")
     parser.add_argument("--num-requests", default="32,64", help="requests per batch size (same order)")
     parser.add_argument("--workloads", default="fixed,sharegpt", help="output-length workloads to run")
-    parser.add_argument("--systems", default=",".join(SYSTEMS), help=f"which of {SYSTEMS} to run")
+    parser.add_argument(
+        "--systems", default=None, help=f"which of {SYSTEMS} to run (default: all; vllm only with --vllm-python)"
+    )
+    parser.add_argument("--dtype", default="float32", choices=DTYPES, help="weights and activations, every system")
+    parser.add_argument("--repeats", type=int, default=1, help="runs of every system per case, in turn")
+    parser.add_argument("--vllm-python", default=None, help="python of a venv with vLLM's CPU build: adds vllm")
+    parser.add_argument("--vllm-kv-cache-gib", type=float, default=4.0, help="vLLM's KV cache (VLLM_CPU_KVCACHE_SPACE)")
     parser.add_argument("--fixed-output", type=int, default=128, help="output tokens per request (fixed)")
     parser.add_argument("--max-output", type=int, default=512, help="longest output (sharegpt)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the workload")
@@ -145,7 +238,30 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--out", default=os.path.join(os.path.dirname(__file__), "results"), help="directory the results are written to"
     )
-    return parser.parse_args()
+    parser.add_argument(
+        "--result-name", default=None, help="file name in --out (default: throughput-DATE-cpuN-Tt[-DTYPE].json)"
+    )
+    args = parser.parse_args()
+    args.systems = _systems(parser, args)
+    if args.repeats < 1:
+        parser.error(f"--repeats={args.repeats} is out of range: must be >= 1")
+    return args
+
+
+def _systems(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[str]:
+    default = [s for s in SYSTEMS if s != "vllm" or args.vllm_python]
+    systems = args.systems.split(",") if args.systems else default
+    unknown = [s for s in systems if s not in SYSTEMS]
+    if unknown:
+        parser.error(f"--systems={args.systems!r} has {unknown}: choose from {SYSTEMS}")
+    if args.vllm_python:
+        try:
+            args.vllm_python = check_python(args.vllm_python)
+        except ValueError as exc:
+            parser.error(str(exc))
+    elif "vllm" in systems:
+        parser.error("--systems includes vllm: give --vllm-python, the python of vLLM's venv")
+    return systems
 
 
 def machine() -> str:
@@ -156,13 +272,17 @@ def machine() -> str:
 def main() -> None:
     args = parse_args()
     threads = set_threads(args.threads)
-    systems = args.systems.split(",")
     overhead = scheduling_overhead_us(args.overhead_seqs, steps=200)
     print(f"scheduling overhead: {overhead:.0f} us/step at {args.overhead_seqs} running sequences (no model)")
     result = {
         "date": datetime.date.today().isoformat(),
         "machine": machine(),
         "threads": threads,
+        "dtype": args.dtype,
+        "systems": args.systems,
+        "repeats": args.repeats,
+        "vllm_python": args.vllm_python,
+        "vllm_kv_cache_gib": args.vllm_kv_cache_gib if args.vllm_python else None,
         "fixed_output": args.fixed_output,
         "max_output": args.max_output,
         "cases": [],
@@ -171,30 +291,58 @@ def main() -> None:
         "command": "python -m benchmarks.throughput " + " ".join(sys.argv[1:]),
     }
     os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"throughput-{result['date']}-cpu{os.cpu_count()}-{threads}t.json")
+    suffix = "" if args.dtype == "float32" else f"-{args.dtype}"
+    name = args.result_name or f"throughput-{result['date']}-cpu{os.cpu_count()}-{threads}t{suffix}.json"
+    path = os.path.join(args.out, name)
     batches = [int(b) for b in args.batch_sizes.split(",")]
     counts = [int(n) for n in args.num_requests.split(",")]
-    with tempfile.TemporaryDirectory() as model_dir:
+    with tempfile.TemporaryDirectory() as model_dir, tempfile.TemporaryDirectory(prefix="vllm-logs-") as logs:
+        args.vllm_log = os.path.join(logs, "vllm.log")
         result["model_params"] = save_random_llama(model_dir)
         for name in args.workloads.split(","):
             for batch, num in zip(batches, counts):
-                result["cases"].append(run_workload(model_dir, name, batch, num, systems, threads, args))
+                result["cases"].append(run_workload(model_dir, name, batch, num, threads, args))
                 save(result, path)  # NOTE: after every case, so a run cut short keeps what it measured
     print(json.dumps(result, indent=2))
+    print(table(result))
     print(f"wrote {path}")
 
 
-def run_workload(model_dir: str, name: str, batch: int, num: int, systems: list[str], threads: int, args) -> dict:
+def run_workload(model_dir: str, name: str, batch: int, num: int, threads: int, args) -> dict:
     requests = workload(name, num, args)
     out_tokens = sum(r.output_len for r in requests)
     mean_input = sum(len(r.prompt_token_ids) for r in requests) / num
     print(
         f"\n{name} outputs, batch {batch}: {num} requests, {out_tokens} output tokens, "
-        f"mean input {mean_input:.0f}, {threads} thread(s)"
+        f"mean input {mean_input:.0f}, {threads} thread(s), {args.dtype}"
     )
-    rates = run_case(model_dir, requests, batch, systems, threads)
+    measured = run_case(model_dir, requests, batch, args.systems, threads, args)
     case = dict(workload=name, batch_size=batch, num_requests=num, output_tokens=out_tokens, mean_input=mean_input)
-    return case | {"tokens_per_s": rates} | ratios(rates)
+    return case | measured | ratios(measured["tokens_per_s"]) | run_ratios(measured["runs"])
+
+
+def run_ratios(runs: list[dict[str, float]]) -> dict:
+    """Ours over vLLM in each repeat: the two ran minutes apart, so these drift least."""
+    if not runs or "ours" not in runs[0] or "vllm" not in runs[0]:
+        return {}
+    return {"ours_over_vllm_per_run": [run["ours"] / run["vllm"] for run in runs]}
+
+
+def table(result: dict) -> str:
+    """The cases as a markdown table: median tokens/s of every system, and ours over each."""
+    systems = result["systems"]
+    others = [s for s in systems if s != "ours"] if "ours" in systems else []
+    head = ["outputs", "batch", "requests", *[f"{s} tok/s" for s in systems], *[f"ours/{s}" for s in others]]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for case in result["cases"]:
+        cells = [case["workload"], str(case["batch_size"]), str(case["num_requests"])]
+        cells += [f"{case['tokens_per_s'][s]:.1f}" for s in systems]
+        for s in others:
+            per_run = case.get("ours_over_vllm_per_run") if s == "vllm" else None
+            spread = f" ({', '.join(f'{r:.2f}' for r in per_run)})" if per_run and len(per_run) > 1 else ""
+            cells.append(f"{case[f'ours_over_{s}']:.2f}{spread}")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def save(result: dict, path: str) -> None:

@@ -1,0 +1,93 @@
+"""Starting and stopping the servers a benchmark runs against: `pagedllm serve`, and `vllm serve`
+from vLLM's own venv, each on a free loopback port, in a session of its own."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+
+from benchmarks import vllm_baseline
+from benchmarks.vllm_runner import cpu_env
+
+SERVED_NAME = "bench-model"  # NOTE: both servers answer to it when compared, so one load fits both
+
+
+def launch(args, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """Start `pagedllm serve` (with ``args.serve_args``) on a free loopback port; sets ``args.base_url``."""
+    proc, args.base_url = launch_ours(args, env)
+    return proc
+
+
+def launch_ours(args, env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:
+    """Start `pagedllm serve` on a free loopback port; the process and its base URL."""
+    port = free_port()
+    base_url = f"http://127.0.0.1:{port}"
+    return start_server(our_command(args, port), base_url + "/ready", env), base_url
+
+
+def our_command(args, port: int) -> list[str]:
+    cmd = [sys.executable, "-m", "pagedllm.server.entrypoints.cli", "serve", "--host", "127.0.0.1", "--port", str(port)]
+    cmd += ["--log-level", "warning"]
+    if getattr(args, "model_dir", None):
+        cmd += ["--model", args.model_dir, "--served-model-name", SERVED_NAME]
+    if getattr(args, "threads", None):
+        cmd += ["--cpu-threads", str(args.threads)]
+    if getattr(args, "dtype", None):
+        cmd += ["--dtype", args.dtype]
+    return [*cmd, *args.serve_args.split()]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(cmd: list[str], ready_url: str, env: dict[str, str] | None = None, log=None) -> subprocess.Popen:
+    """Run ``cmd`` in a session of its own (so :func:`stop_server` reaches its children) until
+    ``ready_url`` answers 200; its output goes to ``log`` (default: ours)."""
+    stderr = subprocess.STDOUT if log else None
+    proc = subprocess.Popen(cmd, env={**os.environ, **(env or {})}, stdout=log, stderr=stderr, start_new_session=True)
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(ready_url, timeout=5).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None:
+            raise SystemExit(f"the server exited with {proc.returncode} before it was ready: {' '.join(cmd)}")
+        time.sleep(0.5)
+    stop_server(proc)
+    raise SystemExit(f"the server was not ready within 600 s: {' '.join(cmd)}")
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    """SIGTERM (a graceful drain), then whatever of its process group is left."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=120)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # NOTE: the group it leads: vLLM's engine and worker processes
+    except ProcessLookupError:
+        pass
+
+
+def launch_vllm(args, log) -> tuple[subprocess.Popen, str]:
+    """Start `vllm serve` of ``args.model_dir`` with ``args.vllm_python``; the process and its base URL."""
+    port = free_port()
+    extra = args.vllm_serve_args.split()
+    cmd = vllm_baseline.serve_command(args.vllm_python, args.model_dir, port, SERVED_NAME, args.dtype, extra)
+    env = cpu_env(args.threads, args.vllm_kv_cache_gib) if args.threads else {}
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", f"{args.vllm_kv_cache_gib:g}")
+    base_url = f"http://127.0.0.1:{port}"
+    return start_server(cmd, base_url + "/health", env, log), base_url
