@@ -354,10 +354,14 @@ class BlockManager:
 
     def _register(self, seq: Sequence, table: list[int], hashes: list[BlockHash]) -> None:
         # NOTE: freed entries are stale (another sequence may hold those blocks now), and the
-        # first held block's predecessor is one of them: caching starts after it.
+        # first held block's predecessor is one of them: caching starts after it. A block whose
+        # predecessor's hash is not cached could never be reached by a prefix lookup (and a KV
+        # event would name a parent no subscriber knows): caching stops there.
         freed = self._num_freed.get(seq.seq_id, 0)
         stored = []
         for i in range(freed + 1 if freed else 0, len(hashes)):
+            if i and not self.gpu.has_hash(hashes[i - 1]):
+                break
             parent = self.gpu.ident(table[i - 1]) if i else None
             if self.gpu.register(table[i], hashes[i], self._content(seq, i, parent)):
                 stored.append(i)

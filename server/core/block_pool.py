@@ -112,6 +112,10 @@ class BlockPool:
             del self._evictable[block]
         self.ref_counts[block] += 1
 
+    def has_hash(self, block_hash: BlockHash) -> bool:
+        """Whether some block is cached under ``block_hash``."""
+        return block_hash in self._hash_to_block
+
     def register(self, block: int, block_hash: BlockHash, content: BlockContent) -> bool:
         """Record that ``block`` (full, computed) holds ``content``, hashed by ``block_hash``.
 
