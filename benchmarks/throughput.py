@@ -52,11 +52,16 @@ def save_random_llama(path: str) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def run_pagedllm(model_dir: str, requests, batch_size: int, threads: int | None = None) -> float:
+def run_pagedllm(model_dir: str, requests, batch_size: int, threads: int | None = None, dtype: str = "auto") -> float:
     from pagedllm.server import LLM, SamplingParams
 
     llm = LLM(
-        model=model_dir, skip_tokenizer_init=True, max_num_seqs=batch_size, max_model_len=2048, cpu_threads=threads
+        model=model_dir,
+        skip_tokenizer_init=True,
+        max_num_seqs=batch_size,
+        max_model_len=2048,
+        cpu_threads=threads,
+        dtype=dtype,
     )
     prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
     params = [SamplingParams(temperature=0, max_tokens=r.output_len, ignore_eos=True) for r in requests]
@@ -104,11 +109,13 @@ def workload(name: str, num: int, args) -> list[Request]:
     return requests
 
 
-def run_case(model_dir: str, requests: list[Request], batch: int, systems: list[str], threads: int) -> dict:
+def run_case(
+    model_dir: str, requests: list[Request], batch: int, systems: list[str], threads: int, dtype: str = "auto"
+) -> dict:
     """Output tokens/s of each system on ``requests`` at ``batch`` sequences at a time."""
     tokens = sum(r.output_len for r in requests)
     runners = {
-        "ours": lambda: run_pagedllm(model_dir, requests, batch, threads),
+        "ours": lambda: run_pagedllm(model_dir, requests, batch, threads, dtype),
         "hf_static": lambda: run_hf_static(model_dir, requests, batch),
         "hf_continuous": lambda: run_hf_continuous(model_dir, requests, batch),
     }
@@ -141,6 +148,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--fixed-output", type=int, default=128, help="output tokens per request (fixed)")
     parser.add_argument("--max-output", type=int, default=512, help="longest output (sharegpt)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the workload")
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        choices=("auto", "float32", "bfloat16", "float16"),
+        help="PagedLLM's dtype (auto: the float32 checkpoint's); the transformers baselines run float32",
+    )
     parser.add_argument("--overhead-seqs", type=int, default=256, help="sequences in the scheduler-overhead probe")
     parser.add_argument(
         "--out", default=os.path.join(os.path.dirname(__file__), "results"), help="directory the results are written to"
@@ -163,6 +176,7 @@ def main() -> None:
         "date": datetime.date.today().isoformat(),
         "machine": machine(),
         "threads": threads,
+        "dtype": args.dtype,
         "fixed_output": args.fixed_output,
         "max_output": args.max_output,
         "cases": [],
@@ -192,7 +206,7 @@ def run_workload(model_dir: str, name: str, batch: int, num: int, systems: list[
         f"\n{name} outputs, batch {batch}: {num} requests, {out_tokens} output tokens, "
         f"mean input {mean_input:.0f}, {threads} thread(s)"
     )
-    rates = run_case(model_dir, requests, batch, systems, threads)
+    rates = run_case(model_dir, requests, batch, systems, threads, args.dtype)
     case = dict(workload=name, batch_size=batch, num_requests=num, output_tokens=out_tokens, mean_input=mean_input)
     return case | {"tokens_per_s": rates} | ratios(rates)
 
