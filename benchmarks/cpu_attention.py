@@ -12,6 +12,7 @@ ShareGPT-like context lengths (mean input 161 plus up to 128 generated tokens), 
 scattered at random over the cache.
 
     python -m benchmarks.cpu_attention --threads 2 --batch 16 64
+    python -m benchmarks.cpu_attention --threads 2 --batch 16 64 --dtype bfloat16
 """
 
 from __future__ import annotations
@@ -41,14 +42,14 @@ def median_ms(fn, repeats: int) -> float:
     return sorted(times)[len(times) // 2] * 1e3
 
 
-def make_case(batch: int, heads: int, head_dim: int, block_size: int, seed: int):
+def make_case(batch: int, heads: int, head_dim: int, block_size: int, seed: int, dtype: torch.dtype):
     rng = np.random.default_rng(seed)
     lens = np.round(rng.lognormal(math.log(161) - 0.32, 0.8, batch)).clip(1, 1024).astype(int)
     lens += rng.integers(0, 128, batch)
     width = -(-int(lens.max()) // block_size)
     num_blocks = 4 * batch * width
-    key_cache = torch.randn(num_blocks, block_size, heads, head_dim)
-    value_cache = torch.randn(num_blocks, block_size, heads, head_dim)
+    key_cache = torch.randn(num_blocks, block_size, heads, head_dim, dtype=dtype)
+    value_cache = torch.randn(num_blocks, block_size, heads, head_dim, dtype=dtype)
     perm = torch.randperm(num_blocks)
     tables = torch.zeros(batch, width, dtype=torch.int32)
     used = 0
@@ -56,22 +57,24 @@ def make_case(batch: int, heads: int, head_dim: int, block_size: int, seed: int)
         k = -(-int(n) // block_size)
         tables[s, :k] = perm[used : used + k].int()
         used += k
-    query = torch.randn(batch, heads, head_dim)
+    query = torch.randn(batch, heads, head_dim, dtype=dtype)
     return query, key_cache, value_cache, tables, torch.tensor(lens, dtype=torch.int32)
 
 
 def contiguous_padded(query, lens, head_dim):
     batch, heads, _ = query.shape
     length = int(lens.max())
-    keys = torch.randn(batch, heads, length, head_dim)
-    values = torch.randn(batch, heads, length, head_dim)
+    keys = torch.randn(batch, heads, length, head_dim, dtype=query.dtype)
+    values = torch.randn(batch, heads, length, head_dim, dtype=query.dtype)
     mask = (torch.arange(length) < lens.long()[:, None])[:, None, None, :]
     return lambda: F.scaled_dot_product_attention(query[:, :, None], keys, values, attn_mask=mask)
 
 
-def layer_caches(batch: int, layers: int, heads: int, head_dim: int, block_size: int) -> list[tuple]:
+def layer_caches(
+    batch: int, layers: int, heads: int, head_dim: int, block_size: int, dtype: torch.dtype
+) -> list[tuple]:
     """``layers`` cases sharing the query, block tables and lengths, each with its own caches."""
-    first = make_case(batch, heads, head_dim, block_size, seed=0)
+    first = make_case(batch, heads, head_dim, block_size, seed=0, dtype=dtype)
     query, key_cache, _, tables, lens = first
     more = [(query, torch.randn_like(key_cache), torch.randn_like(key_cache), tables, lens) for _ in range(1, layers)]
     return [first, *more]
@@ -79,11 +82,13 @@ def layer_caches(batch: int, layers: int, heads: int, head_dim: int, block_size:
 
 def run_batch(batch: int, args: argparse.Namespace, threads: int) -> None:
     heads, head_dim, block_size, scale = 8, 64, 16, 0.125
-    layers = layer_caches(batch, args.layers, heads, head_dim, block_size)
+    dtype = getattr(torch, args.dtype)
+    layers = layer_caches(batch, args.layers, heads, head_dim, block_size, dtype)
     query, _, _, tables, lens = layers[0]
-    kv_bytes = int(lens.sum()) * heads * head_dim * 4 * 2
+    kv_bytes = int(lens.sum()) * heads * head_dim * query.element_size() * 2
     print(
-        f"batch {batch}: mean context {lens.float().mean():.0f}, longest {int(lens.max())}, {threads} thread(s), "
+        f"batch {batch}, {args.dtype}: mean context {lens.float().mean():.0f}, longest {int(lens.max())}, "
+        f"{threads} thread(s), "
         f"{args.layers} cache(s), {kv_bytes / 1e6:.1f} MB of K/V per call; per call:"
     )
 
@@ -117,6 +122,7 @@ def main() -> None:
     parser.add_argument("--pad-tokens", type=int, nargs="+", default=[0, 32, 64, 100000], help="grouping thresholds")
     parser.add_argument("--repeats", type=int, default=30, help="timed calls per variant (median reported)")
     parser.add_argument("--layers", type=int, default=1, help="distinct caches cycled through (see the NOTE)")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"), help="cache dtype")
     args = parser.parse_args()
     threads = set_threads(args.threads)
     for batch in args.batch:

@@ -2,19 +2,19 @@
 
 ``dtype=auto``::
 
-    device  checkpoint          CPU with bf16 units*   CPU without    CUDA
-    ------  ------------------  ---------------------  -------------  ---------
-            bfloat16            bfloat16               float32        bfloat16
-            float16             bfloat16               float32        float16
-            float32 (or none)   float32                float32        bfloat16
+    checkpoint          CPU with bf16 units*   other CPU   CUDA
+    ------------------  ---------------------  ----------  --------
+    bfloat16            bfloat16               float32     bfloat16
+    float16             bfloat16               float32     float16
+    float32 (or none)   float32                float32     bfloat16
 
     * AVX-512-BF16 or AMX-BF16: torch's bf16 matmuls run on them through oneDNN.
 
-A CPU without bf16 units computes bf16 in float32 inside every op, slower than float32
-itself, and x86 CPUs have no float16 units torch uses (float16 matmuls are several times
-slower than float32 there), so half-precision checkpoints run in bfloat16 only where it is
-fast. Float32 checkpoints keep float32 on CPU: their tokens stay exactly those of
-float32 transformers. An explicit dtype is always used as given.
+A CPU without bf16 units converts bfloat16 to float32 inside every op and gains little
+or nothing, and float16 matmuls measured several times slower than float32 even on a CPU
+with AVX-512-BF16 (it has no float16 units), so half-precision checkpoints run in
+bfloat16 only where that is fast. Float32 checkpoints keep float32 on CPU: their tokens
+stay exactly those of float32 transformers. An explicit dtype is always used as given.
 """
 
 from __future__ import annotations
