@@ -40,6 +40,7 @@ import math
 import os
 import platform
 import random
+import signal
 import sys
 import tempfile
 import time
@@ -247,15 +248,19 @@ def _check(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
 # -- measuring ------------------------------------------------------------------------------------------
 def main(argv=None) -> int:
     args = parse_args(argv)
+    # NOTE: a SIGTERM (a timeout, a scheduler) unwinds like Ctrl-C, so the servers started here stop too
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     servers = ["ours", "vllm"] if args.vllm_python else ["ours"]
     runs = []
     with model_directory(args) as args.model_dir, tempfile.TemporaryDirectory(prefix="serve-bench-") as tmp:
         for repeat in range(args.repeats):
             for server in servers:  # NOTE: in turn, so a shared machine's drift hits both alike
+                load = os.getloadavg()[0]  # how busy the (shared) machine was as the run started
                 model, summary = measure(server, args, tmp)
                 text = report(summary, args)
                 print(f"\n{server}, run {repeat + 1} of {args.repeats} ({args.client}'s client)\n{text}")
-                runs.append({"server": server, "repeat": repeat, "model": model, "summary": summary})
+                run = {"server": server, "repeat": repeat, "model": model, "load_avg_1m": load}
+                runs.append(run | {"summary": summary})
     medians = {server: median_summary([r["summary"] for r in runs if r["server"] == server]) for server in servers}
     table = side_by_side(runs, medians)
     print("\n" + table)

@@ -54,32 +54,42 @@ def start_server(cmd: list[str], ready_url: str, env: dict[str, str] | None = No
     ``ready_url`` answers 200; its output goes to ``log`` (default: ours)."""
     stderr = subprocess.STDOUT if log else None
     proc = subprocess.Popen(cmd, env={**os.environ, **(env or {})}, stdout=log, stderr=stderr, start_new_session=True)
-    deadline = time.monotonic() + 600
+    try:
+        _wait_ready(proc, ready_url, " ".join(cmd))
+    except BaseException:  # NOTE: interrupted or failed while starting: it is ours to stop
+        stop_server(proc, grace=10)
+        raise
+    return proc
+
+
+def _wait_ready(proc: subprocess.Popen, ready_url: str, what: str, limit: float = 600) -> None:
+    deadline = time.monotonic() + limit
     while time.monotonic() < deadline:
         try:
             if httpx.get(ready_url, timeout=5).status_code == 200:
-                return proc
+                return
         except httpx.HTTPError:
             pass
         if proc.poll() is not None:
-            raise SystemExit(f"the server exited with {proc.returncode} before it was ready: {' '.join(cmd)}")
+            raise SystemExit(f"the server exited with {proc.returncode} before it was ready: {what}")
         time.sleep(0.5)
-    stop_server(proc)
-    raise SystemExit(f"the server was not ready within 600 s: {' '.join(cmd)}")
+    raise SystemExit(f"the server was not ready within {limit:.0f} s: {what}")
 
 
-def stop_server(proc: subprocess.Popen) -> None:
-    """SIGTERM (a graceful drain), then whatever of its process group is left."""
-    proc.send_signal(signal.SIGTERM)
+def stop_server(proc: subprocess.Popen, grace: float = 120) -> None:
+    """SIGTERM (a graceful drain) for up to ``grace`` seconds, then SIGKILL to whatever of its
+    process group is left (the group it leads: vLLM's engine and worker processes)."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
     try:
-        proc.wait(timeout=120)
+        proc.wait(timeout=grace)
     except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+        pass
     try:
-        os.killpg(proc.pid, signal.SIGKILL)  # NOTE: the group it leads: vLLM's engine and worker processes
+        os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
+    proc.wait()
 
 
 def launch_vllm(args, log) -> tuple[subprocess.Popen, str]:

@@ -34,6 +34,7 @@ import statistics
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -81,10 +82,23 @@ def save_tokenizer(path: str) -> None:
     tok.save_pretrained(path)  # NOTE: ids 0, 1, 2 are <s>, </s>, <pad>, as the model's config says
 
 
+@dataclass(frozen=True)
+class Measured:
+    """One system's run over the requests."""
+
+    seconds: float
+    token_ids: list[list[int]] | None = None
+    """Greedy tokens per request, where the system gives them back."""
+    cpu_s: float | None = None
+    """CPU time of all the system's processes and threads while it generated. Other work on the
+    cores moves it less than wall time: waiting while descheduled costs none (OpenMP threads
+    spinning at a barrier do count)."""
+
+
 def run_pagedllm(
     model_dir: str, requests, batch_size: int, threads: int | None = None, dtype: str = "float32"
-) -> tuple[float, list[list[int]]]:
-    """Seconds ``LLM.generate`` takes over ``requests`` (greedy, EOS ignored), and the tokens it generated."""
+) -> Measured:
+    """How long ``LLM.generate`` takes over ``requests`` (greedy, EOS ignored), and the tokens it generated."""
     from pagedllm.server import LLM, SamplingParams
 
     llm = LLM(
@@ -100,13 +114,13 @@ def run_pagedllm(
     llm.generate([{"prompt_token_ids": list(range(3, 19))}] * 2, SamplingParams(temperature=0, max_tokens=4))
     prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
     params = [SamplingParams(temperature=0, max_tokens=r.output_len, ignore_eos=True) for r in requests]
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     outputs = llm.generate(prompts, params, use_tqdm=True)
-    elapsed = time.perf_counter() - start
+    elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
     llm.shutdown()
     token_ids = [list(o.outputs[0].token_ids) for o in outputs]
     assert [len(t) for t in token_ids] == [r.output_len for r in requests]
-    return elapsed, token_ids
+    return Measured(elapsed, token_ids, cpu)
 
 
 def run_vllm(model_dir: str, requests, batch_size: int, threads: int, args) -> Result:
@@ -166,34 +180,39 @@ def run_case(model_dir: str, requests: list[Request], batch: int, systems: list[
     times in turn, and how many requests' greedy tokens differ between the engines."""
     tokens = sum(r.output_len for r in requests)
     dtype = getattr(torch, args.dtype)
+    extra: dict = {}
+
+    def vllm() -> Measured:
+        result = run_vllm(model_dir, requests, batch, threads, args)
+        extra["vllm"] = {"version": result.vllm_version, "engine": result.engine}
+        return Measured(result.elapsed_s, result.token_ids, result.cpu_s)
+
     runners = {
         "ours": lambda: run_pagedllm(model_dir, requests, batch, threads, args.dtype),
-        "vllm": lambda: run_vllm(model_dir, requests, batch, threads, args),
-        "hf_static": lambda: (run_hf_static(model_dir, requests, batch, dtype), None),
-        "hf_continuous": lambda: (run_hf_continuous(model_dir, requests, batch, dtype=dtype), None),
+        "vllm": vllm,
+        "hf_static": lambda: Measured(run_hf_static(model_dir, requests, batch, dtype)),
+        "hf_continuous": lambda: Measured(run_hf_continuous(model_dir, requests, batch, dtype=dtype)),
+        # NOTE: the ceiling is a rate; as seconds, what the tokens would take at that rate
+        "ceiling": lambda: Measured(tokens / forward_ceiling(model_dir, batch, dtype=dtype)),
     }
-    runs: list[dict[str, float]] = []
+    runs: list[dict] = []
     outputs: dict[str, list[list[int]]] = {}
-    extra: dict = {}
     for repeat in range(args.repeats):
-        rates: dict[str, float] = {}
+        run: dict[str, dict] = {"tokens_per_s": {}, "cpu_ms_per_token": {}, "load_avg_1m": {}}
         for name in systems:
-            if name == "ceiling":
-                rates[name] = forward_ceiling(model_dir, batch, dtype=dtype)
-            elif name == "vllm":
-                result = runners[name]()
-                rates[name] = tokens / result.elapsed_s
-                outputs.setdefault(name, result.token_ids)
-                extra["vllm"] = {"version": result.vllm_version, "engine": result.engine}
-            else:
-                seconds, token_ids = runners[name]()
-                rates[name] = tokens / seconds
-                if token_ids is not None:
-                    outputs.setdefault(name, token_ids)
-            print(f"  {name:14s} {rates[name]:8.1f} tokens/s   (run {repeat + 1} of {args.repeats})")
-        runs.append(rates)
-    medians = {name: statistics.median(run[name] for run in runs) for name in systems}
-    return {"tokens_per_s": medians, "runs": runs} | greedy_check(outputs) | extra
+            run["load_avg_1m"][name] = os.getloadavg()[0]  # NOTE: how busy the shared machine was as it started
+            measured = runners[name]()
+            run["tokens_per_s"][name] = tokens / measured.seconds
+            if measured.cpu_s is not None:
+                run["cpu_ms_per_token"][name] = measured.cpu_s / tokens * 1e3
+            if measured.token_ids is not None:
+                outputs.setdefault(name, measured.token_ids)
+            print(f"  {name:14s} {tokens / measured.seconds:8.1f} tokens/s   (run {repeat + 1} of {args.repeats})")
+        runs.append(run)
+    medians = {name: statistics.median(run["tokens_per_s"][name] for run in runs) for name in systems}
+    measured_cpu = runs[0]["cpu_ms_per_token"]
+    cpu = {name: statistics.median(run["cpu_ms_per_token"][name] for run in runs) for name in measured_cpu}
+    return {"tokens_per_s": medians, "cpu_ms_per_token": cpu, "runs": runs} | greedy_check(outputs) | extra
 
 
 def greedy_check(outputs: dict[str, list[list[int]]]) -> dict:
@@ -289,6 +308,7 @@ def main() -> None:
         "scheduling_overhead_us_per_step": overhead,
         "overhead_running_seqs": args.overhead_seqs,
         "command": "python -m benchmarks.throughput " + " ".join(sys.argv[1:]),
+        "env": {k: v for k, v in os.environ.items() if k.startswith(("OMP_", "GOMP_", "KMP_", "MKL_"))},
     }
     os.makedirs(args.out, exist_ok=True)
     suffix = "" if args.dtype == "float32" else f"-{args.dtype}"
@@ -321,18 +341,21 @@ def run_workload(model_dir: str, name: str, batch: int, num: int, threads: int, 
     return case | measured | ratios(measured["tokens_per_s"]) | run_ratios(measured["runs"])
 
 
-def run_ratios(runs: list[dict[str, float]]) -> dict:
+def run_ratios(runs: list[dict]) -> dict:
     """Ours over vLLM in each repeat: the two ran minutes apart, so these drift least."""
-    if not runs or "ours" not in runs[0] or "vllm" not in runs[0]:
+    if not runs or not {"ours", "vllm"} <= runs[0]["tokens_per_s"].keys():
         return {}
-    return {"ours_over_vllm_per_run": [run["ours"] / run["vllm"] for run in runs]}
+    return {"ours_over_vllm_per_run": [run["tokens_per_s"]["ours"] / run["tokens_per_s"]["vllm"] for run in runs]}
 
 
 def table(result: dict) -> str:
-    """The cases as a markdown table: median tokens/s of every system, and ours over each."""
+    """The cases as a markdown table: median tokens/s of every system, ours over each (each run's
+    ratio to vLLM in brackets), and CPU ms per output token where measured."""
     systems = result["systems"]
     others = [s for s in systems if s != "ours"] if "ours" in systems else []
+    cpu = [s for s in systems if s in result["cases"][0].get("cpu_ms_per_token", {})] if result["cases"] else []
     head = ["outputs", "batch", "requests", *[f"{s} tok/s" for s in systems], *[f"ours/{s}" for s in others]]
+    head += [f"{s} CPU ms/tok" for s in cpu]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for case in result["cases"]:
         cells = [case["workload"], str(case["batch_size"]), str(case["num_requests"])]
@@ -341,6 +364,7 @@ def table(result: dict) -> str:
             per_run = case.get("ours_over_vllm_per_run") if s == "vllm" else None
             spread = f" ({', '.join(f'{r:.2f}' for r in per_run)})" if per_run and len(per_run) > 1 else ""
             cells.append(f"{case[f'ours_over_{s}']:.2f}{spread}")
+        cells += [f"{case['cpu_ms_per_token'][s]:.2f}" for s in cpu]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

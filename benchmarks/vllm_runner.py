@@ -9,13 +9,15 @@ Job (``Job.from_json``)::
 
     {"model": "/dir/with/config.json+safetensors", "dtype": "float32",
      "max_num_seqs": 16, "max_model_len": 2048, "threads": 2, "kv_cache_gib": 4,
+     "profile_dir": "",                    # optional: where vLLM's profiler writes its table
      "requests": [{"prompt_token_ids": [5, 17, ...], "output_len": 128}, ...]}
 
 Result (``Result.to_json``)::
 
     {"elapsed_s": 12.3, "output_tokens": 4096, "tokens_per_s": 333.0,
      "token_ids": [[...], ...],            # greedy outputs, in request order
-     "vllm_version": "0.32.0", "engine": {...}}   # the engine settings vLLM resolved
+     "vllm_version": "0.32.0", "engine": {...},   # the engine settings vLLM resolved
+     "cpu_s": 24.1}                        # CPU time of all its processes while generating
 
 Every request is greedy (temperature 0) with ``ignore_eos`` and exactly ``output_len``
 tokens, as our engine runs them, so the two generate the same number of tokens and, in
@@ -52,6 +54,10 @@ class Job:
     """OpenMP threads of vLLM's CPU worker, bound to cores 0..threads-1."""
     kv_cache_gib: float = 4.0
     """KV cache size (``VLLM_CPU_KVCACHE_SPACE``)."""
+    profile_dir: str = ""
+    """If set (an absolute path): vLLM's torch profiler records ``PROFILE_STEPS`` steps of the
+    worker after the first ``PROFILE_STEPS`` of the run and writes its operator table there as
+    ``*.profiler_out.txt`` (the run is slower for it: a profile, not a throughput number)."""
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -94,6 +100,8 @@ class Result:
     token_ids: list[list[int]]
     vllm_version: str = ""
     engine: dict = field(default_factory=dict)
+    cpu_s: float | None = None
+    """CPU seconds of vLLM's processes (front end, engine core, worker) while it generated."""
 
     @property
     def tokens_per_s(self) -> float:
@@ -117,6 +125,7 @@ def run(job: Job) -> Result:
 
     from vllm import LLM, SamplingParams
 
+    profiling = {"profiler_config": _profiler_config(job.profile_dir)} if job.profile_dir else {}
     llm = LLM(
         model=job.model,
         skip_tokenizer_init=True,
@@ -124,17 +133,54 @@ def run(job: Job) -> Result:
         max_num_seqs=job.max_num_seqs,
         max_model_len=job.max_model_len,
         seed=0,
+        **profiling,
     )
     prompts = [{"prompt_token_ids": prompt} for prompt, _ in job.requests]
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, detokenize=False) for _, n in job.requests]
-    start = time.perf_counter()
+    if profiling:
+        llm.start_profile()
+    start, cpu = time.perf_counter(), _cpu_seconds()
     outputs = llm.generate(prompts, params, use_tqdm=False)
-    elapsed = time.perf_counter() - start
+    elapsed, cpu_after = time.perf_counter() - start, _cpu_seconds()
+    if profiling:
+        llm.stop_profile()
     token_ids = [list(o.outputs[0].token_ids) for o in outputs]
     expected = [n for _, n in job.requests]
     if [len(t) for t in token_ids] != expected:
         raise RuntimeError("vLLM generated other lengths than asked for (ignore_eos and max_tokens not honoured)")
-    return Result(elapsed, sum(expected), token_ids, version("vllm-cpu"), _engine_settings(llm))
+    cpu_s = cpu_after - cpu if cpu is not None and cpu_after is not None else None
+    return Result(elapsed, sum(expected), token_ids, version("vllm-cpu"), _engine_settings(llm), cpu_s)
+
+
+PROFILE_STEPS = 20
+
+
+def _profiler_config(directory: str) -> dict:
+    return {
+        "profiler": "torch",
+        "torch_profiler_dir": directory,
+        "torch_profiler_with_stack": False,
+        "delay_iterations": PROFILE_STEPS,  # NOTE: past the first prefills, into steady decoding
+        "max_iterations": PROFILE_STEPS,
+        "ignore_frontend": True,
+    }
+
+
+def _cpu_seconds() -> float | None:
+    """User + system CPU seconds of this process and its descendants so far (psutil comes with vLLM)."""
+    try:
+        import psutil
+    except ImportError:
+        return None
+    me = psutil.Process()
+    total = 0.0
+    for proc in [me, *me.children(recursive=True)]:
+        try:
+            times = proc.cpu_times()
+        except psutil.NoSuchProcess:
+            continue
+        total += times.user + times.system
+    return total
 
 
 def _engine_settings(llm) -> dict:

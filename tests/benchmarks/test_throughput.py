@@ -20,14 +20,21 @@ def test_greedy_check_needs_both_engines():
     assert greedy_check({"ours": [[1]]}) == {}
 
 
-def test_table_shows_medians_and_ours_over_vllm_with_each_runs_ratio():
-    runs = [{"ours": 400.0, "vllm": 800.0}, {"ours": 600.0, "vllm": 600.0}]
+def test_table_shows_medians_ours_over_vllm_with_each_runs_ratio_and_cpu_per_token():
+    runs = [
+        {"tokens_per_s": {"ours": 400.0, "vllm": 800.0}, "cpu_ms_per_token": {"ours": 4.0, "vllm": 3.0}},
+        {"tokens_per_s": {"ours": 600.0, "vllm": 600.0}, "cpu_ms_per_token": {"ours": 3.0, "vllm": 3.5}},
+    ]
     rates = {"ours": 500.0, "vllm": 700.0}
     case = dict(workload="fixed", batch_size=16, num_requests=32, tokens_per_s=rates, runs=runs)
-    case |= ratios(rates) | run_ratios(runs)
+    case |= {"cpu_ms_per_token": {"ours": 3.5, "vllm": 3.25}} | ratios(rates) | run_ratios(runs)
     text = table({"systems": ["ours", "vllm"], "cases": [case]})
     assert text.splitlines() == [
-        "| outputs | batch | requests | ours tok/s | vllm tok/s | ours/vllm |",
-        "|---|---|---|---|---|---|",
-        "| fixed | 16 | 32 | 500.0 | 700.0 | 0.71 (0.50, 1.00) |",
+        "| outputs | batch | requests | ours tok/s | vllm tok/s | ours/vllm | ours CPU ms/tok | vllm CPU ms/tok |",
+        "|---|---|---|---|---|---|---|---|",
+        "| fixed | 16 | 32 | 500.0 | 700.0 | 0.71 (0.50, 1.00) | 3.50 | 3.25 |",
     ]
+
+
+def test_run_ratios_need_both_engines_in_the_runs():
+    assert run_ratios([{"tokens_per_s": {"ours": 1.0, "ceiling": 2.0}}]) == {}

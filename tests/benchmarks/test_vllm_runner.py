@@ -52,7 +52,7 @@ def test_job_rejects_what_vllm_could_not_run_and_names_the_value(overrides, mess
 
 
 def test_result_round_trips_and_derives_tokens_per_second():
-    result = Result(elapsed_s=2.0, output_tokens=10, token_ids=[[1, 2], [3]], vllm_version="0.32.0", engine={"a": 1})
+    result = Result(2.0, 10, [[1, 2], [3]], vllm_version="0.32.0", engine={"a": 1}, cpu_s=3.5)
     body = json.loads(result.to_json())
     assert body["tokens_per_s"] == 5.0
     assert Result.from_json(result.to_json()) == result
@@ -99,7 +99,16 @@ class LLM:
         )
         self.llm_engine = SimpleNamespace(vllm_config=SimpleNamespace(scheduler_config=config))
 
+    def start_profile(self):
+        self.profiling = True
+
+    def stop_profile(self):
+        directory = self.kwargs["profiler_config"]["torch_profiler_dir"]
+        with open(os.path.join(directory, "rank0.profiler_out.txt"), "w") as f:
+            f.write("profiled the generate call" if self.profiled_generate else "profiled nothing")
+
     def generate(self, prompts, params, use_tqdm=True):
+        self.profiled_generate = getattr(self, "profiling", False)
         record = {"llm": self.kwargs, "env": self.env, "prompts": prompts, "params": [p.kwargs for p in params]}
         with open(os.environ["FAKE_VLLM_RECORD"], "w") as f:
             json.dump(record, f)
@@ -150,6 +159,22 @@ def test_runner_reads_the_job_runs_it_greedily_and_our_side_reads_the_result(fak
     assert seen["prompts"] == [{"prompt_token_ids": [5, 6, 7]}, {"prompt_token_ids": [40]}]
     assert [p["max_tokens"] for p in seen["params"]] == [3, 2]
     assert all(p["temperature"] == 0.0 and p["ignore_eos"] for p in seen["params"])
+
+
+def test_a_profiled_job_turns_vllms_profiler_on_around_the_generation(fake_vllm, tmp_path):
+    profile = tmp_path / "profile"
+    profile.mkdir()
+    vllm_baseline.run_offline(sys.executable, make_job(profile_dir=str(profile)), str(tmp_path / "vllm.log"))
+
+    config = json.loads(fake_vllm.read_text())["llm"]["profiler_config"]
+    assert config["profiler"] == "torch" and config["torch_profiler_dir"] == str(profile)
+    assert config["delay_iterations"] == config["max_iterations"] == 20
+    assert (profile / "rank0.profiler_out.txt").read_text() == "profiled the generate call"
+
+
+def test_an_unprofiled_job_leaves_the_profiler_off(fake_vllm, tmp_path):
+    vllm_baseline.run_offline(sys.executable, make_job(), str(tmp_path / "vllm.log"))
+    assert "profiler_config" not in json.loads(fake_vllm.read_text())["llm"]
 
 
 def test_a_failing_runner_raises_with_the_end_of_its_log(fake_vllm, tmp_path):
