@@ -46,12 +46,17 @@ SERVE_FIELDS: Mapping[str, str] = {
     "logLevel": "--log-level",
 }
 
-# Flags that extraArgs may not set: those rendered from the spec, plus --host (the probes
-# and the Service need 0.0.0.0) and --api-key (it would show the key in the pod spec).
+# Other spellings `pagedllm serve` accepts for a flag the spec owns.
+FLAG_ALIASES: Mapping[str, str] = {"--max-waiting-requests": "--max-queue-len"}
+
+# Flags that extraArgs may not set: those rendered from the spec (and their aliases), plus
+# --host (the probes and the Service need 0.0.0.0) and --api-key (it would show the key in
+# the pod spec). A test checks this covers every option string of those destinations.
 OWNED_FLAGS = frozenset(
     [flag_for(f) for f in ENGINE_FIELDS.values()]
     + ["--no-" + flag_for(f)[2:] for f in ENGINE_FIELDS.values()]
     + list(SERVE_FIELDS.values())
+    + list(FLAG_ALIASES)
     + ["--host", "--api-key"]
 )
 
@@ -92,16 +97,38 @@ def server_args(spec: PagedLLMSpec, model_path: str) -> list[str]:
 def checked_extra_args(extra_args: tuple[str, ...]) -> tuple[str, ...]:
     """``extra_args`` unless one of them sets a flag the spec owns (then :class:`SpecError`)."""
     for index, arg in enumerate(extra_args):
-        flag = arg.split("=", 1)[0]
-        if flag in OWNED_FLAGS:
-            raise SpecError(
-                f"spec.extraArgs[{index}]={arg!r} is not allowed: {flag} is rendered from "
-                f"{_owner_of(flag)}; set that instead"
-            )
+        owned = owned_flags_named(arg)
+        if not owned:
+            continue
+        word = arg.split("=", 1)[0]
+        what = (
+            f"{word} is rendered from {_owner_of(word)}"
+            if word in OWNED_FLAGS
+            else f"{word} abbreviates {' or '.join(owned)}, rendered from "
+            + " or ".join(sorted({_owner_of(flag) for flag in owned}))
+        )
+        raise SpecError(f"spec.extraArgs[{index}]={arg!r} is not allowed: {what}; set that instead")
     return extra_args
 
 
+def owned_flags_named(arg: str) -> list[str]:
+    """The owned flags ``arg`` may set when argparse reads it: the flag itself, or every owned
+    flag it is a prefix of (argparse takes an unambiguous prefix as the whole flag), with or
+    without ``=value``.
+
+    NOTE: `pagedllm serve` refuses abbreviations (``allow_abbrev=False``), but an older image
+    would still expand them, so the operator refuses them whatever the image.
+    """
+    if not arg.startswith("--") or arg == "--":
+        return []
+    word = arg.split("=", 1)[0]
+    if word in OWNED_FLAGS:
+        return [word]
+    return sorted(flag for flag in OWNED_FLAGS if flag.startswith(word))
+
+
 def _owner_of(flag: str) -> str:
+    flag = FLAG_ALIASES.get(flag, flag)
     bare = flag.replace("--no-", "--")
     for key, engine_field in ENGINE_FIELDS.items():
         if flag_for(engine_field) == bare:

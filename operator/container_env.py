@@ -1,4 +1,4 @@
-"""The server and download containers' environment (Hub token and cache, API key, user env) and resources."""
+"""The server and download containers' environment (Hub token and cache, API key, user env)."""
 
 from __future__ import annotations
 
@@ -8,11 +8,6 @@ from pagedllm.operator.spec import PagedLLMSpec, SecretKeyRef, SpecError
 HF_HOME = "/models/.hf"
 
 
-def downloads(spec: PagedLLMSpec) -> bool:
-    """Whether the pod downloads the model from the Hub (an init container) before serving."""
-    return not spec.uses_pvc_source and not spec.model_is_path
-
-
 def _secret_env(var: str, ref: SecretKeyRef) -> dict:
     return {"name": var, "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}}
 
@@ -20,7 +15,7 @@ def _secret_env(var: str, ref: SecretKeyRef) -> dict:
 def hub_env(spec: PagedLLMSpec) -> list[dict]:
     """Environment shared by the download and the server: the Hub token and cache."""
     env = [_secret_env("HF_TOKEN", spec.hf_token_secret)] if spec.hf_token_secret else []
-    if downloads(spec):
+    if spec.downloads:
         env.append({"name": "HF_HOME", "value": HF_HOME})
     return env
 
@@ -38,11 +33,3 @@ def server_env(spec: PagedLLMSpec) -> list[dict]:
             )
         env.append(dict(extra))
     return env
-
-
-def gpu_resources(spec: PagedLLMSpec) -> dict:
-    gpus = {spec.gpu_resource_name: spec.tensor_parallel_size}
-    return {
-        "requests": {**spec.resources.get("requests", {}), **gpus},
-        "limits": {**spec.resources.get("limits", {}), **gpus},
-    }

@@ -1,15 +1,16 @@
-"""Rendering: a ``PagedLLM`` resource -> its Deployment, Service and model-cache claim.
+"""Rendering: a ``PagedLLM`` resource -> its Deployment, Service, model-cache claim and download Job.
 
 Pure functions: the same resource and :class:`RenderConfig` always give the same
 manifests, and nothing here talks to the API. The handlers apply the result.
 
 Volumes of a server pod::
 
-    huggingface id   /models  <- NAME-model-cache claim (spec.modelCache) or an emptyDir;
-                              the fetch-model init container downloads into /models/<id>
+    hf, s3, gs       /models  <- NAME-model-cache claim (spec.modelCache; a Job fills it and the
+                              wait-for-model init container waits) or an emptyDir (sizeLimit
+                              from the model's size; the fetch-model init container downloads)
     pvc source       /model   <- spec.modelSource.pvc.claimName, subPath pvc.path, read-only
     absolute path    (none)      the checkpoint is in the image
-    TP > 1           /dev/shm <- emptyDir(medium=Memory), for NCCL between the ranks
+    TP > 1           /dev/shm <- emptyDir(medium=Memory, sizeLimit), for NCCL between the ranks
     always           /tmp, /home/pagedllm <- emptyDirs: the root filesystem is read-only, and
                               Triton, torch and the Hub client write caches under $HOME and /tmp
 """
@@ -23,12 +24,26 @@ from typing import Any
 
 import kopf
 
+from pagedllm.operator.artifacts import (
+    FETCH_CONTAINER,
+    JOB_CONTAINER,
+    MODEL_MOUNT,
+    MODELS_DIR,
+    WAIT_CONTAINER,
+    credentials_env_from,
+    download_args,
+    model_path,
+    render_download_job,
+    uses_download_job,
+)
 from pagedllm.operator.autoscaling import AUTOSCALERS, HPA
 from pagedllm.operator.command import SERVE_COMMAND, check_engine, server_args
-from pagedllm.operator.container_env import downloads, gpu_resources, hub_env, server_env
+from pagedllm.operator.container_env import hub_env, server_env
 from pagedllm.operator.fleet import Fleet, FleetConfig, render_fleet
 from pagedllm.operator.monitoring import scrape_annotations
 from pagedllm.operator.placement import pod_metadata, pod_placement
+from pagedllm.operator.resources import download_resources, models_size_limit, server_resources, shm_gib
+from pagedllm.operator.rollout import plan_rollout
 from pagedllm.operator.spec import PagedLLMSpec
 from pagedllm.operator.spec_fields import dns_label
 
@@ -36,8 +51,6 @@ GROUP, VERSION, PLURAL, KIND = "pagedllm.dev", "v1alpha1", "pagedllms", "PagedLL
 MANAGED_BY = "pagedllm-operator"
 GENERATION_ANNOTATION = "pagedllm.dev/generation"
 SERVER_CONTAINER = "server"
-MODELS_DIR = "/models"
-MODEL_MOUNT = "/model"
 RUN_AS = 1000  # the image's non-root user (Dockerfile: USER 1000)
 HOME_DIR = "/home/pagedllm"  # the image's $HOME (Dockerfile), writable through an emptyDir
 
@@ -48,14 +61,6 @@ PRESTOP_SLEEP_SECONDS = 5
 # model download all happen before the startup probe starts counting.
 PROGRESS_MARGIN_SECONDS = 1800
 STARTUP_PROBE_PERIOD = 10
-
-
-# The init container's download: the Hub client ships with transformers in the image.
-FETCH_SCRIPT = (
-    "import sys\n"
-    "from huggingface_hub import snapshot_download\n"
-    "snapshot_download(repo_id=sys.argv[1], local_dir=sys.argv[2], ignore_patterns=['original/*'])\n"
-)
 
 
 DEFAULT_PROMETHEUS = "http://prometheus-operated.monitoring.svc:9090"
@@ -81,16 +86,17 @@ class RenderConfig:
 
 @dataclass(frozen=True)
 class Manifests:
-    """Everything one resource renders to; ``pvc`` only with spec.modelCache."""
+    """Everything one resource renders to; ``pvc`` and ``job`` only with spec.modelCache (and a download)."""
 
     deployment: dict
     service: dict
     pvc: dict | None = None
     fleet: Fleet | None = None
+    job: dict | None = None
 
     def all(self) -> list[dict]:
-        """In apply order: the claim before the pods that mount it, the fleet objects after them."""
-        core = [m for m in (self.pvc, self.deployment, self.service) if m is not None]
+        """In apply order: the claim before the Job and pods that mount it, the fleet objects after them."""
+        core = [m for m in (self.pvc, self.job, self.deployment, self.service) if m is not None]
         return core + (self.fleet.all() if self.fleet is not None else [])
 
 
@@ -129,15 +135,6 @@ def cache_claim_name(name: str) -> str:
     return f"{name}-model-cache"
 
 
-def model_path(spec: PagedLLMSpec) -> str:
-    """Where the server finds the checkpoint inside its container."""
-    if spec.uses_pvc_source:
-        return MODEL_MOUNT
-    if spec.model_is_path:
-        return spec.model
-    return f"{MODELS_DIR}/{spec.model}"
-
-
 def render(body: Mapping[str, Any], config: RenderConfig) -> Manifests:
     """Render a ``PagedLLM`` resource; raise :class:`SpecError` if it cannot be served."""
     meta = body.get("metadata", {})
@@ -154,9 +151,23 @@ def render(body: Mapping[str, Any], config: RenderConfig) -> Manifests:
         service=render_service(name, spec),
         pvc=render_pvc(name, spec) if spec.model_cache is not None else None,
         fleet=fleet,
+        job=render_download_job(name, _job_pod_spec(name, spec, config), labels(name))
+        if uses_download_job(spec)
+        else None,
     )
-    kopf.adopt(manifests.all(), owner=as_body(body))
+    _adopt(manifests, body, spec)
     return manifests
+
+
+def _adopt(manifests: Manifests, body: Mapping[str, Any], spec: PagedLLMSpec) -> None:
+    """Owner references on every child except a retained claim, which outlives the resource."""
+    owner = as_body(body)
+    retained = manifests.pvc if spec.model_cache is not None and spec.model_cache.retain_policy == "Retain" else None
+    kopf.adopt([m for m in manifests.all() if m is not retained], owner=owner)
+    if retained is not None:
+        # NOTE: what adopt does besides the owner reference: the namespace and the owner's labels.
+        kopf.adjust_namespace([retained], namespace=body["metadata"].get("namespace"))
+        kopf.label([retained], labels=body["metadata"].get("labels") or {})
 
 
 def render_service(name: str, spec: PagedLLMSpec) -> dict:
@@ -214,10 +225,9 @@ def render_deployment(name: str, spec: PagedLLMSpec, config: RenderConfig, gener
 
 
 def _strategy(spec: PagedLLMSpec) -> dict:
-    if spec.rollout_strategy == "Recreate":
-        return {"type": "Recreate"}
-    # NOTE: maxUnavailable 0 keeps serving through a rollout; it needs one replica's GPUs spare.
-    return {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}
+    cache = spec.model_cache
+    rwo_cache = spec.downloads and cache is not None and cache.access_mode == "ReadWriteOnce"
+    return plan_rollout(spec.rollout_strategy, spec.rollout, spec.is_fleet, rwo_cache).strategy()
 
 
 def _pod_spec(name: str, spec: PagedLLMSpec, config: RenderConfig) -> dict:
@@ -225,21 +235,14 @@ def _pod_spec(name: str, spec: PagedLLMSpec, config: RenderConfig) -> dict:
     pod: dict[str, Any] = {
         "automountServiceAccountToken": False,  # the server never talks to the API
         "enableServiceLinks": False,
-        "securityContext": {
-            "runAsNonRoot": True,
-            "runAsUser": RUN_AS,
-            "runAsGroup": RUN_AS,
-            "fsGroup": RUN_AS,
-            "fsGroupChangePolicy": "OnRootMismatch",  # NOTE: no slow recursive chown of a big model cache
-            "seccompProfile": {"type": "RuntimeDefault"},
-        },
+        "securityContext": _pod_security(),
         # NOTE: longer than the pre-stop pause plus the server's drain timeout, so in-flight requests finish.
         "terminationGracePeriodSeconds": PRESTOP_SLEEP_SECONDS + spec.drain_timeout_seconds + GRACE_MARGIN_SECONDS,
         "containers": [_server_container(spec, config, mounts)],
         "volumes": volumes,
     }
-    if downloads(spec):
-        pod["initContainers"] = [_fetch_container(spec, config, mounts)]
+    if spec.downloads:
+        pod["initContainers"] = [_download_container(spec, config, mounts)]
     if spec.node_selector:
         pod["nodeSelector"] = dict(spec.node_selector)
     if spec.tolerations:
@@ -248,6 +251,17 @@ def _pod_spec(name: str, spec: PagedLLMSpec, config: RenderConfig) -> dict:
         pod["affinity"] = dict(spec.affinity)
     pod.update(pod_placement(spec, selector_labels(name)))
     return pod
+
+
+def _pod_security() -> dict:
+    return {
+        "runAsNonRoot": True,
+        "runAsUser": RUN_AS,
+        "runAsGroup": RUN_AS,
+        "fsGroup": RUN_AS,
+        "fsGroupChangePolicy": "OnRootMismatch",  # NOTE: no slow recursive chown of a big model cache
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
 
 
 def _volumes(name: str, spec: PagedLLMSpec) -> tuple[list[dict], list[dict]]:
@@ -259,16 +273,16 @@ def _volumes(name: str, spec: PagedLLMSpec) -> tuple[list[dict], list[dict]]:
         volumes.append({"name": "model", "persistentVolumeClaim": {"claimName": pvc.claim_name, "readOnly": True}})
         mount = {"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True}
         mounts.append({**mount, "subPath": pvc.path} if pvc.path else mount)
-    elif downloads(spec):
+    elif spec.downloads:
         source = (
             {"persistentVolumeClaim": {"claimName": cache_claim_name(name)}}
             if spec.model_cache is not None
-            else {"emptyDir": {}}
+            else {"emptyDir": {"sizeLimit": models_size_limit(spec)}}
         )
         volumes.append({"name": "models", **source})
         mounts.append({"name": "models", "mountPath": MODELS_DIR})
     if spec.tensor_parallel_size > 1:
-        volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory"}})
+        volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": f"{shm_gib(spec)}Gi"}})
         mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
     for volume, path in WRITABLE_DIRS:
         volumes.append({"name": volume, "emptyDir": {}})
@@ -300,7 +314,7 @@ def _server_container(spec: PagedLLMSpec, config: RenderConfig, mounts: list[dic
         "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(PRESTOP_SLEEP_SECONDS)]}}},
         "ports": [{"name": "http", "containerPort": spec.port, "protocol": "TCP"}],
         "env": server_env(spec),
-        "resources": gpu_resources(spec),
+        "resources": server_resources(spec),
         # The startup budget covers loading weights and profiling memory; /ready answers
         # only once a forward pass is done. Liveness uses /health, alive while loading.
         "startupProbe": {
@@ -322,13 +336,46 @@ def _server_container(spec: PagedLLMSpec, config: RenderConfig, mounts: list[dic
     return container
 
 
-def _fetch_container(spec: PagedLLMSpec, config: RenderConfig, mounts: list[dict]) -> dict:
-    return {
-        "name": "fetch-model",
+def _download_container(spec: PagedLLMSpec, config: RenderConfig, mounts: list[dict], *, job: bool = False) -> dict:
+    """The pod's init container (fetch-model, or wait-for-model with a Job-filled cache), or the Job's."""
+    waits = uses_download_job(spec) and not job
+    container: dict[str, Any] = {
+        "name": JOB_CONTAINER if job else WAIT_CONTAINER if waits else FETCH_CONTAINER,
         "image": spec.image or config.default_image,
         "imagePullPolicy": spec.image_pull_policy,
-        "command": ["python", "-c", FETCH_SCRIPT, spec.model, model_path(spec)],
+        "command": download_args(spec, wait=waits),
         "env": hub_env(spec),
+        "resources": WAIT_RESOURCES if waits else download_resources(),
         "securityContext": _container_security(),
         "volumeMounts": [m for m in mounts if m["name"] in ("models", "tmp", "home")],
     }
+    env_from = [] if waits else credentials_env_from(spec)
+    return {**container, "envFrom": env_from} if env_from else container
+
+
+# A wait-for-model container only polls for a file.
+WAIT_RESOURCES = {"requests": {"cpu": "50m", "memory": "128Mi"}, "limits": {"memory": "512Mi"}}
+
+
+def _job_pod_spec(name: str, spec: PagedLLMSpec, config: RenderConfig) -> dict:
+    """The download Job's pod: the cache and scratch volumes, the download container, the pods' placement."""
+    volumes, mounts = _volumes(name, spec)
+    keep = {"models", "tmp", "home"}
+    pod: dict[str, Any] = {
+        "automountServiceAccountToken": False,
+        "enableServiceLinks": False,
+        "securityContext": _pod_security(),
+        "containers": [_download_container(spec, config, mounts, job=True)],
+        "volumes": [v for v in volumes if v["name"] in keep],
+    }
+    # NOTE: the server pods' node selector and tolerations: a ReadWriteOnce claim is then
+    # attached where the server pods can run, and zonal storage is bound in their zone.
+    if spec.node_selector:
+        pod["nodeSelector"] = dict(spec.node_selector)
+    if spec.tolerations:
+        pod["tolerations"] = [dict(t) for t in spec.tolerations]
+    if spec.image_pull_secrets:
+        pod["imagePullSecrets"] = [{"name": n} for n in spec.image_pull_secrets]
+    if spec.service_account_name:  # a cloud identity (IRSA, Workload Identity) that may read the bucket
+        pod["serviceAccountName"] = spec.service_account_name
+    return pod

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagedllm.operator.fleet_spec import Autoscaling, Routing, parse_autoscaling, parse_routing
+from pagedllm.operator.rollout import Rollout, parse_rollout
 from pagedllm.operator.spec_fields import (  # noqa: F401 (SpecError and GPU_RESOURCE are imported from here)
     GPU_RESOURCE,
     SpecError,
@@ -35,6 +36,10 @@ from pagedllm.operator.spec_fields import (  # noqa: F401 (SpecError and GPU_RES
 )
 
 MODEL_SOURCES = ("huggingface", "pvc")
+MODEL_SOURCE_KEYS = ("type", "pvc", "uri", "revision", "credentialsSecret", "sizeGiB")
+# spec.modelSource.uri scheme -> ModelSource.type
+URI_SCHEMES = {"hf": "huggingface", "pvc": "pvc", "s3": "s3", "gs": "gs"}
+RETAIN_POLICIES = ("Retain", "Delete")
 TENSOR_PARALLEL_SIZES = (1, 2, 4, 8)
 BLOCK_SIZES = (8, 16, 32, 64, 128)
 DTYPES = ("auto", "float16", "bfloat16", "float32")
@@ -60,6 +65,8 @@ RESERVED_POD_LABELS = (
 )
 
 _MODEL_RE = re.compile(r"^[A-Za-z0-9_./-]+$")
+_REVISION_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_./-]{0,254}$")
+_URI_REST_RE = re.compile(r"^[A-Za-z0-9_./=+-]+$")
 
 
 @dataclass(frozen=True)
@@ -80,19 +87,34 @@ class PvcModelSource:
 
 @dataclass(frozen=True)
 class ModelSource:
-    """Where the checkpoint comes from: the Hugging Face Hub, or an existing claim."""
+    """Where the checkpoint comes from: the Hugging Face Hub, an existing claim, or an object store.
+
+    ``type`` is ``huggingface`` or ``pvc`` as the spec names it, or ``s3`` / ``gs`` from a ``uri``.
+    """
 
     type: str = "huggingface"
     pvc: PvcModelSource | None = None
+    uri: str | None = None
+    """spec.modelSource.uri as given (hf://, pvc://, s3://, gs://)."""
+    location: str | None = None
+    """What follows the scheme of an hf://, s3:// or gs:// uri (a Hub id, BUCKET/PREFIX)."""
+    revision: str | None = None
+    """A pinned Hub commit, tag or branch."""
+    credentials_secret: str | None = None
+    """A Secret whose keys become the download's environment (envFrom)."""
+    size_gib: float | None = None
+    """The checkpoint's size on disk, for the pods' memory and the download volume's size."""
 
 
 @dataclass(frozen=True)
 class ModelCache:
-    """The claim the operator creates to keep Hugging Face downloads."""
+    """The claim the operator creates to keep downloads, filled once by a Job."""
 
     size: str
     storage_class_name: str | None = None
     access_mode: str = "ReadWriteOnce"
+    retain_policy: str = "Retain"
+    """Retain: the claim outlives the resource (no owner reference); Delete: it is deleted with it."""
 
 
 def _scalar(key: str, kind: type, *, choices: tuple = (), minimum=None, maximum=None) -> dict:
@@ -136,6 +158,12 @@ def _secret_ref(default_key: str) -> Callable[[str, Any], SecretKeyRef]:
 
 def _model_source(path: str, value: Any) -> ModelSource:
     value = _mapping(path, value)
+    unknown = sorted(set(value) - set(MODEL_SOURCE_KEYS))
+    if unknown:
+        raise SpecError(f"{path} has unknown field(s) {unknown}: allowed are {list(MODEL_SOURCE_KEYS)}")
+    extra = _source_extras(path, value)
+    if value.get("uri") is not None:
+        return _uri_source(path, value, **extra)
     kind = value.get("type", "huggingface")
     if kind not in MODEL_SOURCES:
         raise SpecError(f"{path}.type={kind!r} is not allowed: choose one of {list(MODEL_SOURCES)}")
@@ -145,16 +173,61 @@ def _model_source(path: str, value: Any) -> ModelSource:
             f"{path}.pvc is required when {path}.type is pvc, and not allowed otherwise (type={kind!r}, pvc={pvc!r})"
         )
     if pvc is None:
-        return ModelSource(type=kind)
+        return ModelSource(type=kind, **extra)
     pvc = _mapping(f"{path}.pvc", pvc)
     claim, sub = pvc.get("claimName"), pvc.get("path", "")
     if not isinstance(claim, str) or not claim:
         raise SpecError(f"{path}.pvc.claimName={claim!r} is not allowed: must be a non-empty string")
+    return ModelSource(
+        type=kind, pvc=PvcModelSource(claim_name=claim, path=_claim_path(f"{path}.pvc.path", sub)), **extra
+    )
+
+
+def _claim_path(path: str, sub: Any) -> str:
     if not isinstance(sub, str) or sub.startswith("/") or ".." in sub:
+        raise SpecError(f"{path}={sub!r} is not allowed: a path relative to the claim, without a leading '/' or '..'")
+    return sub.strip("/")
+
+
+def _source_extras(path: str, value: Mapping[str, Any]) -> dict[str, Any]:
+    revision, secret, size = value.get("revision"), value.get("credentialsSecret"), value.get("sizeGiB")
+    if revision is not None and (not isinstance(revision, str) or not _REVISION_RE.match(revision) or ".." in revision):
         raise SpecError(
-            f"{path}.pvc.path={sub!r} is not allowed: a path relative to the claim, without a leading '/' or '..'"
+            f"{path}.revision={revision!r} is not allowed: a Hub commit, tag or branch "
+            "(letters, digits and _ . / -, at most 255, no '..')"
         )
-    return ModelSource(type=kind, pvc=PvcModelSource(claim_name=claim, path=sub.strip("/")))
+    if secret is not None:
+        secret = _dns_subdomain(
+            f"{path}.credentialsSecret.name", _mapping(f"{path}.credentialsSecret", secret).get("name")
+        )
+    if size is not None and (isinstance(size, bool) or not isinstance(size, (int, float)) or not 0 < size <= 65536):
+        raise SpecError(f"{path}.sizeGiB={size!r} is out of range: a number of GiB > 0 and <= 65536")
+    return {"revision": revision, "credentials_secret": secret, "size_gib": None if size is None else float(size)}
+
+
+def _uri_source(path: str, value: Mapping[str, Any], **extra: Any) -> ModelSource:
+    uri = value["uri"]
+    clash = sorted(key for key in ("type", "pvc") if value.get(key) is not None)
+    if clash:
+        raise SpecError(f"{path}.uri={uri!r} is not allowed with {path}.{clash[0]}: the uri says where the model is")
+    scheme, sep, rest = uri.partition("://") if isinstance(uri, str) else ("", "", "")
+    rest = rest.strip("/")
+    if scheme not in URI_SCHEMES or not sep or not rest or not _URI_REST_RE.match(rest) or ".." in rest:
+        raise SpecError(
+            f"{path}.uri={uri!r} is not allowed: use hf://ORG/NAME, pvc://CLAIM/PATH, s3://BUCKET/PREFIX or "
+            "gs://BUCKET/PREFIX (letters, digits and _ . / = + -, no '..')"
+        )
+    kind = URI_SCHEMES[scheme]
+    if extra["revision"] is not None and kind != "huggingface":
+        raise SpecError(
+            f"{path}.revision={extra['revision']!r} is not allowed with {path}.uri={uri!r}: only hf:// sources have "
+            "revisions; put the version in the path"
+        )
+    if kind == "pvc":
+        claim, _, sub = rest.partition("/")
+        _dns_subdomain(f"{path}.uri (the claim's name)", claim)
+        return ModelSource(type=kind, uri=uri, pvc=PvcModelSource(claim_name=claim, path=sub), **extra)
+    return ModelSource(type=kind, uri=uri, location=rest, **extra)
 
 
 def _model_cache(path: str, value: Any) -> ModelCache:
@@ -166,7 +239,10 @@ def _model_cache(path: str, value: Any) -> ModelCache:
     storage_class = value.get("storageClassName")
     if storage_class is not None and not isinstance(storage_class, str):
         raise SpecError(f"{path}.storageClassName={storage_class!r} has the wrong type: must be a string")
-    return ModelCache(size=str(size), storage_class_name=storage_class, access_mode=mode)
+    retain = value.get("retainPolicy", "Retain")
+    if retain not in RETAIN_POLICIES:
+        raise SpecError(f"{path}.retainPolicy={retain!r} is not allowed: choose one of {list(RETAIN_POLICIES)}")
+    return ModelCache(size=str(size), storage_class_name=storage_class, access_mode=mode, retain_policy=retain)
 
 
 @dataclass(frozen=True)
@@ -231,9 +307,11 @@ class PagedLLMSpec:
     )
     max_queue_len: int | None = field(default=None, metadata=_scalar("maxQueueLen", int, minimum=1, maximum=1048576))
     log_level: str = field(default="info", metadata=_scalar("logLevel", str, choices=LOG_LEVELS))
-    rollout_strategy: str = field(
-        default="Recreate", metadata=_scalar("rolloutStrategy", str, choices=ROLLOUT_STRATEGIES)
+    # NOTE: no default in the CRD either: unset means Recreate for one replica, RollingUpdate for a fleet.
+    rollout_strategy: str | None = field(
+        default=None, metadata=_scalar("rolloutStrategy", str, choices=ROLLOUT_STRATEGIES)
     )
+    rollout: Rollout | None = field(default=None, metadata=_nested("rollout", parse_rollout))
 
     @property
     def fixed_replicas(self) -> int | None:
@@ -243,6 +321,11 @@ class PagedLLMSpec:
         return 1 if self.replicas is None else self.replicas
 
     @property
+    def is_fleet(self) -> bool:
+        """More than one replica, or an autoscaler that may run more."""
+        return self.autoscaling is not None or (self.fixed_replicas or 0) > 1
+
+    @property
     def model_is_path(self) -> bool:
         """``model`` names a directory already in the image rather than a Hub id."""
         return self.model.startswith("/")
@@ -250,6 +333,13 @@ class PagedLLMSpec:
     @property
     def uses_pvc_source(self) -> bool:
         return self.model_source.type == "pvc"
+
+    @property
+    def downloads(self) -> bool:
+        """Whether the model is fetched (Hub or object store) before the server starts."""
+        if self.uses_pvc_source:
+            return False
+        return self.model_source.uri is not None or not self.model_is_path
 
     @classmethod
     def from_dict(cls, spec: Mapping[str, Any] | None) -> PagedLLMSpec:

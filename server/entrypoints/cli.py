@@ -1,4 +1,4 @@
-"""The ``pagedllm`` command: ``generate``, ``serve`` and ``operator``."""
+"""The ``pagedllm`` command: ``generate``, ``serve``, ``download`` and ``operator``."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import sys
 from collections.abc import Sequence
 
 from pagedllm.server.args import add_engine_args, engine_config_from_args
+from pagedllm.server.entrypoints.download import add_download_parser
 from pagedllm.server.entrypoints.serve import add_serve_parser
 from pagedllm.server.version import package_version
 
@@ -71,12 +72,15 @@ def _missing_extra(command: str, module: str) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="pagedllm", description="PagedLLM: serve or run language models with a paged KV cache."
+        prog="pagedllm",
+        description="PagedLLM: serve or run language models with a paged KV cache.",
+        allow_abbrev=False,
     )
     parser.add_argument("--version", action="version", version=f"pagedllm {package_version()}")
     subparsers = parser.add_subparsers(dest="command", required=True)
     _add_generate(subparsers)
     add_serve_parser(subparsers)
+    add_download_parser(subparsers)
     _add_operator(subparsers)
     return parser
 

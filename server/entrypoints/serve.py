@@ -48,6 +48,9 @@ def add_serve_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
         help="Serve the OpenAI-compatible HTTP API (the embedded demo model without --model).",
         description=SERVE_DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
+        # NOTE: no abbreviations: `--tensor-parallel 4` through extraArgs would otherwise set a
+        # flag the operator renders from the spec (and renders again after it).
+        allow_abbrev=False,
     )
     add_server_args(p)
     add_engine_args(p)

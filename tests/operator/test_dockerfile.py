@@ -20,7 +20,7 @@ from helm_tools import ROOT
 from wheel_build import BUILD_INPUTS
 
 from pagedllm.operator.command import SERVE_COMMAND
-from pagedllm.operator.manifests import FETCH_SCRIPT, RUN_AS, RenderConfig, render
+from pagedllm.operator.manifests import RUN_AS, RenderConfig, render
 from pagedllm.operator.spec import PagedLLMSpec
 
 try:
@@ -89,12 +89,12 @@ def test_exposes_the_default_port():
 
 
 def test_the_image_has_what_the_init_container_runs():
-    # fetch-model runs `python -c FETCH_SCRIPT`: the venv's python on PATH, huggingface_hub in it.
+    # fetch-model runs `pagedllm download`: the entrypoint's console script, on the venv's PATH.
     (fetch,) = rendered_server()["initContainers"]
-    assert fetch["command"][:3] == ["python", "-c", FETCH_SCRIPT]
+    entrypoint = json.loads(instruction("ENTRYPOINT")[-1])
+    assert fetch["command"][:2] == [entrypoint[0], "download"]
     env = " ".join(instruction("ENV"))
     assert "PATH=/opt/venv/bin:" in env
-    assert "from huggingface_hub import snapshot_download" in FETCH_SCRIPT
 
 
 def test_cuda_runtime_base_and_the_package_with_extras():

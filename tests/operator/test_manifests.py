@@ -52,7 +52,7 @@ def test_dev_shm_only_with_tensor_parallelism(tp, has_shm):
     mounts = {v["mountPath"] for v in server(m)["volumeMounts"]}
     assert ("/dev/shm" in mounts) is has_shm
     if has_shm:
-        assert {"name": "dshm", "emptyDir": {"medium": "Memory"}} in pod(m)["volumes"]
+        assert {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": f"{2 * tp}Gi"}} in pod(m)["volumes"]
 
 
 def test_probes_and_grace_period():
@@ -83,10 +83,15 @@ def test_command_and_image():
 
 def test_owner_references_on_everything():
     m = render(
-        body(modelCache={"size": "10Gi", "accessMode": "ReadWriteMany"}, routing={"inferencePool": True}, replicas=2),
+        body(
+            modelCache={"size": "10Gi", "accessMode": "ReadWriteMany", "retainPolicy": "Delete"},
+            routing={"inferencePool": True},
+            replicas=2,
+        ),
         CONFIG,
     )
-    kinds = ["PersistentVolumeClaim", "Deployment", "Service", "PodDisruptionBudget", "PodMonitor", "InferencePool"]
+    kinds = ["PersistentVolumeClaim", "Job", "Deployment", "Service", "PodDisruptionBudget", "PodMonitor"]
+    kinds.append("InferencePool")
     assert [manifest["kind"] for manifest in m.all()] == kinds
     for manifest in m.all():
         assert manifest["metadata"]["namespace"] == "ml"
@@ -135,7 +140,11 @@ def test_generation_is_recorded_on_the_deployment():
 def test_replicas_and_rollout_strategy():
     m = render(body(replicas=3), CONFIG)
     assert m.deployment["spec"]["replicas"] == 3
-    assert m.deployment["spec"]["strategy"] == {"type": "Recreate"}
+    assert m.deployment["spec"]["strategy"] == {
+        "type": "RollingUpdate",
+        "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1},
+    }
+    assert render(body(), CONFIG).deployment["spec"]["strategy"] == {"type": "Recreate"}
     rolling = render(body(rolloutStrategy="RollingUpdate"), CONFIG).deployment["spec"]["strategy"]
     assert rolling == {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}
 
@@ -159,10 +168,15 @@ def test_hub_model_is_downloaded_with_the_token_and_served_from_the_volume():
     (fetch,) = pod(m)["initContainers"]
     token = {"secretKeyRef": {"name": "hf", "key": "tok"}}
     assert env_of(fetch)["HF_TOKEN"] == token and env_of(server(m))["HF_TOKEN"] == token
-    assert fetch["command"][-2:] == ["meta-llama/Llama-2-7b-hf", "/models/meta-llama/Llama-2-7b-hf"]
+    assert fetch["command"] == [
+        "pagedllm",
+        "download",
+        "hf://meta-llama/Llama-2-7b-hf",
+        "/models/meta-llama/Llama-2-7b-hf",
+    ]
     args = server(m)["args"]
     assert args[args.index("--model") + 1] == "/models/meta-llama/Llama-2-7b-hf"
-    assert {"name": "models", "emptyDir": {}} in pod(m)["volumes"]
+    assert {"name": "models", "emptyDir": {"sizeLimit": "21Gi"}} in pod(m)["volumes"]  # 16 GiB x 1.2 + 1
     assert m.pvc is None
 
 

@@ -14,11 +14,13 @@ from pagedllm.operator.spec import PagedLLMSpec, SpecError
 @pytest.mark.parametrize("gpu", ["nvidia.com/gpu", "nvidia.com/mig-1g.10gb", "amd.com/gpu", "gpu.intel.com/i915"])
 def test_gpu_resource_name_is_what_each_pod_requests(gpu):
     resources = server(render(body(gpuResourceName=gpu, tensorParallelSize=2), CONFIG))["resources"]
-    assert resources["requests"] == {gpu: 2} and resources["limits"] == {gpu: 2}
+    assert resources["requests"][gpu] == 2 and resources["limits"][gpu] == 2
+    assert {name for part in resources.values() for name in part if "/" in name} == {gpu}
 
 
 def test_default_gpu_resource_is_nvidia():
-    assert server(render(body(), CONFIG))["resources"]["limits"] == {"nvidia.com/gpu": 1}
+    limits = server(render(body(), CONFIG))["resources"]["limits"]
+    assert [name for name in limits if "/" in name] == ["nvidia.com/gpu"] and limits["nvidia.com/gpu"] == 1
 
 
 def test_pod_fields_pass_through():

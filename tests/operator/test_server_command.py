@@ -18,6 +18,7 @@ from pagedllm.operator.command import (
     SERVE_COMMAND,
     SERVE_FIELDS,
     check_engine,
+    checked_extra_args,
     server_args,
     spec_attr,
 )
@@ -150,3 +151,76 @@ def test_api_key_variable_is_the_one_the_server_reads():
     from pagedllm.operator.command import API_KEY_ENV
 
     assert API_KEY_ENV == serve.API_KEY_ENV
+
+
+def abbreviations(flag: str) -> list[str]:
+    """Every prefix of ``flag`` argparse would expand to it (at least one letter after ``--``)."""
+    return [flag[:end] for end in range(3, len(flag))]
+
+
+def test_owned_flags_cover_every_spelling_of_their_destinations():
+    parser = build_parser()
+    (serve_parser,) = [
+        p
+        for a in parser._actions
+        if isinstance(a, argparse._SubParsersAction)
+        for n, p in a.choices.items()
+        if n == "serve"
+    ]
+    owned_dests = {a.dest for a in serve_parser._actions if set(a.option_strings) & OWNED_FLAGS}
+    spellings = {opt for a in serve_parser._actions if a.dest in owned_dests for opt in a.option_strings}
+    assert spellings <= OWNED_FLAGS  # (OWNED_FLAGS also has --no- forms of non-boolean fields: no harm)
+
+
+def test_every_abbreviation_of_every_owned_flag_is_refused():
+    refused = 0
+    for flag in sorted(OWNED_FLAGS):
+        for word in [flag, *abbreviations(flag)]:
+            for arg in (word, f"{word}=1"):
+                spec = PagedLLMSpec.from_dict({"model": "m", "extraArgs": ["--enable-chunked-prefill", arg, "1"]})
+                with pytest.raises(SpecError) as info:
+                    server_args(spec, "/m")
+                message = str(info.value)
+                assert message.startswith(f"spec.extraArgs[1]={arg!r} is not allowed: {word} "), message
+                assert flag in message and "set that instead" in message
+                refused += 1
+    assert refused > 500  # every flag, every prefix, with and without =value
+
+
+@pytest.mark.parametrize(
+    "extra, flag, owner",
+    [
+        (["--tensor-parallel", "4"], "--tensor-parallel-size", "spec.tensorParallelSize"),
+        (["--api-ke", "k"], "--api-key", "spec.apiKeySecret"),
+        (["--ho", "127.0.0.1"], "--host", "the operator"),
+        (["--max-waiting=9"], "--max-waiting-requests", "spec.maxQueueLen"),
+        (["--no-enable-prefix"], "--no-enable-prefix-caching", "spec.enablePrefixCaching"),
+    ],
+)
+def test_abbreviations_name_the_flag_and_its_owner(extra, flag, owner):
+    spec = PagedLLMSpec.from_dict({"model": "m", "extraArgs": extra})
+    with pytest.raises(SpecError, match=f"abbreviates {flag}, rendered from {owner}; set that instead"):
+        server_args(spec, "/m")
+
+
+def test_ambiguous_prefixes_name_every_owned_flag_they_could_be():
+    spec = PagedLLMSpec.from_dict({"model": "m", "extraArgs": ["--max-num", "4"]})
+    with pytest.raises(SpecError, match="--max-num abbreviates --max-num-batched-tokens or --max-num-seqs"):
+        server_args(spec, "/m")
+
+
+@pytest.mark.parametrize("arg", ["--enable-chunked-prefill", "--num-gpu-blocks-override=64", "--", "value", "-x"])
+def test_flags_the_spec_does_not_own_pass(arg):
+    assert checked_extra_args((arg,)) == (arg,)
+
+
+def test_the_server_refuses_abbreviations(capsys):
+    assert run_as_container(["--tensor-parallel-size", "2"]).tensor_parallel_size == 2
+    for flag in sorted(OWNED_FLAGS):
+        for word in abbreviations(flag):
+            with pytest.raises(SystemExit) as info:
+                run_as_container([word, "1"] if not flag.startswith("--no-") else [word])
+            assert info.value.code == 2, word
+            assert "unrecognized arguments" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serv"])  # the subcommand's own name is not abbreviated either
