@@ -96,13 +96,28 @@ def download_job_name(name: str, pod_template: Mapping[str, Any]) -> str:
     return f"{name[:46].rstrip('-')}-model-{digest}"
 
 
-def render_download_job(name: str, pod_spec: dict, labels: Mapping[str, str]) -> dict:
+# Annotations of the download Job: what it downloads, for status.model (read from the Job alone).
+SOURCE_ANNOTATION, REVISION_ANNOTATION, PATH_ANNOTATION = (
+    "pagedllm.dev/model-source",
+    "pagedllm.dev/model-revision",
+    "pagedllm.dev/model-path",
+)
+
+
+def render_download_job(name: str, spec: PagedLLMSpec, pod_spec: dict, labels: Mapping[str, str]) -> dict:
     """The Job that fills the cache once, running ``pod_spec`` (its one container is the download)."""
     template = {"metadata": {"labels": dict(labels)}, "spec": {**pod_spec, "restartPolicy": "Never"}}
+    annotations = {SOURCE_ANNOTATION: source_uri(spec), PATH_ANNOTATION: model_path(spec)}
+    if spec.model_source.revision:
+        annotations[REVISION_ANNOTATION] = spec.model_source.revision
     return {
         "apiVersion": "batch/v1",
         "kind": "Job",
-        "metadata": {"name": download_job_name(name, template), "labels": dict(labels)},
+        "metadata": {
+            "name": download_job_name(name, template),
+            "labels": dict(labels),
+            "annotations": annotations,
+        },
         "spec": {"backoffLimit": JOB_BACKOFF_LIMIT, "template": template},
     }
 
@@ -111,26 +126,37 @@ def render_download_job(name: str, pod_spec: dict, labels: Mapping[str, str]) ->
 MODEL_PENDING, MODEL_DOWNLOADING, MODEL_READY, MODEL_FAILED = "Pending", "Downloading", "Ready", "Failed"
 
 
-def model_status(spec: PagedLLMSpec, job: Mapping[str, Any] | None) -> dict[str, Any]:
-    """``status.model`` for the download Job ``job`` as the API last showed it (``None``: not created yet).
+def model_status(job: Mapping[str, Any]) -> dict[str, Any]:
+    """``status.model`` from the download Job as the API last showed it.
 
-    Pending (not started), Downloading (a pod runs), Ready (the cache holds the files), Failed
-    (out of retries: the message is the Job's). Only resources with a download Job have one.
+    Pending (no pod running yet), Downloading (a pod runs), Ready (the cache holds the files),
+    Failed (out of retries; the message is the Job's). Only resources with a download Job have one.
     """
-    out: dict[str, Any] = {"source": source_uri(spec), "path": model_path(spec)}
-    if spec.model_source.revision:
-        out["revision"] = spec.model_source.revision
-    if job is None:
-        return {**out, "phase": MODEL_PENDING}
-    out["job"] = job["metadata"]["name"]
+    meta = job.get("metadata") or {}
+    annotations = meta.get("annotations") or {}
+    out: dict[str, Any] = {"job": meta.get("name")}
+    for key, annotation in (
+        ("source", SOURCE_ANNOTATION),
+        ("revision", REVISION_ANNOTATION),
+        ("path", PATH_ANNOTATION),
+    ):
+        if annotation in annotations:
+            out[key] = annotations[annotation]
     status = job.get("status") or {}
     conditions = {c.get("type"): c for c in status.get("conditions") or [] if c.get("status") == "True"}
     if "Complete" in conditions or int(status.get("succeeded") or 0) > 0:
         return {**out, "phase": MODEL_READY}
     if "Failed" in conditions:
         failed = conditions["Failed"]
-        message = failed.get("message") or failed.get("reason") or "the download failed"
-        return {**out, "phase": MODEL_FAILED, "message": f"{message} (kubectl logs job/{out['job']})"}
+        said = failed.get("message") or failed.get("reason") or "the download failed"
+        return {**out, "phase": MODEL_FAILED, "message": f"{said}; see kubectl logs job/{out['job']}"}
     if int(status.get("active") or 0) > 0:
         return {**out, "phase": MODEL_DOWNLOADING, "attempts": int(status.get("failed") or 0) + 1}
     return {**out, "phase": MODEL_PENDING}
+
+
+def model_status_patch(current: Mapping[str, Any] | None, job: Mapping[str, Any]) -> dict[str, Any]:
+    """:func:`model_status` as a merge patch over ``current`` (status.model now): keys it no longer
+    has are set to null, or a merge patch would keep them (an old failure message, say)."""
+    new = model_status(job)
+    return {**{key: None for key in current or {} if key not in new}, **new}

@@ -24,6 +24,7 @@ from typing import Any
 import kopf
 
 from pagedllm.operator.apply import APPLY_REFUSED, REFUSALS, apply_all, prune
+from pagedllm.operator.artifact_events import JOBS, on_job_event
 from pagedllm.operator.backoff import Backoff, RepairPacer
 from pagedllm.operator.capabilities import servable, with_features
 from pagedllm.operator.drift import drifted
@@ -65,7 +66,7 @@ DRIFT_CHECK_SECONDS = 60
 INVALID_SPEC = "InvalidSpec"
 _MANAGED = {"app.kubernetes.io/managed-by": MANAGED_BY}
 MANAGED_SELECTOR = f"app.kubernetes.io/managed-by={MANAGED_BY}"
-WATCHED_CHILDREN = (("apps", "v1", "deployments"), ("", "v1", "services"), ("", "v1", "pods"))
+WATCHED_CHILDREN = (("apps", "v1", "deployments"), ("", "v1", "services"), ("", "v1", "pods"), JOBS)
 
 
 def now() -> str:
@@ -84,6 +85,7 @@ def build_registry() -> kopf.OperatorRegistry:
     kopf.on.event("apps", "v1", "deployments", labels=_MANAGED, registry=registry)(on_deployment_event)
     kopf.on.event("", "v1", "services", labels=_MANAGED, registry=registry)(on_service_event)
     kopf.on.event("", "v1", "pods", labels=_MANAGED, registry=registry)(on_pod_event)
+    kopf.on.event(*JOBS, labels=_MANAGED, registry=registry)(on_job_event)
     return registry
 
 

@@ -151,7 +151,7 @@ def render(body: Mapping[str, Any], config: RenderConfig) -> Manifests:
         service=render_service(name, spec),
         pvc=render_pvc(name, spec) if spec.model_cache is not None else None,
         fleet=fleet,
-        job=render_download_job(name, _job_pod_spec(name, spec, config), labels(name))
+        job=render_download_job(name, spec, _job_pod_spec(name, spec, config), labels(name))
         if uses_download_job(spec)
         else None,
     )

@@ -4,6 +4,10 @@
     a fleet                  RollingUpdate, maxSurge 0, maxUnavailable 1
     spec.rollout             RollingUpdate with the given maxSurge / maxUnavailable
 
+A ``spec.rollout`` with one bound leaves the other at what keeps the pair able to replace
+pods: ``maxSurge: 0`` alone means ``maxUnavailable: 1``, ``maxUnavailable: 0`` alone means
+``maxSurge: 1``, and a non-zero one alone leaves the other 0.
+
 A fleet (replicas > 1, or autoscaled) rolls one pod at a time without extra GPUs: each
 replica holds whole GPUs, and a cluster rarely keeps a spare replica's worth idle, so a
 surge pod would sit Pending and stall the rollout. ``maxSurge: 1`` (or more) is for
@@ -87,6 +91,20 @@ class RolloutPlan:
         return {"type": ROLLING, "rollingUpdate": bounds}
 
 
+def _bounds(rollout: Rollout, fleet: bool) -> tuple[IntOrPercent, IntOrPercent]:
+    """The given bounds; one left unset makes the pair able to replace pods (a surge of 0 leaves
+    maxUnavailable 1, an unavailable of 0 leaves maxSurge 1); both unset take the defaults."""
+    surge, unavailable = rollout.max_surge, rollout.max_unavailable
+    if surge is None and unavailable is None:
+        return FLEET_DEFAULT if fleet else SINGLE_ROLLING_DEFAULT
+    if surge is None:
+        assert unavailable is not None
+        return (1 if is_zero(unavailable) else 0), unavailable
+    if unavailable is None:
+        return surge, (1 if is_zero(surge) else 0)
+    return surge, unavailable
+
+
 def plan_rollout(strategy: str | None, rollout: Rollout | None, fleet: bool, rwo_cache: bool) -> RolloutPlan:
     """The strategy for ``spec.rolloutStrategy`` / ``spec.rollout``; raise :class:`SpecError` if refused.
 
@@ -100,17 +118,15 @@ def plan_rollout(strategy: str | None, rollout: Rollout | None, fleet: bool, rwo
         )
     if strategy == RECREATE or (strategy is None and rollout is None and not fleet):
         return RolloutPlan(RECREATE)
-    default_surge, default_unavailable = FLEET_DEFAULT if fleet else SINGLE_ROLLING_DEFAULT
-    rollout = rollout or Rollout()
-    surge = default_surge if rollout.max_surge is None else rollout.max_surge
-    unavailable = default_unavailable if rollout.max_unavailable is None else rollout.max_unavailable
+    given = rollout or Rollout()
+    surge, unavailable = _bounds(given, fleet)
     if is_zero(surge) and is_zero(unavailable):
         raise SpecError(
             f"spec.rollout.maxSurge={surge!r} is not allowed with maxUnavailable={unavailable!r}: no pod could "
             "ever be replaced; set maxUnavailable to 1 (no spare GPUs needed) or maxSurge to 1"
         )
     if rwo_cache and not is_zero(surge):
-        where = "spec.rollout.maxSurge" if rollout.max_surge is not None else "the RollingUpdate default maxSurge"
+        where = "spec.rollout.maxSurge" if given.max_surge is not None else "the RollingUpdate default maxSurge"
         raise SpecError(
             f"{where}={surge!r} is not allowed with a ReadWriteOnce spec.modelCache: a surge pod scheduled on "
             "another node cannot attach the claim (Multi-Attach) and the rollout hangs; set maxSurge to 0, "

@@ -6,14 +6,16 @@ things a real API server does and kmock does not, which :class:`ApiServer` adds:
 - ``metadata.uid`` / ``creationTimestamp`` / ``resourceVersion`` / ``generation`` on
   create (owner references need the owner's uid), and a name from ``generateName``;
 - ``generation`` bumped when ``spec`` changes (through the object or its ``/scale``);
-- server-side apply (``application/apply-patch+yaml``) of a missing object creates it.
+- server-side apply (``application/apply-patch+yaml``) of a missing object creates it;
+- garbage collection: deleting an object deletes the objects whose owner references name
+  its uid (and theirs, in turn), as the API server's collector does in the background.
 
 Tests can also make it refuse calls (:meth:`EmulatedCluster.refuse`), as an API server
 without the RBAC grant (403) or with an immutable field (422) would.
 
 The server runs on its own event loop in a thread, so the operator (a subprocess) and
 the synchronous tests both talk to it over HTTP. Known gaps, harmless here: no schema
-validation or defaulting, no garbage collection, merge instead of apply semantics.
+validation or defaulting, merge instead of apply semantics.
 """
 
 from __future__ import annotations
@@ -82,6 +84,13 @@ RESOURCE_INFOS = {
         subresources={"status"},
         verbs={"get", "list", "watch", "create", "patch", "update", "delete"},
     ),
+    "batch/v1/jobs": kmock.ResourceInfo(
+        kind="Job",
+        singular="job",
+        namespaced=True,
+        subresources={"status"},
+        verbs={"get", "list", "watch", "create", "patch", "update", "delete"},
+    ),
     "v1/persistentvolumeclaims": kmock.ResourceInfo(
         kind="PersistentVolumeClaim",
         singular="persistentvolumeclaim",
@@ -124,7 +133,11 @@ OPTIONAL_RESOURCE_INFOS = {
 }
 
 # Where the tests' client finds the kinds the operator names only through discovery.
-_STEM = {"Event": ("/api/v1", "events"), **{kind: (f"/apis/{gv}", plural) for gv, plural, kind in _OPTIONAL_KINDS}}
+_STEM = {
+    "Event": ("/api/v1", "events"),
+    "Job": ("/apis/batch/v1", "jobs"),
+    **{kind: (f"/apis/{gv}", plural) for gv, plural, kind in _OPTIONAL_KINDS},
+}
 
 
 @attrs.define(kw_only=True)
@@ -146,7 +159,33 @@ class ApiServer(kmock.KubernetesEmulator):
                 self._stamp_new(request.data)
             elif request.action == kmock.action.UPDATE and request.name is not None:
                 await self._before_patch(request)
-        return await super()._handle(request)
+        owner_uid = self._uid_being_deleted(request)
+        response = await super()._handle(request)
+        if owner_uid is not None and response.status == 200:
+            await self._collect_garbage(owner_uid)
+        return response
+
+    def _uid_being_deleted(self, request: kmock.Request) -> str | None:
+        if request.action != kmock.action.DELETE or request.resource is None or request.name is None:
+            return None
+        key = (request.resource, request.namespace, request.name)
+        if key not in self.objects or self.objects[key].deleted:
+            return None
+        return self.objects[key].raw.get("metadata", {}).get("uid")
+
+    async def _collect_garbage(self, owner_uid: str) -> None:
+        async with self._lock:
+            dependents = [
+                (key, obj.raw)
+                for key, obj in list(self.objects.items())
+                if not obj.deleted
+                and any(ref.get("uid") == owner_uid for ref in obj.raw.get("metadata", {}).get("ownerReferences") or [])
+            ]
+            for key, raw in dependents:
+                self.objects[key].delete()
+                await self._buses[key[0]].put({"type": "DELETED", "object": raw})
+        for _, raw in dependents:
+            await self._collect_garbage(raw["metadata"].get("uid"))
 
     def _refusal(self, request: kmock.Request) -> tuple[int, str] | None:
         method, path = str(request.method.value if request.method else ""), request.url.path

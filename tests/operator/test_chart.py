@@ -191,6 +191,7 @@ NAMESPACED_RULES = (
     | {("", "services", v) for v in ("get", "list", "watch", "create", "patch")}
     | {("", "pods", v) for v in ("list", "watch")}
     | {("", "persistentvolumeclaims", v) for v in ("get", "create", "patch")}
+    | {("batch", "jobs", v) for v in ("get", "list", "watch", "create", "patch")}
     | {("", "events", "create")}
 )
 CRD_WATCH = {("apiextensions.k8s.io", "customresourcedefinitions", v) for v in ("list", "watch")}

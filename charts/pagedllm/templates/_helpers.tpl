@@ -109,6 +109,10 @@ Nothing else is deleted by the operator: owner references cascade deletion.
 - apiGroups: [""]
   resources: ["persistentvolumeclaims"]
   verbs: ["get", "create", "patch"]
+# The Job that fills a model cache once; watched for status.model.
+- apiGroups: ["batch"]
+  resources: ["jobs"]
+  verbs: ["get", "list", "watch", "create", "patch"]
 - apiGroups: [""]
   resources: ["events"]
   verbs: ["create"]
