@@ -43,7 +43,6 @@ from pagedllm.operator.fleet import Fleet, FleetConfig, render_fleet
 from pagedllm.operator.monitoring import scrape_annotations
 from pagedllm.operator.placement import pod_metadata, pod_placement
 from pagedllm.operator.resources import download_resources, models_size_limit, server_resources, shm_gib
-from pagedllm.operator.rollout import plan_rollout
 from pagedllm.operator.spec import PagedLLMSpec
 from pagedllm.operator.spec_fields import dns_label
 
@@ -225,9 +224,7 @@ def render_deployment(name: str, spec: PagedLLMSpec, config: RenderConfig, gener
 
 
 def _strategy(spec: PagedLLMSpec) -> dict:
-    cache = spec.model_cache
-    rwo_cache = spec.downloads and cache is not None and cache.access_mode == "ReadWriteOnce"
-    return plan_rollout(spec.rollout_strategy, spec.rollout, spec.is_fleet, rwo_cache).strategy()
+    return spec.rollout_plan.strategy()
 
 
 def _pod_spec(name: str, spec: PagedLLMSpec, config: RenderConfig) -> dict:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagedllm.operator.fleet_spec import Autoscaling, Routing, parse_autoscaling, parse_routing
-from pagedllm.operator.rollout import Rollout, parse_rollout
+from pagedllm.operator.rollout import Rollout, RolloutPlan, parse_rollout, plan_rollout
 from pagedllm.operator.spec_fields import (  # noqa: F401 (SpecError and GPU_RESOURCE are imported from here)
     GPU_RESOURCE,
     SpecError,
@@ -171,6 +171,11 @@ def _model_source(path: str, value: Any) -> ModelSource:
     if (kind == "pvc") != (pvc is not None):
         raise SpecError(
             f"{path}.pvc is required when {path}.type is pvc, and not allowed otherwise (type={kind!r}, pvc={pvc!r})"
+        )
+    if kind == "pvc" and extra["revision"] is not None:
+        raise SpecError(
+            f"{path}.revision={extra['revision']!r} is not allowed with {path}.type='pvc': only Hub models have "
+            "revisions; put the version in the claim's path"
         )
     if pvc is None:
         return ModelSource(type=kind, **extra)
@@ -326,6 +331,13 @@ class PagedLLMSpec:
         return self.autoscaling is not None or (self.fixed_replicas or 0) > 1
 
     @property
+    def rollout_plan(self) -> RolloutPlan:
+        """The Deployment's strategy (raises :class:`SpecError` for a refused combination)."""
+        cache = self.model_cache
+        rwo_cache = self.downloads and cache is not None and cache.access_mode == "ReadWriteOnce"
+        return plan_rollout(self.rollout_strategy, self.rollout, self.is_fleet, rwo_cache)
+
+    @property
     def model_is_path(self) -> bool:
         """``model`` names a directory already in the image rather than a Hub id."""
         return self.model.startswith("/")
@@ -374,6 +386,7 @@ class PagedLLMSpec:
         if self.model_cache is not None and self.uses_pvc_source:
             raise SpecError("spec.modelCache caches Hugging Face downloads: remove it when modelSource.type is pvc")
         self._check_pod_fields()
+        self.rollout_plan  # noqa: B018 (refuses what cannot roll out)
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < self.max_num_seqs:
             raise SpecError(
                 f"spec.maxNumBatchedTokens={self.max_num_batched_tokens} is out of range: "

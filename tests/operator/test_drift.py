@@ -114,7 +114,7 @@ def test_an_immutable_claim_is_reported_and_the_rest_still_applied():
     manifests = render(resource(modelCache={"size": "10Gi"}), CONFIG).all()
     kube = FakeKube(refuse={"PersistentVolumeClaim": ApiError(422, "spec: Forbidden: spec is immutable")})
     outcome = asyncio.run(apply_all(manifests, kube, "owner-uid"))
-    assert kube.applied == ["Service", "PodMonitor", "Deployment"]
+    assert kube.applied == ["Job", "Service", "PodMonitor", "Deployment"]
     problem = outcome.problem()
     assert problem is not None and problem.reason == APPLY_REFUSED
     assert problem.message == "PersistentVolumeClaim llama-model-cache: spec: Forbidden: spec is immutable"

@@ -256,7 +256,8 @@ def test_extra_args_cannot_override_rendered_flags(scenario):
 
 
 def test_model_cache_renders_an_owned_claim(scenario):
-    created = scenario.api.create(pagedllm(scenario.ns, modelCache={"size": "50Gi", "storageClassName": "fast"}))
+    cache = {"size": "50Gi", "storageClassName": "fast", "retainPolicy": "Delete"}
+    created = scenario.api.create(pagedllm(scenario.ns, modelCache=cache))
     claim = scenario.wait(lambda: scenario.get("PersistentVolumeClaim", "llama-model-cache"), "the claim")
     assert claim["spec"]["resources"]["requests"]["storage"] == "50Gi"
     assert claim["spec"]["storageClassName"] == "fast"
