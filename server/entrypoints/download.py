@@ -132,7 +132,13 @@ def wait_until_complete(
 def fetch_hf(source: Source, dest: Path, revision: str | None, env: Mapping[str, str]) -> None:
     try:
         from huggingface_hub import snapshot_download
-        from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError
+        from huggingface_hub.errors import (
+            GatedRepoError,
+            HfHubHTTPError,
+            LocalEntryNotFoundError,
+            RepositoryNotFoundError,
+            RevisionNotFoundError,
+        )
     except ImportError as exc:
         raise DownloadError(f"{source} needs huggingface_hub in the image: pip install huggingface_hub") from exc
     token_hint = "" if env.get("HF_TOKEN") else " HF_TOKEN is not set: give one through hfTokenSecret."
@@ -144,6 +150,8 @@ def fetch_hf(source: Source, dest: Path, revision: str | None, env: Mapping[str,
         raise DownloadError(f"{source} has no revision {revision!r}: {exc}") from exc
     except (GatedRepoError, RepositoryNotFoundError) as exc:
         raise DownloadError(f"{source} could not be read (missing, private or gated):{token_hint} {exc}") from exc
+    except (HfHubHTTPError, LocalEntryNotFoundError) as exc:
+        raise DownloadError(f"{source} could not be downloaded from the Hub: {exc}") from exc
 
 
 def fetch_s3(source: Source, dest: Path, revision: str | None, env: Mapping[str, str]) -> None:

@@ -1,17 +1,23 @@
 """`pagedllm download` (server/entrypoints/download.py), offline.
 
-Nothing here reaches a network: the Hub path runs against a stand-in for
-``huggingface_hub.snapshot_download`` (the real client is not contacted), and the s3 / gs paths
-run stand-in ``aws`` / ``gcloud`` executables that copy from a local directory, so what is
-checked is our side: the arguments and environment each tool gets, the completion marker,
-resuming, and the errors for a missing tool or credential.
+Nothing here leaves loopback: the Hub path runs the real huggingface_hub client (in a
+`pagedllm download` subprocess) against a small fake Hub on 127.0.0.1 (``HF_ENDPOINT``), and
+the s3 / gs paths run stand-in ``aws`` / ``gcloud`` executables that copy from a local
+directory. So what is checked is our side: the requests and arguments each tool gets, the
+completion marker, resuming, and the errors for a missing tool or credential; not the real
+stores' behaviour.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import stat
+import subprocess
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import httpx
@@ -195,3 +201,93 @@ def test_the_cli_refuses_an_unknown_source(capsys):
         main(["download", "ftp://x/y", "/tmp/never"])
     assert info.value.code == 2
     assert "source='ftp://x/y' is not allowed" in capsys.readouterr().err
+
+
+HUB_FILES = {"config.json": b"{}", "model.safetensors": b"w" * 64}
+HUB_SHA = "c0ffee" * 6 + "c0ff"
+
+
+class FakeHub(BaseHTTPRequestHandler):
+    """The Hub endpoints snapshot_download calls, for one repository ``org/name`` at revision ``v1``."""
+
+    requests: list[tuple[str, str]] = []
+
+    def log_message(self, *args) -> None:
+        pass
+
+    def do_HEAD(self) -> None:
+        self.do_GET()
+
+    def do_GET(self) -> None:
+        self.requests.append((self.command, self.path))
+        path = self.path.split("?")[0]
+        if path == "/api/models/org/name/revision/v1":
+            siblings = [{"rfilename": name} for name in HUB_FILES]
+            return self._json({"id": "org/name", "sha": HUB_SHA, "siblings": siblings})
+        if path.startswith("/api/models/org/name/revision/"):
+            return self._send(404, b'{"error": "Invalid rev id"}', {"X-Error-Code": "RevisionNotFound"})
+        if path == f"/api/models/org/name/tree/{HUB_SHA}":
+            files = [
+                {"type": "file", "path": n, "size": len(d), "oid": hashlib.sha1(d).hexdigest()}
+                for n, d in HUB_FILES.items()
+            ]
+            return self._json(files)
+        name = path.rsplit("/", 1)[-1]
+        if path.startswith(f"/org/name/resolve/{HUB_SHA}/") and name in HUB_FILES:
+            data = HUB_FILES[name]
+            return self._send(200, data, {"X-Repo-Commit": HUB_SHA, "ETag": f'"{hashlib.sha1(data).hexdigest()}"'})
+        self._send(404, b'{"error": "not here"}')
+
+    def _json(self, value) -> None:
+        self._send(200, json.dumps(value).encode(), {"Content-Type": "application/json"})
+
+    def _send(self, code: int, body: bytes, headers: dict) -> None:
+        self.send_response(code)
+        for key, value in headers.items():
+            self.send_header(key, value)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(body)
+
+
+@pytest.fixture()
+def fake_hub():
+    FakeHub.requests = []
+    server = ThreadingHTTPServer(("127.0.0.1", 0), FakeHub)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_port}"
+    server.shutdown()
+    thread.join()
+
+
+def run_cli(args: list[str], endpoint: str, home: Path) -> subprocess.CompletedProcess:
+    # NOTE: a subprocess: huggingface_hub reads HF_ENDPOINT once, when it is imported.
+    env = {**os.environ, "HF_ENDPOINT": endpoint, "HF_HOME": str(home), "HF_HUB_DISABLE_TELEMETRY": "1"}
+    env.pop("HF_HUB_OFFLINE", None)
+    env.pop("HF_TOKEN", None)
+    command = [sys.executable, "-m", "pagedllm.server.entrypoints.cli", "download", *args]
+    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_the_hub_client_downloads_the_pinned_revision_from_a_loopback_hub(fake_hub, tmp_path):
+    dest = tmp_path / "models" / "org" / "name@v1"
+    result = run_cli(["hf://org/name", str(dest), "--revision", "v1"], fake_hub, tmp_path / "hf")
+    assert result.returncode == 0, result.stderr
+    assert {p.name: p.read_bytes() for p in dest.iterdir() if p.is_file() and p.name != dl.MARKER} == HUB_FILES
+    assert dl.is_complete(dest, dl.parse_source("hf://org/name"), "v1")
+    assert ("GET", "/api/models/org/name/revision/v1") in FakeHub.requests
+    fetched = [path for method, path in FakeHub.requests if method == "GET" and "/resolve/" in path]
+    assert sorted(fetched) == sorted(f"/org/name/resolve/{HUB_SHA}/{name}" for name in HUB_FILES)
+
+    FakeHub.requests.clear()  # a second run finds the marker and asks the Hub nothing
+    again = run_cli(["hf://org/name", str(dest), "--revision", "v1"], fake_hub, tmp_path / "hf")
+    assert again.returncode == 0 and "was already in" in again.stderr and FakeHub.requests == []
+
+
+def test_an_unknown_hub_revision_is_a_clear_error(fake_hub, tmp_path):
+    result = run_cli(["hf://org/name", str(tmp_path / "d"), "--revision", "v9"], fake_hub, tmp_path / "hf")
+    assert result.returncode == 2
+    assert "pagedllm download: error: hf://org/name has no revision 'v9'" in result.stderr
+    assert not (tmp_path / "d" / dl.MARKER).exists()
