@@ -28,6 +28,7 @@ from pagedllm.operator.backoff import Backoff, RepairPacer
 from pagedllm.operator.capabilities import servable, with_features
 from pagedllm.operator.drift import drifted
 from pagedllm.operator.kube import ApiError, KubeClient, collection_path, default_login
+from pagedllm.operator.leaderworkerset import missing_workload
 from pagedllm.operator.manifests import (
     GROUP,
     INSTANCE_LABEL,
@@ -172,7 +173,10 @@ async def converge(
         kopf.info(as_body(body), reason="Deleted", message=f"{', '.join(outcome.deleted)} {name}: not in the spec")
     # NOTE: read again: the Deployment's status may have moved on while the other children
     # were applied, and this status is written after the event handlers' (newer) ones.
-    deployment = await _get_or_none(kube, "Deployment", namespace, name) or applied["Deployment"]
+    kind, api_version = manifests.deployment["kind"], manifests.deployment["apiVersion"]
+    deployment = await _get_or_none(kube, kind, namespace, name, api_version) or applied.get(kind)
+    if deployment is None:  # NOTE: a LeaderWorkerSet where its CRD is missing: nothing runs
+        return with_features(await _degraded(body, kube, missing_workload(features)), features, now())
     problem = standing_exit(body, deployment) or await _pods_exit(kube, body, deployment)
     status = status_from(body, deployment, now=now(), problem=problem)
     return with_features(status, features, now())
@@ -197,9 +201,11 @@ async def _pods_exit(kube: KubeClient, body: Mapping[str, Any], deployment: Mapp
     return next((problem for problem in exits if problem is not None), None)
 
 
-async def _get_or_none(kube: KubeClient, kind: str, namespace: str, name: str) -> dict | None:
+async def _get_or_none(
+    kube: KubeClient, kind: str, namespace: str, name: str, api_version: str | None = None
+) -> dict | None:
     try:
-        return await kube.get(kind, namespace, name)
+        return await kube.get(kind, namespace, name, api_version=api_version)
     except ApiError:
         return None
 

@@ -27,6 +27,7 @@ from pagedllm.operator.autoscaling import AUTOSCALERS, HPA
 from pagedllm.operator.command import SERVE_COMMAND, check_engine, server_args
 from pagedllm.operator.container_env import downloads, gpu_resources, hub_env, server_env
 from pagedllm.operator.fleet import Fleet, FleetConfig, render_fleet
+from pagedllm.operator.leaderworkerset import spread_over_nodes, wants_leaderworkerset
 from pagedllm.operator.monitoring import scrape_annotations
 from pagedllm.operator.placement import pod_metadata, pod_placement
 from pagedllm.operator.spec import PagedLLMSpec
@@ -84,6 +85,7 @@ class Manifests:
     """Everything one resource renders to; ``pvc`` only with spec.modelCache."""
 
     deployment: dict
+    """The server pods' owner: a Deployment, or a LeaderWorkerSet when replicas span nodes."""
     service: dict
     pvc: dict | None = None
     fleet: Fleet | None = None
@@ -155,6 +157,8 @@ def render(body: Mapping[str, Any], config: RenderConfig) -> Manifests:
         pvc=render_pvc(name, spec) if spec.model_cache is not None else None,
         fleet=fleet,
     )
+    if wants_leaderworkerset(spec):
+        manifests = spread_over_nodes(manifests, name, spec)
     kopf.adopt(manifests.all(), owner=as_body(body))
     return manifests
 
