@@ -9,11 +9,12 @@ import os
 import signal
 import socket
 import subprocess
+import time
 from collections.abc import Iterator
 
 import httpx
 import pytest
-from api_factories import serve_command, serve_process, wait_ready
+from api_factories import live_server, serve_command, serve_process, wait_ready
 
 from pagedllm.server.config import ConfigError, EngineConfig
 from pagedllm.server.demo import save_tiny_llama
@@ -129,6 +130,25 @@ def test_a_killed_worker_node_ends_the_leader_naming_node_and_rank(model):
         assert leader.wait(timeout=60) != 0
         out = stop(leader)
     assert "rank 1 on node 1" in out and "closed its connection" in out, out[-3000:]
+
+
+def test_the_leader_answers_503_on_health_once_a_worker_node_is_gone(model):
+    """The leader's engine runs in this process here, so /health can be read after the failure too."""
+    master = two_free_ports()
+    worker = start([*serve_command(model, 0)[:-4], *ENGINE, "--headless", *node_flags(master, 1)])
+    try:
+        layout = dict(tensor_parallel_size=2, nnodes=2, master_addr="127.0.0.1", master_port=master)
+        with live_server(model, block_size=8, **layout) as server:
+            assert httpx.get(f"{server.url}/health").status_code == 200
+            worker.kill()
+            deadline = time.monotonic() + 30
+            while httpx.get(f"{server.url}/health").status_code == 200 and time.monotonic() < deadline:
+                time.sleep(0.1)
+            health = httpx.get(f"{server.url}/health")
+            assert health.status_code == 503
+            assert "rank 1 on node 1" in health.json()["error"]["message"]
+    finally:
+        stop(worker)
 
 
 def test_a_killed_leader_ends_the_worker_node(model):
