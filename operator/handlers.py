@@ -28,7 +28,7 @@ from pagedllm.operator.backoff import Backoff, RepairPacer
 from pagedllm.operator.capabilities import servable, with_features
 from pagedllm.operator.drift import drifted
 from pagedllm.operator.kube import ApiError, KubeClient, collection_path, default_login
-from pagedllm.operator.leaderworkerset import missing_workload
+from pagedllm.operator.leaderworkerset import LWS_RESOURCE, missing_workload, workload_ref
 from pagedllm.operator.manifests import (
     GROUP,
     INSTANCE_LABEL,
@@ -83,6 +83,8 @@ def build_registry() -> kopf.OperatorRegistry:
     every = DRIFT_CHECK_SECONDS
     kopf.timer(GROUP, VERSION, PLURAL, interval=every, initial_delay=every, registry=registry)(check_drift)
     kopf.on.event("apps", "v1", "deployments", labels=_MANAGED, registry=registry)(on_deployment_event)
+    # NOTE: served only where the LeaderWorkerSet CRD is installed; kopf starts the watch when it appears
+    kopf.on.event(*LWS_RESOURCE, labels=_MANAGED, registry=registry)(on_deployment_event)
     kopf.on.event("", "v1", "services", labels=_MANAGED, registry=registry)(on_service_event)
     kopf.on.event("", "v1", "pods", labels=_MANAGED, registry=registry)(on_pod_event)
     return registry
@@ -307,8 +309,8 @@ async def check_drift(body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **_
     meta = body["metadata"]
     if meta.get("deletionTimestamp"):
         return
-    for kind in ("Deployment", "Service"):
-        live = await memo.kube.get(kind, meta["namespace"], meta["name"])
+    for kind, api_version in (workload_ref(body.get("spec") or {}), ("Service", None)):
+        live = await memo.kube.get(kind, meta["namespace"], meta["name"], api_version=api_version)
         if live is None or owner_name(live) != meta["name"]:
             # Missing (or never applied: a standing refusal is retried here, once a period).
             await _apply_owner(body, memo, logger)
@@ -320,14 +322,15 @@ async def check_drift(body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **_
 async def on_deployment_event(
     type: str | None, body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **_: Any
 ) -> None:
-    """An owned Deployment changed: refresh the owner's status, or recreate it if deleted."""
+    """An owned Deployment (or LeaderWorkerSet) changed: refresh the owner's status, or recreate it if deleted."""
     owner = await _live_owner(body, memo.kube)
     if owner is None:
         return
+    kind = body.get("kind") or "Deployment"
     if type == "DELETED":
-        await _recreate(owner, "Deployment", memo, logger)
+        await _recreate(owner, kind, memo, logger)
         return
-    if type == "MODIFIED" and await repair_drift(owner, body, "Deployment", memo, logger):
+    if type == "MODIFIED" and await repair_drift(owner, body, kind, memo, logger):
         return
     status = refresh_status(owner, body, memo.config)
     if status != comparable(owner.get("status"), status):

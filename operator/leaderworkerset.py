@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+from collections.abc import Mapping
 from typing import Any
 
 from pagedllm.operator.spec import PagedLLMSpec, SpecError
@@ -159,3 +160,15 @@ def missing_workload(outcomes: list[Any]) -> Any:
         if outcome.kind == KIND and not outcome.served:
             return Problem("CRDNotInstalled", outcome.condition()["message"])
     return None
+
+
+LWS_RESOURCE = ("leaderworkerset.x-k8s.io", "v1", "leaderworkersets")
+"""(group, version, plural), for the watch of the operator's LeaderWorkerSets."""
+
+
+def workload_ref(spec: Mapping[str, Any]) -> tuple[str, str | None]:
+    """(kind, apiVersion) of the server pods' owner a raw spec renders to; apiVersion None for the Deployment."""
+    nodes = spec.get("nodes")
+    if isinstance(nodes, int) and not isinstance(nodes, bool) and nodes > 1:
+        return KIND, API_VERSION
+    return "Deployment", None

@@ -188,7 +188,8 @@ NAMESPACED_RULES = (
     | {("monitoring.coreos.com", "podmonitors", v) for v in ("get", "create", "patch", "delete")}
     | {("keda.sh", "scaledobjects", v) for v in ("get", "delete")}
     | {("apps", "deployments", v) for v in ("get", "list", "watch", "create", "patch", "delete")}
-    | {("leaderworkerset.x-k8s.io", "leaderworkersets", v) for v in ("get", "create", "patch", "delete")}
+    | {("leaderworkerset.x-k8s.io", "leaderworkersets", v) for v in ("get", "list", "watch", "create", "patch")}
+    | {("leaderworkerset.x-k8s.io", "leaderworkersets", "delete")}
     | {("", "services", v) for v in ("get", "list", "watch", "create", "patch")}
     | {("", "pods", v) for v in ("list", "watch")}
     | {("", "persistentvolumeclaims", v) for v in ("get", "create", "patch")}

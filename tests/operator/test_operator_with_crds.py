@@ -108,6 +108,22 @@ def test_a_model_over_two_nodes_is_a_leaderworkerset_with_leaders_behind_the_ser
     assert condition(obj, "MultiNodeReady")["status"] == "True"
     assert condition(obj, "Degraded").get("status") != "True"
 
+    # The groups' readiness reaches the resource through the LeaderWorkerSet's events.
+    generation = lws["metadata"].get("generation")
+    report = {"replicas": 1, "readyReplicas": 1, "updatedReplicas": 1}
+    report.update({"observedGeneration": generation} if generation else {})
+    scenario.api.patch("LeaderWorkerSet", scenario.ns, "llama", {"status": report}, sub="status")
+    obj = scenario.wait_status(lambda s, o: s.get("phase") == "Ready", "Ready from the LeaderWorkerSet")
+    assert obj["status"]["ready"] == "1/1"
+
+    # Deleted by hand: recreated from its event.
+    uid = lws["metadata"]["uid"]
+    scenario.api.delete("LeaderWorkerSet", scenario.ns, "llama")
+    scenario.wait(
+        lambda: (scenario.get("LeaderWorkerSet") or {}).get("metadata", {}).get("uid") not in (None, uid),
+        "a new LeaderWorkerSet",
+    )
+
     # Back to one node: the Deployment returns and the operator's LeaderWorkerSet is deleted.
     scenario.api.patch("PagedLLM", scenario.ns, "llama", {"spec": {"nodes": 1}})
     scenario.wait_deployment()

@@ -103,7 +103,7 @@ Nothing else is deleted by the operator: owner references cascade deletion.
   verbs: ["get", "list", "watch", "create", "patch", "delete"]
 - apiGroups: ["leaderworkerset.x-k8s.io"]
   resources: ["leaderworkersets"]
-  verbs: ["get", "create", "patch", "delete"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
 - apiGroups: [""]
   resources: ["services"]
   verbs: ["get", "list", "watch", "create", "patch"]
