@@ -152,6 +152,28 @@ def test_the_leader_answers_503_on_health_once_a_worker_node_is_gone(model):
         stop(worker)
 
 
+def test_a_hung_rank_on_another_node_is_named_and_stopped(model, monkeypatch):
+    from pagedllm.server import LLM, SamplingParams
+    from pagedllm.server.engine.faults import EngineFatalError
+
+    monkeypatch.setenv("PAGEDLLM_TP_HANG_TIMEOUT", "3")
+    master = two_free_ports()
+    worker = start([*serve_command(model, 0)[:-4], *ENGINE, "--headless", *node_flags(master, 1)])
+    try:
+        layout = dict(tensor_parallel_size=2, nnodes=2, master_addr="127.0.0.1", master_port=master)
+        with LLM(model=model, block_size=8, num_gpu_blocks_override=64, **layout) as llm:
+            engine = llm.llm_engine
+            engine.add_request("a", {"prompt_token_ids": [1, 2, 3]}, SamplingParams(max_tokens=4))
+            engine.runner.workers.send(("inject_fault", "hang"))
+            with pytest.raises(EngineFatalError, match=r"did not finish within 3s \(still in it: rank 1 on node 1\)"):
+                while engine.has_unfinished_requests():
+                    engine.step()
+        assert worker.wait(timeout=30) == 1  # told to stop by the leader
+    finally:
+        out = stop(worker)
+    assert "stopped this rank" in out, out[-3000:]
+
+
 def test_a_killed_leader_ends_the_worker_node(model):
     with two_nodes(model) as (leader, worker, _):
         leader.kill()
