@@ -11,17 +11,21 @@
                    notes a rank that went quiet         exits the process when the leader
                    or closed its connection             goes quiet or closes its connection
 
-Frames are an 8-byte length and a pickle. The leader pickles a message once and writes
-it to every rank (a step is the same for all). Only control goes here: the model's
+Frames are an 8-byte length and a payload: from the leader a pickle (a step holds numpy
+arrays; the leader pickles it once and writes it to every rank, a step being the same for
+all), from a rank JSON (its hello, replies and heartbeats are plain values). Only control goes here: the model's
 collectives (all-reduce, gather) go through torch.distributed (gloo on CPU, NCCL on GPU).
 
-NOTE: the channel trusts its peers (pickle): it is for the ranks of one server, on the
-pod network of one group, never a port exposed to clients.
+NOTE: the leader listens on the network but never unpickles what arrives: anything that
+connects can at worst be refused. A rank unpickles only what comes from the leader it
+connected to (--master-addr): the port is for the ranks of one server, on the pod network
+of one group, never one exposed to clients.
 """
 
 from __future__ import annotations
 
 import collections
+import json
 import logging
 import os
 import pickle
@@ -56,8 +60,19 @@ def join_timeout() -> float:
 
 
 def frame(message: Any) -> bytes:
+    """A leader's message (pickled)."""
     payload = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
     return HEADER.pack(len(payload)) + payload
+
+
+def rank_frame(message: Any) -> bytes:
+    """A rank's message (JSON: tuples arrive as lists)."""
+    payload = json.dumps(message).encode()
+    return HEADER.pack(len(payload)) + payload
+
+
+def _from_rank(payload: bytes) -> Any:
+    return json.loads(payload)
 
 
 def _tune(sock: socket.socket) -> None:
@@ -68,7 +83,8 @@ def _tune(sock: socket.socket) -> None:
 class _Reader:
     """Cuts frames out of a byte stream as it arrives; whole messages wait in :attr:`pending`."""
 
-    def __init__(self) -> None:
+    def __init__(self, decode: Any = pickle.loads) -> None:
+        self.decode = decode
         self.buffer = bytearray()
         self.pending: collections.deque[Any] = collections.deque()
 
@@ -78,7 +94,7 @@ class _Reader:
             (size,) = HEADER.unpack_from(self.buffer)
             if len(self.buffer) < HEADER.size + size:
                 break
-            self.pending.append(pickle.loads(bytes(self.buffer[HEADER.size : HEADER.size + size])))
+            self.pending.append(self.decode(bytes(self.buffer[HEADER.size : HEADER.size + size])))
             del self.buffer[: HEADER.size + size]
 
     def take(self) -> list[Any]:
@@ -107,7 +123,7 @@ class Peer:
     pid: int
     host: str
     sock: socket.socket
-    reader: _Reader = field(default_factory=_Reader)
+    reader: _Reader = field(default_factory=lambda: _Reader(_from_rank))
     replies: queue.Queue = field(default_factory=queue.Queue)
     lock: threading.Lock = field(default_factory=threading.Lock)
     last_seen: float = field(default_factory=time.monotonic)
@@ -158,12 +174,12 @@ class LeaderChannel:
     def _greet(self, sock: socket.socket, address: Any, deadline: float, hello_check: Any) -> None:
         _tune(sock)
         try:
-            hello = _recv_one(sock, _Reader(), min(deadline, time.monotonic() + 30))
-        except (OSError, RankLostError, pickle.UnpicklingError) as exc:
+            hello = _recv_one(sock, _Reader(_from_rank), min(deadline, time.monotonic() + 30))
+            _, rank, node, pid, host, layout = hello
+        except (OSError, RankLostError, ValueError, TypeError) as exc:
             logger.warning("a connection from %s sent no hello (%r): closed", address, exc)
             sock.close()
             return
-        _, rank, node, pid, host, layout = hello
         problem = hello_check(layout)
         if problem is None and (self.nodes_of.get(rank) != node or rank in self.peers):
             problem = f"rank {rank} on node {node} is not expected (or joined twice)"
@@ -339,7 +355,7 @@ class RankChannel:
         threading.Thread(target=self._run, name="pagedllm-tp-channel", daemon=True).start()
 
     def send(self, message: Any) -> None:
-        data = frame(message)
+        data = rank_frame(message)
         with self._lock:
             self.sock.sendall(data)
 

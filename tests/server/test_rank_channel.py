@@ -3,6 +3,7 @@ who is missing, and how a rank that closes its connection or goes quiet is named
 
 from __future__ import annotations
 
+import json
 import pickle
 import socket
 import threading
@@ -10,7 +11,7 @@ import time
 
 import pytest
 
-from pagedllm.server.worker.rank_channel import HEADER, LeaderChannel, RankLostError, _Reader, frame
+from pagedllm.server.worker.rank_channel import HEADER, LeaderChannel, RankLostError, _Reader, frame, rank_frame
 
 LAYOUT = (4, 2)
 
@@ -24,7 +25,7 @@ class FakeRank:
         self.send(("hello", rank, node, 4242, "node-host", layout))
 
     def send(self, message) -> None:
-        self.sock.sendall(frame(message))
+        self.sock.sendall(rank_frame(message))
 
     def read(self):
         """The next message from the leader; None once it closed the connection."""
@@ -40,7 +41,7 @@ class FakeRank:
 
 
 def same_layout(theirs):
-    return None if tuple(theirs) == LAYOUT else f"it was started with {theirs}"
+    return None if tuple(theirs) == LAYOUT else f"it was started with {tuple(theirs)}"
 
 
 def joined(channel: LeaderChannel, *ranks: tuple[int, int]) -> list[FakeRank]:
@@ -60,15 +61,43 @@ def test_frames_cut_anywhere_are_put_back_together():
         reader.feed(data[i : i + 7])
     assert reader.take() == [("step", list(range(1000))), ("heartbeat", False)]
     assert HEADER.unpack_from(frame("x"))[0] == len(pickle.dumps("x", protocol=pickle.HIGHEST_PROTOCOL))
+    from_rank = _Reader(json.loads)
+    data = rank_frame(("hello", 1, 0, 7, "h", (2, 1))) + rank_frame(("heartbeat", True))
+    for i in range(0, len(data), 5):
+        from_rank.feed(data[i : i + 5])
+    assert from_rank.take() == [["hello", 1, 0, 7, "h", [2, 1]], ["heartbeat", True]]
+
+
+def test_what_arrives_at_the_leader_is_never_unpickled():
+    """A connection that sends a pickle (or any non-JSON) instead of a hello is closed and forgotten."""
+    channel = LeaderChannel("127.0.0.1", 0, {1: 0})
+    try:
+
+        def hostile_then_honest() -> None:
+            with socket.create_connection(("127.0.0.1", channel.port), timeout=10) as sock:
+                sock.sendall(frame(("hello", 1, 0, 1, "x", LAYOUT)))  # a pickle, as an attacker would send
+                sock.recv(1)  # closed by the leader
+            socks.append(FakeRank(channel.port, 1, 0))
+
+        socks: list[FakeRank] = []
+        thread = threading.Thread(target=hostile_then_honest)
+        thread.start()
+        channel.accept_all(10, same_layout)
+        thread.join()
+        assert list(channel.peers) == [1] and channel.peers[1].host == "node-host"
+    finally:
+        channel.close()
 
 
 def test_a_missing_node_is_named_with_its_ranks():
     channel = LeaderChannel("127.0.0.1", 0, {1: 0, 2: 1, 3: 1})
     try:
         socks: list[FakeRank] = []
-        threading.Thread(target=lambda: socks.append(FakeRank(channel.port, 1, 0))).start()
+        joiner = threading.Thread(target=lambda: socks.append(FakeRank(channel.port, 1, 0)))
+        joiner.start()
         with pytest.raises(RankLostError, match=r"^node 1 \(ranks 2, 3\) did not join within 1s: start"):
             channel.accept_all(1, same_layout)
+        joiner.join()
         assert list(channel.peers) == [1]
     finally:
         channel.close()
@@ -78,9 +107,11 @@ def test_a_rank_of_another_layout_is_refused_and_told_why():
     channel = LeaderChannel("127.0.0.1", 0, {1: 0, 2: 1, 3: 1})
     try:
         socks: list[FakeRank] = []
-        threading.Thread(target=lambda: socks.append(FakeRank(channel.port, 2, 1, layout=(8, 2)))).start()
+        joiner = threading.Thread(target=lambda: socks.append(FakeRank(channel.port, 2, 1, layout=(8, 2))))
+        joiner.start()
         with pytest.raises(RankLostError, match=r"node 1 \(rank 2, node-host\) was refused: it was started with"):
             channel.accept_all(10, same_layout)
+        joiner.join()
         assert socks[0].read() == ("refused", "it was started with (8, 2)")
     finally:
         channel.close()
@@ -90,9 +121,11 @@ def test_an_unexpected_rank_is_refused():
     channel = LeaderChannel("127.0.0.1", 0, {1: 1})
     try:
         socks: list[FakeRank] = []
-        threading.Thread(target=lambda: socks.append(FakeRank(channel.port, 1, 0))).start()
+        joiner = threading.Thread(target=lambda: socks.append(FakeRank(channel.port, 1, 0)))
+        joiner.start()
         with pytest.raises(RankLostError, match="rank 1 on node 0 is not expected"):
             channel.accept_all(10, same_layout)
+        joiner.join()
     finally:
         channel.close()
 
@@ -105,7 +138,7 @@ def test_a_rank_that_closes_its_connection_is_named_and_replies_fail():
         channel.broadcast(("device_blocks", 10))
         assert second.read() == ("device_blocks", 10)
         second.send(("reply", 7))
-        assert channel.reply(2, 10) == ("reply", 7)
+        assert channel.reply(2, 10) == ["reply", 7]
         second.close()
         with pytest.raises(RankLostError, match=r"rank 2 on node 1 \(pid 4242 on node-host\) closed its connection"):
             channel.reply(1, 10)
