@@ -1,8 +1,10 @@
 """Tensor-parallel probe: what the driver pays per step to reach the other ranks, and TP=N vs TP=1 throughput.
 
 1. Step message: the :class:`ModelStep` of a decode batch (batch 1, 64, 256 at a given
-   context) pickled and written to a rank's pipe, as the driver does every step; median
-   microseconds and bytes.
+   context) sent to ``--tp - 1`` rank processes that acknowledge it, over the TCP channel
+   the engine uses (:mod:`pagedllm.server.worker.rank_channel`) and over one
+   multiprocessing pipe per rank (its former local transport); median microseconds of the
+   send and of the round trip, their TCP/pipe ratio, bytes, and the driver's thread count.
 2. Throughput: the same requests (random-weight LLaMA, fixed output lengths, greedy)
    offline at ``tensor_parallel_size`` 1 and N; output tokens/s and their ratio. On CPU
    the N ranks share the machine's cores (each gets cores / N threads), so this measures
@@ -22,6 +24,7 @@ import platform
 import statistics
 import sys
 import tempfile
+import threading
 import time
 
 import torch
@@ -30,6 +33,7 @@ from tqdm import tqdm
 from benchmarks.common import HelpFormatter, set_threads
 from pagedllm.server import LLM, SamplingParams
 from pagedllm.server.worker.attention import AttentionMetadata
+from pagedllm.server.worker.rank_channel import frame
 from pagedllm.server.worker.step_inputs import ModelStep
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
@@ -51,28 +55,98 @@ def decode_step(batch: int, context: int, block_size: int) -> ModelStep:
     return ModelStep([], [], [], ids, ids.clone(), meta, ids.clone(), None)
 
 
-def _reader(conn) -> None:
+def _pipe_reader(conn) -> None:
     while conn.recv() is not None:
-        pass
+        conn.send(time.monotonic_ns())  # NOTE: CLOCK_MONOTONIC is one clock for every process on Linux
 
 
-def message_cost(batch: int, context: int, block_size: int, repeats: int) -> dict:
-    """Median driver-side time to send one step's message down a pipe to another process."""
-    parent, child = multiprocessing.get_context("spawn").Pipe()
-    reader = multiprocessing.get_context("spawn").Process(target=_reader, args=(child,), daemon=True)
-    reader.start()
-    step = decode_step(batch, context, block_size)
-    times = []
+def _channel_rank(port: int, rank: int) -> None:
+    from pagedllm.server.worker.rank_channel import RankChannel
+
+    channel = RankChannel.connect("127.0.0.1", port, ("hello", rank, 0, os.getpid(), "bench", (0, 0)), 30)
+    channel.first(30)
+    channel.start()
+    while channel.recv()[0] != "shutdown":
+        channel.send(("reply", time.monotonic_ns()))
+
+
+def _time(send, wait, repeats: int) -> dict:
+    """Median microseconds: the send alone, until the last rank's loop holds the step (one way: what a
+    step costs, as ranks do not answer steps), and until every acknowledgement is back."""
+    sends, arrivals, trips = [], [], []
     for _ in range(repeats):
-        start = time.perf_counter()
-        parent.send(("step", step.to_wire()))
-        times.append(time.perf_counter() - start)
-    parent.send(None)
-    reader.join(timeout=10)
-    from multiprocessing.reduction import ForkingPickler
+        start = time.monotonic_ns()
+        send()
+        sent = time.monotonic_ns()
+        received = max(wait())
+        done = time.monotonic_ns()
+        sends.append(sent - start)
+        arrivals.append(received - start)
+        trips.append(done - start)
+    return {
+        "send_us": round(statistics.median(sends) / 1e3, 1),
+        "one_way_us": round(statistics.median(arrivals) / 1e3, 1),
+        "round_trip_us": round(statistics.median(trips) / 1e3, 1),
+    }
 
-    size = len(ForkingPickler.dumps(("step", step.to_wire())))
-    return {"batch": batch, "context": context, "median_us": round(statistics.median(times) * 1e6, 1), "bytes": size}
+
+def pipe_cost(step: ModelStep, ranks: int, repeats: int) -> dict:
+    """What the engine paid with one multiprocessing pipe per rank (its former transport)."""
+    context = multiprocessing.get_context("spawn")
+    pipes, procs = [], []
+    for _ in range(ranks):
+        parent, child = context.Pipe()
+        proc = context.Process(target=_pipe_reader, args=(child,), daemon=True)
+        proc.start()
+        pipes.append(parent)
+        procs.append(proc)
+    wire = ("step", step.to_wire())
+    timed = _time(lambda: [pipe.send(wire) for pipe in pipes], lambda: [pipe.recv() for pipe in pipes], repeats)
+    threads = threading.active_count()
+    for pipe, proc in zip(pipes, procs):
+        pipe.send(None)
+        proc.join(timeout=10)
+    return {**timed, "driver_threads": threads}
+
+
+def channel_cost(step: ModelStep, ranks: int, repeats: int) -> dict:
+    """What the engine pays now: one TCP channel, the step pickled once and written to every rank."""
+    from pagedllm.server.worker.rank_channel import LeaderChannel
+
+    channel = LeaderChannel("127.0.0.1", 0, {rank: 0 for rank in range(1, ranks + 1)})
+    context = multiprocessing.get_context("spawn")
+    procs = [context.Process(target=_channel_rank, args=(channel.port, r), daemon=True) for r in range(1, ranks + 1)]
+    for proc in procs:
+        proc.start()
+    channel.accept_all(60, lambda layout: None)
+    channel.broadcast(("welcome",))
+    channel.start()
+    wire = ("step", step.to_wire())
+    timed = _time(
+        lambda: channel.broadcast(wire), lambda: [channel.reply(r, 30)[1] for r in sorted(channel.peers)], repeats
+    )
+    threads = threading.active_count()
+    channel.close(farewell=("shutdown",))
+    for proc in procs:
+        proc.join(timeout=10)
+    return {**timed, "driver_threads": threads}
+
+
+def message_cost(batch: int, context: int, block_size: int, repeats: int, ranks: int) -> dict:
+    """One decode step's message to ``ranks`` other processes: over pipes (before) and TCP (now)."""
+    step = decode_step(batch, context, block_size)
+    pipe = pipe_cost(step, ranks, repeats)
+    tcp = channel_cost(step, ranks, repeats)
+    return {
+        "batch": batch,
+        "context": context,
+        "ranks": ranks,
+        "bytes": len(frame(("step", step.to_wire()))),
+        "pipe": pipe,
+        "tcp": tcp,
+        "tcp_over_pipe_one_way": round(tcp["one_way_us"] / pipe["one_way_us"], 3),
+        "tcp_over_pipe_round_trip": round(tcp["round_trip_us"] / pipe["round_trip_us"], 3),
+    }
 
 
 def throughput(model_dir: str, tp: int, num_requests: int, prompt_len: int, output_len: int) -> dict:
@@ -123,10 +197,22 @@ def main(argv=None) -> int:
     p.add_argument("--prompt-len", type=int, default=128, help="prompt tokens per request")
     p.add_argument("--output-len", type=int, default=64, help="output tokens per request")
     p.add_argument("--save", action="store_true", help="write benchmarks/results/tp-cpu-DATE.json")
+    p.add_argument("--messages-only", action="store_true", help="only the step-message probe (no throughput run)")
     args = p.parse_args(argv)
     set_threads()
     print(f"torch {torch.__version__}, {os.cpu_count()} CPUs")
-    messages = [message_cost(b, args.context, 16, args.repeats) for b in tqdm((1, 64, 256), desc="step messages")]
+    messages = [
+        message_cost(b, args.context, 16, args.repeats, args.tp - 1) for b in tqdm((1, 64, 256), desc="step messages")
+    ]
+    for m in messages:
+        print(
+            f"batch {m['batch']:>3}: {m['bytes']} bytes to {m['ranks']} rank(s); one way pipe"
+            f" {m['pipe']['one_way_us']} us, TCP {m['tcp']['one_way_us']} us (TCP/pipe {m['tcp_over_pipe_one_way']});"
+            f" round trip TCP/pipe {m['tcp_over_pipe_round_trip']}; driver threads pipe"
+            f" {m['pipe']['driver_threads']}, TCP {m['tcp']['driver_threads']}"
+        )
+    if args.messages_only:
+        return 0
     with tempfile.TemporaryDirectory() as tmp:
         model = tiny_llama(os.path.join(tmp, "llama"), args.hidden, args.layers, args.heads)
         runs = [

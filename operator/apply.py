@@ -31,7 +31,11 @@ PRUNABLE: tuple[tuple[str, str], ...] = (
     ("keda.sh/v1alpha1", "ScaledObject"),
     ("inference.networking.k8s.io/v1", "InferencePool"),
     ("monitoring.coreos.com/v1", "PodMonitor"),
+    # NOTE: the server pods' owner switches kind with spec.nodes (see leaderworkerset.py)
+    ("apps/v1", "Deployment"),
+    ("leaderworkerset.x-k8s.io/v1", "LeaderWorkerSet"),
 )
+WORKLOAD_KINDS = ("Deployment", "LeaderWorkerSet")
 
 # Keeps a Deployment's replica count while the operator stops applying it (autoscaling turned on).
 HANDOVER_MANAGER = "pagedllm-operator-handover"
@@ -79,7 +83,7 @@ async def apply_all(manifests: Iterable[Mapping[str, Any]], kube: Kube, owner_ui
     the status the caller reads right after is as fresh as it can be.
     """
     outcome = ApplyOutcome()
-    for manifest in sorted(manifests, key=lambda m: m["kind"] == "Deployment"):
+    for manifest in sorted(manifests, key=lambda m: m["kind"] in WORKLOAD_KINDS):
         kind, meta = manifest["kind"], manifest["metadata"]
         what = f"{kind} {meta['name']}"
         try:
@@ -139,7 +143,7 @@ async def prune(rendered: list[dict], kube: Kube, owner_uid: str | None, outcome
     Another controller's objects of those names are left alone.
     """
     kept = {m["kind"] for m in rendered}
-    meta = next(m["metadata"] for m in rendered if m["kind"] == "Deployment")
+    meta = next(m["metadata"] for m in rendered if m["kind"] in WORKLOAD_KINDS)
     namespace, name = meta["namespace"], meta["name"]
     for api_version, kind in PRUNABLE:
         if kind in kept or owner_uid is None:

@@ -8,6 +8,8 @@ feature as a condition on the resource::
     AutoscalingReady   HorizontalPodAutoscaler / ScaledObject    True Applied | False CRDNotInstalled
     RoutingReady       InferencePool                             True Applied | False CRDNotInstalled
     MonitoringReady    PodMonitor                                True Applied | False CRDNotInstalled
+    MultiNodeReady     LeaderWorkerSet (spec.nodes > 1)          True Applied | False CRDNotInstalled,
+                                                                 and the resource is Degraded
 
 A feature the spec does not ask for has no condition.
 """
@@ -45,6 +47,12 @@ FEATURES: Mapping[str, Feature] = {
         "podmonitors.monitoring.coreos.com",
         "the Prometheus Operator",
         "the pods' prometheus.io/scrape annotations remain for annotation-driven scraping",
+    ),
+    "LeaderWorkerSet": Feature(
+        "MultiNodeReady",
+        "leaderworkersets.leaderworkerset.x-k8s.io",
+        "LeaderWorkerSet (kubernetes-sigs/lws)",
+        "nothing runs: a replica of spec.nodes > 1 pods needs it",
     ),
 }
 CONDITION_TYPES = frozenset(f.condition for f in FEATURES.values())

@@ -29,6 +29,7 @@ from pagedllm.operator.backoff import Backoff, RepairPacer
 from pagedllm.operator.capabilities import servable, with_features
 from pagedllm.operator.drift import drifted
 from pagedllm.operator.kube import ApiError, KubeClient, collection_path, default_login
+from pagedllm.operator.leaderworkerset import LWS_RESOURCE, missing_workload, workload_ref
 from pagedllm.operator.manifests import (
     GROUP,
     INSTANCE_LABEL,
@@ -83,6 +84,8 @@ def build_registry() -> kopf.OperatorRegistry:
     every = DRIFT_CHECK_SECONDS
     kopf.timer(GROUP, VERSION, PLURAL, interval=every, initial_delay=every, registry=registry)(check_drift)
     kopf.on.event("apps", "v1", "deployments", labels=_MANAGED, registry=registry)(on_deployment_event)
+    # NOTE: served only where the LeaderWorkerSet CRD is installed; kopf starts the watch when it appears
+    kopf.on.event(*LWS_RESOURCE, labels=_MANAGED, registry=registry)(on_deployment_event)
     kopf.on.event("", "v1", "services", labels=_MANAGED, registry=registry)(on_service_event)
     kopf.on.event("", "v1", "pods", labels=_MANAGED, registry=registry)(on_pod_event)
     kopf.on.event(*JOBS, labels=_MANAGED, registry=registry)(on_job_event)
@@ -174,7 +177,10 @@ async def converge(
         kopf.info(as_body(body), reason="Deleted", message=f"{', '.join(outcome.deleted)} {name}: not in the spec")
     # NOTE: read again: the Deployment's status may have moved on while the other children
     # were applied, and this status is written after the event handlers' (newer) ones.
-    deployment = await _get_or_none(kube, "Deployment", namespace, name) or applied["Deployment"]
+    kind, api_version = manifests.deployment["kind"], manifests.deployment["apiVersion"]
+    deployment = await _get_or_none(kube, kind, namespace, name, api_version) or applied.get(kind)
+    if deployment is None:  # NOTE: a LeaderWorkerSet where its CRD is missing: nothing runs
+        return with_features(await _degraded(body, kube, missing_workload(features)), features, now())
     problem = standing_exit(body, deployment) or await _pods_exit(kube, body, deployment)
     status = status_from(body, deployment, now=now(), problem=problem)
     return with_features(status, features, now())
@@ -199,9 +205,11 @@ async def _pods_exit(kube: KubeClient, body: Mapping[str, Any], deployment: Mapp
     return next((problem for problem in exits if problem is not None), None)
 
 
-async def _get_or_none(kube: KubeClient, kind: str, namespace: str, name: str) -> dict | None:
+async def _get_or_none(
+    kube: KubeClient, kind: str, namespace: str, name: str, api_version: str | None = None
+) -> dict | None:
     try:
-        return await kube.get(kind, namespace, name)
+        return await kube.get(kind, namespace, name, api_version=api_version)
     except ApiError:
         return None
 
@@ -303,8 +311,8 @@ async def check_drift(body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **_
     meta = body["metadata"]
     if meta.get("deletionTimestamp"):
         return
-    for kind in ("Deployment", "Service"):
-        live = await memo.kube.get(kind, meta["namespace"], meta["name"])
+    for kind, api_version in (workload_ref(body.get("spec") or {}), ("Service", None)):
+        live = await memo.kube.get(kind, meta["namespace"], meta["name"], api_version=api_version)
         if live is None or owner_name(live) != meta["name"]:
             # Missing (or never applied: a standing refusal is retried here, once a period).
             await _apply_owner(body, memo, logger)
@@ -316,14 +324,15 @@ async def check_drift(body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **_
 async def on_deployment_event(
     type: str | None, body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **_: Any
 ) -> None:
-    """An owned Deployment changed: refresh the owner's status, or recreate it if deleted."""
+    """An owned Deployment (or LeaderWorkerSet) changed: refresh the owner's status, or recreate it if deleted."""
     owner = await _live_owner(body, memo.kube)
     if owner is None:
         return
+    kind = body.get("kind") or "Deployment"
     if type == "DELETED":
-        await _recreate(owner, "Deployment", memo, logger)
+        await _recreate(owner, kind, memo, logger)
         return
-    if type == "MODIFIED" and await repair_drift(owner, body, "Deployment", memo, logger):
+    if type == "MODIFIED" and await repair_drift(owner, body, kind, memo, logger):
         return
     status = refresh_status(owner, body, memo.config)
     if status != comparable(owner.get("status"), status):

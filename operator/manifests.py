@@ -40,6 +40,7 @@ from pagedllm.operator.autoscaling import AUTOSCALERS, HPA
 from pagedllm.operator.command import SERVE_COMMAND, check_engine, server_args
 from pagedllm.operator.container_env import hub_env, server_env
 from pagedllm.operator.fleet import Fleet, FleetConfig, render_fleet
+from pagedllm.operator.leaderworkerset import spread_over_nodes, wants_leaderworkerset
 from pagedllm.operator.monitoring import scrape_annotations
 from pagedllm.operator.placement import pod_metadata, pod_placement
 from pagedllm.operator.resources import download_resources, models_size_limit, server_resources, shm_gib
@@ -88,6 +89,7 @@ class Manifests:
     """Everything one resource renders to; ``pvc`` and ``job`` only with spec.modelCache (and a download)."""
 
     deployment: dict
+    """The server pods' owner: a Deployment, or a LeaderWorkerSet when replicas span nodes."""
     service: dict
     pvc: dict | None = None
     fleet: Fleet | None = None
@@ -154,6 +156,8 @@ def render(body: Mapping[str, Any], config: RenderConfig) -> Manifests:
         if uses_download_job(spec)
         else None,
     )
+    if wants_leaderworkerset(spec):
+        manifests = spread_over_nodes(manifests, name, spec)
     _adopt(manifests, body, spec)
     return manifests
 

@@ -131,6 +131,8 @@ class PagedLLMSpec:
     tensor_parallel_size: int = field(
         default=1, metadata=_scalar("tensorParallelSize", int, choices=TENSOR_PARALLEL_SIZES)
     )
+    nodes: int = field(default=1, metadata=_scalar("nodes", int, minimum=1, maximum=64))
+    """Pods per replica: above 1 the replica's tensorParallelSize x nodes ranks span nodes (a LeaderWorkerSet)."""
     block_size: int = field(default=16, metadata=_scalar("blockSize", int, choices=BLOCK_SIZES))
     gpu_memory_utilization: float = field(
         default=0.9, metadata=_scalar("gpuMemoryUtilization", float, minimum=0.1, maximum=0.99)

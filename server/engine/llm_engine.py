@@ -101,7 +101,7 @@ class LLMEngine:
         config = self.config = _with_token_budget(config, device.type, info.max_model_len)
         self._check_scheduler_fits(info.max_model_len)
         tp = config.parallel.tensor_parallel_size
-        check_tensor_parallel(hf_config, tp, device)
+        check_tensor_parallel(hf_config, tp, device, config.parallel.ranks_per_node)
         self.runner = ModelRunner(config, hf_config, info.max_model_len)
         self.kv_event_publisher: ZmqEventPublisher | None = None
         """Sends the prefix cache's events (``--kv-events-config``); None when they are off."""

@@ -17,6 +17,7 @@ import time
 
 from pagedllm.server.args import add_engine_args, as_flag_error, engine_config_from_args
 from pagedllm.server.config import ConfigError
+from pagedllm.server.entrypoints.headless import add_headless_arg, check_node_role, run_headless
 from pagedllm.server.entrypoints.openai.settings import (
     CACHE_SALT_POLICIES,
     DEFAULT_MAX_BODY_BYTES,
@@ -53,6 +54,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
         allow_abbrev=False,
     )
     add_server_args(p)
+    add_headless_arg(p.add_argument_group("nodes"))
     add_engine_args(p)
     p.set_defaults(func=run_serve)
     return p
@@ -195,8 +197,11 @@ def run_serve(args: argparse.Namespace) -> int:
     from pagedllm.server.entrypoints.openai.api_server import build_app
     from pagedllm.server.worker.model_loader import read_hf_config
 
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = engine_config_from_args(args)
+    check_node_role(config, args.headless)
+    if args.headless:
+        return run_headless(config, args.log_level)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     settings = settings_from_args(args)
     check_port_free(args.host, args.port)  # NOTE: before the model loads, not minutes later
     if config.model.model is not None:

@@ -35,7 +35,7 @@ def resolve_device(name: str, rank: int = 0) -> torch.device:
     return torch.device(name, rank) if name == "cuda" else torch.device(name)
 
 
-def check_tensor_parallel(hf_config: dict, size: int, device: torch.device) -> None:
+def check_tensor_parallel(hf_config: dict, size: int, device: torch.device, ranks_per_node: int | None = None) -> None:
     """Refuse a tensor-parallel size the model or the machine cannot take, before any rank starts.
 
     Builds the model's rank-0 shard on the ``meta`` device (no memory), so the models' own
@@ -43,7 +43,8 @@ def check_tensor_parallel(hf_config: dict, size: int, device: torch.device) -> N
     """
     if size == 1:
         return
-    if device.type == "cuda" and size > torch.cuda.device_count():
+    here = size if ranks_per_node is None else ranks_per_node
+    if device.type == "cuda" and here > torch.cuda.device_count():
         raise ConfigError(
             "tensor_parallel_size",
             size,
@@ -60,13 +61,14 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, hf_config: dict, max_model_len: int, tp: TPGroup | None = None) -> None:
         self.config = config
         size = config.parallel.tensor_parallel_size
-        self.device = resolve_device(config.model.device, tp.rank if tp is not None else 0)
+        # NOTE: a rank's device is its index on its own node (ranks are spread over --nnodes hosts)
+        self.device = resolve_device(config.model.device, config.parallel.local_rank(tp.rank) if tp is not None else 0)
         self.workers: TPWorkers | None = None
         if tp is None and size > 1:  # NOTE: the driver (rank 0) starts the other ranks first
             self.workers = TPWorkers(config, hf_config, max_model_len, self.device.type)
         self.tp = tp if tp is not None else TPGroup(0, size)
         self.fault: str | None = None
-        self.threads = choose_threads(config.parallel.cpu_threads, ranks=size)
+        self.threads = choose_threads(config.parallel.cpu_threads, ranks=config.parallel.ranks_per_node)
         torch.set_num_threads(self.threads.threads)
         logger.info("torch uses %d CPU threads (%s)", self.threads.threads, self.threads.reason)
         dtype = choose_dtype(config.model.dtype, hf_config, self.device)

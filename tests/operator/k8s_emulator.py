@@ -114,12 +114,13 @@ RESOURCE_INFOS = {
     ),
 }
 
-# Kinds of optional CRDs (KEDA, Gateway API Inference Extension, Prometheus Operator): served
+# Kinds of optional CRDs (KEDA, Gateway API Inference Extension, Prometheus Operator, LeaderWorkerSet): served
 # only by clusters that install them (:meth:`EmulatedCluster.install`).
 _OPTIONAL_KINDS = (
     ("keda.sh/v1alpha1", "scaledobjects", "ScaledObject"),
     ("inference.networking.k8s.io/v1", "inferencepools", "InferencePool"),
     ("monitoring.coreos.com/v1", "podmonitors", "PodMonitor"),
+    ("leaderworkerset.x-k8s.io/v1", "leaderworkersets", "LeaderWorkerSet"),
 )
 OPTIONAL_RESOURCE_INFOS = {
     f"{group_version}/{plural}": kmock.ResourceInfo(

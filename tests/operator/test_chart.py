@@ -187,7 +187,9 @@ NAMESPACED_RULES = (
     | {("inference.networking.k8s.io", "inferencepools", v) for v in ("get", "create", "patch", "delete")}
     | {("monitoring.coreos.com", "podmonitors", v) for v in ("get", "create", "patch", "delete")}
     | {("keda.sh", "scaledobjects", v) for v in ("get", "delete")}
-    | {("apps", "deployments", v) for v in ("get", "list", "watch", "create", "patch")}
+    | {("apps", "deployments", v) for v in ("get", "list", "watch", "create", "patch", "delete")}
+    | {("leaderworkerset.x-k8s.io", "leaderworkersets", v) for v in ("get", "list", "watch", "create", "patch")}
+    | {("leaderworkerset.x-k8s.io", "leaderworkersets", "delete")}
     | {("", "services", v) for v in ("get", "list", "watch", "create", "patch")}
     | {("", "pods", v) for v in ("list", "watch")}
     | {("", "persistentvolumeclaims", v) for v in ("get", "create", "patch")}
@@ -217,6 +219,8 @@ def test_rbac_per_namespace(helm_template):
 # What the operator may delete: the fleet objects a spec stops asking for. Never the
 # Deployment, Service, claim (downloaded weights) or anyone's PagedLLM.
 DELETABLE = {"poddisruptionbudgets", "horizontalpodautoscalers", "scaledobjects", "inferencepools", "podmonitors"}
+# The server pods' owner switches kind with spec.nodes: the one no longer rendered is deleted (if the operator's).
+DELETABLE |= {"deployments", "leaderworkersets"}
 
 
 def test_no_wildcards_and_deletes_only_of_fleet_objects(helm_template):

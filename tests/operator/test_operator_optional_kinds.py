@@ -83,3 +83,13 @@ def test_turning_autoscaling_off_deletes_the_autoscaler(scenario):
     assert deleted and "HorizontalPodAutoscaler" in deleted[0]["message"]
     obj = scenario.wait_status(lambda s, o: not condition(o, "AutoscalingReady"), "AutoscalingReady gone")
     assert condition(obj, "Degraded")["status"] == "False"
+
+
+def test_a_model_over_nodes_without_the_leaderworkerset_crd_is_degraded(scenario):
+    scenario.api.create(pagedllm(scenario.ns, nodes=2, tensorParallelSize=2))
+    obj = scenario.wait_status(lambda s, o: condition(o, "Degraded").get("status") == "True", "Degraded")
+    degraded = condition(obj, "Degraded")
+    assert degraded["reason"] == "CRDNotInstalled"
+    assert "leaderworkersets.leaderworkerset.x-k8s.io" in degraded["message"]
+    assert condition(obj, "MultiNodeReady")["status"] == "False"
+    assert scenario.get("Deployment") is None  # nothing half-runs

@@ -87,3 +87,44 @@ def test_chart_rbac_with_keda_grants_every_call_the_operator_made(cluster, helm_
         ("monitoring.coreos.com", "podmonitors", "patch"),
         ("keda.sh", "scaledobjects", "delete"),
     } <= used
+
+
+def test_a_model_over_two_nodes_is_a_leaderworkerset_with_leaders_behind_the_service(scenario):
+    from test_leaderworkerset import lws_validator
+
+    scenario.api.create(pagedllm(scenario.ns, nodes=2, tensorParallelSize=2, routing={"inferencePool": True}))
+    lws = scenario.wait(lambda: scenario.get("LeaderWorkerSet"), "the LeaderWorkerSet")
+    served = {k: v for k, v in lws.items() if k != "status"}
+    errors = [e.message for e in lws_validator().iter_errors(served)]
+    assert not errors, errors[:5]
+    assert lws["metadata"]["ownerReferences"][0]["kind"] == "PagedLLM"
+    assert lws["spec"]["leaderWorkerTemplate"]["size"] == 2
+    assert scenario.get("Deployment") is None
+    service = scenario.wait(lambda: scenario.get("Service"), "the Service")
+    assert service["spec"]["selector"]["leaderworkerset.sigs.k8s.io/worker-index"] == "0"
+    pool = scenario.wait(lambda: scenario.get("InferencePool"), "the InferencePool")
+    assert pool["spec"]["selector"]["matchLabels"] == service["spec"]["selector"]
+    obj = scenario.wait_status(lambda s, o: condition(o, "MultiNodeReady"), "a MultiNodeReady condition")
+    assert condition(obj, "MultiNodeReady")["status"] == "True"
+    assert condition(obj, "Degraded").get("status") != "True"
+
+    # The groups' readiness reaches the resource through the LeaderWorkerSet's events.
+    generation = lws["metadata"].get("generation")
+    report = {"replicas": 1, "readyReplicas": 1, "updatedReplicas": 1}
+    report.update({"observedGeneration": generation} if generation else {})
+    scenario.api.patch("LeaderWorkerSet", scenario.ns, "llama", {"status": report}, sub="status")
+    obj = scenario.wait_status(lambda s, o: s.get("phase") == "Ready", "Ready from the LeaderWorkerSet")
+    assert obj["status"]["ready"] == "1/1"
+
+    # Deleted by hand: recreated from its event.
+    uid = lws["metadata"]["uid"]
+    scenario.api.delete("LeaderWorkerSet", scenario.ns, "llama")
+    scenario.wait(
+        lambda: (scenario.get("LeaderWorkerSet") or {}).get("metadata", {}).get("uid") not in (None, uid),
+        "a new LeaderWorkerSet",
+    )
+
+    # Back to one node: the Deployment returns and the operator's LeaderWorkerSet is deleted.
+    scenario.api.patch("PagedLLM", scenario.ns, "llama", {"spec": {"nodes": 1}})
+    scenario.wait_deployment()
+    scenario.wait(lambda: scenario.get("LeaderWorkerSet") is None or None, "the LeaderWorkerSet deleted")
