@@ -183,7 +183,7 @@ NAMESPACED_RULES = (
     | {("pagedllm.dev", "pagedllms/status", "patch")}
     | {("pagedllm.dev", "pagedllms/finalizers", "update")}
     | {("policy", "poddisruptionbudgets", v) for v in ("get", "create", "patch", "delete")}
-    | {("autoscaling", "horizontalpodautoscalers", v) for v in ("get", "create", "patch", "delete")}
+    | {("autoscaling", "horizontalpodautoscalers", v) for v in ("get", "list", "watch", "create", "patch", "delete")}
     | {("inference.networking.k8s.io", "inferencepools", v) for v in ("get", "create", "patch", "delete")}
     | {("monitoring.coreos.com", "podmonitors", v) for v in ("get", "create", "patch", "delete")}
     | {("keda.sh", "scaledobjects", v) for v in ("get", "delete")}

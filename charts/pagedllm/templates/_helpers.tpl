@@ -82,9 +82,10 @@ Nothing else is deleted by the operator: owner references cascade deletion.
   verbs: ["get", "create", "patch", "delete"]
 # The fleet objects, server-side applied: the autoscaler (KEDA's ScaledObject only with
 # autoscaler=keda), the InferencePool and PodMonitor where their CRDs are installed.
+# The HorizontalPodAutoscaler is also watched: its conditions are the resource's AutoscalingReady.
 - apiGroups: ["autoscaling"]
   resources: ["horizontalpodautoscalers"]
-  verbs: ["get", "create", "patch", "delete"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
 # With autoscaler=hpa, ScaledObjects are only read and deleted: where KEDA is installed the
 # operator looks for one it made before a switch from keda, which would fight the HPA.
 - apiGroups: ["keda.sh"]

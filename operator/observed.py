@@ -1,0 +1,99 @@
+"""What the cluster holds for one ``PagedLLM`` right now, and the problem it shows.
+
+:func:`observe` reads it (the children the rendering names, the server pods while not
+every replica is ready); :func:`problem_of` is pure: which ``Degraded`` problem, if any,
+the reconcile reports, given the spec, this pass's apply and what was observed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from pagedllm.operator.apply import REFUSALS
+from pagedllm.operator.kube import collection_path
+from pagedllm.operator.manifests import INSTANCE_LABEL, MANAGED_BY, SERVER_CONTAINER
+from pagedllm.operator.status import Problem, desired_replicas, server_exit, standing_problem
+
+INVALID_SPEC = "InvalidSpec"
+
+
+class Reader(Protocol):
+    async def get(self, kind: str, namespace: str, name: str, api_version: str | None = None) -> dict | None: ...
+
+    async def request(self, method: str, path: str, *, query: list | None = None) -> Any: ...
+
+
+@dataclass(frozen=True)
+class Observed:
+    """Live objects of one resource: its children by (kind, name), and its server pods."""
+
+    children: Mapping[tuple[str, str], dict] = field(default_factory=dict)
+    """(kind, name) -> the object as the API server holds it; a missing child is absent."""
+    pods: tuple[dict, ...] = ()
+    """The server pods; only listed while some desired replica is not ready."""
+
+    def get(self, kind: str, name: str) -> dict | None:
+        return self.children.get((kind, name))
+
+    def with_applied(self, applied: Iterable[Mapping[str, Any]]) -> Observed:
+        """This view with the objects an apply just answered (fresher than what was read before)."""
+        children = dict(self.children)
+        for obj in applied:
+            children[(obj["kind"], obj["metadata"]["name"])] = dict(obj)
+        return Observed(children, self.pods)
+
+
+def instance_selector(name: str) -> str:
+    return f"{INSTANCE_LABEL}={name},app.kubernetes.io/managed-by={MANAGED_BY}"
+
+
+async def observe(kube: Reader, owner: Mapping[str, Any], manifests: Iterable[Mapping[str, Any]]) -> Observed:
+    """Read the children ``manifests`` name (the Deployment always), and the pods if not all are ready.
+
+    Raises :class:`~pagedllm.operator.kube.ApiError` as the client does.
+    """
+    meta = owner["metadata"]
+    namespace, name = meta["namespace"], meta["name"]
+    wanted = {(m["kind"], m["metadata"]["name"]): m["apiVersion"] for m in manifests}
+    wanted.setdefault(("Deployment", name), "apps/v1")
+    children: dict[tuple[str, str], dict] = {}
+    for (kind, child), api_version in wanted.items():
+        live = await kube.get(kind, namespace, child, api_version=api_version)
+        if live is not None:
+            children[(kind, child)] = live
+    observed = Observed(children)
+    deployment = observed.get("Deployment", name)
+    ready = int(((deployment or {}).get("status") or {}).get("readyReplicas") or 0)
+    if deployment is None or ready >= desired_replicas(owner.get("spec") or {}, deployment):
+        return observed
+    query = [("labelSelector", instance_selector(name))]
+    pods = await kube.request("GET", collection_path("Pod", namespace), query=query)
+    return Observed(children, tuple((pods or {}).get("items", [])))
+
+
+def problem_of(
+    owner: Mapping[str, Any],
+    observed: Observed,
+    *,
+    spec_error: str | None = None,
+    refused: Problem | None = None,
+    applied: bool = False,
+) -> Problem | None:
+    """The ``Degraded`` problem to report, the first that holds of:
+
+    the spec cannot be rendered; this pass's apply was refused; an apply refused earlier for
+    this generation and not tried again (``applied`` false); a server pod exited with an error
+    while some desired replica is not ready.
+    """
+    if spec_error is not None:
+        return Problem(INVALID_SPEC, spec_error)
+    if refused is not None:
+        return refused
+    if not applied:
+        standing = standing_problem(owner, REFUSALS)
+        if standing is not None:
+            return standing
+    exits = (server_exit(pod, SERVER_CONTAINER) for pod in observed.pods)
+    return next((problem for problem in exits if problem is not None), None)
