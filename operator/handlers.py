@@ -25,6 +25,7 @@ from typing import Any
 
 import kopf
 
+from pagedllm.operator.autoscaling import HPA, KEDA
 from pagedllm.operator.backoff import Backoff, RepairPacer
 from pagedllm.operator.kube import ApiError, KubeClient, default_login
 from pagedllm.operator.manifests import GROUP, INSTANCE_LABEL, MANAGED_BY, PLURAL, VERSION, RenderConfig
@@ -47,11 +48,20 @@ WATCHED_CHILDREN = (
     ("", "v1", "services"),
     ("", "v1", "pods"),
     ("autoscaling", "v2", "horizontalpodautoscalers"),
+    # NOTE: the EndpointSlice controller copies a Service's labels onto its slices, so the
+    # deployed endpoint picker's slices carry the managed-by and instance labels.
+    ("discovery.k8s.io", "v1", "endpointslices"),
+    # Kinds of optional CRDs: kopf watches them once the CRD exists (a warning until then).
+    ("inference.networking.k8s.io", "v1", "inferencepools"),
 )
+KEDA_CHILDREN = (("keda.sh", "v1alpha1", "scaledobjects"),)
 
 
-def build_registry() -> kopf.OperatorRegistry:
-    """All handlers, in a registry of their own (nothing is registered at import time)."""
+def build_registry(autoscaler: str = HPA) -> kopf.OperatorRegistry:
+    """All handlers, in a registry of their own (nothing is registered at import time).
+
+    ScaledObjects are watched only with the KEDA autoscaler (the hpa mode may not list them).
+    """
     registry = kopf.OperatorRegistry()
     kopf.on.login(registry=registry)(login)
     kopf.on.cleanup(registry=registry)(close_client)
@@ -59,7 +69,7 @@ def build_registry() -> kopf.OperatorRegistry:
         on_cause(GROUP, VERSION, PLURAL, registry=registry)(on_spec)
     every = DRIFT_CHECK_SECONDS
     kopf.timer(GROUP, VERSION, PLURAL, interval=every, initial_delay=every, registry=registry)(check_periodically)
-    for group, version, plural in WATCHED_CHILDREN:
+    for group, version, plural in WATCHED_CHILDREN + (KEDA_CHILDREN if autoscaler == KEDA else ()):
         kopf.on.event(group, version, plural, labels=_MANAGED, registry=registry)(on_child_event)
     return registry
 
@@ -76,7 +86,7 @@ def operator_settings() -> kopf.OperatorSettings:
     settings.watching.client_timeout = 330
     settings.networking.request_timeout = 60
     # Only the operator's own children are listed and watched, filtered by the API server.
-    for resource in WATCHED_CHILDREN:
+    for resource in WATCHED_CHILDREN + KEDA_CHILDREN:
         settings.watching.label_selectors[resource] = MANAGED_SELECTOR
     return settings
 

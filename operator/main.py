@@ -143,7 +143,7 @@ def run_operator(args: argparse.Namespace) -> int:
     )
     memo = make_memo(config, KubeClient())
     kopf.run(
-        registry=build_registry(),
+        registry=build_registry(args.autoscaler),
         settings=settings,
         memo=memo,
         standalone=True if args.standalone else None,

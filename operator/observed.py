@@ -33,6 +33,8 @@ class Observed:
     """(kind, name) -> the object as the API server holds it; a missing child is absent."""
     pods: tuple[dict, ...] = ()
     """The server pods; only listed while some desired replica is not ready."""
+    picker_slices: tuple[dict, ...] = ()
+    """EndpointSlices of the endpoint picker's Service; only listed with an InferencePool."""
 
     def get(self, kind: str, name: str) -> dict | None:
         return self.children.get((kind, name))
@@ -42,7 +44,7 @@ class Observed:
         children = dict(self.children)
         for obj in applied:
             children[(obj["kind"], obj["metadata"]["name"])] = dict(obj)
-        return Observed(children, self.pods)
+        return Observed(children, self.pods, self.picker_slices)
 
 
 def instance_selector(name: str) -> str:
@@ -63,14 +65,23 @@ async def observe(kube: Reader, owner: Mapping[str, Any], manifests: Iterable[Ma
         live = await kube.get(kind, namespace, child, api_version=api_version)
         if live is not None:
             children[(kind, child)] = live
-    observed = Observed(children)
-    deployment = observed.get("Deployment", name)
+    pool = next((m for m in manifests if m["kind"] == "InferencePool"), None)
+    picker = ((pool or {}).get("spec", {}).get("endpointPickerRef") or {}).get("name")
+    slices = await _list(kube, "EndpointSlice", namespace, f"{SERVICE_NAME_LABEL}={picker}") if picker else ()
+    deployment = children.get(("Deployment", name))
     ready = int(((deployment or {}).get("status") or {}).get("readyReplicas") or 0)
     if deployment is None or ready >= desired_replicas(owner.get("spec") or {}, deployment):
-        return observed
-    query = [("labelSelector", instance_selector(name))]
-    pods = await kube.request("GET", collection_path("Pod", namespace), query=query)
-    return Observed(children, tuple((pods or {}).get("items", [])))
+        return Observed(children, (), slices)
+    return Observed(children, await _list(kube, "Pod", namespace, instance_selector(name)), slices)
+
+
+# The label the EndpointSlice controller puts on every slice of a Service.
+SERVICE_NAME_LABEL = "kubernetes.io/service-name"
+
+
+async def _list(kube: Reader, kind: str, namespace: str, selector: str) -> tuple[dict, ...]:
+    found = await kube.request("GET", collection_path(kind, namespace), query=[("labelSelector", selector)])
+    return tuple((found or {}).get("items", []))
 
 
 def problem_of(

@@ -26,11 +26,12 @@ import kopf
 
 from pagedllm.operator.apply import APPLY_REFUSED, REFUSALS, apply_all, prune
 from pagedllm.operator.backoff import Backoff, RepairPacer
-from pagedllm.operator.capabilities import servable, with_features
+from pagedllm.operator.capabilities import Outcome, servable, with_features
 from pagedllm.operator.drift import drifted
 from pagedllm.operator.kube import ApiError, KubeClient
 from pagedllm.operator.manifests import GENERATION_ANNOTATION, KIND, RenderConfig, as_body, render
 from pagedllm.operator.observed import INVALID_SPEC, Observed, observe, problem_of
+from pagedllm.operator.readiness import Verdict, hpa_verdict, pool_verdict, scaled_object_verdict
 from pagedllm.operator.spec import SpecError
 from pagedllm.operator.status import (
     DEGRADED,
@@ -233,13 +234,27 @@ async def _write(
     stamp = now()
     status = status_from(owner, observed.get("Deployment", meta["name"]), now=stamp, problem=problem)
     if features is not None:
-        status = with_features(status, features, stamp)
+        status = with_features(status, features, stamp, lambda outcome: verdict_of(outcome, observed))
     if problem is not None and not _reported(owner, problem):  # NOTE: one warning per problem, not per pass
         kopf.warn(as_body(owner), reason=problem.reason, message=problem.message)
     if status != comparable(owner.get("status"), status):
         announce_phase(owner, status)
         await kube.patch_status(KIND, meta["namespace"], meta["name"], status)
     return status
+
+
+def verdict_of(outcome: Outcome, observed: Observed) -> Verdict | None:
+    """What the live feature object of ``outcome`` says about itself (``None``: nothing to read)."""
+    live = observed.get(outcome.kind, outcome.name)
+    if live is None:
+        return None
+    if outcome.kind == "HorizontalPodAutoscaler":
+        return hpa_verdict(live)
+    if outcome.kind == "ScaledObject":
+        return scaled_object_verdict(live)
+    if outcome.kind == "InferencePool":
+        return pool_verdict(live, observed.picker_slices)
+    return None
 
 
 def _reported(owner: Mapping[str, Any], problem: Problem) -> bool:

@@ -82,6 +82,12 @@ RESOURCE_INFOS = {
         subresources={"status"},
         verbs={"get", "list", "watch", "create", "patch", "update", "delete"},
     ),
+    "discovery.k8s.io/v1/endpointslices": kmock.ResourceInfo(
+        kind="EndpointSlice",
+        singular="endpointslice",
+        namespaced=True,
+        verbs={"get", "list", "watch", "create", "patch", "update", "delete"},
+    ),
     "v1/persistentvolumeclaims": kmock.ResourceInfo(
         kind="PersistentVolumeClaim",
         singular="persistentvolumeclaim",
@@ -124,7 +130,11 @@ OPTIONAL_RESOURCE_INFOS = {
 }
 
 # Where the tests' client finds the kinds the operator names only through discovery.
-_STEM = {"Event": ("/api/v1", "events"), **{kind: (f"/apis/{gv}", plural) for gv, plural, kind in _OPTIONAL_KINDS}}
+_STEM = {
+    "Event": ("/api/v1", "events"),
+    "EndpointSlice": ("/apis/discovery.k8s.io/v1", "endpointslices"),
+    **{kind: (f"/apis/{gv}", plural) for gv, plural, kind in _OPTIONAL_KINDS},
+}
 
 
 @attrs.define(kw_only=True)

@@ -44,7 +44,7 @@ def parse_operator_args(container: dict) -> argparse.Namespace:
     return parser.parse_args(container["command"][2:] + container["args"])
 
 
-KEDA_RULES = {("keda.sh", "scaledobjects", v) for v in ("get", "create", "patch", "delete")}
+KEDA_RULES = {("keda.sh", "scaledobjects", v) for v in ("get", "list", "watch", "create", "patch", "delete")}
 SWITCHES = [
     (),
     ("--set", "watchNamespaces={ml,research}", "--set", "crds.install=false"),
@@ -184,7 +184,11 @@ NAMESPACED_RULES = (
     | {("pagedllm.dev", "pagedllms/finalizers", "update")}
     | {("policy", "poddisruptionbudgets", v) for v in ("get", "create", "patch", "delete")}
     | {("autoscaling", "horizontalpodautoscalers", v) for v in ("get", "list", "watch", "create", "patch", "delete")}
-    | {("inference.networking.k8s.io", "inferencepools", v) for v in ("get", "create", "patch", "delete")}
+    | {
+        ("inference.networking.k8s.io", "inferencepools", v)
+        for v in ("get", "list", "watch", "create", "patch", "delete")
+    }
+    | {("discovery.k8s.io", "endpointslices", v) for v in ("list", "watch")}
     | {("monitoring.coreos.com", "podmonitors", v) for v in ("get", "create", "patch", "delete")}
     | {("keda.sh", "scaledobjects", v) for v in ("get", "delete")}
     | {("apps", "deployments", v) for v in ("get", "list", "watch", "create", "patch")}

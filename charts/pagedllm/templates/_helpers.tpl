@@ -90,10 +90,15 @@ Nothing else is deleted by the operator: owner references cascade deletion.
 # operator looks for one it made before a switch from keda, which would fight the HPA.
 - apiGroups: ["keda.sh"]
   resources: ["scaledobjects"]
-  verbs: {{ if eq .Values.autoscaler "keda" }}["get", "create", "patch", "delete"]{{ else }}["get", "delete"]{{ end }}
+  verbs: {{ if eq .Values.autoscaler "keda" }}["get", "list", "watch", "create", "patch", "delete"]{{ else }}["get", "delete"]{{ end }}
+# InferencePools are also watched: a Gateway accepting one (status.parents) is RoutingReady.
 - apiGroups: ["inference.networking.k8s.io"]
   resources: ["inferencepools"]
-  verbs: ["get", "create", "patch", "delete"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
+# The endpoint picker Service's slices: a ready picker endpoint is part of RoutingReady.
+- apiGroups: ["discovery.k8s.io"]
+  resources: ["endpointslices"]
+  verbs: ["list", "watch"]
 - apiGroups: ["monitoring.coreos.com"]
   resources: ["podmonitors"]
   verbs: ["get", "create", "patch", "delete"]
