@@ -51,6 +51,7 @@ SWITCHES = [
     ("--set", "autoscaler=keda", "--set", "prometheus.address=http://prom.monitoring.svc:9090"),
     ("--set", "autoscaler=keda", "--set", "watchNamespaces={ml}"),
     ("--set", "prometheus.podMonitorLabels.release=kps"),
+    ("--set", "prometheusAdapter.rules.create=true"),
 ]
 
 
@@ -299,3 +300,26 @@ def test_notes_show_a_valid_first_resource_and_how_to_call_it(helm, tmp_path):
     resource = yaml.safe_load(manifest)
     assert resource["kind"] == "PagedLLM" and resource["apiVersion"] == "pagedllm.dev/v1alpha1"
     PagedLLMSpec.from_dict(resource["spec"])
+
+
+def test_prometheus_adapter_rules_serve_every_autoscaling_metric_under_its_own_name(helm_template):
+    import re as regex
+
+    from pagedllm.operator.autoscaling import METRIC_SERIES
+
+    assert "ConfigMap" not in by_kind(helm_template())
+    docs = helm_template(
+        "--set", "prometheusAdapter.rules.create=true", "--set", "prometheusAdapter.namespace=monitoring"
+    )
+    (config_map,) = by_kind(docs)["ConfigMap"]
+    assert config_map["metadata"]["namespace"] == "monitoring"
+    (rule,) = yaml.safe_load(config_map["data"]["config.yaml"])["rules"]
+    # The adapter's discovery: which series the rule selects, and the name each is served as.
+    selector = regex.search(r'__name__=~"([^"]+)"', rule["seriesQuery"]).group(1)
+    for series in METRIC_SERIES.values():
+        assert regex.fullmatch(selector, series), series
+        served = regex.sub(rule["name"]["matches"], rule["name"]["as"].replace("${1}", r"\1"), series)
+        assert served == series  # the HPA asks for the series' own name
+    assert not regex.fullmatch(selector, "vllm:num_requests_waiting")
+    assert rule["resources"]["overrides"] == {"namespace": {"resource": "namespace"}, "pod": {"resource": "pod"}}
+    assert "<<.Series>>{<<.LabelMatchers>>}" in rule["metricsQuery"] and "<<.GroupBy>>" in rule["metricsQuery"]
