@@ -19,6 +19,7 @@ from importlib import metadata
 import kopf
 
 from pagedllm.operator.autoscaling import AUTOSCALERS, HPA
+from pagedllm.operator.endpoint_picker import DEFAULT_PICKER_IMAGE
 from pagedllm.operator.handlers import build_registry, make_memo, operator_settings
 from pagedllm.operator.kube import KubeClient
 from pagedllm.operator.manifests import DEFAULT_PROMETHEUS, RenderConfig
@@ -26,6 +27,7 @@ from pagedllm.operator.manifests import DEFAULT_PROMETHEUS, RenderConfig
 DEFAULT_IMAGE_ENV = "PAGEDLLM_DEFAULT_IMAGE"
 AUTOSCALER_ENV = "PAGEDLLM_AUTOSCALER"
 PROMETHEUS_ENV = "PAGEDLLM_PROMETHEUS_ADDRESS"
+PICKER_IMAGE_ENV = "PAGEDLLM_ENDPOINT_PICKER_IMAGE"
 IMAGE_REPOSITORY = "ghcr.io/pagedllm/pagedllm"
 
 
@@ -101,6 +103,13 @@ def add_operator_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
         help=f"Prometheus that KEDA's triggers query (env {PROMETHEUS_ENV}; default: %(default)s).",
     )
     parser.add_argument(
+        "--endpoint-picker-image",
+        default=os.environ.get(PICKER_IMAGE_ENV) or DEFAULT_PICKER_IMAGE,
+        metavar="IMAGE",
+        help="Image of the endpoint pickers deployed for spec.routing.endpointPicker.deploy "
+        f"(env {PICKER_IMAGE_ENV}; default: %(default)s).",
+    )
+    parser.add_argument(
         "--pod-monitor-label",
         dest="pod_monitor_labels",
         type=label_pair,
@@ -140,6 +149,7 @@ def run_operator(args: argparse.Namespace) -> int:
         autoscaler=args.autoscaler,
         prometheus_address=args.prometheus_address,
         pod_monitor_labels=tuple(args.pod_monitor_labels),
+        endpoint_picker_image=args.endpoint_picker_image,
     )
     memo = make_memo(config, KubeClient())
     kopf.run(

@@ -213,7 +213,7 @@ async def _apply(
         raise ApiError(503, f"applying {meta['name']}: {'; '.join(outcome.transient)}")
     applied = outcome.applied
     if problem is None and trigger.announce:
-        message = f"{', '.join(applied)} {meta['name']} applied for generation {meta.get('generation')}"
+        message = f"{', '.join(applied)} applied for generation {meta.get('generation')}"
         kopf.info(as_body(owner), reason="Applied", message=message)
     logger.info("applied %s to %s/%s", list(applied), meta["namespace"], meta["name"])
     if outcome.deleted:

@@ -88,6 +88,30 @@ RESOURCE_INFOS = {
         namespaced=True,
         verbs={"get", "list", "watch", "create", "patch", "update", "delete"},
     ),
+    "v1/serviceaccounts": kmock.ResourceInfo(
+        kind="ServiceAccount",
+        singular="serviceaccount",
+        namespaced=True,
+        verbs={"get", "list", "watch", "create", "patch", "update", "delete"},
+    ),
+    "v1/configmaps": kmock.ResourceInfo(
+        kind="ConfigMap",
+        singular="configmap",
+        namespaced=True,
+        verbs={"get", "list", "watch", "create", "patch", "update", "delete"},
+    ),
+    "rbac.authorization.k8s.io/v1/roles": kmock.ResourceInfo(
+        kind="Role",
+        singular="role",
+        namespaced=True,
+        verbs={"get", "list", "watch", "create", "patch", "update", "delete"},
+    ),
+    "rbac.authorization.k8s.io/v1/rolebindings": kmock.ResourceInfo(
+        kind="RoleBinding",
+        singular="rolebinding",
+        namespaced=True,
+        verbs={"get", "list", "watch", "create", "patch", "update", "delete"},
+    ),
     "v1/persistentvolumeclaims": kmock.ResourceInfo(
         kind="PersistentVolumeClaim",
         singular="persistentvolumeclaim",
@@ -133,6 +157,10 @@ OPTIONAL_RESOURCE_INFOS = {
 _STEM = {
     "Event": ("/api/v1", "events"),
     "EndpointSlice": ("/apis/discovery.k8s.io/v1", "endpointslices"),
+    "ServiceAccount": ("/api/v1", "serviceaccounts"),
+    "ConfigMap": ("/api/v1", "configmaps"),
+    "Role": ("/apis/rbac.authorization.k8s.io/v1", "roles"),
+    "RoleBinding": ("/apis/rbac.authorization.k8s.io/v1", "rolebindings"),
     **{kind: (f"/apis/{gv}", plural) for gv, plural, kind in _OPTIONAL_KINDS},
 }
 

@@ -197,6 +197,14 @@ NAMESPACED_RULES = (
     | {("", "pods", v) for v in ("list", "watch")}
     | {("", "persistentvolumeclaims", v) for v in ("get", "create", "patch")}
     | {("", "events", "create")}
+    | {("", kind, v) for kind in ("serviceaccounts", "configmaps") for v in ("get", "create", "patch")}
+    | {("rbac.authorization.k8s.io", kind, v) for kind in ("roles", "rolebindings") for v in ("get", "create", "patch")}
+    | {("", "pods", "get")}
+    | {
+        ("inference.networking.x-k8s.io", kind, v)
+        for kind in ("inferenceobjectives", "inferencemodelrewrites")
+        for v in ("get", "list", "watch")
+    }
 )
 CRD_WATCH = {("apiextensions.k8s.io", "customresourcedefinitions", v) for v in ("list", "watch")}
 

@@ -144,6 +144,26 @@ def test_routing_ready_follows_the_pool_parents_and_the_picker_endpoints(scenari
     )
 
 
+def test_the_operator_deploys_the_endpoint_picker_and_routing_follows_it(scenario):
+    routing = {"inferencePool": True, "endpointPicker": {"deploy": True}}
+    created = scenario.api.create(pagedllm(scenario.ns, routing=routing))
+    picker = scenario.wait(lambda: scenario.get("Deployment", "llama-epp"), "the picker's Deployment")
+    for kind in ("Service", "ConfigMap", "ServiceAccount", "Role", "RoleBinding"):
+        obj = scenario.wait(lambda kind=kind: scenario.get(kind, "llama-epp"), f"the picker's {kind}")
+        assert obj["metadata"]["ownerReferences"][0]["uid"] == created["metadata"]["uid"]
+    args = picker["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[args.index("--pool-namespace") + 1] == scenario.ns
+    server = scenario.wait_deployment()
+    assert server["spec"]["template"]["spec"]["containers"][0]["name"] == "server"  # not taken for the picker
+    # The picker's pod gets ready (its Service's slice says so) and a Gateway takes the pool.
+    scenario.api.create(picker_slice(scenario.ns, "llama-epp", ready=True))
+    scenario.api.patch("InferencePool", scenario.ns, "llama", accepted_by("gw"), sub="status")
+    scenario.wait_status(lambda s, o: condition(o, "RoutingReady").get("status") == "True", "RoutingReady")
+    # Deleted by hand: back.
+    scenario.api.delete("Deployment", scenario.ns, "llama-epp")
+    scenario.wait(lambda: scenario.get("Deployment", "llama-epp"), "the picker recreated")
+
+
 def test_routing_and_autoscaling_turned_off_delete_their_objects(scenario):
     scaling = {"minReplicas": 1, "maxReplicas": 3, "metric": "queue", "target": 2}
     scenario.api.create(pagedllm(scenario.ns, autoscaling=scaling, routing={"inferencePool": True}))

@@ -118,4 +118,19 @@ Nothing else is deleted by the operator: owner references cascade deletion.
 - apiGroups: [""]
   resources: ["events"]
   verbs: ["create"]
+# The endpoint picker of spec.routing.endpointPicker.deploy: its identity, configuration and
+# Role. NOTE: Kubernetes lets the operator grant only what it holds itself, so it also
+# reads pods (get) and the Inference Extension's InferenceObjectives and rewrites.
+- apiGroups: [""]
+  resources: ["serviceaccounts", "configmaps"]
+  verbs: ["get", "create", "patch"]
+- apiGroups: ["rbac.authorization.k8s.io"]
+  resources: ["roles", "rolebindings"]
+  verbs: ["get", "create", "patch"]
+- apiGroups: [""]
+  resources: ["pods"]
+  verbs: ["get"]
+- apiGroups: ["inference.networking.x-k8s.io"]
+  resources: ["inferenceobjectives", "inferencemodelrewrites"]
+  verbs: ["get", "list", "watch"]
 {{- end }}
