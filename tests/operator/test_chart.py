@@ -52,7 +52,18 @@ SWITCHES = [
     ("--set", "autoscaler=keda", "--set", "watchNamespaces={ml}"),
     ("--set", "prometheus.podMonitorLabels.release=kps"),
     ("--set", "prometheusAdapter.rules.create=true"),
+    ("--set", "clusterWide=true", "--set", "replicas=3"),
 ]
+CLUSTER_WIDE = ("--set", "clusterWide=true")
+LEASE_RULES = {("coordination.k8s.io", "leases", v) for v in ("get", "create", "patch")}
+
+
+def roles(docs: list[dict]) -> dict[str, list[dict]]:
+    """Roles by what they are for: "lease" (the leader election's), "serving" (the watched namespaces')."""
+    found: dict[str, list[dict]] = {"lease": [], "serving": []}
+    for role in by_kind(docs).get("Role", []):
+        found["lease" if role["metadata"]["name"].endswith("-leader-election") else "serving"].append(role)
+    return found
 
 
 @pytest.mark.parametrize("flags", SWITCHES)
@@ -68,10 +79,14 @@ def test_template_renders_crd_operator_and_rbac(helm_template):
         "ServiceAccount",
         "ClusterRole",
         "ClusterRoleBinding",
+        "Role",
+        "RoleBinding",
         "Deployment",
     }
     (deployment,) = kinds["Deployment"]
-    assert deployment["spec"]["replicas"] == 1 and deployment["spec"]["strategy"] == {"type": "Recreate"}
+    # Two replicas elect a leader, so a rollout never leaves the resources unserved.
+    assert deployment["spec"]["replicas"] == 2 and deployment["spec"]["strategy"]["type"] == "RollingUpdate"
+    assert deployment["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"] == 0
     (binding,) = kinds["ClusterRoleBinding"]
     (account,) = kinds["ServiceAccount"]
     assert binding["subjects"] == [
@@ -96,10 +111,15 @@ def test_crd_switch(helm_template):
     assert "CustomResourceDefinition" not in by_kind(helm_template("--set", "crds.install=false"))
 
 
-def test_operator_runs_standalone_and_cluster_wide_by_default(helm_template):
+def test_operator_serves_its_own_namespace_by_default_and_every_one_on_request(helm_template):
+    args = parse_operator_args(operator_container(helm_template("--set", "clusterWide=true")))
+    assert args.all_namespaces and args.namespaces == []
     container = operator_container(helm_template())
     args = parse_operator_args(container)
-    assert args.standalone and args.all_namespaces and args.namespaces == []
+    assert args.standalone and args.leader_elect and not args.all_namespaces
+    assert args.namespaces == ["pagedllm-system"]
+    env = {e["name"]: e.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath") for e in container["env"]}
+    assert env["POD_NAMESPACE"] == "metadata.namespace" and env["POD_NAME"] == "metadata.name"
     # The operator runs from its own torch-free image; the servers it creates from the serving image.
     assert container["image"] == "ghcr.io/pagedllm/pagedllm-operator:0.1.0"
     assert args.default_image == "ghcr.io/pagedllm/pagedllm:0.1.0"
@@ -161,10 +181,24 @@ def test_pod_monitor_labels_of_the_operator_are_refused():
             parser.parse_args([f"--pod-monitor-label={bad}"])
 
 
+def test_cluster_wide_with_watch_namespaces_is_refused(helm):
+    with pytest.raises(HelmError, match="leave watchNamespaces empty"):
+        run_helm(helm, "template", "rel", str(CHART_DIR), "--set", "clusterWide=true", "--set", "watchNamespaces={ml}")
+
+
+def test_leader_election_rights_are_the_lease_in_the_release_namespace(helm_template):
+    for flags in ((), CLUSTER_WIDE, ("--set", "watchNamespaces={ml}")):
+        docs = helm_template(*flags)
+        (lease,) = roles(docs)["lease"]
+        assert lease["metadata"]["namespace"] == "pagedllm-system" and rules_of(lease) == LEASE_RULES
+        bindings = [b for b in by_kind(docs)["RoleBinding"] if b["roleRef"]["name"] == lease["metadata"]["name"]]
+        assert len(bindings) == 1 and bindings[0]["metadata"]["namespace"] == "pagedllm-system"
+
+
 def test_keda_rbac_only_with_keda(helm_template):
-    (role,) = by_kind(helm_template("--set", "autoscaler=keda"))["ClusterRole"]
+    (role,) = by_kind(helm_template("--set", "autoscaler=keda", *CLUSTER_WIDE))["ClusterRole"]
     assert rules_of(role) == NAMESPACED_RULES | KEDA_RULES | CRD_WATCH
-    for role in by_kind(helm_template("--set", "autoscaler=keda", "--set", "watchNamespaces={ml}"))["Role"]:
+    for role in roles(helm_template("--set", "autoscaler=keda", "--set", "watchNamespaces={ml}"))["serving"]:
         assert rules_of(role) == NAMESPACED_RULES | KEDA_RULES
 
 
@@ -174,7 +208,7 @@ def test_hpa_mode_may_still_read_and_delete_scaled_objects(helm_template):
     from pagedllm.operator.apply import PRUNABLE
 
     assert ("keda.sh/v1alpha1", "ScaledObject") in PRUNABLE
-    (role,) = by_kind(helm_template())["ClusterRole"]
+    (role,) = roles(helm_template())["serving"]
     scaled = {verb for group, resource, verb in rules_of(role) if resource == "scaledobjects"}
     assert scaled == {"get", "delete"}
 
@@ -210,19 +244,29 @@ CRD_WATCH = {("apiextensions.k8s.io", "customresourcedefinitions", v) for v in (
 
 
 def test_rbac_is_minimal_cluster_wide(helm_template):
-    kinds = by_kind(helm_template())
-    (role,) = kinds["ClusterRole"]
+    docs = helm_template(*CLUSTER_WIDE)
+    (role,) = by_kind(docs)["ClusterRole"]
     assert rules_of(role) == NAMESPACED_RULES | CRD_WATCH
-    assert "Role" not in kinds
+    assert roles(docs)["serving"] == []
+
+
+def test_rbac_by_default_is_the_release_namespace_only(helm_template):
+    docs = helm_template()
+    (cluster_role,) = by_kind(docs)["ClusterRole"]
+    assert rules_of(cluster_role) == CRD_WATCH | {("", "namespaces", "list"), ("", "namespaces", "watch")}
+    (role,) = roles(docs)["serving"]
+    assert role["metadata"]["namespace"] == "pagedllm-system" and rules_of(role) == NAMESPACED_RULES
 
 
 def test_rbac_per_namespace(helm_template):
     kinds = by_kind(helm_template("--set", "watchNamespaces={ml,research}"))
     (cluster_role,) = kinds["ClusterRole"]
     assert rules_of(cluster_role) == CRD_WATCH | {("", "namespaces", "list"), ("", "namespaces", "watch")}
-    assert sorted(r["metadata"]["namespace"] for r in kinds["Role"]) == ["ml", "research"]
-    assert sorted(b["metadata"]["namespace"] for b in kinds["RoleBinding"]) == ["ml", "research"]
-    for role in kinds["Role"]:
+    serving = roles(helm_template("--set", "watchNamespaces={ml,research}"))["serving"]
+    assert sorted(r["metadata"]["namespace"] for r in serving) == ["ml", "research"]
+    bindings = [b for b in kinds["RoleBinding"] if not b["metadata"]["name"].endswith("-leader-election")]
+    assert sorted(b["metadata"]["namespace"] for b in bindings) == ["ml", "research"]
+    for role in serving:
         assert rules_of(role) == NAMESPACED_RULES
 
 
@@ -232,7 +276,7 @@ DELETABLE = {"poddisruptionbudgets", "horizontalpodautoscalers", "scaledobjects"
 
 
 def test_no_wildcards_and_deletes_only_of_fleet_objects(helm_template):
-    for flags in ((), ("--set", "watchNamespaces={ml}"), ("--set", "autoscaler=keda")):
+    for flags in ((), ("--set", "watchNamespaces={ml}"), ("--set", "autoscaler=keda"), CLUSTER_WIDE):
         for doc in helm_template(*flags):
             if doc["kind"] in RBAC_KINDS or doc["kind"] == "ClusterRole":
                 for group, resource, verb in rules_of(doc):

@@ -175,7 +175,8 @@ def test_routing_and_autoscaling_turned_off_delete_their_objects(scenario):
 
 
 def test_chart_rbac_with_keda_grants_every_call_the_operator_made(cluster, helm_template):
-    (role,) = [doc for doc in helm_template("--set", "autoscaler=keda") if doc["kind"] == "ClusterRole"]
+    flags = ("--set", "autoscaler=keda", "--set", "clusterWide=true")
+    (role,) = [doc for doc in helm_template(*flags) if doc["kind"] == "ClusterRole"]
     granted, used = rules_of(role), cluster.operator_rbac_calls()
     assert used - granted == set(), f"calls the chart's RBAC does not allow: {sorted(used - granted)}"
     assert {

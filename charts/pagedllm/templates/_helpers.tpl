@@ -38,6 +38,17 @@ app.kubernetes.io/component: operator
 {{- end }}
 {{- end }}
 
+{{/* The namespaces served in namespaced mode, as a JSON list: watchNamespaces, else the release's own. */}}
+{{- define "pagedllm.watchedNamespaces" -}}
+{{- if .Values.clusterWide }}
+{{- if .Values.watchNamespaces }}
+{{- fail "clusterWide=true serves every namespace: leave watchNamespaces empty" }}
+{{- end }}
+{{- list | toJson }}
+{{- else }}
+{{- default (list .Release.Namespace) .Values.watchNamespaces | toJson }}
+{{- end }}
+{{- end }}
 {{/* The operator's image. */}}
 {{- define "pagedllm.image" -}}
 {{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
