@@ -29,6 +29,7 @@ from pagedllm.operator.autoscaling import HPA, KEDA
 from pagedllm.operator.backoff import Backoff, RepairPacer
 from pagedllm.operator.kube import ApiError, KubeClient, default_login
 from pagedllm.operator.manifests import GROUP, INSTANCE_LABEL, MANAGED_BY, PLURAL, VERSION, RenderConfig
+from pagedllm.operator.metrics import OperatorMetrics
 from pagedllm.operator.owner_gate import OwnerGate
 from pagedllm.operator.reconcile import RETRY, Trigger, reconcile
 from pagedllm.operator.status import owner_name
@@ -91,9 +92,16 @@ def operator_settings() -> kopf.OperatorSettings:
     return settings
 
 
-def make_memo(config: RenderConfig, kube: KubeClient) -> kopf.Memo:
-    """What the handlers share: rendering settings, the API client, the drift-repair pacing, the owners' turns."""
-    return kopf.Memo(config=config, kube=kube, pacer=RepairPacer(REPAIR, time.monotonic), gate=OwnerGate())
+def make_memo(config: RenderConfig, kube: KubeClient, metrics: OperatorMetrics | None = None) -> kopf.Memo:
+    """What the handlers share: rendering settings, the API client, the drift-repair pacing, the owners'
+    turns and the operator's metrics."""
+    return kopf.Memo(
+        config=config,
+        kube=kube,
+        pacer=RepairPacer(REPAIR, time.monotonic),
+        gate=OwnerGate(),
+        metrics=metrics or OperatorMetrics(),
+    )
 
 
 def login(settings: kopf.OperatorSettings, **_: Any) -> kopf.ConnectionInfo:
@@ -105,9 +113,23 @@ async def close_client(memo: kopf.Memo, **_: Any) -> None:
     await memo.kube.close()
 
 
-async def _run(memo: kopf.Memo, logger: Any, namespace: str, name: str, trigger: Trigger, *, fold: bool) -> None:
+async def _run(
+    memo: kopf.Memo, logger: Any, namespace: str, name: str, trigger: Trigger, *, fold: bool, cause: str
+) -> None:
+    """One reconcile of ``namespace/name`` in its turn, counted in the metrics under ``cause``."""
+
     async def action() -> dict | None:
-        return await reconcile(namespace, name, memo.kube, memo.config, memo.pacer, logger, trigger)
+        started, result = time.monotonic(), "error"
+        try:
+            status = await reconcile(namespace, name, memo.kube, memo.config, memo.pacer, logger, trigger)
+            result = "ok"
+        except kopf.TemporaryError:
+            result = "retry"
+            raise
+        finally:
+            memo.metrics.passed(cause, result, time.monotonic() - started)
+        memo.metrics.phase((namespace, name), (status or {}).get("phase"))
+        return status
 
     await memo.gate.run((namespace, name), action, fold=fold)
 
@@ -116,7 +138,7 @@ async def on_spec(body: kopf.Body, reason: str, memo: kopf.Memo, logger: kopf.Lo
     """The spec was created or changed, or the operator resumed: apply the whole rendering."""
     meta = body["metadata"]
     trigger = Trigger(apply=True, announce=reason != "resume", retry=retry)
-    await _run(memo, logger, meta["namespace"], meta["name"], trigger, fold=False)
+    await _run(memo, logger, meta["namespace"], meta["name"], trigger, fold=False, cause="spec")
 
 
 async def check_periodically(body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **_: Any) -> None:
@@ -124,7 +146,7 @@ async def check_periodically(body: kopf.Body, memo: kopf.Memo, logger: kopf.Logg
     meta = body["metadata"]
     if meta.get("deletionTimestamp"):
         return
-    await _run(memo, logger, meta["namespace"], meta["name"], Trigger(retry_refused=True), fold=True)
+    await _run(memo, logger, meta["namespace"], meta["name"], Trigger(retry_refused=True), fold=True, cause="periodic")
 
 
 def owner_of(body: Mapping[str, Any]) -> str | None:
@@ -148,7 +170,7 @@ async def on_child_event(body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, 
     namespace = body["metadata"]["namespace"]
     try:
         await EVENT_RETRY.retry(
-            lambda: _run(memo, logger, namespace, name, Trigger(), fold=True),
+            lambda: _run(memo, logger, namespace, name, Trigger(), fold=True, cause="event"),
             attempts=EVENT_ATTEMPTS,
             retriable=lambda exc: isinstance(exc, kopf.TemporaryError),
         )

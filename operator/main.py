@@ -29,6 +29,7 @@ from pagedllm.operator.handlers import build_registry, make_memo, operator_setti
 from pagedllm.operator.kube import KubeClient
 from pagedllm.operator.leader import LeaderElector, LeaseConfig
 from pagedllm.operator.manifests import DEFAULT_PROMETHEUS, RenderConfig
+from pagedllm.operator.metrics import OperatorMetrics
 
 DEFAULT_IMAGE_ENV = "PAGEDLLM_DEFAULT_IMAGE"
 AUTOSCALER_ENV = "PAGEDLLM_AUTOSCALER"
@@ -128,6 +129,13 @@ def add_operator_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
         "release=RELEASE); repeat for several.",
     )
     parser.add_argument(
+        "--metrics-port",
+        type=int,
+        default=0,
+        metavar="PORT",
+        help="Serve the operator's Prometheus metrics at http://0.0.0.0:PORT/metrics (0: off, the default).",
+    )
+    parser.add_argument(
         "--leader-elect",
         action="store_true",
         help="Reconcile only while holding a coordination.k8s.io Lease, so several replicas may run "
@@ -185,7 +193,10 @@ def run_operator(args: argparse.Namespace) -> int:
         endpoint_picker_image=args.endpoint_picker_image,
     )
     kube = KubeClient()
-    memo = make_memo(config, kube)
+    metrics = OperatorMetrics()
+    if args.metrics_port:
+        metrics.serve(args.metrics_port)
+    memo = make_memo(config, kube, metrics)
     options = dict(
         registry=build_registry(args.autoscaler),
         settings=settings,
@@ -197,6 +208,7 @@ def run_operator(args: argparse.Namespace) -> int:
         liveness_endpoint=args.liveness,
     )
     if not args.leader_elect:
+        metrics.leader.set(1)
         kopf.run(**options)
         return 0
     duration = args.lease_duration
@@ -209,6 +221,10 @@ def run_operator(args: argparse.Namespace) -> int:
     )
 
     async def operate(stop: asyncio.Event) -> None:
-        await kopf.operator(stop_flag=stop, **options)
+        metrics.leader.set(1)
+        try:
+            await kopf.operator(stop_flag=stop, **options)
+        finally:
+            metrics.leader.set(0)
 
     return asyncio.run(run_elected(LeaderElector(KubeClient(), lease), args.liveness, operate))

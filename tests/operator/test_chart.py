@@ -127,6 +127,8 @@ def test_operator_serves_its_own_namespace_by_default_and_every_one_on_request(h
     probe = container["livenessProbe"]["httpGet"]
     assert probe == {"path": "/healthz", "port": "liveness"}
     assert {"name": "liveness", "containerPort": 8080, "protocol": "TCP"} in container["ports"]
+    assert args.metrics_port == 8081
+    assert {"name": "metrics", "containerPort": 8081, "protocol": "TCP"} in container["ports"]
 
 
 def test_operator_command_is_the_projects_console_script():
