@@ -31,6 +31,7 @@ from pagedllm.operator.kube import ApiError, KubeClient, default_login
 from pagedllm.operator.manifests import GROUP, INSTANCE_LABEL, MANAGED_BY, PLURAL, VERSION, RenderConfig
 from pagedllm.operator.metrics import OperatorMetrics
 from pagedllm.operator.owner_gate import OwnerGate
+from pagedllm.operator.policy import AdminPolicy
 from pagedllm.operator.reconcile import RETRY, Trigger, reconcile
 from pagedllm.operator.status import owner_name
 
@@ -92,12 +93,15 @@ def operator_settings() -> kopf.OperatorSettings:
     return settings
 
 
-def make_memo(config: RenderConfig, kube: KubeClient, metrics: OperatorMetrics | None = None) -> kopf.Memo:
+def make_memo(
+    config: RenderConfig, kube: KubeClient, metrics: OperatorMetrics | None = None, policy: AdminPolicy = AdminPolicy()
+) -> kopf.Memo:
     """What the handlers share: rendering settings, the API client, the drift-repair pacing, the owners'
-    turns and the operator's metrics."""
+    turns, the operator's metrics and the admin's allow-lists."""
     return kopf.Memo(
         config=config,
         kube=kube,
+        policy=policy,
         pacer=RepairPacer(REPAIR, time.monotonic),
         gate=OwnerGate(),
         metrics=metrics or OperatorMetrics(),
@@ -121,7 +125,7 @@ async def _run(
     async def action() -> dict | None:
         started, result = time.monotonic(), "error"
         try:
-            status = await reconcile(namespace, name, memo.kube, memo.config, memo.pacer, logger, trigger)
+            status = await reconcile(namespace, name, memo.kube, memo.config, memo.pacer, logger, trigger, memo.policy)
             result = "ok"
         except kopf.TemporaryError:
             result = "retry"

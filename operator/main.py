@@ -30,6 +30,7 @@ from pagedllm.operator.kube import KubeClient
 from pagedllm.operator.leader import LeaderElector, LeaseConfig
 from pagedllm.operator.manifests import DEFAULT_PROMETHEUS, RenderConfig
 from pagedllm.operator.metrics import OperatorMetrics
+from pagedllm.operator.policy import AdminPolicy
 
 DEFAULT_IMAGE_ENV = "PAGEDLLM_DEFAULT_IMAGE"
 AUTOSCALER_ENV = "PAGEDLLM_AUTOSCALER"
@@ -128,6 +129,19 @@ def add_operator_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
         help="A label of every PodMonitor, for a Prometheus that selects them by label (kube-prometheus-stack: "
         "release=RELEASE); repeat for several.",
     )
+    for flag, what in (
+        ("--allowed-image", "an image pattern (fnmatch: ghcr.io/org/*) server and picker containers may run"),
+        ("--allowed-service-account", "a spec.serviceAccountName resources may use"),
+        ("--allowed-priority-class", "a spec.priorityClassName resources may use"),
+        ("--allowed-runtime-class", "a spec.runtimeClassName resources may use"),
+    ):
+        parser.add_argument(
+            flag,
+            action="append",
+            default=[],
+            metavar="NAME",
+            help=f"Allow {what}; repeat for several. None given: anything is allowed.",
+        )
     parser.add_argument(
         "--metrics-port",
         type=int,
@@ -196,7 +210,13 @@ def run_operator(args: argparse.Namespace) -> int:
     metrics = OperatorMetrics()
     if args.metrics_port:
         metrics.serve(args.metrics_port)
-    memo = make_memo(config, kube, metrics)
+    policy = AdminPolicy(
+        images=tuple(args.allowed_image),
+        service_accounts=tuple(args.allowed_service_account),
+        priority_classes=tuple(args.allowed_priority_class),
+        runtime_classes=tuple(args.allowed_runtime_class),
+    )
+    memo = make_memo(config, kube, metrics, policy)
     options = dict(
         registry=build_registry(args.autoscaler),
         settings=settings,

@@ -31,8 +31,9 @@ from pagedllm.operator.drift import drifted
 from pagedllm.operator.kube import ApiError, KubeClient
 from pagedllm.operator.manifests import GENERATION_ANNOTATION, KIND, RenderConfig, as_body, render
 from pagedllm.operator.observed import INVALID_SPEC, Observed, observe, problem_of
+from pagedllm.operator.policy import AdminPolicy
 from pagedllm.operator.readiness import Verdict, hpa_verdict, pool_verdict, scaled_object_verdict
-from pagedllm.operator.spec import SpecError
+from pagedllm.operator.spec import PagedLLMSpec, SpecError
 from pagedllm.operator.status import (
     DEGRADED,
     Problem,
@@ -77,13 +78,15 @@ async def reconcile(
     pacer: RepairPacer,
     logger: logging.Logger | logging.LoggerAdapter,
     trigger: Trigger,
+    policy: AdminPolicy = AdminPolicy(),
 ) -> dict | None:
     """One pass for the ``PagedLLM`` ``namespace/name``; the status it holds afterwards (``None``: gone).
 
-    Raises only ``kopf.TemporaryError`` (transient API trouble), with :data:`RETRY`'s delay.
+    ``policy`` is the admin's allow-lists. Raises only ``kopf.TemporaryError`` (transient API
+    trouble), with :data:`RETRY`'s delay, or ``kopf.PermanentError`` (the API refused a read).
     """
     try:
-        return await _reconcile(namespace, name, kube, config, pacer, logger, trigger)
+        return await _reconcile(namespace, name, kube, config, pacer, logger, trigger, policy)
     except ApiError as exc:
         if not exc.retriable:
             raise kopf.PermanentError(f"{KIND} {namespace}/{name}: {exc}") from exc
@@ -98,6 +101,7 @@ async def _reconcile(
     pacer: RepairPacer,
     logger: logging.Logger | logging.LoggerAdapter,
     trigger: Trigger,
+    policy: AdminPolicy,
 ) -> dict | None:
     owner = await kube.get(KIND, namespace, name)
     if owner is None or owner.get("metadata", {}).get("deletionTimestamp"):
@@ -107,6 +111,11 @@ async def _reconcile(
     except SpecError as exc:
         observed = await observe(kube, owner, [])
         return await _write(owner, observed, kube, problem_of(owner, observed, spec_error=str(exc)), None)
+    refusal = policy.check(
+        PagedLLMSpec.from_dict(owner.get("spec")), config.default_image, config.endpoint_picker_image
+    )
+    if refusal is not None:  # NOTE: like a spec error: nothing is applied, what runs keeps running
+        return await _write(owner, await observe(kube, owner, []), kube, refusal, None)
     try:
         # Kinds of CRDs the cluster lacks are skipped, and said so in a condition.
         wanted, features = await servable(manifests, kube)

@@ -53,6 +53,7 @@ SWITCHES = [
     ("--set", "prometheus.podMonitorLabels.release=kps"),
     ("--set", "prometheusAdapter.rules.create=true"),
     ("--set", "clusterWide=true", "--set", "replicas=3"),
+    ("--set", "policy.admissionPolicy=true", "--set", "policy.allowedImages={ghcr.io/pagedllm/*}"),
 ]
 CLUSTER_WIDE = ("--set", "clusterWide=true")
 LEASE_RULES = {("coordination.k8s.io", "leases", v) for v in ("get", "create", "patch")}
@@ -377,3 +378,81 @@ def test_prometheus_adapter_rules_serve_every_autoscaling_metric_under_its_own_n
     assert not regex.fullmatch(selector, "vllm:num_requests_waiting")
     assert rule["resources"]["overrides"] == {"namespace": {"resource": "namespace"}, "pod": {"resource": "pod"}}
     assert "<<.Series>>{<<.LabelMatchers>>}" in rule["metricsQuery"] and "<<.GroupBy>>" in rule["metricsQuery"]
+
+
+def admission(docs: list[dict], obj: dict) -> list[str]:
+    """The messages of the rendered ValidatingAdmissionPolicy's validations ``obj`` fails (celpy)."""
+    import celpy
+
+    (policy,) = by_kind(docs)["ValidatingAdmissionPolicy"]
+    env = celpy.Environment()
+
+    def run(expression: str, activation: dict):
+        return env.program(env.compile(expression)).evaluate(activation)
+
+    subject = {"object": celpy.json_to_cel(obj)}
+    variables = {v["name"]: run(v["expression"], subject) for v in policy["spec"]["variables"]}
+    activation = {
+        **subject,
+        "variables": celpy.celtypes.MapType({celpy.celtypes.StringType(k): v for k, v in variables.items()}),
+    }
+    return [
+        str(run(check["messageExpression"], activation))
+        for check in policy["spec"]["validations"]
+        if not run(check["expression"], activation)
+    ]
+
+
+def test_admission_policy_refuses_what_the_operator_refuses(helm_template):
+    from pagedllm.operator.policy import AdminPolicy
+    from pagedllm.operator.spec import PagedLLMSpec
+
+    lists = {
+        "allowedImages": ["ghcr.io/pagedllm/*", "mirror.example/epp:v1.0.1"],
+        "allowedServiceAccounts": ["llm"],
+        "allowedRuntimeClasses": ["nvidia"],
+    }
+    flags = ["--set", "policy.admissionPolicy=true", "--set", "endpointPicker.image=mirror.example/epp:v1.0.1"]
+    for key, values in lists.items():
+        flags += ["--set", f"policy.{key}={{{','.join(values)}}}"]
+    docs = helm_template(*flags)
+    operator = AdminPolicy(images=tuple(lists["allowedImages"]), service_accounts=("llm",), runtime_classes=("nvidia",))
+    picker = {"inferencePool": True, "endpointPicker": {"deploy": True}}
+    cases = [
+        ({}, []),
+        ({"image": "ghcr.io/pagedllm/pagedllm:dev", "serviceAccountName": "llm", "runtimeClassName": "nvidia"}, []),
+        ({"image": "docker.io/x/y:1"}, ["spec.image=docker.io/x/y:1"]),
+        ({"serviceAccountName": "admin"}, ["spec.serviceAccountName=admin"]),
+        ({"runtimeClassName": "kata"}, ["spec.runtimeClassName=kata"]),
+        ({"routing": picker}, []),
+        (
+            {"routing": {**picker, "endpointPicker": {"deploy": True, "image": "evil/epp:1"}}},
+            ["spec.routing.endpointPicker.image=evil/epp:1"],
+        ),
+        ({"routing": {"inferencePool": True, "endpointPicker": {"image": "evil/epp:1"}}}, []),  # not deployed
+    ]
+    for spec, refused in cases:
+        obj = {"apiVersion": "pagedllm.dev/v1alpha1", "kind": "PagedLLM", "spec": {"model": "org/m", **spec}}
+        messages = admission(docs, obj)
+        assert [m.split(" is not allowed")[0] for m in messages] == refused, (spec, messages)
+        assert all("allowed are [" in m for m in messages)
+        problem = operator.check(
+            PagedLLMSpec.from_dict(obj["spec"]), "ghcr.io/pagedllm/pagedllm:0.1.0", "mirror.example/epp:v1.0.1"
+        )
+        assert (problem is not None) == bool(refused), spec  # the operator agrees
+    (binding,) = by_kind(docs)["ValidatingAdmissionPolicyBinding"]
+    assert binding["spec"]["matchResources"]["namespaceSelector"]["matchExpressions"][0]["values"] == [
+        "pagedllm-system"
+    ]
+    (binding,) = by_kind(helm_template(*flags, "--set", "clusterWide=true"))["ValidatingAdmissionPolicyBinding"]
+    assert "matchResources" not in binding["spec"]
+    assert "ValidatingAdmissionPolicy" not in by_kind(helm_template())
+
+
+def test_policy_lists_reach_the_operator(helm_template):
+    docs = helm_template(
+        "--set", "policy.allowedImages={ghcr.io/pagedllm/*}", "--set", "policy.allowedPriorityClasses={inference}"
+    )
+    args = parse_operator_args(operator_container(docs))
+    assert args.allowed_image == ["ghcr.io/pagedllm/*"] and args.allowed_priority_class == ["inference"]
+    assert args.allowed_service_account == [] and args.allowed_runtime_class == []
