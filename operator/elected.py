@@ -68,4 +68,7 @@ async def run_elected(
         await operate(stop)
     finally:
         keeper.cancel()
-    return LOST_LEADERSHIP if lost.is_set() else 0
+    if lost.is_set():
+        return LOST_LEADERSHIP
+    await elector.release()
+    return 0

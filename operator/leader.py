@@ -9,6 +9,8 @@ operator's event loop::
                 for lease_duration (by its holder's renewTime); else wait
     leader      every retry_period: renew (renewTime = now); a renewal that has not succeeded
                 for renew_deadline means another replica may take over: stop reconciling
+    stopping    a leader stopped on purpose (SIGTERM, a rollout) empties holderIdentity, so a
+                standby takes over at once instead of after lease_duration
 
 Every write carries the ``resourceVersion`` it read, so of two candidates racing for an
 expired Lease the API server accepts one (the other gets 409 Conflict and stays a
@@ -136,6 +138,24 @@ class LeaderElector:
                 return False
             raise
         return True
+
+    async def release(self) -> None:
+        """Give the Lease up if this replica holds it, so a standby takes over at once (a clean stop).
+
+        NOTE: best effort: if this fails, the Lease simply expires.
+        """
+        cfg = self._config
+        try:
+            lease = await self._api.request("GET", f"{self._collection}/{cfg.name}")
+            if (lease.get("spec") or {}).get("holderIdentity") != cfg.identity:
+                return
+            released = {
+                "metadata": {"resourceVersion": lease["metadata"]["resourceVersion"]},
+                "spec": {"holderIdentity": "", "leaseDurationSeconds": 1, "renewTime": _stamp(self._clock())},
+            }
+            await self._write("PATCH", f"{self._collection}/{cfg.name}", released)
+        except ApiError:
+            return
 
     async def acquire(self, sleep: Callable[[float], Any] = asyncio.sleep) -> None:
         """Return once this replica holds the Lease (transient API errors are waited out)."""

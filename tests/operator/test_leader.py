@@ -158,6 +158,27 @@ def test_a_leader_that_cannot_renew_gives_up_within_the_renew_deadline(cluster):
     asyncio.run(scenario())
 
 
+def test_a_leader_stopping_on_purpose_hands_over_at_once(cluster):
+    async def scenario():
+        clock, kube_a, kube_b = Clock(), client(cluster), client(cluster)
+        a = LeaderElector(kube_a, LeaseConfig(namespace="leader-5", identity="a"), clock)
+        b = LeaderElector(kube_b, LeaseConfig(namespace="leader-5", identity="b"), clock)
+        try:
+            assert await a.try_acquire_or_renew() and not await b.try_acquire_or_renew()
+            await b.release()  # not the holder: nothing changes
+            assert lease(Client(cluster.url), "leader-5")["holderIdentity"] == "a"
+            await a.release()
+            assert lease(Client(cluster.url), "leader-5")["holderIdentity"] == ""
+            assert await b.try_acquire_or_renew()  # no wait for the 15 s lease to run out
+            spec = lease(Client(cluster.url), "leader-5")
+            assert (spec["holderIdentity"], spec["leaseDurationSeconds"], spec["leaseTransitions"]) == ("b", 15, 1)
+        finally:
+            await kube_a.close()
+            await kube_b.close()
+
+    asyncio.run(scenario())
+
+
 def test_lease_timings_must_leave_the_old_leader_time_to_stop():
     with pytest.raises(ValueError, match="retry < renew_deadline < duration"):
         LeaseConfig(namespace="x", identity="y", lease_duration=10, renew_deadline=10)
