@@ -31,7 +31,7 @@ COPY operator /src/operator
 # --no-deps: the package's dependencies are the engine's (torch, transformers, ...); the
 # operator needs only its extra, pyproject.toml's `operator` (a test keeps the two equal).
 RUN pip install --no-deps /src \
- && pip install "kopf>=1.45" "kubernetes>=37"
+ && pip install "kopf>=1.45" "kubernetes>=37" "prometheus-client>=0.20"
 
 FROM ${PYTHON_IMAGE} AS operator
 COPY --from=operator-build /opt/venv /opt/venv

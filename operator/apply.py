@@ -58,7 +58,7 @@ class ApplyOutcome:
     """What one pass over the rendering did."""
 
     applied: dict[str, dict] = field(default_factory=dict)
-    """kind -> the object as the API server answered the apply."""
+    """``Kind name`` -> the object as the API server answered the apply."""
     refused: list[Problem] = field(default_factory=list)
     """Children the operator cannot apply until something changes (spec, RBAC, the other owner)."""
     transient: list[str] = field(default_factory=list)
@@ -97,7 +97,7 @@ async def apply_all(manifests: Iterable[Mapping[str, Any]], kube: Kube, owner_ui
             replicas = replicas_to_hand_over(manifest, live)
             if replicas is not None:
                 await kube.apply(_replicas_only(manifest, replicas), field_manager=HANDOVER_MANAGER)
-            outcome.applied[kind] = await kube.apply(manifest)
+            outcome.applied[what] = await kube.apply(manifest)
         except ApiError as exc:
             if exc.retriable:
                 outcome.transient.append(f"{what}: {exc}")

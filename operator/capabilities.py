@@ -5,18 +5,19 @@ CRDs are installed. Rendering makes them regardless (it is pure); before applyin
 handlers ask API discovery whether the kind is served, apply what is, and report each
 feature as a condition on the resource::
 
-    AutoscalingReady   HorizontalPodAutoscaler / ScaledObject    True Applied | False CRDNotInstalled
-    RoutingReady       InferencePool                             True Applied | False CRDNotInstalled
-    MonitoringReady    PodMonitor                                True Applied | False CRDNotInstalled
-    MultiNodeReady     LeaderWorkerSet (spec.nodes > 1)          True Applied | False CRDNotInstalled,
+    AutoscalingReady   HorizontalPodAutoscaler / ScaledObject    what it reports | False CRDNotInstalled
+    RoutingReady       InferencePool                             what it reports | False CRDNotInstalled
+    MonitoringReady    PodMonitor                                True Applied    | False CRDNotInstalled
+    MultiNodeReady     LeaderWorkerSet (spec.nodes > 1)          True Applied    | False CRDNotInstalled,
                                                                  and the resource is Degraded
 
-A feature the spec does not ask for has no condition.
+What an applied object reports is judged in :mod:`readiness`. A feature the spec does not
+ask for has no condition.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -71,8 +72,12 @@ class Outcome:
     api_version: str
     served: bool
 
-    def condition(self) -> dict[str, Any]:
+    def condition(self, verdict: tuple[str, str, str] | None = None) -> dict[str, Any]:
+        """The feature's condition; ``verdict`` (status, reason, message) is what the live object says."""
         feature = FEATURES[self.kind]
+        if self.served and verdict is not None:
+            status, reason, message = verdict
+            return {"type": feature.condition, "status": status, "reason": reason, "message": message}
         if self.served:
             message = f"{self.kind} {self.name} applied"
             return {"type": feature.condition, "status": "True", "reason": APPLIED, "message": message}
@@ -98,16 +103,22 @@ async def servable(manifests: Iterable[Mapping[str, Any]], kube: Discovery) -> t
     return keep, outcomes
 
 
-def with_features(status: Mapping[str, Any], outcomes: Iterable[Outcome], now: str) -> dict:
+def with_features(
+    status: Mapping[str, Any],
+    outcomes: Iterable[Outcome],
+    now: str,
+    judge: Callable[[Outcome], tuple[str, str, str] | None] = lambda outcome: None,
+) -> dict:
     """``status`` with the feature conditions of ``outcomes`` (others of those types removed).
 
-    ``lastTransitionTime`` stays while a condition's status does not change.
+    ``judge`` gives what a served object's live state says (:mod:`readiness`), ``None`` where
+    there is nothing to read. ``lastTransitionTime`` stays while a condition's status does not change.
     """
     conditions = list(status.get("conditions") or [])
     before = {c.get("type"): c for c in conditions}
     kept = [c for c in conditions if c.get("type") not in CONDITION_TYPES]
     for outcome in outcomes:
-        cond = outcome.condition()
+        cond = outcome.condition(judge(outcome))
         old = before.get(cond["type"], {})
         cond["lastTransitionTime"] = old.get("lastTransitionTime", now) if old.get("status") == cond["status"] else now
         generation = status.get("observedGeneration")

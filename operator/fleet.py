@@ -3,6 +3,7 @@
     PodDisruptionBudget   more than one replica (fixed, or as the autoscaler's maximum)
     autoscaler            spec.autoscaling: HorizontalPodAutoscaler or KEDA ScaledObject
     InferencePool         spec.routing.inferencePool
+    endpoint picker       spec.routing.endpointPicker.deploy (with the pool)
     PodMonitor            always rendered; applied only where the Prometheus Operator runs
 
 Pure functions, like the rest of the rendering; which of these the cluster can take is
@@ -14,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pagedllm.operator.autoscaling import render_autoscaler
+from pagedllm.operator.endpoint_picker import DEFAULT_PICKER_IMAGE, render_endpoint_picker
 from pagedllm.operator.monitoring import render_pod_monitor
 from pagedllm.operator.routing import render_inference_pool
 from pagedllm.operator.spec import PagedLLMSpec
@@ -26,6 +28,7 @@ class FleetConfig:
     autoscaler: str
     prometheus_address: str
     pod_monitor_labels: tuple[tuple[str, str], ...] = ()
+    endpoint_picker_image: str = DEFAULT_PICKER_IMAGE
 
 
 @dataclass(frozen=True)
@@ -36,10 +39,12 @@ class Fleet:
     autoscaler: dict | None
     inference_pool: dict | None
     pod_monitor: dict
+    endpoint_picker: tuple[dict, ...] = ()
+    """The picker's objects, with spec.routing.endpointPicker.deploy."""
 
     def all(self) -> list[dict]:
         found = (self.disruption_budget, self.autoscaler, self.pod_monitor, self.inference_pool)
-        return [m for m in found if m is not None]
+        return [m for m in found if m is not None] + list(self.endpoint_picker)
 
 
 def max_replicas(spec: PagedLLMSpec) -> int:
@@ -64,6 +69,11 @@ def render_fleet(name: str, namespace: str, spec: PagedLLMSpec, selector: dict[s
             render_inference_pool(name, selector, spec.port, spec.routing) if spec.routing.inference_pool else None
         ),
         pod_monitor=render_pod_monitor(name, selector, "http", dict(config.pod_monitor_labels)),
+        endpoint_picker=(
+            tuple(render_endpoint_picker(name, namespace, spec.routing, config.endpoint_picker_image))
+            if spec.routing.inference_pool and spec.routing.deploy_picker
+            else ()
+        ),
     )
 
 

@@ -46,6 +46,10 @@ class Routing:
     """Port of that Service."""
     failure_mode: str = "FailClose"
     """What the gateway does when the picker does not answer: drop (FailClose) or route anyway (FailOpen)."""
+    deploy_picker: bool = False
+    """Run the reference endpoint picker for the pool (Deployment, Service, RBAC, config) too."""
+    picker_image: str | None = None
+    """Image of that picker; unset: the operator's --endpoint-picker-image."""
 
 
 def _mapping(path: str, value: Any) -> Mapping[str, Any]:
@@ -108,12 +112,22 @@ def parse_routing(path: str, value: Any) -> Routing:
     if not isinstance(enabled, bool):
         raise SpecError(f"{path}.inferencePool={enabled!r} has the wrong type: must be a boolean")
     picker = _mapping(f"{path}.endpointPicker", value.get("endpointPicker", {}))
+    unknown = sorted(set(picker) - {"name", "port", "deploy", "image"})
+    if unknown:
+        raise SpecError(f"{path}.endpointPicker has unknown field(s) {unknown}")
     name = picker.get("name")
     if name is not None:
         dns_label(f"{path}.endpointPicker.name", name, "the endpoint picker's Service")
+    deploy, image = picker.get("deploy", False), picker.get("image")
+    if not isinstance(deploy, bool):
+        raise SpecError(f"{path}.endpointPicker.deploy={deploy!r} has the wrong type: must be a boolean")
+    if image is not None and (not isinstance(image, str) or not image):
+        raise SpecError(f"{path}.endpointPicker.image={image!r} is not allowed: must be a non-empty string")
     return Routing(
         inference_pool=enabled,
         endpoint_picker=name,
         endpoint_picker_port=_int_field(f"{path}.endpointPicker.port", picker.get("port", EPP_PORT), 1, 65535),
         failure_mode=_choice(f"{path}.failureMode", value.get("failureMode", "FailClose"), FAILURE_MODES),
+        deploy_picker=deploy,
+        picker_image=image,
     )

@@ -1,9 +1,12 @@
-"""kopf handlers: a thin layer over :mod:`manifests` (render) and :mod:`status` (observe).
+"""kopf handlers: thin triggers of the one reconcile (:mod:`reconcile`).
 
-- create / update / resume of a ``PagedLLM``: render, server-side apply, write status.
-- events of owned Deployments: refresh the owner's status (phase, conditions, replicas).
-- an owned Deployment or Service deleted or edited by hand: apply the owner again
-  (recreated, or the edit reverted), and a periodic check for changes no event reported.
+- create / update / resume of a ``PagedLLM``: reconcile, applying the whole rendering.
+- events of its children (Deployment, Service, server pods, autoscaler): reconcile the
+  owner, which reports their state and recreates or reverts a child deleted or edited by
+  hand; a periodic check does the same for changes no event reported.
+
+No handler computes or writes status itself: the reconcile is the only writer, one pass
+at a time per owner (:class:`~pagedllm.operator.owner_gate.OwnerGate`).
 
 A spec the operator cannot serve never raises out of a handler: it becomes a
 ``Degraded`` condition and a warning event, and waits for the next spec change. Only
@@ -16,78 +19,64 @@ Children are watched through a server-side label selector, not every Deployment.
 
 from __future__ import annotations
 
-import datetime
 import time
 from collections.abc import Mapping
 from typing import Any
 
 import kopf
 
-from pagedllm.operator.apply import APPLY_REFUSED, REFUSALS, apply_all, prune
 from pagedllm.operator.artifact_events import JOBS, on_job_event
+from pagedllm.operator.autoscaling import HPA, KEDA
 from pagedllm.operator.backoff import Backoff, RepairPacer
-from pagedllm.operator.capabilities import servable, with_features
-from pagedllm.operator.drift import drifted
-from pagedllm.operator.kube import ApiError, KubeClient, collection_path, default_login
-from pagedllm.operator.leaderworkerset import LWS_RESOURCE, missing_workload, workload_ref
-from pagedllm.operator.manifests import (
-    GROUP,
-    INSTANCE_LABEL,
-    KIND,
-    MANAGED_BY,
-    PLURAL,
-    SERVER_CONTAINER,
-    VERSION,
-    RenderConfig,
-    as_body,
-    render,
-)
-from pagedllm.operator.spec import SpecError
-from pagedllm.operator.status import (
-    DEGRADED,
-    Problem,
-    announce_phase,
-    comparable,
-    desired_replicas,
-    owner_name,
-    server_exit,
-    standing_exit,
-    standing_problem,
-    status_from,
-)
+from pagedllm.operator.kube import ApiError, KubeClient, default_login
+from pagedllm.operator.leaderworkerset import LWS_RESOURCE
+from pagedllm.operator.manifests import GROUP, INSTANCE_LABEL, MANAGED_BY, PLURAL, VERSION, RenderConfig
+from pagedllm.operator.metrics import OperatorMetrics
+from pagedllm.operator.owner_gate import OwnerGate
+from pagedllm.operator.policy import AdminPolicy
+from pagedllm.operator.reconcile import RETRY, Trigger, reconcile
+from pagedllm.operator.status import owner_name
 
-# kopf retries a failed reconcile after RETRY.delay(retry): 10 s, 20 s, 40 s … 5 min.
-RETRY = Backoff(base=10, cap=300)
-# Recreating a deleted child from its event (kopf does not retry event handlers).
-RECREATE = Backoff(base=1, cap=30)
-RECREATE_ATTEMPTS = 5
+__all__ = ["RETRY", "build_registry", "make_memo", "operator_settings"]
+
+# An event's reconcile failing on transient API trouble (kopf does not retry event handlers).
+EVENT_RETRY = Backoff(base=1, cap=30)
+EVENT_ATTEMPTS = 5
 # A child that drifts again right after a repair waits 1 s, 2 s, 4 s … 5 min for the next.
 REPAIR = Backoff(base=1, cap=300)
 DRIFT_CHECK_SECONDS = 60
-INVALID_SPEC = "InvalidSpec"
 _MANAGED = {"app.kubernetes.io/managed-by": MANAGED_BY}
 MANAGED_SELECTOR = f"app.kubernetes.io/managed-by={MANAGED_BY}"
-WATCHED_CHILDREN = (("apps", "v1", "deployments"), ("", "v1", "services"), ("", "v1", "pods"), JOBS)
+WATCHED_CHILDREN = (
+    ("apps", "v1", "deployments"),
+    ("", "v1", "services"),
+    ("", "v1", "pods"),
+    ("autoscaling", "v2", "horizontalpodautoscalers"),
+    # NOTE: the EndpointSlice controller copies a Service's labels onto its slices, so the
+    # deployed endpoint picker's slices carry the managed-by and instance labels.
+    ("discovery.k8s.io", "v1", "endpointslices"),
+    # Kinds of optional CRDs: kopf watches them once the CRD exists (a warning until then).
+    ("inference.networking.k8s.io", "v1", "inferencepools"),
+    LWS_RESOURCE,
+)
+KEDA_CHILDREN = (("keda.sh", "v1alpha1", "scaledobjects"),)
 
 
-def now() -> str:
-    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+def build_registry(autoscaler: str = HPA) -> kopf.OperatorRegistry:
+    """All handlers, in a registry of their own (nothing is registered at import time).
 
-
-def build_registry() -> kopf.OperatorRegistry:
-    """All handlers, in a registry of their own (nothing is registered at import time)."""
+    ScaledObjects are watched only with the KEDA autoscaler (the hpa mode may not list them).
+    """
     registry = kopf.OperatorRegistry()
     kopf.on.login(registry=registry)(login)
     kopf.on.cleanup(registry=registry)(close_client)
     for on_cause in (kopf.on.create, kopf.on.update, kopf.on.resume):
-        on_cause(GROUP, VERSION, PLURAL, registry=registry)(reconcile)
+        on_cause(GROUP, VERSION, PLURAL, registry=registry)(on_spec)
     every = DRIFT_CHECK_SECONDS
-    kopf.timer(GROUP, VERSION, PLURAL, interval=every, initial_delay=every, registry=registry)(check_drift)
-    kopf.on.event("apps", "v1", "deployments", labels=_MANAGED, registry=registry)(on_deployment_event)
-    # NOTE: served only where the LeaderWorkerSet CRD is installed; kopf starts the watch when it appears
-    kopf.on.event(*LWS_RESOURCE, labels=_MANAGED, registry=registry)(on_deployment_event)
-    kopf.on.event("", "v1", "services", labels=_MANAGED, registry=registry)(on_service_event)
-    kopf.on.event("", "v1", "pods", labels=_MANAGED, registry=registry)(on_pod_event)
+    kopf.timer(GROUP, VERSION, PLURAL, interval=every, initial_delay=every, registry=registry)(check_periodically)
+    for group, version, plural in WATCHED_CHILDREN + (KEDA_CHILDREN if autoscaler == KEDA else ()):
+        kopf.on.event(group, version, plural, labels=_MANAGED, registry=registry)(on_child_event)
+    # NOTE: a download Job's progress goes to status.model through its own handler (see artifact_events)
     kopf.on.event(*JOBS, labels=_MANAGED, registry=registry)(on_job_event)
     return registry
 
@@ -104,14 +93,24 @@ def operator_settings() -> kopf.OperatorSettings:
     settings.watching.client_timeout = 330
     settings.networking.request_timeout = 60
     # Only the operator's own children are listed and watched, filtered by the API server.
-    for resource in WATCHED_CHILDREN:
+    for resource in WATCHED_CHILDREN + KEDA_CHILDREN + (JOBS,):
         settings.watching.label_selectors[resource] = MANAGED_SELECTOR
     return settings
 
 
-def make_memo(config: RenderConfig, kube: KubeClient) -> kopf.Memo:
-    """What the handlers share: rendering settings, the API client, the drift-repair pacing."""
-    return kopf.Memo(config=config, kube=kube, pacer=RepairPacer(REPAIR, time.monotonic))
+def make_memo(
+    config: RenderConfig, kube: KubeClient, metrics: OperatorMetrics | None = None, policy: AdminPolicy = AdminPolicy()
+) -> kopf.Memo:
+    """What the handlers share: rendering settings, the API client, the drift-repair pacing, the owners'
+    turns, the operator's metrics and the admin's allow-lists."""
+    return kopf.Memo(
+        config=config,
+        kube=kube,
+        policy=policy,
+        pacer=RepairPacer(REPAIR, time.monotonic),
+        gate=OwnerGate(),
+        metrics=metrics or OperatorMetrics(),
+    )
 
 
 def login(settings: kopf.OperatorSettings, **_: Any) -> kopf.ConnectionInfo:
@@ -123,251 +122,68 @@ async def close_client(memo: kopf.Memo, **_: Any) -> None:
     await memo.kube.close()
 
 
-async def reconcile(
-    body: kopf.Body, reason: str, patch: kopf.Patch, memo: kopf.Memo, logger: kopf.Logger, retry: int = 0, **_: Any
+async def _run(
+    memo: kopf.Memo, logger: Any, namespace: str, name: str, trigger: Trigger, *, fold: bool, cause: str
 ) -> None:
-    """Apply the rendering of ``body`` and record the outcome in its status."""
-    status = await converge(body, memo.kube, memo.config, logger, announce=reason != "resume", retry=retry)
-    announce_phase(body, status)
-    patch.setdefault("status", {}).update(status)
+    """One reconcile of ``namespace/name`` in its turn, counted in the metrics under ``cause``."""
+
+    async def action() -> dict | None:
+        started, result = time.monotonic(), "error"
+        try:
+            status = await reconcile(namespace, name, memo.kube, memo.config, memo.pacer, logger, trigger, memo.policy)
+            result = "ok"
+        except kopf.TemporaryError:
+            result = "retry"
+            raise
+        finally:
+            memo.metrics.passed(cause, result, time.monotonic() - started)
+        memo.metrics.phase((namespace, name), (status or {}).get("phase"))
+        return status
+
+    await memo.gate.run((namespace, name), action, fold=fold)
 
 
-async def converge(
-    body: Mapping[str, Any],
-    kube: KubeClient,
-    config: RenderConfig,
-    logger: kopf.Logger,
-    *,
-    announce: bool = True,
-    retry: int = 0,
-) -> dict:
-    """Render and apply; return the status to write. Raises only ``kopf.TemporaryError``.
-
-    ``retry`` counts the failed attempts before this one; it sets the backoff.
-    """
-    name, namespace = body["metadata"]["name"], body["metadata"]["namespace"]
-    try:
-        manifests = render(body, config)
-    except SpecError as exc:
-        return await _degraded(body, kube, Problem(INVALID_SPEC, str(exc)))
-    try:
-        # Kinds of CRDs the cluster lacks are skipped, and said so in a condition.
-        servable_manifests, features = await servable(manifests.all(), kube)
-    except ApiError as exc:
-        if exc.retriable:
-            raise kopf.TemporaryError(f"API discovery for {name}: {exc}", delay=RETRY.delay(retry)) from exc
-        return await _degraded(body, kube, Problem(APPLY_REFUSED, f"API discovery for {name}: {exc.message}"))
-    outcome = await apply_all(servable_manifests, kube, body["metadata"].get("uid"))
-    await prune(manifests.all(), kube, body["metadata"].get("uid"), outcome)
-    problem = outcome.problem()
-    if problem is not None:
-        return await _degraded(body, kube, problem)
-    if outcome.transient:
-        raise kopf.TemporaryError(f"applying {name}: {'; '.join(outcome.transient)}", delay=RETRY.delay(retry))
-    applied = outcome.applied
-    if announce:
-        kinds = ", ".join(applied)
-        kopf.info(
-            as_body(body),
-            reason="Applied",
-            message=f"{kinds} {name} applied for generation {body['metadata'].get('generation')}",
-        )
-    logger.info("applied %s to %s/%s", list(applied), namespace, name)
-    if outcome.deleted:
-        kopf.info(as_body(body), reason="Deleted", message=f"{', '.join(outcome.deleted)} {name}: not in the spec")
-    # NOTE: read again: the Deployment's status may have moved on while the other children
-    # were applied, and this status is written after the event handlers' (newer) ones.
-    kind, api_version = manifests.deployment["kind"], manifests.deployment["apiVersion"]
-    deployment = await _get_or_none(kube, kind, namespace, name, api_version) or applied.get(kind)
-    if deployment is None:  # NOTE: a LeaderWorkerSet where its CRD is missing: nothing runs
-        return with_features(await _degraded(body, kube, missing_workload(features)), features, now())
-    problem = standing_exit(body, deployment) or await _pods_exit(kube, body, deployment)
-    status = status_from(body, deployment, now=now(), problem=problem)
-    return with_features(status, features, now())
-
-
-async def _pods_exit(kube: KubeClient, body: Mapping[str, Any], deployment: Mapping[str, Any]) -> Problem | None:
-    """A server exit one of the resource's pods shows now, until every desired replica is ready.
-
-    NOTE: the pod handler reports an exit as it happens; this status is written after it and
-    would hide it (``body`` predates it), so it reads the pods too and agrees.
-    """
+async def on_spec(body: kopf.Body, reason: str, memo: kopf.Memo, logger: kopf.Logger, retry: int = 0, **_: Any) -> None:
+    """The spec was created or changed, or the operator resumed: apply the whole rendering."""
     meta = body["metadata"]
-    ready = int((deployment.get("status") or {}).get("readyReplicas") or 0)
-    if ready >= desired_replicas(body.get("spec") or {}, deployment):
-        return None
-    selector = f"{INSTANCE_LABEL}={meta['name']},app.kubernetes.io/managed-by={MANAGED_BY}"
-    try:
-        pods = await kube.request("GET", collection_path("Pod", meta["namespace"]), query=[("labelSelector", selector)])
-    except ApiError:
-        return None  # NOTE: the status without it is still true; the pod handler will say it
-    exits = (server_exit(pod, SERVER_CONTAINER) for pod in (pods or {}).get("items", []))
-    return next((problem for problem in exits if problem is not None), None)
+    trigger = Trigger(apply=True, announce=reason != "resume", retry=retry)
+    await _run(memo, logger, meta["namespace"], meta["name"], trigger, fold=False, cause="spec")
 
 
-async def _get_or_none(
-    kube: KubeClient, kind: str, namespace: str, name: str, api_version: str | None = None
-) -> dict | None:
-    try:
-        return await kube.get(kind, namespace, name, api_version=api_version)
-    except ApiError:
-        return None
-
-
-async def _degraded(body: Mapping[str, Any], kube: KubeClient, problem: Problem) -> dict:
-    if not _standing(body, problem):  # NOTE: one warning per problem, not one per periodic check
-        kopf.warn(as_body(body), reason=problem.reason, message=problem.message)
-    meta = body["metadata"]
-    # NOTE: even without the Deployment, the status still says what is wrong.
-    deployment = await _get_or_none(kube, "Deployment", meta["namespace"], meta["name"])
-    return status_from(body, deployment, now=now(), problem=problem)
-
-
-def refresh_status(body: Mapping[str, Any], deployment: Mapping[str, Any] | None, config: RenderConfig) -> dict:
-    """The status of ``body`` given its current Deployment, keeping a standing refusal or server exit."""
-    try:
-        render(body, config)
-    except SpecError as exc:
-        return status_from(body, deployment, now=now(), problem=Problem(INVALID_SPEC, str(exc)))
-    problem = standing_problem(body, REFUSALS) or standing_exit(body, deployment)
-    return status_from(body, deployment, now=now(), problem=problem)
-
-
-def _standing(body: Mapping[str, Any], problem: Problem) -> bool:
-    """Whether ``body``'s status already reports exactly ``problem``."""
-    return any(
-        cond.get("type") == DEGRADED and cond.get("reason") == problem.reason and cond.get("message") == problem.message
-        for cond in (body.get("status") or {}).get("conditions", []) or []
-    )
-
-
-async def _live_owner(body: Mapping[str, Any], kube: KubeClient) -> dict | None:
-    name = owner_name(body)
-    if name is None:
-        return None
-    owner = await kube.get(KIND, body["metadata"]["namespace"], name)
-    if owner is None or owner.get("metadata", {}).get("deletionTimestamp"):
-        return None  # being deleted: its children go with it
-    return owner
-
-
-async def _recreate(owner: dict, what: str, memo: kopf.Memo, logger: kopf.Logger) -> None:
-    meta = owner["metadata"]
-    kopf.warn(owner, reason="Recreating", message=f"{what} {meta['name']} was deleted; applying it again")
-    # NOTE: kopf does not retry event handlers, so transient failures are retried here;
-    # the periodic drift check and an operator restart (resume) re-apply everything anyway.
-    try:
-        await RECREATE.retry(
-            lambda: _apply_owner(owner, memo, logger),
-            attempts=RECREATE_ATTEMPTS,
-            retriable=lambda exc: isinstance(exc, kopf.TemporaryError) or (isinstance(exc, ApiError) and exc.retriable),
-        )
-    except (kopf.TemporaryError, ApiError) as exc:
-        kopf.warn(
-            owner,
-            reason="RecreateFailed",
-            message=f"{what} {meta['name']} could not be recreated ({exc}); the next periodic check tries again",
-        )
-
-
-async def _apply_owner(owner: Mapping[str, Any], memo: kopf.Memo, logger: kopf.Logger) -> None:
-    """Converge ``owner`` outside its own handlers and write its status."""
-    meta = owner["metadata"]
-    status = await converge(owner, memo.kube, memo.config, logger, announce=False)
-    announce_phase(owner, status)
-    await memo.kube.patch_status(KIND, meta["namespace"], meta["name"], status)
-
-
-async def repair_drift(
-    owner: Mapping[str, Any], live: Mapping[str, Any], kind: str, memo: kopf.Memo, logger: kopf.Logger
-) -> bool:
-    """Apply ``owner`` again if its child ``live`` no longer matches the rendering; True if it did."""
-    try:
-        rendered = render(owner, memo.config).all()
-    except SpecError:
-        return False  # nothing to repair towards; the status already says why
-    name = live["metadata"]["name"]
-    desired = next((m for m in rendered if m["kind"] == kind and m["metadata"]["name"] == name), None)
-    key = (kind, live["metadata"].get("namespace"), name)
-    paths = drifted(desired, live) if desired is not None else []
-    if not paths:
-        memo.pacer.settled(key)
-        return False
-    if not memo.pacer.due(key):
-        logger.info("%s %s drifted again (%s); repair postponed (backoff)", kind, name, ", ".join(paths))
-        return True
-    memo.pacer.repaired(key)
-    message = f"{kind} {name} was changed outside the operator ({', '.join(paths[:5])}); applying the rendering again"
-    kopf.info(as_body(owner), reason="DriftReverted", message=message)
-    try:
-        await _apply_owner(owner, memo, logger)
-    except (kopf.TemporaryError, ApiError) as exc:
-        logger.warning("reverting %s %s failed (%s); the periodic check tries again", kind, name, exc)
-    return True
-
-
-async def check_drift(body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **_: Any) -> None:
-    """Periodically: repair or recreate a Deployment or Service whose change no event reported."""
+async def check_periodically(body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **_: Any) -> None:
+    """Periodically: what no event reported (a missing or edited child, a refusal worth asking again)."""
     meta = body["metadata"]
     if meta.get("deletionTimestamp"):
         return
-    for kind, api_version in (workload_ref(body.get("spec") or {}), ("Service", None)):
-        live = await memo.kube.get(kind, meta["namespace"], meta["name"], api_version=api_version)
-        if live is None or owner_name(live) != meta["name"]:
-            # Missing (or never applied: a standing refusal is retried here, once a period).
-            await _apply_owner(body, memo, logger)
-            return
-        if await repair_drift(body, live, kind, memo, logger):
-            return
+    await _run(memo, logger, meta["namespace"], meta["name"], Trigger(retry_refused=True), fold=True, cause="periodic")
 
 
-async def on_deployment_event(
-    type: str | None, body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **_: Any
-) -> None:
-    """An owned Deployment (or LeaderWorkerSet) changed: refresh the owner's status, or recreate it if deleted."""
-    owner = await _live_owner(body, memo.kube)
-    if owner is None:
-        return
-    kind = body.get("kind") or "Deployment"
-    if type == "DELETED":
-        await _recreate(owner, kind, memo, logger)
-        return
-    if type == "MODIFIED" and await repair_drift(owner, body, kind, memo, logger):
-        return
-    status = refresh_status(owner, body, memo.config)
-    if status != comparable(owner.get("status"), status):
-        announce_phase(owner, status)
-        await memo.kube.patch_status(KIND, owner["metadata"]["namespace"], owner["metadata"]["name"], status)
+def owner_of(body: Mapping[str, Any]) -> str | None:
+    """The ``PagedLLM`` a child belongs to: its controller reference, else (pods) its instance label."""
+    name = owner_name(body)
+    if name is not None:
+        return name
+    labels = body.get("metadata", {}).get("labels") or {}
+    return labels.get(INSTANCE_LABEL) if labels.get("app.kubernetes.io/managed-by") == MANAGED_BY else None
 
 
-async def on_service_event(type: str | None, body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **_: Any) -> None:
-    """An owned Service was deleted or edited: apply its owner again."""
-    if type not in ("DELETED", "MODIFIED"):
-        return
-    owner = await _live_owner(body, memo.kube)
-    if owner is None:
-        return
-    if type == "DELETED":
-        await _recreate(owner, "Service", memo, logger)
-    else:
-        await repair_drift(owner, body, "Service", memo, logger)
+async def on_child_event(body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **_: Any) -> None:
+    """A child or server pod changed, appeared or went: reconcile its owner.
 
-
-async def on_pod_event(type: str | None, body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **_: Any) -> None:
-    """A server pod exited with an error: say why on its ``PagedLLM`` (``Degraded``)."""
-    problem = server_exit(body, SERVER_CONTAINER)
-    if type == "DELETED" or problem is None:
+    NOTE: kopf does not retry event handlers, so transient failures are retried here; the
+    periodic check and an operator restart (resume) reconcile everything anyway.
+    """
+    name = owner_of(body)
+    if name is None:
         return
-    meta = body.get("metadata", {})
-    name = (meta.get("labels") or {}).get(INSTANCE_LABEL)
-    if not name:
-        return
-    owner = await memo.kube.get(KIND, meta["namespace"], name)
-    if owner is None or owner.get("metadata", {}).get("deletionTimestamp"):
-        return
-    deployment = await memo.kube.get("Deployment", meta["namespace"], name)
-    status = status_from(owner, deployment, now=now(), problem=problem)
-    if status != comparable(owner.get("status"), status):
-        logger.warning("%s", problem.message)
-        announce_phase(owner, status)
-        await memo.kube.patch_status(KIND, meta["namespace"], name, status)
+    namespace = body["metadata"]["namespace"]
+    try:
+        await EVENT_RETRY.retry(
+            lambda: _run(memo, logger, namespace, name, Trigger(), fold=True, cause="event"),
+            attempts=EVENT_ATTEMPTS,
+            retriable=lambda exc: isinstance(exc, kopf.TemporaryError),
+        )
+    except (kopf.TemporaryError, kopf.PermanentError, ApiError) as exc:
+        logger.warning(
+            "reconciling %s/%s after a child's event failed (%s); the periodic check tries again", namespace, name, exc
+        )

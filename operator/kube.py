@@ -42,6 +42,7 @@ RESOURCES: Mapping[str, tuple[str, str]] = {
     "PersistentVolumeClaim": ("/api/v1", "persistentvolumeclaims"),
     "PagedLLM": ("/apis/pagedllm.dev/v1alpha1", "pagedllms"),
     "HorizontalPodAutoscaler": ("/apis/autoscaling/v2", "horizontalpodautoscalers"),
+    "EndpointSlice": ("/apis/discovery.k8s.io/v1", "endpointslices"),
 }
 
 

@@ -5,27 +5,39 @@
                       [--autoscaler hpa|keda] [--prometheus-address URL]
                       [--pod-monitor-label KEY=VALUE ...]
 
-Without ``--namespace`` it serves the whole cluster. Run exactly one replica: kopf's
-peering stops a second operator from handling the same resources, but does not elect
-a leader, so ``--standalone`` (no peering) is what the Helm chart uses.
+Without ``--namespace`` it serves the whole cluster. With ``--leader-elect`` several
+replicas may run: the one holding the ``coordination.k8s.io`` Lease reconciles, the
+others stand by (:mod:`leader`); what the Helm chart does with its 2 replicas. Without
+it, run exactly one replica (kopf's peering does not elect a leader: peers of equal
+priority all pause).
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
+import socket
 from importlib import metadata
 
 import kopf
 
 from pagedllm.operator.autoscaling import AUTOSCALERS, HPA
+from pagedllm.operator.elected import run_elected
+from pagedllm.operator.endpoint_picker import DEFAULT_PICKER_IMAGE
 from pagedllm.operator.handlers import build_registry, make_memo, operator_settings
 from pagedllm.operator.kube import KubeClient
+from pagedllm.operator.leader import LeaderElector, LeaseConfig
 from pagedllm.operator.manifests import DEFAULT_PROMETHEUS, RenderConfig
+from pagedllm.operator.metrics import OperatorMetrics
+from pagedllm.operator.policy import AdminPolicy
 
 DEFAULT_IMAGE_ENV = "PAGEDLLM_DEFAULT_IMAGE"
 AUTOSCALER_ENV = "PAGEDLLM_AUTOSCALER"
 PROMETHEUS_ENV = "PAGEDLLM_PROMETHEUS_ADDRESS"
+PICKER_IMAGE_ENV = "PAGEDLLM_ENDPOINT_PICKER_IMAGE"
+POD_NAMESPACE_ENV = "POD_NAMESPACE"
+POD_NAME_ENV = "POD_NAME"
 IMAGE_REPOSITORY = "ghcr.io/pagedllm/pagedllm"
 
 
@@ -101,6 +113,13 @@ def add_operator_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
         help=f"Prometheus that KEDA's triggers query (env {PROMETHEUS_ENV}; default: %(default)s).",
     )
     parser.add_argument(
+        "--endpoint-picker-image",
+        default=os.environ.get(PICKER_IMAGE_ENV) or DEFAULT_PICKER_IMAGE,
+        metavar="IMAGE",
+        help="Image of the endpoint pickers deployed for spec.routing.endpointPicker.deploy "
+        f"(env {PICKER_IMAGE_ENV}; default: %(default)s).",
+    )
+    parser.add_argument(
         "--pod-monitor-label",
         dest="pod_monitor_labels",
         type=label_pair,
@@ -109,6 +128,51 @@ def add_operator_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
         metavar="KEY=VALUE",
         help="A label of every PodMonitor, for a Prometheus that selects them by label (kube-prometheus-stack: "
         "release=RELEASE); repeat for several.",
+    )
+    for flag, what in (
+        ("--allowed-image", "an image pattern (fnmatch: ghcr.io/org/*) server and picker containers may run"),
+        ("--allowed-service-account", "a spec.serviceAccountName resources may use"),
+        ("--allowed-priority-class", "a spec.priorityClassName resources may use"),
+        ("--allowed-runtime-class", "a spec.runtimeClassName resources may use"),
+    ):
+        parser.add_argument(
+            flag,
+            action="append",
+            default=[],
+            metavar="NAME",
+            help=f"Allow {what}; repeat for several. None given: anything is allowed.",
+        )
+    parser.add_argument(
+        "--metrics-port",
+        type=int,
+        default=0,
+        metavar="PORT",
+        help="Serve the operator's Prometheus metrics at http://0.0.0.0:PORT/metrics (0: off, the default).",
+    )
+    parser.add_argument(
+        "--leader-elect",
+        action="store_true",
+        help="Reconcile only while holding a coordination.k8s.io Lease, so several replicas may run "
+        "(one leads, the others stand by); what the chart does.",
+    )
+    parser.add_argument(
+        "--leader-election-namespace",
+        default=os.environ.get(POD_NAMESPACE_ENV) or "default",
+        metavar="NS",
+        help=f"Namespace of the Lease (env {POD_NAMESPACE_ENV}; default: %(default)s).",
+    )
+    parser.add_argument(
+        "--leader-election-id",
+        default=os.environ.get(POD_NAME_ENV) or socket.gethostname(),
+        metavar="ID",
+        help=f"This replica's identity in the Lease (env {POD_NAME_ENV}, else the host name).",
+    )
+    parser.add_argument(
+        "--lease-duration",
+        type=float,
+        default=15.0,
+        metavar="SECONDS",
+        help="How long a Lease not renewed stays its holder's (default: %(default)s).",
     )
     verbosity = parser.add_mutually_exclusive_group()
     verbosity.add_argument("-v", "--verbose", action="store_true", help="Log handler activity in detail.")
@@ -140,16 +204,47 @@ def run_operator(args: argparse.Namespace) -> int:
         autoscaler=args.autoscaler,
         prometheus_address=args.prometheus_address,
         pod_monitor_labels=tuple(args.pod_monitor_labels),
+        endpoint_picker_image=args.endpoint_picker_image,
     )
-    memo = make_memo(config, KubeClient())
-    kopf.run(
-        registry=build_registry(),
+    kube = KubeClient()
+    metrics = OperatorMetrics()
+    if args.metrics_port:
+        metrics.serve(args.metrics_port)
+    policy = AdminPolicy(
+        images=tuple(args.allowed_image),
+        service_accounts=tuple(args.allowed_service_account),
+        priority_classes=tuple(args.allowed_priority_class),
+        runtime_classes=tuple(args.allowed_runtime_class),
+    )
+    memo = make_memo(config, kube, metrics, policy)
+    options = dict(
+        registry=build_registry(args.autoscaler),
         settings=settings,
         memo=memo,
-        standalone=True if args.standalone else None,
+        standalone=True if args.standalone or args.leader_elect else None,
         peering_name=args.peering,
         clusterwide=not args.namespaces,
         namespaces=args.namespaces,
         liveness_endpoint=args.liveness,
     )
-    return 0
+    if not args.leader_elect:
+        metrics.leader.set(1)
+        kopf.run(**options)
+        return 0
+    duration = args.lease_duration
+    lease = LeaseConfig(
+        namespace=args.leader_election_namespace,
+        identity=args.leader_election_id,
+        lease_duration=duration,
+        renew_deadline=duration * 2 / 3,
+        retry_period=duration * 2 / 15,
+    )
+
+    async def operate(stop: asyncio.Event) -> None:
+        metrics.leader.set(1)
+        try:
+            await kopf.operator(stop_flag=stop, **options)
+        finally:
+            metrics.leader.set(0)
+
+    return asyncio.run(run_elected(LeaderElector(KubeClient(), lease), args.liveness, operate))

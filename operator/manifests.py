@@ -39,6 +39,7 @@ from pagedllm.operator.artifacts import (
 from pagedllm.operator.autoscaling import AUTOSCALERS, HPA
 from pagedllm.operator.command import SERVE_COMMAND, check_engine, server_args
 from pagedllm.operator.container_env import hub_env, server_env
+from pagedllm.operator.endpoint_picker import DEFAULT_PICKER_IMAGE
 from pagedllm.operator.fleet import Fleet, FleetConfig, render_fleet
 from pagedllm.operator.leaderworkerset import spread_over_nodes, wants_leaderworkerset
 from pagedllm.operator.monitoring import scrape_annotations
@@ -78,6 +79,8 @@ class RenderConfig:
     """Prometheus that KEDA's triggers query."""
     pod_monitor_labels: tuple[tuple[str, str], ...] = ()
     """Extra labels of every PodMonitor, the ones the cluster's Prometheus selects them by."""
+    endpoint_picker_image: str = DEFAULT_PICKER_IMAGE
+    """Image of the endpoint pickers deployed for spec.routing.endpointPicker.deploy."""
 
     def __post_init__(self) -> None:
         if self.autoscaler not in AUTOSCALERS:
@@ -143,7 +146,9 @@ def render(body: Mapping[str, Any], config: RenderConfig) -> Manifests:
     spec = PagedLLMSpec.from_dict(body.get("spec"))
     check_engine(spec, model_path(spec))
     generation = meta.get("generation")
-    fleet_config = FleetConfig(config.autoscaler, config.prometheus_address, config.pod_monitor_labels)
+    fleet_config = FleetConfig(
+        config.autoscaler, config.prometheus_address, config.pod_monitor_labels, config.endpoint_picker_image
+    )
     fleet = render_fleet(name, meta.get("namespace", ""), spec, selector_labels(name), fleet_config)
     for obj in fleet.all():
         obj["metadata"]["labels"] = {**obj["metadata"].get("labels", {}), **labels(name)}

@@ -11,8 +11,8 @@ Phases::
 
 Conditions ``Ready``, ``Progressing`` and ``Degraded`` are always all three present;
 ``lastTransitionTime`` only moves when a condition's status flips. Conditions of other
-types (``AutoscalingReady``, ``RoutingReady``, ``MonitoringReady``) are set by the apply
-(:mod:`capabilities`) and carried over unchanged here. ``desiredReplicas`` is
+types (``AutoscalingReady``, ``RoutingReady``, ``MonitoringReady``) are the reconcile's
+to set (:mod:`capabilities`) and carried over unchanged here. ``desiredReplicas`` is
 spec.replicas, or under autoscaling the autoscaler's current choice.
 """
 
@@ -160,21 +160,6 @@ def standing_problem(body: Mapping[str, Any], reasons: tuple[str, ...]) -> Probl
         ):
             return Problem(cond["reason"], cond.get("message", ""))
     return None
-
-
-def standing_exit(body: Mapping[str, Any], deployment: Mapping[str, Any] | None) -> Problem | None:
-    """A server exit reported for the current spec, until every desired replica is ready.
-
-    NOTE: pod events report the exit; the Deployment's own events in between (its status
-    moves as the pod restarts) must not turn the resource back to Pending and hide why it
-    never gets ready. A spec change (a new generation, so a new pod template) or all
-    replicas ready ends it; the next crash of a new pod reports it again.
-    """
-    problem = standing_problem(body, (SERVER_EXITED,))
-    if problem is None or deployment is None:
-        return problem
-    ready = _int((deployment.get("status") or {}).get("readyReplicas"), 0)
-    return None if ready >= desired_replicas(body.get("spec") or {}, deployment) else problem
 
 
 def status_from(

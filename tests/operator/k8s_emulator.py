@@ -6,6 +6,7 @@ things a real API server does and kmock does not, which :class:`ApiServer` adds:
 - ``metadata.uid`` / ``creationTimestamp`` / ``resourceVersion`` / ``generation`` on
   create (owner references need the owner's uid), and a name from ``generateName``;
 - ``generation`` bumped when ``spec`` changes (through the object or its ``/scale``);
+- a patch that carries a stale ``metadata.resourceVersion`` is refused (409 Conflict);
 - server-side apply (``application/apply-patch+yaml``) of a missing object creates it;
 - garbage collection: deleting an object deletes the objects whose owner references name
   its uid (and theirs, in turn), as the API server's collector does in the background.
@@ -91,6 +92,42 @@ RESOURCE_INFOS = {
         subresources={"status"},
         verbs={"get", "list", "watch", "create", "patch", "update", "delete"},
     ),
+    "discovery.k8s.io/v1/endpointslices": kmock.ResourceInfo(
+        kind="EndpointSlice",
+        singular="endpointslice",
+        namespaced=True,
+        verbs={"get", "list", "watch", "create", "patch", "update", "delete"},
+    ),
+    "v1/serviceaccounts": kmock.ResourceInfo(
+        kind="ServiceAccount",
+        singular="serviceaccount",
+        namespaced=True,
+        verbs={"get", "list", "watch", "create", "patch", "update", "delete"},
+    ),
+    "v1/configmaps": kmock.ResourceInfo(
+        kind="ConfigMap",
+        singular="configmap",
+        namespaced=True,
+        verbs={"get", "list", "watch", "create", "patch", "update", "delete"},
+    ),
+    "rbac.authorization.k8s.io/v1/roles": kmock.ResourceInfo(
+        kind="Role",
+        singular="role",
+        namespaced=True,
+        verbs={"get", "list", "watch", "create", "patch", "update", "delete"},
+    ),
+    "rbac.authorization.k8s.io/v1/rolebindings": kmock.ResourceInfo(
+        kind="RoleBinding",
+        singular="rolebinding",
+        namespaced=True,
+        verbs={"get", "list", "watch", "create", "patch", "update", "delete"},
+    ),
+    "coordination.k8s.io/v1/leases": kmock.ResourceInfo(
+        kind="Lease",
+        singular="lease",
+        namespaced=True,
+        verbs={"get", "list", "watch", "create", "patch", "update", "delete"},
+    ),
     "v1/persistentvolumeclaims": kmock.ResourceInfo(
         kind="PersistentVolumeClaim",
         singular="persistentvolumeclaim",
@@ -137,6 +174,11 @@ OPTIONAL_RESOURCE_INFOS = {
 _STEM = {
     "Event": ("/api/v1", "events"),
     "Job": ("/apis/batch/v1", "jobs"),
+    "EndpointSlice": ("/apis/discovery.k8s.io/v1", "endpointslices"),
+    "ServiceAccount": ("/api/v1", "serviceaccounts"),
+    "ConfigMap": ("/api/v1", "configmaps"),
+    "Role": ("/apis/rbac.authorization.k8s.io/v1", "roles"),
+    "RoleBinding": ("/apis/rbac.authorization.k8s.io/v1", "rolebindings"),
     **{kind: (f"/apis/{gv}", plural) for gv, plural, kind in _OPTIONAL_KINDS},
 }
 
@@ -159,6 +201,9 @@ class ApiServer(kmock.KubernetesEmulator):
             if request.action == kmock.action.CREATE:
                 self._stamp_new(request.data)
             elif request.action == kmock.action.UPDATE and request.name is not None:
+                conflict = self._stale(request)
+                if conflict is not None:
+                    return aiohttp.web.json_response(conflict, status=409)
                 await self._before_patch(request)
         owner_uid = self._uid_being_deleted(request)
         response = await super()._handle(request)
@@ -194,6 +239,18 @@ class ApiServer(kmock.KubernetesEmulator):
             if method == refused_method and path.startswith(prefix):
                 return answer
         return None
+
+    def _stale(self, request: kmock.Request) -> dict | None:
+        """A 409 Status when the patch carries a resourceVersion that is no longer the object's."""
+        given = (request.data.get("metadata") or {}).get("resourceVersion")
+        key = (request.resource, request.namespace, request.name)
+        if given is None or key not in self.objects or self.objects[key].deleted:
+            return None
+        current = self.objects[key].raw.get("metadata", {}).get("resourceVersion")
+        if str(given) == str(current):
+            return None
+        message = f"Operation cannot be fulfilled on {request.name}: the object has been modified"
+        return {"kind": "Status", "apiVersion": "v1", "status": "Failure", "message": message, "code": 409}
 
     def _stamp_new(self, data: dict) -> None:
         meta = data.setdefault("metadata", {})

@@ -9,9 +9,9 @@ import kopf
 import pytest
 
 from pagedllm.operator.backoff import Backoff, RepairPacer
-from pagedllm.operator.handlers import RETRY, converge
 from pagedllm.operator.kube import ApiError
 from pagedllm.operator.manifests import RenderConfig
+from pagedllm.operator.reconcile import RETRY, Trigger, reconcile
 
 
 def test_delays_double_up_to_the_cap():
@@ -99,9 +99,14 @@ LOGGER = logging.getLogger("test")
 
 
 class ServerError:
-    """A client whose every call fails with a 500."""
+    """A client that reads the resource itself, and whose every other call fails with a 500."""
+
+    def __init__(self, owner: dict):
+        self.owner = owner
 
     async def get(self, kind, namespace, name, api_version=None):
+        if kind == "PagedLLM":
+            return self.owner
         raise ApiError(500, "etcd is unhappy")
 
     async def apply(self, manifest):
@@ -121,7 +126,9 @@ def test_a_failing_reconcile_is_retried_later_and_later():
     delays = []
     for retry in range(7):
         with pytest.raises(kopf.TemporaryError) as caught:
-            asyncio.run(converge(body, ServerError(), CONFIG, LOGGER, retry=retry))  # type: ignore[arg-type]
+            pacer = RepairPacer(RETRY, lambda: 0.0)
+            trigger = Trigger(apply=True, retry=retry)
+            asyncio.run(reconcile("ns", "llama", ServerError(body), CONFIG, pacer, LOGGER, trigger))  # type: ignore[arg-type]
         assert "etcd is unhappy" in str(caught.value)
         delays.append(caught.value.delay)
     assert delays == [10, 20, 40, 80, 160, 300, 300] == [RETRY.delay(n) for n in range(7)]

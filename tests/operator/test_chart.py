@@ -44,14 +44,27 @@ def parse_operator_args(container: dict) -> argparse.Namespace:
     return parser.parse_args(container["command"][2:] + container["args"])
 
 
-KEDA_RULES = {("keda.sh", "scaledobjects", v) for v in ("get", "create", "patch", "delete")}
+KEDA_RULES = {("keda.sh", "scaledobjects", v) for v in ("get", "list", "watch", "create", "patch", "delete")}
 SWITCHES = [
     (),
     ("--set", "watchNamespaces={ml,research}", "--set", "crds.install=false"),
     ("--set", "autoscaler=keda", "--set", "prometheus.address=http://prom.monitoring.svc:9090"),
     ("--set", "autoscaler=keda", "--set", "watchNamespaces={ml}"),
     ("--set", "prometheus.podMonitorLabels.release=kps"),
+    ("--set", "prometheusAdapter.rules.create=true"),
+    ("--set", "clusterWide=true", "--set", "replicas=3"),
+    ("--set", "policy.admissionPolicy=true", "--set", "policy.allowedImages={ghcr.io/pagedllm/*}"),
 ]
+CLUSTER_WIDE = ("--set", "clusterWide=true")
+LEASE_RULES = {("coordination.k8s.io", "leases", v) for v in ("get", "create", "patch")}
+
+
+def roles(docs: list[dict]) -> dict[str, list[dict]]:
+    """Roles by what they are for: "lease" (the leader election's), "serving" (the watched namespaces')."""
+    found: dict[str, list[dict]] = {"lease": [], "serving": []}
+    for role in by_kind(docs).get("Role", []):
+        found["lease" if role["metadata"]["name"].endswith("-leader-election") else "serving"].append(role)
+    return found
 
 
 @pytest.mark.parametrize("flags", SWITCHES)
@@ -67,10 +80,14 @@ def test_template_renders_crd_operator_and_rbac(helm_template):
         "ServiceAccount",
         "ClusterRole",
         "ClusterRoleBinding",
+        "Role",
+        "RoleBinding",
         "Deployment",
     }
     (deployment,) = kinds["Deployment"]
-    assert deployment["spec"]["replicas"] == 1 and deployment["spec"]["strategy"] == {"type": "Recreate"}
+    # Two replicas elect a leader, so a rollout never leaves the resources unserved.
+    assert deployment["spec"]["replicas"] == 2 and deployment["spec"]["strategy"]["type"] == "RollingUpdate"
+    assert deployment["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"] == 0
     (binding,) = kinds["ClusterRoleBinding"]
     (account,) = kinds["ServiceAccount"]
     assert binding["subjects"] == [
@@ -95,10 +112,15 @@ def test_crd_switch(helm_template):
     assert "CustomResourceDefinition" not in by_kind(helm_template("--set", "crds.install=false"))
 
 
-def test_operator_runs_standalone_and_cluster_wide_by_default(helm_template):
+def test_operator_serves_its_own_namespace_by_default_and_every_one_on_request(helm_template):
+    args = parse_operator_args(operator_container(helm_template("--set", "clusterWide=true")))
+    assert args.all_namespaces and args.namespaces == []
     container = operator_container(helm_template())
     args = parse_operator_args(container)
-    assert args.standalone and args.all_namespaces and args.namespaces == []
+    assert args.standalone and args.leader_elect and not args.all_namespaces
+    assert args.namespaces == ["pagedllm-system"]
+    env = {e["name"]: e.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath") for e in container["env"]}
+    assert env["POD_NAMESPACE"] == "metadata.namespace" and env["POD_NAME"] == "metadata.name"
     # The operator runs from its own torch-free image; the servers it creates from the serving image.
     assert container["image"] == "ghcr.io/pagedllm/pagedllm-operator:0.1.0"
     assert args.default_image == "ghcr.io/pagedllm/pagedllm:0.1.0"
@@ -106,6 +128,8 @@ def test_operator_runs_standalone_and_cluster_wide_by_default(helm_template):
     probe = container["livenessProbe"]["httpGet"]
     assert probe == {"path": "/healthz", "port": "liveness"}
     assert {"name": "liveness", "containerPort": 8080, "protocol": "TCP"} in container["ports"]
+    assert args.metrics_port == 8081
+    assert {"name": "metrics", "containerPort": 8081, "protocol": "TCP"} in container["ports"]
 
 
 def test_operator_command_is_the_projects_console_script():
@@ -160,10 +184,24 @@ def test_pod_monitor_labels_of_the_operator_are_refused():
             parser.parse_args([f"--pod-monitor-label={bad}"])
 
 
+def test_cluster_wide_with_watch_namespaces_is_refused(helm):
+    with pytest.raises(HelmError, match="leave watchNamespaces empty"):
+        run_helm(helm, "template", "rel", str(CHART_DIR), "--set", "clusterWide=true", "--set", "watchNamespaces={ml}")
+
+
+def test_leader_election_rights_are_the_lease_in_the_release_namespace(helm_template):
+    for flags in ((), CLUSTER_WIDE, ("--set", "watchNamespaces={ml}")):
+        docs = helm_template(*flags)
+        (lease,) = roles(docs)["lease"]
+        assert lease["metadata"]["namespace"] == "pagedllm-system" and rules_of(lease) == LEASE_RULES
+        bindings = [b for b in by_kind(docs)["RoleBinding"] if b["roleRef"]["name"] == lease["metadata"]["name"]]
+        assert len(bindings) == 1 and bindings[0]["metadata"]["namespace"] == "pagedllm-system"
+
+
 def test_keda_rbac_only_with_keda(helm_template):
-    (role,) = by_kind(helm_template("--set", "autoscaler=keda"))["ClusterRole"]
+    (role,) = by_kind(helm_template("--set", "autoscaler=keda", *CLUSTER_WIDE))["ClusterRole"]
     assert rules_of(role) == NAMESPACED_RULES | KEDA_RULES | CRD_WATCH
-    for role in by_kind(helm_template("--set", "autoscaler=keda", "--set", "watchNamespaces={ml}"))["Role"]:
+    for role in roles(helm_template("--set", "autoscaler=keda", "--set", "watchNamespaces={ml}"))["serving"]:
         assert rules_of(role) == NAMESPACED_RULES | KEDA_RULES
 
 
@@ -173,7 +211,7 @@ def test_hpa_mode_may_still_read_and_delete_scaled_objects(helm_template):
     from pagedllm.operator.apply import PRUNABLE
 
     assert ("keda.sh/v1alpha1", "ScaledObject") in PRUNABLE
-    (role,) = by_kind(helm_template())["ClusterRole"]
+    (role,) = roles(helm_template())["serving"]
     scaled = {verb for group, resource, verb in rules_of(role) if resource == "scaledobjects"}
     assert scaled == {"get", "delete"}
 
@@ -183,8 +221,12 @@ NAMESPACED_RULES = (
     | {("pagedllm.dev", "pagedllms/status", "patch")}
     | {("pagedllm.dev", "pagedllms/finalizers", "update")}
     | {("policy", "poddisruptionbudgets", v) for v in ("get", "create", "patch", "delete")}
-    | {("autoscaling", "horizontalpodautoscalers", v) for v in ("get", "create", "patch", "delete")}
-    | {("inference.networking.k8s.io", "inferencepools", v) for v in ("get", "create", "patch", "delete")}
+    | {("autoscaling", "horizontalpodautoscalers", v) for v in ("get", "list", "watch", "create", "patch", "delete")}
+    | {
+        ("inference.networking.k8s.io", "inferencepools", v)
+        for v in ("get", "list", "watch", "create", "patch", "delete")
+    }
+    | {("discovery.k8s.io", "endpointslices", v) for v in ("list", "watch")}
     | {("monitoring.coreos.com", "podmonitors", v) for v in ("get", "create", "patch", "delete")}
     | {("keda.sh", "scaledobjects", v) for v in ("get", "delete")}
     | {("apps", "deployments", v) for v in ("get", "list", "watch", "create", "patch", "delete")}
@@ -195,24 +237,42 @@ NAMESPACED_RULES = (
     | {("", "persistentvolumeclaims", v) for v in ("get", "create", "patch")}
     | {("batch", "jobs", v) for v in ("get", "list", "watch", "create", "patch")}
     | {("", "events", "create")}
+    | {("", kind, v) for kind in ("serviceaccounts", "configmaps") for v in ("get", "create", "patch")}
+    | {("rbac.authorization.k8s.io", kind, v) for kind in ("roles", "rolebindings") for v in ("get", "create", "patch")}
+    | {("", "pods", "get")}
+    | {
+        ("inference.networking.x-k8s.io", kind, v)
+        for kind in ("inferenceobjectives", "inferencemodelrewrites")
+        for v in ("get", "list", "watch")
+    }
 )
 CRD_WATCH = {("apiextensions.k8s.io", "customresourcedefinitions", v) for v in ("list", "watch")}
 
 
 def test_rbac_is_minimal_cluster_wide(helm_template):
-    kinds = by_kind(helm_template())
-    (role,) = kinds["ClusterRole"]
+    docs = helm_template(*CLUSTER_WIDE)
+    (role,) = by_kind(docs)["ClusterRole"]
     assert rules_of(role) == NAMESPACED_RULES | CRD_WATCH
-    assert "Role" not in kinds
+    assert roles(docs)["serving"] == []
+
+
+def test_rbac_by_default_is_the_release_namespace_only(helm_template):
+    docs = helm_template()
+    (cluster_role,) = by_kind(docs)["ClusterRole"]
+    assert rules_of(cluster_role) == CRD_WATCH | {("", "namespaces", "list"), ("", "namespaces", "watch")}
+    (role,) = roles(docs)["serving"]
+    assert role["metadata"]["namespace"] == "pagedllm-system" and rules_of(role) == NAMESPACED_RULES
 
 
 def test_rbac_per_namespace(helm_template):
     kinds = by_kind(helm_template("--set", "watchNamespaces={ml,research}"))
     (cluster_role,) = kinds["ClusterRole"]
     assert rules_of(cluster_role) == CRD_WATCH | {("", "namespaces", "list"), ("", "namespaces", "watch")}
-    assert sorted(r["metadata"]["namespace"] for r in kinds["Role"]) == ["ml", "research"]
-    assert sorted(b["metadata"]["namespace"] for b in kinds["RoleBinding"]) == ["ml", "research"]
-    for role in kinds["Role"]:
+    serving = roles(helm_template("--set", "watchNamespaces={ml,research}"))["serving"]
+    assert sorted(r["metadata"]["namespace"] for r in serving) == ["ml", "research"]
+    bindings = [b for b in kinds["RoleBinding"] if not b["metadata"]["name"].endswith("-leader-election")]
+    assert sorted(b["metadata"]["namespace"] for b in bindings) == ["ml", "research"]
+    for role in serving:
         assert rules_of(role) == NAMESPACED_RULES
 
 
@@ -224,7 +284,7 @@ DELETABLE |= {"deployments", "leaderworkersets"}
 
 
 def test_no_wildcards_and_deletes_only_of_fleet_objects(helm_template):
-    for flags in ((), ("--set", "watchNamespaces={ml}"), ("--set", "autoscaler=keda")):
+    for flags in ((), ("--set", "watchNamespaces={ml}"), ("--set", "autoscaler=keda"), CLUSTER_WIDE):
         for doc in helm_template(*flags):
             if doc["kind"] in RBAC_KINDS or doc["kind"] == "ClusterRole":
                 for group, resource, verb in rules_of(doc):
@@ -300,3 +360,104 @@ def test_notes_show_a_valid_first_resource_and_how_to_call_it(helm, tmp_path):
     resource = yaml.safe_load(manifest)
     assert resource["kind"] == "PagedLLM" and resource["apiVersion"] == "pagedllm.dev/v1alpha1"
     PagedLLMSpec.from_dict(resource["spec"])
+
+
+def test_prometheus_adapter_rules_serve_every_autoscaling_metric_under_its_own_name(helm_template):
+    import re as regex
+
+    from pagedllm.operator.autoscaling import METRIC_SERIES
+
+    assert "ConfigMap" not in by_kind(helm_template())
+    docs = helm_template(
+        "--set", "prometheusAdapter.rules.create=true", "--set", "prometheusAdapter.namespace=monitoring"
+    )
+    (config_map,) = by_kind(docs)["ConfigMap"]
+    assert config_map["metadata"]["namespace"] == "monitoring"
+    (rule,) = yaml.safe_load(config_map["data"]["config.yaml"])["rules"]
+    # The adapter's discovery: which series the rule selects, and the name each is served as.
+    selector = regex.search(r'__name__=~"([^"]+)"', rule["seriesQuery"]).group(1)
+    for series in METRIC_SERIES.values():
+        assert regex.fullmatch(selector, series), series
+        served = regex.sub(rule["name"]["matches"], rule["name"]["as"].replace("${1}", r"\1"), series)
+        assert served == series  # the HPA asks for the series' own name
+    assert not regex.fullmatch(selector, "vllm:num_requests_waiting")
+    assert rule["resources"]["overrides"] == {"namespace": {"resource": "namespace"}, "pod": {"resource": "pod"}}
+    assert "<<.Series>>{<<.LabelMatchers>>}" in rule["metricsQuery"] and "<<.GroupBy>>" in rule["metricsQuery"]
+
+
+def admission(docs: list[dict], obj: dict) -> list[str]:
+    """The messages of the rendered ValidatingAdmissionPolicy's validations ``obj`` fails (celpy)."""
+    import celpy
+
+    (policy,) = by_kind(docs)["ValidatingAdmissionPolicy"]
+    env = celpy.Environment()
+
+    def run(expression: str, activation: dict):
+        return env.program(env.compile(expression)).evaluate(activation)
+
+    subject = {"object": celpy.json_to_cel(obj)}
+    variables = {v["name"]: run(v["expression"], subject) for v in policy["spec"]["variables"]}
+    activation = {
+        **subject,
+        "variables": celpy.celtypes.MapType({celpy.celtypes.StringType(k): v for k, v in variables.items()}),
+    }
+    return [
+        str(run(check["messageExpression"], activation))
+        for check in policy["spec"]["validations"]
+        if not run(check["expression"], activation)
+    ]
+
+
+def test_admission_policy_refuses_what_the_operator_refuses(helm_template):
+    from pagedllm.operator.policy import AdminPolicy
+    from pagedllm.operator.spec import PagedLLMSpec
+
+    lists = {
+        "allowedImages": ["ghcr.io/pagedllm/*", "mirror.example/epp:v1.0.1"],
+        "allowedServiceAccounts": ["llm"],
+        "allowedRuntimeClasses": ["nvidia"],
+    }
+    flags = ["--set", "policy.admissionPolicy=true", "--set", "endpointPicker.image=mirror.example/epp:v1.0.1"]
+    for key, values in lists.items():
+        flags += ["--set", f"policy.{key}={{{','.join(values)}}}"]
+    docs = helm_template(*flags)
+    operator = AdminPolicy(images=tuple(lists["allowedImages"]), service_accounts=("llm",), runtime_classes=("nvidia",))
+    picker = {"inferencePool": True, "endpointPicker": {"deploy": True}}
+    cases = [
+        ({}, []),
+        ({"image": "ghcr.io/pagedllm/pagedllm:dev", "serviceAccountName": "llm", "runtimeClassName": "nvidia"}, []),
+        ({"image": "docker.io/x/y:1"}, ["spec.image=docker.io/x/y:1"]),
+        ({"serviceAccountName": "admin"}, ["spec.serviceAccountName=admin"]),
+        ({"runtimeClassName": "kata"}, ["spec.runtimeClassName=kata"]),
+        ({"routing": picker}, []),
+        (
+            {"routing": {**picker, "endpointPicker": {"deploy": True, "image": "evil/epp:1"}}},
+            ["spec.routing.endpointPicker.image=evil/epp:1"],
+        ),
+        ({"routing": {"inferencePool": True, "endpointPicker": {"image": "evil/epp:1"}}}, []),  # not deployed
+    ]
+    for spec, refused in cases:
+        obj = {"apiVersion": "pagedllm.dev/v1alpha1", "kind": "PagedLLM", "spec": {"model": "org/m", **spec}}
+        messages = admission(docs, obj)
+        assert [m.split(" is not allowed")[0] for m in messages] == refused, (spec, messages)
+        assert all("allowed are [" in m for m in messages)
+        problem = operator.check(
+            PagedLLMSpec.from_dict(obj["spec"]), "ghcr.io/pagedllm/pagedllm:0.1.0", "mirror.example/epp:v1.0.1"
+        )
+        assert (problem is not None) == bool(refused), spec  # the operator agrees
+    (binding,) = by_kind(docs)["ValidatingAdmissionPolicyBinding"]
+    assert binding["spec"]["matchResources"]["namespaceSelector"]["matchExpressions"][0]["values"] == [
+        "pagedllm-system"
+    ]
+    (binding,) = by_kind(helm_template(*flags, "--set", "clusterWide=true"))["ValidatingAdmissionPolicyBinding"]
+    assert "matchResources" not in binding["spec"]
+    assert "ValidatingAdmissionPolicy" not in by_kind(helm_template())
+
+
+def test_policy_lists_reach_the_operator(helm_template):
+    docs = helm_template(
+        "--set", "policy.allowedImages={ghcr.io/pagedllm/*}", "--set", "policy.allowedPriorityClasses={inference}"
+    )
+    args = parse_operator_args(operator_container(docs))
+    assert args.allowed_image == ["ghcr.io/pagedllm/*"] and args.allowed_priority_class == ["inference"]
+    assert args.allowed_service_account == [] and args.allowed_runtime_class == []

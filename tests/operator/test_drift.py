@@ -144,7 +144,7 @@ def test_transient_failures_are_kept_apart_from_refusals():
     kube = FakeKube(refuse={"Service": ApiError(429, "slow down")})
     outcome = asyncio.run(apply_all(render(resource(), CONFIG).all(), kube, "owner-uid"))
     assert outcome.problem() is None and outcome.transient == ["Service llama: HTTP 429: slow down"]
-    assert list(outcome.applied) == ["PodMonitor", "Deployment"]
+    assert list(outcome.applied) == ["PodMonitor llama", "Deployment llama"]
 
 
 def owned(uid: str, owner_uid: str = "owner-uid") -> dict:

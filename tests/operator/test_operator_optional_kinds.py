@@ -33,8 +33,52 @@ def test_autoscaling_applies_an_hpa_and_leaves_replicas_to_it(scenario):
     assert obj["status"]["ready"] == "1/3" and obj["status"]["replicas"] == 3
     assert scenario.get("Deployment")["spec"]["replicas"] == 3
     assert not [e for e in scenario.events() if e.get("reason") == "DriftReverted"]
+    ready = condition(obj, "AutoscalingReady")  # applied, but the HPA has not said it works
+    assert (ready["status"], ready["reason"]) == ("False", "NotReported")
+
+
+def hpa_conditions(able: str, active: str, reason: str, message: str) -> dict:
+    return {
+        "status": {
+            "currentReplicas": 2,
+            "desiredReplicas": 2,
+            "conditions": [
+                {"type": "AbleToScale", "status": able, "reason": "SucceededGetScale", "message": "can get scale"},
+                {"type": "ScalingActive", "status": active, "reason": reason, "message": message},
+            ],
+        }
+    }
+
+
+def test_autoscaling_ready_follows_the_hpa_conditions(scenario):
+    scenario.api.create(pagedllm(scenario.ns, autoscaling=SCALING))
+    scenario.wait(lambda: scenario.get("HorizontalPodAutoscaler"), "the HorizontalPodAutoscaler")
+    scenario.wait_status(lambda s, o: condition(o, "AutoscalingReady").get("reason") == "NotReported", "NotReported")
+
+    # No custom metrics API (no prometheus-adapter): the HPA says it cannot read the metric.
+    missing = "unable to get metric pagedllm:num_requests_waiting: no custom metrics API (custom.metrics.k8s.io)"
+    report = hpa_conditions("True", "False", "FailedGetPodsMetric", missing)
+    scenario.api.patch("HorizontalPodAutoscaler", scenario.ns, "llama", report, sub="status")
+    obj = scenario.wait_status(
+        lambda s, o: condition(o, "AutoscalingReady").get("reason") == "FailedGetPodsMetric", "FailedGetPodsMetric"
+    )
     ready = condition(obj, "AutoscalingReady")
-    assert (ready["status"], ready["reason"]) == ("True", "Applied")
+    assert ready["status"] == "False" and missing in ready["message"] and "prometheusAdapter" in ready["message"]
+    assert obj["status"]["phase"] == "Pending"  # the servers are not affected
+
+    valid = "the HPA was able to successfully calculate a replica count from pods metric pagedllm:num_requests_waiting"
+    report = hpa_conditions("True", "True", "ValidMetricFound", valid)
+    scenario.api.patch("HorizontalPodAutoscaler", scenario.ns, "llama", report, sub="status")
+    obj = scenario.wait_status(lambda s, o: condition(o, "AutoscalingReady").get("status") == "True", "True")
+    ready = condition(obj, "AutoscalingReady")
+    assert ready["reason"] == "ValidMetricFound" and valid in ready["message"]
+
+    # The HPA cannot reach the Deployment's scale subresource any more.
+    report = hpa_conditions("False", "True", "ValidMetricFound", valid)
+    report["status"]["conditions"][0].update(reason="FailedGetScale", message="deployments/scale forbidden")
+    scenario.api.patch("HorizontalPodAutoscaler", scenario.ns, "llama", report, sub="status")
+    obj = scenario.wait_status(lambda s, o: condition(o, "AutoscalingReady").get("status") == "False", "False")
+    assert condition(obj, "AutoscalingReady")["reason"] == "FailedGetScale"
 
 
 def test_kinds_without_their_crd_are_skipped_with_a_condition(scenario):

@@ -55,6 +55,14 @@ def test_scaled_object_inference_pool_and_pod_monitor_are_applied(scenario):
     assert monitor["spec"]["selector"]["matchLabels"] == dep["spec"]["selector"]["matchLabels"]
     assert scenario.get("HorizontalPodAutoscaler") is None  # KEDA makes its own
 
+    # Applied is not working: KEDA has not said Ready, no Gateway took the pool, no picker runs.
+    obj = scenario.wait_status(lambda s, o: condition(o, "RoutingReady"), "feature conditions")
+    assert condition(obj, "AutoscalingReady")["status"] == "False"
+    assert (condition(obj, "RoutingReady")["status"], condition(obj, "RoutingReady")["reason"]) == (
+        "False",
+        "NotAccepted",
+    )
+    report_ready(scenario)
     obj = scenario.wait_status(
         lambda s, o: all(condition(o, c).get("status") == "True" for c in ("AutoscalingReady", "RoutingReady")),
         "feature conditions True",
@@ -65,6 +73,95 @@ def test_scaled_object_inference_pool_and_pod_monitor_are_applied(scenario):
     scenario.api.patch("Deployment", scenario.ns, "llama", {"spec": {"replicas": 0}})
     obj = scenario.wait_status(lambda s, o: s.get("desiredReplicas") == 0, "scaled to zero")
     assert obj["status"]["phase"] == "Pending" and condition(obj, "Ready")["reason"] == "ScaledToZero"
+
+
+def picker_slice(namespace: str, service: str, ready: bool) -> dict:
+    """An EndpointSlice as the EndpointSlice controller writes it for the picker's Service."""
+    return {
+        "apiVersion": "discovery.k8s.io/v1",
+        "kind": "EndpointSlice",
+        "metadata": {
+            "name": f"{service}-abcde",
+            "namespace": namespace,
+            "labels": {
+                "kubernetes.io/service-name": service,
+                "app.kubernetes.io/managed-by": "pagedllm-operator",
+                "app.kubernetes.io/instance": "llama",
+            },
+        },
+        "addressType": "IPv4",
+        "endpoints": [{"addresses": ["10.0.0.7"], "conditions": {"ready": ready}}],
+        "ports": [{"name": "grpc", "port": 9002, "protocol": "TCP"}],
+    }
+
+
+def accepted_by(gateway: str, accepted: str = "True", resolved: str = "True") -> dict:
+    return {
+        "status": {
+            "parents": [
+                {
+                    "parentRef": {"group": "gateway.networking.k8s.io", "kind": "Gateway", "name": gateway},
+                    "conditions": [
+                        {"type": "Accepted", "status": accepted, "reason": "Accepted", "message": ""},
+                        {"type": "ResolvedRefs", "status": resolved, "reason": "ResolvedRefs", "message": "refs"},
+                    ],
+                }
+            ]
+        }
+    }
+
+
+def report_ready(scenario) -> None:
+    """KEDA says the ScaledObject is Ready, a Gateway accepted the pool, the picker has a ready pod."""
+    scenario.api.create(picker_slice(scenario.ns, "llama-epp", ready=True))
+    ready = {"type": "Ready", "status": "True", "reason": "ScaledObjectReady", "message": "ScaledObject is defined"}
+    scenario.api.patch("ScaledObject", scenario.ns, "llama", {"status": {"conditions": [ready]}}, sub="status")
+    scenario.api.patch("InferencePool", scenario.ns, "llama", accepted_by("inference-gateway"), sub="status")
+
+
+def test_routing_ready_follows_the_pool_parents_and_the_picker_endpoints(scenario):
+    scenario.api.create(pagedllm(scenario.ns, routing={"inferencePool": True}))
+    scenario.wait(lambda: scenario.get("InferencePool"), "the InferencePool")
+    scenario.api.create(picker_slice(scenario.ns, "llama-epp", ready=False))
+    scenario.api.patch("InferencePool", scenario.ns, "llama", accepted_by("gw"), sub="status")
+    obj = scenario.wait_status(
+        lambda s, o: condition(o, "RoutingReady").get("reason") == "EndpointPickerUnavailable", "no ready picker"
+    )
+    assert "llama-epp has no ready endpoint" in condition(obj, "RoutingReady")["message"]
+
+    # The picker's pod gets ready: its slice says so, and the resource follows.
+    ready = {"endpoints": [{"addresses": ["10.0.0.7"], "conditions": {"ready": True}}]}
+    scenario.api.patch("EndpointSlice", scenario.ns, "llama-epp-abcde", ready)
+    obj = scenario.wait_status(lambda s, o: condition(o, "RoutingReady").get("status") == "True", "RoutingReady")
+    assert "accepted by gw" in condition(obj, "RoutingReady")["message"]
+
+    # The Gateway cannot resolve the picker reference any more.
+    scenario.api.patch("InferencePool", scenario.ns, "llama", accepted_by("gw", resolved="False"), sub="status")
+    obj = scenario.wait_status(lambda s, o: condition(o, "RoutingReady").get("status") == "False", "unresolved")
+    assert (
+        condition(obj, "RoutingReady")["reason"] == "ResolvedRefs"
+        and "Gateway gw" in condition(obj, "RoutingReady")["message"]
+    )
+
+
+def test_the_operator_deploys_the_endpoint_picker_and_routing_follows_it(scenario):
+    routing = {"inferencePool": True, "endpointPicker": {"deploy": True}}
+    created = scenario.api.create(pagedllm(scenario.ns, routing=routing))
+    picker = scenario.wait(lambda: scenario.get("Deployment", "llama-epp"), "the picker's Deployment")
+    for kind in ("Service", "ConfigMap", "ServiceAccount", "Role", "RoleBinding"):
+        obj = scenario.wait(lambda kind=kind: scenario.get(kind, "llama-epp"), f"the picker's {kind}")
+        assert obj["metadata"]["ownerReferences"][0]["uid"] == created["metadata"]["uid"]
+    args = picker["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[args.index("--pool-namespace") + 1] == scenario.ns
+    server = scenario.wait_deployment()
+    assert server["spec"]["template"]["spec"]["containers"][0]["name"] == "server"  # not taken for the picker
+    # The picker's pod gets ready (its Service's slice says so) and a Gateway takes the pool.
+    scenario.api.create(picker_slice(scenario.ns, "llama-epp", ready=True))
+    scenario.api.patch("InferencePool", scenario.ns, "llama", accepted_by("gw"), sub="status")
+    scenario.wait_status(lambda s, o: condition(o, "RoutingReady").get("status") == "True", "RoutingReady")
+    # Deleted by hand: back.
+    scenario.api.delete("Deployment", scenario.ns, "llama-epp")
+    scenario.wait(lambda: scenario.get("Deployment", "llama-epp"), "the picker recreated")
 
 
 def test_routing_and_autoscaling_turned_off_delete_their_objects(scenario):
@@ -78,7 +175,8 @@ def test_routing_and_autoscaling_turned_off_delete_their_objects(scenario):
 
 
 def test_chart_rbac_with_keda_grants_every_call_the_operator_made(cluster, helm_template):
-    (role,) = [doc for doc in helm_template("--set", "autoscaler=keda") if doc["kind"] == "ClusterRole"]
+    flags = ("--set", "autoscaler=keda", "--set", "clusterWide=true")
+    (role,) = [doc for doc in helm_template(*flags) if doc["kind"] == "ClusterRole"]
     granted, used = rules_of(role), cluster.operator_rbac_calls()
     assert used - granted == set(), f"calls the chart's RBAC does not allow: {sorted(used - granted)}"
     assert {

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from pagedllm.operator.apply import APPLY_REFUSED
-from pagedllm.operator.handlers import refresh_status
 from pagedllm.operator.manifests import GENERATION_ANNOTATION, RenderConfig
+from pagedllm.operator.observed import Observed, observe, problem_of
 from pagedllm.operator.status import Problem, status_from
 
 T0, T1 = "2026-01-01T00:00:00Z", "2026-01-01T00:05:00Z"
@@ -136,16 +138,28 @@ def test_odd_specs_do_not_break_status():
 CONFIG = RenderConfig(default_image="img")
 
 
-def test_refresh_keeps_reporting_an_invalid_spec():
-    status = refresh_status(resource(blockSize=12), deployment(ready=2, updated=2, replicas=2), CONFIG)
-    assert status["phase"] == "Degraded" and "spec.blockSize=12" in conditions(status)["Degraded"]["message"]
+def reconciled(owner: dict, dep: dict | None, pods: tuple = (), **outcome) -> dict:
+    """The status a reconcile pass writes for ``owner`` having observed ``dep`` and ``pods``."""
+    observed = Observed({("Deployment", "llama"): dep} if dep else {}, pods)
+    return status_from(owner, dep, now=T1, problem=problem_of(owner, observed, **outcome))
 
 
-def test_refresh_keeps_an_apply_refusal_until_the_spec_changes():
+def test_an_invalid_spec_is_degraded_whatever_the_deployment_says():
+    error = "spec.blockSize=12 is not allowed: choose one of [8, 16, 32, 64, 128]"
+    status = reconciled(resource(blockSize=12), deployment(ready=2, updated=2, replicas=2), spec_error=error)
+    assert status["phase"] == "Degraded" and conditions(status)["Degraded"]["message"] == error
+    assert conditions(status)["Degraded"]["reason"] == "InvalidSpec"
+
+
+def test_an_apply_refusal_stands_until_an_apply_of_a_newer_generation_or_a_successful_one():
     refused = status_from(resource(generation=4), None, now=T0, problem=Problem(APPLY_REFUSED, "Deployment: nope"))
     healthy = deployment(ready=2, updated=2, replicas=2, applied=3)
-    assert refresh_status(resource(generation=4, status=refused), healthy, CONFIG)["phase"] == "Degraded"
-    assert refresh_status(resource(generation=5, status=refused), healthy, CONFIG)["phase"] == "Ready"
+    assert reconciled(resource(generation=4, status=refused), healthy)["phase"] == "Degraded"
+    assert reconciled(resource(generation=5, status=refused), healthy)["phase"] == "Ready"
+    assert reconciled(resource(generation=4, status=refused), healthy, applied=True)["phase"] == "Ready"
+    again = Problem(APPLY_REFUSED, "Deployment: still no")
+    status = reconciled(resource(generation=4, status=refused), healthy, refused=again, applied=True)
+    assert conditions(status)["Degraded"]["message"] == "Deployment: still no"
 
 
 def test_server_exit_reads_the_last_termination_message():
@@ -169,15 +183,52 @@ def test_server_exit_reads_the_last_termination_message():
     assert server_exit(clean, "server") is None
 
 
-def test_refresh_keeps_a_server_exit_until_the_replicas_are_ready_or_the_spec_changes():
-    from pagedllm.operator.status import SERVER_EXITED
+def crashed_pod(name: str = "llama-1", code: int = 2, message: str = "bad flag") -> dict:
+    terminated = {"exitCode": code, "message": message}
+    return {
+        "metadata": {"name": name},
+        "status": {"containerStatuses": [{"name": "server", "lastState": {"terminated": terminated}}]},
+    }
 
-    exited = Problem(SERVER_EXITED, "pod llama-1: the server exited with code 2: bad flag")
-    crashed = status_from(resource(generation=4), deployment(replicas=2), now=T0, problem=exited)
+
+def test_a_server_exit_shows_while_the_pods_show_it():
     restarting = deployment(ready=1, updated=2, replicas=2)  # its status moved as the pod restarted
-    status = refresh_status(resource(generation=4, status=crashed), restarting, CONFIG)
-    assert status["phase"] == "Degraded" and conditions(status)["Degraded"]["message"] == exited.message
-    assert status["readyReplicas"] == 1
-    healthy = deployment(ready=2, updated=2, replicas=2)
-    assert refresh_status(resource(generation=4, status=crashed), healthy, CONFIG)["phase"] == "Ready"
-    assert refresh_status(resource(generation=5, status=crashed), restarting, CONFIG)["phase"] == "Progressing"
+    status = reconciled(resource(generation=4), restarting, (crashed_pod(),))
+    assert status["phase"] == "Degraded" and status["readyReplicas"] == 1
+    assert conditions(status)["Degraded"]["message"] == "pod llama-1: the server exited with code 2: bad flag"
+    clean = {"metadata": {"name": "llama-2"}, "status": {}}
+    assert reconciled(resource(generation=4), restarting, (clean,))["phase"] == "Progressing"
+
+
+class Reader:
+    """Children by kind, pods for a list; records what was asked."""
+
+    def __init__(self, dep: dict | None, pods: list):
+        self.dep, self.pods, self.asked = dep, pods, []
+
+    async def get(self, kind, namespace, name, api_version=None):
+        self.asked.append(("get", kind, name))
+        return self.dep if kind == "Deployment" else None
+
+    async def request(self, method, path, *, query=None):
+        self.asked.append(("list", path, dict(query or [])["labelSelector"]))
+        return {"items": self.pods}
+
+
+def test_observe_lists_the_pods_only_while_a_desired_replica_is_not_ready():
+    owner = resource(replicas=2)
+    service = {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "llama"}}
+    reader = Reader(deployment(ready=1, updated=2, replicas=2), [crashed_pod()])
+    observed = asyncio.run(observe(reader, owner, [service]))
+    assert observed.pods == (crashed_pod(),) and observed.get("Service", "llama") is None
+    assert reader.asked == [
+        ("get", "Service", "llama"),
+        ("get", "Deployment", "llama"),
+        (
+            "list",
+            "/api/v1/namespaces/ml/pods",
+            "app.kubernetes.io/instance=llama,app.kubernetes.io/managed-by=pagedllm-operator",
+        ),
+    ]
+    ready = Reader(deployment(ready=2, updated=2, replicas=2), [crashed_pod()])
+    assert asyncio.run(observe(ready, owner, [])).pods == () and [a[0] for a in ready.asked] == ["get"]

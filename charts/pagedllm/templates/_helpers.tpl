@@ -38,6 +38,17 @@ app.kubernetes.io/component: operator
 {{- end }}
 {{- end }}
 
+{{/* The namespaces served in namespaced mode, as a JSON list: watchNamespaces, else the release's own. */}}
+{{- define "pagedllm.watchedNamespaces" -}}
+{{- if .Values.clusterWide }}
+{{- if .Values.watchNamespaces }}
+{{- fail "clusterWide=true serves every namespace: leave watchNamespaces empty" }}
+{{- end }}
+{{- list | toJson }}
+{{- else }}
+{{- default (list .Release.Namespace) .Values.watchNamespaces | toJson }}
+{{- end }}
+{{- end }}
 {{/* The operator's image. */}}
 {{- define "pagedllm.image" -}}
 {{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
@@ -82,17 +93,23 @@ Nothing else is deleted by the operator: owner references cascade deletion.
   verbs: ["get", "create", "patch", "delete"]
 # The fleet objects, server-side applied: the autoscaler (KEDA's ScaledObject only with
 # autoscaler=keda), the InferencePool and PodMonitor where their CRDs are installed.
+# The HorizontalPodAutoscaler is also watched: its conditions are the resource's AutoscalingReady.
 - apiGroups: ["autoscaling"]
   resources: ["horizontalpodautoscalers"]
-  verbs: ["get", "create", "patch", "delete"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
 # With autoscaler=hpa, ScaledObjects are only read and deleted: where KEDA is installed the
 # operator looks for one it made before a switch from keda, which would fight the HPA.
 - apiGroups: ["keda.sh"]
   resources: ["scaledobjects"]
-  verbs: {{ if eq .Values.autoscaler "keda" }}["get", "create", "patch", "delete"]{{ else }}["get", "delete"]{{ end }}
+  verbs: {{ if eq .Values.autoscaler "keda" }}["get", "list", "watch", "create", "patch", "delete"]{{ else }}["get", "delete"]{{ end }}
+# InferencePools are also watched: a Gateway accepting one (status.parents) is RoutingReady.
 - apiGroups: ["inference.networking.k8s.io"]
   resources: ["inferencepools"]
-  verbs: ["get", "create", "patch", "delete"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
+# The endpoint picker Service's slices: a ready picker endpoint is part of RoutingReady.
+- apiGroups: ["discovery.k8s.io"]
+  resources: ["endpointslices"]
+  verbs: ["list", "watch"]
 - apiGroups: ["monitoring.coreos.com"]
   resources: ["podmonitors"]
   verbs: ["get", "create", "patch", "delete"]
@@ -121,4 +138,19 @@ Nothing else is deleted by the operator: owner references cascade deletion.
 - apiGroups: [""]
   resources: ["events"]
   verbs: ["create"]
+# The endpoint picker of spec.routing.endpointPicker.deploy: its identity, configuration and
+# Role. NOTE: Kubernetes lets the operator grant only what it holds itself, so it also
+# reads pods (get) and the Inference Extension's InferenceObjectives and rewrites.
+- apiGroups: [""]
+  resources: ["serviceaccounts", "configmaps"]
+  verbs: ["get", "create", "patch"]
+- apiGroups: ["rbac.authorization.k8s.io"]
+  resources: ["roles", "rolebindings"]
+  verbs: ["get", "create", "patch"]
+- apiGroups: [""]
+  resources: ["pods"]
+  verbs: ["get"]
+- apiGroups: ["inference.networking.x-k8s.io"]
+  resources: ["inferenceobjectives", "inferencemodelrewrites"]
+  verbs: ["get", "list", "watch"]
 {{- end }}

@@ -1,0 +1,37 @@
+"""The operator enforcing the admin's allow-lists, against the emulated cluster."""
+
+from __future__ import annotations
+
+import pytest
+from emulated_scenario import condition, pagedllm
+from operator_process import running_operator
+
+pytestmark = pytest.mark.k8s
+
+
+@pytest.fixture(scope="module")
+def operator(cluster, tmp_path_factory):
+    args = ("--allowed-image", "registry.example/*", "--allowed-priority-class", "inference")
+    with running_operator(cluster, tmp_path_factory.mktemp("operator"), extra_args=args) as handle:
+        yield handle
+
+
+def test_what_the_policy_refuses_is_degraded_and_not_applied_until_fixed(scenario):
+    scenario.api.create(pagedllm(scenario.ns, image="docker.io/someone/server:1"))
+    obj = scenario.wait_status(lambda s, o: s.get("phase") == "Degraded", "Degraded")
+    degraded = condition(obj, "Degraded")
+    assert degraded["reason"] == "NotAllowed"
+    assert degraded["message"] == (
+        "spec.image='docker.io/someone/server:1' is not allowed by the cluster's policy: "
+        "allowed are ['registry.example/*']"
+    )
+    assert scenario.get("Deployment") is None and scenario.get("Service") is None
+    assert [e for e in scenario.events() if e.get("reason") == "NotAllowed"]
+
+    scenario.api.patch("PagedLLM", scenario.ns, "llama", {"spec": {"image": None, "priorityClassName": "urgent"}})
+    obj = scenario.wait_status(lambda s, o: "spec.priorityClassName" in condition(o, "Degraded").get("message", ""), "")
+    assert "allowed are ['inference']" in condition(obj, "Degraded")["message"]
+    scenario.api.patch("PagedLLM", scenario.ns, "llama", {"spec": {"priorityClassName": "inference"}})
+    dep = scenario.wait_deployment()
+    assert dep["spec"]["template"]["spec"]["containers"][0]["image"] == "registry.example/pagedllm:test"
+    scenario.wait_status(lambda s, o: condition(o, "Degraded").get("status") == "False", "no longer Degraded")
