@@ -10,6 +10,10 @@ vocabulary 8000) at a decode batch of 16 and 64.
 ``linear``: ``F.linear`` on the plain weight against oneDNN on the weight packed once
 (server/worker/models/cpu_linear.py): q/k/v/o (512 -> 512), gate/up (512 -> 1376),
 down (1376 -> 512), LM head (512 -> 8000).
+``elementwise``: the torch ops against the compiled kernels (float32; other dtypes run the
+torch ops in both): RMSNorm, residual add + RMSNorm (kernels/rms_norm_cpu.py), rotary on
+q and k (kernels/rotary_cpu.py, 8 heads of 64), SiLU(gate) * up with and without a
+temporary.
 """
 
 from __future__ import annotations
@@ -22,7 +26,10 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.common import HelpFormatter
+from pagedllm.kernels.rms_norm_cpu import rms_norm_cpu, rms_norm_reference
+from pagedllm.kernels.rotary_cpu import rotary_cpu_, rotary_reference
 from pagedllm.server.worker.models.cpu_linear import linear, pack_weight
+from pagedllm.server.worker.models.rope import rotation_table
 
 HIDDEN, INNER, VOCAB = 512, 1376, 8000
 Case = tuple[str, Callable[[], object], Callable[[], object]]
@@ -56,7 +63,30 @@ def linear_cases(batch: int, dtype: torch.dtype) -> list[Case]:
     return cases
 
 
-CASES: dict[str, Callable[[int, torch.dtype], list[Case]]] = {"linear": linear_cases}
+def elementwise_cases(batch: int, dtype: torch.dtype) -> list[Case]:
+    x, residual = torch.randn(batch, HIDDEN, dtype=dtype), torch.randn(batch, HIDDEN, dtype=dtype)
+    weight = torch.randn(HIDDEN, dtype=dtype)
+    cos, sin = rotation_table(64, 4096, {"rope_type": "default", "rope_theta": 10000.0})
+    positions = torch.randint(0, 4096, (batch,))
+    q = torch.randn(batch, HIDDEN, dtype=dtype)
+    gate, up = torch.randn(batch, INNER, dtype=dtype), torch.randn(batch, INNER, dtype=dtype)
+    return [
+        ("RMSNorm", lambda: rms_norm_reference(x, weight, 1e-6), lambda: rms_norm_cpu(x, weight, 1e-6)),
+        (
+            "add + RMSNorm",
+            lambda: rms_norm_reference(x, weight, 1e-6, residual),
+            lambda: rms_norm_cpu(x, weight, 1e-6, residual),
+        ),
+        (
+            "rotary q and k",
+            lambda: (rotary_reference(q, cos, sin, positions, 64), rotary_reference(q, cos, sin, positions, 64)),
+            lambda: (rotary_cpu_(q, cos, sin, positions, 64), rotary_cpu_(q, cos, sin, positions, 64)),
+        ),
+        ("SiLU(gate) * up", lambda: F.silu(gate) * up, lambda: F.silu(gate).mul_(up)),
+    ]
+
+
+CASES: dict[str, Callable[[int, torch.dtype], list[Case]]] = {"linear": linear_cases, "elementwise": elementwise_cases}
 
 
 def main() -> None:
