@@ -49,7 +49,8 @@ class Sequence:
     output_token_ids: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0
-    cumulative_logprob: float = 0.0
+    cumulative_logprob: float | None = 0.0
+    """Sum of the sampled tokens' logprobs; None once a token came without one (greedy, no logprobs asked)."""
     output_logprobs: list[Logprobs] = field(default_factory=list)
     output_text: str = ""
     stop_reason: StopReason = None
@@ -87,12 +88,24 @@ class Sequence:
         """More than the newest token is still to be computed."""
         return self.num_tokens - self.num_computed_tokens > 1
 
-    def append_token(self, token_id: int, logprob: float, logprobs: Logprobs | None) -> None:
+    def append_token(self, token_id: int, logprob: float | None, logprobs: Logprobs | None) -> None:
         self.output_token_ids.append(token_id)
         self._token_ids.append(token_id)
-        self.cumulative_logprob += logprob
+        if logprob is None or self.cumulative_logprob is None:
+            self.cumulative_logprob = None
+        else:
+            self.cumulative_logprob += logprob
         if logprobs is not None:
             self.output_logprobs.append(logprobs)
+
+    @property
+    def ranking_logprob(self) -> float:
+        """``cumulative_logprob`` of a sequence ranked against others (beams, ``best_of > n``).
+
+        NOTE: such sequences are always sampled with their logprobs, so it is never None.
+        """
+        assert self.cumulative_logprob is not None, "a ranked sequence carries its logprobs"
+        return self.cumulative_logprob
 
     def reset_for_recompute(self) -> None:
         """Preempted by recomputation: the KV cache is dropped, all tokens are recomputed."""

@@ -168,4 +168,4 @@ class BeamSearch:
                 kept.append(child)
             self.outputs.append_text_token(parent, cands[0].token, cands[0].logprob, None, params)
             kept.append(parent)
-        return sorted(kept, key=lambda s: s.cumulative_logprob, reverse=True)
+        return sorted(kept, key=lambda s: s.ranking_logprob, reverse=True)

@@ -25,7 +25,7 @@ class OutputProcessor:
         self.max_model_len = max_model_len
 
     def append_token(
-        self, seq: Sequence, token: int, logprob: float, top: Logprobs | None, params: SamplingParams
+        self, seq: Sequence, token: int, logprob: float | None, top: Logprobs | None, params: SamplingParams
     ) -> None:
         """Append a sampled token, extend the text, and finish the sequence if a stop rule says so."""
         if top is not None and self.tokenizer is not None:
@@ -35,7 +35,7 @@ class OutputProcessor:
         self._check_stop(seq, params)
 
     def append_text_token(
-        self, seq: Sequence, token: int, logprob: float, top: Logprobs | None, params: SamplingParams
+        self, seq: Sequence, token: int, logprob: float | None, top: Logprobs | None, params: SamplingParams
     ) -> None:
         """Append a token and its text, without stop checks (beam search decides its own ends)."""
         seq.append_token(token, logprob, top)
@@ -66,7 +66,7 @@ class OutputProcessor:
         seqs = group.seqs
         if finished and len(seqs) > params.n:
             # NOTE: beam search already orders its hypotheses by their length-normalised score.
-            seqs = seqs if params.use_beam_search else sorted(seqs, key=lambda s: s.cumulative_logprob, reverse=True)
+            seqs = seqs if params.use_beam_search else sorted(seqs, key=lambda s: s.ranking_logprob, reverse=True)
         completions = [
             CompletionOutput(
                 index=i,

@@ -2,7 +2,12 @@
 
 Returned log-probabilities are those of the model's own distribution (``log_softmax``
 of the raw logits), whatever processing chose the token, so they compare with the
-reference model's and add up to ``cumulative_logprob``.
+reference model's and add up to ``cumulative_logprob``. A greedy row that asked for no
+logprobs (and draws one sample per sequence) needs only the argmax: its logprob is not
+computed (None), as vLLM reports no cumulative logprob for such requests.
+
+Penalties read a sequence's tokens through :class:`TokenCounts`, which the engine keeps
+per sequence and brings up to date with the tokens appended since its last step.
 """
 
 from __future__ import annotations
@@ -28,12 +33,42 @@ class SampleRequest:
     eos_token_ids: tuple[int, ...] = ()
     allowed: torch.Tensor | None = None
     """[vocab] bool: the only tokens a grammar lets come next (structured outputs)."""
+    counts: TokenCounts | None = None
+    """This sequence's token counts from earlier steps, for the penalties (None: counted afresh)."""
+
+
+class TokenCounts:
+    """One sequence's tokens as the penalties read them, counted once and then updated by appends.
+
+    NOTE: the sequence only ever grows by appended output tokens (a recomputed sequence
+    keeps its tokens), so the first ``num_counted`` output tokens are never counted again.
+    """
+
+    def __init__(self) -> None:
+        self.seen: torch.Tensor | None = None
+        """[vocab] bool: the token occurs in the prompt or the output."""
+        self.output_counts: torch.Tensor | None = None
+        """[vocab] int64: how often the token occurs in the output."""
+        self.num_counted = 0
+
+    def update(self, prompt_token_ids: Seq[int], output_token_ids: Seq[int], vocab: int) -> None:
+        """Count the prompt on the first call, then the output tokens appended since the last."""
+        if self.seen is None or self.output_counts is None:
+            self.seen = torch.zeros(vocab, dtype=torch.bool)
+            self.seen[torch.tensor(list(prompt_token_ids), dtype=torch.int64)] = True
+            self.output_counts = torch.zeros(vocab, dtype=torch.int64)
+        new = output_token_ids[self.num_counted :]
+        if len(new):
+            index = torch.tensor(list(new), dtype=torch.int64)
+            self.output_counts.index_add_(0, index, torch.ones_like(index))
+            self.seen[index] = True
+            self.num_counted = len(output_token_ids)
 
 
 @dataclass
 class Sample:
     token_ids: list[int]
-    logprobs: list[float]  # of each sampled token
+    logprobs: list[float | None]  # of each sampled token; None where the row needed none (see the module)
     top_logprobs: list[dict[int, Logprob] | None]  # per sampled token, when asked for
 
 
@@ -46,7 +81,8 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, requests: list[SampleRequest]) -> list[Sample]:
         # logits: [num_rows, vocab] float32
         logits = logits.float().cpu()
-        raw_logprobs = torch.log_softmax(logits, dim=-1)
+        wanted = [i for i, req in enumerate(requests) if _needs_logprobs(req)]
+        raw_logprobs = _log_softmax_rows(logits, wanted)
         processed = [i for i, req in enumerate(requests) if _needs_processing(req)]
         if processed:  # NOTE: plain rows (the usual case) skip the per-row work and the copy
             logits = logits.clone()
@@ -77,16 +113,34 @@ class Sampler:
         return sampled
 
     @staticmethod
-    def _results(logprobs: torch.Tensor, sampled: list[list[int]], requests: list[SampleRequest]) -> list[Sample]:
-        # logprobs: [num_rows, vocab]; one gather for every sampled token of every row
-        width = max(len(tokens) for tokens in sampled)
-        index = torch.tensor([tokens + tokens[-1:] * (width - len(tokens)) for tokens in sampled], dtype=torch.int64)
-        chosen = logprobs.gather(1, index).tolist()
+    def _results(
+        logprobs: dict[int, torch.Tensor], sampled: list[list[int]], requests: list[SampleRequest]
+    ) -> list[Sample]:
+        # logprobs: row -> [vocab], for the rows that need them
         results = []
         for i, (tokens, req) in enumerate(zip(sampled, requests)):
-            tops = [top_logprobs(logprobs[i], t, req.params.logprobs) for t in tokens]
-            results.append(Sample(tokens, chosen[i][: len(tokens)], tops))
+            row = logprobs.get(i)
+            if row is None:
+                results.append(Sample(tokens, [None] * len(tokens), [None] * len(tokens)))
+                continue
+            chosen = row[torch.tensor(tokens, dtype=torch.int64)].tolist()
+            tops = [top_logprobs(row, t, req.params.logprobs) for t in tokens]
+            results.append(Sample(tokens, chosen, tops))
         return results
+
+
+def _needs_logprobs(req: SampleRequest) -> bool:
+    """Whether a row's logprobs are reported or ranked (see the module docstring)."""
+    p = req.params
+    return not p.greedy or p.logprobs is not None or p.best_of > p.n or req.num_samples > 1
+
+
+def _log_softmax_rows(logits: torch.Tensor, rows: list[int]) -> dict[int, torch.Tensor]:
+    """``log_softmax`` of the raw logits of ``rows`` only: row -> [vocab]."""
+    if not rows:
+        return {}
+    picked = logits if len(rows) == logits.shape[0] else logits[rows]
+    return dict(zip(rows, torch.log_softmax(picked, dim=-1)))
 
 
 def top_logprobs(logprobs: torch.Tensor, token: int, num: int | None) -> dict[int, Logprob] | None:
@@ -120,15 +174,21 @@ def _needs_processing(req: SampleRequest) -> bool:
 
 def _apply_penalties(logits: torch.Tensor, req: SampleRequest) -> None:
     p = req.params
-    if p.repetition_penalty != 1.0:
-        seen = torch.tensor(sorted(set(req.prompt_token_ids) | set(req.output_token_ids)), dtype=torch.int64)
-        values = logits[seen]
-        penalized = torch.where(values > 0, values / p.repetition_penalty, values * p.repetition_penalty)
+    repetition = p.repetition_penalty != 1.0
+    occurrence = bool(p.presence_penalty or p.frequency_penalty) and len(req.output_token_ids) > 0
+    if not (repetition or occurrence):
+        return
+    counts = req.counts if req.counts is not None else TokenCounts()
+    counts.update(req.prompt_token_ids, req.output_token_ids, logits.numel())
+    assert counts.seen is not None and counts.output_counts is not None
+    if repetition:
+        penalized = torch.where(logits > 0, logits / p.repetition_penalty, logits * p.repetition_penalty)
         # NOTE: a tiny penalty overflows to inf, which sampling cannot draw from.
-        logits[seen] = penalized.clamp(min=-_LOGIT_LIMIT, max=_LOGIT_LIMIT)
-    if (p.presence_penalty or p.frequency_penalty) and req.output_token_ids:
-        counts = torch.bincount(torch.tensor(req.output_token_ids, dtype=torch.int64), minlength=logits.numel())
-        logits -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
+        penalized = penalized.clamp(min=-_LOGIT_LIMIT, max=_LOGIT_LIMIT)
+        torch.where(counts.seen, penalized, logits, out=logits)
+    if occurrence:
+        output = counts.output_counts
+        logits -= p.frequency_penalty * output + p.presence_penalty * (output > 0)
 
 
 def _apply_bias_and_mask(logits: torch.Tensor, req: SampleRequest) -> None:

@@ -20,7 +20,7 @@ from pagedllm.server.core.sequence import Sequence, SequenceGroup, SequenceStatu
 from pagedllm.server.engine.beam_search import BeamSearch, BeamState
 from pagedllm.server.engine.faults import FaultInjector
 from pagedllm.server.engine.output_processor import OutputProcessor
-from pagedllm.server.engine.sampler import Sample, Sampler, SampleRequest, top_logprobs
+from pagedllm.server.engine.sampler import Sample, Sampler, SampleRequest, TokenCounts, top_logprobs
 from pagedllm.server.engine.structured_output import StructuredOutputs
 from pagedllm.server.worker.step_inputs import PoolRow, SampleRow, StepResult
 
@@ -45,6 +45,8 @@ class RequestState:
     num_pooled: int = 0
     embedding: torch.Tensor | None = None
     """An embedding request's result, once its whole prompt is pooled."""
+    token_counts: dict[int, TokenCounts] = field(default_factory=dict)
+    """seq_id -> its tokens counted for the penalties, updated by each step's appends."""
 
     def matcher(self, seq: Sequence, structured: StructuredOutputs) -> Any:
         if seq.seq_id not in self.matchers:
@@ -153,13 +155,17 @@ class StepResults:
 
     def _sample_request(self, group: SequenceGroup, seq: Sequence) -> SampleRequest:
         first = len(group.seqs) == 1 and not seq.output_token_ids
+        state = self.requests[group.request_id]
+        params = group.sampling_params
+        penalized = params.repetition_penalty != 1.0 or bool(params.presence_penalty or params.frequency_penalty)
         return SampleRequest(
-            group.sampling_params,
+            params,
             seq.prompt_token_ids,
             seq.output_token_ids,
-            num_samples=group.sampling_params.best_of if first else 1,
-            generator=self.requests[group.request_id].generator,
+            num_samples=params.best_of if first else 1,
+            generator=state.generator,
             eos_token_ids=self.output_processor.eos_token_ids,
+            counts=state.token_counts.setdefault(seq.seq_id, TokenCounts()) if penalized else None,
         )
 
     def _append(self, group: SequenceGroup, seq: Sequence, sample: Sample) -> None:

@@ -171,7 +171,7 @@ def test_partial_rotary_factor_turns_the_first_dims_and_passes_the_rest(rope):
     positions = torch.tensor([5, 0, 63, 64, 250])
     g = torch.Generator().manual_seed(0)
     q, k = torch.randn(5, 4 * HEAD_DIM, generator=g), torch.randn(5, 2 * HEAD_DIM, generator=g)
-    got_q, got_k = emb(positions, q, k)
+    got_q, got_k = emb(positions, q.clone(), k.clone())  # NOTE: rotated in place
     cos, sin = torch.cat([within_cos, past_cos]), torch.cat([within_sin, past_sin])
     want_q, want_k = phi3_apply_rotary(
         q.view(5, 4, HEAD_DIM), k.view(5, 2, HEAD_DIM), cos[positions], sin[positions], unsqueeze_dim=1
@@ -189,7 +189,7 @@ def test_forward_rotates_query_and_key_heads_as_transformers():
     positions = torch.tensor([200, 3, 3, 0, 77, 255])
     g = torch.Generator().manual_seed(0)
     q, k = torch.randn(6, 4 * HEAD_DIM, generator=g), torch.randn(6, 2 * HEAD_DIM, generator=g)
-    got_q, got_k = emb(positions, q, k)
+    got_q, got_k = emb(positions, q.clone(), k.clone())  # NOTE: rotated in place
     cos, sin = LlamaRotaryEmbedding(config)(torch.zeros(1), positions[None])
     want_q, want_k = llama_apply_rotary(
         q.view(6, 4, HEAD_DIM).transpose(0, 1)[None], k.view(6, 2, HEAD_DIM).transpose(0, 1)[None], cos, sin

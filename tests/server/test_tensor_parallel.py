@@ -61,6 +61,9 @@ def same_outputs(a, b, logprob_tol=1e-4):
     for x, y in zip(a, b):
         for cx, cy in zip(x.outputs, y.outputs):
             assert cx.token_ids == cy.token_ids
+            if cx.cumulative_logprob is None or cy.cumulative_logprob is None:  # greedy without logprobs
+                assert cx.cumulative_logprob is None and cy.cumulative_logprob is None
+                continue
             assert abs(cx.cumulative_logprob - cy.cumulative_logprob) < logprob_tol * max(1, len(cx.token_ids))
 
 

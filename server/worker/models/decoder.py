@@ -17,6 +17,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from pagedllm.kernels.rms_norm_cpu import rms_norm_cpu
 from pagedllm.server.worker.attention import AttentionMetadata, AttentionOps, PagedAttention
 from pagedllm.server.worker.models.activations import activation
 from pagedllm.server.worker.models.decoder_arch import DecoderArch
@@ -41,11 +42,18 @@ class RMSNorm(nn.Module):
         self.gemma = gemma
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
         if self.gemma:
+            dtype = x.dtype
+            normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
             return (normed * (1.0 + self.weight.float())).to(dtype)
-        return self.weight * normed.to(dtype)
+        return rms_norm_cpu(x, self.weight, self.eps)[0]
+
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual), in one pass where the compiled kernel runs (LLaMA's norms)."""
+        if self.gemma:
+            summed = x + residual
+            return self(summed), summed
+        return rms_norm_cpu(x, self.weight, self.eps, residual)
 
 
 class DecoderAttention(nn.Module):
@@ -93,7 +101,8 @@ class GatedMLP(nn.Module):
         self.act = activation(arch.hidden_act, "hidden_act")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        # NOTE: the product is taken in place in the activation's output, a tensor of this call's own.
+        return self.down_proj(self.act(self.gate_proj(x)).mul_(self.up_proj(x)))
 
 
 def _mlp(arch: DecoderArch, layer: int, tp: TPGroup) -> nn.Module:
@@ -123,8 +132,8 @@ class DecoderLayer(nn.Module):
     def forward(self, x, positions, kv_cache, meta, ops):
         h = self.self_attn(self.input_layernorm(x), positions, kv_cache, meta, ops)
         if not self.sandwich:
-            x = x + h
-            return x + self.mlp(self.post_attention_layernorm(x))
+            normed, x = self.post_attention_layernorm.add_and_norm(h, x)
+            return x + self.mlp(normed)
         x = x + self.post_attention_layernorm(h)
         return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
 

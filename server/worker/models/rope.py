@@ -32,6 +32,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from pagedllm.kernels.rotary_cpu import rotary_cpu_
 from pagedllm.server.config import ConfigError
 
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
@@ -343,17 +344,6 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         # positions: [num_tokens]; q: [num_tokens, heads * head_dim]; k: [num_tokens, kv_heads * head_dim]
-        cos = self.get_buffer("cos")[positions].unsqueeze(1)  # [num_tokens, 1, rotary_dim]
-        sin = self.get_buffer("sin")[positions].unsqueeze(1)
-        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
-
-    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        x = x.view(shape[0], -1, self.head_dim)
-        turned, kept = x[..., : self.rotary_dim], x[..., self.rotary_dim :]
-        half = self.rotary_dim // 2
-        rotated = torch.cat((-turned[..., half:], turned[..., :half]), dim=-1)
-        out = turned * cos.to(x.dtype) + rotated * sin.to(x.dtype)
-        if kept.shape[-1]:
-            out = torch.cat((out, kept), dim=-1)
-        return out.view(shape)
+        # NOTE: q and k are rotated in place where the compiled kernel runs: they are this layer's own projections.
+        cos, sin = self.get_buffer("cos"), self.get_buffer("sin")  # [max_positions, rotary_dim]
+        return rotary_cpu_(q, cos, sin, positions, self.head_dim), rotary_cpu_(k, cos, sin, positions, self.head_dim)

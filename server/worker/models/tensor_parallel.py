@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 from pagedllm.server.config import ConfigError
+from pagedllm.server.worker.models.cpu_linear import PackableLinear, linear
 
 
 @dataclass(frozen=True)
@@ -87,7 +88,7 @@ def mark_shard(param: torch.Tensor, shard: Callable[[torch.Tensor], torch.Tensor
     param.shard = shard  # type: ignore[attr-defined]
 
 
-class ColumnParallelLinear(nn.Linear):
+class ColumnParallelLinear(nn.Linear, PackableLinear):
     """A linear layer whose output features are split across ranks (no communication).
 
     ``rows(rank)`` may name this rank's output rows of the full weight when they are not
@@ -103,8 +104,11 @@ class ColumnParallelLinear(nn.Linear):
             if self.bias is not None:
                 mark_shard(self.bias, _rows(start, local))
 
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
 
-class RowParallelLinear(nn.Module):
+
+class RowParallelLinear(PackableLinear):
     """A linear layer whose input features are split across ranks; partial outputs are all-reduced."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPGroup) -> None:
@@ -118,7 +122,7 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # NOTE: the bias is added once, after the sum of the partial products.
-        y = self.tp.all_reduce(nn.functional.linear(x, self.weight))
+        y = self.tp.all_reduce(linear(x, self.weight))
         return y + self.bias if self.bias is not None else y
 
 
@@ -150,7 +154,7 @@ class VocabParallelEmbedding(nn.Module):
         return self.tp.all_reduce(x.masked_fill(outside[:, None], 0.0))
 
 
-class ParallelLMHead(nn.Module):
+class ParallelLMHead(PackableLinear):
     """The output projection to the vocabulary, split like :class:`VocabParallelEmbedding`.
 
     Logits come back whole on rank 0 (where sampling runs); other ranks get their slice.
@@ -160,12 +164,16 @@ class ParallelLMHead(nn.Module):
         super().__init__()
         self.tp = tp
         self.vocab_size = vocab_size
+        self.tied = tied is not None
         if tied is not None:
             self.weight = tied.weight
         else:
             embedding_like = VocabParallelEmbedding(vocab_size, dim, tp)
             self.weight = embedding_like.weight
 
+    def packable(self) -> bool:
+        return not self.tied  # NOTE: a tied weight is the embedding table too, which lookups index
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.tp.gather_last_dim(nn.functional.linear(hidden, self.weight).float())
+        logits = self.tp.gather_last_dim(linear(hidden, self.weight).float())
         return logits[..., : self.vocab_size] if self.tp.rank == 0 else logits

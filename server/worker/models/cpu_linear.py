@@ -1,0 +1,83 @@
+"""Linear layers on the CPU: oneDNN GEMMs on weights reordered once, after loading.
+
+``F.linear`` on the CPU hands its plain ``[out, in]`` weight to the BLAS on every call,
+which re-blocks it each time. oneDNN can instead keep the weight in the blocked layout its
+GEMM reads (``torch.ops.mkldnn._reorder_linear_weight``, what inductor's weight freezing
+uses) and run the product on it directly (``torch.ops.mkldnn._linear_pointwise``)::
+
+    load:  weight [out, in] (plain) ──reorder once──► weight [out, in] (mkldnn layout)
+    step:  linear(x, weight, bias)  ──► oneDNN GEMM on the blocked weight (no per-call reorder)
+
+The packed tensor replaces the parameter (same name, shape and dtype; its memory is the
+blocked copy only), so a weight is never held twice. :func:`linear` is the one call every
+projection makes: it runs oneDNN on a packed weight and ``F.linear`` on a plain one
+(CUDA, float16, a weight that is also an embedding table, or a torch without oneDNN).
+
+NOTE: a packed weight can only be multiplied: it cannot be indexed, copied into or
+loaded again. Packing therefore happens last, after the checkpoint is in
+(:func:`prepack_linears`), and only for layers that use their weight through
+:func:`linear` alone (:class:`PackableLinear`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+PACKED_DTYPES = (torch.float32, torch.bfloat16)
+"""Weight dtypes oneDNN runs from the blocked layout on x86 CPUs (bfloat16 fast with AVX-512-BF16 or AMX)."""
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.T + bias`` with ``weight`` plain or packed by :func:`pack_weight`.
+
+    x: [..., in]; weight: [out, in]; bias: [out] or None -> [..., out]
+    """
+    if weight.is_mkldnn:
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    return F.linear(x, weight, bias)
+
+
+def can_pack(weight: torch.Tensor) -> bool:
+    """Whether :func:`pack_weight` applies: a plain 2-D CPU weight of :data:`PACKED_DTYPES`, with oneDNN present."""
+    return (
+        torch.backends.mkldnn.is_available()
+        and weight.device.type == "cpu"
+        and weight.dtype in PACKED_DTYPES
+        and weight.dim() == 2
+        and not weight.is_mkldnn
+    )
+
+
+def pack_weight(weight: torch.Tensor) -> nn.Parameter:
+    """``weight`` [out, in] reordered into oneDNN's blocked layout, as a frozen parameter.
+
+    NOTE: no batch size is given: the layout must serve decode steps of any batch and
+    prefill chunks alike (measured: as fast as a layout packed for the batch at hand).
+    """
+    return nn.Parameter(torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None), requires_grad=False)
+
+
+class PackableLinear(nn.Module):
+    """A layer whose ``weight`` [out, in] is used through :func:`linear` only, so it may be packed."""
+
+    weight: torch.Tensor
+
+    def packable(self) -> bool:
+        """Whether this layer's weight may be packed (not when another layer reads it too)."""
+        return True
+
+
+def prepack_linears(model: nn.Module) -> int:
+    """Pack the weight of every :class:`PackableLinear` in ``model`` that :func:`can_pack`, in place.
+
+    Call once, after the weights are loaded. Returns how many weights were packed.
+    """
+    packed = 0
+    for module in model.modules():
+        if isinstance(module, PackableLinear) and module.packable() and can_pack(module.weight):
+            with torch.no_grad():
+                module.weight = pack_weight(module.weight)
+            packed += 1
+    return packed

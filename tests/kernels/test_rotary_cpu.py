@@ -1,0 +1,36 @@
+"""The compiled in-place rotary embedding against its torch reference: bitwise equal."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedllm.kernels.paged_decode_attention_cpu import HAS_NUMBA
+from pagedllm.kernels.rotary_cpu import rotary_cpu_, rotary_reference
+from pagedllm.server.worker.models.rope import rotation_table
+
+pytestmark = pytest.mark.skipif(not HAS_NUMBA, reason="numba is not installed")
+
+
+@pytest.mark.parametrize("tokens,heads,head_dim,partial", [(1, 4, 16, None), (16, 8, 64, None), (45, 2, 32, 0.5)])
+def test_in_place_equals_reference(tokens, heads, head_dim, partial):
+    params = {"rope_type": "default", "rope_theta": 10000.0}
+    if partial is not None:
+        params["partial_rotary_factor"] = partial
+    cos, sin = rotation_table(head_dim, 512, params)
+    g = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, heads * head_dim, generator=g)
+    positions = torch.randint(0, 512, (tokens,), generator=g)
+    want = rotary_reference(x, cos, sin, positions, head_dim)
+    got = rotary_cpu_(x, cos, sin, positions, head_dim)
+    assert got is x  # rotated in place
+    assert torch.equal(got, want)
+
+
+def test_bfloat16_takes_the_reference_and_leaves_x():
+    cos, sin = rotation_table(16, 64, {"rope_type": "default", "rope_theta": 10000.0})
+    x = torch.randn(3, 32, dtype=torch.bfloat16)
+    before = x.clone()
+    positions = torch.tensor([0, 5, 63])
+    out = rotary_cpu_(x, cos, sin, positions, 16)
+    assert torch.equal(x, before) and torch.equal(out, rotary_reference(x, cos, sin, positions, 16))

@@ -1,0 +1,117 @@
+"""Linear layers on weights packed for oneDNN: same products as ``F.linear``, packed once, never twice in memory."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pagedllm.server.worker.attention import AttentionMetadata, select_attention_ops
+from pagedllm.server.worker.models.cpu_linear import can_pack, linear, pack_weight, prepack_linears
+from pagedllm.server.worker.models.decoder import DecoderForCausalLM
+from pagedllm.server.worker.models.tensor_parallel import ColumnParallelLinear, ParallelLMHead, RowParallelLinear
+
+pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 5, 16, 300])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_linear_matches_f_linear(dtype, rows, bias):
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 96, generator=g).to(dtype)
+    w = (torch.randn(72, 96, generator=g) * 0.1).to(dtype)
+    b = torch.randn(72, generator=g).to(dtype) if bias else None
+    packed = pack_weight(w)
+    assert packed.is_mkldnn and packed.shape == w.shape and packed.dtype == dtype
+    got, want = linear(x, packed, b), F.linear(x, w, b)
+    assert got.dtype == dtype and got.shape == want.shape
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+
+
+def test_packed_linear_takes_any_leading_shape():
+    x, w = torch.randn(2, 3, 16), torch.randn(8, 16)
+    torch.testing.assert_close(linear(x, pack_weight(w)), F.linear(x, w), atol=1e-5, rtol=1e-5)
+
+
+def test_plain_weights_take_f_linear():
+    x, w = torch.randn(4, 16, dtype=torch.float16), torch.randn(8, 16, dtype=torch.float16)
+    assert not can_pack(w)  # NOTE: float16 stays plain: oneDNN has no fast float16 GEMM on these CPUs
+    assert torch.equal(linear(x, w), F.linear(x, w))
+
+
+def _tiny_decoder(tie: bool) -> DecoderForCausalLM:
+    from transformers import LlamaConfig
+
+    cfg = LlamaConfig(
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=tie,
+    ).to_dict()
+    torch.manual_seed(0)
+    model = DecoderForCausalLM.from_hf_config(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn_like(p) * 0.05)
+    return model.eval()
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_prepack_packs_every_projection_once_and_keeps_names(tie):
+    model = _tiny_decoder(tie)
+    names = {n: p.shape for n, p in model.named_parameters()}
+    linears = [m for m in model.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))]
+    packed = prepack_linears(model)
+    assert packed == len(linears) + (0 if tie else 1)
+    assert {n: p.shape for n, p in model.named_parameters()} == names
+    assert all(m.weight.is_mkldnn for m in linears)
+    head = next(m for m in model.modules() if isinstance(m, ParallelLMHead))
+    # NOTE: a tied head shares the embedding table, which lookups index: it stays plain.
+    assert head.weight.is_mkldnn is not tie
+    assert not model.model.embed_tokens.weight.is_mkldnn
+    assert prepack_linears(model) == 0  # packed weights are not packed again
+
+
+def test_prepacked_decoder_gives_the_same_logits():
+    model = _tiny_decoder(tie=False)
+    ops = select_attention_ops("torch", torch.device("cpu"))
+    num_layers, kv_heads, head_dim = model.kv_shape
+    tokens = 12
+
+    def run():
+        shape = (2, 8, kv_heads, head_dim)
+        caches = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(num_layers)]
+        meta = AttentionMetadata(
+            slot_mapping=torch.arange(tokens),
+            num_decode_tokens=0,
+            decode_block_tables=torch.zeros(0, 2, dtype=torch.int32),
+            decode_context_lens=torch.zeros(0, dtype=torch.int32),
+            prefill_block_tables=torch.tensor([[0, 1]], dtype=torch.int32),
+            prefill_cu_seqlens_q=torch.tensor([0, tokens], dtype=torch.int32),
+            prefill_context_lens=torch.tensor([tokens], dtype=torch.int32),
+        )
+        with torch.inference_mode():
+            hidden = model(torch.arange(tokens) % 50, torch.arange(tokens), caches, ops.prepare(meta, 8), ops)
+            return model.compute_logits(hidden)
+
+    before = run()
+    prepack_linears(model)
+    after = run()
+    torch.testing.assert_close(after, before, atol=1e-4, rtol=1e-4)
+    assert torch.equal(after.argmax(-1), before.argmax(-1))
+
+
+def test_cpu_engine_packs_its_projections(tmp_path):
+    from pagedllm.server import LLM
+    from tests.server.family_factories import save_tiny_family
+
+    llm = LLM(model=save_tiny_family(str(tmp_path), "mistral-window"), block_size=8, num_gpu_blocks_override=8)
+    model = llm.llm_engine.runner.model
+    assert model.model.layers[0].self_attn.q_proj.weight.is_mkldnn
+    assert model.model.layers[1].mlp.down_proj.weight.is_mkldnn
+    assert model.lm_head.weight.is_mkldnn
