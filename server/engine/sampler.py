@@ -45,6 +45,13 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, requests: list[SampleRequest]) -> list[Sample]:
         # logits: [num_rows, vocab] float32
+        raw_logprobs, logits = self.process(logits, requests)
+        sampled = self._sample(logits, requests)
+        return self._results(raw_logprobs, sampled, requests)
+
+    @staticmethod
+    def process(logits: torch.Tensor, requests: list[SampleRequest]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The model's log-probabilities and the logits after penalties, ``min_tokens``, bias and grammar."""
         logits = logits.float().cpu()
         raw_logprobs = torch.log_softmax(logits, dim=-1)
         processed = [i for i, req in enumerate(requests) if _needs_processing(req)]
@@ -54,8 +61,7 @@ class Sampler:
                 _apply_penalties(logits[i], requests[i])
                 _block_early_stop(logits[i], requests[i])
                 _apply_bias_and_mask(logits[i], requests[i])
-        sampled = self._sample(logits, requests)
-        return self._results(raw_logprobs, sampled, requests)
+        return raw_logprobs, logits
 
     def _sample(self, logits: torch.Tensor, requests: list[SampleRequest]) -> list[list[int]]:
         greedy = [i for i, r in enumerate(requests) if r.params.greedy]
@@ -67,7 +73,7 @@ class Sampler:
         random_rows = [i for i, r in enumerate(requests) if not r.params.greedy]
         if random_rows:
             rows = logits if len(random_rows) == len(requests) else logits[random_rows]
-            probs = _filtered_probs(rows, [requests[i].params for i in random_rows])
+            probs = filtered_probs(rows, [requests[i].params for i in random_rows])
             for row, i in enumerate(random_rows):
                 req = requests[i]
                 draw = torch.multinomial(
@@ -156,7 +162,7 @@ def _block_early_stop(logits: torch.Tensor, req: SampleRequest) -> None:
     logits[index] = float("-inf")
 
 
-def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """Temperature, then top-k, top-p and min-p masks, as probabilities. logits: [rows, vocab]."""
     temperature = torch.tensor([p.temperature for p in params]).unsqueeze(1)
     logits = logits / temperature

@@ -40,6 +40,16 @@ class PoolRow:
 
 
 @dataclass
+class SpecRow:
+    """A sequence verifying proposals: its logits are ``1 + len(draft_token_ids)`` rows, one per
+    position from its newest token on (speculative decoding)."""
+
+    group: SequenceGroup
+    seq: Sequence
+    draft_token_ids: list[int]
+
+
+@dataclass
 class StepInputs:
     input_ids: torch.Tensor  # [num_tokens] int64
     positions: torch.Tensor  # [num_tokens] int64
@@ -50,6 +60,8 @@ class StepInputs:
     prompt_index: torch.Tensor  # [sum of their positions] token indices whose logits score the prompt
     pool_rows: list[PoolRow] = field(default_factory=list)  # embedding requests' positions pooled this step
     pool_index: torch.Tensor | None = None  # [sum of their num] token indices pooled, row after row
+    spec_rows: list[SpecRow] = field(default_factory=list)
+    """Sequences verifying proposals; their logits rows follow the sample rows' in ``sample_index``."""
 
 
 @dataclass
@@ -132,7 +144,7 @@ def _tensor(value: Any) -> Any:
 @dataclass
 class StepResult:
     inputs: StepInputs
-    logits: torch.Tensor  # [len(inputs.sample_rows), vocab] float32
+    logits: torch.Tensor  # [len(inputs.sample_rows) + the spec rows' positions, vocab] float32
     prompt_logits: torch.Tensor | None  # [len(inputs.prompt_index), vocab] float32
     pooled: torch.Tensor | None = None  # [len(inputs.pool_rows), hidden] float32 sums, on the CPU
 
@@ -228,7 +240,10 @@ class _Tokens:
         for _, seq, chunk in entries:
             start = seq.num_computed_tokens
             table = block_tables[seq.seq_id]
-            self.ids.extend(seq.token_ids[start : start + chunk])
+            ids = seq.token_ids[start : start + chunk]
+            if len(ids) < chunk:  # NOTE: proposals being verified follow the newest token
+                ids = ids + seq.spec_token_ids[: chunk - len(ids)]
+            self.ids.extend(ids)
             self.positions.extend(range(start, start + chunk))
             self.slots.extend(table[p // block_size] * block_size + p % block_size for p in range(start, start + chunk))
 
@@ -243,6 +258,8 @@ def _step_inputs(
     prompt_index: list[int] = []
     pool_rows: list[PoolRow] = []
     pool_index: list[int] = []
+    spec_rows: list[SpecRow] = []
+    spec_index: list[int] = []
     offset = 0
     for group, seq, chunk in entries:
         start = seq.num_computed_tokens
@@ -254,6 +271,10 @@ def _step_inputs(
         elif start + chunk == len(seq):
             sample_rows.append(SampleRow(group, seq))
             sample_index.append(offset + chunk - 1)
+        elif start + chunk > len(seq):
+            drafts = list(seq.spec_token_ids)
+            spec_rows.append(SpecRow(group, seq, drafts))
+            spec_index.extend(range(offset + chunk - 1 - len(drafts), offset + chunk))
         if group.sampling_params.prompt_logprobs is not None and start < len(seq.prompt_token_ids):
             scored = [p for p in range(start, start + chunk) if p + 1 < len(seq.prompt_token_ids)]
             prompt_rows.append(SampleRow(group, seq, [p + 1 for p in scored]))
@@ -264,11 +285,12 @@ def _step_inputs(
         positions=torch.as_tensor(positions, dtype=torch.int64, device=device),
         meta=meta,
         sample_rows=sample_rows,
-        sample_index=torch.from_numpy(np.array(sample_index, dtype=np.int64)).to(device),
+        sample_index=torch.from_numpy(np.array(sample_index + spec_index, dtype=np.int64)).to(device),
         prompt_rows=prompt_rows,
         prompt_index=torch.from_numpy(np.array(prompt_index, dtype=np.int64)).to(device),
         pool_rows=pool_rows,
         pool_index=torch.from_numpy(np.array(pool_index, dtype=np.int64)).to(device) if pool_rows else None,
+        spec_rows=spec_rows,
     )
 
 
