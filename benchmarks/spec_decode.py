@@ -51,7 +51,7 @@ def doc_prompts(tokenizer, num: int) -> list[list[int]]:
     from pydoc_data.topics import topics
 
     prompts = []
-    for key in sorted(topics)[::7]:
+    for key in sorted(topics):
         ids = tokenizer.encode(topics[key])
         if len(ids) >= 64:
             prompts.append(ids[: 64 + 16 * (len(prompts) % 7)])
@@ -96,7 +96,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="measurements per configuration (median)")
     parser.add_argument("--max-tokens", type=int, default=128, help="output tokens per request")
     parser.add_argument("--num-single", type=int, default=3, help="requests in a single-stream run")
-    parser.add_argument("--num-batch", type=int, default=16, help="requests in a batch-8 run")
+    parser.add_argument("--num-batch", type=int, default=24, help="requests in a batch-8 run (8 in flight)")
     parser.add_argument("--speculative-config", default=None, help=f"JSON (default: {NGRAM})")
     args = parser.parse_args()
     threads = set_threads(args.threads)
@@ -111,8 +111,10 @@ def main() -> None:
         save_random_llama(tmp)
         demo = LLM(max_num_seqs=8)
         texts = doc_prompts(demo.llm_engine.tokenizer, max(args.num_single, args.num_batch))
+        assert len(texts) == max(args.num_single, args.num_batch), "not enough documentation passages"
         demo.llm_engine.shutdown()
-        randoms = [r.prompt_token_ids[:200] for r in sample_requests("sharegpt", 16, MODEL_SHAPE["vocab_size"])]
+        num = max(args.num_single, args.num_batch)
+        randoms = [r.prompt_token_ids[:200] for r in sample_requests("sharegpt", num, MODEL_SHAPE["vocab_size"])]
         workloads = [
             Workload("copying", tmp, randoms, 0.0),
             Workload("text", None, texts, 0.0),

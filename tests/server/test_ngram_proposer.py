@@ -16,6 +16,7 @@ def brute_force(tokens: list[int], min_n: int, max_n: int, num: int) -> list[int
         suffix = tokens[size - n :]
         for end in range(size - 2, n - 2, -1):
             if tokens[end + 1 - n : end + 1] == suffix:
+                num = num if n == max_n else min(num, n)
                 extended = list(tokens)
                 while len(extended) < end + 1 + num:
                     extended.append(extended[len(extended) - (size - 1 - end)])
@@ -28,12 +29,13 @@ def test_the_longest_suffix_wins_and_its_latest_occurrence():
     #         0  1  2  3  4  5  6  7  8  9 10
     tokens = [5, 1, 2, 3, 9, 7, 2, 3, 8, 1, 2]
     # suffix [1, 2] (n=2) ends at 2 -> proposes tokens[3:]; [2] alone would match at 6 (later)
-    assert index.propose(tokens, 3) == [3, 9, 7]
+    assert index.propose(tokens, 3) == [3, 9]  # a 2-token match proposes at most 2
+    assert NgramIndex(1, 2).propose(tokens, 3) == [3, 9, 7]  # the longest n proposes in full
 
 
 def test_a_single_token_match_takes_the_latest():
-    index = NgramIndex(1, 3)
-    assert index.propose([4, 6, 4, 7, 4], 2) == [7, 4]
+    assert NgramIndex(1, 3).propose([4, 6, 4, 7, 4], 2) == [7]
+    assert NgramIndex(1, 1).propose([4, 6, 4, 7, 4], 2) == [7, 4]
 
 
 def test_a_loop_is_continued_past_the_end():

@@ -29,7 +29,13 @@ class NgramIndex:
         self._indexed = 0  # n-grams ending before this position are in _ends
 
     def propose(self, tokens: list[int], num: int) -> list[int]:
-        """Up to ``num`` tokens that followed the longest suffix seen before (none if no suffix was)."""
+        """Up to ``num`` tokens that followed the longest suffix seen before (none if no suffix was).
+
+        NOTE: a shorter match is weaker evidence: a suffix of n < ``max_n`` tokens proposes at
+        most n. Text with nothing to copy still repeats single tokens now and then, and those
+        matches then cost one verified token, not ``num``; loops and copied passages match at
+        ``max_n`` and propose in full.
+        """
         size = len(tokens)
         if num <= 0 or size < self.min_n + 1:
             return []
@@ -37,7 +43,7 @@ class NgramIndex:
         for n in range(min(self.max_n, size - 1), self.min_n - 1, -1):
             end = self._ends.get(tuple(tokens[size - n :]))
             if end is not None:
-                return _continuation(tokens, end, num)
+                return _continuation(tokens, end, num if n == self.max_n else min(num, n))
         return []
 
     def _extend(self, tokens: list[int], upto: int) -> None:
