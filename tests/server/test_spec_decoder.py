@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import httpx
+import pytest
 import torch
 from api_factories import API_KEY, MODEL_NAME, live_server
 
 from pagedllm.server import LLM
-from pagedllm.server.config import SchedulerConfig, SpeculativeConfig
+from pagedllm.server.config import ConfigError, SchedulerConfig, SpeculativeConfig
 from pagedllm.server.core.block_manager import BlockManager
 from pagedllm.server.core.scheduler import Scheduler
 from pagedllm.server.core.sequence import Sequence, SequenceGroup, SequenceStatus
@@ -164,3 +165,25 @@ def test_metrics_and_banner_say_what_runs(tiny_llama):
                 f'{prefix}:spec_decode_num_accepted_tokens_per_pos_total{{model_name="{MODEL_NAME}",position="{position}"}}'
                 in metrics
             )
+
+
+def test_reservation_baselines_refuse_speculation(tiny_llama):
+    with pytest.raises(ConfigError) as info:
+        LLM(model=tiny_llama, kv_reservation="max", speculative_config={"method": "ngram"})
+    assert info.value.field == "speculative_config" and "kv_reservation='max'" in str(info.value)
+
+
+def test_proposals_shrink_to_what_was_accepted_and_grow_back():
+    spec, scheduler, group = setup()
+    seq = group.seqs[0]
+    spec.propose(scheduler.running, 1000)
+    drafts = list(seq.spec_token_ids)
+    assert len(drafts) == 4
+    verify_step(spec, scheduler, drafts[:1] + [9])  # one of four accepted (9 follows 8: the loop goes on)
+    lengths = []
+    for _ in range(3):
+        spec.propose(scheduler.running, 1000)
+        drafts = list(seq.spec_token_ids)
+        lengths.append(len(drafts))
+        verify_step(spec, scheduler, drafts + [LOOP[(len(seq) + len(drafts)) % 3]])  # all accepted
+    assert lengths == [2, 4, 4]

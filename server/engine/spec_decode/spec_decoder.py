@@ -12,9 +12,11 @@ free the blocks that held only rejected ones::
     verify:  target accepts d0, emits x             tokens ... t d0 x, computed ... t d0
     after:   table [.. B7]  (B9 freed: x lands in B7; stale slots past it are overwritten)
 
-Adaptive: a sequence whose proposals keep being rejected outright pauses proposing for
+Adaptive, per sequence: proposals are as long as the last ones proved useful (the accepted
+ones plus one; doubled, up to k, when all were accepted), since every verified token costs
+compute; and a sequence whose proposals keep being rejected outright pauses proposing for
 1, 2, 4 ... up to ``MAX_PAUSE`` steps, so a workload with nothing to copy costs nearly
-nothing; one accepted proposal resumes proposing at every step.
+nothing. One accepted proposal resumes proposing at every step.
 """
 
 from __future__ import annotations
@@ -65,6 +67,7 @@ class SpecDecodeStats:
 @dataclass
 class _SeqState:
     index: NgramIndex
+    length: int  # the most tokens to propose next
     failures: int = 0  # verifications in a row that accepted nothing
     pause: int = 0  # steps left without proposals
 
@@ -109,7 +112,8 @@ class SpecDecoder:
             if state.pause:
                 state.pause -= 1
                 continue
-            seq.spec_token_ids = state.index.propose(seq.token_ids, self._room(group, seq, max_model_len))
+            room = min(state.length, self._room(group, seq, max_model_len))
+            seq.spec_token_ids = state.index.propose(seq.token_ids, room)
 
     def _eligible(self, group: SequenceGroup) -> bool:
         params = group.sampling_params
@@ -134,7 +138,7 @@ class SpecDecoder:
         if state is None:
             low, high = self.config.prompt_lookup_min, self.config.prompt_lookup_max
             assert low is not None and high is not None  # NOTE: SpeculativeConfig fills both in
-            state = self._states[seq] = _SeqState(NgramIndex(low, high))
+            state = self._states[seq] = _SeqState(NgramIndex(low, high), self.config.num_speculative_tokens)
         return state
 
     # -- after the step -----------------------------------------------------------------
@@ -199,6 +203,8 @@ class SpecDecoder:
         for i in range(accepted):
             stats.accepted_per_pos[i] += 1
         state = self._state(seq)
+        k = self.config.num_speculative_tokens
+        state.length = min(k, 2 * num_drafts) if accepted == num_drafts else accepted + 1
         if accepted:
             state.failures = 0
             return
