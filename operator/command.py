@@ -8,6 +8,7 @@ parses the rendered arguments with the real `pagedllm serve` parser to prove it.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from typing import Any
 
@@ -35,6 +36,7 @@ ENGINE_FIELDS: Mapping[str, str] = {
     "tensorParallelSize": "tensor_parallel_size",
     "seed": "seed",
     "loadFormat": "load_format",
+    "speculativeConfig": "speculative_config",
 }
 
 # spec key -> flag of `pagedllm serve` that is not an engine field (pagedllm.server.entrypoints.serve).
@@ -76,6 +78,8 @@ def spec_attr(key: str) -> str:
 def _flag_args(flag: str, value: Any) -> list[str]:
     if isinstance(value, bool):
         return [flag] if value else ["--no-" + flag[2:]]
+    if isinstance(value, Mapping):  # a JSON-valued flag (--speculative-config)
+        return [flag, json.dumps(dict(value), sort_keys=True)]
     return [flag, str(value)]
 
 
@@ -155,5 +159,6 @@ def check_engine(spec: PagedLLMSpec, model_path: str) -> None:
     try:
         EngineConfig.from_kwargs(**engine_kwargs(spec, model_path))
     except ConfigError as exc:
-        key = next((k for k, field in ENGINE_FIELDS.items() if field == exc.field), None)
-        raise SpecError(exc.renamed(f"spec.{key}" if key else exc.name).message) from exc
+        base, dot, sub = exc.field.partition(".")  # a key inside a JSON-valued field keeps its spelling
+        key = next((k for k, field in ENGINE_FIELDS.items() if field == base), None)
+        raise SpecError(exc.renamed(f"spec.{key}{dot}{sub}" if key else exc.name).message) from exc

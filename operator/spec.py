@@ -148,6 +148,9 @@ class PagedLLMSpec:
     preemption_mode: str | None = field(default=None, metadata=_scalar("preemptionMode", str, choices=PREEMPTION_MODES))
     seed: int = field(default=0, metadata=_scalar("seed", int, minimum=0))
     load_format: str = field(default="auto", metadata=_scalar("loadFormat", str, choices=LOAD_FORMATS))
+    speculative_config: Mapping[str, Any] | None = field(
+        default=None, metadata=_nested("speculativeConfig", lambda path, value: dict(_mapping(path, value)))
+    )
     served_model_name: str | None = field(default=None, metadata=_scalar("servedModelName", str))
     api_key_secret: SecretKeyRef | None = field(default=None, metadata=_nested("apiKeySecret", _secret_ref("api-key")))
     image: str | None = field(default=None, metadata=_scalar("image", str))

@@ -196,23 +196,7 @@ class KVEventsConfig:
         """From the JSON text of the flag, a dict of its keys, or an instance; errors name the key at fault."""
         if isinstance(value, KVEventsConfig):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as exc:
-                raise ConfigError(
-                    "kv_events_config", value, f"give a JSON object ({exc.msg})", problem="is not JSON"
-                ) from exc
-        if not isinstance(value, dict):
-            raise ConfigError("kv_events_config", value, "give a JSON object of the fields", problem="is not an object")
-        known = {f.name: f for f in dataclasses.fields(cls)}
-        for key, item in value.items():
-            if key not in known:
-                raise ConfigError(
-                    f"kv_events_config.{key}", item, f"allowed are {sorted(known)}", problem="is an unknown key"
-                )
-            _check_json_type(f"kv_events_config.{key}", item, str(known[key].type))
-        return cls(**value)
+        return cls(**_json_object("kv_events_config", value, cls))
 
 
 def _check_json_type(name: str, value: Any, annotation: str) -> None:
@@ -291,6 +275,67 @@ class CacheConfig:
         return self.kv_events_config is not None and self.kv_events_config.enabled
 
 
+SPEC_METHODS = ("ngram",)
+MAX_SPECULATIVE_TOKENS = 16
+DEFAULT_PROMPT_LOOKUP = 5  # vLLM's n-gram size when neither bound is given
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding, given as vLLM's ``--speculative-config`` JSON.
+
+    ``{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}``
+    proposes the tokens that followed the latest earlier occurrence of the sequence's last
+    n tokens (prompt lookup); the model verifies them all in one step.
+    """
+
+    method: str = "ngram"
+    """How proposals are made: ``ngram`` (prompt lookup)."""
+    num_speculative_tokens: int = 4
+    """Tokens proposed per step (at most 16)."""
+    prompt_lookup_max: int | None = None
+    """Longest n-gram matched (ngram); default: prompt_lookup_min, or 5."""
+    prompt_lookup_min: int | None = None
+    """Shortest n-gram matched (ngram); default: prompt_lookup_max, or 5."""
+
+    def __post_init__(self) -> None:
+        check_choice("speculative_config.method", self.method, SPEC_METHODS)
+        name = "speculative_config.num_speculative_tokens"
+        check_range(name, self.num_speculative_tokens, 1, MAX_SPECULATIVE_TOKENS)
+        low, high = self.prompt_lookup_min, self.prompt_lookup_max
+        if low is None and high is None:
+            low = high = DEFAULT_PROMPT_LOOKUP
+        low, high = (high if low is None else low), (low if high is None else high)
+        object.__setattr__(self, "prompt_lookup_min", low)
+        object.__setattr__(self, "prompt_lookup_max", high)
+        check_range("speculative_config.prompt_lookup_min", low, 1)
+        check_range("speculative_config.prompt_lookup_max", high, low)
+
+    @classmethod
+    def parse(cls, value: str | dict[str, Any] | SpeculativeConfig) -> SpeculativeConfig:
+        """From the JSON text of the flag, a dict of its keys, or an instance; errors name the key at fault."""
+        if isinstance(value, SpeculativeConfig):
+            return value
+        return cls(**_json_object("speculative_config", value, cls))
+
+
+def _json_object(name: str, value: str | dict[str, Any], cls: type) -> dict[str, Any]:
+    """A JSON-valued flag's keys, checked against the fields of ``cls``."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(name, value, f"give a JSON object ({exc.msg})", problem="is not JSON") from exc
+    if not isinstance(value, dict):
+        raise ConfigError(name, value, "give a JSON object of the fields", problem="is not an object")
+    known = {f.name: f for f in dataclasses.fields(cls)}
+    for key, item in value.items():
+        if key not in known:
+            raise ConfigError(f"{name}.{key}", item, f"allowed are {sorted(known)}", problem="is an unknown key")
+        _check_json_type(f"{name}.{key}", item, str(known[key].type))
+    return value
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_num_seqs: int = field(default=256, metadata=_help("Most sequences running in one iteration."))
@@ -308,8 +353,19 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = field(
         default=True, metadata=_help("Split long prompts over several iterations, batched with decodes.")
     )
+    speculative_config: SpeculativeConfig | None = field(
+        default=None,
+        metadata=_help(
+            "Speculative decoding, as vLLM's JSON, e.g. "
+            """{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}"""
+            " (default: off).",
+            flag_type=str,  # NOTE: the text goes to the config, whose errors name the key at fault
+        ),
+    )
 
     def __post_init__(self) -> None:
+        if self.speculative_config is not None:
+            object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
         check_range("max_num_seqs", self.max_num_seqs, 1)
         check_range("max_num_batched_tokens", self.max_num_batched_tokens, 1)
         check_choice("preemption_mode", self.preemption_mode, PREEMPTION_MODES)

@@ -221,16 +221,16 @@ class BlockManager:
 
     def _blocks_to_append(self, seq: Sequence) -> int:
         table = self.tables[seq.seq_id]
-        num_tokens = len(seq.token_ids)
+        num_tokens = seq.num_slot_tokens
         if num_tokens > len(table) * self.block_size:
             return _blocks_for(num_tokens, self.block_size) - len(table)
         last = table[(num_tokens - 1) // self.block_size]
         return 1 if self.gpu.ref_counts[last] > 1 else 0
 
     def append_slots(self, seq: Sequence) -> list[tuple[int, int]]:
-        """Make room for every token of ``seq``; returns copy-on-write (src, dst) pairs."""
+        """Make room for every token of ``seq`` and its proposals; returns copy-on-write (src, dst) pairs."""
         table = self.tables[seq.seq_id]
-        needed = _blocks_for(seq.num_tokens, self.block_size)
+        needed = _blocks_for(seq.num_slot_tokens, self.block_size)
         while len(table) < needed:
             table.append(self._allocate_for(seq))
         # NOTE: only the block the next tokens are written into can be shared and
@@ -267,6 +267,23 @@ class BlockManager:
         if self.gpu.ref_counts[table[(num_tokens - 1) // self.block_size]] == 1:
             return []
         return self.append_slots(seq) if self.gpu.num_free else None
+
+    def release_unused_slots(self, seq: Sequence) -> None:
+        """Free the table's blocks past the sequence's tokens: those that held only rejected proposals.
+
+        NOTE: slots of rejected proposals inside kept blocks hold stale K/V past the computed
+        tokens; attention never reads past a context and the next step overwrites them. Such
+        blocks are never cached: only blocks full of computed (accepted) tokens are hashed.
+        """
+        table = self.tables[seq.seq_id]
+        keep = max(_blocks_for(seq.num_slot_tokens, self.block_size), self._num_freed.get(seq.seq_id, 0))
+        if len(table) <= keep:
+            return
+        assert self.reservation is None, "speculative decoding runs on paging only"
+        for block in reversed(table[keep:]):
+            self.gpu.decref(block)
+        del table[keep:]
+        self._rewritten(seq.seq_id)
 
     def _rewritten(self, seq_id: int) -> None:
         """Record that the table of ``seq_id`` changed other than by appending (see ``table_versions``)."""

@@ -137,6 +137,13 @@ class Scheduler:
         for group, seqs in decodes + prefills:
             if group not in pending:
                 continue  # already preempted this step
+            if (
+                len(seqs) == 1
+                and seqs[0].spec_token_ids
+                and self._take_speculative(group, seqs[0], budget, out, pending)
+            ):
+                del pending[group]
+                continue
             if len(seqs) == 1 and self._take_decode(group, seqs[0], budget, out):
                 del pending[group]
                 continue
@@ -162,6 +169,31 @@ class Scheduler:
         if copies:
             out.blocks_to_copy.extend(copies)
         out.scheduled.append(ScheduledGroup(group, {seq.seq_id: 1}))
+        return True
+
+    def _take_speculative(
+        self, group: SequenceGroup, seq: Sequence, budget: _Budget, out: SchedulerOutput, pending: dict
+    ) -> bool:
+        """A decode with proposals: its token and its proposals in one chunk, verified in one step.
+
+        Proposals are optional: without room in the budget or the cache (less one block for
+        each group still to schedule, so they never cause a preemption) they are dropped and
+        False sends the sequence down the ordinary decode path.
+        """
+        chunk = 1 + len(seq.spec_token_ids)
+        if (
+            len(seq.token_ids) - seq.num_computed_tokens != 1
+            or budget.seqs >= budget.max_seqs
+            or budget.tokens + chunk > budget.max_tokens
+            or self.block_manager.blocks_to_append([seq]) + len(pending) - 1 > self.block_manager.num_available
+        ):
+            seq.spec_token_ids = []
+            return False
+        copies = self.block_manager.append_slots(seq)
+        budget.tokens += chunk
+        budget.seqs += 1
+        out.blocks_to_copy.extend(copies)
+        out.scheduled.append(ScheduledGroup(group, {seq.seq_id: chunk}))
         return True
 
     def _make_room(self, group: SequenceGroup, seqs: list[Sequence], pending: dict, out: SchedulerOutput) -> bool:
@@ -206,6 +238,8 @@ class Scheduler:
 
     def _preempt(self, group: SequenceGroup, out: SchedulerOutput) -> None:
         self.running.remove(group)
+        for seq in group.seqs:
+            seq.spec_token_ids = []  # NOTE: proposals hold slots only in the step that verifies them
         self.num_preemptions += 1
         out.preempted.append(group)
         mode = self.config.preemption_mode or ("swap" if group.is_multi_seq else "recompute")
@@ -287,7 +321,9 @@ class Scheduler:
             for seq in item.group.seqs:
                 chunk = item.chunks.get(seq.seq_id)
                 if chunk:
-                    seq.num_computed_tokens += chunk
+                    # NOTE: a chunk with proposals computes one real token; the accepted proposals
+                    # are counted when the step's results are applied (SpecDecoder.apply).
+                    seq.num_computed_tokens += min(chunk, len(seq.token_ids) - seq.num_computed_tokens)
                     self.block_manager.mark_computed(seq)
 
 

@@ -56,6 +56,11 @@ class Sequence:
     stop_reason: StopReason = None
     cache_salt: str | None = None
     """Prefix-cache blocks are shared only between sequences with the same salt (one per tenant)."""
+    spec_token_ids: list[int] = field(default_factory=list)
+    """Proposed next tokens the coming step verifies (speculative decoding); empty otherwise.
+
+    NOTE: never part of ``token_ids``: they hold cache slots only for the step that checks
+    them, and only the accepted ones are appended (and ever counted as computed or hashed)."""
     # Incremental detokenization offsets into ``token_ids``.
     prefix_offset: int = 0
     read_offset: int = 0
@@ -82,6 +87,11 @@ class Sequence:
     @property
     def num_uncomputed_tokens(self) -> int:
         return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def num_slot_tokens(self) -> int:
+        """Positions that need cache slots: the tokens plus the proposals being verified."""
+        return len(self._token_ids) + len(self.spec_token_ids)
 
     @property
     def is_prefill(self) -> bool:
@@ -111,6 +121,7 @@ class Sequence:
         """Preempted by recomputation: the KV cache is dropped, all tokens are recomputed."""
         self.num_computed_tokens = 0
         self.status = SequenceStatus.WAITING
+        self.spec_token_ids = []
 
     def fork(self, seq_id: int) -> Sequence:
         child = Sequence(

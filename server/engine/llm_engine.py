@@ -35,6 +35,7 @@ from pagedllm.server.engine.input_processor import InputProcessor, PromptType
 from pagedllm.server.engine.model_info import ModelInfo, load_tokenizer, read_model_info
 from pagedllm.server.engine.output_processor import OutputProcessor
 from pagedllm.server.engine.sampler import Sampler
+from pagedllm.server.engine.spec_decode.spec_decoder import SpecDecoder, SpecDecodeStats
 from pagedllm.server.engine.step_results import RequestState, StepResults
 from pagedllm.server.engine.structured_output import StructuredOutputs
 from pagedllm.server.outputs import EngineOutput
@@ -74,6 +75,8 @@ class EngineStats:
     """Blocks released because they fell out of every layer's sliding window."""
     kv_event_batches_dropped: int = 0
     """KV event batches the publisher dropped because its queue was full (0 when events are off)."""
+    spec_decode: SpecDecodeStats | None = None
+    """Speculative decoding's proposals and acceptances since start (None when it is off)."""
 
 
 class EngineClosedError(RuntimeError):
@@ -135,6 +138,7 @@ class LLMEngine:
         self._num_steps = 0
         self.step_failures = StepFailureWindow()
         beam_search = BeamSearch(self.block_manager, self.output_processor, self._next_seq_id)
+        self.spec_decoder = self._spec_decoder(config)
         self.step_results = StepResults(
             self.sampler,
             self.output_processor,
@@ -144,7 +148,22 @@ class LLMEngine:
             self._next_seq_id,
             StructuredOutputs(self.tokenizer, info.vocab_size, info.eos_token_ids),
             FaultInjector.from_env(),
+            self.spec_decoder,
         )
+
+    def _spec_decoder(self, config: EngineConfig) -> SpecDecoder | None:
+        spec = config.scheduler.speculative_config
+        if spec is None:
+            return None
+        if config.cache.kv_reservation != "paged":
+            raise ConfigError(
+                "speculative_config",
+                spec,
+                "use kv_reservation='paged' with speculative decoding",
+                problem=f"is not supported with kv_reservation={config.cache.kv_reservation!r}",
+                subject="{name}",
+            )
+        return SpecDecoder(spec, self.sampler, self.output_processor, self.block_manager, self._requests)
 
     @property
     def faults(self) -> FaultInjector | None:
@@ -270,6 +289,8 @@ class LLMEngine:
         bookkeeping no longer adds up or steps keep failing (:class:`EngineFatalError`).
         """
         self._check_open()
+        if self.spec_decoder is not None:
+            self.spec_decoder.propose(self.scheduler.running, self.max_model_len)
         out = self.scheduler.schedule()
         touched = {id(g): g for g in out.ignored}
         failed: dict[str, str] = {}
@@ -389,6 +410,8 @@ class LLMEngine:
             f"max model len    {self.max_model_len} tokens, max {config.scheduler.max_num_seqs} sequences"
             f" and {config.scheduler.token_budget} tokens per step",
         ]
+        if self.spec_decoder is not None:
+            lines.append(f"speculative      {self.spec_decoder.describe()}")
         if host is not None:
             lines.append(f"serving          http://{host}:{port}/v1 (docs at /docs)")
         return "ready\n  " + "\n  ".join(lines)
@@ -436,6 +459,7 @@ class LLMEngine:
             num_copy_on_writes=bm.num_copy_on_writes,
             num_window_frees=bm.num_window_frees,
             kv_event_batches_dropped=self.kv_event_publisher.num_dropped if self.kv_event_publisher else 0,
+            spec_decode=self.spec_decoder.stats.snapshot() if self.spec_decoder else None,
         )
 
 

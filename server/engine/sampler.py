@@ -80,6 +80,14 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, requests: list[SampleRequest]) -> list[Sample]:
         # logits: [num_rows, vocab] float32
+        raw_logprobs, logits = self.process(logits, requests)
+        sampled = self._sample(logits, requests)
+        return self._results(raw_logprobs, sampled, requests)
+
+    @staticmethod
+    def process(logits: torch.Tensor, requests: list[SampleRequest]) -> tuple[dict[int, torch.Tensor], torch.Tensor]:
+        """The model's log-probabilities (row -> [vocab], for the rows that need them) and the logits
+        after penalties, ``min_tokens``, bias and grammar."""
         logits = logits.float().cpu()
         wanted = [i for i, req in enumerate(requests) if _needs_logprobs(req)]
         raw_logprobs = _log_softmax_rows(logits, wanted)
@@ -90,8 +98,7 @@ class Sampler:
                 _apply_penalties(logits[i], requests[i])
                 _block_early_stop(logits[i], requests[i])
                 _apply_bias_and_mask(logits[i], requests[i])
-        sampled = self._sample(logits, requests)
-        return self._results(raw_logprobs, sampled, requests)
+        return raw_logprobs, logits
 
     def _sample(self, logits: torch.Tensor, requests: list[SampleRequest]) -> list[list[int]]:
         greedy = [i for i, r in enumerate(requests) if r.params.greedy]
@@ -103,7 +110,7 @@ class Sampler:
         random_rows = [i for i, r in enumerate(requests) if not r.params.greedy]
         if random_rows:
             rows = logits if len(random_rows) == len(requests) else logits[random_rows]
-            probs = _filtered_probs(rows, [requests[i].params for i in random_rows])
+            probs = filtered_probs(rows, [requests[i].params for i in random_rows])
             for row, i in enumerate(random_rows):
                 req = requests[i]
                 draw = torch.multinomial(
@@ -216,7 +223,7 @@ def _block_early_stop(logits: torch.Tensor, req: SampleRequest) -> None:
     logits[index] = float("-inf")
 
 
-def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """Temperature, then top-k, top-p and min-p masks, as probabilities. logits: [rows, vocab]."""
     temperature = torch.tensor([p.temperature for p in params]).unsqueeze(1)
     logits = logits / temperature

@@ -21,6 +21,7 @@ from pagedllm.server.engine.beam_search import BeamSearch, BeamState
 from pagedllm.server.engine.faults import FaultInjector
 from pagedllm.server.engine.output_processor import OutputProcessor
 from pagedllm.server.engine.sampler import Sample, Sampler, SampleRequest, TokenCounts, top_logprobs
+from pagedllm.server.engine.spec_decode.spec_decoder import SpecDecoder
 from pagedllm.server.engine.structured_output import StructuredOutputs
 from pagedllm.server.worker.step_inputs import PoolRow, SampleRow, StepResult
 
@@ -67,7 +68,10 @@ class StepResults:
         new_seq_id: Callable[[], int],
         structured: StructuredOutputs,
         faults: FaultInjector | None = None,
+        spec: SpecDecoder | None = None,
     ) -> None:
+        self.spec = spec
+        """Speculative decoding's acceptance of verified proposals (None: off)."""
         self.structured = structured
         self.sampler = sampler
         self.output_processor = output_processor
@@ -81,6 +85,7 @@ class StepResults:
         """Record prompt logprobs, append sampled tokens and pool embeddings; failures go to ``failed``."""
         self._record_prompt_logprobs(result, failed)
         self._samples(result, failed)
+        self._verified(result, failed)
         self._pool(result, failed)
 
     def _fail(self, failed: dict[str, str], group: SequenceGroup, stage: str, error: Exception) -> None:
@@ -120,6 +125,35 @@ class StepResults:
                 self.beam_search.step(state.group, state.beam, [rows[i].seq for i in indices], result.logits[indices])
             except Exception as exc:
                 self._fail(failed, state.group, "beam search", exc)
+
+    def _verified(self, result: StepResult, failed: dict[str, str]) -> None:
+        """Rows that verified proposals: accepted tokens appended (their logits follow the sample rows')."""
+        rows = [row for row in result.inputs.spec_rows if row.group.request_id not in failed]
+        if not rows:
+            return
+        assert self.spec is not None
+        logits = result.logits[len(result.inputs.sample_rows) :]
+        if len(rows) < len(result.inputs.spec_rows):
+            keep = {id(row) for row in rows}
+            index: list[int] = []
+            start = 0
+            for row in result.inputs.spec_rows:
+                end = start + len(row.draft_token_ids) + 1
+                if id(row) in keep:
+                    index.extend(range(start, end))
+                start = end
+            logits = logits[index]
+        try:
+            verdicts = self.spec.verify(rows, logits)
+        except Exception as exc:
+            for row in rows:
+                self._fail(failed, row.group, "speculative verification", exc)
+            return
+        for row, (emitted, logprobs) in zip(rows, verdicts):
+            try:
+                self.spec.apply(row, emitted, logprobs)
+            except Exception as exc:
+                self._fail(failed, row.group, "output processing", exc)
 
     def _sample(
         self, logits: torch.Tensor, rows: list[SampleRow], indices: list[int], failed: dict[str, str]

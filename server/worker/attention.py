@@ -6,6 +6,10 @@ The step's tokens are laid out decodes first, then prefill chunks::
     decode:   q[:3]  -> paged_decode_attention     p = new tokens of a prompt chunk
     prefill:  q[3:]  -> paged_prefill_attention (cu_seqlens_q = [0, 4, 6])
 
+A sequence verifying k proposed tokens (speculative decoding) sits in the decode part as
+1 + k rows over the same block table with context lengths ``c + 1 .. c + 1 + k``: causal
+attention within its chunk, on every backend's decode kernel.
+
 Every new token's K/V is written into the cache first (``reshape_and_cache``), so both
 kinds of attention can read all keys, old and new, through the block tables. The Triton
 backend does exactly that; the torch backend (cpu_attention.py) plans the step once

@@ -40,6 +40,16 @@ class PoolRow:
 
 
 @dataclass
+class SpecRow:
+    """A sequence verifying proposals: its logits are ``1 + len(draft_token_ids)`` rows, one per
+    position from its newest token on (speculative decoding)."""
+
+    group: SequenceGroup
+    seq: Sequence
+    draft_token_ids: list[int]
+
+
+@dataclass
 class StepInputs:
     input_ids: torch.Tensor  # [num_tokens] int64
     positions: torch.Tensor  # [num_tokens] int64
@@ -50,6 +60,8 @@ class StepInputs:
     prompt_index: torch.Tensor  # [sum of their positions] token indices whose logits score the prompt
     pool_rows: list[PoolRow] = field(default_factory=list)  # embedding requests' positions pooled this step
     pool_index: torch.Tensor | None = None  # [sum of their num] token indices pooled, row after row
+    spec_rows: list[SpecRow] = field(default_factory=list)
+    """Sequences verifying proposals; their logits rows follow the sample rows' in ``sample_index``."""
 
 
 @dataclass
@@ -132,7 +144,7 @@ def _tensor(value: Any) -> Any:
 @dataclass
 class StepResult:
     inputs: StepInputs
-    logits: torch.Tensor  # [len(inputs.sample_rows), vocab] float32
+    logits: torch.Tensor  # [len(inputs.sample_rows) + the spec rows' positions, vocab] float32
     prompt_logits: torch.Tensor | None  # [len(inputs.prompt_index), vocab] float32
     pooled: torch.Tensor | None = None  # [len(inputs.pool_rows), hidden] float32 sums, on the CPU
 
@@ -141,31 +153,40 @@ Entry = tuple[SequenceGroup, Sequence, int]
 """A sequence in the step and how many new tokens it computes."""
 
 
-def split_step(out: SchedulerOutput) -> tuple[list[Entry], list[Entry]]:
-    """The step's single-token sequences and its longer chunks, each in scheduled order."""
+def split_step(out: SchedulerOutput) -> tuple[list[Entry], list[Entry], list[Entry]]:
+    """The step's single-token sequences, its sequences verifying proposals and its longer chunks,
+    each in scheduled order."""
     decodes: list[Entry] = []
+    verifies: list[Entry] = []
     prefills: list[Entry] = []
     for item in out.scheduled:
         for seq in item.group.seqs:
             chunk = item.chunks.get(seq.seq_id)
-            if chunk:
-                (decodes if chunk == 1 else prefills).append((item.group, seq, chunk))
-    return decodes, prefills
+            if not chunk:
+                continue
+            if chunk == 1:
+                decodes.append((item.group, seq, chunk))
+            elif seq.num_computed_tokens + chunk > len(seq.token_ids):
+                verifies.append((item.group, seq, chunk))
+            else:
+                prefills.append((item.group, seq, chunk))
+    return decodes, verifies, prefills
 
 
 def prepare_inputs(
     out: SchedulerOutput, block_tables: dict[int, list[int]], block_size: int, device: torch.device
 ) -> StepInputs:
-    """Flatten the step from Python lists: decodes first, then prefill chunks (see attention.py).
+    """Flatten the step from Python lists: decodes first, then verifications, then prefill chunks.
 
     The engine keeps decodes in an :class:`~pagedllm.server.worker.input_batch.InputBatch`
     (:func:`prepare_batched_inputs`); this builder is the reference it is tested against.
     """
-    decodes, prefills = split_step(out)
+    decodes, verifies, prefills = split_step(out)
+    entries = decodes + verifies + prefills
     tokens = _Tokens()
-    tokens.add(decodes + prefills, block_tables, block_size)
-    meta = _metadata(decodes, prefills, block_tables, tokens.slots, device)
-    return _step_inputs(decodes + prefills, tokens.ids, tokens.positions, meta, device)
+    tokens.add(entries, block_tables, block_size)
+    meta = _metadata(decodes + verifies, prefills, block_tables, tokens.slots, device)
+    return _step_inputs(entries, tokens.ids, tokens.positions, meta, device)
 
 
 def prepare_batched_inputs(
@@ -176,26 +197,31 @@ def prepare_batched_inputs(
     device: torch.device,
 ) -> StepInputs:
     """The same step as :func:`prepare_inputs`, its decodes taken from the persistent ``batch``."""
-    decodes, prefills = split_step(out)
+    decodes, verifies, prefills = split_step(out)
     rows = batch.prepare([seq for _, seq, _ in decodes], block_tables, table_versions)
     ids, positions, slots = rows.input_ids, rows.positions, rows.slot_mapping
-    if prefills:
+    decode_tables, decode_lens = rows.block_tables, rows.context_lens
+    if verifies or prefills:
         tokens = _Tokens()
-        tokens.add(prefills, block_tables, batch.block_size)
+        tokens.add(verifies + prefills, block_tables, batch.block_size)
         ids = np.concatenate((ids, np.array(tokens.ids, dtype=np.int64)))
         positions = np.concatenate((positions, np.array(tokens.positions, dtype=np.int64)))
         slots = np.concatenate((slots, np.array(tokens.slots, dtype=np.int64)))
+    if verifies:
+        decode_tables = _stack(decode_tables, _tables(verifies, block_tables, torch.device("cpu")))
+        decode_lens = torch.cat((decode_lens, _context_lens(verifies, torch.device("cpu"))))
     meta = AttentionMetadata(
         slot_mapping=torch.from_numpy(slots).to(device),
-        num_decode_tokens=len(decodes),
-        decode_block_tables=rows.block_tables.to(device),
-        decode_context_lens=rows.context_lens.to(device),
+        num_decode_tokens=decode_lens.numel(),
+        decode_block_tables=decode_tables.to(device),
+        decode_context_lens=decode_lens.to(device),
         prefill_block_tables=_tables(prefills, block_tables, device),
         prefill_cu_seqlens_q=_cu_seqlens(prefills, device),
         prefill_context_lens=_context_lens(prefills, device),
     )
-    if prefills or not _plain_decodes(decodes, rows):
-        return _step_inputs(decodes + prefills, torch.from_numpy(ids), torch.from_numpy(positions), meta, device)
+    if verifies or prefills or not _plain_decodes(decodes, rows):
+        entries = decodes + verifies + prefills
+        return _step_inputs(entries, torch.from_numpy(ids), torch.from_numpy(positions), meta, device)
     return StepInputs(  # every row samples its one token and none scores its prompt: the usual step
         input_ids=torch.from_numpy(ids).to(device),
         positions=torch.from_numpy(positions).to(device),
@@ -205,6 +231,15 @@ def prepare_batched_inputs(
         prompt_rows=[],
         prompt_index=torch.zeros(0, dtype=torch.int64, device=device),
     )
+
+
+def _stack(first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
+    """Block-table rows of ``first`` then ``second``, zero-padded to the wider (int32)."""
+    width = max(first.shape[1], second.shape[1])
+    out = torch.zeros((first.shape[0] + second.shape[0], width), dtype=torch.int32)
+    out[: first.shape[0], : first.shape[1]] = first
+    out[first.shape[0] :, : second.shape[1]] = second
+    return out
 
 
 def _plain_decodes(decodes: list[Entry], rows: DecodeInputs) -> bool:
@@ -228,7 +263,10 @@ class _Tokens:
         for _, seq, chunk in entries:
             start = seq.num_computed_tokens
             table = block_tables[seq.seq_id]
-            self.ids.extend(seq.token_ids[start : start + chunk])
+            ids = seq.token_ids[start : start + chunk]
+            if len(ids) < chunk:  # NOTE: proposals being verified follow the newest token
+                ids = ids + seq.spec_token_ids[: chunk - len(ids)]
+            self.ids.extend(ids)
             self.positions.extend(range(start, start + chunk))
             self.slots.extend(table[p // block_size] * block_size + p % block_size for p in range(start, start + chunk))
 
@@ -243,6 +281,8 @@ def _step_inputs(
     prompt_index: list[int] = []
     pool_rows: list[PoolRow] = []
     pool_index: list[int] = []
+    spec_rows: list[SpecRow] = []
+    spec_index: list[int] = []
     offset = 0
     for group, seq, chunk in entries:
         start = seq.num_computed_tokens
@@ -254,6 +294,10 @@ def _step_inputs(
         elif start + chunk == len(seq):
             sample_rows.append(SampleRow(group, seq))
             sample_index.append(offset + chunk - 1)
+        elif start + chunk > len(seq):
+            drafts = list(seq.spec_token_ids)
+            spec_rows.append(SpecRow(group, seq, drafts))
+            spec_index.extend(range(offset + chunk - 1 - len(drafts), offset + chunk))
         if group.sampling_params.prompt_logprobs is not None and start < len(seq.prompt_token_ids):
             scored = [p for p in range(start, start + chunk) if p + 1 < len(seq.prompt_token_ids)]
             prompt_rows.append(SampleRow(group, seq, [p + 1 for p in scored]))
@@ -264,11 +308,12 @@ def _step_inputs(
         positions=torch.as_tensor(positions, dtype=torch.int64, device=device),
         meta=meta,
         sample_rows=sample_rows,
-        sample_index=torch.from_numpy(np.array(sample_index, dtype=np.int64)).to(device),
+        sample_index=torch.from_numpy(np.array(sample_index + spec_index, dtype=np.int64)).to(device),
         prompt_rows=prompt_rows,
         prompt_index=torch.from_numpy(np.array(prompt_index, dtype=np.int64)).to(device),
         pool_rows=pool_rows,
         pool_index=torch.from_numpy(np.array(pool_index, dtype=np.int64)).to(device) if pool_rows else None,
+        spec_rows=spec_rows,
     )
 
 
@@ -281,11 +326,12 @@ def _pool_row(group: SequenceGroup, seq: Sequence, start: int, chunk: int) -> Po
 
 
 def _metadata(decodes, prefills, block_tables, slots, device: torch.device) -> AttentionMetadata:
+    decode_lens = _context_lens(decodes, device)
     return AttentionMetadata(
         slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-        num_decode_tokens=len(decodes),
+        num_decode_tokens=decode_lens.numel(),
         decode_block_tables=_tables(decodes, block_tables, device),
-        decode_context_lens=_context_lens(decodes, device),
+        decode_context_lens=decode_lens,
         prefill_block_tables=_tables(prefills, block_tables, device),
         prefill_cu_seqlens_q=_cu_seqlens(prefills, device),
         prefill_context_lens=_context_lens(prefills, device),
@@ -293,17 +339,37 @@ def _metadata(decodes, prefills, block_tables, slots, device: torch.device) -> A
 
 
 def _tables(entries: list[Entry], block_tables: Mapping[int, list[int]], device: torch.device) -> torch.Tensor:
+    """One row per token of a verification (see :func:`_context_lens`), one per chunk otherwise."""
     if not entries:
         return torch.zeros((0, 0), dtype=torch.int32, device=device)
-    rows = [block_tables[seq.seq_id] for _, seq, _ in entries]
+    rows = [block_tables[seq.seq_id] for _, seq, chunk in entries for _ in range(_decode_rows(seq, chunk))]
     width = max((len(r) for r in rows), default=0)
     padded = [r + [0] * (width - len(r)) for r in rows]
     return torch.tensor(padded, dtype=torch.int32, device=device).view(len(rows), width)
 
 
 def _context_lens(entries: list[Entry], device: torch.device) -> torch.Tensor:
-    lens = [seq.num_computed_tokens + chunk for _, seq, chunk in entries]
+    """Each chunk's context including its new tokens; a verification's tokens each as a decode of its own.
+
+    NOTE: a sequence verifying k proposals attends as 1 + k decodes over the same block table,
+    the i-th seeing ``num_computed + i + 1`` positions: causal attention within the chunk, on the
+    decode kernels, in the batch with the step's other decodes::
+
+        computed 0..9, chunk [t d0 d1] at 10..12   ->   decode rows: len 11, len 12, len 13
+    """
+    lens = []
+    for _, seq, chunk in entries:
+        start = seq.num_computed_tokens
+        if _decode_rows(seq, chunk) == 1:
+            lens.append(start + chunk)
+        else:
+            lens.extend(range(start + 1, start + chunk + 1))
     return torch.from_numpy(np.array(lens, dtype=np.int32)).to(device)
+
+
+def _decode_rows(seq: Sequence, chunk: int) -> int:
+    """Attention rows of a scheduled chunk: one per token when it verifies proposals, else one."""
+    return chunk if seq.num_computed_tokens + chunk > len(seq.token_ids) else 1
 
 
 def _cu_seqlens(prefills: list[Entry], device: torch.device) -> torch.Tensor:

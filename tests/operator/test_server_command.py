@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 
 import pytest
 from resource_factories import CONFIG, body
@@ -26,7 +27,7 @@ from pagedllm.operator.command import (
 from pagedllm.operator.manifests import render
 from pagedllm.operator.spec import LOG_LEVELS, PagedLLMSpec, SpecError
 from pagedllm.server.args import engine_kwargs, flag_for
-from pagedllm.server.config import EngineConfig
+from pagedllm.server.config import EngineConfig, SpeculativeConfig
 from pagedllm.server.entrypoints import serve
 from pagedllm.server.entrypoints.cli import build_parser
 
@@ -227,3 +228,23 @@ def test_the_server_refuses_abbreviations(capsys):
             assert "unrecognized arguments" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serv"])  # the subcommand's own name is not abbreviated either
+
+
+def test_speculative_config_passes_through_as_its_json_flag():
+    value = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}
+    args = server_args(PagedLLMSpec.from_dict({"model": "m", "speculativeConfig": value}), "/m")
+    assert args[args.index("--speculative-config") + 1] == json.dumps(value, sort_keys=True)
+    config = EngineConfig.from_kwargs(**engine_kwargs(run_as_container(args)))
+    assert config.scheduler.speculative_config == SpeculativeConfig(
+        "ngram", 3, prompt_lookup_max=4, prompt_lookup_min=4
+    )
+    assert "--speculative-config" not in server_args(PagedLLMSpec.from_dict({"model": "m"}), "/m")
+
+
+def test_a_bad_speculative_config_is_refused_under_its_spec_path():
+    spec = PagedLLMSpec.from_dict(
+        {"model": "m", "speculativeConfig": {"method": "ngram", "num_speculative_tokens": 99}}
+    )
+    with pytest.raises(SpecError) as info:
+        check_engine(spec, "/m")
+    assert str(info.value).startswith("spec.speculativeConfig.num_speculative_tokens=99 is out of range")

@@ -7,7 +7,14 @@ import argparse
 import pytest
 
 from pagedllm.server.args import add_engine_args, engine_config_from_args
-from pagedllm.server.config import ConfigError, EngineConfig, KVEventsConfig, SchedulerConfig, choose_token_budget
+from pagedllm.server.config import (
+    ConfigError,
+    EngineConfig,
+    KVEventsConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+    choose_token_budget,
+)
 
 
 def test_cpu_default_is_512():
@@ -127,3 +134,52 @@ def test_kv_events_need_prefix_caching():
         parse_flags("--no-enable-prefix-caching", "--kv-events-config", '{"enable_kv_cache_events": true}')
     assert info.value.field == "kv_events_config" and "needs prefix caching" in str(info.value)
     parse_flags("--no-enable-prefix-caching", "--kv-events-config", '{"enable_kv_cache_events": false}')
+
+
+# -- --speculative-config --------------------------------------------------------------------------------
+def test_speculation_is_off_unless_asked_and_takes_vllms_json():
+    assert parse_flags().scheduler.speculative_config is None
+    config = parse_flags(
+        "--speculative-config",
+        '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2}',
+    ).scheduler.speculative_config
+    assert config == SpeculativeConfig("ngram", 3, prompt_lookup_max=4, prompt_lookup_min=2)
+    as_kwarg = EngineConfig.from_kwargs(speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    assert as_kwarg.scheduler.speculative_config == SpeculativeConfig(num_speculative_tokens=3)
+
+
+@pytest.mark.parametrize(
+    "given, low, high",
+    [
+        ({}, 5, 5),
+        ({"prompt_lookup_max": 3}, 3, 3),
+        ({"prompt_lookup_min": 2}, 2, 2),
+        ({"prompt_lookup_min": 1, "prompt_lookup_max": 4}, 1, 4),
+    ],
+)
+def test_an_unset_lookup_bound_follows_the_other_as_in_vllm(given, low, high):
+    config = SpeculativeConfig.parse({"method": "ngram", **given})
+    assert (config.prompt_lookup_min, config.prompt_lookup_max) == (low, high)
+
+
+@pytest.mark.parametrize(
+    "text, flag, words",
+    [
+        ("{", "--speculative-config", "is not JSON"),
+        ('"ngram"', "--speculative-config", "is not an object"),
+        ('{"method": "eagle"}', "--speculative-config.method='eagle' is not allowed", "choose one of ['ngram']"),
+        ('{"num_speculative_tokens": 0}', "--speculative-config.num_speculative_tokens=0", "must be >= 1 and <= 16"),
+        ('{"num_speculative_tokens": "4"}', "--speculative-config.num_speculative_tokens", "must be of type int"),
+        (
+            '{"prompt_lookup_min": 4, "prompt_lookup_max": 2}',
+            "--speculative-config.prompt_lookup_max=2",
+            "must be >= 4",
+        ),
+        ('{"prompt_lookup_min": 0}', "--speculative-config.prompt_lookup_min=0", "must be >= 1"),
+        ('{"k": 4}', "--speculative-config.k", "allowed are ['method', 'num_speculative_tokens'"),
+    ],
+)
+def test_a_bad_speculative_value_is_refused_under_the_flag_and_key(text, flag, words):
+    with pytest.raises(ConfigError) as info:
+        parse_flags("--speculative-config", text)
+    assert str(info.value).startswith(flag) and words in str(info.value)

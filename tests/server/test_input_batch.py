@@ -38,6 +38,9 @@ def assert_same_step(ours: StepInputs, expected: StepInputs) -> None:
     assert [(r.group, r.seq, r.prompt_positions) for r in ours.sample_rows] == [
         (r.group, r.seq, r.prompt_positions) for r in expected.sample_rows
     ]
+    assert [(r.group, r.seq, r.draft_token_ids) for r in ours.spec_rows] == [
+        (r.group, r.seq, r.draft_token_ids) for r in expected.spec_rows
+    ]
     assert [(r.group, r.seq, r.prompt_positions) for r in ours.prompt_rows] == [
         (r.group, r.seq, r.prompt_positions) for r in expected.prompt_rows
     ]
@@ -59,6 +62,7 @@ class Driver:
         self.next_seq = 0
         self.next_request = 0
         self.events: Counter[str] = Counter()
+        self.speculate = False
 
     def _seq_id(self) -> int:
         self.next_seq += 1
@@ -80,7 +84,31 @@ class Driver:
         self.next_request += 1
         self.sched.add(group)
 
+    def _propose(self) -> None:
+        """Random proposals for lone decoding sequences (speculative decoding), as the engine makes them."""
+        for group in self.sched.running:
+            seq = group.seqs[0]
+            if len(group.seqs) == 1 and len(seq) - seq.num_computed_tokens == 1 and self.rng.random() < 0.5:
+                seq.spec_token_ids = [self.rng.randrange(100) for _ in range(self.rng.randint(1, 4))]
+
+    def _verified(self, rows) -> None:
+        """Accept a random number of each row's proposals and settle, as SpecDecoder.apply does."""
+        for row in rows:
+            seq, drafts = row.seq, row.draft_token_ids
+            accepted = self.rng.randint(0, len(drafts))
+            for token in drafts[:accepted] + [self.rng.randrange(100)]:
+                seq.append_token(token, 0.0, None)
+            seq.spec_token_ids = []
+            seq.num_computed_tokens += accepted
+            self.bm.mark_computed(seq)
+            self.bm.release_unused_slots(seq)
+            self.events["verified"] += 1
+            if len(seq) >= self.max_len:
+                seq.status = SequenceStatus.FINISHED_STOPPED
+
     def step(self) -> SchedulerOutput:
+        if self.speculate:
+            self._propose()
         out = self.sched.schedule()
         self.events.update(
             preempted=len(out.preempted),
@@ -94,6 +122,7 @@ class Driver:
         self.events["decodes"] += ours.meta.num_decode_tokens
         self.events["prefills"] += ours.meta.num_prefills
         self.sched.mark_computed(out)
+        self._verified(expected.spec_rows)
         for row in expected.sample_rows:
             if row.seq.status is SequenceStatus.RUNNING and row.seq in row.group.seqs:
                 self._sampled(row.group, row.seq)
@@ -159,8 +188,10 @@ class Driver:
         (6, 24, False, dict(max_num_seqs=8, max_num_batched_tokens=32, window=3)),
     ],
 )
-def test_persistent_batch_equals_the_list_builder(seed, num_blocks, caching, config):
+@pytest.mark.parametrize("speculate", [False, True])
+def test_persistent_batch_equals_the_list_builder(seed, num_blocks, caching, config, speculate):
     driver = Driver(seed, num_blocks, block_size=4, caching=caching, max_len=48, **config)
+    driver.speculate = speculate
     for _ in range(400):
         if driver.rng.random() < 0.3 or not driver.sched.has_unfinished():
             for _ in range(driver.rng.randint(1, 3)):
@@ -178,6 +209,7 @@ def test_persistent_batch_equals_the_list_builder(seed, num_blocks, caching, con
         assert driver.bm.prefix_cache_hits, events
     if "window" in config:
         assert driver.bm.num_window_frees > 100, driver.bm.num_window_frees
+    assert bool(events["verified"]) is speculate, events
 
 
 def test_rows_follow_the_step_order_and_only_new_blocks_are_written():

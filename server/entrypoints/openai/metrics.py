@@ -237,6 +237,7 @@ class EngineStatsCollector(Collector):
             counter = CounterMetricFamily(f"pagedllm:{name}", doc, labels=labels)
             counter.add_metric(values, value)
             yield counter
+        yield from self._spec_decode(stats)
         yield self._cache_config_info(stats, "pagedllm:cache_config_info")
         yield self._cache_config_info(stats, "vllm:cache_config_info")  # NOTE: prefix-aware routing reads it
 
@@ -253,6 +254,29 @@ class EngineStatsCollector(Collector):
             gauge = GaugeMetricFamily(f"vllm:{name}", doc, labels=["model_name"])
             gauge.add_metric([self.model_name], value)
             yield gauge
+
+    def _spec_decode(self, stats: EngineStats) -> Iterator:
+        """Speculative decoding's counters under vLLM's names (and ours); nothing when it is off."""
+        spec = stats.spec_decode
+        if spec is None:
+            return
+        for prefix in ("vllm", "pagedllm"):
+            for name, doc, value in (
+                ("spec_decode_num_drafts", "Proposals verified (one per sequence per step).", spec.num_drafts),
+                ("spec_decode_num_draft_tokens", "Proposed tokens verified.", spec.num_draft_tokens),
+                ("spec_decode_num_accepted_tokens", "Proposed tokens accepted.", spec.num_accepted_tokens),
+            ):
+                counter = CounterMetricFamily(f"{prefix}:{name}", doc, labels=["model_name"])
+                counter.add_metric([self.model_name], value)
+                yield counter
+            per_pos = CounterMetricFamily(
+                f"{prefix}:spec_decode_num_accepted_tokens_per_pos",
+                "Proposed tokens accepted, by their position among the proposals (0 first).",
+                labels=["model_name", "position"],
+            )
+            for position, value in enumerate(spec.accepted_per_pos):
+                per_pos.add_metric([self.model_name, str(position)], value)
+            yield per_pos
 
     def _cache_config_info(self, stats: EngineStats, name: str) -> GaugeMetricFamily:
         cache = self.config.cache

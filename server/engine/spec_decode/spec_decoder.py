@@ -1,0 +1,218 @@
+"""The engine's side of speculative decoding: proposals before a step, acceptance after it.
+
+Before each step :meth:`SpecDecoder.propose` gives each eligible decoding sequence up to
+k proposed tokens (``Sequence.spec_token_ids``); the scheduler gives such a sequence one
+chunk of ``1 + k`` tokens, with cache slots, or drops its proposals when there is no room.
+After the step :meth:`SpecDecoder.apply` reads the ``1 + k`` logits rows of each, appends
+the accepted proposals and one more token, counts the accepted proposals as computed
+(their K/V was written by the step, in the right context) and asks the block manager to
+free the blocks that held only rejected ones::
+
+    before:  tokens ... t | proposals d0 d1 d2      table: [.. B7 B9]   (B9 for d1, d2)
+    verify:  target accepts d0, emits x             tokens ... t d0 x, computed ... t d0
+    after:   table [.. B7]  (B9 freed: x lands in B7; stale slots past it are overwritten)
+
+Adaptive, per sequence: proposals are as long as the last ones proved useful (the accepted
+ones plus one; doubled, up to k, when all were accepted), since every verified token costs
+compute; and a sequence whose proposals keep being rejected outright pauses proposing for
+1, 2, 4 ... up to ``MAX_PAUSE`` steps, so a workload with nothing to copy costs nearly
+nothing. One accepted proposal resumes proposing at every step.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from pagedllm.server.config import SpeculativeConfig
+from pagedllm.server.core.block_manager import BlockManager
+from pagedllm.server.core.sequence import Sequence, SequenceGroup, SequenceStatus
+from pagedllm.server.engine.output_processor import OutputProcessor
+from pagedllm.server.engine.sampler import Sampler, SampleRequest, filtered_probs, top_logprobs
+from pagedllm.server.engine.spec_decode.ngram_proposer import NgramIndex
+from pagedllm.server.engine.spec_decode.rejection_sampler import greedy_accept, sample_accept
+from pagedllm.server.worker.step_inputs import SpecRow
+
+MAX_PAUSE = 64
+"""The most steps a sequence whose proposals keep failing goes without proposing."""
+
+
+@dataclass
+class SpecDecodeStats:
+    """Counters since start, named as vLLM's ``spec_decode_*`` metrics."""
+
+    num_drafts: int = 0
+    """Proposals verified (one per sequence per step that had any)."""
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
+    """[k] how often the proposal at each position was accepted."""
+
+    def snapshot(self) -> SpecDecodeStats:
+        """A copy that later steps do not change."""
+        return SpecDecodeStats(
+            self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens, list(self.accepted_per_pos)
+        )
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens a verifying step yields on average: the accepted proposals plus the one it samples."""
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
+
+
+@dataclass
+class _SeqState:
+    index: NgramIndex
+    length: int  # the most tokens to propose next
+    failures: int = 0  # verifications in a row that accepted nothing
+    pause: int = 0  # steps left without proposals
+
+
+class SpecDecoder:
+    """Proposes with n-grams, verifies by rejection sampling, settles the cache; owns the counters."""
+
+    def __init__(
+        self,
+        config: SpeculativeConfig,
+        sampler: Sampler,
+        output_processor: OutputProcessor,
+        block_manager: BlockManager,
+        requests: Mapping[str, Any],
+    ) -> None:
+        self.config = config
+        self.sampler = sampler
+        self.output_processor = output_processor
+        self.block_manager = block_manager
+        self.requests = requests
+        """request id -> RequestState (the engine's; read for the generator and the grammar)."""
+        self.stats = SpecDecodeStats(accepted_per_pos=[0] * config.num_speculative_tokens)
+        self._states: weakref.WeakKeyDictionary[Sequence, _SeqState] = weakref.WeakKeyDictionary()
+
+    def describe(self) -> str:
+        c = self.config
+        return (
+            f"{c.method}, {c.num_speculative_tokens} tokens, n-grams of {c.prompt_lookup_min}-{c.prompt_lookup_max},"
+            " paused per request while rejected"
+        )
+
+    # -- before the step ----------------------------------------------------------------
+    def propose(self, running: list[SequenceGroup], max_model_len: int) -> None:
+        """Set ``spec_token_ids`` of every running sequence that may speculate this step."""
+        for group in running:
+            if len(group.seqs) != 1 or not self._eligible(group):
+                continue
+            seq = group.seqs[0]
+            if seq.status is not SequenceStatus.RUNNING or len(seq.token_ids) - seq.num_computed_tokens != 1:
+                continue
+            state = self._state(seq)
+            if state.pause:
+                state.pause -= 1
+                continue
+            room = min(state.length, self._room(group, seq, max_model_len))
+            seq.spec_token_ids = state.index.propose(seq.token_ids, room)
+
+    def _eligible(self, group: SequenceGroup) -> bool:
+        params = group.sampling_params
+        state = self.requests.get(group.request_id)
+        return (
+            params.best_of == 1
+            and not params.use_beam_search
+            and group.pooling_params is None
+            and (state is None or state.grammar is None)
+        )
+
+    def _room(self, group: SequenceGroup, seq: Sequence, max_model_len: int) -> int:
+        """Proposals worth verifying: k, less what would run past max_tokens or max_model_len."""
+        room = self.config.num_speculative_tokens
+        max_tokens = group.sampling_params.max_tokens
+        if max_tokens is not None:
+            room = min(room, max_tokens - len(seq.output_token_ids) - 1)
+        return min(room, max_model_len - len(seq.token_ids) - 1)
+
+    def _state(self, seq: Sequence) -> _SeqState:
+        state = self._states.get(seq)
+        if state is None:
+            low, high = self.config.prompt_lookup_min, self.config.prompt_lookup_max
+            assert low is not None and high is not None  # NOTE: SpeculativeConfig fills both in
+            state = self._states[seq] = _SeqState(NgramIndex(low, high), self.config.num_speculative_tokens)
+        return state
+
+    # -- after the step -----------------------------------------------------------------
+    def verify(self, rows: list[SpecRow], logits: torch.Tensor) -> list[tuple[list[int], list[torch.Tensor | None]]]:
+        """Each row's emitted tokens and the model's log-probabilities at its positions (``None``
+        at every position of a row that needs none: greedy without logprobs, as the sampler).
+
+        ``logits``: [sum over rows of 1 + len(drafts), vocab], row after row.
+        """
+        requests = [self._sample_request(row, i) for row in rows for i in range(len(row.draft_token_ids) + 1)]
+        raw, processed = self.sampler.process(logits, requests)
+        verdicts, start = [], 0
+        for row in rows:
+            end = start + len(row.draft_token_ids) + 1
+            logprobs = [raw.get(i) for i in range(start, end)]
+            verdicts.append((self._accept(row, processed[start:end], requests[start]), logprobs))
+            start = end
+        return verdicts
+
+    def _sample_request(self, row: SpecRow, position: int) -> SampleRequest:
+        # NOTE: the request at position i sees the drafts before it as output (penalties, min_tokens).
+        group, seq = row.group, row.seq
+        state = self.requests.get(group.request_id)
+        return SampleRequest(
+            group.sampling_params,
+            seq.prompt_token_ids,
+            seq.output_token_ids + row.draft_token_ids[:position] if position else seq.output_token_ids,
+            generator=state.generator if state is not None else None,
+            eos_token_ids=self.output_processor.eos_token_ids,
+        )
+
+    def _accept(self, row: SpecRow, logits: torch.Tensor, request: SampleRequest) -> list[int]:
+        params = request.params
+        if params.greedy:
+            return greedy_accept(logits.argmax(dim=-1).tolist(), row.draft_token_ids)
+        probs = filtered_probs(logits, [params] * logits.shape[0])
+        return sample_accept(probs, row.draft_token_ids, request.generator or self.sampler.generator)
+
+    def apply(self, row: SpecRow, emitted: list[int], logprobs: list[torch.Tensor | None]) -> None:
+        """Append ``emitted`` (until the sequence finishes), count the accepted proposals as computed,
+        free the slots of the rejected ones. ``logprobs``: per position, [vocab] the model's own or None."""
+        seq, params, drafts = row.seq, row.group.sampling_params, row.draft_token_ids
+        accepted = len(emitted) - 1
+        appended = 0
+        for i, token in enumerate(emitted):
+            row_logprobs = logprobs[i]
+            if row_logprobs is None:
+                self.output_processor.append_token(seq, token, None, None, params)
+            else:
+                top = top_logprobs(row_logprobs, token, params.logprobs)
+                self.output_processor.append_token(seq, token, float(row_logprobs[token]), top, params)
+            appended += 1
+            if seq.status.finished:
+                break
+        seq.spec_token_ids = []
+        # NOTE: the K/V of an appended accepted proposal was computed after accepted tokens only.
+        seq.num_computed_tokens += min(appended, accepted)
+        if seq.seq_id in self.block_manager.tables:
+            self.block_manager.mark_computed(seq)
+            self.block_manager.release_unused_slots(seq)
+        self._record(seq, len(drafts), accepted)
+
+    def _record(self, seq: Sequence, num_drafts: int, accepted: int) -> None:
+        stats = self.stats
+        stats.num_drafts += 1
+        stats.num_draft_tokens += num_drafts
+        stats.num_accepted_tokens += accepted
+        for i in range(accepted):
+            stats.accepted_per_pos[i] += 1
+        state = self._state(seq)
+        k = self.config.num_speculative_tokens
+        state.length = min(k, 2 * num_drafts) if accepted == num_drafts else accepted + 1
+        if accepted:
+            state.failures = 0
+            return
+        state.failures += 1
+        state.pause = min(1 << (state.failures - 1), MAX_PAUSE)
