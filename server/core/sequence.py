@@ -6,6 +6,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from pagedllm.server.lora_request import LoRARequest
 from pagedllm.server.outputs import Logprob
 from pagedllm.server.pooling_params import PoolingParams
 from pagedllm.server.sampling_params import SamplingParams
@@ -55,6 +56,8 @@ class Sequence:
     stop_reason: StopReason = None
     cache_salt: str | None = None
     """Prefix-cache blocks are shared only between sequences with the same salt (one per tenant)."""
+    lora_int_id: int = 0
+    """The LoRA adapter it runs with (0: the base model); prefix-cache blocks are shared only within one."""
     # Incremental detokenization offsets into ``token_ids``.
     prefix_offset: int = 0
     read_offset: int = 0
@@ -111,6 +114,7 @@ class Sequence:
             self.output_text,
             self.stop_reason,
             self.cache_salt,
+            self.lora_int_id,
         )
         child.prefix_offset, child.read_offset = self.prefix_offset, self.read_offset
         return child
@@ -136,6 +140,9 @@ class SequenceGroup:
 
     pooling_params: PoolingParams | None = None
     """Set for an embedding request: it runs its prompt, is pooled, and never samples."""
+
+    lora_request: LoRARequest | None = None
+    """The LoRA adapter the request runs with; None: the base model."""
 
     @property
     def reads_every_prompt_position(self) -> bool:
