@@ -272,10 +272,11 @@ class LLMEngine:
         self._loras[lora_request.lora_int_id] = lora_request
 
     def remove_lora(self, lora_int_id: int) -> bool:
-        """Forget an adapter (its slot is freed for others); False while requests use it."""
+        """Forget an adapter (its slot is freed for others); False (nothing done) while requests use it."""
         if self.lora_slots is not None and not self.lora_slots.forget(lora_int_id):
             return False
-        return self._loras.pop(lora_int_id, None) is not None
+        self._loras.pop(lora_int_id, None)
+        return True
 
     def _pooling_params(self, params: SamplingParams | PoolingParams) -> PoolingParams | None:
         """An embedding request's parameters with the engine's pooling type filled in; None for generation."""
