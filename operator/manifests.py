@@ -23,6 +23,8 @@ from typing import Any
 
 import kopf
 
+from pagedllm.operator.adapters import adapter_mounts
+from pagedllm.operator.adapters import downloads as adapter_downloads
 from pagedllm.operator.autoscaling import AUTOSCALERS, HPA
 from pagedllm.operator.command import SERVE_COMMAND, check_engine, server_args
 from pagedllm.operator.container_env import downloads, gpu_resources, hub_env, server_env
@@ -54,8 +56,10 @@ STARTUP_PROBE_PERIOD = 10
 FETCH_SCRIPT = (
     "import sys\n"
     "from huggingface_hub import snapshot_download\n"
-    "snapshot_download(repo_id=sys.argv[1], local_dir=sys.argv[2], ignore_patterns=['original/*'])\n"
+    "for repo, dest in zip(sys.argv[1::2], sys.argv[2::2]):\n"
+    "    snapshot_download(repo_id=repo, local_dir=dest, ignore_patterns=['original/*'])\n"
 )
+"""Downloads ``repo dest`` pairs: the model, then each Hub adapter (``spec.adapters``)."""
 
 
 DEFAULT_PROMETHEUS = "http://prometheus-operated.monitoring.svc:9090"
@@ -259,6 +263,7 @@ def _volumes(name: str, spec: PagedLLMSpec) -> tuple[list[dict], list[dict]]:
         volumes.append({"name": "model", "persistentVolumeClaim": {"claimName": pvc.claim_name, "readOnly": True}})
         mount = {"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True}
         mounts.append({**mount, "subPath": pvc.path} if pvc.path else mount)
+        mounts.extend(adapter_mounts(spec.adapters))
     elif downloads(spec):
         source = (
             {"persistentVolumeClaim": {"claimName": cache_claim_name(name)}}
@@ -327,7 +332,7 @@ def _fetch_container(spec: PagedLLMSpec, config: RenderConfig, mounts: list[dict
         "name": "fetch-model",
         "image": spec.image or config.default_image,
         "imagePullPolicy": spec.image_pull_policy,
-        "command": ["python", "-c", FETCH_SCRIPT, spec.model, model_path(spec)],
+        "command": ["python", "-c", FETCH_SCRIPT, spec.model, model_path(spec), *adapter_downloads(spec.adapters)],
         "env": hub_env(spec),
         "securityContext": _container_security(),
         "volumeMounts": [m for m in mounts if m["name"] in ("models", "tmp", "home")],
