@@ -18,9 +18,11 @@ NOTE: the row-parallel split all-reduces the [tokens, R] intermediate, not the
 adapted row-parallel projection, and every rank must take it whenever the step has any
 adapter token. Every rank gets the same :class:`StepLoRA`, so they all agree.
 
-The hooks read the step's mapping from :attr:`LoRAModel.step`, set by the model runner
-around the forward pass (:meth:`LoRAModel.running`) and None otherwise, so a step
-without adapter tokens runs the base model alone.
+On CUDA (with the Triton attention backend) the Triton kernels run; on CPU the grouped
+torch matmuls, one pair per slot in the step. The hooks read the step's mapping from
+:attr:`LoRAModel.step`, set by the model runner around the forward pass
+(:meth:`LoRAModel.running`) and None otherwise, so a step without adapter tokens runs the
+base model alone.
 """
 
 from __future__ import annotations
@@ -127,7 +129,9 @@ class LoRAProjection:
 class LoRAModel:
     """The adapter slots of one rank's model: which adapter each holds, and the hooks that use them."""
 
-    def __init__(self, model: Any, config: LoRAConfig, tp: TPGroup) -> None:
+    def __init__(self, model: Any, config: LoRAConfig, tp: TPGroup, use_triton: bool = False) -> None:
+        """``use_triton``: the Triton kernels (where attention runs Triton: CUDA, or CPU through the
+        interpreter in tests) instead of the grouped torch matmuls."""
         self.shapes = adaptable_shapes(model)
         self.num_slots = config.max_loras + 1
         self.max_rank = config.max_lora_rank
@@ -141,8 +145,7 @@ class LoRAModel:
             for key, shape in self.shapes.items()
         }
         self.dtype = next(iter(self.projections.values())).a.dtype
-        device = next(iter(self.projections.values())).a.device
-        self._use_triton = device.type == "cuda" and HAS_TRITON
+        self._use_triton = use_triton and HAS_TRITON
 
     def check(self, request: LoRARequest) -> AdapterInfo:
         """Refuse (:class:`ConfigError`) an adapter that does not fit this model, reading headers only."""

@@ -82,7 +82,8 @@ class ModelRunner:
         """The decoding sequences' rows, kept across steps (used on the driver only)."""
         try:
             self.model = self._load_model(hf_config)
-            self.lora = LoRAModel(self.model, config.lora, self.tp) if config.lora.enable_lora else None
+            use_triton = self.ops.name == "triton"
+            self.lora = LoRAModel(self.model, config.lora, self.tp, use_triton) if config.lora.enable_lora else None
             """The resident LoRA adapters and the hooks that add them (None without --enable-lora)."""
             if self.workers is not None:
                 self.workers.wait_ready()

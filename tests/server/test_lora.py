@@ -124,6 +124,17 @@ def test_two_tensor_parallel_ranks_match_merged_peft(setups, prompts, family, mo
         check(setup, batch, run(llm, setup, batch))
 
 
+@pytest.mark.slow
+def test_triton_kernels_in_the_engine_match_merged_peft(setups, prompts):
+    """The Triton LoRA kernels run where attention runs Triton (here through the interpreter, in float32)."""
+    setup = setups["qwen2"]
+    batch = [(prompts[0], "base"), (prompts[0], "all-r8"), (prompts[1], "mlp-r16")]
+    llm = LLM(model=setup["base"], enable_lora=True, max_loras=2, attention_backend="triton", dtype="float32")
+    with llm:
+        assert llm.llm_engine.runner.lora._use_triton
+        check(setup, batch, run(llm, setup, batch))
+
+
 def test_one_slot_evicts_and_reloads_adapters(setups, prompts):
     """max_loras=1: two adapters in one batch take turns in the slot (the second waits), then alternate."""
     setup = setups["llama"]
