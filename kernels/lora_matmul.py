@@ -12,7 +12,8 @@ are skipped, so base-model requests cost nothing here)::
 
 The two halves are separate so a row-parallel layer can all-reduce ``xa`` (R wide)
 between them. On CUDA the Triton kernels run one program per token (and output block);
-the references group tokens by slot and run one matmul pair per slot (the CPU path).
+the references group tokens by slot once per step (:func:`plan_slots`) and run one
+matmul pair per slot (the CPU path).
 """
 
 from __future__ import annotations
@@ -28,32 +29,47 @@ _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 @dataclass(frozen=True)
 class Segment:
-    """The tokens of one slot: their rows (a slice when contiguous) and the slot's rank."""
+    """The tokens of one slot: rows ``rows`` of the grouped tokens, and the slot's rank."""
 
     slot: int
-    rows: slice | torch.Tensor
+    rows: slice
     rank: int
 
 
-def slot_segments(token_slots: torch.Tensor, ranks: list[int] | None = None) -> list[Segment]:
-    """Tokens grouped by slot (slot 0 left out); ``ranks[s]`` bounds the columns slot ``s`` uses.
+@dataclass(frozen=True)
+class SlotPlan:
+    """A step's adapter tokens grouped by slot, built once on the host and shared by every layer.
 
-    NOTE: built once per step on the host and shared by every layer; a slot whose tokens
-    are one run (a lone prefill, or one adapter for the whole batch) gets a slice, so its
-    rows are read and written without gathers.
+    ``order`` lists the adapter tokens (slot 0 left out) sorted by slot; each segment is a run
+    of it. ``order`` is None when the step's tokens already come grouped (each slot's tokens
+    one run, in slot order: a lone prefill, one adapter for the batch): segments then slice
+    the tokens themselves, with no gather or scatter::
+
+        token_slots  2 2 0 1 1 1 2     order = [3 4 5 0 1 6]   segments: slot 1 rows 0:3, slot 2 rows 3:6
     """
+
+    order: torch.Tensor | None
+    segments: list[Segment]
+
+
+def plan_slots(token_slots: torch.Tensor, ranks: list[int] | None = None) -> SlotPlan:
+    """Group the step's tokens by slot; ``ranks[s]`` bounds the columns slot ``s`` uses (all if None)."""
     slots = token_slots.cpu()
-    out = []
-    for slot in torch.unique(slots).tolist():
-        if slot == 0:
-            continue
-        rows = torch.nonzero(slots == slot).squeeze(1)
-        first, last = int(rows[0]), int(rows[-1])
-        index: slice | torch.Tensor = slice(first, last + 1) if last - first + 1 == rows.numel() else rows
-        if isinstance(index, torch.Tensor):
-            index = index.to(token_slots.device)
-        out.append(Segment(slot, index, ranks[slot] if ranks is not None else -1))
-    return out
+    order = torch.argsort(slots, stable=True)
+    sorted_slots = slots[order]
+    first = int(torch.searchsorted(sorted_slots, 1))
+    order = order[first:]
+    values, counts = torch.unique_consecutive(sorted_slots[first:], return_counts=True)
+    segments, start = [], 0
+    for slot, count in zip(values.tolist(), counts.tolist()):
+        segments.append(Segment(slot, slice(start, start + count), ranks[slot] if ranks is not None else -1))
+        start += count
+    grouped = order.numel() == 0 or bool((order[1:] - order[:-1] == 1).all())
+    if grouped:
+        offset = int(order[0]) if order.numel() else 0
+        shifted = [Segment(g.slot, slice(g.rows.start + offset, g.rows.stop + offset), g.rank) for g in segments]
+        return SlotPlan(None, shifted)
+    return SlotPlan(order.to(token_slots.device), segments)
 
 
 def _check(x: torch.Tensor, w: torch.Tensor, token_slots: torch.Tensor, what: str) -> None:
@@ -170,30 +186,36 @@ def lora_expand(y: torch.Tensor, xa: torch.Tensor, b: torch.Tensor, token_slots:
 
 
 def lora_shrink_reference(
-    x: torch.Tensor, a: torch.Tensor, token_slots: torch.Tensor, segments: list[Segment] | None = None
+    x: torch.Tensor, a: torch.Tensor, token_slots: torch.Tensor, plan: SlotPlan | None = None
 ) -> torch.Tensor:
-    """Plain-torch :func:`lora_shrink`: one matmul per slot over its tokens (its rank's columns only)."""
+    """Plain-torch :func:`lora_shrink`: one matmul per slot over its grouped tokens (its rank's columns only)."""
     _check(x, a, token_slots, "lora_shrink_reference")
+    plan = plan if plan is not None else plan_slots(token_slots)
     out = torch.zeros(x.shape[0], a.shape[1], dtype=torch.float32, device=x.device)
-    for seg in segments if segments is not None else slot_segments(token_slots):
+    grouped_x = x if plan.order is None else x[plan.order]
+    grouped = out if plan.order is None else out.new_zeros(plan.order.numel(), a.shape[1])
+    for seg in plan.segments:
         r = seg.rank if seg.rank >= 0 else a.shape[1]
-        out[seg.rows, :r] = (x[seg.rows] @ a[seg.slot, :r].T).float()
+        grouped[seg.rows, :r] = (grouped_x[seg.rows] @ a[seg.slot, :r].T).float()
+    if plan.order is not None:
+        out.index_copy_(0, plan.order, grouped)
     return out
 
 
 def lora_expand_reference(
-    y: torch.Tensor,
-    xa: torch.Tensor,
-    b: torch.Tensor,
-    token_slots: torch.Tensor,
-    segments: list[Segment] | None = None,
+    y: torch.Tensor, xa: torch.Tensor, b: torch.Tensor, token_slots: torch.Tensor, plan: SlotPlan | None = None
 ) -> None:
-    """Plain-torch :func:`lora_expand`: one matmul per slot, added to its rows of ``y`` in place."""
+    """Plain-torch :func:`lora_expand`: one matmul per slot, added to its tokens' rows of ``y`` in place."""
     _check(y, b, token_slots, "lora_expand_reference")
-    for seg in segments if segments is not None else slot_segments(token_slots):
+    plan = plan if plan is not None else plan_slots(token_slots)
+    if plan.order is None:
+        for seg in plan.segments:
+            r = seg.rank if seg.rank >= 0 else b.shape[2]
+            y[seg.rows] += (xa[seg.rows, :r].to(b.dtype) @ b[seg.slot, :, :r].T).to(y.dtype)
+        return
+    grouped_xa = xa[plan.order].to(b.dtype)
+    delta = torch.empty(plan.order.numel(), y.shape[1], dtype=y.dtype, device=y.device)
+    for seg in plan.segments:
         r = seg.rank if seg.rank >= 0 else b.shape[2]
-        delta = xa[seg.rows, :r].to(b.dtype) @ b[seg.slot, :, :r].T
-        if isinstance(seg.rows, slice):
-            y[seg.rows] += delta.to(y.dtype)
-        else:
-            y.index_add_(0, seg.rows, delta.to(y.dtype))
+        delta[seg.rows] = grouped_xa[seg.rows, :r] @ b[seg.slot, :, :r].T
+    y.index_add_(0, plan.order, delta)

@@ -38,12 +38,12 @@ from torch import nn
 
 from pagedllm.kernels import HAS_TRITON
 from pagedllm.kernels.lora_matmul import (
-    Segment,
+    SlotPlan,
     lora_expand,
     lora_expand_reference,
     lora_shrink,
     lora_shrink_reference,
-    slot_segments,
+    plan_slots,
 )
 from pagedllm.server.config import ConfigError, LoRAConfig
 from pagedllm.server.core.scheduler import SchedulerOutput
@@ -83,7 +83,7 @@ def step_lora(out: SchedulerOutput) -> StepLoRA | None:
 @dataclass
 class _Step:
     token_slots: torch.Tensor
-    segments: list[Segment]
+    plan: SlotPlan
 
 
 class LoRAProjection:
@@ -170,7 +170,7 @@ class LoRAModel:
             if self.resident[slot] != request:  # NOTE: the whole request: an id reloaded from another path reloads
                 self.load(slot, request)
         token_slots = torch.from_numpy(lora.token_slots).to(device)
-        self.step = _Step(token_slots, slot_segments(token_slots, self.ranks))
+        self.step = _Step(token_slots, plan_slots(token_slots, self.ranks))
         try:
             yield
         finally:
@@ -179,13 +179,13 @@ class LoRAModel:
     def shrink(self, x: torch.Tensor, a: torch.Tensor, step: _Step) -> torch.Tensor:
         if self._use_triton:
             return lora_shrink(x, a, step.token_slots)
-        return lora_shrink_reference(x, a, step.token_slots, step.segments)
+        return lora_shrink_reference(x, a, step.token_slots, step.plan)
 
     def expand(self, y: torch.Tensor, xa: torch.Tensor, b: torch.Tensor, step: _Step) -> None:
         if self._use_triton:
             lora_expand(y, xa, b, step.token_slots)
         else:
-            lora_expand_reference(y, xa, b, step.token_slots, step.segments)
+            lora_expand_reference(y, xa, b, step.token_slots, step.plan)
 
 
 def adaptable_shapes(model: Any) -> dict[Key, tuple[int, int]]:

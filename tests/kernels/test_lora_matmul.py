@@ -6,7 +6,7 @@ import torch
 from kernel_factories import DEVICE, assert_close
 
 from pagedllm.kernels import lora_expand, lora_expand_reference, lora_shrink, lora_shrink_reference
-from pagedllm.kernels.lora_matmul import slot_segments
+from pagedllm.kernels.lora_matmul import plan_slots
 
 
 def _case(tokens, k, n, slots, rank, device=DEVICE, dtype=torch.float32):
@@ -59,24 +59,38 @@ def test_slot_zero_rows_are_left_alone(seed):
     assert not torch.equal(y[1], before[1])
 
 
-def test_segments_group_tokens_by_slot_and_use_slices_for_runs():
-    token_slots = torch.tensor([2, 2, 0, 1, 1, 1, 2])
-    segments = slot_segments(token_slots, ranks=[0, 4, 8])
-    assert [(s.slot, s.rank) for s in segments] == [(1, 4), (2, 8)]
-    assert segments[0].rows == slice(3, 6)
-    assert segments[1].rows.tolist() == [0, 1, 6]
+def test_plan_groups_tokens_by_slot():
+    plan = plan_slots(torch.tensor([2, 2, 0, 1, 1, 1, 2]), ranks=[0, 4, 8])
+    assert plan.order.tolist() == [3, 4, 5, 0, 1, 6]
+    assert [(s.slot, s.rows, s.rank) for s in plan.segments] == [(1, slice(0, 3), 4), (2, slice(3, 6), 8)]
+
+
+def test_plan_of_grouped_tokens_slices_them_in_place():
+    plan = plan_slots(torch.tensor([0, 0, 1, 1, 3, 3, 3, 0]))
+    assert plan.order is None
+    assert [(s.slot, s.rows) for s in plan.segments] == [(1, slice(2, 4)), (3, slice(4, 7))]
+    assert plan_slots(torch.tensor([0, 0])).segments == []
+
+
+@pytest.mark.parametrize("slots", [[0, 1, 1, 2, 2, 0], [2, 1, 0, 2, 1, 1], [0, 0, 0, 0, 0, 0]])
+def test_grouped_and_scattered_plans_match_per_token_loop(slots):
+    x, a, b, _ = _case(6, 16, 12, 3, 4, device="cpu")
+    token_slots = torch.tensor(slots)
+    y = torch.zeros(6, 12)
+    lora_expand_reference(y, lora_shrink_reference(x, a, token_slots), b, token_slots)
+    torch.testing.assert_close(y, _per_token(x, a, b, token_slots), atol=1e-4, rtol=1e-4)
 
 
 def test_reference_uses_only_each_slots_rank():
     """Columns past a slot's rank are never read: garbage there changes nothing."""
     x, a, b, token_slots = _case(10, 16, 12, 3, 8, device="cpu")
-    segments = slot_segments(token_slots, ranks=[0, 4, 8])
+    plan = plan_slots(token_slots, ranks=[0, 4, 8])
     a[1, 4:], b[1, :, 4:] = 0, 0
     y = torch.zeros(10, 12)
-    lora_expand_reference(y, lora_shrink_reference(x, a, token_slots, segments), b, token_slots, segments)
+    lora_expand_reference(y, lora_shrink_reference(x, a, token_slots, plan), b, token_slots, plan)
     a[1, 4:], b[1, :, 4:] = 1e6, 1e6
     again = torch.zeros(10, 12)
-    lora_expand_reference(again, lora_shrink_reference(x, a, token_slots, segments), b, token_slots, segments)
+    lora_expand_reference(again, lora_shrink_reference(x, a, token_slots, plan), b, token_slots, plan)
     torch.testing.assert_close(again, y)
 
 
