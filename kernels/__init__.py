@@ -1,4 +1,4 @@
-"""Triton kernels (PagedAttention, mixture-of-experts) and their plain-torch references.
+"""Triton kernels (PagedAttention, mixture-of-experts, multi-LoRA) and their plain-torch references.
 
 Every op comes as a Triton launcher and a ``*_reference`` twin with the same signature:
 the Triton versions run on CUDA (or on CPU through ``TRITON_INTERPRET=1``), the
@@ -11,6 +11,7 @@ All caches are ``[num_blocks, block_size, num_kv_heads, head_dim]`` per layer.
 from ._triton import HAS_TRITON
 from .copy_blocks import copy_blocks, copy_blocks_reference
 from .fused_moe import fused_moe, fused_moe_reference
+from .lora_matmul import lora_expand, lora_expand_reference, lora_shrink, lora_shrink_reference
 from .paged_decode_attention import paged_decode_attention, paged_decode_attention_reference
 from .paged_prefill_attention import paged_prefill_attention, paged_prefill_attention_reference
 from .reshape_and_cache import reshape_and_cache, reshape_and_cache_reference
@@ -21,6 +22,10 @@ __all__ = [
     "copy_blocks_reference",
     "fused_moe",
     "fused_moe_reference",
+    "lora_expand",
+    "lora_expand_reference",
+    "lora_shrink",
+    "lora_shrink_reference",
     "paged_decode_attention",
     "paged_decode_attention_reference",
     "paged_prefill_attention",

@@ -12,6 +12,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
+from pagedllm.operator.adapters import lora_args
 from pagedllm.operator.spec import PagedLLMSpec, SpecError
 from pagedllm.server.args import flag_for
 
@@ -59,7 +60,7 @@ OWNED_FLAGS = frozenset(
     + ["--no-" + flag_for(f)[2:] for f in ENGINE_FIELDS.values()]
     + list(SERVE_FIELDS.values())
     + list(FLAG_ALIASES)
-    + ["--host", "--api-key"]
+    + ["--host", "--api-key", "--lora-modules"]
 )
 
 
@@ -95,7 +96,7 @@ def server_args(spec: PagedLLMSpec, model_path: str) -> list[str]:
         value = served_name if key == "servedModelName" else spec_value(spec, key)
         if value is not None:
             args += _flag_args(flag, value)
-    return args + list(checked_extra_args(spec.extra_args))
+    return args + lora_args(spec.adapters) + list(checked_extra_args(spec.extra_args))
 
 
 def checked_extra_args(extra_args: tuple[str, ...]) -> tuple[str, ...]:
@@ -140,7 +141,7 @@ def _owner_of(flag: str) -> str:
     for key, serve_flag in SERVE_FIELDS.items():
         if serve_flag == flag:
             return f"spec.{key}"
-    return {"--api-key": "spec.apiKeySecret"}.get(flag, "the operator")
+    return {"--api-key": "spec.apiKeySecret", "--lora-modules": "spec.adapters"}.get(flag, "the operator")
 
 
 def engine_kwargs(spec: PagedLLMSpec, model_path: str | None = None) -> dict[str, Any]:

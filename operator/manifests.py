@@ -24,6 +24,8 @@ from typing import Any
 
 import kopf
 
+from pagedllm.operator.adapters import adapter_mounts
+from pagedllm.operator.adapters import downloads as adapter_downloads
 from pagedllm.operator.artifacts import (
     FETCH_CONTAINER,
     JOB_CONTAINER,
@@ -279,6 +281,7 @@ def _volumes(name: str, spec: PagedLLMSpec) -> tuple[list[dict], list[dict]]:
         volumes.append({"name": "model", "persistentVolumeClaim": {"claimName": pvc.claim_name, "readOnly": True}})
         mount = {"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True}
         mounts.append({**mount, "subPath": pvc.path} if pvc.path else mount)
+        mounts.extend(adapter_mounts(spec.adapters))
     elif spec.downloads:
         source = (
             {"persistentVolumeClaim": {"claimName": cache_claim_name(name)}}
@@ -357,6 +360,12 @@ def _download_container(spec: PagedLLMSpec, config: RenderConfig, mounts: list[d
     }
     env_from = [] if waits else credentials_env_from(spec)
     return {**container, "envFrom": env_from} if env_from else container
+
+
+def adapter_args(spec: PagedLLMSpec) -> list[str]:
+    """``--adapter SOURCE DEST`` for each Hub adapter of ``spec.adapters``: fetched (or waited for) after the model."""
+    pairs = adapter_downloads(spec.adapters)
+    return [arg for source, dest in zip(pairs[::2], pairs[1::2]) for arg in ("--adapter", source, dest)]
 
 
 # A wait-for-model container only polls for a file.

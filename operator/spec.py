@@ -17,6 +17,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from pagedllm.operator.adapters import Adapter, check_adapter_sources, parse_adapters
 from pagedllm.operator.fleet_spec import Autoscaling, Routing, parse_autoscaling, parse_routing
 from pagedllm.operator.model_source import (  # noqa: F401 (the model source's names are imported from here too)
     ACCESS_MODES,
@@ -173,6 +174,7 @@ class PagedLLMSpec:
     )
     env: tuple = field(default=(), metadata=_nested("env", _env))
     extra_args: tuple[str, ...] = field(default=(), metadata=_nested("extraArgs", _string_list))
+    adapters: tuple[Adapter, ...] = field(default=(), metadata=_nested("adapters", parse_adapters))
     port: int = field(default=8000, metadata=_scalar("port", int, minimum=1024, maximum=65535))
     service_type: str = field(default="ClusterIP", metadata=_scalar("serviceType", str, choices=SERVICE_TYPES))
     model_cache: ModelCache | None = field(default=None, metadata=_nested("modelCache", parse_model_cache))
@@ -259,6 +261,7 @@ class PagedLLMSpec:
             raise SpecError("spec.modelCache caches Hugging Face downloads: remove it when modelSource.type is pvc")
         self._check_pod_fields()
         self.rollout_plan  # noqa: B018 (refuses what cannot roll out)
+        check_adapter_sources(self.adapters, not self.uses_pvc_source and not self.model_is_path, self.uses_pvc_source)
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < self.max_num_seqs:
             raise SpecError(
                 f"spec.maxNumBatchedTokens={self.max_num_batched_tokens} is out of range: "

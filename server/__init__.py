@@ -13,6 +13,7 @@ _EXPORTS = {
     "LLM": "pagedllm.server.llm",
     "SamplingParams": "pagedllm.server.sampling_params",
     "PoolingParams": "pagedllm.server.pooling_params",
+    "LoRARequest": "pagedllm.server.lora_request",
     "RequestOutput": "pagedllm.server.outputs",
     "CompletionOutput": "pagedllm.server.outputs",
     "EmbeddingRequestOutput": "pagedllm.server.outputs",

@@ -483,17 +483,37 @@ class ParallelConfig:
         return range(node * self.ranks_per_node, (node + 1) * self.ranks_per_node)
 
 
-SUB_CONFIGS = (ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig)
+MAX_LORA_RANKS = (1, 8, 16, 32, 64)
+"""Ranks ``max_lora_rank`` may take (vLLM's list, up to 64); an adapter of any rank up to it loads."""
+
+
+@dataclass(frozen=True)
+class LoRAConfig:
+    enable_lora: bool = field(default=False, metadata=_help("Serve LoRA adapters (PEFT directories) per request."))
+    max_loras: int = field(
+        default=1, metadata=_help("Adapters resident at once (one batch mixes them); others load on demand.")
+    )
+    max_lora_rank: int = field(
+        default=16, metadata=_help("Largest adapter rank accepted (sizes the resident slots).", choices=MAX_LORA_RANKS)
+    )
+
+    def __post_init__(self) -> None:
+        check_range("max_loras", self.max_loras, 1)
+        check_choice("max_lora_rank", self.max_lora_rank, MAX_LORA_RANKS)
+
+
+SUB_CONFIGS = (ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig, LoRAConfig)
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """Everything the engine needs, combined from the four sub-configs."""
+    """Everything the engine needs, combined from the sub-configs."""
 
     model: ModelConfig
     cache: CacheConfig
     scheduler: SchedulerConfig
     parallel: ParallelConfig
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
@@ -512,6 +532,7 @@ class EngineConfig:
             CacheConfig(**parts[CacheConfig]),
             SchedulerConfig(**parts[SchedulerConfig]),
             ParallelConfig(**parts[ParallelConfig]),
+            LoRAConfig(**parts[LoRAConfig]),
         )
 
 

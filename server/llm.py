@@ -10,6 +10,7 @@ from tqdm.auto import tqdm
 from pagedllm.server.config import EngineConfig
 from pagedllm.server.engine.input_processor import PromptType
 from pagedllm.server.engine.llm_engine import LLMEngine
+from pagedllm.server.lora_request import LoRARequest
 from pagedllm.server.outputs import EmbeddingRequestOutput, EngineOutput, RequestOutput
 from pagedllm.server.pooling_params import PoolingParams
 from pagedllm.server.sampling_params import SamplingParams
@@ -59,14 +60,22 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: None | SamplingParams | Sequence[SamplingParams] = None,
         use_tqdm: bool = False,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Run every prompt to completion; outputs come back in prompt order."""
+        """Run every prompt to completion; outputs come back in prompt order.
+
+        ``lora_request`` runs every prompt with one adapter, or each with its own (a list,
+        None for the base model); the engine needs ``enable_lora=True``.
+        """
         prompts = _prompt_list(prompts)
         given = sampling_params or SamplingParams()
         params = [given] * len(prompts) if isinstance(given, SamplingParams) else list(given)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts: pass one or one each")
-        return [_expect(o, RequestOutput) for o in self._run_all(prompts, params, use_tqdm)]
+        loras = list(lora_request) if isinstance(lora_request, Sequence) else [lora_request] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ValueError(f"got {len(loras)} lora_requests for {len(prompts)} prompts: pass one or one each")
+        return [_expect(o, RequestOutput) for o in self._run_all(prompts, params, use_tqdm, loras)]
 
     def embed(
         self,
@@ -85,15 +94,19 @@ class LLM:
         return [_expect(o, EmbeddingRequestOutput) for o in self._run_all(prompts, params, use_tqdm)]
 
     def _run_all(
-        self, prompts: list[PromptType], params: Sequence[SamplingParams | PoolingParams], use_tqdm: bool
+        self,
+        prompts: list[PromptType],
+        params: Sequence[SamplingParams | PoolingParams],
+        use_tqdm: bool,
+        loras: Sequence[LoRARequest | None] | None = None,
     ) -> list[EngineOutput]:
         engine = self.llm_engine
         ids = []
         try:
-            for prompt, p in zip(prompts, params):
+            for prompt, p, lora in zip(prompts, params, loras or [None] * len(prompts)):
                 request_id = str(self._counter)
                 self._counter += 1
-                engine.add_request(request_id, prompt, p)
+                engine.add_request(request_id, prompt, p, lora_request=lora)
                 ids.append(request_id)
             return self._run(ids, use_tqdm)
         finally:

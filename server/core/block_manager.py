@@ -69,9 +69,18 @@ def block_hash(parent: BlockHash | None, token_ids: Seq[int]) -> BlockHash:
     return digest.digest()
 
 
-def salt_digest(cache_salt: str | None) -> bytes:
-    """What a sequence's first block hangs from: nothing, or its cache salt's digest."""
-    return hashlib.sha256(b"cache_salt:" + cache_salt.encode()).digest() if cache_salt is not None else b""
+def salt_digest(cache_salt: str | None, lora_int_id: int = 0) -> bytes:
+    """What a sequence's first block hangs from: nothing, or the digest of its cache salt and LoRA adapter.
+
+    NOTE: the adapter id is part of every block's key (through the chain), so two adapters,
+    or an adapter and the base model, never share KV blocks: their K/V differ for equal tokens.
+    """
+    if cache_salt is None and not lora_int_id:
+        return b""
+    digest = hashlib.sha256(b"cache_salt:" + cache_salt.encode()) if cache_salt is not None else hashlib.sha256()
+    if lora_int_id:
+        digest.update(b"lora:%d" % lora_int_id)
+    return digest.digest()
 
 
 def _blocks_for(num_tokens: int, block_size: int) -> int:
@@ -135,14 +144,14 @@ class BlockManager:
         hashes = list(start)
         bs, tokens = self.block_size, seq.token_ids
         for i in range(len(hashes), num_blocks):
-            parent = hashes[-1] if hashes else salt_digest(seq.cache_salt)
+            parent = hashes[-1] if hashes else salt_digest(seq.cache_salt, seq.lora_int_id)
             hashes.append(block_hash(parent, tokens[i * bs : (i + 1) * bs]))
         return hashes
 
     def _content(self, seq: Sequence, index: int, parent: BlockIdent | None) -> BlockContent:
         bs = self.block_size
         tokens = tuple(seq.token_ids[index * bs : (index + 1) * bs])
-        return BlockContent(parent if parent is not None else salt_digest(seq.cache_salt), tokens)
+        return BlockContent(parent if parent is not None else salt_digest(seq.cache_salt, seq.lora_int_id), tokens)
 
     def _cached_prefix(self, seq: Sequence) -> tuple[list[BlockHash], list[int]]:
         """The longest run of the prompt's full blocks found in the cache: their hashes and blocks.

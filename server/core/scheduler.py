@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 from pagedllm.server.config import SchedulerConfig
 from pagedllm.server.core.block_manager import AllocStatus, BlockManager
+from pagedllm.server.core.lora_slots import LoRASlots
 from pagedllm.server.core.sequence import FINISHED, Sequence, SequenceGroup, SequenceStatus
 
 
@@ -45,6 +46,8 @@ class SchedulerOutput:
     num_batched_tokens: int = 0
     preempted: list[SequenceGroup] = field(default_factory=list)
     ignored: list[SequenceGroup] = field(default_factory=list)
+    lora_slots: dict[int, int] = field(default_factory=dict)
+    """LoRA adapter id -> its slot, for the adapters of this step's groups."""
 
     @property
     def is_empty(self) -> bool:
@@ -66,8 +69,10 @@ class _Budget:
 class Scheduler:
     """Owns the waiting, running and swapped queues and asks the block manager for room."""
 
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, loras: LoRASlots | None = None) -> None:
         self.config = config
+        self.loras = loras
+        """The LoRA adapter slots (None without LoRA): a request holds its adapter's from admission to its end."""
         self.token_budget = config.token_budget  # NOTE: resolved for the device by the engine
         self.block_manager = block_manager
         self.waiting: deque[SequenceGroup] = deque()
@@ -92,6 +97,7 @@ class Scheduler:
                 for seq in group.unfinished_seqs():
                     seq.status = SequenceStatus.FINISHED_ABORTED
                     self.block_manager.free(seq)
+                self._release_lora(group)
                 aborted.append(group)
         return aborted
 
@@ -104,6 +110,7 @@ class Scheduler:
                     self.block_manager.free(seq)  # NOTE: a no-op once its blocks are gone
             if group.is_finished():
                 done.append(group)
+                self._release_lora(group)
         if done:
             finished = set(map(id, done))
             self.running = [g for g in self.running if id(g) not in finished]
@@ -124,6 +131,9 @@ class Scheduler:
             group = item.group
             if group.first_scheduled_time is None:
                 group.first_scheduled_time = now
+            if group.lora_request is not None and self.loras is not None:
+                lora_id = group.lora_request.lora_int_id
+                out.lora_slots[lora_id] = self.loras.slot_of[lora_id]
         return out
 
     def _schedule_running(self, budget: _Budget, out: SchedulerOutput) -> None:
@@ -252,6 +262,7 @@ class Scheduler:
         for seq in group.get_seqs(SequenceStatus.RUNNING):
             self.block_manager.free(seq)
             seq.reset_for_recompute()
+        self._release_lora(group)
         self.waiting.appendleft(group)
 
     def _schedule_swapped(self, budget: _Budget, out: SchedulerOutput) -> None:
@@ -284,6 +295,8 @@ class Scheduler:
             use_cache = not group.reads_every_prompt_position and not (
                 group.sampling_params.use_beam_search and seqs[0].output_token_ids
             )
+            if self.loras is not None and not self.loras.can_acquire(group.lora_request):
+                break  # NOTE: every adapter slot has running users: wait, first come first served
             status = self.block_manager.can_allocate(group, use_cache)
             if status == AllocStatus.LATER:
                 break
@@ -294,6 +307,8 @@ class Scheduler:
             for seq in seqs:
                 self.block_manager.allocate(seq, use_cache)
                 seq.status = SequenceStatus.RUNNING
+            if self.loras is not None:
+                self.loras.acquire(group.request_id, group.lora_request)
             if group.num_cached_tokens is None:
                 # NOTE: right after allocate(), the computed tokens are exactly the cached prefix blocks.
                 group.num_cached_tokens = seqs[0].num_computed_tokens
@@ -306,7 +321,12 @@ class Scheduler:
         for seq in group.get_seqs(status):
             self.block_manager.free(seq)
             seq.status = SequenceStatus.FINISHED_LENGTH
+        self._release_lora(group)
         out.ignored.append(group)
+
+    def _release_lora(self, group: SequenceGroup) -> None:
+        if self.loras is not None:
+            self.loras.release(group.request_id)
 
     def _insert_running(self, group: SequenceGroup) -> None:
         index = len(self.running)

@@ -6,6 +6,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from pagedllm.server.lora_request import LoRARequest
 from pagedllm.server.outputs import Logprob
 from pagedllm.server.pooling_params import PoolingParams
 from pagedllm.server.sampling_params import SamplingParams
@@ -61,6 +62,8 @@ class Sequence:
 
     NOTE: never part of ``token_ids``: they hold cache slots only for the step that checks
     them, and only the accepted ones are appended (and ever counted as computed or hashed)."""
+    lora_int_id: int = 0
+    """The LoRA adapter it runs with (0: the base model); prefix-cache blocks are shared only within one."""
     # Incremental detokenization offsets into ``token_ids``.
     prefix_offset: int = 0
     read_offset: int = 0
@@ -135,6 +138,7 @@ class Sequence:
             self.output_text,
             self.stop_reason,
             self.cache_salt,
+            lora_int_id=self.lora_int_id,
         )
         child.prefix_offset, child.read_offset = self.prefix_offset, self.read_offset
         return child
@@ -160,6 +164,9 @@ class SequenceGroup:
 
     pooling_params: PoolingParams | None = None
     """Set for an embedding request: it runs its prompt, is pooled, and never samples."""
+
+    lora_request: LoRARequest | None = None
+    """The LoRA adapter the request runs with; None: the base model."""
 
     @property
     def reads_every_prompt_position(self) -> bool:

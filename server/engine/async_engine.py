@@ -29,6 +29,7 @@ from pagedllm.server.engine.input_processor import PromptType
 from pagedllm.server.engine.llm_engine import EngineStats, LLMEngine
 from pagedllm.server.engine.model_info import ModelInfo, load_tokenizer
 from pagedllm.server.engine.request_stream import EngineDeadError, RequestFailedError, RequestStream, StepTimes
+from pagedllm.server.lora_request import LoRARequest
 from pagedllm.server.outputs import EngineOutput
 from pagedllm.server.pooling_params import PoolingParams
 from pagedllm.server.sampling_params import SamplingParams
@@ -135,8 +136,10 @@ class AsyncLLMEngine:
         prompt: PromptType,
         params: SamplingParams | PoolingParams,
         arrival_time: float | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> RequestStream:
-        """Queue a request; the engine's :class:`ConfigError` (bad prompt or params) is re-raised here."""
+        """Queue a request (with a LoRA adapter if given); the engine's :class:`ConfigError` (bad prompt,
+        params or adapter) is re-raised here."""
         if not self.is_ready:
             raise EngineDeadError(self.not_ready_reason())
         if request_id in self._streams:
@@ -145,7 +148,7 @@ class AsyncLLMEngine:
         stream = RequestStream(request_id, arrival)
         self._streams[request_id] = stream
         done: concurrent.futures.Future = concurrent.futures.Future()
-        self._commands.put(AddRequest(request_id, prompt, params, arrival, done))
+        self._commands.put(AddRequest(request_id, prompt, params, arrival, done, lora_request))
         try:
             await asyncio.wrap_future(done)
         except BaseException:

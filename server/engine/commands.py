@@ -14,6 +14,7 @@ from typing import Any
 
 from pagedllm.server.engine.input_processor import PromptType
 from pagedllm.server.engine.llm_engine import LLMEngine
+from pagedllm.server.lora_request import LoRARequest
 from pagedllm.server.pooling_params import PoolingParams
 from pagedllm.server.sampling_params import SamplingParams
 
@@ -26,6 +27,7 @@ class AddRequest:
     arrival_time: float
     done: concurrent.futures.Future
     """Resolved once the engine queued the request, or failed with its :class:`ConfigError`."""
+    lora_request: LoRARequest | None = None
 
 
 @dataclass(frozen=True)
@@ -51,7 +53,13 @@ def execute(engine: LLMEngine, command: Command) -> None:
     """Carry out ``command``; a failure goes to its future, never out of the engine thread."""
     if isinstance(command, AddRequest):
         _run_into(
-            command.done, engine.add_request, command.request_id, command.prompt, command.params, command.arrival_time
+            command.done,
+            engine.add_request,
+            command.request_id,
+            command.prompt,
+            command.params,
+            command.arrival_time,
+            command.lora_request,
         )
     elif isinstance(command, AbortRequests):
         engine.abort_request(command.request_ids)

@@ -27,6 +27,7 @@ import torch
 from pagedllm.server.config import ConfigError, EngineConfig, choose_token_budget
 from pagedllm.server.core.block_manager import BlockManager
 from pagedllm.server.core.kv_reservation import KVReservation
+from pagedllm.server.core.lora_slots import LoRASlots
 from pagedllm.server.core.scheduler import Scheduler, SchedulerOutput
 from pagedllm.server.core.sequence import Sequence, SequenceGroup, SequenceStatus
 from pagedllm.server.engine.beam_search import BeamSearch, BeamState
@@ -38,6 +39,7 @@ from pagedllm.server.engine.sampler import Sampler
 from pagedllm.server.engine.spec_decode.spec_decoder import SpecDecoder, SpecDecodeStats
 from pagedllm.server.engine.step_results import RequestState, StepResults
 from pagedllm.server.engine.structured_output import StructuredOutputs
+from pagedllm.server.lora_request import LoRARequest
 from pagedllm.server.outputs import EngineOutput
 from pagedllm.server.pooling_params import PoolingParams
 from pagedllm.server.sampling_params import SamplingParams
@@ -77,6 +79,12 @@ class EngineStats:
     """KV event batches the publisher dropped because its queue was full (0 when events are off)."""
     spec_decode: SpecDecodeStats | None = None
     """Speculative decoding's proposals and acceptances since start (None when it is off)."""
+    running_lora_adapters: tuple[str, ...] = ()
+    """Names of the LoRA adapters running requests hold."""
+    waiting_lora_adapters: tuple[str, ...] = ()
+    """Names of the LoRA adapters of waiting requests."""
+    max_lora: int = 0
+    """Adapter slots (``max_loras``; 0 without LoRA)."""
 
 
 class EngineClosedError(RuntimeError):
@@ -129,7 +137,10 @@ class LLMEngine:
         capacity = (self.block_manager.gpu.num_blocks - self.block_manager.watermark_blocks) * config.cache.block_size
         self.model_info: ModelInfo = dataclasses.replace(info, max_model_len=min(info.max_model_len, capacity))
         limit = self.model_info.max_model_len
-        self.scheduler = Scheduler(config.scheduler, self.block_manager)
+        self.lora_slots = LoRASlots(config.lora.max_loras) if config.lora.enable_lora else None
+        self._loras: dict[int, LoRARequest] = {}
+        """Adapters checked against the model, by id."""
+        self.scheduler = Scheduler(config.scheduler, self.block_manager, self.lora_slots)
         self.sampler = Sampler(config.model.seed)
         self.input_processor = InputProcessor(self.tokenizer, info.vocab_size, limit, config.scheduler.max_num_seqs)
         self.output_processor = OutputProcessor(self.tokenizer, info.eos_token_ids, limit)
@@ -215,16 +226,21 @@ class LLMEngine:
         prompt: PromptType,
         params: SamplingParams | PoolingParams,
         arrival_time: float | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
-        """Queue a generation (``SamplingParams``) or an embedding (``PoolingParams``) request.
+        """Queue a generation (``SamplingParams``) or an embedding (``PoolingParams``) request,
+        run with the LoRA adapter ``lora_request`` if given.
 
-        An invalid prompt or parameters raise :class:`ConfigError` at once.
+        An invalid prompt or parameters, or an adapter that does not fit the model, raise
+        :class:`ConfigError` at once.
         """
         self._check_open()
         if request_id in self._requests:
             raise ConfigError("request_id", request_id, "give each request its own id", problem="is already in use")
         processed = self.input_processor.process(prompt, params)
-        seq = Sequence(self._next_seq_id(), processed.token_ids, cache_salt=processed.cache_salt)
+        self.add_lora(lora_request)
+        lora_id = lora_request.lora_int_id if lora_request is not None else 0
+        seq = Sequence(self._next_seq_id(), processed.token_ids, cache_salt=processed.cache_salt, lora_int_id=lora_id)
         pooling = self._pooling_params(params)
         # NOTE: an embedding request carries plain one-sequence sampling parameters, so the
         # scheduler treats it as any prompt; it never samples (see StepResults._pool).
@@ -237,6 +253,7 @@ class LLMEngine:
             prompt=processed.text,
             arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
             pooling_params=pooling,
+            lora_request=lora_request,
         )
         generator = torch.Generator().manual_seed(sampling.seed) if sampling.seed is not None else None
         guided = sampling.guided_decoding
@@ -244,6 +261,41 @@ class LLMEngine:
         beam = BeamState() if sampling.use_beam_search else None
         self._requests[request_id] = RequestState(group, generator, beam, grammar)
         self.scheduler.add(group)
+
+    def add_lora(self, lora_request: LoRARequest | None) -> None:
+        """Check an adapter against the model (config and tensor shapes) once per id; :class:`ConfigError` if it
+        does not fit, LoRA is off, or its id already names another adapter. Its weights load when a step needs them.
+        """
+        if lora_request is None:
+            return
+        if self.runner.lora is None:
+            raise ConfigError(
+                "lora_request",
+                lora_request.lora_name,
+                "start the engine with enable_lora=True (--enable-lora)",
+                problem="needs LoRA, which is off",
+                subject=f"LoRA adapter {lora_request.lora_name!r}",
+            )
+        known = self._loras.get(lora_request.lora_int_id)
+        if known == lora_request:
+            return
+        if known is not None:
+            raise ConfigError(
+                "lora_request",
+                lora_request.lora_int_id,
+                f"give each adapter its own id (it names {known.lora_name!r} at {known.lora_path})",
+                problem="is already in use",
+                subject=f"lora_int_id={lora_request.lora_int_id}",
+            )
+        self.runner.lora.check(lora_request)
+        self._loras[lora_request.lora_int_id] = lora_request
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget an adapter (its slot is freed for others); False (nothing done) while requests use it."""
+        if self.lora_slots is not None and not self.lora_slots.forget(lora_int_id):
+            return False
+        self._loras.pop(lora_int_id, None)
+        return True
 
     def _pooling_params(self, params: SamplingParams | PoolingParams) -> PoolingParams | None:
         """An embedding request's parameters with the engine's pooling type filled in; None for generation."""
@@ -460,6 +512,17 @@ class LLMEngine:
             num_window_frees=bm.num_window_frees,
             kv_event_batches_dropped=self.kv_event_publisher.num_dropped if self.kv_event_publisher else 0,
             spec_decode=self.spec_decoder.stats.snapshot() if self.spec_decoder else None,
+            **self._lora_stats(),
+        )
+
+    def _lora_stats(self) -> dict:
+        if self.lora_slots is None:
+            return {}
+        waiting = {g.lora_request.lora_name for g in self.scheduler.waiting if g.lora_request is not None}
+        return dict(
+            running_lora_adapters=tuple(self.lora_slots.running_names),
+            waiting_lora_adapters=tuple(sorted(waiting)),
+            max_lora=self.lora_slots.max_loras,
         )
 
 

@@ -221,16 +221,29 @@ def add_download_parser(subparsers: argparse._SubParsersAction[argparse.Argument
     p.add_argument("dest", help="Directory the files go into.")
     p.add_argument("--revision", default=None, help="Hub commit, tag or branch (hf:// only; default: main).")
     p.add_argument("--wait", action="store_true", help="Only wait until another process has put the files there.")
+    p.add_argument(
+        "--adapter",
+        nargs=2,
+        action="append",
+        default=[],
+        metavar=("SOURCE", "DEST"),
+        help="Also fetch (or wait for) a LoRA adapter from SOURCE into DEST, after the model; repeatable.",
+    )
     p.set_defaults(func=run_download)
     return p
 
 
 def run_download(args: argparse.Namespace) -> int:
-    source, dest = parse_source(args.source), Path(args.dest)
-    if args.wait:
-        wait_until_complete(dest, source, args.revision)
-        print(f"{source} is in {dest}")
-        return 0
+    pairs = [(args.source, args.dest, args.revision)] + [(src, dest, None) for src, dest in args.adapter]
+    for text, where, revision in pairs:
+        source, dest = parse_source(text), Path(where)
+        if args.wait:
+            wait_until_complete(dest, source, revision)
+            print(f"{source} is in {dest}")
+            continue
+        fetched = download(source, dest, revision)
+        print(f"{source} {'downloaded into' if fetched else 'was already in'} {dest}", file=sys.stderr)
+    return 0
     fetched = download(source, dest, args.revision)
     print(f"{source} {'downloaded into' if fetched else 'was already in'} {dest}", file=sys.stderr)
     return 0

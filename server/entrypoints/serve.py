@@ -125,6 +125,14 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="Most /v1/responses answers kept in memory for previous_response_id, least recently used out "
         f"first; 0 keeps none (default: {DEFAULT_RESPONSES_STORE_SIZE}).",
     )
+    group.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=None,
+        metavar="NAME=PATH",
+        help="LoRA adapters to serve (with --enable-lora): a request's model picks one by NAME; PATH is a "
+        'PEFT directory; vLLM\'s JSON form {"name": ..., "path": ...} is read too (default: none).',
+    )
     group.add_argument("--log-level", default="info", choices=LOG_LEVELS, help="Logging level (default: info).")
     group.add_argument(
         "--disable-log-requests",
@@ -136,6 +144,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 def settings_from_args(args: argparse.Namespace):
     """:class:`ServerSettings` from parsed flags; a bad value raises ``ValueError`` naming the flag."""
+    from pagedllm.server.entrypoints.openai.serving_lora import parse_lora_modules, runtime_updates_allowed
     from pagedllm.server.entrypoints.openai.settings import ServerSettings
 
     if not 0 <= args.port <= 65535:
@@ -152,6 +161,8 @@ def settings_from_args(args: argparse.Namespace):
             log_requests=not args.disable_log_requests,
             drain_timeout=args.drain_timeout,
             chat_template=load_chat_template(args.chat_template),
+            lora_modules=parse_lora_modules(args.lora_modules or []),
+            allow_runtime_lora_updating=runtime_updates_allowed(),
         )
     except ConfigError as exc:
         raise exc.renamed(SERVER_FLAGS.get(exc.field, exc.name)) from exc

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -16,6 +17,7 @@ from pagedllm.server.worker.attention import AttentionMetadata, select_attention
 from pagedllm.server.worker.cpu_threads import choose_threads
 from pagedllm.server.worker.dtype_choice import choose_dtype
 from pagedllm.server.worker.input_batch import InputBatch
+from pagedllm.server.worker.lora_model import LoRAModel, step_lora
 from pagedllm.server.worker.model_loader import init_dummy_weights, iterate_weights
 from pagedllm.server.worker.models import model_class
 from pagedllm.server.worker.models.base import CausalLM
@@ -83,6 +85,9 @@ class ModelRunner:
         """The decoding sequences' rows, kept across steps (used on the driver only)."""
         try:
             self.model = self._load_model(hf_config)
+            use_triton = self.ops.name == "triton"
+            self.lora = LoRAModel(self.model, config.lora, self.tp, use_triton) if config.lora.enable_lora else None
+            """The resident LoRA adapters and the hooks that add them (None without --enable-lora)."""
             if self.workers is not None:
                 self.workers.wait_ready()
         except BaseException:
@@ -259,6 +264,7 @@ class ModelRunner:
             inputs.prompt_index if inputs.prompt_rows else None,
             inputs.pool_index,
             torch.tensor([row.num for row in inputs.pool_rows], dtype=torch.int64) if inputs.pool_rows else None,
+            step_lora(out) if self.lora is not None else None,
         )
         if self.workers is None:
             return StepResult(inputs, *self.run_step(step))
@@ -293,7 +299,9 @@ class ModelRunner:
         if step.input_ids.numel() == 0:
             return torch.empty(0, 0), None, None
         meta = self.ops.prepare(step.meta, self.block_size)
-        hidden = self.model(step.input_ids, step.positions, self.kv_caches, meta, self.ops)
+        adapters = self.lora.running(step.lora, self.device) if self.lora is not None else contextlib.nullcontext()
+        with adapters:
+            hidden = self.model(step.input_ids, step.positions, self.kv_caches, meta, self.ops)
         logits = self.model.compute_logits(hidden[step.sample_index])
         prompt_logits = self.model.compute_logits(hidden[step.prompt_index]) if step.prompt_index is not None else None
         return logits, prompt_logits, _pool(hidden, step.pool_index, step.pool_lens)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -14,6 +14,9 @@ from pagedllm.server.core.scheduler import SchedulerOutput
 from pagedllm.server.core.sequence import Sequence, SequenceGroup
 from pagedllm.server.worker.attention import TENSOR_FIELDS, AttentionMetadata
 from pagedllm.server.worker.input_batch import DecodeInputs, InputBatch
+
+if TYPE_CHECKING:
+    from pagedllm.server.worker.lora_model import StepLoRA
 
 
 @dataclass
@@ -80,6 +83,8 @@ class ModelStep:
     """[tokens pooled] the step's token indices whose hidden states are summed, row after row."""
     pool_lens: torch.Tensor | None = None
     """[pool rows] how many of ``pool_index`` each row sums."""
+    lora: StepLoRA | None = None
+    """Each token's LoRA slot and the adapters the step needs resident; None: the base model alone."""
 
     def to_wire(self) -> tuple:
         """A by-value form for the pipe to the other ranks (numpy arrays: no shared-memory handles)."""
@@ -95,11 +100,12 @@ class ModelStep:
             _plain(self.prompt_index),
             _plain(self.pool_index),
             _plain(self.pool_lens),
+            self.lora,
         )
 
     @classmethod
     def from_wire(cls, wire: tuple) -> ModelStep:
-        swap_out, swap_in, copies, ids, positions, meta, sample_index, prompt_index, pool_index, pool_lens = wire
+        swap_out, swap_in, copies, ids, positions, meta, sample_index, prompt_index, pool_index, pool_lens, lora = wire
         tensors = {name: _tensor(value) for name, value in meta.items()}
         return cls(
             swap_out,
@@ -112,6 +118,7 @@ class ModelStep:
             _tensor(prompt_index),
             _tensor(pool_index),
             _tensor(pool_lens),
+            lora,
         )
 
     def to(self, device: torch.device) -> ModelStep:

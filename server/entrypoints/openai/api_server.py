@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pagedllm.server.config import EngineConfig
+from pagedllm.server.config import ConfigError, EngineConfig
 from pagedllm.server.engine.async_engine import AsyncLLMEngine
 from pagedllm.server.entrypoints.openai.errors import (
     APIError,
@@ -51,6 +51,7 @@ from pagedllm.server.entrypoints.openai.serving import OpenAIServing, RequestCon
 from pagedllm.server.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.server.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedllm.server.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
+from pagedllm.server.entrypoints.openai.serving_lora import LoRAModules, add_lora_routes
 from pagedllm.server.entrypoints.openai.serving_responses import OpenAIServingResponses
 from pagedllm.server.entrypoints.openai.settings import ServerSettings
 from pagedllm.server.version import package_version
@@ -79,6 +80,10 @@ def default_model_name(config: EngineConfig) -> str:
 def build_app(config: EngineConfig, settings: ServerSettings | None = None) -> FastAPI:
     """The ASGI app; ``app.state.serving`` / ``.engine`` / ``.metrics`` expose the parts (tests use them)."""
     settings = settings or ServerSettings()
+    if settings.lora_modules and not config.lora.enable_lora:
+        raise ConfigError(
+            "lora_modules", sorted(settings.lora_modules), "add --enable-lora", problem="needs LoRA, which is off"
+        )
     names = settings.served_model_names or [default_model_name(config)]
     engine = AsyncLLMEngine(config, warmup=settings.warmup)
     metrics = ServerMetrics(names[0], config, engine.stats)
@@ -93,6 +98,8 @@ def build_app(config: EngineConfig, settings: ServerSettings | None = None) -> F
         request_timeout=settings.request_timeout,
         on_reject=metrics.count_rejected,
         log_requests=settings.log_requests,
+        loras=LoRAModules.of(settings.lora_modules),
+        on_lora_request=metrics.count_lora_request,
     )
 
     @contextlib.asynccontextmanager
@@ -111,24 +118,27 @@ def build_app(config: EngineConfig, settings: ServerSettings | None = None) -> F
         app, OpenAIServingResponses(OpenAIServingChat(serving), ResponseStore(settings.responses_store_size))
     )
     _add_ops_routes(app, serving, metrics)
+    if settings.allow_runtime_lora_updating and config.lora.enable_lora:
+        add_lora_routes(app, serving)
     return app
 
 
 # -- routes ---------------------------------------------------------------------------------------
 def _add_openai_routes(app: FastAPI, serving: OpenAIServing) -> None:
     completion, chat = OpenAIServingCompletion(serving), OpenAIServingChat(serving)
+    names = serving.served_model_names
 
     @app.get("/v1/models", response_model=ModelList, responses=ERROR_RESPONSES)
     async def list_models() -> ModelList:
         info = serving.engine.model_info
-        return ModelList(
-            data=[
-                ModelCard(
-                    id=name, root=info.model_dir if info else None, max_model_len=info.max_model_len if info else None
-                )
-                for name in serving.served_model_names
-            ]
-        )
+        max_len = info.max_model_len if info else None
+        base = [ModelCard(id=name, root=info.model_dir if info else None, max_model_len=max_len) for name in names]
+        parent = serving.model_name
+        adapters = [
+            ModelCard(id=lora.lora_name, root=lora.lora_path, parent=parent, max_model_len=max_len)
+            for lora in serving.loras.adapters.values()
+        ]
+        return ModelList(data=base + adapters)
 
     @app.post(
         "/v1/completions", responses={200: {"model": CompletionResponse, "content": SSE_CONTENT}, **ERROR_RESPONSES}

@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse
 from pagedllm.server.config import ConfigError
 
 RETRY_AFTER_S = 1
-ENGINE_FIELD_PARAMS = {"prompt_token_ids": "prompt"}
+ENGINE_FIELD_PARAMS = {"prompt_token_ids": "prompt", "lora_request": "model"}
 """Engine fields a request parameter of another name stands for, on every endpoint."""
 
 

@@ -10,6 +10,7 @@ Two sources feed them:
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
@@ -142,10 +143,19 @@ class ServerMetrics:
             labels + ["reason"],
             registry=reg,
         )
+        self.lora_requests = Counter(
+            "pagedllm:lora_requests",
+            "Requests run with a LoRA adapter, by adapter name.",
+            labels + ["lora_name"],
+            registry=reg,
+        )
         reg.register(EngineStatsCollector(model_name, config, stats))
 
     def count_rejected(self, reason: str) -> None:
         self.requests_rejected.labels(self.model_name, reason).inc()
+
+    def count_lora_request(self, lora_name: str) -> None:
+        self.lora_requests.labels(self.model_name, lora_name).inc()
 
     def observe(self, stream, output, times) -> None:
         """Called by the async engine for each output (``output is None``: the request was aborted)."""
@@ -238,6 +248,8 @@ class EngineStatsCollector(Collector):
             counter.add_metric(values, value)
             yield counter
         yield from self._spec_decode(stats)
+        if stats.max_lora:
+            yield _lora_info(stats)
         yield self._cache_config_info(stats, "pagedllm:cache_config_info")
         yield self._cache_config_info(stats, "vllm:cache_config_info")  # NOTE: prefix-aware routing reads it
 
@@ -292,6 +304,18 @@ class EngineStatsCollector(Collector):
         gauge = GaugeMetricFamily(name, "Information of the KV cache configuration.", labels=list(info))
         gauge.add_metric(list(info.values()), 1.0)
         return gauge
+
+
+def _lora_info(stats: EngineStats) -> GaugeMetricFamily:
+    """vLLM's ``lora_requests_info``: the adapters running and waiting now in its labels, the time as its value."""
+    labels = {
+        "running_lora_adapters": ",".join(stats.running_lora_adapters),
+        "waiting_lora_adapters": ",".join(stats.waiting_lora_adapters),
+        "max_lora": str(stats.max_lora),
+    }
+    gauge = GaugeMetricFamily("vllm:lora_requests_info", "Running stats on LoRA requests.", labels=list(labels))
+    gauge.add_metric(list(labels.values()), time.time())
+    return gauge
 
 
 def _usage(total: int, free: int) -> float:

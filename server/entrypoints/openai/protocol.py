@@ -204,7 +204,19 @@ class ModelCard(OpenAIBaseModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "pagedllm"
     root: str | None = None
+    parent: str | None = None
+    """For a LoRA adapter: the base model it runs on (its ``root`` is the adapter's directory)."""
     max_model_len: int | None = None
+
+
+class LoadLoRAAdapterRequest(OpenAIBaseModel):
+    lora_name: str = Field(min_length=1, description="The name requests give as model.")
+    lora_path: str = Field(min_length=1, description="The adapter's PEFT directory on the server.")
+
+
+class UnloadLoRAAdapterRequest(OpenAIBaseModel):
+    lora_name: str
+    lora_int_id: int | None = None
 
 
 class ModelList(OpenAIBaseModel):

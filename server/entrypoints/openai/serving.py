@@ -31,6 +31,8 @@ from pagedllm.server.entrypoints.openai.errors import (
 )
 from pagedllm.server.entrypoints.openai.guided import guided_decoding, logit_bias
 from pagedllm.server.entrypoints.openai.protocol import PromptInput, PromptTokensDetails, SamplingFields, UsageInfo
+from pagedllm.server.entrypoints.openai.serving_lora import LoRAModules
+from pagedllm.server.lora_request import LoRARequest
 from pagedllm.server.outputs import EngineOutput, RequestOutput
 from pagedllm.server.pooling_params import PoolingParams
 from pagedllm.server.sampling_params import SamplingParams
@@ -73,6 +75,10 @@ class OpenAIServing:
     log_requests: bool = True
     """One access-log line per finished request (``--disable-log-requests`` turns it off)."""
     draining: bool = False
+    loras: LoRAModules = field(default_factory=LoRAModules)
+    """The LoRA adapters served, by the name a request gives as ``model``."""
+    on_lora_request: Callable[[str], None] | None = None
+    """Called with the adapter's name for each request that runs with one (the per-adapter counter)."""
     _serials: Iterator[int] = field(default_factory=itertools.count, init=False, repr=False)
 
     @property
@@ -91,14 +97,19 @@ class OpenAIServing:
         return info
 
     # -- checks ---------------------------------------------------------------------------------
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model not in self.served_model_names:
+    def check_model(self, model: str | None) -> LoRARequest | None:
+        """The LoRA adapter ``model`` names (None: the base model); 404 for a name this server does not serve."""
+        if model is None or model in self.served_model_names:
+            return None
+        lora = self.loras.get(model)
+        if lora is None:
             raise APIError(
                 404,
-                f"The model `{model}` does not exist: this server serves {self.served_model_names}",
+                f"The model `{model}` does not exist: this server serves {self.served_model_names + self.loras.names}",
                 param="model",
                 code="model_not_found",
             )
+        return lora
 
     def check_ready(self) -> None:
         if self.draining:
@@ -223,6 +234,7 @@ class OpenAIServing:
         params: SamplingParams | PoolingParams,
         param_names: Mapping[str, str],
         cache_salt: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> list[RequestStream]:
         """Add one engine request per prompt; on any failure the ones added are aborted.
 
@@ -241,7 +253,9 @@ class OpenAIServing:
         try:
             for i, prompt in enumerate(prompts):
                 engine_prompt = {"prompt": prompt.text, "prompt_token_ids": prompt.token_ids, "cache_salt": cache_salt}
-                streams.append(await self.engine.add_request(f"{engine_id}-{i}", engine_prompt, params, now))
+                streams.append(
+                    await self.engine.add_request(f"{engine_id}-{i}", engine_prompt, params, now, lora_request)
+                )
         except ConfigError as exc:
             raise from_config_error(exc, param_names) from exc
         except EngineDeadError as exc:
@@ -249,6 +263,8 @@ class OpenAIServing:
         finally:
             if len(streams) < len(prompts):
                 self.abort(streams)
+        if lora_request is not None and self.on_lora_request is not None:
+            self.on_lora_request(lora_request.lora_name)
         return streams
 
     def abort(self, streams: list[RequestStream]) -> None:

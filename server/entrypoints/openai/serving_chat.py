@@ -116,7 +116,7 @@ class OpenAIServingChat:
         """
         serving = self.serving
         started = time.monotonic()
-        serving.check_model(req.model)
+        lora = serving.check_model(req.model)
         serving.check_ready()
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
@@ -148,7 +148,7 @@ class OpenAIServingChat:
             **{field: renames.get(param, param) for field, param in guided_param_names(req).items()},
             **({} if req.best_of is not None else {"best_of": "n"}),
         }
-        streams = await serving.start(request_id, [prompt], params, param_names, cache_salt)
+        streams = await serving.start(request_id, [prompt], params, param_names, cache_salt, lora)
         return ChatRun(request_id, prompt, params, tools, streams, started)
 
     def prompt(

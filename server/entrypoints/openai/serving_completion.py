@@ -37,7 +37,7 @@ class OpenAIServingCompletion:
     ) -> CompletionResponse | SSEResponse:
         serving = self.serving
         started = time.monotonic()
-        serving.check_model(req.model)
+        lora = serving.check_model(req.model)
         serving.check_ready()
         logprobs = req.logprobs
         params = serving.sampling_params(
@@ -54,7 +54,7 @@ class OpenAIServingCompletion:
         request_id = context.request_id or f"cmpl-{uuid.uuid4().hex}"
         cache_salt = serving.cache_salt(req.cache_salt, context)
         param_names = {**guided_param_names(req), **({} if req.best_of is not None else {"best_of": "n"})}
-        streams = await serving.start(request_id, prompts, params, param_names, cache_salt)
+        streams = await serving.start(request_id, prompts, params, param_names, cache_salt, lora)
         if req.stream:
             return stream(
                 serving,

@@ -36,7 +36,7 @@ class OpenAIServingEmbedding:
     async def create(self, req: EmbeddingRequest, context: RequestContext = RequestContext()) -> EmbeddingResponse:
         serving = self.serving
         started = time.monotonic()
-        serving.check_model(req.model)
+        lora = serving.check_model(req.model)
         serving.check_ready()
         try:
             params = PoolingParams(normalize=req.normalize, dimensions=req.dimensions)
@@ -46,7 +46,7 @@ class OpenAIServingEmbedding:
         self._check_no_empty_string(prompts)
         request_id = context.request_id or f"embd-{uuid.uuid4().hex}"
         cache_salt = serving.cache_salt(req.cache_salt, context)
-        streams = await serving.start(request_id, prompts, params, INPUT_PARAMS, cache_salt)
+        streams = await serving.start(request_id, prompts, params, INPUT_PARAMS, cache_salt, lora)
         outputs = await serving.finished(streams, EmbeddingRequestOutput)
         data = [
             EmbeddingData(index=i, embedding=encode(output.outputs.embedding, req.encoding_format))

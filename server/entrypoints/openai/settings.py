@@ -39,6 +39,10 @@ class ServerSettings:
     cache_salt_policy: str = "optional"
     """``optional``: requests may give a ``cache_salt``; ``required``: they must; ``api-key``: the salt is
     derived from the caller's bearer token (plus any salt given), so tenants never share prefix blocks."""
+    lora_modules: dict[str, str] = field(default_factory=dict)
+    """LoRA adapters served from the start: the name a request gives as ``model`` -> its PEFT directory."""
+    allow_runtime_lora_updating: bool = False
+    """Serve ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` (``PAGEDLLM_ALLOW_RUNTIME_LORA_UPDATING``)."""
     responses_store_size: int = DEFAULT_RESPONSES_STORE_SIZE
     """Most ``/v1/responses`` answers kept in memory for ``previous_response_id`` (least recently used
     out first); 0 keeps none."""
