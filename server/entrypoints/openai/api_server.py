@@ -80,7 +80,7 @@ def build_app(config: EngineConfig, settings: ServerSettings | None = None) -> F
     """The ASGI app; ``app.state.serving`` / ``.engine`` / ``.metrics`` expose the parts (tests use them)."""
     settings = settings or ServerSettings()
     names = settings.served_model_names or [default_model_name(config)]
-    engine = AsyncLLMEngine(config, warmup=settings.warmup)
+    engine = make_engine(config, settings)
     metrics = ServerMetrics(names[0], config, engine.stats)
     engine.observer = metrics.observe
     max_waiting = settings.max_queue_len or 4 * config.scheduler.max_num_seqs
@@ -112,6 +112,15 @@ def build_app(config: EngineConfig, settings: ServerSettings | None = None) -> F
     )
     _add_ops_routes(app, serving, metrics)
     return app
+
+
+def make_engine(config: EngineConfig, settings: ServerSettings) -> AsyncLLMEngine:
+    """The async engine ``settings.engine_core`` asks for: in an engine-core process, or on a thread here."""
+    if settings.engine_core == "process":
+        from pagedllm.server.engine.core_client import MultiprocessAsyncEngine
+
+        return MultiprocessAsyncEngine(config, warmup=settings.warmup)
+    return AsyncLLMEngine(config, warmup=settings.warmup)
 
 
 # -- routes ---------------------------------------------------------------------------------------
