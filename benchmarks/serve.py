@@ -187,6 +187,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         "server 'before', with the same flags, and compare.",
     )
     p.add_argument("--vllm-python", default=None, help="python of vLLM's venv: also serve with `vllm serve`, compare.")
+    p.add_argument(
+        "--vllm-server",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="With --vllm-python, also serve with `vllm serve` and compare; --no-vllm-server takes only vLLM's "
+        "client from that venv (--client vllm).",
+    )
     p.add_argument("--vllm-serve-args", default="", help="Extra `vllm serve` flags, as one string.")
     p.add_argument("--vllm-kv-cache-gib", type=float, default=4.0, help="vLLM's KV cache (VLLM_CPU_KVCACHE_SPACE).")
     p.add_argument(
@@ -243,6 +250,7 @@ def _check(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         except ValueError as exc:
             p.error(str(exc))
         args.launch = True  # NOTE: a comparison starts both servers itself, on the same model directory
+    args.vllm_server = bool(args.vllm_python and args.vllm_server)
     if args.client == "vllm" and not args.vllm_python:
         p.error("--client=vllm runs `vllm bench serve` from vLLM's venv: give --vllm-python")
     if args.client == "vllm" and args.dataset != "random":
@@ -256,7 +264,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     # NOTE: a SIGTERM (a timeout, a scheduler) unwinds like Ctrl-C, so the servers started here stop too
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
-    servers = ["ours", *(["before"] if args.baseline_python else []), *(["vllm"] if args.vllm_python else [])]
+    baselines = [name for name, given in (("before", args.baseline_python), ("vllm", args.vllm_server)) if given]
+    servers = ["ours", *baselines]
     runs = []
     with model_directory(args) as args.model_dir, tempfile.TemporaryDirectory(prefix="serve-bench-") as tmp:
         for repeat in range(args.repeats):

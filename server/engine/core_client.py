@@ -117,6 +117,7 @@ class MultiprocessAsyncEngine(AsyncLLMEngine):
                     if socket is not None:
                         socket.close(linger=0)
             self._zmq.term()
+            self._zmq = None
             shutil.rmtree(self._dir, ignore_errors=True)
 
     def _stop_process(self, timeout: float) -> None:
