@@ -188,3 +188,28 @@ def test_a_dead_core_fails_pending_calls(tiny_llama):
             await engine.shutdown()
 
     run(scenario())
+
+
+def test_tensor_parallel_ranks_hang_off_the_core_and_go_with_it(tiny_llama):
+    config = engine_config(tiny_llama, tensor_parallel_size=2, block_size=8)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+    async def tokens(engine: AsyncLLMEngine) -> tuple[list[int], list[int]]:
+        engine.start()
+        await engine.wait_until_ready(180)
+        try:
+            last = [o async for o in engine.generate({"prompt": "hello"}, params, "tp")][-1]
+            core = getattr(engine, "process", None)
+            ranks = child_pids(core.pid) if core is not None else []
+            if core is not None:
+                os.kill(core.pid, signal.SIGKILL)
+            return last.outputs[0].token_ids, ranks
+        finally:
+            await engine.shutdown()
+
+    expected, _ = run(tokens(AsyncLLMEngine(config)))
+    got, ranks = run(tokens(MultiprocessAsyncEngine(config)))
+    assert got == expected
+    assert ranks, "the second rank is a child of the engine core"
+    for pid in ranks:
+        assert wait_gone(pid, 15), f"rank {pid} outlived its engine core"
