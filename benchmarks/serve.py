@@ -180,7 +180,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dtype", default=None, help="--dtype of each launched server (default: its own).")
     p.add_argument("--model", default=None, help="Model name to send (default: the server's first model).")
     p.add_argument("--api-key", default=None, help="Bearer key (default: $PAGEDLLM_API_KEY).")
+    p.add_argument(
+        "--baseline-python",
+        default=None,
+        help="python of another PagedLLM checkout's venv (e.g. main's): also launch its `pagedllm serve` as "
+        "server 'before', with the same flags, and compare.",
+    )
     p.add_argument("--vllm-python", default=None, help="python of vLLM's venv: also serve with `vllm serve`, compare.")
+    p.add_argument(
+        "--vllm-server",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="With --vllm-python, also serve with `vllm serve` and compare; --no-vllm-server takes only vLLM's "
+        "client from that venv (--client vllm).",
+    )
     p.add_argument("--vllm-serve-args", default="", help="Extra `vllm serve` flags, as one string.")
     p.add_argument("--vllm-kv-cache-gib", type=float, default=4.0, help="vLLM's KV cache (VLLM_CPU_KVCACHE_SPACE).")
     p.add_argument(
@@ -237,6 +250,7 @@ def _check(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         except ValueError as exc:
             p.error(str(exc))
         args.launch = True  # NOTE: a comparison starts both servers itself, on the same model directory
+    args.vllm_server = bool(args.vllm_python and args.vllm_server)
     if args.client == "vllm" and not args.vllm_python:
         p.error("--client=vllm runs `vllm bench serve` from vLLM's venv: give --vllm-python")
     if args.client == "vllm" and args.dataset != "random":
@@ -250,7 +264,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     # NOTE: a SIGTERM (a timeout, a scheduler) unwinds like Ctrl-C, so the servers started here stop too
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
-    servers = ["ours", "vllm"] if args.vllm_python else ["ours"]
+    baselines = [name for name, given in (("before", args.baseline_python), ("vllm", args.vllm_server)) if given]
+    servers = ["ours", *baselines]
     runs = []
     with model_directory(args) as args.model_dir, tempfile.TemporaryDirectory(prefix="serve-bench-") as tmp:
         for repeat in range(args.repeats):
@@ -297,6 +312,8 @@ def measure(server: str, args, tmp: str) -> tuple[str, dict]:
         if server == "vllm":
             print(f"starting vllm serve (its log: {log_path})")
             proc, base_url = launch_vllm(args, log)
+        elif server == "before":
+            proc, base_url = launch_ours(args, python=args.baseline_python)
         elif args.launch:
             proc, base_url = launch_ours(args)
         else:

@@ -106,17 +106,18 @@ COLUMNS = (
 
 def side_by_side(runs: list[dict], medians: dict[str, dict]) -> str:
     """A markdown table: each run (``{"server", "repeat", "summary"}``), each server's medians and,
-    with two servers, ours over vLLM (above 1 is better for throughput, worse for latencies)."""
+    ours over each baseline run (``before``, ``vllm``; above 1 is better for throughput, worse for latencies)."""
     head = "| server | run | " + " | ".join(title for _, title in COLUMNS) + " |"
     lines = [head, "|---|---|" + "---|" * len(COLUMNS)]
     for run in runs:
         lines.append(_row(run["server"], str(run["repeat"] + 1), run["summary"]))
     if len(runs) > len(medians):
         lines += [_row(server, "median", summary) for server, summary in medians.items()]
-    if {"ours", "vllm"} <= medians.keys():
-        ours, vllm = medians["ours"], medians["vllm"]
-        ratios = [f"{ours[k] / vllm[k]:.2f}" if vllm[k] else "-" for k, _ in COLUMNS]
-        lines.append("| ours / vLLM | median | " + " | ".join(ratios) + " |")
+    for other, title in (("before", "ours / before"), ("vllm", "ours / vLLM")):
+        if {"ours", other} <= medians.keys():
+            ours, base = medians["ours"], medians[other]
+            ratios = [f"{ours[k] / base[k]:.2f}" if base[k] else "-" for k, _ in COLUMNS]
+            lines.append(f"| {title} | median | " + " | ".join(ratios) + " |")
     return "\n".join(lines)
 
 

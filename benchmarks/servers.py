@@ -24,15 +24,15 @@ def launch(args, env: dict[str, str] | None = None) -> subprocess.Popen:
     return proc
 
 
-def launch_ours(args, env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:
-    """Start `pagedllm serve` on a free loopback port; the process and its base URL."""
+def launch_ours(args, env: dict[str, str] | None = None, python: str = sys.executable) -> tuple[subprocess.Popen, str]:
+    """Start `pagedllm serve` (of ``python``'s install) on a free loopback port; the process and its base URL."""
     port = free_port()
     base_url = f"http://127.0.0.1:{port}"
-    return start_server(our_command(args, port), base_url + "/ready", env), base_url
+    return start_server(our_command(args, port, python), base_url + "/ready", env), base_url
 
 
-def our_command(args, port: int) -> list[str]:
-    cmd = [sys.executable, "-m", "pagedllm.server.entrypoints.cli", "serve", "--host", "127.0.0.1", "--port", str(port)]
+def our_command(args, port: int, python: str = sys.executable) -> list[str]:
+    cmd = [python, "-m", "pagedllm.server.entrypoints.cli", "serve", "--host", "127.0.0.1", "--port", str(port)]
     cmd += ["--log-level", "warning"]
     if getattr(args, "model_dir", None):
         cmd += ["--model", args.model_dir, "--served-model-name", SERVED_NAME]

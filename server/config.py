@@ -64,6 +64,16 @@ class ConfigError(ValueError):
         """The same error, shown under ``name`` (a flag, a spec path, a request parameter)."""
         return ConfigError(self.field, self.value, self.allowed, problem=self.problem, subject=self.subject, name=name)
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # NOTE: keyword-only arguments are not in ``args``: without this it cannot cross a process boundary.
+        return _rebuild_config_error, (self.field, self.value, self.allowed, self.problem, self.subject, self.name)
+
+
+def _rebuild_config_error(
+    field: str, value: Any, allowed: str, problem: str, subject: str | None, name: str
+) -> ConfigError:
+    return ConfigError(field, value, allowed, problem=problem, subject=subject, name=name)
+
 
 def _help(text: str, **extra: Any) -> dict:
     return {"help": text, **extra}

@@ -113,7 +113,7 @@ class AsyncLLMEngine:
     async def shutdown(self, timeout: float = 10.0) -> None:
         """Stop the thread; requests still in flight end with :class:`EngineDeadError`."""
         self._stopping.set()
-        self._commands.put(Wake())
+        self._send(Wake())
         if self._thread is not None:
             await asyncio.get_running_loop().run_in_executor(None, self._thread.join, timeout)
         reject_all(self._commands, EngineDeadError("the server is shutting down"))
@@ -148,14 +148,14 @@ class AsyncLLMEngine:
         stream = RequestStream(request_id, arrival)
         self._streams[request_id] = stream
         done: concurrent.futures.Future = concurrent.futures.Future()
-        self._commands.put(AddRequest(request_id, prompt, params, arrival, done, lora_request))
+        self._send(AddRequest(request_id, prompt, params, arrival, done, lora_request))
         try:
             await asyncio.wrap_future(done)
         except BaseException:
             self._streams.pop(request_id, None)
             rejected = done.done() and not done.cancelled() and done.exception() is not None
             if not rejected:  # cancelled while waiting: the engine may hold it already
-                self._commands.put(AbortRequests([request_id]))
+                self._send(AbortRequests([request_id]))
                 if self.observer is not None:
                     self.observer(stream, None, None)
             raise
@@ -193,7 +193,7 @@ class AsyncLLMEngine:
         if stream is None:
             return
         stream.finished = True
-        self._commands.put(AbortRequests([request_id]))
+        self._send(AbortRequests([request_id]))
         if self.observer is not None:
             self.observer(stream, None, None)
 
@@ -214,12 +214,16 @@ class AsyncLLMEngine:
         if not self.is_alive:
             raise EngineDeadError(self.not_ready_reason())
         done: concurrent.futures.Future = concurrent.futures.Future()
-        self._commands.put(CallEngine(fn, done))
+        self._send(CallEngine(fn, done))
         return done
 
     def stats(self) -> EngineStats | None:
         """The newest snapshot of the engine's counters (taken after steps, at most every 50 ms)."""
         return self._stats.latest
+
+    def _send(self, command: Command) -> None:
+        """Hand ``command`` to the engine; it runs between steps."""
+        self._commands.put(command)
 
     # -- the engine thread ----------------------------------------------------------------
     def _run(self) -> None:

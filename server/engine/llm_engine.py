@@ -20,7 +20,7 @@ import time
 import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -144,6 +144,8 @@ class LLMEngine:
         self.sampler = Sampler(config.model.seed)
         self.input_processor = InputProcessor(self.tokenizer, info.vocab_size, limit, config.scheduler.max_num_seqs)
         self.output_processor = OutputProcessor(self.tokenizer, info.eos_token_ids, limit)
+        self.request_output: Callable[[SequenceGroup], Any] = OutputProcessor.request_output
+        """What :meth:`step` reports for a generation request; the engine-core process reports deltas instead."""
         self._next_seq_id = itertools.count().__next__  # NOTE: the counter's method, not the engine's
         self._requests: dict[str, RequestState] = {}
         self._num_steps = 0
@@ -376,7 +378,7 @@ class LLMEngine:
 
     def _output(self, group: SequenceGroup) -> EngineOutput:
         if group.pooling_params is None:
-            return self.output_processor.request_output(group)
+            return self.request_output(group)
         state = self._requests.get(group.request_id)
         return self.output_processor.embedding_output(group, state.embedding if state is not None else None)
 

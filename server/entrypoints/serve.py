@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import operator
 import os
 import signal
 import socket
@@ -22,6 +23,7 @@ from pagedllm.server.entrypoints.openai.settings import (
     CACHE_SALT_POLICIES,
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_RESPONSES_STORE_SIZE,
+    ENGINE_CORE_MODES,
 )
 
 API_KEY_ENV = "PAGEDLLM_API_KEY"
@@ -133,6 +135,14 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="LoRA adapters to serve (with --enable-lora): a request's model picks one by NAME; PATH is a "
         'PEFT directory; vLLM\'s JSON form {"name": ..., "path": ...} is read too (default: none).',
     )
+    group.add_argument(
+        "--engine-core",
+        choices=ENGINE_CORE_MODES,
+        default="process",
+        help="Where the engine (scheduler, model, sampler) runs: 'process', an engine-core process of its own, "
+        "so HTTP, tokenization and streaming never wait for a model step; or 'thread', a thread of the server "
+        "process (default: process).",
+    )
     group.add_argument("--log-level", default="info", choices=LOG_LEVELS, help="Logging level (default: info).")
     group.add_argument(
         "--disable-log-requests",
@@ -163,6 +173,7 @@ def settings_from_args(args: argparse.Namespace):
             chat_template=load_chat_template(args.chat_template),
             lora_modules=parse_lora_modules(args.lora_modules or []),
             allow_runtime_lora_updating=runtime_updates_allowed(),
+            engine_core=args.engine_core,
         )
     except ConfigError as exc:
         raise exc.renamed(SERVER_FLAGS.get(exc.field, exc.name)) from exc
@@ -308,7 +319,7 @@ def draining_server(config, state, drain_timeout: float):
                 self.should_exit = True
                 return
             logger.info(
-                "%s", await state.engine.call(lambda engine: engine.describe(self.config.host, self.config.port))
+                "%s", await state.engine.call(operator.methodcaller("describe", self.config.host, self.config.port))
             )
             # NOTE: a dead engine cannot serve again: exit non-zero so Kubernetes restarts the pod.
             while state.engine.error is None:

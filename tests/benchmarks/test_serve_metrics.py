@@ -38,3 +38,15 @@ def test_median_summary_pools_the_errors_of_every_run():
     failed = summarize([RequestResult(prompt_len=1, error="HTTP 500")], 1.0)
     merged = median_summary([failed, summary(1.0, 0.1)])
     assert merged["errors"] == ["HTTP 500"] and merged["completed"] == 0.5
+
+
+def test_a_before_server_gets_its_own_ratio_row_above_vllms():
+    runs = [
+        {"server": "ours", "repeat": 0, "summary": summary(3.0, 0.100)},
+        {"server": "before", "repeat": 0, "summary": summary(2.0, 0.400)},
+        {"server": "vllm", "repeat": 0, "summary": summary(4.0, 0.050)},
+    ]
+    medians = {s: median_summary([r["summary"] for r in runs if r["server"] == s]) for s in ("ours", "before", "vllm")}
+    rows = side_by_side(runs, medians).splitlines()
+    assert rows[-2].startswith("| ours / before | median | 1.50 |") and "| 0.25 |" in rows[-2]
+    assert rows[-1].startswith("| ours / vLLM | median | 0.75 |")

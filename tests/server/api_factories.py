@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import operator
 import os
 import socket
 import subprocess
@@ -66,7 +67,7 @@ class LiveServer:
 
     def stats(self, timeout: float = 10.0):
         """The engine's stats, taken on the engine thread between steps."""
-        return self.engine.submit(lambda engine: engine.stats()).result(timeout)
+        return self.engine.submit(operator.methodcaller("stats")).result(timeout)
 
 
 def wait_ready(url: str, timeout: float = READY_TIMEOUT_S, proc: subprocess.Popen | None = None) -> None:

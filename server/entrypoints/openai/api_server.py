@@ -85,7 +85,7 @@ def build_app(config: EngineConfig, settings: ServerSettings | None = None) -> F
             "lora_modules", sorted(settings.lora_modules), "add --enable-lora", problem="needs LoRA, which is off"
         )
     names = settings.served_model_names or [default_model_name(config)]
-    engine = AsyncLLMEngine(config, warmup=settings.warmup)
+    engine = make_engine(config, settings)
     metrics = ServerMetrics(names[0], config, engine.stats)
     engine.observer = metrics.observe
     max_waiting = settings.max_queue_len or 4 * config.scheduler.max_num_seqs
@@ -121,6 +121,15 @@ def build_app(config: EngineConfig, settings: ServerSettings | None = None) -> F
     if settings.allow_runtime_lora_updating and config.lora.enable_lora:
         add_lora_routes(app, serving)
     return app
+
+
+def make_engine(config: EngineConfig, settings: ServerSettings) -> AsyncLLMEngine:
+    """The async engine ``settings.engine_core`` asks for: in an engine-core process, or on a thread here."""
+    if settings.engine_core == "process":
+        from pagedllm.server.engine.core_client import MultiprocessAsyncEngine
+
+        return MultiprocessAsyncEngine(config, warmup=settings.warmup)
+    return AsyncLLMEngine(config, warmup=settings.warmup)
 
 
 # -- routes ---------------------------------------------------------------------------------------

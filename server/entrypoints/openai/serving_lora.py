@@ -20,6 +20,7 @@ import json
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from operator import methodcaller
 
 from fastapi.responses import PlainTextResponse
 
@@ -106,7 +107,7 @@ def add_lora_routes(app, serving) -> None:
             raise bad_request(f"The lora adapter `{name}` has already been loaded: unload it first", "lora_name")
         try:
             request = serving.loras.make(name, body.lora_path)
-            await serving.engine.call(lambda engine: engine.add_lora(request))
+            await serving.engine.call(methodcaller("add_lora", request))
         except ConfigError as exc:
             raise from_config_error(exc, {"lora_request": "lora_path", "lora_name": "lora_name"}) from exc
         serving.loras.register(request)
@@ -124,7 +125,7 @@ def add_lora_routes(app, serving) -> None:
                 code="model_not_found",
                 type="not_found_error",
             )
-        if not await serving.engine.call(lambda engine: engine.remove_lora(request.lora_int_id)):
+        if not await serving.engine.call(methodcaller("remove_lora", request.lora_int_id)):
             raise bad_request(f"The lora adapter `{body.lora_name}` is in use by running requests: retry later")
         serving.loras.remove(body.lora_name)
         return f"Success: LoRA adapter '{body.lora_name}' removed successfully."

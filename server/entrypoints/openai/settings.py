@@ -9,6 +9,7 @@ from pagedllm.server.config import ConfigError, check_choice
 DEFAULT_MAX_BODY_BYTES = 8 << 20
 CACHE_SALT_POLICIES = ("optional", "required", "api-key")
 DEFAULT_RESPONSES_STORE_SIZE = 500
+ENGINE_CORE_MODES = ("process", "thread")
 
 
 @dataclass
@@ -46,6 +47,10 @@ class ServerSettings:
     responses_store_size: int = DEFAULT_RESPONSES_STORE_SIZE
     """Most ``/v1/responses`` answers kept in memory for ``previous_response_id`` (least recently used
     out first); 0 keeps none."""
+    engine_core: str = "thread"
+    """Where the engine runs: ``process`` (an engine-core process of its own, fed over ZMQ; what
+    ``pagedllm serve`` uses) or ``thread`` (a thread of the server's process; the default for an app
+    built in a Python program, e.g. tests, where ``engine.call`` may take any callable)."""
 
     def __post_init__(self) -> None:
         if self.request_timeout is not None and self.request_timeout <= 0:
@@ -65,3 +70,4 @@ class ServerSettings:
                 "responses_store_size", self.responses_store_size, "must be >= 0", problem="is out of range"
             )
         check_choice("cache_salt_policy", self.cache_salt_policy, CACHE_SALT_POLICIES)
+        check_choice("engine_core", self.engine_core, ENGINE_CORE_MODES)
