@@ -9,7 +9,12 @@ import torch.nn.functional as F
 from pagedllm.server.worker.attention import AttentionMetadata, select_attention_ops
 from pagedllm.server.worker.models.cpu_linear import can_pack, linear, pack_weight, prepack_linears
 from pagedllm.server.worker.models.decoder import DecoderForCausalLM
-from pagedllm.server.worker.models.tensor_parallel import ColumnParallelLinear, ParallelLMHead, RowParallelLinear
+from pagedllm.server.worker.models.tensor_parallel import (
+    ColumnParallelLinear,
+    ParallelLMHead,
+    RowParallelLinear,
+    mark_shard,
+)
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
 
@@ -75,6 +80,16 @@ def test_prepack_packs_every_projection_once_and_keeps_names(tie):
     assert head.weight.is_mkldnn is not tie
     assert not model.model.embed_tokens.weight.is_mkldnn
     assert prepack_linears(model) == 0  # packed weights are not packed again
+
+
+def test_prepack_keeps_the_shard_rule_loading_marked():
+    # NOTE: at TP > 1 loading marks each rank's slice on the parameter; LoRA reads it after packing.
+    model = _tiny_decoder(False)
+    q_proj = model.model.layers[0].self_attn.q_proj
+    rule = lambda full: full.narrow(0, 0, 8)  # noqa: E731
+    mark_shard(q_proj.weight, rule)
+    prepack_linears(model)
+    assert q_proj.weight.is_mkldnn and q_proj.weight.shard is rule
 
 
 def test_prepacked_decoder_gives_the_same_logits():

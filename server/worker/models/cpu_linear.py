@@ -78,6 +78,10 @@ def prepack_linears(model: nn.Module) -> int:
     for module in model.modules():
         if isinstance(module, PackableLinear) and module.packable() and can_pack(module.weight):
             with torch.no_grad():
-                module.weight = pack_weight(module.weight)
+                weight = pack_weight(module.weight)
+            # NOTE: what loading marked on the plain parameter (its TP shard rule, read by LoRA) stays
+            if hasattr(module.weight, "shard"):
+                weight.shard = module.weight.shard  # type: ignore[attr-defined]
+            module.weight = weight
             packed += 1
     return packed
