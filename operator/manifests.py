@@ -352,7 +352,7 @@ def _download_container(spec: PagedLLMSpec, config: RenderConfig, mounts: list[d
         "name": JOB_CONTAINER if job else WAIT_CONTAINER if waits else FETCH_CONTAINER,
         "image": spec.image or config.default_image,
         "imagePullPolicy": spec.image_pull_policy,
-        "command": download_args(spec, wait=waits),
+        "command": download_args(spec, wait=waits) + adapter_args(spec),
         "env": hub_env(spec),
         "resources": WAIT_RESOURCES if waits else download_resources(),
         "securityContext": _container_security(),

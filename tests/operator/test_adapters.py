@@ -23,12 +23,14 @@ def test_hub_adapters_download_with_the_model_and_reach_the_server():
         "sql": "/models/adapters/sql",
         "chat": "/models/adapters/chat",
     }
-    fetch = pod(manifests)["initContainers"][0]["command"][3:]
-    assert fetch == [
-        "org/model",
+    fetch = pod(manifests)["initContainers"][0]["command"]
+    assert fetch[fetch.index("download") + 1 :] == [
+        "hf://org/model",
         "/models/org/model",
+        "--adapter",
         "org/sql-lora",
         "/models/adapters/sql",
+        "--adapter",
         "org/chat-lora",
         "/models/adapters/chat",
     ]

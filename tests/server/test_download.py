@@ -196,6 +196,24 @@ def test_waiting_polls_for_the_marker_and_says_so_each_minute(tmp_path):
         dl.wait_until_complete(tmp_path / "x", source, None, sleep=sleep, clock=lambda: now[0], timeout=30)
 
 
+def test_adapters_come_after_the_model_and_are_waited_for_alike(tmp_path, monkeypatch):
+    fetched = []
+
+    def snapshot_download(**kwargs):
+        fetched.append((kwargs["repo_id"], kwargs["revision"]))
+        Path(kwargs["local_dir"], "weights.safetensors").write_bytes(b"w")
+        return kwargs["local_dir"]
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    model, sql = tmp_path / "org" / "name@v2", tmp_path / "adapters" / "sql"
+    args = ["download", "hf://org/name", str(model), "--revision", "v2", "--adapter", "org/sql-lora", str(sql)]
+    assert main(args) == 0
+    assert fetched == [("org/name", "v2"), ("org/sql-lora", None)]  # the adapter has no pin of its own
+    assert dl.is_complete(sql, dl.parse_source("org/sql-lora"), None)
+    assert main([*args, "--wait"]) == 0  # a pod waiting for the Job returns once both are in
+    assert len(fetched) == 2
+
+
 def test_the_cli_refuses_an_unknown_source(capsys):
     with pytest.raises(SystemExit) as info:
         main(["download", "ftp://x/y", "/tmp/never"])
