@@ -33,6 +33,7 @@ from pagedllm.server.core.sequence import Sequence, SequenceGroup, SequenceStatu
 from pagedllm.server.engine.beam_search import BeamSearch, BeamState
 from pagedllm.server.engine.faults import EngineFatalError, FaultInjector, StepFailureWindow
 from pagedllm.server.engine.input_processor import InputProcessor, PromptType
+from pagedllm.server.engine.lora_registry import LoRARegistry
 from pagedllm.server.engine.model_info import ModelInfo, load_tokenizer, read_model_info
 from pagedllm.server.engine.output_processor import OutputProcessor
 from pagedllm.server.engine.sampler import Sampler
@@ -138,7 +139,7 @@ class LLMEngine:
         self.model_info: ModelInfo = dataclasses.replace(info, max_model_len=min(info.max_model_len, capacity))
         limit = self.model_info.max_model_len
         self.lora_slots = LoRASlots(config.lora.max_loras) if config.lora.enable_lora else None
-        self._loras: dict[int, LoRARequest] = {}
+        self.loras = LoRARegistry(self.runner.lora, self.lora_slots)
         """Adapters checked against the model, by id."""
         self.scheduler = Scheduler(config.scheduler, self.block_manager, self.lora_slots)
         self.sampler = Sampler(config.model.seed)
@@ -265,39 +266,12 @@ class LLMEngine:
         self.scheduler.add(group)
 
     def add_lora(self, lora_request: LoRARequest | None) -> None:
-        """Check an adapter against the model (config and tensor shapes) once per id; :class:`ConfigError` if it
-        does not fit, LoRA is off, or its id already names another adapter. Its weights load when a step needs them.
-        """
-        if lora_request is None:
-            return
-        if self.runner.lora is None:
-            raise ConfigError(
-                "lora_request",
-                lora_request.lora_name,
-                "start the engine with enable_lora=True (--enable-lora)",
-                problem="needs LoRA, which is off",
-                subject=f"LoRA adapter {lora_request.lora_name!r}",
-            )
-        known = self._loras.get(lora_request.lora_int_id)
-        if known == lora_request:
-            return
-        if known is not None:
-            raise ConfigError(
-                "lora_request",
-                lora_request.lora_int_id,
-                f"give each adapter its own id (it names {known.lora_name!r} at {known.lora_path})",
-                problem="is already in use",
-                subject=f"lora_int_id={lora_request.lora_int_id}",
-            )
-        self.runner.lora.check(lora_request)
-        self._loras[lora_request.lora_int_id] = lora_request
+        """Check an adapter against the model once per id (see :meth:`LoRARegistry.add`)."""
+        self.loras.add(lora_request)
 
     def remove_lora(self, lora_int_id: int) -> bool:
-        """Forget an adapter (its slot is freed for others); False (nothing done) while requests use it."""
-        if self.lora_slots is not None and not self.lora_slots.forget(lora_int_id):
-            return False
-        self._loras.pop(lora_int_id, None)
-        return True
+        """Forget an adapter; False (nothing done) while requests use it."""
+        return self.loras.remove(lora_int_id)
 
     def _pooling_params(self, params: SamplingParams | PoolingParams) -> PoolingParams | None:
         """An embedding request's parameters with the engine's pooling type filled in; None for generation."""
@@ -514,17 +488,7 @@ class LLMEngine:
             num_window_frees=bm.num_window_frees,
             kv_event_batches_dropped=self.kv_event_publisher.num_dropped if self.kv_event_publisher else 0,
             spec_decode=self.spec_decoder.stats.snapshot() if self.spec_decoder else None,
-            **self._lora_stats(),
-        )
-
-    def _lora_stats(self) -> dict:
-        if self.lora_slots is None:
-            return {}
-        waiting = {g.lora_request.lora_name for g in self.scheduler.waiting if g.lora_request is not None}
-        return dict(
-            running_lora_adapters=tuple(self.lora_slots.running_names),
-            waiting_lora_adapters=tuple(sorted(waiting)),
-            max_lora=self.lora_slots.max_loras,
+            **self.loras.stats(self.scheduler.waiting),
         )
 
 
