@@ -8,11 +8,12 @@
   i.e. what the weights alone allow a decode step to reach.
 
 Each returns seconds (or tokens/s for the ceiling); every run loads the model afresh, in
-``dtype`` (float32 unless given).
+``dtype`` (float32 unless given), onto the GPU where there is one.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Sequence
 from typing import Protocol
@@ -21,6 +22,7 @@ import torch
 from tqdm import tqdm
 
 PAD_ID = 2
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 class Request(Protocol):
@@ -34,14 +36,14 @@ def _load(model_dir: str, attn_implementation: str = "sdpa", dtype: torch.dtype 
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation=attn_implementation)
-    return model.eval()
+    return model.to(DEVICE).eval()
 
 
 def _left_padded(batch: Sequence[Request]) -> tuple[torch.Tensor, torch.Tensor]:
     width = max(len(r.prompt_token_ids) for r in batch)
     ids = [[PAD_ID] * (width - len(r.prompt_token_ids)) + r.prompt_token_ids for r in batch]
     mask = [[0] * (width - len(r.prompt_token_ids)) + [1] * len(r.prompt_token_ids) for r in batch]
-    return torch.tensor(ids), torch.tensor(mask)  # [batch, width] each
+    return torch.tensor(ids, device=DEVICE), torch.tensor(mask, device=DEVICE)  # [batch, width] each
 
 
 @torch.inference_mode()
@@ -58,7 +60,13 @@ def run_hf_static(
         model.generate(
             ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=PAD_ID
         )
+    _sync()
     return time.perf_counter() - start
+
+
+def _sync() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
 
 
 @torch.inference_mode()
@@ -82,14 +90,18 @@ def run_hf_continuous(
     longest = max(len(r.prompt_token_ids) + r.output_len for r in requests)
     page = 256
     tokens = max_cache_tokens or batch_size * longest
-    cb = ContinuousBatchingConfig(
-        page_size=page,
+    fields = {f.name for f in dataclasses.fields(ContinuousBatchingConfig)}
+    options = dict(
         num_blocks=-(-tokens // page) + batch_size,
         max_requests_per_batch=batch_size,
         max_batch_tokens=max(2048, batch_size),
-        auto_switch_to_flash=False,
         use_cuda_graph=False,
     )
+    # NOTE: transformers renamed block_size to page_size (5.2x) and added auto_switch_to_flash
+    options["page_size" if "page_size" in fields else "block_size"] = page
+    if "auto_switch_to_flash" in fields:
+        options["auto_switch_to_flash"] = False
+    cb = ContinuousBatchingConfig(**options)
     return serve_continuous(model, requests, cb, f"hf continuous bs{batch_size}")
 
 
@@ -126,12 +138,14 @@ def _collect(manager, requests: Sequence[Request], desc: str) -> None:
 def forward_ceiling(model_dir: str, batch_size: int, repeats: int = 20, dtype: torch.dtype = torch.float32) -> float:
     """Tokens/s of one forward of ``batch_size`` single tokens with no KV context (median of repeats)."""
     model = _load(model_dir, dtype=dtype)
-    ids = torch.full((batch_size, 1), 5)  # [batch, 1]
+    ids = torch.full((batch_size, 1), 5, device=DEVICE)  # [batch, 1]
     model(ids, use_cache=False)  # warm-up
     times = []
     for _ in range(repeats):
+        _sync()
         t0 = time.perf_counter()
         model(ids, use_cache=False)
+        _sync()
         times.append(time.perf_counter() - t0)
     times.sort()
     return batch_size / times[len(times) // 2]

@@ -21,6 +21,9 @@ overhead per step (scheduler + block manager, no model) with many running sequen
     python -m benchmarks.throughput --threads 1 --systems ours,ceiling
     python -m benchmarks.throughput --threads 2 --systems ours,vllm --vllm-python ~/vllm/V/bin/python \
         --workloads fixed --batch-sizes 16,64 --num-requests 32,128 --repeats 2
+
+``--shape llama-7b`` runs LLaMA-7B's shape instead (random bf16 weights drawn on the GPU and
+saved, ~13.5 GB): the GPU setting, where every system runs on the GPU.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import os
 import platform
 import statistics
@@ -40,6 +44,7 @@ import torch
 
 from benchmarks.common import HelpFormatter, set_threads
 from benchmarks.hf_baselines import forward_ceiling, run_hf_continuous, run_hf_static
+from benchmarks.paper_setting import LLAMA_7B
 from benchmarks.vllm_baseline import Job, Result, check_python, run_offline
 from benchmarks.workloads import Request, sample_requests
 
@@ -52,6 +57,7 @@ MODEL_SHAPE = dict(
     num_key_value_heads=8,
     max_position_embeddings=2048,
 )
+SHAPES = {"bench": MODEL_SHAPE, "llama-7b": LLAMA_7B}
 SYSTEMS = ("ours", "vllm", "hf_static", "hf_continuous", "ceiling")
 DTYPES = ("float32", "bfloat16")
 
@@ -169,7 +175,8 @@ def scheduling_overhead_us(num_seqs: int, steps: int, block_size: int = 16) -> f
 
 def workload(name: str, num: int, args) -> list[Request]:
     """ShareGPT input lengths; outputs fixed or ShareGPT-like (see the module docstring)."""
-    requests = sample_requests("sharegpt", num, MODEL_SHAPE["vocab_size"], args.seed, max_output=args.max_output)
+    vocab = SHAPES[args.shape]["vocab_size"]
+    requests = sample_requests("sharegpt", num, vocab, args.seed, max_output=args.max_output)
     if name == "fixed":
         return [Request(r.prompt_token_ids, args.fixed_output) for r in requests]
     return requests
@@ -246,6 +253,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--systems", default=None, help=f"which of {SYSTEMS} to run (default: all; vllm only with --vllm-python)"
     )
+    parser.add_argument(
+        "--shape", default="bench", choices=sorted(SHAPES), help="model shape: the small bench LLaMA or LLaMA-7B's"
+    )
     parser.add_argument("--dtype", default="float32", choices=DTYPES, help="weights and activations, every system")
     parser.add_argument("--repeats", type=int, default=1, help="runs of every system per case, in turn")
     parser.add_argument("--vllm-python", default=None, help="python of a venv with vLLM's CPU build: adds vllm")
@@ -285,7 +295,33 @@ def _systems(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[
 
 def machine() -> str:
     cpu = platform.processor() or platform.machine()
+    if torch.cuda.is_available():
+        import triton
+
+        gpu = torch.cuda.get_device_name(0)
+        return f"{gpu}, torch {torch.__version__} (CUDA {torch.version.cuda}), triton {triton.__version__}, {cpu}"
     return f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__}, device cpu"
+
+
+def write_model(model_dir: str, shape: str) -> int:
+    """The run's random-weight model in ``model_dir``; its parameter count."""
+    if shape == "bench":
+        return save_random_llama(model_dir)
+    from benchmarks.llama7b import write_llama7b
+
+    write_llama7b(model_dir, weights=True)
+    return _count_params(model_dir)
+
+
+def _count_params(model_dir: str) -> int:
+    from safetensors import safe_open
+
+    total = 0
+    for name in sorted(os.listdir(model_dir)):
+        if name.endswith(".safetensors"):
+            with safe_open(os.path.join(model_dir, name), "pt") as f:
+                total += sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
+    return total
 
 
 def main() -> None:
@@ -298,6 +334,7 @@ def main() -> None:
         "machine": machine(),
         "threads": threads,
         "dtype": args.dtype,
+        "shape": args.shape,
         "systems": args.systems,
         "repeats": args.repeats,
         "vllm_python": args.vllm_python,
@@ -312,13 +349,14 @@ def main() -> None:
     }
     os.makedirs(args.out, exist_ok=True)
     suffix = "" if args.dtype == "float32" else f"-{args.dtype}"
-    name = args.result_name or f"throughput-{result['date']}-cpu{os.cpu_count()}-{threads}t{suffix}.json"
+    where = "gpu-" + args.shape if torch.cuda.is_available() else f"cpu{os.cpu_count()}-{threads}t"
+    name = args.result_name or f"throughput-{result['date']}-{where}{suffix}.json"
     path = os.path.join(args.out, name)
     batches = [int(b) for b in args.batch_sizes.split(",")]
     counts = [int(n) for n in args.num_requests.split(",")]
     with tempfile.TemporaryDirectory() as model_dir, tempfile.TemporaryDirectory(prefix="vllm-logs-") as logs:
         args.vllm_log = os.path.join(logs, "vllm.log")
-        result["model_params"] = save_random_llama(model_dir)
+        result["model_params"] = write_model(model_dir, args.shape)
         for name in args.workloads.split(","):
             for batch, num in zip(batches, counts):
                 result["cases"].append(run_workload(model_dir, name, batch, num, threads, args))

@@ -1,0 +1,154 @@
+"""Decode-step time of our engine on a GPU, LLaMA-7B's shape in bf16 (random weights), at
+several batch sizes, against the hardware's floor for the same step.
+
+Per batch size B:
+  ms_per_decode_step  (wall of B requests generating 1 + N tokens - wall of 1 token) / N:
+                      the prompt's prefill cancels out, what is left is N decode steps
+  floor_ms            (weight bytes + KV bytes the step reads) / measured copy bandwidth
+                      (read + write counted, as benchmarks.kernels does)
+  gpu_busy_fraction   sum of the GPU kernels' time / wall time, under torch.profiler, over
+                      a few decode steps: far under 1 means the host (Python, launches,
+                      syncs) is the limit, not the GPU
+and the top operators by GPU time and by host time, from the same profile.
+
+    python -m benchmarks.gpu_step_profile --batch-sizes 1,16,64,256 --out benchmarks/results
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import tempfile
+import time
+
+import torch
+
+from benchmarks.common import HelpFormatter
+from benchmarks.paper_setting import LLAMA_7B
+
+
+def copy_bandwidth() -> float:
+    """Bytes/s of a 1 GiB device-to-device copy, read plus write."""
+    from triton.testing import do_bench
+
+    n = 1 << 30
+    a = torch.randn(n // 2, dtype=torch.bfloat16, device="cuda")
+    b = torch.empty_like(a)
+    ms = do_bench(lambda: b.copy_(a), warmup=25, rep=100, return_mode="median")
+    return 2 * n / (ms / 1e3)
+
+
+def weight_bytes() -> int:
+    h, i, v, n = (LLAMA_7B[k] for k in ("hidden_size", "intermediate_size", "vocab_size", "num_hidden_layers"))
+    per_layer = 4 * h * h + 3 * h * i + 2 * h
+    return 2 * (n * per_layer + 2 * v * h + h)
+
+
+def kv_bytes(batch: int, context: int) -> int:
+    h, n = LLAMA_7B["hidden_size"], LLAMA_7B["num_hidden_layers"]
+    return 2 * 2 * n * h * batch * context  # K and V, bf16
+
+
+def timed_generate(llm, batch: int, prompt_len: int, out_len: int) -> float:
+    from pagedllm.server import SamplingParams
+
+    prompts = [{"prompt_token_ids": [3 + (j * 7 + b) % 30000 for j in range(prompt_len)]} for b in range(batch)]
+    params = SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    torch.cuda.synchronize()
+    assert all(len(o.outputs[0].token_ids) == out_len for o in outs)
+    return time.perf_counter() - start
+
+
+def profile(llm, batch: int, prompt_len: int, steps: int, top: int) -> dict:
+    """torch.profiler over a generate whose steps after the first are decodes."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        wall = timed_generate(llm, batch, prompt_len, steps)
+    events = prof.key_averages()
+    gpu_us = sum(e.self_device_time_total for e in events)
+    by_gpu = sorted(events, key=lambda e: e.self_device_time_total, reverse=True)[:top]
+    by_cpu = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:top]
+    return {
+        "profiled_wall_s": wall,
+        "gpu_kernel_s": gpu_us / 1e6,
+        "gpu_busy_fraction": gpu_us / 1e6 / wall,
+        "top_gpu_ms": [(e.key, round(e.self_device_time_total / 1e3, 2), e.count) for e in by_gpu],
+        "top_host_ms": [(e.key, round(e.self_cpu_time_total / 1e3, 2), e.count) for e in by_cpu],
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.gpu_step_profile", description=__doc__, formatter_class=HelpFormatter
+    )
+    p.add_argument("--batch-sizes", default="1,16,64,256", help="comma-separated batch sizes")
+    p.add_argument("--prompt-len", type=int, default=512, help="prompt tokens per request")
+    p.add_argument("--decode-steps", type=int, default=64, help="decode steps timed per batch size")
+    p.add_argument("--profile-steps", type=int, default=8, help="steps under torch.profiler per batch size")
+    p.add_argument("--top", type=int, default=12, help="operators listed per table")
+    p.add_argument("--engine-args", default="{}", help="extra LLM(...) arguments as JSON")
+    p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"), help="results directory")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit("benchmarks.gpu_step_profile needs a CUDA device")
+    from benchmarks.llama7b import write_llama7b
+    from pagedllm.server import LLM
+
+    bw = copy_bandwidth()
+    batches = [int(b) for b in args.batch_sizes.split(",")]
+    result: dict = {
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "device": torch.cuda.get_device_name(0),
+        "torch": torch.__version__,
+        "copy_bandwidth_gbs": bw / 1e9,
+        "command": "python -m benchmarks.gpu_step_profile " + " ".join(sys.argv[1:]),
+        "cases": [],
+    }
+    with tempfile.TemporaryDirectory() as model_dir:
+        write_llama7b(model_dir)
+        engine_args = dict(load_format="dummy", dtype="bfloat16", max_num_seqs=max(batches), skip_tokenizer_init=True)
+        llm = LLM(model=model_dir, **(engine_args | json.loads(args.engine_args)))
+        timed_generate(llm, 2, 16, 4)  # warm-up: compiles the kernels
+        for batch in batches:
+            one = timed_generate(llm, batch, args.prompt_len, 1)
+            full = timed_generate(llm, batch, args.prompt_len, 1 + args.decode_steps)
+            step_ms = (full - one) / args.decode_steps * 1e3
+            context = args.prompt_len + args.decode_steps // 2
+            floor_ms = (weight_bytes() + kv_bytes(batch, context)) / bw * 1e3
+            case = {
+                "batch": batch,
+                "prefill_plus_one_token_s": one,
+                "ms_per_decode_step": step_ms,
+                "tokens_per_s": batch / step_ms * 1e3,
+                "floor_ms": floor_ms,
+                "floor_over_measured": floor_ms / step_ms,
+            }
+            case |= profile(llm, batch, args.prompt_len, args.profile_steps, args.top)
+            result["cases"].append(case)
+            print(
+                f"batch {batch:4d}: {step_ms:7.2f} ms/step ({case['tokens_per_s']:8.0f} tok/s), "
+                f"floor {floor_ms:6.2f} ms ({case['floor_over_measured']:.2f} of it), "
+                f"GPU busy {case['gpu_busy_fraction']:.2f} while profiled"
+            )
+            for name, ms, count in case["top_gpu_ms"][:6]:
+                print(f"    gpu  {ms:9.2f} ms  x{count:<6d} {name[:90]}")
+            for name, ms, count in case["top_host_ms"][:6]:
+                print(f"    host {ms:9.2f} ms  x{count:<6d} {name[:90]}")
+        llm.shutdown()
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, f"gpu-step-profile-{datetime.date.today().isoformat()}.json")
+    with open(path, "w") as f:
+        json.dump(result, f, indent=2)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,127 @@
+#!/usr/bin/env bash
+# The CUDA path end to end on one GPU machine, stage by stage, each under its own time limit:
+#
+#   scripts/gpu-validate.sh setup env gpu-tests kernels serve7b engine-tests
+#
+# Stages:
+#   setup         install wheels from .whl/ (what the machine lacks) and this checkout, editable
+#   env           GPU, driver, torch, triton; measured device copy bandwidth and bf16 GEMM rate
+#   gpu-tests     pytest -m gpu (the Triton kernels compiled, against their torch references)
+#   kernels       python -m benchmarks.kernels (KERNELS_ARGS, default --quick)
+#   kernels-full  the whole sweep of benchmarks.kernels
+#   serve7b       a LLaMA-7B-shaped dummy model in bf16 behind `pagedllm serve`, one completion,
+#                 then benchmarks.serve (ShareGPT lengths) at the rates in SERVE_RATES
+#   engine-tests  tests/server on the GPU (device auto picks CUDA), ENGINE_TESTS selects
+#   throughput7b  python -m benchmarks.throughput --shape llama-7b (ours, transformers, ceiling)
+#   profile7b     python -m benchmarks.gpu_step_profile (PROFILE_ARGS): decode step time by batch size
+#
+# Everything is logged to $OUT/run.log (OUT defaults to ./gpu-out); result files are packed
+# into $OUT/results.tar after each stage.
+set -u
+OUT=${OUT:-$PWD/gpu-out}
+mkdir -p "$OUT/res"
+export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-4} TOKENIZERS_PARALLELISM=false
+exec > >(tee -a "$OUT/run.log") 2>&1
+PY=${PY:-python3}
+MODEL7B=/tmp/llama7b
+
+pack() { tar -C "$OUT" -cf "$OUT/results.tar" res; }
+
+stage_setup() {
+    if compgen -G ".whl/*.whl" >/dev/null; then
+        $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || return 1
+        export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+    fi
+    $PY -m pip install -q --no-index --no-deps --no-build-isolation -e . || return 1
+    $PY -c "import pagedllm.server, fastapi, uvicorn, xgrammar; print('pagedllm', pagedllm.server.__file__)"
+}
+
+stage_env() {
+    nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv
+    $PY - <<'EOF'
+import torch, triton, platform
+print("python", platform.python_version(), "torch", torch.__version__, "cuda", torch.version.cuda, "triton", triton.__version__)
+p = torch.cuda.get_device_properties(0)
+print("device", p.name, "SMs", p.multi_processor_count, "memory GiB", round(p.total_memory / 2**30, 1))
+from triton.testing import do_bench
+n = 1 << 30
+a = torch.randn(n // 2, dtype=torch.bfloat16, device="cuda"); b = torch.empty_like(a)
+ms = do_bench(lambda: b.copy_(a), warmup=50, rep=300, return_mode="median")
+print(f"device copy: {2 * n / ms / 1e6:.0f} GB/s (read + write, 1 GiB)")
+x = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda"); y = torch.randn_like(x)
+ms = do_bench(lambda: x @ y, warmup=50, rep=300, return_mode="median")
+print(f"bf16 GEMM 8192^3: {2 * 8192**3 / ms / 1e9:.0f} TFLOP/s")
+EOF
+}
+
+stage_gpu-tests() {
+    timeout "${GPU_TESTS_TIMEOUT:-240}" $PY -m pytest -m gpu tests/kernels -q -p no:cacheprovider -rfE --timeout 300 \
+        --junitxml "$OUT/res/gpu-tests.xml"
+}
+
+stage_kernels() {
+    # shellcheck disable=SC2086
+    timeout "${KERNELS_TIMEOUT:-200}" $PY -m benchmarks.kernels ${KERNELS_ARGS:---quick} --out-dir "$OUT/res"
+}
+
+stage_kernels-full() {
+    timeout "${KERNELS_TIMEOUT:-420}" $PY -m benchmarks.kernels --out-dir "$OUT/res"
+}
+
+stage_serve7b() {
+    [ -f $MODEL7B/config.json ] || $PY -m benchmarks.llama7b $MODEL7B || return 1
+    local port=8011 pid ok=0 rc=0
+    $PY -m pagedllm.server.entrypoints.cli serve --model $MODEL7B --load-format dummy --dtype bfloat16 --port $port --served-model-name llama-7b \
+        ${SERVE_ARGS:-} >"$OUT/res/serve7b-server.log" 2>&1 &
+    pid=$!
+    for _ in $(seq 1 "${SERVE_READY_S:-240}"); do
+        if curl -sf "http://127.0.0.1:$port/ready" >/dev/null; then ok=1; break; fi
+        kill -0 $pid 2>/dev/null || break
+        sleep 1
+    done
+    if [ $ok != 1 ]; then
+        echo "server never became ready"; tail -50 "$OUT/res/serve7b-server.log"; kill $pid 2>/dev/null; return 1
+    fi
+    curl -s "http://127.0.0.1:$port/v1/completions" -H 'Content-Type: application/json' \
+        -d '{"model":"llama-7b","prompt":"The json module","max_tokens":32,"temperature":0}'
+    echo
+    for rate in ${SERVE_RATES:-4 16 inf}; do
+        timeout "${SERVE_RUN_TIMEOUT:-150}" $PY -m benchmarks.serve --base-url "http://127.0.0.1:$port" \
+            --dataset sharegpt --num-prompts "${SERVE_PROMPTS:-200}" --request-rate "$rate" --disable-tqdm \
+            --result-name "serve-llama7b-bf16-rate$rate" || rc=1
+        cp benchmarks/results/serve-llama7b-bf16-rate"$rate".* "$OUT/res/" 2>/dev/null
+    done
+    curl -s "http://127.0.0.1:$port/metrics" | grep -E '^pagedllm:(num_preemptions|gpu_cache_usage|prompt_tokens_total|generation_tokens_total)' | head
+    kill -TERM $pid; wait $pid
+    tail -5 "$OUT/res/serve7b-server.log"
+    return $rc
+}
+
+stage_engine-tests() {
+    # shellcheck disable=SC2086
+    timeout "${ENGINE_TESTS_TIMEOUT:-300}" $PY -m pytest ${ENGINE_TESTS:-tests/server} -q -p no:cacheprovider -rfE \
+        -n "${ENGINE_TESTS_WORKERS:-8}" --timeout 240 --junitxml "$OUT/res/engine-tests.xml"
+}
+
+stage_throughput7b() {
+    # shellcheck disable=SC2086
+    timeout "${THROUGHPUT_TIMEOUT:-400}" $PY -m benchmarks.throughput --shape llama-7b --dtype bfloat16 \
+        --out "$OUT/res" ${THROUGHPUT_ARGS:-}
+}
+
+stage_profile7b() {
+    # shellcheck disable=SC2086
+    timeout "${PROFILE_TIMEOUT:-300}" $PY -m benchmarks.gpu_step_profile --out "$OUT/res" ${PROFILE_ARGS:-}
+}
+
+status=0
+for stage in "$@"; do
+    echo "=== $stage $(date -u +%FT%TZ)"
+    start=$SECONDS
+    "stage_$stage"
+    rc=$?
+    echo "=== $stage rc=$rc in $((SECONDS - start)) s"
+    [ $rc = 0 ] || status=1
+    pack
+done
+exit $status
