@@ -132,6 +132,12 @@ class ModelConfig:
             choices=ATTENTION_BACKENDS,
         ),
     )
+    enforce_eager: bool = field(
+        default=False,
+        metadata=_help(
+            "On CUDA, run every step eagerly: no CUDA graphs of the decode step (they take memory and start-up time)."
+        ),
+    )
     pooling_type: str | None = field(
         default=None,
         metadata=_help(

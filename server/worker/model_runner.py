@@ -15,6 +15,7 @@ from pagedllm.server.core.scheduler import SchedulerOutput
 from pagedllm.server.core.sequence import Sequence
 from pagedllm.server.worker.attention import AttentionMetadata, select_attention_ops
 from pagedllm.server.worker.cpu_threads import choose_threads
+from pagedllm.server.worker.cuda_graphs import DecodeGraphs, try_capture
 from pagedllm.server.worker.dtype_choice import choose_dtype
 from pagedllm.server.worker.input_batch import InputBatch
 from pagedllm.server.worker.lora_model import LoRAModel, step_lora
@@ -96,6 +97,8 @@ class ModelRunner:
         self.num_layers, self.num_kv_heads, self.head_dim = self.model.kv_shape
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.host_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.graphs: DecodeGraphs | None = None
+        """Captured decode steps (CUDA, one rank, no LoRA, not ``enforce_eager``), once the cache exists."""
 
     def _load_model(self, hf_config: dict) -> CausalLM:
         cls = model_class(hf_config)
@@ -128,6 +131,7 @@ class ModelRunner:
         NOTE: the other ranks free their caches as their processes exit; the workers leave the
         process group last, so a new tensor-parallel runner can start in this process.
         """
+        self.graphs = None  # NOTE: first: the graphs hold the cache's addresses
         self.kv_caches = []
         self.host_caches = []
         if self.device.type == "cuda":
@@ -158,6 +162,18 @@ class ModelRunner:
         if self.workers is not None:
             self.workers.send(("allocate", num_device_blocks, num_host_blocks))
         self.allocate_local_cache(num_device_blocks, num_host_blocks)
+        # NOTE: the Triton KV write skips the padding rows' slot -1; the torch backend's would not
+        graphed = self.ops.name == "triton" and self.tp.size == 1 and self.lora is None
+        if graphed and not self.config.model.enforce_eager:
+            with torch.inference_mode():
+                self.graphs = try_capture(
+                    self.model,
+                    self.kv_caches,
+                    self.ops,
+                    self.config.scheduler.max_num_seqs,
+                    self.input_batch.block_table.shape[1],
+                    self.device,
+                )
 
     def local_device_blocks(self, useful_blocks: int) -> int:
         """Blocks that fit here: the override, the CPU budget, or what profiling leaves on the GPU."""
@@ -300,8 +316,11 @@ class ModelRunner:
             return torch.empty(0, 0), None, None
         meta = self.ops.prepare(step.meta, self.block_size)
         adapters = self.lora.running(step.lora, self.device) if self.lora is not None else contextlib.nullcontext()
-        with adapters:
-            hidden = self.model(step.input_ids, step.positions, self.kv_caches, meta, self.ops)
+        if self.graphs is not None and step.pool_index is None and self.graphs.fits(step.input_ids, meta):
+            hidden = self.graphs.run(step.input_ids, step.positions, meta)
+        else:
+            with adapters:
+                hidden = self.model(step.input_ids, step.positions, self.kv_caches, meta, self.ops)
         logits = self.model.compute_logits(hidden[step.sample_index])
         prompt_logits = self.model.compute_logits(hidden[step.prompt_index]) if step.prompt_index is not None else None
         return logits, prompt_logits, _pool(hidden, step.pool_index, step.pool_lens)
