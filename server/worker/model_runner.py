@@ -163,7 +163,7 @@ class ModelRunner:
             self.workers.send(("allocate", num_device_blocks, num_host_blocks))
         self.allocate_local_cache(num_device_blocks, num_host_blocks)
         # NOTE: the Triton KV write skips the padding rows' slot -1; the torch backend's would not
-        graphed = self.ops.name == "triton" and self.tp.size == 1 and self.lora is None
+        graphed = self.device.type == "cuda" and self.ops.name == "triton" and self.tp.size == 1 and self.lora is None
         if graphed and not self.config.model.enforce_eager:
             with torch.inference_mode():
                 self.graphs = try_capture(

@@ -70,3 +70,11 @@ def test_graphed_decode_gives_the_eager_tokens(tiny_llama, monkeypatch):
     assert replays and any(r not in graphed.llm_engine.runner.graphs.sizes for r in replays), replays
     assert got == want
     graphed.shutdown()
+
+
+def test_no_graphs_off_cuda(tiny_llama):
+    """Triton on the CPU (its interpreter) and the CPU backends run eagerly: graphs are CUDA's."""
+    for backend in ("triton", "numba"):
+        llm = LLM(model=tiny_llama, device="cpu", attention_backend=backend, num_gpu_blocks_override=16, cpu_threads=1)
+        assert llm.llm_engine.runner.graphs is None
+        llm.shutdown()
