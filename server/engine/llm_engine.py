@@ -37,6 +37,7 @@ from pagedllm.server.engine.lora_registry import LoRARegistry
 from pagedllm.server.engine.model_info import ModelInfo, load_tokenizer, read_model_info
 from pagedllm.server.engine.output_processor import OutputProcessor
 from pagedllm.server.engine.sampler import Sampler
+from pagedllm.server.engine.spec_decode.draft_model import DraftModel
 from pagedllm.server.engine.spec_decode.spec_decoder import SpecDecoder, SpecDecodeStats
 from pagedllm.server.engine.step_results import RequestState, StepResults
 from pagedllm.server.engine.structured_output import StructuredOutputs
@@ -115,6 +116,8 @@ class LLMEngine:
         tp = config.parallel.tensor_parallel_size
         check_tensor_parallel(hf_config, tp, device, config.parallel.ranks_per_node)
         self.runner = ModelRunner(config, hf_config, info.max_model_len)
+        self.draft: DraftModel | None = None
+        """The draft model of ``draft_model`` speculation (None otherwise)."""
         self.kv_event_publisher: ZmqEventPublisher | None = None
         """Sends the prefix cache's events (``--kv-events-config``); None when they are off."""
         # NOTE: runs shutdown() when the last reference to the engine goes or the interpreter exits.
@@ -124,6 +127,10 @@ class LLMEngine:
         self._closers: list[Callable[[], None]] = [self.runner.shutdown]
         self._finalizer = weakref.finalize(self, _close_all, self._closers)
         try:
+            spec = config.scheduler.speculative_config
+            if spec is not None and spec.method == "draft_model":
+                self.draft = DraftModel(config, spec, info.vocab_size, info.max_model_len)
+                self._closers.append(self.draft.shutdown)
             self._build(config, info)
         except BaseException:
             self.shutdown()
@@ -177,7 +184,7 @@ class LLMEngine:
                 problem=f"is not supported with kv_reservation={config.cache.kv_reservation!r}",
                 subject="{name}",
             )
-        return SpecDecoder(spec, self.sampler, self.output_processor, self.block_manager, self._requests)
+        return SpecDecoder(spec, self.sampler, self.output_processor, self.block_manager, self._requests, self.draft)
 
     @property
     def faults(self) -> FaultInjector | None:
@@ -205,9 +212,15 @@ class LLMEngine:
     def _allocate_cache(self, max_model_len: int, kv_window: int | None) -> BlockManager:
         config = self.config
         useful = config.scheduler.max_num_seqs * -(-max_model_len // config.cache.block_size)
-        num_gpu_blocks = self.runner.num_device_blocks(useful)
         num_cpu_blocks = self.runner.num_host_blocks(useful)
+        if self.draft is None or config.cache.num_gpu_blocks_override is not None:
+            num_gpu_blocks = self.runner.num_device_blocks(useful)
+        else:  # NOTE: the draft's cache takes its share of the same memory, block for block
+            target, both = self.runner.block_bytes, self.runner.block_bytes + self.draft.block_bytes
+            num_gpu_blocks = max(1, self.runner.num_device_blocks(-(-useful * both // target)) * target // both)
         self.runner.allocate_cache(num_gpu_blocks, num_cpu_blocks)
+        if self.draft is not None:
+            self.draft.allocate(num_gpu_blocks)
         bm = BlockManager(
             config.cache.block_size,
             num_gpu_blocks,
@@ -328,6 +341,8 @@ class LLMEngine:
             try:
                 if self.faults is not None:
                     self.faults.check_step(self._num_steps)
+                if self.spec_decoder is not None:
+                    self.spec_decoder.fill_drafts(out)  # NOTE: a failing draft fails the step, as the model would
                 result = self.runner.execute(out, self.block_manager.tables, self.block_manager.table_versions)
             except WorkerDiedError as exc:
                 raise EngineFatalError(str(exc)) from exc

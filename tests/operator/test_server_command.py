@@ -241,6 +241,17 @@ def test_speculative_config_passes_through_as_its_json_flag():
     assert "--speculative-config" not in server_args(PagedLLMSpec.from_dict({"model": "m"}), "/m")
 
 
+def test_a_draft_model_passes_through():
+    value = {"method": "draft_model", "model": "/models/draft", "num_speculative_tokens": 5}
+    args = server_args(PagedLLMSpec.from_dict({"model": "m", "speculativeConfig": value}), "/m")
+    config = EngineConfig.from_kwargs(**engine_kwargs(run_as_container(args)))
+    assert config.scheduler.speculative_config.model == "/models/draft"
+    assert config.scheduler.speculative_config.method == "draft_model"
+    spec = PagedLLMSpec.from_dict({"model": "m", "speculativeConfig": {"method": "draft_model"}})
+    with pytest.raises(SpecError, match="spec.speculativeConfig.model=None is required with method draft_model"):
+        check_engine(spec, "/m")
+
+
 def test_a_bad_speculative_config_is_refused_under_its_spec_path():
     spec = PagedLLMSpec.from_dict(
         {"model": "m", "speculativeConfig": {"method": "ngram", "num_speculative_tokens": 99}}

@@ -167,7 +167,11 @@ def test_an_unset_lookup_bound_follows_the_other_as_in_vllm(given, low, high):
     [
         ("{", "--speculative-config", "is not JSON"),
         ('"ngram"', "--speculative-config", "is not an object"),
-        ('{"method": "eagle"}', "--speculative-config.method='eagle' is not allowed", "choose one of ['ngram']"),
+        (
+            '{"method": "eagle"}',
+            "--speculative-config.method='eagle' is not allowed",
+            "choose one of ['ngram', 'draft_model']",
+        ),
         ('{"num_speculative_tokens": 0}', "--speculative-config.num_speculative_tokens=0", "must be >= 1 and <= 16"),
         ('{"num_speculative_tokens": "4"}', "--speculative-config.num_speculative_tokens", "must be of type int"),
         (
@@ -176,7 +180,7 @@ def test_an_unset_lookup_bound_follows_the_other_as_in_vllm(given, low, high):
             "must be >= 4",
         ),
         ('{"prompt_lookup_min": 0}', "--speculative-config.prompt_lookup_min=0", "must be >= 1"),
-        ('{"k": 4}', "--speculative-config.k", "allowed are ['method', 'num_speculative_tokens'"),
+        ('{"k": 4}', "--speculative-config.k", "allowed are ['method', 'model', 'num_speculative_tokens'"),
     ],
 )
 def test_a_bad_speculative_value_is_refused_under_the_flag_and_key(text, flag, words):

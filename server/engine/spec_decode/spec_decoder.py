@@ -17,6 +17,11 @@ ones plus one; doubled, up to k, when all were accepted), since every verified t
 compute; and a sequence whose proposals keep being rejected outright pauses proposing for
 1, 2, 4 ... up to ``MAX_PAUSE`` steps, so a workload with nothing to copy costs nearly
 nothing. One accepted proposal resumes proposing at every step.
+
+With a draft model (``draft_model``) the proposals need the cache slots the scheduler
+gives the chunk, so :meth:`propose` only says how many (placeholders), and
+:meth:`fill_drafts`, between scheduling and the step, runs the draft that many times over
+the sequences that kept their slots and puts its greedy tokens in place.
 """
 
 from __future__ import annotations
@@ -30,9 +35,11 @@ import torch
 
 from pagedllm.server.config import SpeculativeConfig
 from pagedllm.server.core.block_manager import BlockManager
+from pagedllm.server.core.scheduler import SchedulerOutput
 from pagedllm.server.core.sequence import Sequence, SequenceGroup, SequenceStatus
 from pagedllm.server.engine.output_processor import OutputProcessor
 from pagedllm.server.engine.sampler import Sampler, SampleRequest, filtered_probs, top_logprobs
+from pagedllm.server.engine.spec_decode.draft_model import DraftModel, DraftState
 from pagedllm.server.engine.spec_decode.ngram_proposer import NgramIndex
 from pagedllm.server.engine.spec_decode.rejection_sampler import greedy_accept, sample_accept
 from pagedllm.server.worker.step_inputs import SpecRow
@@ -66,10 +73,11 @@ class SpecDecodeStats:
 
 @dataclass
 class _SeqState:
-    index: NgramIndex
+    index: NgramIndex | None  # None with a draft model
     length: int  # the most tokens to propose next
     failures: int = 0  # verifications in a row that accepted nothing
     pause: int = 0  # steps left without proposals
+    draft: DraftState = field(default_factory=DraftState)
 
 
 class SpecDecoder:
@@ -82,8 +90,11 @@ class SpecDecoder:
         output_processor: OutputProcessor,
         block_manager: BlockManager,
         requests: Mapping[str, Any],
+        draft: DraftModel | None = None,
     ) -> None:
         self.config = config
+        self.draft = draft
+        """The draft model (``draft_model``), None for n-grams."""
         self.sampler = sampler
         self.output_processor = output_processor
         self.block_manager = block_manager
@@ -94,6 +105,10 @@ class SpecDecoder:
 
     def describe(self) -> str:
         c = self.config
+        if self.draft is not None:
+            return (
+                f"draft model {self.draft.path}, {c.num_speculative_tokens} tokens, paused per request while rejected"
+            )
         return (
             f"{c.method}, {c.num_speculative_tokens} tokens, n-grams of {c.prompt_lookup_min}-{c.prompt_lookup_max},"
             " paused per request while rejected"
@@ -113,7 +128,10 @@ class SpecDecoder:
                 state.pause -= 1
                 continue
             room = min(state.length, self._room(group, seq, max_model_len))
-            seq.spec_token_ids = state.index.propose(seq.token_ids, room)
+            if state.index is not None:
+                seq.spec_token_ids = state.index.propose(seq.token_ids, room)
+            elif room > 0:
+                seq.spec_token_ids = [0] * room  # NOTE: placeholders, filled by fill_drafts once slots exist
 
     def _eligible(self, group: SequenceGroup) -> bool:
         params = group.sampling_params
@@ -138,8 +156,39 @@ class SpecDecoder:
         if state is None:
             low, high = self.config.prompt_lookup_min, self.config.prompt_lookup_max
             assert low is not None and high is not None  # NOTE: SpeculativeConfig fills both in
-            state = self._states[seq] = _SeqState(NgramIndex(low, high), self.config.num_speculative_tokens)
+            index = NgramIndex(low, high) if self.draft is None else None
+            state = self._states[seq] = _SeqState(index, self.config.num_speculative_tokens)
         return state
+
+    def fill_drafts(self, out: SchedulerOutput) -> None:
+        """Replace the placeholders of the scheduled sequences by the draft model's tokens.
+
+        The first pass brings each sequence's draft cache up to date (usually its newest
+        token or two; all of it the first time, or after its blocks moved) and proposes one
+        token; each further pass feeds the last proposal back, for the sequences that want more.
+        """
+        if self.draft is None:
+            return
+        bs = self.draft.block_size
+        seqs = [seq for item in out.scheduled for seq in item.group.seqs if seq.spec_token_ids]
+        if not seqs:
+            return
+        tables = {seq.seq_id: self.block_manager.tables[seq.seq_id] for seq in seqs}
+        chunks = []
+        for seq in seqs:
+            table = tables[seq.seq_id]
+            start = self._state(seq).draft.valid_prefix(table, bs)
+            chunks.append((seq.token_ids[start:], start, table))
+        drafts = {seq.seq_id: [token] for seq, token in zip(seqs, self.draft.next_tokens(chunks))}
+        for step in range(1, max(len(seq.spec_token_ids) for seq in seqs)):
+            wanting = [seq for seq in seqs if len(seq.spec_token_ids) > step]
+            chunks = [([drafts[s.seq_id][-1]], len(s.token_ids) + step - 1, tables[s.seq_id]) for s in wanting]
+            for seq, token in zip(wanting, self.draft.next_tokens(chunks)):
+                drafts[seq.seq_id].append(token)
+        for seq in seqs:
+            seq.spec_token_ids = drafts[seq.seq_id]
+            # NOTE: the K/V of the proposals but the last is written now; apply() counts what stays valid
+            self._state(seq).draft = DraftState(len(seq.token_ids), tuple(tables[seq.seq_id]))
 
     # -- after the step -----------------------------------------------------------------
     def verify(self, rows: list[SpecRow], logits: torch.Tensor) -> list[tuple[list[int], list[torch.Tensor | None]]]:
@@ -182,6 +231,8 @@ class SpecDecoder:
         free the slots of the rejected ones. ``logprobs``: per position, [vocab] the model's own or None."""
         seq, params, drafts = row.seq, row.group.sampling_params, row.draft_token_ids
         accepted = len(emitted) - 1
+        if self.draft is not None:  # NOTE: the draft wrote K/V for every proposal but the last
+            self._state(seq).draft.computed += min(accepted, len(drafts) - 1)
         appended = 0
         for i, token in enumerate(emitted):
             row_logprobs = logprobs[i]
