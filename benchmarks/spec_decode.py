@@ -15,6 +15,12 @@ medians are reported with their ratio and the mean acceptance length (tokens a v
 step yields: accepted proposals + 1). The machine may be shared: medians, not bests.
 
     OMP_NUM_THREADS=1 python -m benchmarks.spec_decode --repeats 3
+    OMP_NUM_THREADS=1 python -m benchmarks.spec_decode --workloads text \
+        --speculative-config '{"method": "draft_model", "model": "DRAFT_DIR", "num_speculative_tokens": 3}'
+
+A draft for the ``text`` workload is a smaller model trained by the demo's own script (same
+text, same tokenizer), e.g. ``python -m pagedllm.server.demo.train --out DRAFT_DIR --layers 1
+--hidden-size 64 --intermediate-size 128 --heads 2 --kv-heads 1 --steps 300``.
 """
 
 from __future__ import annotations
@@ -98,6 +104,11 @@ def main() -> None:
     parser.add_argument("--num-single", type=int, default=3, help="requests in a single-stream run")
     parser.add_argument("--num-batch", type=int, default=24, help="requests in a batch-8 run (8 in flight)")
     parser.add_argument("--speculative-config", default=None, help=f"JSON (default: {NGRAM})")
+    parser.add_argument(
+        "--workloads",
+        default="copying,text,sampled",
+        help="which workloads to run (a draft model must share the workload's vocabulary: text is the demo model's)",
+    )
     args = parser.parse_args()
     threads = set_threads(args.threads)
     import json
@@ -120,7 +131,11 @@ def main() -> None:
             Workload("text", None, texts, 0.0),
             Workload("sampled", tmp, randoms, 1.0),
         ]
-        runs = [(w, c) for w in workloads for c in (1, 8)]
+        wanted = args.workloads.split(",")
+        unknown = sorted(set(wanted) - {w.name for w in workloads})
+        if unknown:
+            parser.error(f"--workloads={args.workloads!r} has {unknown}: choose from copying, text, sampled")
+        runs = [(w, c) for w in workloads if w.name in wanted for c in (1, 8)]
         results: dict[tuple[str, int, bool], list[Measured]] = {}
         bar = tqdm(total=len(runs) * 2 * args.repeats, desc="spec_decode")
         engines: dict[tuple[str | None, bool], LLM] = {}
