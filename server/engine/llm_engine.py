@@ -129,7 +129,7 @@ class LLMEngine:
         try:
             spec = config.scheduler.speculative_config
             if spec is not None and spec.method == "draft_model":
-                self.draft = DraftModel(config, spec, info.vocab_size, info.max_model_len)
+                self.draft = DraftModel(config, spec, info.vocab_size, info.max_model_len, self.runner.dtype)
                 self._closers.append(self.draft.shutdown)
             self._build(config, info)
         except BaseException:

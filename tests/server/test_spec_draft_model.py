@@ -5,6 +5,7 @@ draft's own KV cache kept current (the target as its own draft accepts nearly ev
 from __future__ import annotations
 
 import pytest
+import torch
 from engine_factories import HFReference, assert_greedy_matches
 from spec_factories import GREEDY, copying_prompts, engine, run
 
@@ -125,6 +126,11 @@ def test_the_draft_cache_shares_the_memory_budget(tiny_llama):
     assert both.block_manager.gpu.num_blocks == alone.block_manager.gpu.num_blocks // 2
     assert both.draft is not None and len(both.draft.runner.kv_caches[0][0]) == both.block_manager.gpu.num_blocks
     assert f"speculative      draft model {tiny_llama}, 4 tokens" in both.describe()
+
+
+def test_the_draft_computes_in_the_targets_dtype(tiny_llama, other_draft):
+    e = engine(tiny_llama, dtype="bfloat16", speculative_config=draft_config(other_draft))
+    assert e.runner.dtype == e.draft.runner.dtype == torch.bfloat16
 
 
 def test_draft_state_is_dropped_when_the_blocks_moved():

@@ -46,7 +46,9 @@ class DraftState:
 class DraftModel:
     """The draft's weights and KV cache, and its batched greedy forward over sequence chunks."""
 
-    def __init__(self, config: EngineConfig, spec: SpeculativeConfig, target_vocab: int, max_model_len: int) -> None:
+    def __init__(
+        self, config: EngineConfig, spec: SpeculativeConfig, target_vocab: int, max_model_len: int, dtype: torch.dtype
+    ) -> None:
         assert spec.model is not None  # NOTE: SpeculativeConfig requires it for draft_model
         self.path = spec.model
         hf_config = read_hf_config(spec.model)
@@ -59,7 +61,8 @@ class DraftModel:
                 f"the target's {target_vocab}",
                 problem="has another vocabulary",
             )
-        model = dataclasses.replace(config.model, model=spec.model, tokenizer=None, enforce_eager=True)
+        name = str(dtype).removeprefix("torch.")  # NOTE: the target's, also where the target chose it (auto)
+        model = dataclasses.replace(config.model, model=spec.model, tokenizer=None, enforce_eager=True, dtype=name)
         parallel = dataclasses.replace(config.parallel, tensor_parallel_size=1)
         draft_config = dataclasses.replace(config, model=model, parallel=parallel, lora=LoRAConfig())
         self.runner = ModelRunner(draft_config, hf_config, max_model_len)
