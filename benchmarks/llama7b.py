@@ -19,7 +19,8 @@ from benchmarks.common import HelpFormatter
 from benchmarks.paper_setting import LLAMA_7B
 
 
-def write_llama7b(path: str, weights: bool = False, device: str = "cuda") -> None:
+def write_llama7b(path: str, weights: bool = False, device: str = "cuda") -> int:
+    """Write the model to ``path``; its parameter count (0 without ``weights``: config and tokenizer only)."""
     from pydoc_data.topics import topics
 
     from transformers import LlamaConfig
@@ -45,6 +46,8 @@ def write_llama7b(path: str, weights: bool = False, device: str = "cuda") -> Non
         with torch.device(device):
             model = LlamaForCausalLM(config).to(torch.bfloat16)
         model.save_pretrained(path, safe_serialization=True)
+        return sum(p.numel() for p in model.parameters())
+    return 0  # NOTE: no weights written
 
 
 def main(argv: list[str] | None = None) -> None:

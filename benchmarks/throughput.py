@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import math
 import os
 import platform
 import statistics
@@ -309,19 +308,7 @@ def write_model(model_dir: str, shape: str) -> int:
         return save_random_llama(model_dir)
     from benchmarks.llama7b import write_llama7b
 
-    write_llama7b(model_dir, weights=True)
-    return _count_params(model_dir)
-
-
-def _count_params(model_dir: str) -> int:
-    from safetensors import safe_open
-
-    total = 0
-    for name in sorted(os.listdir(model_dir)):
-        if name.endswith(".safetensors"):
-            with safe_open(os.path.join(model_dir, name), "pt") as f:
-                total += sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
-    return total
+    return write_llama7b(model_dir, weights=True)
 
 
 def main() -> None:

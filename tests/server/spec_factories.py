@@ -4,7 +4,7 @@ block size, and a run that checks after every step that no proposal or its slots
 from __future__ import annotations
 
 import torch
-from engine_factories import make_prompts
+from engine_factories import HFReference, assert_greedy_matches, make_prompts
 
 from pagedllm.server import SamplingParams
 from pagedllm.server.config import EngineConfig
@@ -44,3 +44,9 @@ def run(e: LLMEngine, prompts: list[list[int]], params: SamplingParams | list[Sa
                     assert len(bm.tables[seq.seq_id]) <= -(-len(seq) // bm.block_size), "slots of rejected proposals"
     assert bm.gpu.num_free == bm.gpu.num_blocks and bm.cpu.num_free == bm.cpu.num_blocks and not bm.tables
     return [done[str(i)] for i in range(len(prompts))]
+
+
+def assert_same_greedy(reference: HFReference, prompts, ours, expected) -> None:
+    """Every request's tokens equal the expected ones, or differ first at a near-tie of the reference."""
+    for prompt, a, b in zip(prompts, ours, expected):
+        assert_greedy_matches(reference, prompt, a, b)

@@ -4,8 +4,8 @@ and at TP 2, seeded sampling unchanged, preemption and prefix caching intact, no
 from __future__ import annotations
 
 import pytest
-from engine_factories import HFReference, assert_greedy_matches
-from spec_factories import GREEDY, NGRAM, copying_prompts, engine, run
+from engine_factories import HFReference
+from spec_factories import GREEDY, NGRAM, assert_same_greedy, copying_prompts, engine, run
 
 from pagedllm.server import SamplingParams
 from pagedllm.server.core.block_manager import block_hash, salt_digest
@@ -24,11 +24,6 @@ def reference(tiny_llama) -> HFReference:
 @pytest.fixture(scope="module")
 def plain(tiny_llama, prompts) -> list[list[int]]:
     return run(engine(tiny_llama), prompts, GREEDY)
-
-
-def assert_same_greedy(reference, prompts, ours, expected) -> None:
-    for prompt, a, b in zip(prompts, ours, expected):
-        assert_greedy_matches(reference, prompt, a, b)
 
 
 @pytest.mark.parametrize("backend", ["numba", "torch", "triton"])

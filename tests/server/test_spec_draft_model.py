@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_factories import HFReference, assert_greedy_matches
-from spec_factories import GREEDY, copying_prompts, engine, run
+from engine_factories import HFReference
+from spec_factories import GREEDY, assert_same_greedy, copying_prompts, engine, run
 
 from pagedllm.server import SamplingParams
 from pagedllm.server.config import ConfigError, SpeculativeConfig
@@ -38,11 +38,6 @@ def plain(tiny_llama, prompts) -> list[list[int]]:
 def other_draft(tmp_path_factory) -> str:
     """A random model of the same vocabulary that predicts the target badly."""
     return save_tiny_llama(str(tmp_path_factory.mktemp("draft") / "d"), seed=7, num_hidden_layers=1)
-
-
-def assert_same_greedy(reference, prompts, ours, expected) -> None:
-    for prompt, a, b in zip(prompts, ours, expected):
-        assert_greedy_matches(reference, prompt, a, b)
 
 
 def acceptance(e) -> float:
