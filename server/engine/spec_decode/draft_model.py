@@ -62,7 +62,7 @@ class DraftModel:
                 problem="has another vocabulary",
             )
         name = str(dtype).removeprefix("torch.")  # NOTE: the target's, also where the target chose it (auto)
-        model = dataclasses.replace(config.model, model=spec.model, tokenizer=None, enforce_eager=True, dtype=name)
+        model = dataclasses.replace(config.model, model=spec.model, tokenizer=None, dtype=name)
         parallel = dataclasses.replace(config.parallel, tensor_parallel_size=1)
         draft_config = dataclasses.replace(config, model=model, parallel=parallel, lora=LoRAConfig())
         self.runner = ModelRunner(draft_config, hf_config, max_model_len)
@@ -73,7 +73,8 @@ class DraftModel:
         return self.runner.block_bytes
 
     def allocate(self, num_blocks: int) -> None:
-        """The draft's cache: as many blocks as the target's device cache, none on the host."""
+        """The draft's cache: as many blocks as the target's device cache, none on the host (and
+        no CUDA graphs: those are for decode steps, the draft runs chunk-shaped passes)."""
         self.runner.allocate_local_cache(num_blocks, 0)
 
     def shutdown(self) -> None:
