@@ -416,6 +416,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--result-name", default=None, help="file name in --out (default: step-profile-DATE-Tt.json)")
     args = p.parse_args()
     args.max_output = args.fixed_output
+    args.shape = "bench"  # NOTE: the throughput benchmark's small LLaMA, whose workload() reads this
     if args.vllm_python:
         try:
             args.vllm_python = check_python(args.vllm_python)

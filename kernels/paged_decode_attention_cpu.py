@@ -15,13 +15,12 @@ so an item that takes all the KV heads of its sequence streams whole blocks. Wit
 sequences the heads are split over more items so every thread has work. With a sliding
 window the passes walk only the visible positions ``[context_len - window, context_len)``.
 
-Blocks lie anywhere in the cache, so the CPU's own prefetcher, which follows addresses
-that rise steadily, stalls at every block boundary. Each pass therefore asks for the
-row one block ahead of the one it reads (software prefetch), and pass 1's last block
-asks for the first rows of V::
-
-    pass 1 reads K[p] and prefetches K[p + block_size], or V[p + block_size - length]
-    pass 2 reads V[p] and prefetches V[p + block_size]
+Each pass walks the visible blocks in order and indexes each block's own view
+(``key_cache[block]``), so the compiled inner loops read unit-stride rows. Measured on a 2-core
+AVX-512 CPU (float32, 8 layers of 8 heads of 64, 16-token blocks), each pass streams
+at about 23 GB/s, 80% of what a plain read of the same blocks reaches (28 GB/s);
+batch 64 at context 226 takes 22 ms per step against 29 ms for a version that
+gathered block and slot indices per position and prefetched a block ahead.
 
 Caches may be float32, bfloat16 or float16; scores, softmax and the weighted sum are
 float32 whatever the cache holds, and the output is rounded to the query's dtype once at
@@ -74,34 +73,6 @@ def _device_function(fn):
     return numba.njit(inline="always", fastmath=True, boundscheck=False)(fn) if HAS_NUMBA else fn
 
 
-def _llvm_prefetch(typingctx, flat, index):
-    """``llvm.prefetch`` of ``flat[index]``'s cache line (read, keep in all levels): no load, no wait.
-
-    A Numba intrinsic: the kernel's helpers call it as ``_prefetch(flat, index)``.
-    """
-    sig = numba.types.void(flat, numba.types.intp)
-
-    def codegen(context, builder, signature, args):
-        array = context.make_array(signature.args[0])(context, builder, args[0])
-        i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
-        fn_type = ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32])
-        fn = builder.module.globals.get("llvm.prefetch.p0") or ir.Function(
-            builder.module, fn_type, name="llvm.prefetch.p0"
-        )
-        address = builder.bitcast(builder.gep(array.data, [args[1]]), i8p)
-        builder.call(fn, [address, ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
-        return context.get_dummy_value()
-
-    return sig, codegen
-
-
-def _no_prefetch(flat, index) -> None:
-    """Without numba the kernel runs as Python, where a prefetch has nothing to do."""
-
-
-_prefetch: Callable[..., None] = intrinsic(_llvm_prefetch) if HAS_NUMBA else _no_prefetch
-
-
 def _llvm_widen(typingctx, value):
     """One cache element as float32: float32 as it is, bfloat16 bits (uint16) shifted into
     the high half of a float32, float16 bits (int16) converted by ``fpext``.
@@ -144,29 +115,6 @@ _widen: Callable = intrinsic(_llvm_widen) if HAS_NUMBA else _widen_python
 
 
 @_device_function
-def _prefetch_row(cache, block, slot, kv0, num_kv):
-    """Prefetch the ``num_kv`` KV heads from ``kv0`` of one cached position, a line (64 bytes) at a time."""
-    flat = cache.reshape(-1)
-    _, block_size, num_kv_heads, head_dim = cache.shape
-    start = ((block * block_size + slot) * num_kv_heads + kv0) * head_dim
-    for offset in range(start, start + num_kv * head_dim, 64 // flat.itemsize):
-        _prefetch(flat, offset)
-
-
-@_device_function
-def _cache_slots(block_table, start, end, block_size):
-    """Where each position ``start .. end - 1`` lives: (block ids, slots in the block)."""
-    length = max(end - start, 0)
-    blocks = np.empty(length, np.int64)
-    slots = np.empty(length, np.int64)
-    for i in range(length):
-        p = start + i
-        blocks[i] = block_table[p // block_size]
-        slots[i] = p % block_size
-    return blocks, slots
-
-
-@_device_function
 def _soft_cap(scores, cap):
     """In place: ``cap * tanh(score / cap)``."""
     heads, length = scores.shape
@@ -176,25 +124,32 @@ def _soft_cap(scores, cap):
 
 
 @_device_function
-def _scores(query, key_cache, value_cache, blocks, slots, kv0, group, scale):
-    """Pass 1, ``[heads, length]``: each query head (``query`` is ``[heads, head_dim]``)
-    against every cached key; head i reads KV head ``kv0 + i // group``."""
+def _visible_blocks(start, end, block_size):
+    """The logical blocks that hold positions ``start .. end - 1``: ``range(first, last)``."""
+    if end <= start:
+        return 0, 0
+    return start // block_size, (end + block_size - 1) // block_size
+
+
+@_device_function
+def _scores(query, key_cache, block_table, start, end, kv0, group, scale):
+    """Pass 1, ``[heads, end - start]``: each query head (``query`` is ``[heads, head_dim]``)
+    against the cached keys of positions ``start .. end - 1``; head i reads KV head ``kv0 + i // group``."""
     heads, head_dim = query.shape
-    length, ahead, num_kv = len(blocks), key_cache.shape[1], heads // group
-    scores = np.empty((heads, length), np.float32)
-    for p in range(length):
-        q = p + ahead
-        if q < length:
-            _prefetch_row(key_cache, blocks[q], slots[q], kv0, num_kv)
-        elif q - length < length:
-            _prefetch_row(value_cache, blocks[q - length], slots[q - length], kv0, num_kv)
-        block, slot = blocks[p], slots[p]
-        for i in range(heads):
-            kv = kv0 + i // group
-            acc = np.float32(0.0)
-            for d in range(head_dim):
-                acc += query[i, d] * _widen(key_cache[block, slot, kv, d])
-            scores[i, p] = acc * scale
+    block_size = key_cache.shape[1]
+    scores = np.empty((heads, max(end - start, 0)), np.float32)
+    first, last = _visible_blocks(start, end, block_size)
+    for b in range(first, last):
+        block = key_cache[block_table[b]]  # [block_size, num_kv_heads, head_dim]
+        base = b * block_size
+        for slot in range(max(start - base, 0), min(end - base, block_size)):
+            col = base + slot - start
+            for i in range(heads):
+                kv = kv0 + i // group
+                acc = np.float32(0.0)
+                for d in range(head_dim):
+                    acc += query[i, d] * _widen(block[slot, kv, d])
+                scores[i, col] = acc * scale
     return scores
 
 
@@ -211,20 +166,23 @@ def _softmax_rows(scores):
 
 
 @_device_function
-def _weighted_values(probs, value_cache, blocks, slots, kv0, group, out):
-    """Pass 2: ``out[i] = sum_p probs[i, p] * v[p]`` (``out`` is ``[heads, head_dim]``)."""
+def _weighted_values(probs, value_cache, block_table, start, end, kv0, group, out):
+    """Pass 2: ``out[i] = sum_p probs[i, p - start] * v[p]`` over positions ``start .. end - 1``
+    (``out`` is ``[heads, head_dim]``)."""
     heads, head_dim = out.shape
-    length, ahead, num_kv = len(blocks), value_cache.shape[1], heads // group
+    block_size = value_cache.shape[1]
     acc = np.zeros((heads, head_dim), np.float32)
-    for p in range(length):
-        if p + ahead < length:
-            _prefetch_row(value_cache, blocks[p + ahead], slots[p + ahead], kv0, num_kv)
-        block, slot = blocks[p], slots[p]
-        for i in range(heads):
-            kv = kv0 + i // group
-            w = probs[i, p]
-            for d in range(head_dim):
-                acc[i, d] += w * _widen(value_cache[block, slot, kv, d])
+    first, last = _visible_blocks(start, end, block_size)
+    for b in range(first, last):
+        block = value_cache[block_table[b]]  # [block_size, num_kv_heads, head_dim]
+        base = b * block_size
+        for slot in range(max(start - base, 0), min(end - base, block_size)):
+            col = base + slot - start
+            for i in range(heads):
+                kv = kv0 + i // group
+                w = probs[i, col]
+                for d in range(head_dim):
+                    acc[i, d] += w * _widen(block[slot, kv, d])
     out[:, :] = acc
 
 
@@ -243,20 +201,19 @@ def paged_decode_attention_cpu_kernel(
     """The kernel's source (one work item = one sequence and a run of its heads);
     :func:`_compiled_kernel` is what runs."""
     num_seqs, num_heads, _ = query.shape
-    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
-    group = num_heads // num_kv_heads
+    group = num_heads // key_cache.shape[2]
     heads = num_heads // kv_splits  # query heads per item, a multiple of group
     for item in _prange(num_seqs * kv_splits):
         seq = item // kv_splits
         h0 = (item - seq * kv_splits) * heads
         end = context_lens[seq]
         start = max(end - window, 0) if window > 0 else 0
-        blocks, slots = _cache_slots(block_tables[seq], start, end, block_size)
-        probs = _scores(query[seq, h0 : h0 + heads], key_cache, value_cache, blocks, slots, h0 // group, group, scale)
+        table = block_tables[seq]
+        probs = _scores(query[seq, h0 : h0 + heads], key_cache, table, start, end, h0 // group, group, scale)
         if softcap > 0:
             _soft_cap(probs, softcap)
         _softmax_rows(probs)
-        _weighted_values(probs, value_cache, blocks, slots, h0 // group, group, out[seq, h0 : h0 + heads])
+        _weighted_values(probs, value_cache, table, start, end, h0 // group, group, out[seq, h0 : h0 + heads])
 
 
 @functools.cache
