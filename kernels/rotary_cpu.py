@@ -71,11 +71,12 @@ def rotary_cpu_(
     positions: torch.Tensor,  # [tokens] int64
     head_dim: int,
 ) -> torch.Tensor:
-    """:func:`rotary_reference`, in place on a contiguous float32 CPU ``x`` (returned); a new tensor otherwise."""
+    """:func:`rotary_reference`, in place on a float32 CPU ``x`` with unit-stride rows (a column slice of a
+    fused projection's output is fine), returned; a new tensor otherwise."""
     tensors = (x, cos, sin)
     if not HAS_NUMBA or any(t.dtype != torch.float32 or t.device.type != "cpu" for t in tensors) or x.dim() != 2:
         return rotary_reference(x, cos, sin, positions, head_dim)
-    if not x.is_contiguous() or positions.device.type != "cpu" or (x.requires_grad and torch.is_grad_enabled()):
+    if x.stride(-1) != 1 or positions.device.type != "cpu" or (x.requires_grad and torch.is_grad_enabled()):
         return rotary_reference(x, cos, sin, positions, head_dim)
     _compiled()(x.numpy(), cos.numpy(), sin.numpy(), positions.long().numpy(), head_dim)
     return x

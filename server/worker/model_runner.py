@@ -23,6 +23,7 @@ from pagedllm.server.worker.model_loader import init_dummy_weights, iterate_weig
 from pagedllm.server.worker.models import model_class
 from pagedllm.server.worker.models.base import CausalLM
 from pagedllm.server.worker.models.cpu_linear import prepack_linears
+from pagedllm.server.worker.models.fused_linear import fuse_projections
 from pagedllm.server.worker.models.tensor_parallel import TPGroup
 from pagedllm.server.worker.step_inputs import ModelStep, StepResult, prepare_batched_inputs
 from pagedllm.server.worker.tp_workers import TPWorkers
@@ -115,6 +116,8 @@ class ModelRunner:
             assert self.config.model.model is not None, "the engine resolves the model directory first"
             model.load_weights(iterate_weights(self.config.model.model, self.config.model.load_format))
         if self.device.type == "cpu":
+            if not self.config.lora.enable_lora:  # NOTE: adapters hook each projection by name
+                logger.info("%d layers' projections fused", fuse_projections(model))  # type: ignore[arg-type]
             logger.info("%d linear weights packed for oneDNN", prepack_linears(model))  # type: ignore[arg-type]
         return model.eval()
 

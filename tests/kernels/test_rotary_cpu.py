@@ -34,3 +34,18 @@ def test_bfloat16_takes_the_reference_and_leaves_x():
     positions = torch.tensor([0, 5, 63])
     out = rotary_cpu_(x, cos, sin, positions, 16)
     assert torch.equal(x, before) and torch.equal(out, rotary_reference(x, cos, sin, positions, 16))
+
+
+def test_rotates_a_column_slice_of_a_wider_tensor_in_place():
+    # NOTE: q and k of a fused q|k|v projection are column views of one output
+    torch.manual_seed(0)
+    head_dim, tokens = 8, 5
+    cos, sin = rotation_table(head_dim, 16, {"rope_type": "default", "rope_theta": 10000.0})
+    positions = torch.tensor([0, 3, 7, 2, 15])
+    wide = torch.randn(tokens, 3 * 2 * head_dim)
+    q, rest = wide[:, : 2 * head_dim], wide[:, 2 * head_dim :].clone()
+    want = rotary_reference(q.clone(), cos, sin, positions, head_dim)
+    got = rotary_cpu_(q, cos, sin, positions, head_dim)
+    assert got.data_ptr() == wide.data_ptr()  # rotated where it lies
+    assert torch.equal(got, want)
+    assert torch.equal(wide[:, 2 * head_dim :], rest)

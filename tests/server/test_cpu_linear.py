@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from pagedllm.server.worker.attention import AttentionMetadata, select_attention_ops
 from pagedllm.server.worker.models.cpu_linear import can_pack, linear, pack_weight, prepack_linears
 from pagedllm.server.worker.models.decoder import DecoderForCausalLM
+from pagedllm.server.worker.models.fused_linear import FusedLinear, fuse_projections
 from pagedllm.server.worker.models.tensor_parallel import (
     ColumnParallelLinear,
     ParallelLMHead,
@@ -46,7 +47,7 @@ def test_plain_weights_take_f_linear():
     assert torch.equal(linear(x, w), F.linear(x, w))
 
 
-def _tiny_decoder(tie: bool) -> DecoderForCausalLM:
+def _tiny_decoder(tie: bool, qkv_bias: bool = False) -> DecoderForCausalLM:
     from transformers import LlamaConfig
 
     cfg = LlamaConfig(
@@ -57,6 +58,7 @@ def _tiny_decoder(tie: bool) -> DecoderForCausalLM:
         num_attention_heads=4,
         num_key_value_heads=2,
         tie_word_embeddings=tie,
+        attention_bias=qkv_bias,
     ).to_dict()
     torch.manual_seed(0)
     model = DecoderForCausalLM.from_hf_config(cfg)
@@ -92,33 +94,62 @@ def test_prepack_keeps_the_shard_rule_loading_marked():
     assert q_proj.weight.is_mkldnn and q_proj.weight.shard is rule
 
 
-def test_prepacked_decoder_gives_the_same_logits():
-    model = _tiny_decoder(tie=False)
+def _logits(model: DecoderForCausalLM) -> torch.Tensor:
+    """Logits of a 12-token prompt prefilled from empty caches (the torch attention backend)."""
     ops = select_attention_ops("torch", torch.device("cpu"))
     num_layers, kv_heads, head_dim = model.kv_shape
     tokens = 12
+    shape = (2, 8, kv_heads, head_dim)
+    caches = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(num_layers)]
+    meta = AttentionMetadata(
+        slot_mapping=torch.arange(tokens),
+        num_decode_tokens=0,
+        decode_block_tables=torch.zeros(0, 2, dtype=torch.int32),
+        decode_context_lens=torch.zeros(0, dtype=torch.int32),
+        prefill_block_tables=torch.tensor([[0, 1]], dtype=torch.int32),
+        prefill_cu_seqlens_q=torch.tensor([0, tokens], dtype=torch.int32),
+        prefill_context_lens=torch.tensor([tokens], dtype=torch.int32),
+    )
+    with torch.inference_mode():
+        hidden = model(torch.arange(tokens) % 50, torch.arange(tokens), caches, ops.prepare(meta, 8), ops)
+        return model.compute_logits(hidden)
 
-    def run():
-        shape = (2, 8, kv_heads, head_dim)
-        caches = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(num_layers)]
-        meta = AttentionMetadata(
-            slot_mapping=torch.arange(tokens),
-            num_decode_tokens=0,
-            decode_block_tables=torch.zeros(0, 2, dtype=torch.int32),
-            decode_context_lens=torch.zeros(0, dtype=torch.int32),
-            prefill_block_tables=torch.tensor([[0, 1]], dtype=torch.int32),
-            prefill_cu_seqlens_q=torch.tensor([0, tokens], dtype=torch.int32),
-            prefill_context_lens=torch.tensor([tokens], dtype=torch.int32),
-        )
-        with torch.inference_mode():
-            hidden = model(torch.arange(tokens) % 50, torch.arange(tokens), caches, ops.prepare(meta, 8), ops)
-            return model.compute_logits(hidden)
 
-    before = run()
+def test_prepacked_decoder_gives_the_same_logits():
+    model = _tiny_decoder(tie=False)
+    before = _logits(model)
     prepack_linears(model)
-    after = run()
+    after = _logits(model)
     torch.testing.assert_close(after, before, atol=1e-4, rtol=1e-4)
     assert torch.equal(after.argmax(-1), before.argmax(-1))
+
+
+@pytest.mark.parametrize("qkv_bias", [False, True])
+def test_fused_projections_give_the_same_logits(qkv_bias):
+    model = _tiny_decoder(tie=False, qkv_bias=qkv_bias)
+    attention, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    parts = [attention.q_proj.weight.clone(), attention.k_proj.weight.clone(), attention.v_proj.weight.clone()]
+    before = _logits(model)
+    assert fuse_projections(model) == 2 * len(model.model.layers)
+    assert not hasattr(attention, "q_proj") and not hasattr(mlp, "gate_proj")
+    assert attention.qkv_proj is not None and mlp.gate_up_proj is not None
+    assert torch.equal(attention.qkv_proj.weight, torch.cat(parts))
+    assert (attention.qkv_proj.bias is not None) is qkv_bias
+    assert prepack_linears(model) == 4 * len(model.model.layers) + 1  # qkv, o, gate-up, down; the head
+    torch.testing.assert_close(_logits(model), before, atol=1e-4, rtol=1e-4)
+
+
+def test_fused_linear_splits_its_output_and_fills_missing_biases():
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.nn.Linear(16, 8, bias=True), torch.nn.Linear(16, 4, bias=False)
+    for p in (*a.parameters(), *b.parameters()):
+        p.data = torch.randn(p.shape, generator=g)
+    fused = FusedLinear([a, b])
+    x = torch.randn(3, 16, generator=g)
+    out_a, out_b = fused(x)
+    assert fused.sizes == [8, 4] and out_a.shape == (3, 8) and out_b.shape == (3, 4)
+    torch.testing.assert_close(out_a, a(x), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out_b, b(x), atol=1e-5, rtol=1e-5)
 
 
 def test_cpu_engine_packs_its_projections(tmp_path):
@@ -127,6 +158,7 @@ def test_cpu_engine_packs_its_projections(tmp_path):
 
     llm = LLM(model=save_tiny_family(str(tmp_path), "mistral-window"), block_size=8, num_gpu_blocks_override=8)
     model = llm.llm_engine.runner.model
-    assert model.model.layers[0].self_attn.q_proj.weight.is_mkldnn
+    assert model.model.layers[0].self_attn.qkv_proj.weight.is_mkldnn  # fused, then packed
+    assert model.model.layers[0].mlp.gate_up_proj.weight.is_mkldnn
     assert model.model.layers[1].mlp.down_proj.weight.is_mkldnn
     assert model.lm_head.weight.is_mkldnn

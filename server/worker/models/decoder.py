@@ -22,6 +22,7 @@ from pagedllm.server.worker.attention import AttentionMetadata, AttentionOps, Pa
 from pagedllm.server.worker.models.activations import activation
 from pagedllm.server.worker.models.decoder_arch import DecoderArch
 from pagedllm.server.worker.models.families import load_decoder_weights
+from pagedllm.server.worker.models.fused_linear import FusedLinear
 from pagedllm.server.worker.models.rope import RotaryEmbedding
 from pagedllm.server.worker.models.tensor_parallel import (
     ColumnParallelLinear,
@@ -67,6 +68,8 @@ class DecoderAttention(nn.Module):
         self.k_proj = ColumnParallelLinear(hidden, self.num_kv_heads * d, arch.qkv_bias, tp, first_row=first_kv * d)
         self.v_proj = ColumnParallelLinear(hidden, self.num_kv_heads * d, arch.qkv_bias, tp, first_row=first_kv * d)
         self.o_proj = RowParallelLinear(arch.num_heads * d, hidden, arch.o_bias, tp)
+        self.qkv_proj: FusedLinear | None = None
+        """q, k and v in one GEMM, once :meth:`fuse_projections` has replaced the three."""
         if arch.family.qk_norm:
             self.q_norm = RMSNorm(d, arch.rms_norm_eps, arch.family.gemma_norms)
             self.k_norm = RMSNorm(d, arch.rms_norm_eps, arch.family.gemma_norms)
@@ -80,13 +83,20 @@ class DecoderAttention(nn.Module):
             logit_softcap=arch.attn_softcap,
         )
 
+    def fuse_projections(self) -> None:
+        self.qkv_proj = FusedLinear([self.q_proj, self.k_proj, self.v_proj])
+        del self.q_proj, self.k_proj, self.v_proj
+
     def forward(self, x, positions, kv_cache, meta: AttentionMetadata, ops: AttentionOps):
-        q, k = self.q_proj(x), self.k_proj(x)
+        if self.qkv_proj is not None:
+            q, k, v = self.qkv_proj(x)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         if hasattr(self, "q_norm"):
             q = self.q_norm(q.view(-1, self.num_heads, self.head_dim)).view(q.shape)
             k = self.k_norm(k.view(-1, self.num_kv_heads, self.head_dim)).view(k.shape)
         q, k = self.rotary(positions, q, k)
-        return self.o_proj(self.attn(q, k, self.v_proj(x), kv_cache, meta, ops))
+        return self.o_proj(self.attn(q, k, v, kv_cache, meta, ops))
 
 
 class GatedMLP(nn.Module):
@@ -99,10 +109,20 @@ class GatedMLP(nn.Module):
         self.up_proj = ColumnParallelLinear(hidden, inner, bias, tp)
         self.down_proj = RowParallelLinear(inner, hidden, bias, tp)
         self.act = activation(arch.hidden_act, "hidden_act")
+        self.gate_up_proj: FusedLinear | None = None
+        """gate and up in one GEMM, once :meth:`fuse_projections` has replaced the two."""
+
+    def fuse_projections(self) -> None:
+        self.gate_up_proj = FusedLinear([self.gate_proj, self.up_proj])
+        del self.gate_proj, self.up_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up_proj is not None:
+            gate, up = self.gate_up_proj(x)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
         # NOTE: the product is taken in place in the activation's output, a tensor of this call's own.
-        return self.down_proj(self.act(self.gate_proj(x)).mul_(self.up_proj(x)))
+        return self.down_proj(self.act(gate).mul_(up))
 
 
 def _mlp(arch: DecoderArch, layer: int, tp: TPGroup) -> nn.Module:
