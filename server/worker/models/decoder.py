@@ -149,13 +149,22 @@ class DecoderLayer(nn.Module):
             self.pre_feedforward_layernorm = RMSNorm(arch.hidden_size, eps, gemma)
             self.post_feedforward_layernorm = RMSNorm(arch.hidden_size, eps, gemma)
 
-    def forward(self, x, positions, kv_cache, meta, ops):
-        h = self.self_attn(self.input_layernorm(x), positions, kv_cache, meta, ops)
+    def forward(self, x, residual, positions, kv_cache, meta, ops):
+        """(this layer's output, the residual stream), the output not yet added to the stream.
+
+        NOTE: the next layer's input norm (or the final norm) adds it in the same pass as it
+        normalises (:meth:`RMSNorm.add_and_norm`); ``residual`` is None at the first layer.
+        """
+        if residual is None:
+            normed, residual = self.input_layernorm(x), x
+        else:
+            normed, residual = self.input_layernorm.add_and_norm(x, residual)
+        h = self.self_attn(normed, positions, kv_cache, meta, ops)
         if not self.sandwich:
-            normed, x = self.post_attention_layernorm.add_and_norm(h, x)
-            return x + self.mlp(normed)
-        x = x + self.post_attention_layernorm(h)
-        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+            normed, residual = self.post_attention_layernorm.add_and_norm(h, residual)
+            return self.mlp(normed), residual
+        residual = residual + self.post_attention_layernorm(h)
+        return self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(residual))), residual
 
 
 class DecoderModel(nn.Module):
@@ -207,9 +216,10 @@ class DecoderForCausalLM(nn.Module):
         x = self.model.embed_tokens(input_ids)
         if self.embed_scale is not None:
             x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
+        residual = None
         for layer, kv_cache in zip(self.model.layers, kv_caches):
-            x = layer(x, positions, kv_cache, meta, ops)
-        return self.model.norm(x)
+            x, residual = layer(x, residual, positions, kv_cache, meta, ops)
+        return self.model.norm(x) if residual is None else self.model.norm.add_and_norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden)
