@@ -119,7 +119,7 @@ class Scheduler:
     # -- one step -----------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        budget = _Budget(self.token_budget, self.config.max_num_seqs)
+        budget = _Budget(self._step_token_budget(), self.config.max_num_seqs)
         self._schedule_running(budget, out)
         if not out.preempted:
             self._schedule_swapped(budget, out)
@@ -135,6 +135,31 @@ class Scheduler:
                 lora_id = group.lora_request.lora_int_id
                 out.lora_slots[lora_id] = self.loras.slot_of[lora_id]
         return out
+
+    def _step_token_budget(self) -> int:
+        """This step's token budget: the whole of it, or, while more sequences decode than
+        prompts wait, their tokens plus at most ``max_prefill_tokens_while_decoding`` prompt tokens.
+
+        NOTE: a step's prompt tokens are what every decoding stream waits for before its next
+        token. A few streams are stalled once rather than many prompts trickling in over many
+        steps, each of which would stall every stream again.
+        """
+        cap = self.config.max_prefill_tokens_while_decoding
+        if cap is None:
+            return self.token_budget
+        # NOTE: only the waiting prompts that have a free seat could join this step
+        seats = max(self.config.max_num_seqs - len(self.running), 0)
+        decode_tokens, decoding, prompts = 0, 0, min(len(self.waiting), seats)
+        for group in self.running:
+            seqs = group.running_seqs()
+            if _any_prefill(seqs):
+                prompts += 1
+            else:
+                decoding += 1
+                decode_tokens += sum(1 + len(seq.spec_token_ids) for seq in seqs)
+        if decoding <= prompts:
+            return self.token_budget
+        return min(self.token_budget, decode_tokens + cap)
 
     def _schedule_running(self, budget: _Budget, out: SchedulerOutput) -> None:
         decodes: list[tuple[SequenceGroup, list[Sequence]]] = []

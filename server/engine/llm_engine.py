@@ -537,6 +537,8 @@ def _with_token_budget(config: EngineConfig, device_type: str, max_model_len: in
     """``config`` with the per-iteration token budget resolved for the device it runs on."""
     budget = choose_token_budget(config.scheduler, device_type, max_model_len)
     logger.info("the scheduler batches up to %d tokens per step (%s)", budget.tokens, budget.reason)
+    if budget.prefill_while_decoding is not None:
+        logger.info("prompts take up to %d tokens of a step while more sequences decode", budget.prefill_while_decoding)
     return dataclasses.replace(config, scheduler=config.scheduler.with_token_budget(budget))
 
 

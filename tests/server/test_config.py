@@ -17,14 +17,28 @@ from pagedllm.server.config import (
 )
 
 
-def test_cpu_default_is_512():
+def test_cpu_default_is_4096_with_256_prompt_tokens_while_decoding():
     budget = choose_token_budget(SchedulerConfig(), "cpu", max_model_len=4096)
-    assert (budget.tokens, budget.reason) == (512, "the cpu default")
+    assert (budget.tokens, budget.reason, budget.prefill_while_decoding) == (4096, "the cpu default", 256)
 
 
-def test_cuda_default_is_2048():
+def test_cuda_default_is_2048_without_a_bound_while_decoding():
     budget = choose_token_budget(SchedulerConfig(), "cuda", max_model_len=4096)
-    assert (budget.tokens, budget.reason) == (2048, "the cuda default")
+    assert (budget.tokens, budget.reason, budget.prefill_while_decoding) == (2048, "the cuda default", None)
+
+
+def test_the_bound_while_decoding_is_kept_when_set_and_off_without_chunked_prefill():
+    config = SchedulerConfig(max_num_batched_tokens=100, max_prefill_tokens_while_decoding=7)
+    resolved = config.with_token_budget(choose_token_budget(config, "cuda", 4096))
+    assert (resolved.token_budget, resolved.max_prefill_tokens_while_decoding) == (100, 7)
+    unchunked = SchedulerConfig(enable_chunked_prefill=False)
+    assert choose_token_budget(unchunked, "cpu", 4096).prefill_while_decoding is None
+
+
+def test_a_bound_while_decoding_without_chunked_prefill_is_refused():
+    with pytest.raises(ConfigError) as info:
+        SchedulerConfig(enable_chunked_prefill=False, max_prefill_tokens_while_decoding=64)
+    assert info.value.field == "max_prefill_tokens_while_decoding" and info.value.value == 64
 
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
@@ -35,7 +49,7 @@ def test_an_explicit_value_always_wins(device, chunked):
     assert (budget.tokens, budget.reason) == (100, "set by max_num_batched_tokens")
 
 
-@pytest.mark.parametrize(("device", "max_model_len", "tokens"), [("cpu", 4096, 4096), ("cuda", 8192, 8192)])
+@pytest.mark.parametrize(("device", "max_model_len", "tokens"), [("cpu", 8192, 8192), ("cuda", 8192, 8192)])
 def test_chunked_prefill_off_fits_the_longest_prompt(device, max_model_len, tokens):
     budget = choose_token_budget(SchedulerConfig(enable_chunked_prefill=False), device, max_model_len)
     assert budget.tokens == tokens
@@ -43,13 +57,13 @@ def test_chunked_prefill_off_fits_the_longest_prompt(device, max_model_len, toke
 
 
 def test_chunked_prefill_off_keeps_the_default_above_a_short_model():
-    assert choose_token_budget(SchedulerConfig(enable_chunked_prefill=False), "cpu", 128).tokens == 512
+    assert choose_token_budget(SchedulerConfig(enable_chunked_prefill=False), "cpu", 128).tokens == 4096
     assert choose_token_budget(SchedulerConfig(enable_chunked_prefill=False), "cuda", 128).tokens == 2048
 
 
 def test_the_default_fits_one_token_per_running_sequence():
-    budget = choose_token_budget(SchedulerConfig(max_num_seqs=1024), "cpu", max_model_len=256)
-    assert budget.tokens == 1024 and "max_num_seqs" in budget.reason
+    budget = choose_token_budget(SchedulerConfig(max_num_seqs=8192), "cpu", max_model_len=256)
+    assert budget.tokens == 8192 and "max_num_seqs" in budget.reason
 
 
 def test_the_device_must_be_resolved():
@@ -63,7 +77,7 @@ def test_resolved_config_carries_the_budget_and_stays_frozen():
     with pytest.raises(RuntimeError, match="depends on the device"):
         _ = config.token_budget
     resolved = config.with_token_budget(choose_token_budget(config, "cpu", 256))
-    assert resolved.token_budget == resolved.max_num_batched_tokens == 512
+    assert resolved.token_budget == resolved.max_num_batched_tokens == 4096
     assert config.max_num_batched_tokens is None
 
 
@@ -71,7 +85,7 @@ def test_the_flag_help_names_both_defaults():
     parser = add_engine_args(argparse.ArgumentParser())
     action = next(a for a in parser._actions if a.dest == "max_num_batched_tokens")
     assert action.default is None
-    assert "512 on CPU" in action.help and "2048 on CUDA" in action.help and "(default: None)" not in action.help
+    assert "4096 on CPU" in action.help and "2048 on CUDA" in action.help and "(default: None)" not in action.help
 
 
 # -- --kv-events-config ----------------------------------------------------------------------------------

@@ -23,12 +23,13 @@ def greedy(max_tokens: int) -> SamplingParams:
     return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
 
 
-def test_cpu_default_budget_is_512_and_logged(tiny_llama, caplog):
+def test_cpu_default_budget_is_4096_and_logged(tiny_llama, caplog):
     with caplog.at_level(logging.INFO, logger="pagedllm.engine"):
         e = engine(tiny_llama)
-    assert e.config.scheduler.token_budget == e.scheduler.token_budget == 512
-    assert "the scheduler batches up to 512 tokens per step (the cpu default)" in caplog.text
-    assert "512 tokens per step" in e.describe()
+    assert e.config.scheduler.token_budget == e.scheduler.token_budget == 4096
+    assert "the scheduler batches up to 4096 tokens per step (the cpu default)" in caplog.text
+    assert "prompts take up to 256 tokens of a step while more sequences decode" in caplog.text
+    assert "4096 tokens per step" in e.describe()
 
 
 def test_explicit_budget_is_kept(tiny_llama):
@@ -37,7 +38,7 @@ def test_explicit_budget_is_kept(tiny_llama):
 
 
 def test_long_prompt_is_chunked_while_others_decode_and_matches_transformers(tiny_llama):
-    e = engine(tiny_llama, block_size=16)
+    e = engine(tiny_llama, block_size=16, max_num_batched_tokens=512)
     short, long = make_prompts(2, min_len=5, max_len=900, seed=3)
     e.add_request("short", {"prompt_token_ids": short}, greedy(30))
     e.step()  # the short prompt is prefilled and decodes from now on

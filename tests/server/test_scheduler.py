@@ -56,20 +56,71 @@ def test_chunked_prefill_runs_beside_decodes():
     assert chunks == [7, 7, 6]
 
 
-def test_cpu_default_budget_chunks_a_long_prompt_beside_decodes():
-    s = make_scheduler(num_blocks=128, block_size=16)
-    assert s.token_budget == 512
-    s.add(make_request("short", 3, 0, arrival=0.0))
+def test_cpu_defaults_chunk_a_long_prompt_beside_decodes():
+    s = make_scheduler(num_blocks=256, block_size=16)
+    assert s.token_budget == 4096 and s.config.max_prefill_tokens_while_decoding == 256
+    s.add(make_request("short0", 3, 0, arrival=0.0))
+    s.add(make_request("short1", 3, 1, arrival=0.5))
     run_step(s)
-    s.add(make_request("long", 1200, 1, arrival=1.0))
+    s.add(make_request("long", 1200, 2, arrival=1.0))
     chunks = []
-    for _ in range(3):
+    for _ in range(5):
         out = run_step(s)
         by_id = {item.group.request_id: sum(item.chunks.values()) for item in out.scheduled}
-        assert by_id["short"] == 1  # the decode goes on in every step of the long prefill
-        assert out.num_batched_tokens <= 512
+        assert by_id["short0"] == by_id["short1"] == 1  # the decodes go on in every step of the long prefill
         chunks.append(by_id["long"])
-    assert chunks == [511, 511, 178]
+    assert chunks == [256, 256, 256, 256, 176]
+
+
+def _tokens_by_request(out) -> dict[str, int]:
+    return {item.group.request_id: sum(item.chunks.values()) for item in out.scheduled}
+
+
+def test_prompt_tokens_are_bounded_while_more_sequences_decode_than_prompts_wait():
+    s = make_scheduler(num_blocks=64, max_num_batched_tokens=64, max_prefill_tokens_while_decoding=5)
+    s.add(make_request("d0", 3, 0, arrival=0.0))
+    s.add(make_request("d1", 3, 1, arrival=1.0))
+    assert _tokens_by_request(run_step(s)) == {"d0": 3, "d1": 3}  # nothing decodes yet: the whole budget
+    s.add(make_request("long", 20, 2, arrival=2.0))
+    chunks = []
+    for _ in range(4):
+        out = run_step(s)
+        by_id = _tokens_by_request(out)
+        assert by_id["d0"] == by_id["d1"] == 1
+        chunks.append(by_id["long"])
+    assert chunks == [5, 5, 5, 5]
+
+
+def test_prompts_as_many_as_the_decodes_take_the_whole_budget():
+    # NOTE: one stall of the few decoding streams, not many steps each stalling them again
+    s = make_scheduler(num_blocks=64, max_num_batched_tokens=64, max_prefill_tokens_while_decoding=5)
+    s.add(make_request("d", 3, 0, arrival=0.0))
+    run_step(s)
+    s.add(make_request("a", 20, 1, arrival=1.0))
+    assert _tokens_by_request(run_step(s)) == {"d": 1, "a": 20}
+    s.add(make_request("b", 20, 2, arrival=2.0))
+    s.add(make_request("c", 9, 3, arrival=3.0))
+    assert _tokens_by_request(run_step(s)) == {"d": 1, "a": 1, "b": 20, "c": 9}
+
+
+def test_prompts_without_a_free_seat_do_not_lift_the_bound():
+    s = make_scheduler(num_blocks=64, max_num_seqs=3, max_num_batched_tokens=64, max_prefill_tokens_while_decoding=5)
+    s.add(make_request("d0", 3, 0, arrival=0.0))
+    s.add(make_request("d1", 3, 1, arrival=1.0))
+    run_step(s)
+    for i in range(2, 5):
+        s.add(make_request(f"p{i}", 20, i, arrival=float(i)))
+    # three prompts wait but one seat is free: one prompt against two decodes, so the bound holds
+    assert _tokens_by_request(run_step(s)) == {"d0": 1, "d1": 1, "p2": 5}
+
+
+def test_without_a_bound_prompts_fill_the_budget_beside_decodes():
+    s = make_scheduler(num_blocks=64, max_num_batched_tokens=16)
+    for i in range(3):
+        s.add(make_request(f"d{i}", 3, i, arrival=float(i)))
+    run_step(s)
+    s.add(make_request("long", 40, 3, arrival=5.0))
+    assert _tokens_by_request(run_step(s)) == {"d0": 1, "d1": 1, "d2": 1, "long": 13}
 
 
 def test_an_unresolved_budget_is_refused():
