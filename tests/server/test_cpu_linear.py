@@ -162,3 +162,15 @@ def test_cpu_engine_packs_its_projections(tmp_path):
     assert model.model.layers[0].mlp.gate_up_proj.weight.is_mkldnn
     assert model.model.layers[1].mlp.down_proj.weight.is_mkldnn
     assert model.lm_head.weight.is_mkldnn
+
+
+def test_cpu_engine_keeps_projections_apart_for_lora(tmp_path):
+    # NOTE: adapters hook q_proj, k_proj, ... by name, so with LoRA on nothing is fused
+    from pagedllm.server import LLM
+    from tests.server.family_factories import save_tiny_family
+
+    path = save_tiny_family(str(tmp_path), "mistral-window")
+    llm = LLM(model=path, block_size=8, num_gpu_blocks_override=8, enable_lora=True, max_loras=1)
+    layer = llm.llm_engine.runner.model.model.layers[0]
+    assert layer.self_attn.qkv_proj is None and layer.self_attn.q_proj.weight.is_mkldnn
+    assert layer.mlp.gate_up_proj is None and layer.mlp.gate_proj.weight.is_mkldnn
