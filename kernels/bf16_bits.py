@@ -154,10 +154,13 @@ if HAS_NUMBA:
     pow2: Callable = intrinsic(_pow2)
 
 
-# NOTE: below this many elements a kernel runs on the calling thread: waking Numba's pool
-# costs more than the work it would share (2 threads: RMSNorm on [16, 512] 2.2 µs on one,
-# 2.7 µs on two; SiLU-and-mul on [16, 1376] 12 µs on one, 7.7 µs on two; see the modules).
-PARALLEL_MIN_ELEMENTS = 16384
+# NOTE: below this many elements a kernel runs on the calling thread. Two threads pay from
+# about 16384 elements on a quiet machine (RMSNorm on [16, 512]: 2.2 µs on one thread, 2.7 on
+# two; on [64, 512]: 7.0 and 5.2), but a parallel kernel waits for its slowest thread: where
+# another process holds a core, a call stalls for a scheduler time slice (milliseconds, seen
+# on a shared machine). Decode batches (up to [64, 512]) therefore stay on one thread, and
+# prefill chunks, where halving a call's time is worth the risk, spread.
+PARALLEL_MIN_ELEMENTS = 65536
 
 
 def launch(compiled: Callable[[bool], Callable], elements: int) -> Callable:

@@ -17,7 +17,7 @@ mean's summation order differs from it: a rounding of the last bit of ``inv``, w
 shows in float32 and, in bfloat16, only where a normalised value lies that close to a
 rounding tie.
 
-Rows are spread over the threads from [32, 512] up (bf16_bits.launch). Median µs, one call,
+Rows are spread over the threads from [128, 512] up (bf16_bits.launch). Median µs, one call,
 2 threads, residual add + RMSNorm, one thread / two::
 
     rows    float32        bfloat16
