@@ -17,8 +17,8 @@ mean's summation order differs from it: a rounding of the last bit of ``inv``, w
 shows in float32 and, in bfloat16, only where a normalised value lies that close to a
 rounding tie.
 
-Rows are spread over the threads from [128, 512] up (bf16_bits.launch). Median µs, one call,
-2 threads, residual add + RMSNorm, one thread / two::
+Rows are spread over the threads from [128, 512] up (bf16_bits.launch). Median µs of the
+compiled kernel alone, residual add + RMSNorm on [rows, 512], one thread / two::
 
     rows    float32        bfloat16
       16    2.2 /  2.7     4.4 /  3.9

@@ -13,8 +13,8 @@ Float32 and bfloat16 (as bit patterns, see bf16_bits.py), with float32 or bfloat
 other dtypes take :func:`rotary_reference`. In bfloat16 the kernel rounds where torch's ops
 do (the table to bfloat16, each product, then the sum), so it is bitwise the reference's too.
 
-Rows are spread over the threads from [128, 512] up (bf16_bits.launch). Median µs, one call
-on [rows, 8 heads of 64], one thread / two::
+Rows are spread over the threads from [128, 512] up (bf16_bits.launch). Median µs of the
+compiled kernel alone on [rows, 8 heads of 64], one thread / two::
 
     rows    float32        bfloat16
       16    1.3 /  2.2     3.5 /  3.6
