@@ -8,7 +8,7 @@ add eps, rsqrt, two muls) with a temporary each; here one loop per token row::
             inv = 1 / sqrt(mean(s * s) + eps)
             out[t] = weight * (s * inv)
 
-Float32 and bfloat16 (as bit patterns, see bf16_bits.py); other dtypes take
+Float32 and bfloat16 (as bit patterns, see _numba_cpu.py); other dtypes take
 :func:`rms_norm_reference`, which is what the torch path computes. In bfloat16 the kernel
 rounds where the reference's ops do: the sum ``x + residual`` (the new residual stream),
 the normalised row (computed in float32, then rounded), and the product with the weight.
@@ -17,7 +17,7 @@ mean's summation order differs from it: a rounding of the last bit of ``inv``, w
 shows in float32 and, in bfloat16, only where a normalised value lies that close to a
 rounding tie.
 
-Rows are spread over the threads from [128, 512] up (bf16_bits.launch). Median µs of the
+Rows are spread over the threads from [128, 512] up (_numba_cpu.launch). Median µs of the
 compiled kernel alone, residual add + RMSNorm on [rows, 512], one thread / two::
 
     rows    float32        bfloat16
@@ -33,13 +33,13 @@ import functools
 import numpy as np
 import torch
 
-from .bf16_bits import KERNEL_DTYPES, compile_kernel, kernel_array, launch
+from ._numba_cpu import KERNEL_DTYPES, compile_kernel, kernel_array, launch
 from .paged_decode_attention_cpu import HAS_NUMBA
 
 if HAS_NUMBA:
     import numba
 
-    from .bf16_bits import load, round_like, store_like
+    from ._numba_cpu import load, round_like, store_like
 
 
 def rms_norm_reference(

@@ -9,11 +9,11 @@ The "rotate half" layout: each head's first ``rotary_dim`` dims are two halves
 The torch version builds ``cat(-x2, x1)`` and two products per tensor; this loop reads
 each element once and writes it back. Without fast-math, ``x1 * cos + (-x2) * sin`` and
 ``x1 * cos - x2 * sin`` round identically, so the result is bitwise the reference's.
-Float32 and bfloat16 (as bit patterns, see bf16_bits.py), with float32 or bfloat16 tables;
+Float32 and bfloat16 (as bit patterns, see _numba_cpu.py), with float32 or bfloat16 tables;
 other dtypes take :func:`rotary_reference`. In bfloat16 the kernel rounds where torch's ops
 do (the table to bfloat16, each product, then the sum), so it is bitwise the reference's too.
 
-Rows are spread over the threads from [128, 512] up (bf16_bits.launch). Median µs of the
+Rows are spread over the threads from [128, 512] up (_numba_cpu.launch). Median µs of the
 compiled kernel alone on [rows, 8 heads of 64], one thread / two::
 
     rows    float32        bfloat16
@@ -28,13 +28,13 @@ import functools
 
 import torch
 
-from .bf16_bits import KERNEL_DTYPES, compile_kernel, kernel_array, launch
+from ._numba_cpu import KERNEL_DTYPES, compile_kernel, kernel_array, launch
 from .paged_decode_attention_cpu import HAS_NUMBA
 
 if HAS_NUMBA:
     import numba
 
-    from .bf16_bits import load, round_like, store_like
+    from ._numba_cpu import load, round_like, store_like
 
 
 def rotary_reference(

@@ -17,7 +17,7 @@ last bit now and then, so the float32 result is within a few ulp of the referenc
 bitwise), and a bfloat16 result can differ by one bfloat16 ulp where the float32 SiLU
 lies that close to a rounding tie. Infinities and NaN come out as torch's.
 
-Rows are spread over the threads from [48, 1376] up (bf16_bits.launch). Median µs of the
+Rows are spread over the threads from [48, 1376] up (_numba_cpu.launch). Median µs of the
 compiled kernel alone on [rows, 1376], one thread / two::
 
     rows    float32         bfloat16
@@ -39,13 +39,13 @@ import functools
 import numpy as np
 import torch
 
-from .bf16_bits import KERNEL_DTYPES, compile_kernel, kernel_array, launch
+from ._numba_cpu import KERNEL_DTYPES, compile_kernel, kernel_array, launch
 from .paged_decode_attention_cpu import HAS_NUMBA
 
 if HAS_NUMBA:
     import numba
 
-    from .bf16_bits import load, pow2, round_like, store_like
+    from ._numba_cpu import load, pow2, round_like, store_like
 
 
 def silu_and_mul_reference(

@@ -11,7 +11,7 @@ from tests.kernels.kernel_factories import near_bf16_tie, torch_threads
 
 pytestmark = pytest.mark.skipif(not HAS_NUMBA, reason="numba is not installed")
 
-# [tokens, inner]: decode sizes on one thread, prefill sizes spread over two (bf16_bits.launch)
+# [tokens, inner]: decode sizes on one thread, prefill sizes spread over two (_numba_cpu.launch)
 SHAPES = [(1, 8), (16, 1376), (37, 96), (512, 160)]
 
 

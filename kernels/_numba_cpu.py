@@ -1,4 +1,8 @@
-"""Float32 and bfloat16 elements inside the CPU's Numba kernels, one kernel source for both.
+"""What the elementwise CPU kernels (Numba) share: how each is compiled and launched, and
+float32 and bfloat16 elements inside them, one kernel source for both.
+
+:func:`compile_kernel` builds a kernel on one thread or spread over Numba's pool;
+:func:`launch` picks the build for a call's size (see ``PARALLEL_MIN_ELEMENTS``).
 
 NumPy has no bfloat16, so a bfloat16 tensor reaches a kernel as its bit patterns
 (``tensor.view(torch.uint16).numpy()``, see :func:`kernel_array`). Torch's CPU ops on
