@@ -10,10 +10,13 @@ vocabulary 8000) at a decode batch of 16 and 64.
 ``linear``: ``F.linear`` on the plain weight against oneDNN on the weight packed once
 (server/worker/models/cpu_linear.py): q/k/v/o (512 -> 512), gate/up (512 -> 1376),
 down (1376 -> 512), LM head (512 -> 8000).
-``elementwise``: the torch ops against the compiled kernels (float32; other dtypes run the
-torch ops in both): RMSNorm, residual add + RMSNorm (kernels/rms_norm_cpu.py), rotary on
-q and k (kernels/rotary_cpu.py, 8 heads of 64), SiLU(gate) * up with and without a
-temporary.
+``elementwise``: the torch references against the compiled kernels (float32 and bfloat16):
+RMSNorm, residual add + RMSNorm (kernels/rms_norm_cpu.py), rotary on q and k
+(kernels/rotary_cpu.py, 8 heads of 64), SiLU(gate) * up (kernels/silu_and_mul_cpu.py,
+[batch, 1376]; before: the MLP's former ``silu(gate).mul_(up)``). Batch 16 and 64 are
+decode steps, 512 a prefill chunk:
+
+    python -m benchmarks.cpu_ops --threads 2 --ops elementwise --batch 16 64 512
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import torch.nn.functional as F
 from benchmarks.common import HelpFormatter
 from pagedllm.kernels.rms_norm_cpu import rms_norm_cpu, rms_norm_reference
 from pagedllm.kernels.rotary_cpu import rotary_cpu_, rotary_reference
+from pagedllm.kernels.silu_and_mul_cpu import silu_and_mul_cpu
 from pagedllm.server.worker.models.cpu_linear import linear, pack_weight
 from pagedllm.server.worker.models.rope import rotation_table
 
@@ -82,7 +86,7 @@ def elementwise_cases(batch: int, dtype: torch.dtype) -> list[Case]:
             lambda: (rotary_reference(q, cos, sin, positions, 64), rotary_reference(q, cos, sin, positions, 64)),
             lambda: (rotary_cpu_(q, cos, sin, positions, 64), rotary_cpu_(q, cos, sin, positions, 64)),
         ),
-        ("SiLU(gate) * up", lambda: F.silu(gate) * up, lambda: F.silu(gate).mul_(up)),
+        ("SiLU(gate) * up", lambda: F.silu(gate).mul_(up), lambda: silu_and_mul_cpu(gate, up)),
     ]
 
 

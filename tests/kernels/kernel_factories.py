@@ -3,6 +3,8 @@ a naive dense attention oracle, tolerances and device selection."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import pytest
@@ -147,3 +149,23 @@ def huge_cache(shape: tuple[int, ...], dtype: torch.dtype, device: str = DEVICE)
         return torch.empty(shape, dtype=dtype, device=device)
     except RuntimeError as err:  # pragma: no cover - depends on the machine's overcommit
         pytest.skip(f"cannot reserve a >2**31-element virtual cache here: {err}")
+
+
+def near_bf16_tie(exact: torch.Tensor, ulps: int = 4) -> torch.Tensor:
+    """Where a float32 value ``ulps`` float32 ulps either way would round to another bfloat16:
+    the elements where a kernel's float32 math, a few ulps from torch's, may round differently."""
+    low, high = exact.float(), exact.float()
+    for _ in range(ulps):
+        low, high = torch.nextafter(low, torch.tensor(-torch.inf)), torch.nextafter(high, torch.tensor(torch.inf))
+    return low.bfloat16() != high.bfloat16()
+
+
+@contextmanager
+def torch_threads(threads: int) -> Iterator[None]:
+    """Torch's thread count set to ``threads`` (the CPU kernels follow it) and restored after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

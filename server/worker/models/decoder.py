@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from pagedllm.kernels.rms_norm_cpu import rms_norm_cpu
+from pagedllm.kernels.silu_and_mul_cpu import silu_and_mul_cpu
 from pagedllm.server.worker.attention import AttentionMetadata, AttentionOps, PagedAttention
 from pagedllm.server.worker.models.activations import activation
 from pagedllm.server.worker.models.decoder_arch import DecoderArch
@@ -121,6 +122,8 @@ class GatedMLP(nn.Module):
             gate, up = self.gate_up_proj(x)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
+        if self.act is nn.functional.silu:
+            return self.down_proj(silu_and_mul_cpu(gate, up))
         # NOTE: the product is taken in place in the activation's output, a tensor of this call's own.
         return self.down_proj(self.act(gate).mul_(up))
 

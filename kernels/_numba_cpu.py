@@ -1,0 +1,177 @@
+"""What the elementwise CPU kernels (Numba) share: how each is compiled and launched, and
+float32 and bfloat16 elements inside them, one kernel source for both.
+
+:func:`compile_kernel` builds a kernel on one thread or spread over Numba's pool;
+:func:`launch` picks the build for a call's size (see ``PARALLEL_MIN_ELEMENTS``).
+
+NumPy has no bfloat16, so a bfloat16 tensor reaches a kernel as its bit patterns
+(``tensor.view(torch.uint16).numpy()``, see :func:`kernel_array`). Torch's CPU ops on
+bfloat16 widen their inputs to float32, compute in float32 and round each op's result to
+bfloat16 (round to nearest, ties to even); a kernel that does what a chain of torch ops
+does therefore rounds after every op. The three helpers below pick, by the type of the
+array they are given, what that means when the kernel is compiled::
+
+                          float32 array        uint16 array (bfloat16 bits)
+    load(elem)            elem                 float32 bits = bits << 16          (exact)
+    round_like(v, arr)    v                    v rounded to bfloat16, as float32
+    store_like(v, arr)    v                    bits of v rounded to bfloat16
+
+so the float32 kernel compiles to exactly what it would without them. Rounding is
+torch's (c10's ``round_to_nearest_even``): ``(bits + 0x7FFF + ((bits >> 16) & 1)) >> 16``,
+and any NaN becomes the quiet NaN ``0x7FC0``.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+from collections.abc import Callable
+from pathlib import Path
+from types import FunctionType
+
+import numpy as np
+import torch
+
+from .paged_decode_attention_cpu import HAS_NUMBA, _use_threads
+
+if HAS_NUMBA:
+    import numba
+    from llvmlite import ir
+    from numba.extending import intrinsic
+
+KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+"""The dtypes these kernels compute in; others take the torch references."""
+
+
+def kernel_array(t: torch.Tensor) -> np.ndarray:
+    """A CPU tensor as the array a kernel takes: float32 as it is, bfloat16 as its uint16 bits."""
+    return (t.view(torch.uint16) if t.dtype == torch.bfloat16 else t).numpy()
+
+
+def compile_kernel(kernel: Callable, parallel: bool, **options) -> Callable:
+    """``kernel`` compiled by Numba, on one thread or spreading its ``prange`` over Numba's
+    pool, its machine code cached on disk where a cache directory is writable.
+
+    NOTE: NumPy's error model: a float division by zero gives inf or NaN as in torch, not
+    Python's ZeroDivisionError, whose test in every iteration would keep loops from vectorising.
+    """
+    kernel = _cache_name(kernel, parallel)
+    options |= {"parallel": parallel, "boundscheck": False, "error_model": "numpy"}
+    try:
+        return numba.njit(cache=True, **options)(kernel)
+    except RuntimeError:  # numba: no writable cache directory
+        return numba.njit(cache=False, **options)(kernel)
+
+
+def _cache_name(kernel: Callable, parallel: bool) -> Callable:
+    """A copy of ``kernel`` named for its build and for this module's source.
+
+    NOTE: Numba's disk cache knows a function by its name, its bytecode and the time stamp
+    of its own file: not by the options it was compiled with, nor by the helpers it inlines
+    from here. The name keeps the serial and parallel builds apart and changes with this
+    file, so that no build ever loads machine code compiled from other source.
+    """
+    name = f"{kernel.__name__}_{'parallel' if parallel else 'serial'}_{_source_digest()}"
+    copy = FunctionType(kernel.__code__, kernel.__globals__, name, kernel.__defaults__, kernel.__closure__)
+    copy.__qualname__ = name
+    return copy
+
+
+@functools.cache
+def _source_digest() -> str:
+    return hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:12]
+
+
+def _narrow_ir(builder, value):
+    """LLVM IR: float32 ``value`` rounded to nearest-even bfloat16, as its 32-bit pattern (low half zero)."""
+    i32 = ir.IntType(32)
+    bits = builder.bitcast(value, i32)
+    odd = builder.and_(builder.lshr(bits, ir.Constant(i32, 16)), ir.Constant(i32, 1))
+    rounded = builder.add(bits, builder.add(odd, ir.Constant(i32, 0x7FFF)))
+    rounded = builder.and_(rounded, ir.Constant(i32, 0xFFFF0000))
+    is_nan = builder.fcmp_unordered("uno", value, value)
+    return builder.select(is_nan, ir.Constant(i32, 0x7FC00000), rounded)
+
+
+def _is_bf16(array) -> bool:
+    return isinstance(array, numba.types.Array) and array.dtype == numba.types.uint16
+
+
+def _load(typingctx, elem):
+    types = numba.types
+    if elem == types.float32:
+        return types.float32(elem), lambda context, builder, signature, args: args[0]
+    if elem == types.uint16:
+
+        def codegen(context, builder, signature, args):
+            i32 = ir.IntType(32)
+            return builder.bitcast(builder.shl(builder.zext(args[0], i32), ir.Constant(i32, 16)), ir.FloatType())
+
+        return types.float32(elem), codegen
+    return None
+
+
+def _round_like(typingctx, value, array):
+    types = numba.types
+    if value != types.float32:
+        return None
+    if not _is_bf16(array):
+        return types.float32(value, array), lambda context, builder, signature, args: args[0]
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(_narrow_ir(builder, args[0]), ir.FloatType())
+
+    return types.float32(value, array), codegen
+
+
+def _store_like(typingctx, value, array):
+    types = numba.types
+    if value != types.float32:
+        return None
+    if not _is_bf16(array):
+        return types.float32(value, array), lambda context, builder, signature, args: args[0]
+
+    def codegen(context, builder, signature, args):
+        i32 = ir.IntType(32)
+        return builder.trunc(builder.lshr(_narrow_ir(builder, args[0]), ir.Constant(i32, 16)), ir.IntType(16))
+
+    return types.uint16(value, array), codegen
+
+
+def _pow2(typingctx, n):
+    """``2 ** n`` for a whole float32 ``n`` in [-126, 127], built from its exponent bits."""
+    if n != numba.types.float32:
+        return None
+
+    def codegen(context, builder, signature, args):
+        i32 = ir.IntType(32)
+        biased = builder.add(builder.fptosi(args[0], i32), ir.Constant(i32, 127))
+        return builder.bitcast(builder.shl(biased, ir.Constant(i32, 23)), ir.FloatType())
+
+    return numba.types.float32(n), codegen
+
+
+if HAS_NUMBA:
+    load: Callable = intrinsic(_load)
+    round_like: Callable = intrinsic(_round_like)
+    store_like: Callable = intrinsic(_store_like)
+    pow2: Callable = intrinsic(_pow2)
+
+
+# NOTE: below this many elements a kernel runs on the calling thread. Two threads pay from
+# about 16384 elements on a quiet machine (RMSNorm on [16, 512]: 2.2 µs on one thread, 2.7 on
+# two; on [64, 512]: 7.0 and 5.2), but a parallel kernel waits for its slowest thread: where
+# another process holds a core, a call stalls for a scheduler time slice (milliseconds, seen
+# on a shared machine). Decode batches (up to [64, 512]) therefore stay on one thread, and
+# prefill chunks, where halving a call's time is worth the risk, spread.
+PARALLEL_MIN_ELEMENTS = 65536
+
+
+def launch(compiled: Callable[[bool], Callable], elements: int) -> Callable:
+    """The build of a kernel for ``elements``: ``compiled(True)`` spreads it over torch's thread
+    count in Numba's pool, ``compiled(False)`` runs it on the calling thread."""
+    threads = torch.get_num_threads()
+    if elements < PARALLEL_MIN_ELEMENTS or threads == 1:
+        return compiled(False)
+    _use_threads(threads)
+    return compiled(True)
