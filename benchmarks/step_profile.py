@@ -142,14 +142,11 @@ def instrument(engine, clock: Clock) -> None:
 
 
 def _timed_ops(ops, clock: Clock):
-    import dataclasses
-
-    return dataclasses.replace(
-        ops,
-        prepare=clock.timed("attention metadata", ops.prepare),
-        reshape_and_cache=clock.timed("KV write", ops.reshape_and_cache),
-        decode=clock.timed("decode attention kernel", ops.decode),
-    )
+    # NOTE: instance attributes shadow the methods of this runner's backend object only.
+    ops.prepare = clock.timed("attention metadata", ops.prepare)
+    ops.reshape_and_cache = clock.timed("KV write", ops.reshape_and_cache)
+    ops.decode = clock.timed("decode attention kernel", ops.decode)
+    return ops
 
 
 def components(step: dict[str, float]) -> dict[str, float]:

@@ -116,6 +116,24 @@ class Scheduler:
             self.running = [g for g in self.running if id(g) not in finished]
         return done
 
+    # -- sequences within a group ----------------------------------------------------------
+    def fork(self, parent: Sequence, child_id: int) -> Sequence:
+        """A copy of ``parent`` as sequence ``child_id`` that shares every block it holds.
+
+        NOTE: each shared block gains a reference; the first write to a shared last block
+        is copied on write, so parent and child never see each other's new tokens.
+        """
+        child = parent.fork(child_id)
+        self.block_manager.fork(parent, child)
+        return child
+
+    def drop(self, seq: Sequence) -> None:
+        """Release a sequence its group no longer runs (a dropped or finished beam).
+
+        NOTE: its blocks lose one reference each; a block still shared stays allocated.
+        """
+        self.block_manager.free(seq)
+
     # -- one step -----------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()

@@ -1,7 +1,7 @@
 """Beam search decisions, with Hugging Face's scoring and stopping rules.
 
 One call per step and group: given the log-probabilities of every running beam, pick
-the next beams and the hypotheses that finish. The engine then forks and frees
+the next beams and the hypotheses that finish. The scheduler then forks and drops
 sequences accordingly (the paper's Fig. 9: beams share blocks, and a dropped beam's
 blocks lose a reference).
 
@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pagedllm.server.core.block_manager import BlockManager
+from pagedllm.server.core.scheduler import Scheduler
 from pagedllm.server.core.sequence import Sequence, SequenceGroup, SequenceStatus
 from pagedllm.server.engine.output_processor import OutputProcessor
 from pagedllm.server.sampling_params import SamplingParams
@@ -122,8 +122,9 @@ class BeamSearch:
     block-less copies that exist only as outputs.
     """
 
-    def __init__(self, block_manager: BlockManager, outputs: OutputProcessor, new_seq_id: Callable[[], int]) -> None:
-        self.block_manager = block_manager
+    def __init__(self, scheduler: Scheduler, outputs: OutputProcessor, new_seq_id: Callable[[], int]) -> None:
+        self.scheduler = scheduler
+        """Forks kept beams and drops the others: only it changes which sequence holds which block."""
         self.outputs = outputs
         self.new_seq_id = new_seq_id
 
@@ -139,7 +140,7 @@ class BeamSearch:
         add_hypotheses(state, [self._hypothesis(c, gen_len, params) for c in decided.finished], params.best_of)
         if decided.done:
             for beam in beams:
-                self.block_manager.free(beam)
+                self.scheduler.drop(beam)
             group.seqs = [hyp for _, hyp in state.hypotheses]
             return
         group.seqs = self._fork_beams(beams, decided.running, params)
@@ -159,11 +160,10 @@ class BeamSearch:
         for parent in beams:
             cands = children.get(parent)
             if not cands:
-                self.block_manager.free(parent)  # a dropped beam: its blocks lose a reference
+                self.scheduler.drop(parent)  # a dropped beam: its blocks lose a reference
                 continue
             for cand in cands[1:]:
-                child = parent.fork(self.new_seq_id())
-                self.block_manager.fork(parent, child)
+                child = self.scheduler.fork(parent, self.new_seq_id())  # NOTE: shares the parent's blocks
                 self.outputs.append_text_token(child, cand.token, cand.logprob, None, params)
                 kept.append(child)
             self.outputs.append_text_token(parent, cands[0].token, cands[0].logprob, None, params)

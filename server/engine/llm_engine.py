@@ -158,13 +158,13 @@ class LLMEngine:
         self._requests: dict[str, RequestState] = {}
         self._num_steps = 0
         self.step_failures = StepFailureWindow()
-        beam_search = BeamSearch(self.block_manager, self.output_processor, self._next_seq_id)
+        beam_search = BeamSearch(self.scheduler, self.output_processor, self._next_seq_id)
         self.spec_decoder = self._spec_decoder(config)
         self.step_results = StepResults(
             self.sampler,
             self.output_processor,
             beam_search,
-            self.block_manager,
+            self.scheduler,
             self._requests,
             self._next_seq_id,
             StructuredOutputs(self.tokenizer, info.vocab_size, info.eos_token_ids),

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from pagedllm.server.core.block_manager import BlockManager
+from pagedllm.server.core.scheduler import Scheduler
 from pagedllm.server.core.sequence import Sequence, SequenceGroup, SequenceStatus
 from pagedllm.server.engine.beam_search import BeamSearch, BeamState
 from pagedllm.server.engine.faults import FaultInjector
@@ -63,7 +63,7 @@ class StepResults:
         sampler: Sampler,
         output_processor: OutputProcessor,
         beam_search: BeamSearch,
-        block_manager: BlockManager,
+        scheduler: Scheduler,
         requests: dict[str, RequestState],
         new_seq_id: Callable[[], int],
         structured: StructuredOutputs,
@@ -76,7 +76,8 @@ class StepResults:
         self.sampler = sampler
         self.output_processor = output_processor
         self.beam_search = beam_search
-        self.block_manager = block_manager
+        self.scheduler = scheduler
+        """Forks parallel samples (children share the prompt's blocks)."""
         self.requests = requests
         self.new_seq_id = new_seq_id
         self.faults = faults
@@ -205,8 +206,7 @@ class StepResults:
     def _append(self, group: SequenceGroup, seq: Sequence, sample: Sample) -> None:
         """Append the sampled token; the group's first sample forks the other ``best_of - 1``."""
         for i in range(1, len(sample.token_ids)):
-            child = seq.fork(self.new_seq_id())
-            self.block_manager.fork(seq, child)
+            child = self.scheduler.fork(seq, self.new_seq_id())  # NOTE: shares the parent's blocks
             group.seqs.append(child)
             self._append_token(group, child, sample, i)
         self._append_token(group, seq, sample, 0)

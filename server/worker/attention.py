@@ -26,8 +26,9 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Callable
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -68,17 +69,150 @@ TENSOR_FIELDS = (
 """The fields of :class:`AttentionMetadata` that travel to other ranks and devices."""
 
 
-@dataclass(frozen=True)
-class AttentionOps:
-    """How one backend writes the cache and attends; ``decode``/``prefill`` read ``meta``."""
+Window = int | None  # sliding window in positions; None: the layer sees its whole context
+SoftCap = float | None  # logit soft-cap; None: off
 
-    name: str
-    reshape_and_cache: Callable
-    decode: Callable  # (query, key_cache, value_cache, meta, scale, sliding_window, logit_softcap) -> out
-    prefill: Callable  # (query, key, value, key_cache, value_cache, meta, scale, sliding_window, logit_softcap)
-    copy_blocks: Callable
-    prepare: Callable[[AttentionMetadata, int], AttentionMetadata]
-    """(meta, block_size) -> meta with whatever the backend computes once per step."""
+
+class AttentionOps(ABC):
+    """How one backend writes the cache and attends; ``decode``/``prefill`` read ``meta``.
+
+    One subclass per backend: :class:`NumbaAttention`, :class:`TorchAttention`,
+    :class:`TritonAttention`; :func:`select_attention_ops` picks one.
+    """
+
+    name: ClassVar[str]
+
+    @abstractmethod
+    def reshape_and_cache(
+        self, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, slot_mapping
+    ) -> None:
+        """Write each new token's K/V into the cache at its slot (``meta.slot_mapping``)."""
+
+    @abstractmethod
+    def decode(
+        self, query, key_cache, value_cache, meta: AttentionMetadata, scale: float, window: Window, softcap: SoftCap
+    ) -> torch.Tensor:
+        """Attention of the step's single-token decodes (``query[:meta.num_decode_tokens]``)."""
+
+    @abstractmethod
+    def prefill(
+        self,
+        query,
+        key,
+        value,
+        key_cache,
+        value_cache,
+        meta: AttentionMetadata,
+        scale: float,
+        window: Window,
+        softcap: SoftCap,
+    ) -> torch.Tensor:
+        """Causal attention of the step's prompt chunks (the tokens after the decodes)."""
+
+    @abstractmethod
+    def copy_blocks(self, key_caches: list, value_caches: list, block_mapping: torch.Tensor) -> None:
+        """Copy block ``src`` to ``dst`` (``block_mapping`` rows) in every layer's caches."""
+
+    @abstractmethod
+    def prepare(self, meta: AttentionMetadata, block_size: int) -> AttentionMetadata:
+        """``meta`` with whatever the backend computes once per step (serves every layer)."""
+
+
+class CpuAttention(AttentionOps):
+    """What the CPU backends share: the cache write, the block copy, the per-step plan
+    (decode groups or whole rows, prefill chunks) and the torch prefill over it."""
+
+    compiled_decode: ClassVar[bool]
+    """True: the plan leaves decode rows whole for the compiled kernel."""
+
+    def reshape_and_cache(self, key, value, key_cache, value_cache, slot_mapping) -> None:
+        cpu_attention.write_kv(key, value, key_cache, value_cache, slot_mapping)
+
+    def copy_blocks(self, key_caches, value_caches, block_mapping) -> None:
+        kernels.copy_blocks_reference(key_caches, value_caches, block_mapping)
+
+    def prepare(self, meta: AttentionMetadata, block_size: int) -> AttentionMetadata:
+        plan = cpu_attention.plan_attention(
+            meta.decode_block_tables,
+            meta.decode_context_lens,
+            meta.prefill_block_tables,
+            meta.prefill_cu_seqlens_q,
+            meta.prefill_context_lens,
+            block_size,
+            compiled_decode=self.compiled_decode,
+        )
+        return dataclasses.replace(meta, plan=plan)
+
+    def prefill(self, query, key, value, key_cache, value_cache, meta, scale, window, softcap) -> torch.Tensor:
+        plan = self.plan_of(meta, key_cache)
+        return cpu_attention.prefill_attention(query, key, value, key_cache, value_cache, plan, scale, window, softcap)
+
+    def plan_of(self, meta: AttentionMetadata, key_cache: torch.Tensor) -> AttentionPlan:
+        # NOTE: the runner prepares the plan once per step; a caller that did not still gets a right answer.
+        if meta.plan is not None:
+            return meta.plan
+        return self.prepare(meta, key_cache.shape[1]).plan  # type: ignore[return-value]
+
+
+class NumbaAttention(CpuAttention):
+    """CPU: decode through the compiled kernel, which reads the cache in place."""
+
+    name = "numba"
+    compiled_decode = True
+
+    def decode(self, query, key_cache, value_cache, meta, scale, window, softcap) -> torch.Tensor:
+        plan = self.plan_of(meta, key_cache)
+        return cpu_attention.compiled_decode_attention(query, key_cache, value_cache, plan, scale, window, softcap)
+
+
+class TorchAttention(CpuAttention):
+    """CPU without numba: decode rows gathered in groups and attended with torch."""
+
+    name = "torch"
+    compiled_decode = False
+
+    def decode(self, query, key_cache, value_cache, meta, scale, window, softcap) -> torch.Tensor:
+        plan = self.plan_of(meta, key_cache)
+        return cpu_attention.decode_attention(query, key_cache, value_cache, plan, scale, window, softcap)
+
+
+class TritonAttention(AttentionOps):
+    """CUDA: the Triton kernels read everything through the block tables; no plan."""
+
+    name = "triton"
+
+    def reshape_and_cache(self, key, value, key_cache, value_cache, slot_mapping) -> None:
+        kernels.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+
+    def copy_blocks(self, key_caches, value_caches, block_mapping) -> None:
+        kernels.copy_blocks(key_caches, value_caches, block_mapping)
+
+    def prepare(self, meta: AttentionMetadata, block_size: int) -> AttentionMetadata:
+        return meta
+
+    def decode(self, query, key_cache, value_cache, meta, scale, window, softcap) -> torch.Tensor:
+        return kernels.paged_decode_attention(
+            query, key_cache, value_cache, meta.decode_block_tables, meta.decode_context_lens, scale, window, softcap
+        )
+
+    def prefill(self, query, key, value, key_cache, value_cache, meta, scale, window, softcap) -> torch.Tensor:
+        return kernels.paged_prefill_attention(
+            query,
+            key,
+            value,
+            key_cache,
+            value_cache,
+            meta.prefill_block_tables,
+            meta.prefill_cu_seqlens_q,
+            meta.prefill_context_lens,
+            scale,
+            window,
+            softcap,
+        )
+
+
+BACKENDS: dict[str, type[AttentionOps]] = {cls.name: cls for cls in (NumbaAttention, TorchAttention, TritonAttention)}
+"""Each backend name and the class that implements it."""
 
 
 def select_attention_ops(backend: str, device: torch.device, dtype: torch.dtype = torch.float32) -> AttentionOps:
@@ -90,22 +224,12 @@ def select_attention_ops(backend: str, device: torch.device, dtype: torch.dtype 
     """
     if backend == "auto":
         backend = os.environ.get("PAGEDLLM_ATTENTION_BACKEND") or _default_backend(device, dtype)
+    if backend not in BACKENDS:
+        allowed = ["auto", *sorted(BACKENDS)]
+        raise ValueError(f"attention backend {backend!r} is not allowed: choose one of {allowed}")
     if backend == "numba":
         _check_numba(device, dtype)
-        return AttentionOps(
-            "numba", cpu_attention.write_kv, _numba_decode, _torch_prefill, kernels.copy_blocks_reference, _numba_plan
-        )
-    if backend == "triton":
-        return AttentionOps(
-            "triton", kernels.reshape_and_cache, _triton_decode, _triton_prefill, kernels.copy_blocks, _unchanged
-        )
-    if backend == "torch":
-        return AttentionOps(
-            "torch", cpu_attention.write_kv, _torch_decode, _torch_prefill, kernels.copy_blocks_reference, with_plan
-        )
-    raise ValueError(
-        f"attention backend {backend!r} is not allowed: choose one of ['auto', 'numba', 'torch', 'triton']"
-    )
+    return BACKENDS[backend]()
 
 
 def _default_backend(device: torch.device, dtype: torch.dtype) -> str:
@@ -123,87 +247,6 @@ def _check_numba(device: torch.device, dtype: torch.dtype) -> None:
             f"attention backend 'numba' runs {allowed} on the CPU, not {dtype} on {device.type}: "
             "use 'torch' or 'triton'"
         )
-
-
-def _unchanged(meta: AttentionMetadata, block_size: int) -> AttentionMetadata:
-    return meta
-
-
-def with_plan(meta: AttentionMetadata, block_size: int, compiled_decode: bool = False) -> AttentionMetadata:
-    """``meta`` with the CPU backends' per-step plan (decode groups or whole rows, prefill chunks)."""
-    plan = cpu_attention.plan_attention(
-        meta.decode_block_tables,
-        meta.decode_context_lens,
-        meta.prefill_block_tables,
-        meta.prefill_cu_seqlens_q,
-        meta.prefill_context_lens,
-        block_size,
-        compiled_decode=compiled_decode,
-    )
-    return dataclasses.replace(meta, plan=plan)
-
-
-def _numba_plan(meta: AttentionMetadata, block_size: int) -> AttentionMetadata:
-    """``meta`` with a plan whose decode rows go to the compiled kernel whole."""
-    return with_plan(meta, block_size, compiled_decode=True)
-
-
-Window = int | None  # sliding window in positions; None: the layer sees its whole context
-SoftCap = float | None  # logit soft-cap; None: off
-
-
-def _numba_decode(
-    query, key_cache, value_cache, meta: AttentionMetadata, scale: float, window: Window, softcap: SoftCap
-) -> torch.Tensor:
-    plan = _plan_of(meta, key_cache, compiled_decode=True)
-    return cpu_attention.compiled_decode_attention(query, key_cache, value_cache, plan, scale, window, softcap)
-
-
-def _triton_decode(
-    query, key_cache, value_cache, meta: AttentionMetadata, scale: float, window: Window, softcap: SoftCap
-) -> torch.Tensor:
-    return kernels.paged_decode_attention(
-        query, key_cache, value_cache, meta.decode_block_tables, meta.decode_context_lens, scale, window, softcap
-    )
-
-
-def _triton_prefill(
-    query, key, value, key_cache, value_cache, meta: AttentionMetadata, scale: float, window: Window, softcap: SoftCap
-) -> torch.Tensor:
-    return kernels.paged_prefill_attention(
-        query,
-        key,
-        value,
-        key_cache,
-        value_cache,
-        meta.prefill_block_tables,
-        meta.prefill_cu_seqlens_q,
-        meta.prefill_context_lens,
-        scale,
-        window,
-        softcap,
-    )
-
-
-def _plan_of(meta: AttentionMetadata, key_cache: torch.Tensor, compiled_decode: bool = False) -> AttentionPlan:
-    # NOTE: the runner prepares the plan once per step; a caller that did not still gets a right answer.
-    if meta.plan is not None:
-        return meta.plan
-    return with_plan(meta, key_cache.shape[1], compiled_decode).plan  # type: ignore[return-value]
-
-
-def _torch_decode(
-    query, key_cache, value_cache, meta: AttentionMetadata, scale: float, window: Window, softcap: SoftCap
-) -> torch.Tensor:
-    plan = _plan_of(meta, key_cache)
-    return cpu_attention.decode_attention(query, key_cache, value_cache, plan, scale, window, softcap)
-
-
-def _torch_prefill(
-    query, key, value, key_cache, value_cache, meta: AttentionMetadata, scale: float, window: Window, softcap: SoftCap
-) -> torch.Tensor:
-    plan = _plan_of(meta, key_cache)
-    return cpu_attention.prefill_attention(query, key, value, key_cache, value_cache, plan, scale, window, softcap)
 
 
 class PagedAttention(torch.nn.Module):

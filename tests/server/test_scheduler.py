@@ -286,3 +286,31 @@ def test_a_request_learns_how_many_prompt_tokens_the_prefix_cache_served():
     run_step(s)
     assert again.num_cached_tokens == 8  # both full blocks of its 11 tokens
     assert longer.num_cached_tokens == 4  # the first block matches, the second differs at its 3rd token
+
+
+def test_fork_shares_the_parents_blocks_and_drop_releases_one_reference_each():
+    s = make_scheduler(num_blocks=16, block_size=4)
+    group = make_request("r", 6, 0, arrival=0.0, best_of=2)
+    s.add(group)
+    run_step(s)  # prefilled: 7 tokens in blocks 0 and 1, the last one shared after the fork
+    parent, bm = group.seqs[0], s.block_manager
+    assert bm.tables[0] == [0, 1] and bm.gpu.ref_counts[:3] == [1, 1, 0]
+
+    child = s.fork(parent, 5)
+    assert child.seq_id == 5 and child.token_ids == parent.token_ids and child is not parent
+    assert bm.tables[5] == [0, 1] and bm.tables[0] == [0, 1]
+    assert bm.gpu.ref_counts[:3] == [2, 2, 0] and bm.gpu.num_free == 14
+
+    group.seqs.append(child)
+    out = run_step(s)  # NOTE: both write into shared block 1: the parent, first, writes into a copy
+    assert out.blocks_to_copy == [(1, 2)]
+    assert (bm.tables[0], bm.tables[5]) == ([0, 2], [0, 1])
+    assert bm.gpu.ref_counts[:4] == [2, 1, 1, 0] and bm.check_invariants() == []
+
+    s.drop(parent)
+    assert 0 not in bm.tables and bm.tables[5] == [0, 1]
+    assert bm.gpu.ref_counts[:4] == [1, 1, 0, 0] and bm.gpu.num_free == 14
+    s.drop(parent)  # NOTE: a no-op once its blocks are gone
+    assert bm.gpu.ref_counts[:4] == [1, 1, 0, 0]
+    s.drop(child)
+    assert bm.tables == {} and bm.gpu.ref_counts == [0] * 16 and bm.gpu.num_free == 16
