@@ -79,7 +79,9 @@ def _cache_name(kernel: Callable, parallel: bool) -> Callable:
 
 @functools.cache
 def _source_digest() -> str:
-    return hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:12]
+    """Of this module and of the ``exp`` the kernels inline from ``_fast_exp.py``."""
+    here = Path(__file__)
+    return hashlib.sha256(here.read_bytes() + here.with_name("_fast_exp.py").read_bytes()).hexdigest()[:12]
 
 
 def _narrow_ir(builder, value):
@@ -138,24 +140,10 @@ def _store_like(typingctx, value, array):
     return types.uint16(value, array), codegen
 
 
-def _pow2(typingctx, n):
-    """``2 ** n`` for a whole float32 ``n`` in [-126, 127], built from its exponent bits."""
-    if n != numba.types.float32:
-        return None
-
-    def codegen(context, builder, signature, args):
-        i32 = ir.IntType(32)
-        biased = builder.add(builder.fptosi(args[0], i32), ir.Constant(i32, 127))
-        return builder.bitcast(builder.shl(biased, ir.Constant(i32, 23)), ir.FloatType())
-
-    return numba.types.float32(n), codegen
-
-
 if HAS_NUMBA:
     load: Callable = intrinsic(_load)
     round_like: Callable = intrinsic(_round_like)
     store_like: Callable = intrinsic(_store_like)
-    pow2: Callable = intrinsic(_pow2)
 
 
 # NOTE: below this many elements a kernel runs on the calling thread. Two threads pay from

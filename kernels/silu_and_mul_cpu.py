@@ -39,13 +39,14 @@ import functools
 import numpy as np
 import torch
 
+from ._fast_exp import exp
 from ._numba_cpu import KERNEL_DTYPES, compile_kernel, kernel_array, launch
 from .paged_decode_attention_cpu import HAS_NUMBA
 
 if HAS_NUMBA:
     import numba
 
-    from ._numba_cpu import load, pow2, round_like, store_like
+    from ._numba_cpu import load, round_like, store_like
 
 
 def silu_and_mul_reference(
@@ -57,30 +58,6 @@ def silu_and_mul_reference(
     return torch.nn.functional.silu(gate).mul_(up)
 
 
-_F = np.float32
-_ONE, _HALF, _TWO = _F(1.0), _F(0.5), _F(2.0)
-_EXP_MAX, _EXP_MIN = _F(88.72284), _F(-87.0)
-_LOG2E, _LN2_HI, _LN2_LO = _F(1.442695), _F(0.693359375), _F(-2.12194440e-4)
-_P0, _P1, _P2 = _F(1.9875691500e-4), _F(1.3981999507e-3), _F(8.3334519073e-3)
-_P3, _P4, _P5 = _F(4.1665795894e-2), _F(1.6666665459e-1), _F(5.0000001201e-1)
-
-
-def _exp_f32(x):  # pragma: no cover - compiled
-    """``exp`` of a float32 in float32 operations only, so that a loop of it vectorises."""
-    big = x > _EXP_MAX
-    # NOTE: below -87 exp is under 2e-38: 1 + exp(x) is 1 either way
-    x = min(max(x, _EXP_MIN), _EXP_MAX)
-    n = np.floor(x * _LOG2E + _HALF)
-    r = x - n * _LN2_HI - n * _LN2_LO  # x - n ln 2, in two parts to keep r's bits
-    p = ((((_P0 * r + _P1) * r + _P2) * r + _P3) * r + _P4) * r + _P5
-    # NOTE: 2^n as 2^(n-1) * 2, as n reaches 128 where exp(x) is still below the float32 maximum
-    y = (p * (r * r) + r + _ONE) * pow2(n - _ONE) * _TWO
-    return np.float32(np.inf) if big else y
-
-
-_exp = numba.njit(inline="always", fastmath=False, boundscheck=False)(_exp_f32) if HAS_NUMBA else _exp_f32
-
-
 def _kernel(gate, gate_stride, up, up_stride, out):  # pragma: no cover - compiled
     # gate, up: flat, row t at t * stride; out: [tokens, inner]
     tokens, inner = out.shape
@@ -90,7 +67,7 @@ def _kernel(gate, gate_stride, up, up_stride, out):  # pragma: no cover - compil
         up_row = up[t * up_stride : t * up_stride + inner]
         for i in range(inner):
             g = load(gate_row[i])
-            act = round_like(g / (_ONE + _exp(-g)), out)
+            act = round_like(g / (np.float32(1.0) + exp(-g)), out)
             out[t, i] = store_like(act * load(up_row[i]), out)
 
 
