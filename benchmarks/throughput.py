@@ -114,8 +114,9 @@ def run_pagedllm(
         cpu_threads=threads,
         dtype=dtype,
     )
-    # NOTE: vLLM compiles and warms its model up before it serves; this is ours (loading the
-    # compiled attention kernel, the first prefill and decode), also left out of the timing
+    # NOTE: vLLM compiles and warms its model up before it serves; this is ours (what the
+    # server runs at start-up: the compiled kernels, a prefill and a decode), also left out of the timing
+    llm.llm_engine.warm_up()
     llm.generate([{"prompt_token_ids": list(range(3, 19))}] * 2, SamplingParams(temperature=0, max_tokens=4))
     prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
     params = [SamplingParams(temperature=0, max_tokens=r.output_len, ignore_eos=True) for r in requests]

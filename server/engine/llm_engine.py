@@ -54,6 +54,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("pagedllm.engine")
 
+WARM_UP_PROMPT_TOKENS = 256
+"""Prompt tokens of :meth:`LLMEngine.warm_up`'s request (fewer where the model or the step budget is smaller)."""
+
 
 @dataclass
 class EngineStats:
@@ -462,16 +465,18 @@ class LLMEngine:
     def warm_up(self, max_steps: int = 100) -> None:
         """Run one real request, so a caller knows the model has run.
 
-        NOTE: a two-token prompt and two output tokens make a prefill step and a decode
-        step (a one-token prompt would take the decode path), so both attention paths are
-        compiled here (the CPU decode kernel by Numba, the Triton kernels on a GPU), not
-        during the first user request.
+        NOTE: a prompt and two output tokens make a prefill step and a decode step, so both
+        attention paths are compiled here (the CPU kernels by Numba, the Triton kernels on a
+        GPU), not during the first user request. The prompt is as long as a typical one
+        (:data:`WARM_UP_PROMPT_TOKENS`): the CPU's elementwise kernels have a build that
+        spreads large (prefill) calls over the threads, and it compiles here too.
         """
         eos = self.model_info.eos_token_ids
         request_id = "pagedllm-warmup"
+        length = max(2, min(WARM_UP_PROMPT_TOKENS, self.max_model_len - 2, self.config.scheduler.token_budget))
         self.add_request(
             request_id,
-            {"prompt_token_ids": [eos[0] if eos else 0] * 2},
+            {"prompt_token_ids": [eos[0] if eos else 0] * length},
             SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True),
         )
         for _ in range(max_steps):

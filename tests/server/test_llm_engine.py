@@ -12,7 +12,7 @@ from engine_factories import HFReference, assert_greedy_matches, make_prompts
 
 from pagedllm.server import LLM, SamplingParams
 from pagedllm.server.config import ConfigError, EngineConfig
-from pagedllm.server.engine.llm_engine import EngineClosedError, LLMEngine
+from pagedllm.server.engine.llm_engine import WARM_UP_PROMPT_TOKENS, EngineClosedError, LLMEngine
 
 
 def engine(model_dir: str, **kwargs) -> LLMEngine:
@@ -77,19 +77,22 @@ def test_chunked_prefill_off_refuses_an_explicit_budget_too_small(tiny_llama):
 
 
 def test_warm_up_runs_a_prefill_and_a_decode_step_and_leaves_nothing_behind(tiny_llama):
-    """So the decode kernel is compiled (Numba here, Triton on a GPU) before the first request."""
+    """So the kernels are compiled (Numba here, Triton on a GPU) before the first request,
+    the CPU's prefill-size builds too (a prompt of a typical length)."""
     e = engine(tiny_llama)
-    decodes = []
+    decodes, tokens = [], []
     execute = e.runner.execute
 
     def counting(out, *args):
         result = execute(out, *args)
         decodes.append(result.inputs.meta.num_decode_tokens)
+        tokens.append(out.num_batched_tokens)
         return result
 
     e.runner.execute = counting
     e.warm_up()
     assert decodes == [0, 1]
+    assert tokens == [WARM_UP_PROMPT_TOKENS, 1]
     assert not e.has_unfinished_requests()
     stats = e.stats()
     assert stats.num_free_gpu_blocks == stats.num_gpu_blocks
