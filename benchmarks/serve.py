@@ -26,7 +26,7 @@ alone that runs vLLM's client against our server. ``--model-path random`` serves
 benchmark's random LLaMA (hidden 512, 8 layers, vocabulary 8000) with a BPE tokenizer.
 
     python -m benchmarks.serve --vllm-python ~/vllm/V/bin/python --client vllm --model-path random \
-        --threads 2 --dataset random --random-input-len 256 --random-output-len 128 \
+        --threads 2 --dtype float32 --dataset random --random-input-len 256 --random-output-len 128 \
         --num-prompts 64 --max-concurrency 16 --repeats 2 --result-name serve-vs-vllm
 """
 
@@ -251,6 +251,9 @@ def _check(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
             p.error(str(exc))
         args.launch = True  # NOTE: a comparison starts both servers itself, on the same model directory
     args.vllm_server = bool(args.vllm_python and args.vllm_server)
+    if args.vllm_server and args.dtype is None:
+        # NOTE: their `auto`s differ: vLLM's runs a float32 checkpoint in bfloat16 on x86, ours in float32
+        p.error("comparing with `vllm serve` needs --dtype (float32 or bfloat16), the same for both servers")
     if args.client == "vllm" and not args.vllm_python:
         p.error("--client=vllm runs `vllm bench serve` from vLLM's venv: give --vllm-python")
     if args.client == "vllm" and args.dataset != "random":
