@@ -469,21 +469,34 @@ class LLMEngine:
         attention paths are compiled here (the CPU kernels by Numba, the Triton kernels on a
         GPU), not during the first user request. The prompt is as long as a typical one
         (:data:`WARM_UP_PROMPT_TOKENS`): the CPU's elementwise kernels have a build that
-        spreads large (prefill) calls over the threads, and it compiles here too.
+        spreads large (prefill) calls over the threads, and it compiles here too. The run
+        leaves no trace a user sees: no cached prefix, no KV event, no prefix-cache counts.
         """
         eos = self.model_info.eos_token_ids
         request_id = "pagedllm-warmup"
         length = max(2, min(WARM_UP_PROMPT_TOKENS, self.max_model_len - 2, self.config.scheduler.token_budget))
-        self.add_request(
-            request_id,
-            {"prompt_token_ids": [eos[0] if eos else 0] * length},
-            SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True),
-        )
-        for _ in range(max_steps):
-            if not self.has_unfinished_requests():
-                return
-            self.step()
-        self.abort_request(request_id)
+        bm = self.block_manager
+        counters = bm.prefix_cache_queries, bm.prefix_cache_hits
+        publisher, self.kv_event_publisher = self.kv_event_publisher, None
+        try:
+            self.add_request(
+                request_id,
+                {"prompt_token_ids": [eos[0] if eos else 0] * length},
+                SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True),
+            )
+            for _ in range(max_steps):
+                if not self.has_unfinished_requests():
+                    break
+                self.step()
+            else:
+                self.abort_request(request_id)
+        finally:
+            # NOTE: the warm-up's prompt is nobody's prefix: its blocks leave the prefix cache
+            # unannounced, so KV event subscribers see the engine's first user block as event 0.
+            bm.reset_prefix_cache()
+            bm.take_kv_events()
+            bm.prefix_cache_queries, bm.prefix_cache_hits = counters
+            self.kv_event_publisher = publisher
 
     # -- state ----------------------------------------------------------------------------
     def stats(self) -> EngineStats:

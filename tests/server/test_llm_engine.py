@@ -98,6 +98,34 @@ def test_warm_up_runs_a_prefill_and_a_decode_step_and_leaves_nothing_behind(tiny
     assert stats.num_free_gpu_blocks == stats.num_gpu_blocks
 
 
+def test_warm_up_leaves_no_cached_prefix_no_kv_event_and_no_prefix_cache_counts(tiny_llama):
+    """A KV event subscriber (a router) must see the first user block as the first event, and
+    a cache hit rate must count user prompts only."""
+    e = engine(tiny_llama)
+    published: list = []
+
+    class Recorder:
+        num_dropped = 0
+
+        def publish(self, events):
+            published.append(events)
+
+    e.kv_event_publisher = Recorder()
+    e.block_manager.kv_events = e.block_manager.gpu.events = []
+    e.warm_up()
+    assert published == [] and e.block_manager.take_kv_events() == []
+    assert e.kv_event_publisher is not None
+    stats = e.stats()
+    assert (stats.prefix_cache_queries, stats.prefix_cache_hits) == (0, 0)
+    # a prompt of the warm-up's tokens finds nothing cached
+    eos = e.model_info.eos_token_ids[0]
+    e.add_request("a", {"prompt_token_ids": [eos] * 64}, greedy(1))
+    while e.has_unfinished_requests():
+        e.step()
+    assert e.stats().prefix_cache_hits == 0
+    assert published, "the user's blocks are published"
+
+
 def test_leaving_the_with_block_frees_the_cache_and_refuses_more_work(tiny_llama):
     with engine(tiny_llama, num_gpu_blocks_override=16) as e:
         e.add_request("a", {"prompt_token_ids": [1, 2, 3]}, greedy(2))
