@@ -21,9 +21,9 @@ from pagedllm.server.config import SchedulerConfig
 from pagedllm.server.core.block_manager import BlockManager
 from pagedllm.server.core.scheduler import Scheduler
 from pagedllm.server.core.sequence import Sequence, SequenceGroup
+from pagedllm.server.engine.input_batch import InputBatch
+from pagedllm.server.engine.step_inputs import prepare_batched_inputs, prepare_inputs
 from pagedllm.server.sampling_params import SamplingParams
-from pagedllm.server.worker.input_batch import InputBatch
-from pagedllm.server.worker.step_inputs import prepare_batched_inputs, prepare_inputs
 
 CPU = torch.device("cpu")
 

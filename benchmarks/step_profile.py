@@ -118,8 +118,9 @@ def instrument(engine, clock: Clock) -> None:
     sched.schedule = schedule_and_note_shape
     sched.mark_computed = clock.timed("schedule", sched.mark_computed)
     sched.free_finished = clock.timed("schedule", sched.free_finished)
+    builder = engine.step_builder
+    builder.build = clock.timed("step inputs", builder.build)
     runner.execute = clock.timed("runner.execute", runner.execute)
-    runner.run_step = clock.timed("runner.run_step", runner.run_step)
     runner.ops = _timed_ops(runner.ops, clock)
     model = runner.model
     model.forward = clock.timed("model.forward", model.forward)
@@ -155,7 +156,7 @@ def components(step: dict[str, float]) -> dict[str, float]:
     leaf = ("embedding", "linear (q, k, v, o, gate, up, down)", "RMSNorm", "rotary", "attention.forward")
     return {
         "schedule (scheduler + block manager)": g["schedule"],
-        "input preparation (step inputs, block tables)": g["runner.execute"] - g["runner.run_step"],
+        "input preparation (step inputs, block tables)": g["step inputs"],
         "attention metadata (plan)": g["attention metadata"],
         "linear layers (q, k, v, o, gate, up, down)": g["linear (q, k, v, o, gate, up, down)"],
         "decode attention kernel": g["decode attention kernel"],
@@ -166,7 +167,7 @@ def components(step: dict[str, float]) -> dict[str, float]:
         "embedding": g["embedding"],
         "layer glue (SiLU * up, residual adds, Python)": g["model.forward"] - sum(g[k] for k in leaf),
         "LM head (logits)": g["LM head (logits)"],
-        "worker glue (run_step rest)": g["runner.run_step"]
+        "worker glue (execute rest)": g["runner.execute"]
         - g["attention metadata"]
         - g["model.forward"]
         - g["LM head (logits)"],
@@ -175,6 +176,7 @@ def components(step: dict[str, float]) -> dict[str, float]:
         "outputs (RequestOutput per request)": g["outputs (RequestOutput per request)"],
         "engine glue (step rest)": g["engine.step"]
         - g["schedule"]
+        - g["step inputs"]
         - g["runner.execute"]
         - g["step_results.apply"]
         - g["outputs (RequestOutput per request)"],

@@ -33,8 +33,8 @@ from tqdm import tqdm
 from benchmarks.common import HelpFormatter, set_threads
 from pagedllm.server import LLM, SamplingParams
 from pagedllm.server.worker.attention import AttentionMetadata
+from pagedllm.server.worker.model_step import ModelStep
 from pagedllm.server.worker.rank_channel import frame
-from pagedllm.server.worker.step_inputs import ModelStep
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 

@@ -3,7 +3,7 @@
 ::
 
     add_request ─► InputProcessor (encode, validate) ─► Scheduler.waiting
-    step():  Scheduler.schedule() ─► ModelRunner.execute() ─► Sampler / BeamSearch / pooling
+    step():  Scheduler.schedule() ─► StepBuilder.build() ─► ModelRunner.execute() ─► Sampler / BeamSearch / pooling
              ─► OutputProcessor (text, stop checks) ─► [RequestOutput | EmbeddingRequestOutput]
 
 Embedding requests (``PoolingParams``) are scheduled with the others and prefilled the
@@ -39,6 +39,7 @@ from pagedllm.server.engine.output_processor import OutputProcessor
 from pagedllm.server.engine.sampler import Sampler
 from pagedllm.server.engine.spec_decode.draft_model import DraftModel
 from pagedllm.server.engine.spec_decode.spec_decoder import SpecDecoder, SpecDecodeStats
+from pagedllm.server.engine.step_inputs import StepBuilder, StepResult
 from pagedllm.server.engine.step_results import RequestState, StepResults
 from pagedllm.server.engine.structured_output import StructuredOutputs
 from pagedllm.server.lora_request import LoRARequest
@@ -119,6 +120,13 @@ class LLMEngine:
         tp = config.parallel.tensor_parallel_size
         check_tensor_parallel(hf_config, tp, device, config.parallel.ranks_per_node)
         self.runner = ModelRunner(config, hf_config, info.max_model_len)
+        self.step_builder = StepBuilder(
+            config.scheduler.max_num_seqs,
+            info.max_model_len,
+            config.cache.block_size,
+            self.runner.device,
+            config.lora.enable_lora,
+        )
         self.draft: DraftModel | None = None
         """The draft model of ``draft_model`` speculation (None otherwise)."""
         self.kv_event_publisher: ZmqEventPublisher | None = None
@@ -346,7 +354,10 @@ class LLMEngine:
                     self.faults.check_step(self._num_steps)
                 if self.spec_decoder is not None:
                     self.spec_decoder.fill_drafts(out)  # NOTE: a failing draft fails the step, as the model would
-                result = self.runner.execute(out, self.block_manager.tables, self.block_manager.table_versions)
+                inputs, model_step = self.step_builder.build(
+                    out, self.block_manager.tables, self.block_manager.table_versions
+                )
+                result = StepResult.of(inputs, self.runner.execute(model_step))
             except WorkerDiedError as exc:
                 raise EngineFatalError(str(exc)) from exc
             except Exception as exc:

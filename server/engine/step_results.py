@@ -22,8 +22,8 @@ from pagedllm.server.engine.faults import FaultInjector
 from pagedllm.server.engine.output_processor import OutputProcessor
 from pagedllm.server.engine.sampler import Sample, Sampler, SampleRequest, TokenCounts, top_logprobs
 from pagedllm.server.engine.spec_decode.spec_decoder import SpecDecoder
+from pagedllm.server.engine.step_inputs import PoolRow, SampleRow, StepResult
 from pagedllm.server.engine.structured_output import StructuredOutputs
-from pagedllm.server.worker.step_inputs import PoolRow, SampleRow, StepResult
 
 logger = logging.getLogger("pagedllm.engine")
 

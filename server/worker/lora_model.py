@@ -46,11 +46,9 @@ from pagedllm.kernels.lora_matmul import (
     plan_slots,
 )
 from pagedllm.server.config import ConfigError, LoRAConfig
-from pagedllm.server.core.scheduler import SchedulerOutput
 from pagedllm.server.lora_request import LoRARequest
 from pagedllm.server.worker.lora_adapter import ROW_PARALLEL, TARGETS, AdapterInfo, Key, inspect_adapter, load_adapter
 from pagedllm.server.worker.models.tensor_parallel import TPGroup
-from pagedllm.server.worker.step_inputs import split_step
 
 
 @dataclass(frozen=True)
@@ -60,25 +58,6 @@ class StepLoRA:
     token_slots: np.ndarray  # [num_tokens] int64, 0 for base-model tokens
     adapters: tuple[tuple[int, LoRARequest], ...]
     """(slot, adapter) of every slot the step uses; a rank loads one whose slot holds another."""
-
-
-def step_lora(out: SchedulerOutput) -> StepLoRA | None:
-    """The step's LoRA mapping, tokens in the step's order (decodes, proposal checks, prefill chunks);
-    None without adapters."""
-    if not out.lora_slots:
-        return None
-    decodes, verifies, prefills = split_step(out)
-    slots, chunks = [], []
-    adapters: dict[int, LoRARequest] = {}
-    for group, _, chunk in decodes + verifies + prefills:
-        lora = group.lora_request
-        slot = out.lora_slots[lora.lora_int_id] if lora is not None else 0
-        if lora is not None:
-            adapters[slot] = lora
-        slots.append(slot)
-        chunks.append(chunk)
-    token_slots = np.repeat(np.array(slots, dtype=np.int64), chunks)
-    return StepLoRA(token_slots, tuple(sorted(adapters.items())))
 
 
 @dataclass

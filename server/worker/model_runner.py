@@ -1,4 +1,4 @@
-"""The worker: owns the model and its KV cache, turns a scheduled step into tensors and runs it."""
+"""The worker: owns the model and its KV cache, and runs the steps the engine builds (:class:`ModelStep`)."""
 
 from __future__ import annotations
 
@@ -6,26 +6,22 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import Mapping
 
 import torch
 
 from pagedllm.server.config import ConfigError, EngineConfig, GiB
-from pagedllm.server.core.scheduler import SchedulerOutput
-from pagedllm.server.core.sequence import Sequence
 from pagedllm.server.worker.attention import AttentionMetadata, select_attention_ops
 from pagedllm.server.worker.cpu_threads import choose_threads
 from pagedllm.server.worker.cuda_graphs import DecodeGraphs, try_capture
 from pagedllm.server.worker.dtype_choice import choose_dtype
-from pagedllm.server.worker.input_batch import InputBatch
-from pagedllm.server.worker.lora_model import LoRAModel, step_lora
+from pagedllm.server.worker.lora_model import LoRAModel
 from pagedllm.server.worker.model_loader import init_dummy_weights, iterate_weights
+from pagedllm.server.worker.model_step import ModelStep, StepOutputs
 from pagedllm.server.worker.models import model_class
 from pagedllm.server.worker.models.base import CausalLM
 from pagedllm.server.worker.models.cpu_linear import prepack_linears
 from pagedllm.server.worker.models.fused_linear import fuse_projections
 from pagedllm.server.worker.models.tensor_parallel import TPGroup
-from pagedllm.server.worker.step_inputs import ModelStep, StepResult, prepare_batched_inputs
 from pagedllm.server.worker.tp_workers import TPWorkers
 
 logger = logging.getLogger(__name__)
@@ -82,9 +78,6 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         self.max_model_len = max_model_len
         self.ops = select_attention_ops(config.model.attention_backend, self.device, self.dtype)
-        max_blocks_per_seq = -(-max_model_len // self.block_size)
-        self.input_batch = InputBatch(config.scheduler.max_num_seqs, max_blocks_per_seq, self.block_size)
-        """The decoding sequences' rows, kept across steps (used on the driver only)."""
         try:
             self.model = self._load_model(hf_config)
             use_triton = self.ops.name == "triton"
@@ -174,7 +167,7 @@ class ModelRunner:
                     self.kv_caches,
                     self.ops,
                     self.config.scheduler.max_num_seqs,
-                    self.input_batch.block_table.shape[1],
+                    -(-self.max_model_len // self.block_size),
                     self.device,
                 )
 
@@ -206,7 +199,6 @@ class ModelRunner:
         tokens = min(self.config.scheduler.token_budget, self.max_model_len)
         blocks = -(-tokens // self.block_size)
         self.allocate_local_cache(blocks, 0)
-        seq = Sequence(-1, [0] * tokens)
         table = torch.arange(blocks, dtype=torch.int32, device=self.device)[None]
         meta = AttentionMetadata(
             slot_mapping=torch.arange(tokens, dtype=torch.int64, device=self.device),
@@ -217,7 +209,7 @@ class ModelRunner:
             prefill_cu_seqlens_q=torch.tensor([0, tokens], dtype=torch.int32, device=self.device),
             prefill_context_lens=torch.tensor([tokens], dtype=torch.int32, device=self.device),
         )
-        ids = torch.tensor(seq.token_ids, device=self.device)
+        ids = torch.zeros(tokens, dtype=torch.int64, device=self.device)
         meta = self.ops.prepare(meta, self.block_size)
         hidden = self.model(ids, torch.arange(tokens, device=self.device), self.kv_caches, meta, self.ops)
         self.model.compute_logits(hidden[-min(tokens, self.config.scheduler.max_num_seqs) :])
@@ -261,50 +253,23 @@ class ModelRunner:
                 else:
                     device_cache[dst.to(self.device)] = host_cache[src].to(self.device, non_blocking=True)
 
-    def execute(
-        self, out: SchedulerOutput, block_tables: Mapping[int, list[int]], table_versions: Mapping[int, int]
-    ) -> StepResult:
-        """Move and copy blocks as scheduled, then run the model on the step's tokens (on every rank).
-
-        ``block_tables`` and ``table_versions`` are the block manager's (see
-        ``BlockManager.table_versions``). NOTE: the step's decode block table is a view of
-        :attr:`input_batch`, which the next call updates in place: a step must be done
-        with its inputs before the next one is prepared (the engine runs one at a time).
-        """
-        inputs = prepare_batched_inputs(out, self.input_batch, block_tables, table_versions, self.device)
-        step = ModelStep(
-            out.blocks_to_swap_out,
-            out.blocks_to_swap_in,
-            out.blocks_to_copy,
-            inputs.input_ids,
-            inputs.positions,
-            inputs.meta,
-            inputs.sample_index,
-            inputs.prompt_index if inputs.prompt_rows else None,
-            inputs.pool_index,
-            torch.tensor([row.num for row in inputs.pool_rows], dtype=torch.int64) if inputs.pool_rows else None,
-            step_lora(out) if self.lora is not None else None,
-        )
+    def execute(self, step: ModelStep) -> StepOutputs:
+        """Move and copy blocks as the step says, then run the model on its tokens (on every rank)."""
         if self.workers is None:
-            return StepResult(inputs, *self.run_step(step))
+            return self.run_step(step)
         self.workers.send(("step", step.to_wire()))
         self.workers.step_started()
         try:
-            outputs = self.run_step(step)
+            return self.run_step(step)
         except Exception as exc:
             self.workers.check()  # NOTE: a dead or hung rank is the likely cause: name it
             raise RuntimeError(f"the tensor-parallel step failed: {exc!r}") from exc
         finally:
             self.workers.step_ended()
-        return StepResult(inputs, *outputs)
 
     @torch.inference_mode()
-    def run_step(self, step: ModelStep) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """This rank's part of a step: block moves, then the model.
-
-        Returns the sampled rows' logits, the prompt-logprob rows' logits (whole on rank 0)
-        and the embedding requests' pooled hidden-state sums (float32, on the CPU).
-        """
+    def run_step(self, step: ModelStep) -> StepOutputs:
+        """This rank's part of a step: block moves, then the model (prompt logits whole on rank 0)."""
         if self.fault == "die":
             os._exit(3)
         if self.fault == "hang":
@@ -316,7 +281,7 @@ class ModelRunner:
             mapping = torch.tensor(step.copies, dtype=torch.int64, device=self.device)
             self.ops.copy_blocks([k for k, _ in self.kv_caches], [v for _, v in self.kv_caches], mapping)
         if step.input_ids.numel() == 0:
-            return torch.empty(0, 0), None, None
+            return StepOutputs(torch.empty(0, 0), None, None)
         meta = self.ops.prepare(step.meta, self.block_size)
         adapters = self.lora.running(step.lora, self.device) if self.lora is not None else contextlib.nullcontext()
         if self.graphs is not None and step.pool_index is None and self.graphs.fits(step.input_ids, meta):
@@ -326,7 +291,7 @@ class ModelRunner:
                 hidden = self.model(step.input_ids, step.positions, self.kv_caches, meta, self.ops)
         logits = self.model.compute_logits(hidden[step.sample_index])
         prompt_logits = self.model.compute_logits(hidden[step.prompt_index]) if step.prompt_index is not None else None
-        return logits, prompt_logits, _pool(hidden, step.pool_index, step.pool_lens)
+        return StepOutputs(logits, prompt_logits, _pool(hidden, step.pool_index, step.pool_lens))
 
 
 def _pool(hidden: torch.Tensor, index: torch.Tensor | None, lens: torch.Tensor | None) -> torch.Tensor | None:

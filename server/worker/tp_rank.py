@@ -130,7 +130,7 @@ def _build(
 
 
 def _serve(channel: RankChannel, runner: Any) -> None:
-    from pagedllm.server.worker.step_inputs import ModelStep
+    from pagedllm.server.worker.model_step import ModelStep
 
     while True:
         kind, *args = channel.recv()

@@ -12,8 +12,8 @@ def test_components_partition_the_step():
     step = {
         "engine.step": 10.0,
         "schedule": 0.5,
-        "runner.execute": 7.0,
-        "runner.run_step": 6.0,
+        "step inputs": 1.0,
+        "runner.execute": 6.0,
         "attention metadata": 0.2,
         "model.forward": 5.0,
         "embedding": 0.1,

@@ -83,11 +83,10 @@ def test_warm_up_runs_a_prefill_and_a_decode_step_and_leaves_nothing_behind(tiny
     decodes, tokens = [], []
     execute = e.runner.execute
 
-    def counting(out, *args):
-        result = execute(out, *args)
-        decodes.append(result.inputs.meta.num_decode_tokens)
-        tokens.append(out.num_batched_tokens)
-        return result
+    def counting(step):
+        decodes.append(step.meta.num_decode_tokens)
+        tokens.append(step.input_ids.numel())
+        return execute(step)
 
     e.runner.execute = counting
     e.warm_up()

@@ -15,8 +15,8 @@ from pagedllm.server.core.sequence import Sequence, SequenceGroup, SequenceStatu
 from pagedllm.server.engine.output_processor import OutputProcessor
 from pagedllm.server.engine.sampler import Sampler
 from pagedllm.server.engine.spec_decode.spec_decoder import MAX_PAUSE, SpecDecoder
+from pagedllm.server.engine.step_inputs import SpecRow
 from pagedllm.server.sampling_params import SamplingParams
-from pagedllm.server.worker.step_inputs import SpecRow
 
 BLOCK = 4
 LOOP = [7, 8, 9] * 4  # 12 tokens: three full blocks

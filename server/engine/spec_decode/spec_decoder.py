@@ -42,7 +42,7 @@ from pagedllm.server.engine.sampler import Sampler, SampleRequest, filtered_prob
 from pagedllm.server.engine.spec_decode.draft_model import DraftModel, DraftState
 from pagedllm.server.engine.spec_decode.ngram_proposer import NgramIndex
 from pagedllm.server.engine.spec_decode.rejection_sampler import greedy_accept, sample_accept
-from pagedllm.server.worker.step_inputs import SpecRow
+from pagedllm.server.engine.step_inputs import SpecRow
 
 MAX_PAUSE = 64
 """The most steps a sequence whose proposals keep failing goes without proposing."""

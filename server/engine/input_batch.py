@@ -15,7 +15,7 @@ preallocated tensors and writes only what changed::
     slot of the new token of row r = block_table[r, pos // B] * B + pos % B,  pos = context_lens[r] - 1
 
 Rows follow the step's decode order (the scheduler's), so the step's tensors are exactly
-those of the list-based builder (:func:`pagedllm.server.worker.step_inputs.prepare_inputs`).
+those of the list-based builder (:func:`pagedllm.server.engine.step_inputs.prepare_inputs`).
 A sequence keeps its row while it decodes step after step; when the step's decodes differ
 from the rows (a sequence finished, was preempted or aborted, joined after its prefill,
 was forked), the rows are compacted into the new order with one gather.

@@ -1,22 +1,27 @@
-"""One step's inputs: the scheduled tokens flattened into tensors, and the rows whose logits matter."""
+"""One step's inputs, built on the engine side: the scheduled tokens flattened into tensors, the
+rows whose logits matter, and the :class:`~pagedllm.server.worker.model_step.ModelStep` the worker runs.
+
+    SchedulerOutput + block tables ─► StepBuilder.build ─┬► StepInputs (which sequence each logits row is)
+                                                         └► ModelStep (tensors) ─► ModelRunner.execute
+                                                                                     └► StepOutputs (logits)
+"""
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
 
 from pagedllm.server.core.scheduler import SchedulerOutput
 from pagedllm.server.core.sequence import Sequence, SequenceGroup
-from pagedllm.server.worker.attention import TENSOR_FIELDS, AttentionMetadata
-from pagedllm.server.worker.input_batch import DecodeInputs, InputBatch
-
-if TYPE_CHECKING:
-    from pagedllm.server.worker.lora_model import StepLoRA
+from pagedllm.server.engine.input_batch import DecodeInputs, InputBatch
+from pagedllm.server.lora_request import LoRARequest
+from pagedllm.server.worker.attention import AttentionMetadata
+from pagedllm.server.worker.lora_model import StepLoRA
+from pagedllm.server.worker.model_step import ModelStep, StepOutputs
 
 
 @dataclass
@@ -68,96 +73,58 @@ class StepInputs:
 
 
 @dataclass
-class ModelStep:
-    """What every tensor-parallel rank needs to run one step (the driver sends it to the others)."""
-
-    swap_out: list[tuple[int, int]]
-    swap_in: list[tuple[int, int]]
-    copies: list[tuple[int, int]]
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    meta: AttentionMetadata
-    sample_index: torch.Tensor
-    prompt_index: torch.Tensor | None
-    pool_index: torch.Tensor | None = None
-    """[tokens pooled] the step's token indices whose hidden states are summed, row after row."""
-    pool_lens: torch.Tensor | None = None
-    """[pool rows] how many of ``pool_index`` each row sums."""
-    lora: StepLoRA | None = None
-    """Each token's LoRA slot and the adapters the step needs resident; None: the base model alone."""
-
-    def to_wire(self) -> tuple:
-        """A by-value form for the pipe to the other ranks (numpy arrays: no shared-memory handles)."""
-        meta = {name: _plain(getattr(self.meta, name)) for name in (*TENSOR_FIELDS, "num_decode_tokens")}
-        return (
-            self.swap_out,
-            self.swap_in,
-            self.copies,
-            _plain(self.input_ids),
-            _plain(self.positions),
-            meta,
-            _plain(self.sample_index),
-            _plain(self.prompt_index),
-            _plain(self.pool_index),
-            _plain(self.pool_lens),
-            self.lora,
-        )
-
-    @classmethod
-    def from_wire(cls, wire: tuple) -> ModelStep:
-        swap_out, swap_in, copies, ids, positions, meta, sample_index, prompt_index, pool_index, pool_lens, lora = wire
-        tensors = {name: _tensor(value) for name, value in meta.items()}
-        return cls(
-            swap_out,
-            swap_in,
-            copies,
-            _tensor(ids),
-            _tensor(positions),
-            AttentionMetadata(**tensors),
-            _tensor(sample_index),
-            _tensor(prompt_index),
-            _tensor(pool_index),
-            _tensor(pool_lens),
-            lora,
-        )
-
-    def to(self, device: torch.device) -> ModelStep:
-        moved = {name: getattr(self.meta, name).to(device) for name in TENSOR_FIELDS}
-        meta = dataclasses.replace(self.meta, plan=None, **moved)
-        return dataclasses.replace(
-            self,
-            input_ids=self.input_ids.to(device),
-            positions=self.positions.to(device),
-            meta=meta,
-            sample_index=self.sample_index.to(device),
-            prompt_index=_to(self.prompt_index, device),
-            pool_index=_to(self.pool_index, device),
-            pool_lens=_to(self.pool_lens, device),
-        )
-
-
-def _to(value: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
-    return value.to(device) if value is not None else None
-
-
-def _plain(value: Any) -> Any:
-    return value.cpu().numpy() if isinstance(value, torch.Tensor) else value
-
-
-def _tensor(value: Any) -> Any:
-    return torch.from_numpy(value) if isinstance(value, np.ndarray) else value
-
-
-@dataclass
 class StepResult:
+    """A step's rows and the worker's outputs for them (see :class:`StepOutputs`)."""
+
     inputs: StepInputs
     logits: torch.Tensor  # [len(inputs.sample_rows) + the spec rows' positions, vocab] float32
     prompt_logits: torch.Tensor | None  # [len(inputs.prompt_index), vocab] float32
     pooled: torch.Tensor | None = None  # [len(inputs.pool_rows), hidden] float32 sums, on the CPU
 
+    @classmethod
+    def of(cls, inputs: StepInputs, outputs: StepOutputs) -> StepResult:
+        return cls(inputs, outputs.logits, outputs.prompt_logits, outputs.pooled)
+
 
 Entry = tuple[SequenceGroup, Sequence, int]
 """A sequence in the step and how many new tokens it computes."""
+
+
+class StepBuilder:
+    """Turns the scheduler's step into the worker's :class:`ModelStep`, keeping the decodes'
+    persistent :class:`InputBatch` across steps.
+
+    NOTE: the step's decode block table is a view of :attr:`batch`, which the next
+    :meth:`build` updates in place: a step must be done with its inputs before the next one
+    is built (the engine runs one at a time).
+    """
+
+    def __init__(self, max_num_seqs: int, max_model_len: int, block_size: int, device: torch.device, lora: bool):
+        self.batch = InputBatch(max_num_seqs, -(-max_model_len // block_size), block_size)
+        self.device = device
+        self.lora = lora
+        """Whether the model has adapter hooks (then every step carries its token slots)."""
+
+    def build(
+        self, out: SchedulerOutput, block_tables: Mapping[int, list[int]], table_versions: Mapping[int, int]
+    ) -> tuple[StepInputs, ModelStep]:
+        """The step's rows and the tensors the worker runs (``block_tables`` and ``table_versions``
+        are the block manager's: see ``BlockManager.table_versions``)."""
+        inputs = prepare_batched_inputs(out, self.batch, block_tables, table_versions, self.device)
+        step = ModelStep(
+            out.blocks_to_swap_out,
+            out.blocks_to_swap_in,
+            out.blocks_to_copy,
+            inputs.input_ids,
+            inputs.positions,
+            inputs.meta,
+            inputs.sample_index,
+            inputs.prompt_index if inputs.prompt_rows else None,
+            inputs.pool_index,
+            torch.tensor([row.num for row in inputs.pool_rows], dtype=torch.int64) if inputs.pool_rows else None,
+            step_lora(out) if self.lora else None,
+        )
+        return inputs, step
 
 
 def split_step(out: SchedulerOutput) -> tuple[list[Entry], list[Entry], list[Entry]]:
@@ -180,12 +147,31 @@ def split_step(out: SchedulerOutput) -> tuple[list[Entry], list[Entry], list[Ent
     return decodes, verifies, prefills
 
 
+def step_lora(out: SchedulerOutput) -> StepLoRA | None:
+    """The step's LoRA mapping, tokens in the step's order (decodes, proposal checks, prefill chunks);
+    None without adapters."""
+    if not out.lora_slots:
+        return None
+    decodes, verifies, prefills = split_step(out)
+    slots, chunks = [], []
+    adapters: dict[int, LoRARequest] = {}
+    for group, _, chunk in decodes + verifies + prefills:
+        lora = group.lora_request
+        slot = out.lora_slots[lora.lora_int_id] if lora is not None else 0
+        if lora is not None:
+            adapters[slot] = lora
+        slots.append(slot)
+        chunks.append(chunk)
+    token_slots = np.repeat(np.array(slots, dtype=np.int64), chunks)
+    return StepLoRA(token_slots, tuple(sorted(adapters.items())))
+
+
 def prepare_inputs(
     out: SchedulerOutput, block_tables: dict[int, list[int]], block_size: int, device: torch.device
 ) -> StepInputs:
     """Flatten the step from Python lists: decodes first, then verifications, then prefill chunks.
 
-    The engine keeps decodes in an :class:`~pagedllm.server.worker.input_batch.InputBatch`
+    The engine keeps decodes in an :class:`~pagedllm.server.engine.input_batch.InputBatch`
     (:func:`prepare_batched_inputs`); this builder is the reference it is tested against.
     """
     decodes, verifies, prefills = split_step(out)
