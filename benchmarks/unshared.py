@@ -28,26 +28,18 @@ class UnsharedBlockManager(BlockManager):
         table, first = self.tables[seq.seq_id], len(self.tables[seq.seq_id]) - len(self.held_blocks(seq))
         return [i for i in range(first, len(table)) if self.gpu.ref_counts[table[i]] > 1]
 
-    def _blocks_to_append(self, seq: Sequence) -> int:
-        if seq.seq_id not in self._to_unshare:
-            return super()._blocks_to_append(seq)
-        growth = max(0, -(-seq.num_tokens // self.block_size) - len(self.tables[seq.seq_id]))
-        return len(self._shared(seq)) + growth
-
-    def append_slots(self, seq: Sequence) -> list[tuple[int, int]]:
-        copies = []
+    def _append_plan(self, seq: Sequence) -> tuple[list[int], int, list[int]]:
+        """A forked sequence's next append copies every block it still shares, not only the one it writes into."""
+        table, needed, shared = super()._append_plan(seq)
         if seq.seq_id in self._to_unshare:
+            shared = self._shared(seq)
+        return table, needed, shared
+
+    def append_slots(self, seq: Sequence) -> list[tuple[int, int]] | None:
+        copies = super().append_slots(seq)
+        if copies is not None:
             self._to_unshare.discard(seq.seq_id)
-            table = self.tables[seq.seq_id]
-            for i in self._shared(seq):
-                new = self._allocate_for(seq)
-                self.gpu.decref(table[i])
-                copies.append((table[i], new))
-                table[i] = new
-            if copies:
-                self._rewritten(seq.seq_id)  # NOTE: the worker's mirror of the table must be rebuilt
-            self.num_copy_on_writes += len(copies)
-        return copies + super().append_slots(seq)
+        return copies
 
     def can_swap_in(self, group: SequenceGroup) -> AllocStatus:
         """Room for every sequence's own copy of its blocks, plus one to grow each (they unshare on their next step)."""

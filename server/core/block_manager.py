@@ -222,60 +222,48 @@ class BlockManager:
 
     def blocks_to_append(self, seqs: list[Sequence]) -> int:
         """New blocks (fresh or copy-on-write) ``seqs`` need for their uncomputed tokens, beyond their reservations."""
-        if self.reservation:
-            return sum(max(0, self._blocks_to_append(seq) - self.reserved_blocks(seq)) for seq in seqs)
-        if len(seqs) == 1:
-            return self._blocks_to_append(seqs[0])
-        return sum(self._blocks_to_append(seq) for seq in seqs)
+        return sum(self._new_blocks(seq, *self._append_plan(seq)) for seq in seqs)
 
-    def _blocks_to_append(self, seq: Sequence) -> int:
-        table = self.tables[seq.seq_id]
-        num_tokens = seq.num_slot_tokens
-        if num_tokens > len(table) * self.block_size:
-            return _blocks_for(num_tokens, self.block_size) - len(table)
-        last = table[(num_tokens - 1) // self.block_size]
-        return 1 if self.gpu.ref_counts[last] > 1 else 0
+    def _append_plan(self, seq: Sequence) -> tuple[list[int], int, list[int]]:
+        """The sequence's table, how many blocks its tokens and proposals need, and the indices of
+        the shared blocks its uncomputed tokens write into (each needs a copy first).
 
-    def append_slots(self, seq: Sequence) -> list[tuple[int, int]]:
-        """Make room for every token of ``seq`` and its proposals; returns copy-on-write (src, dst) pairs."""
+        NOTE: only the block the next tokens are written into can be shared and unfull; full
+        blocks before it are never written again. A decode looks at one block.
+        """
         table = self.tables[seq.seq_id]
-        needed = _blocks_for(seq.num_slot_tokens, self.block_size)
+        needed = -(-seq.num_slot_tokens // self.block_size)
+        ref_counts = self.gpu.ref_counts
+        first = seq.num_computed_tokens // self.block_size
+        if first == needed - 1 < len(table):  # a decode's one block
+            return table, needed, [first] if ref_counts[table[first]] > 1 else []
+        shared = [i for i in range(first, min(needed, len(table))) if ref_counts[table[i]] > 1]
+        return table, needed, shared
+
+    def _new_blocks(self, seq: Sequence, table: list[int], needed: int, shared: list[int]) -> int:
+        new = max(0, needed - len(table)) + len(shared)
+        return max(0, new - self.reserved_blocks(seq)) if self.reservation else new
+
+    def append_slots(self, seq: Sequence) -> list[tuple[int, int]] | None:
+        """Make room for every token of ``seq`` and its proposals: the copy-on-write (src, dst)
+        pairs, or None when the cache has no room (then nothing changed)."""
+        table, needed, shared = plan = self._append_plan(seq)
+        if not (needed > len(table) or shared):
+            return []  # NOTE: the usual decode: its token lands in a block it holds alone
+        if self._new_blocks(seq, *plan) > self.num_available:
+            return None
         while len(table) < needed:
             table.append(self._allocate_for(seq))
-        # NOTE: only the block the next tokens are written into can be shared and
-        # unfull; full blocks before it are never written again.
-        ref_counts = self.gpu.ref_counts
         copies = []
-        for i in range(seq.num_computed_tokens // self.block_size, needed):
-            if ref_counts[table[i]] > 1:
-                new = self._allocate_for(seq)
-                self.gpu.decref(table[i])
-                copies.append((table[i], new))
-                table[i] = new
+        for i in shared:
+            new = self._allocate_for(seq)
+            self.gpu.decref(table[i])
+            copies.append((table[i], new))
+            table[i] = new
         if copies:
             self._rewritten(seq.seq_id)
-        self.num_copy_on_writes += len(copies)
+            self.num_copy_on_writes += len(copies)
         return copies
-
-    def append_decode_slot(self, seq: Sequence) -> list[tuple[int, int]] | None:
-        """``can_append_slots([seq])`` then ``append_slots(seq)`` in one look, for a sequence
-        with exactly one uncomputed token; None (nothing changed) when there is no room.
-
-        NOTE: the scheduler's per-step hot path: one table lookup and at most one new
-        block, since a single new token lands in the table's last needed block.
-        """
-        if self.reservation:
-            return self.append_slots(seq) if self.can_append_slots([seq]) else None
-        table = self.tables[seq.seq_id]
-        num_tokens = len(seq.token_ids)
-        if num_tokens > len(table) * self.block_size:
-            if not self.gpu.num_free:
-                return None
-            table.append(self.gpu.allocate())
-            return []
-        if self.gpu.ref_counts[table[(num_tokens - 1) // self.block_size]] == 1:
-            return []
-        return self.append_slots(seq) if self.gpu.num_free else None
 
     def release_unused_slots(self, seq: Sequence) -> None:
         """Free the table's blocks past the sequence's tokens: those that held only rejected proposals.

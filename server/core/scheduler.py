@@ -197,32 +197,8 @@ class Scheduler:
             ):
                 del pending[group]
                 continue
-            if len(seqs) == 1 and self._take_decode(group, seqs[0], budget, out):
-                del pending[group]
-                continue
-            if not self._make_room(group, seqs, pending, out):
-                continue
-            del pending[group]
-            self._take(group, budget, out, seqs)
-
-    def _take_decode(self, group: SequenceGroup, seq: Sequence, budget: _Budget, out: SchedulerOutput) -> bool:
-        """The common case in one step: a lone sequence decoding one token, with room in the
-        budget and the cache. False (nothing changed) sends it down the general path."""
-        if (
-            len(seq.token_ids) - seq.num_computed_tokens != 1
-            or budget.seqs >= budget.max_seqs
-            or budget.tokens >= budget.max_tokens
-        ):
-            return False
-        copies = self.block_manager.append_decode_slot(seq)
-        if copies is None:
-            return False
-        budget.tokens += 1
-        budget.seqs += 1
-        if copies:
-            out.blocks_to_copy.extend(copies)
-        out.scheduled.append(ScheduledGroup(group, {seq.seq_id: 1}))
-        return True
+            self._take(group, budget, out, seqs, pending)
+            pending.pop(group, None)  # NOTE: scheduled or not, it is no longer a candidate for preemption
 
     def _take_speculative(
         self, group: SequenceGroup, seq: Sequence, budget: _Budget, out: SchedulerOutput, pending: dict
@@ -243,37 +219,62 @@ class Scheduler:
             seq.spec_token_ids = []
             return False
         copies = self.block_manager.append_slots(seq)
+        assert copies is not None, "blocks_to_append counted the room"
         budget.tokens += chunk
         budget.seqs += 1
         out.blocks_to_copy.extend(copies)
         out.scheduled.append(ScheduledGroup(group, {seq.seq_id: chunk}))
         return True
 
-    def _make_room(self, group: SequenceGroup, seqs: list[Sequence], pending: dict, out: SchedulerOutput) -> bool:
-        """Preempt the latest arrivals until ``group`` can append; False if it was preempted."""
-        while not self.block_manager.can_append_slots(seqs):
-            victim, _ = pending.popitem()
-            self._preempt(victim, out)
-            if victim is group:
-                return False
-        return True
+    def _take(
+        self,
+        group: SequenceGroup,
+        budget: _Budget,
+        out: SchedulerOutput,
+        seqs: list[Sequence],
+        pending: dict | None = None,
+    ) -> bool:
+        """Give each sequence its chunk of the token budget and room in the cache; False: not this step.
 
-    def _take(self, group: SequenceGroup, budget: _Budget, out: SchedulerOutput, seqs: list[Sequence]) -> bool:
-        """Give each sequence its chunk of the token budget and room in the cache."""
+        A running group (``pending`` given) makes room by preempting the latest arrivals still
+        pending, itself included; a group just admitted or swapped in already has its room.
+        """
         if not seqs or budget.seqs + len(seqs) > budget.max_seqs:
             return False
         chunks = self._chunks(seqs, budget.max_tokens - budget.tokens)
         if chunks is None:
             return False
+        copies = self._append(group, seqs, pending, out)
+        if copies is None:
+            return False
         budget.tokens += sum(chunks.values())
         budget.seqs += len(seqs)
-        append_slots = self.block_manager.append_slots
-        for seq in seqs:
-            copies = append_slots(seq)
-            if copies:
-                out.blocks_to_copy.extend(copies)
+        if copies:
+            out.blocks_to_copy.extend(copies)
         out.scheduled.append(ScheduledGroup(group, chunks))
         return True
+
+    def _append(
+        self, group: SequenceGroup, seqs: list[Sequence], pending: dict | None, out: SchedulerOutput
+    ) -> list[tuple[int, int]] | None:
+        """Slots for the group's uncomputed tokens: its copy-on-write pairs; None if it was preempted.
+
+        NOTE: one sequence's append is all or nothing by itself (a decode looks at one block);
+        a group's sequences are counted together first, so none of them appends unless all can.
+        """
+        bm = self.block_manager
+        while True:
+            if len(seqs) == 1:
+                copies = bm.append_slots(seqs[0])
+                if copies is not None:
+                    return copies
+            elif bm.can_append_slots(seqs):
+                return [pair for seq in seqs for pair in bm.append_slots(seq) or ()]
+            assert pending, f"no room for request {group.request_id!r}, which was admitted with room"
+            victim, _ = pending.popitem()
+            self._preempt(victim, out)
+            if victim is group:
+                return None
 
     def _chunks(self, seqs: list[Sequence], tokens_left: int) -> dict[int, int] | None:
         """Tokens each sequence computes this step; None if one cannot make progress."""

@@ -185,13 +185,6 @@ def test_multi_sequence_group_is_swapped_and_resumes_before_admissions():
     assert not s.swapped
 
 
-class _GeneralPathOnly(Scheduler):
-    """The scheduler with its lone-decode shortcut turned off: every group takes the general path."""
-
-    def _take_decode(self, group, seq, budget, out) -> bool:
-        return False
-
-
 @settings(max_examples=80, deadline=None)
 @given(
     requests=st.lists(
@@ -203,42 +196,33 @@ class _GeneralPathOnly(Scheduler):
     caching=st.booleans(),
     window=st.one_of(st.none(), st.integers(1, 12)),
 )
-def test_lone_decode_shortcut_schedules_exactly_like_the_general_path(
+def test_random_arrivals_keep_the_cache_consistent_and_free_everything_at_the_end(
     requests, num_blocks, max_seqs, budget, caching, window
 ):
-    """Same arrivals into both schedulers: every step's plan (chunks, copies, preemptions) is identical."""
-    plans = []
-    for cls in (Scheduler, _GeneralPathOnly):
-        bm = BlockManager(
-            4, num_blocks, num_blocks, enable_prefix_caching=caching, watermark=0.0, sliding_window=window
-        )
-        config = SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget)
-        sched = cls(config, bm)
-        groups, plan = {}, []
-        for step in range(120):
-            for i, (arrival, prompt, _) in enumerate(requests):
-                if arrival == step:
-                    groups[i] = make_request(str(i), prompt, i, arrival=float(i))  # prompts share prefixes
-                    sched.add(groups[i])
-            out = run_step(sched)
-            plan.append(
-                (
-                    [(item.group.request_id, dict(item.chunks)) for item in out.scheduled],
-                    [g.request_id for g in out.preempted],
-                    [g.request_id for g in out.ignored],
-                    list(out.blocks_to_copy),
-                    list(out.blocks_to_swap_out),
-                    list(out.blocks_to_swap_in),
-                )
-            )
-            for i, group in groups.items():
-                seq = group.seqs[0]
-                if not seq.status.finished and len(seq.output_token_ids) >= requests[i][2]:
-                    seq.status = SequenceStatus.FINISHED_LENGTH
-            sched.free_finished()
-            assert not bm.check_invariants()
-        plans.append(plan)
-    assert plans[0] == plans[1]
+    """Every step of one scheduling path (decodes, prefill chunks, preemption, copy-on-write of
+    shared prefixes, sliding windows): the block manager's books add up, and aborting what is
+    left returns every block."""
+    bm = BlockManager(4, num_blocks, num_blocks, enable_prefix_caching=caching, watermark=0.0, sliding_window=window)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget), bm)
+    groups = {}
+    for step in range(120):
+        for i, (arrival, prompt, _) in enumerate(requests):
+            if arrival == step:
+                groups[i] = make_request(str(i), prompt, i, arrival=float(i))  # prompts share prefixes
+                sched.add(groups[i])
+        out = run_step(sched)
+        for item in out.scheduled:
+            assert item.group.request_id not in {g.request_id for g in out.preempted}
+        for i, group in groups.items():
+            seq = group.seqs[0]
+            if not seq.status.finished and len(seq.output_token_ids) >= requests[i][2]:
+                seq.status = SequenceStatus.FINISHED_LENGTH
+        sched.free_finished()
+        assert not bm.check_invariants()
+    sched.abort([g.request_id for g in groups.values()])
+    sched.free_finished()
+    assert not bm.check_invariants()
+    assert bm.gpu.num_free == num_blocks and bm.cpu.num_free == num_blocks
 
 
 @pytest.mark.parametrize("caching", [False, True])
