@@ -104,6 +104,7 @@ def instrument(engine, clock: Clock) -> None:
     """Wrap this engine's parts (instance attributes only; nothing global changes)."""
     from pagedllm.server.worker.attention import PagedAttention
     from pagedllm.server.worker.models.decoder import RMSNorm
+    from pagedllm.server.worker.models.fused_linear import FusedLinear
     from pagedllm.server.worker.models.rope import RotaryEmbedding
     from pagedllm.server.worker.models.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
@@ -127,7 +128,7 @@ def instrument(engine, clock: Clock) -> None:
     model.compute_logits = clock.timed("LM head (logits)", model.compute_logits)
     model.model.embed_tokens.forward = clock.timed("embedding", model.model.embed_tokens.forward)
     kinds = (
-        ((ColumnParallelLinear, RowParallelLinear), "linear (q, k, v, o, gate, up, down)"),
+        ((ColumnParallelLinear, RowParallelLinear, FusedLinear), "linear (q, k, v, o, gate, up, down)"),
         (RMSNorm, "RMSNorm"),
         (RotaryEmbedding, "rotary"),
         (PagedAttention, "attention.forward"),
