@@ -386,3 +386,27 @@ def test_greedy_tokens_equal_transformers_with_scaled_rope(tmp_path, name):
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
     for prompt, out in zip(prompts, outputs):
         assert_greedy_matches(ref, prompt, out.outputs[0].token_ids, ref.greedy(prompt, MAX_TOKENS))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_q_and_k_of_one_fused_projection_turn_in_one_call_as_they_would_apart(dtype, monkeypatch):
+    from pagedllm.server.worker.models import rope as rope_module
+
+    emb = RotaryEmbedding(HEAD_DIM, 64, {"rope_type": "default", "rope_theta": 10000.0})
+    positions = torch.tensor([0, 5, 17, 63])
+    qkv = torch.randn(4, (4 + 2 + 2) * HEAD_DIM).to(dtype)  # q | k | v columns
+    q, k, v = qkv.split([4 * HEAD_DIM, 2 * HEAD_DIM, 2 * HEAD_DIM], dim=-1)
+    want_q, want_k = emb(positions, q.clone(), k.clone())  # apart: two calls
+    v_before = v.clone()
+    calls = []
+    real = rope_module.rotary_cpu_
+    monkeypatch.setattr(rope_module, "rotary_cpu_", lambda x, *args: calls.append(x.shape) or real(x, *args))
+    got_q, got_k = emb(positions, q, k)
+    assert calls == [torch.Size([4, 6 * HEAD_DIM])]
+    assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
+    assert torch.equal(v, v_before)
+    # columns that are not neighbours, or of different tensors, still go apart
+    calls.clear()
+    emb(positions, q.clone(), k.clone())
+    emb(positions, q, v)
+    assert len(calls) == 4

@@ -346,4 +346,21 @@ class RotaryEmbedding(nn.Module):
         # positions: [num_tokens]; q: [num_tokens, heads * head_dim]; k: [num_tokens, kv_heads * head_dim]
         # NOTE: q and k are rotated in place where the compiled kernel runs: they are this layer's own projections.
         cos, sin = self.get_buffer("cos"), self.get_buffer("sin")  # [max_positions, rotary_dim]
-        return rotary_cpu_(q, cos, sin, positions, self.head_dim), rotary_cpu_(k, cos, sin, positions, self.head_dim)
+        both, d = _side_by_side(q, k), self.head_dim
+        if both is None:
+            return rotary_cpu_(q, cos, sin, positions, d), rotary_cpu_(k, cos, sin, positions, d)
+        # NOTE: q and k are neighbouring columns of one fused projection's output: one call turns both
+        turned = rotary_cpu_(both, cos, sin, positions, d)
+        return turned[:, : q.shape[1]], turned[:, q.shape[1] :]
+
+
+def _side_by_side(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
+    """``q`` and ``k`` as one [tokens, q + k columns] view when ``k``'s columns follow ``q``'s in
+    the same rows of one tensor (the fused q/k/v projection's output); else None."""
+    if q.dim() != 2 or k.dim() != 2 or q.dtype != k.dtype or q.stride() != k.stride() or q.stride(-1) != 1:
+        return None
+    if q.shape[0] != k.shape[0] or q.untyped_storage().data_ptr() != k.untyped_storage().data_ptr():
+        return None
+    if k.data_ptr() != q.data_ptr() + q.shape[1] * q.element_size():
+        return None
+    return q.as_strided((q.shape[0], q.shape[1] + k.shape[1]), q.stride())
