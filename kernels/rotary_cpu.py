@@ -56,16 +56,18 @@ def rotary_reference(
     return out.reshape(shape)
 
 
-def _kernel(x, cos, sin, positions, head_dim):  # pragma: no cover - compiled
-    # x: [tokens, heads * head_dim]; cos, sin: [max_positions, rotary_dim]; positions: [tokens]
-    tokens, width = x.shape
+def _kernel(x, row_stride, width, cos, sin, positions, head_dim):  # pragma: no cover - compiled
+    # x: the rows' elements flat, row t's ``width`` columns from t * row_stride;
+    # cos, sin: [max_positions, rotary_dim]; positions: [tokens]
+    # NOTE: flat and contiguous (not a strided 2-D view) so the loads and stores vectorise
+    tokens = len(positions)
     half = cos.shape[1] // 2
     for t in numba.prange(tokens):
         cos_row, sin_row = cos[positions[t]], sin[positions[t]]
         for head in range(width // head_dim):
-            # NOTE: slices indexed from 0 by the loop: indices known non-negative vectorise
-            first = x[t, head * head_dim : head * head_dim + half]
-            second = x[t, head * head_dim + half : head * head_dim + 2 * half]
+            start = t * row_stride + head * head_dim
+            first = x[start : start + half]
+            second = x[start + half : start + 2 * half]
             for i in range(half):
                 # NOTE: the table is rounded to x's dtype first, as the reference's .to(x.dtype)
                 c, s = round_like(load(cos_row[i]), x), round_like(load(sin_row[i]), x)
@@ -95,6 +97,13 @@ def rotary_cpu_(
         return rotary_reference(x, cos, sin, positions, head_dim)
     if x.requires_grad and torch.is_grad_enabled():
         return rotary_reference(x, cos, sin, positions, head_dim)
+    tokens, width = x.shape
+    if tokens == 0:
+        return x
+    row_stride = x.stride(0) if tokens > 1 else width
+    flat = x.as_strided(((tokens - 1) * row_stride + width,), (1,))
     compiled = launch(_compiled, x.numel())
-    compiled(kernel_array(x), kernel_array(cos), kernel_array(sin), positions.long().numpy(), head_dim)
+    compiled(
+        kernel_array(flat), row_stride, width, kernel_array(cos), kernel_array(sin), positions.long().numpy(), head_dim
+    )
     return x
