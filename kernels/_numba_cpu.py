@@ -48,6 +48,22 @@ def kernel_array(t: torch.Tensor) -> np.ndarray:
     return (t.view(torch.uint16) if t.dtype == torch.bfloat16 else t).numpy()
 
 
+def flat_rows(t: torch.Tensor) -> tuple[np.ndarray, int]:
+    """A [rows, cols] tensor as a flat kernel array from its first element to its last, and its
+    row stride: a kernel indexing row r at ``r * stride`` reads unit-stride 1-D slices, which
+    vectorise, where a strided 2-D view's (a column slice of a fused projection's output) do not.
+
+    NOTE: the same memory, so a kernel may write ``t`` through it, unless ``t``'s columns are
+    strided: then it is a contiguous copy.
+    """
+    if t.is_contiguous():
+        return kernel_array(t).reshape(-1), t.shape[1]
+    if t.stride(1) != 1 and t.shape[1] > 1:
+        t = t.contiguous()
+    stride = t.stride(0)
+    return kernel_array(t.as_strided(((t.shape[0] - 1) * stride + t.shape[1],), (1,))), stride
+
+
 def compile_kernel(kernel: Callable, parallel: bool, **options) -> Callable:
     """``kernel`` compiled by Numba, on one thread or spreading its ``prange`` over Numba's
     pool, its machine code cached on disk where a cache directory is writable.

@@ -28,7 +28,7 @@ import functools
 
 import torch
 
-from ._numba_cpu import KERNEL_DTYPES, compile_kernel, kernel_array, launch
+from ._numba_cpu import KERNEL_DTYPES, compile_kernel, flat_rows, kernel_array, launch
 from .paged_decode_attention_cpu import HAS_NUMBA
 
 if HAS_NUMBA:
@@ -97,13 +97,9 @@ def rotary_cpu_(
         return rotary_reference(x, cos, sin, positions, head_dim)
     if x.requires_grad and torch.is_grad_enabled():
         return rotary_reference(x, cos, sin, positions, head_dim)
-    tokens, width = x.shape
-    if tokens == 0:
+    if x.shape[0] == 0:
         return x
-    row_stride = x.stride(0) if tokens > 1 else width
-    flat = x.as_strided(((tokens - 1) * row_stride + width,), (1,))
+    flat, row_stride = flat_rows(x)  # NOTE: x's own memory: its columns are unit-stride (checked above)
     compiled = launch(_compiled, x.numel())
-    compiled(
-        kernel_array(flat), row_stride, width, kernel_array(cos), kernel_array(sin), positions.long().numpy(), head_dim
-    )
+    compiled(flat, row_stride, x.shape[1], kernel_array(cos), kernel_array(sin), positions.long().numpy(), head_dim)
     return x

@@ -40,7 +40,7 @@ import numpy as np
 import torch
 
 from ._fast_exp import exp
-from ._numba_cpu import KERNEL_DTYPES, compile_kernel, kernel_array, launch
+from ._numba_cpu import KERNEL_DTYPES, compile_kernel, flat_rows, kernel_array, launch
 from .paged_decode_attention_cpu import HAS_NUMBA
 
 if HAS_NUMBA:
@@ -81,16 +81,6 @@ def _compiled(parallel: bool):
 _FASTMATH = {"contract"}
 
 
-def _rows(t: torch.Tensor) -> tuple[np.ndarray, int]:
-    """A [rows, cols] tensor as a flat kernel array from its first element to its last, and its row stride."""
-    if t.is_contiguous():
-        return kernel_array(t).reshape(-1), t.shape[1]
-    if t.stride(1) != 1 and t.shape[1] > 1:
-        t = t.contiguous()
-    stride = t.stride(0)
-    return kernel_array(t.as_strided(((t.shape[0] - 1) * stride + t.shape[1],), (1,))), stride
-
-
 def silu_and_mul_cpu(
     gate: torch.Tensor,  # [tokens, inner], columns contiguous, rows at any stride
     up: torch.Tensor,  # [tokens, inner], gate's dtype
@@ -104,6 +94,6 @@ def silu_and_mul_cpu(
     if torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad):
         return silu_and_mul_reference(gate, up)
     out = torch.empty_like(gate, memory_format=torch.contiguous_format)
-    (gate_flat, gate_stride), (up_flat, up_stride) = _rows(gate), _rows(up)
+    (gate_flat, gate_stride), (up_flat, up_stride) = flat_rows(gate), flat_rows(up)
     launch(_compiled, out.numel())(gate_flat, gate_stride, up_flat, up_stride, kernel_array(out))
     return out

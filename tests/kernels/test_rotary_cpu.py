@@ -51,13 +51,15 @@ def test_float16_takes_the_reference_and_leaves_x():
     assert torch.equal(x, before) and torch.equal(out, rotary_reference(x, cos, sin, positions, 16))
 
 
-def test_rotates_a_column_slice_of_a_wider_tensor_in_place():
+@pytest.mark.parametrize("tokens", [1, 5])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotates_a_column_slice_of_a_wider_tensor_in_place(tokens, dtype):
     # NOTE: q and k of a fused q|k|v projection are column views of one output
     torch.manual_seed(0)
-    head_dim, tokens = 8, 5
+    head_dim = 8
     cos, sin = rotation_table(head_dim, 16, {"rope_type": "default", "rope_theta": 10000.0})
-    positions = torch.tensor([0, 3, 7, 2, 15])
-    wide = torch.randn(tokens, 3 * 2 * head_dim)
+    positions = torch.tensor([0, 3, 7, 2, 15])[:tokens]
+    wide = torch.randn(tokens, 3 * 2 * head_dim).to(dtype)
     q, rest = wide[:, : 2 * head_dim], wide[:, 2 * head_dim :].clone()
     want = rotary_reference(q.clone(), cos, sin, positions, head_dim)
     got = rotary_cpu_(q, cos, sin, positions, head_dim)
