@@ -129,31 +129,30 @@ def _load(typingctx, elem):
     return None
 
 
-def _round_like(typingctx, value, array):
+def _like(value, array, result, codegen):
+    """An intrinsic's typing for a float32 ``value`` put in ``array``'s dtype: ``codegen`` where
+    ``array`` holds bfloat16 bits, the value as it is where it holds float32."""
     types = numba.types
     if value != types.float32:
         return None
     if not _is_bf16(array):
         return types.float32(value, array), lambda context, builder, signature, args: args[0]
+    return result(value, array), codegen
 
+
+def _round_like(typingctx, value, array):
     def codegen(context, builder, signature, args):
         return builder.bitcast(_narrow_ir(builder, args[0]), ir.FloatType())
 
-    return types.float32(value, array), codegen
+    return _like(value, array, numba.types.float32, codegen)
 
 
 def _store_like(typingctx, value, array):
-    types = numba.types
-    if value != types.float32:
-        return None
-    if not _is_bf16(array):
-        return types.float32(value, array), lambda context, builder, signature, args: args[0]
-
     def codegen(context, builder, signature, args):
         i32 = ir.IntType(32)
         return builder.trunc(builder.lshr(_narrow_ir(builder, args[0]), ir.Constant(i32, 16)), ir.IntType(16))
 
-    return types.uint16(value, array), codegen
+    return _like(value, array, numba.types.uint16, codegen)
 
 
 if HAS_NUMBA:

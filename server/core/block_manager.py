@@ -232,7 +232,7 @@ class BlockManager:
         blocks before it are never written again. A decode looks at one block.
         """
         table = self.tables[seq.seq_id]
-        needed = -(-seq.num_slot_tokens // self.block_size)
+        needed = _blocks_for(seq.num_slot_tokens, self.block_size)
         ref_counts = self.gpu.ref_counts
         first = seq.num_computed_tokens // self.block_size
         if first == needed - 1 < len(table):  # a decode's one block

@@ -488,6 +488,7 @@ class LLMEngine:
         length = max(2, min(WARM_UP_PROMPT_TOKENS, self.max_model_len - 2, self.config.scheduler.token_budget))
         bm = self.block_manager
         counters = bm.prefix_cache_queries, bm.prefix_cache_hits
+        self._publish_kv_events()  # NOTE: what came before is announced; only the warm-up's own events are dropped
         publisher, self.kv_event_publisher = self.kv_event_publisher, None
         try:
             self.add_request(

@@ -110,9 +110,9 @@ def test_warm_up_leaves_no_cached_prefix_no_kv_event_and_no_prefix_cache_counts(
             published.append(events)
 
     e.kv_event_publisher = Recorder()
-    e.block_manager.kv_events = e.block_manager.gpu.events = []
+    e.block_manager.kv_events = e.block_manager.gpu.events = ["earlier"]  # recorded before the warm-up
     e.warm_up()
-    assert published == [] and e.block_manager.take_kv_events() == []
+    assert published == [["earlier"]] and e.block_manager.take_kv_events() == []
     assert e.kv_event_publisher is not None
     stats = e.stats()
     assert (stats.prefix_cache_queries, stats.prefix_cache_hits) == (0, 0)
@@ -122,7 +122,7 @@ def test_warm_up_leaves_no_cached_prefix_no_kv_event_and_no_prefix_cache_counts(
     while e.has_unfinished_requests():
         e.step()
     assert e.stats().prefix_cache_hits == 0
-    assert published, "the user's blocks are published"
+    assert len(published) > 1, "the user's blocks are published"
 
 
 def test_leaving_the_with_block_frees_the_cache_and_refuses_more_work(tiny_llama):
