@@ -71,7 +71,8 @@ class DecoderAttention(nn.Module):
         self.o_proj = RowParallelLinear(arch.num_heads * d, hidden, arch.o_bias, tp)
         self.qkv_proj: FusedLinear | None = None
         """q, k and v in one GEMM, once :meth:`fuse_projections` has replaced the three."""
-        if arch.family.qk_norm:
+        self.qk_norm = arch.family.qk_norm
+        if self.qk_norm:
             self.q_norm = RMSNorm(d, arch.rms_norm_eps, arch.family.gemma_norms)
             self.k_norm = RMSNorm(d, arch.rms_norm_eps, arch.family.gemma_norms)
         self.rotary = rotary
@@ -93,7 +94,7 @@ class DecoderAttention(nn.Module):
             q, k, v = self.qkv_proj(x)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        if hasattr(self, "q_norm"):
+        if self.qk_norm:
             q = self.q_norm(q.view(-1, self.num_heads, self.head_dim)).view(q.shape)
             k = self.k_norm(k.view(-1, self.num_kv_heads, self.head_dim)).view(k.shape)
         q, k = self.rotary(positions, q, k)
