@@ -9,7 +9,8 @@ there across repeats; in the engine every layer has its own cache, read from mem
 ``--layers 8`` cycles through that many caches to show the memory-bound numbers.
 
 ShareGPT-like context lengths (mean input 161 plus up to 128 generated tokens), blocks
-scattered at random over the cache.
+scattered at random over the cache, of each of ``--block-sizes`` tokens (every block that
+lies elsewhere starts a new stream of reads: larger blocks, fewer of them).
 
     python -m benchmarks.cpu_attention --threads 2 --batch 16 64
     python -m benchmarks.cpu_attention --threads 2 --batch 16 64 --dtype bfloat16
@@ -80,16 +81,16 @@ def layer_caches(
     return [first, *more]
 
 
-def run_batch(batch: int, args: argparse.Namespace, threads: int) -> None:
-    heads, head_dim, block_size, scale = 8, 64, 16, 0.125
+def run_batch(batch: int, block_size: int, args: argparse.Namespace, threads: int) -> None:
+    heads, head_dim, scale = 8, 64, 0.125
     dtype = getattr(torch, args.dtype)
     layers = layer_caches(batch, args.layers, heads, head_dim, block_size, dtype)
     query, _, _, tables, lens = layers[0]
     kv_bytes = int(lens.sum()) * heads * head_dim * query.element_size() * 2
     print(
-        f"batch {batch}, {args.dtype}: mean context {lens.float().mean():.0f}, longest {int(lens.max())}, "
-        f"{threads} thread(s), "
-        f"{args.layers} cache(s), {kv_bytes / 1e6:.1f} MB of K/V per call; per call:"
+        f"batch {batch}, {args.dtype}, blocks of {block_size} tokens: mean context {lens.float().mean():.0f}, "
+        f"longest {int(lens.max())}, {threads} thread(s), {args.layers} cache(s), "
+        f"{kv_bytes / 1e6:.1f} MB of K/V per call; per call:"
     )
 
     def timed(label: str, fn) -> None:
@@ -119,6 +120,7 @@ def main() -> None:
     )
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: the CPU quota)")
     parser.add_argument("--batch", type=int, nargs="+", default=[16, 64], help="decoding sequences")
+    parser.add_argument("--block-sizes", type=int, nargs="+", default=[16, 64], help="tokens per KV cache block")
     parser.add_argument("--pad-tokens", type=int, nargs="+", default=[0, 32, 64, 100000], help="grouping thresholds")
     parser.add_argument("--repeats", type=int, default=30, help="timed calls per variant (median reported)")
     parser.add_argument("--layers", type=int, default=1, help="distinct caches cycled through (see the NOTE)")
@@ -126,7 +128,8 @@ def main() -> None:
     args = parser.parse_args()
     threads = set_threads(args.threads)
     for batch in args.batch:
-        run_batch(batch, args, threads)
+        for block_size in args.block_sizes:
+            run_batch(batch, block_size, args, threads)
 
 
 if __name__ == "__main__":

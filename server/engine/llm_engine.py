@@ -68,6 +68,8 @@ class EngineStats:
     num_running_requests: int
     num_waiting: int
     num_swapped: int
+    block_size: int
+    """Tokens per KV cache block (the device's default when none was given)."""
     num_gpu_blocks: int
     num_free_gpu_blocks: int
     num_cpu_blocks: int
@@ -115,7 +117,8 @@ class LLMEngine:
         )
         info = read_model_info(config, hf_config, self.tokenizer)
         device = resolve_device(config.model.device)
-        config = self.config = _with_token_budget(config, device.type, info.max_model_len)
+        config = _with_token_budget(config, device.type, info.max_model_len)
+        config = self.config = dataclasses.replace(config, cache=config.cache.with_block_size(device.type))
         self._check_scheduler_fits(info.max_model_len)
         tp = config.parallel.tensor_parallel_size
         check_tensor_parallel(hf_config, tp, device, config.parallel.ranks_per_node)
@@ -123,7 +126,7 @@ class LLMEngine:
         self.step_builder = StepBuilder(
             config.scheduler.max_num_seqs,
             info.max_model_len,
-            config.cache.block_size,
+            config.cache.tokens_per_block,
             self.runner.device,
             config.lora.enable_lora,
         )
@@ -153,7 +156,8 @@ class LLMEngine:
             self._closers.insert(0, self.kv_event_publisher.close)
         self.block_manager = self._allocate_cache(info.max_model_len, info.kv_window)
         # NOTE: a single sequence must always fit in the cache on its own, else it could never finish.
-        capacity = (self.block_manager.gpu.num_blocks - self.block_manager.watermark_blocks) * config.cache.block_size
+        bm = self.block_manager
+        capacity = (bm.gpu.num_blocks - bm.watermark_blocks) * bm.block_size
         self.model_info: ModelInfo = dataclasses.replace(info, max_model_len=min(info.max_model_len, capacity))
         limit = self.model_info.max_model_len
         self.lora_slots = LoRASlots(config.lora.max_loras) if config.lora.enable_lora else None
@@ -222,7 +226,7 @@ class LLMEngine:
 
     def _allocate_cache(self, max_model_len: int, kv_window: int | None) -> BlockManager:
         config = self.config
-        useful = config.scheduler.max_num_seqs * -(-max_model_len // config.cache.block_size)
+        useful = config.scheduler.max_num_seqs * -(-max_model_len // config.cache.tokens_per_block)
         num_cpu_blocks = self.runner.num_host_blocks(useful)
         if self.draft is None or config.cache.num_gpu_blocks_override is not None:
             num_gpu_blocks = self.runner.num_device_blocks(useful)
@@ -233,7 +237,7 @@ class LLMEngine:
         if self.draft is not None:
             self.draft.allocate(num_gpu_blocks)
         bm = BlockManager(
-            config.cache.block_size,
+            config.cache.tokens_per_block,
             num_gpu_blocks,
             num_cpu_blocks,
             config.cache.enable_prefix_caching,
@@ -463,7 +467,7 @@ class LLMEngine:
             f" x {config.parallel.tensor_parallel_size} rank(s), {runner.threads.threads} CPU thread(s)",
             f"attention        {runner.ops.name}",
             f"KV cache blocks  {bm.gpu.num_blocks} device + {bm.cpu.num_blocks} host,"
-            f" {config.cache.block_size} tokens each",
+            f" {config.cache.tokens_per_block} tokens each",
             f"max model len    {self.max_model_len} tokens, max {config.scheduler.max_num_seqs} sequences"
             f" and {config.scheduler.token_budget} tokens per step",
         ]
@@ -519,6 +523,7 @@ class LLMEngine:
             num_running_requests=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
             num_swapped=len(self.scheduler.swapped),
+            block_size=bm.block_size,
             num_gpu_blocks=bm.gpu.num_blocks,
             num_free_gpu_blocks=bm.gpu.num_free,
             num_cpu_blocks=bm.cpu.num_blocks,

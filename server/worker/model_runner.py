@@ -75,7 +75,7 @@ class ModelRunner:
         dtype = choose_dtype(config.model.dtype, hf_config, self.device)
         self.dtype = dtype.dtype
         logger.info("the model computes in %s (%s)", str(self.dtype).removeprefix("torch."), dtype.reason)
-        self.block_size = config.cache.block_size
+        self.block_size = config.cache.tokens_per_block
         self.max_model_len = max_model_len
         self.ops = select_attention_ops(config.model.attention_backend, self.device, self.dtype)
         try:

@@ -25,8 +25,15 @@ CHAT_TEMPLATE = (
     "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}<assistant>{% endif %}"
 )
+# NOTE: block_size is given: the prefix-cache tests count cached tokens in blocks of 16, and
+# the CPU's default of 64 would leave the short prompts of a 96-token model without a full block
 ENGINE_ARGS = dict(
-    max_model_len=96, num_gpu_blocks_override=1024, max_num_seqs=64, swap_space=0.01, kv_cache_memory=0.05
+    max_model_len=96,
+    block_size=16,
+    num_gpu_blocks_override=1024,
+    max_num_seqs=64,
+    swap_space=0.01,
+    kv_cache_memory=0.05,
 )
 READY_TIMEOUT_S = 180
 

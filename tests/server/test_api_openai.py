@@ -279,7 +279,8 @@ def test_metrics_parse_and_move(client, server):
     assert ("pagedllm:num_preemptions_total", ()) in after
     assert ("pagedllm:prefix_cache_hits_total", ()) in after
     info = [k for k in after if k[0] == "pagedllm:cache_config_info"]
-    assert info and dict(info[0][1])["block_size"] == "16" and dict(info[0][1])["num_gpu_blocks"] == "1024"
+    assert info and dict(info[0][1])["block_size"] == str(ENGINE_ARGS["block_size"])
+    assert dict(info[0][1])["num_gpu_blocks"] == "1024"
 
 
 def test_health_and_metrics_need_no_key(server):

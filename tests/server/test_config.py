@@ -8,6 +8,7 @@ import pytest
 
 from pagedllm.server.args import add_engine_args, engine_config_from_args
 from pagedllm.server.config import (
+    CacheConfig,
     ConfigError,
     EngineConfig,
     KVEventsConfig,
@@ -86,6 +87,39 @@ def test_the_flag_help_names_both_defaults():
     action = next(a for a in parser._actions if a.dest == "max_num_batched_tokens")
     assert action.default is None
     assert "4096 on CPU" in action.help and "2048 on CUDA" in action.help and "(default: None)" not in action.help
+
+
+# -- block size ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize(("device", "tokens"), [("cpu", 64), ("cuda", 16)])
+def test_an_unset_block_size_is_the_devices_default(device, tokens):
+    config = CacheConfig()
+    with pytest.raises(RuntimeError, match="depends on the device"):
+        _ = config.tokens_per_block
+    resolved = config.with_block_size(device)
+    assert resolved.tokens_per_block == resolved.block_size == tokens
+    assert config.block_size is None
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_an_explicit_block_size_always_wins(device):
+    assert CacheConfig(block_size=16).with_block_size(device).tokens_per_block == 16
+
+
+def test_a_block_size_needs_a_resolved_device_and_a_power_of_two():
+    with pytest.raises(ConfigError) as info:
+        CacheConfig().with_block_size("auto")
+    assert info.value.field == "device"
+    for bad in (0, 24, 512):
+        with pytest.raises(ConfigError, match="power of two") as info:
+            CacheConfig(block_size=bad)
+        assert info.value.field == "block_size"
+
+
+def test_the_block_size_flag_names_both_defaults():
+    parser = add_engine_args(argparse.ArgumentParser())
+    action = next(a for a in parser._actions if a.dest == "block_size")
+    assert action.default is None and parse_flags("--block-size", "32").cache.block_size == 32
+    assert "16 on CUDA" in action.help and "64 on CPU" in action.help and "(default: None)" not in action.help
 
 
 # -- --kv-events-config ----------------------------------------------------------------------------------

@@ -7,6 +7,7 @@ import torch
 from engine_factories import HFReference, assert_greedy_matches, make_prompts
 
 from pagedllm.server import LLM, SamplingParams
+from pagedllm.server.config import DEFAULT_BLOCK_SIZES
 
 MAX_TOKENS = 12
 
@@ -51,6 +52,16 @@ def test_greedy_matches_transformers(tiny_llama_dirs, references, expected, prom
     llm, outputs = run_greedy(tiny_llama_dirs[name], prompts, block_size=16, attention_backend=backend)
     assert llm.llm_engine.runner.ops.name == backend
     check(references, expected, name, prompts, outputs)
+    assert_all_blocks_free(llm)
+
+
+@pytest.mark.parametrize("backend", ["numba", "torch"])
+def test_the_cpus_default_block_size_matches_transformers(tiny_llama_dirs, references, expected, prompts, backend):
+    llm, outputs = run_greedy(tiny_llama_dirs["gqa"], prompts, attention_backend=backend)
+    engine = llm.llm_engine
+    assert engine.config.cache.block_size == engine.block_manager.block_size == DEFAULT_BLOCK_SIZES["cpu"] == 64
+    assert engine.stats().block_size == 64 and engine.runner.block_size == 64
+    check(references, expected, "gqa", prompts, outputs)
     assert_all_blocks_free(llm)
 
 

@@ -11,11 +11,11 @@ import time
 import httpx
 import openai
 import pytest
-from api_factories import API_KEY, MODEL_NAME, live_server, wait_until_idle
+from api_factories import API_KEY, ENGINE_ARGS, MODEL_NAME, live_server, wait_until_idle
 from prometheus_client.parser import text_string_to_metric_families
 
 pytestmark = pytest.mark.timeout(180)
-BLOCK_SIZE = 16  # the engine's default
+BLOCK_SIZE = ENGINE_ARGS["block_size"]
 FILLER = " of the paged KV cache, in shared blocks."
 
 

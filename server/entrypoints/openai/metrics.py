@@ -294,7 +294,7 @@ class EngineStatsCollector(Collector):
         cache = self.config.cache
         info = {
             "model_name": self.model_name,
-            "block_size": str(cache.block_size),
+            "block_size": str(stats.block_size),
             "num_gpu_blocks": str(stats.num_gpu_blocks),
             "num_cpu_blocks": str(stats.num_cpu_blocks),
             "enable_prefix_caching": str(cache.enable_prefix_caching),
