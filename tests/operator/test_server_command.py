@@ -85,7 +85,8 @@ def test_every_serve_field_reaches_its_flag():
 def test_defaults_render_to_the_engine_defaults():
     namespace = parse({"model": "org/model"})
     defaults = EngineConfig.from_kwargs()
-    assert namespace.block_size == defaults.cache.block_size
+    # NOTE: the engine's block size depends on the device; a PagedLLM's pods run on GPUs
+    assert namespace.block_size == defaults.cache.with_block_size("cuda").block_size == 16
     assert namespace.enable_prefix_caching is defaults.cache.enable_prefix_caching
     assert namespace.max_num_seqs == defaults.scheduler.max_num_seqs
     assert namespace.preemption_mode is None and namespace.max_model_len is None
