@@ -237,8 +237,7 @@ tokens (16-32 KB per layer) the kernel waits on memory. At 64 it takes 25-40% le
 per call (``python -m benchmarks.cpu_attention --block-sizes 16 64 --layers 8``) and a
 decode step 0.4-1 ms less (``benchmarks/step_profile.py``); vLLM's CPU build defaults to
 128 for the same reason. The cost is coarser sharing: prefix caching reuses whole blocks
-only, and a fork copies up to a block. On CUDA 16 is vLLM's default and the Triton
-kernel's tuned size.
+only, and a fork copies up to a block. On CUDA 16 is vLLM's default.
 """
 
 
