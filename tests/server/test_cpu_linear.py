@@ -74,12 +74,14 @@ def test_prepack_packs_every_projection_once_and_keeps_names(tie):
     names = {n: p.shape for n, p in model.named_parameters()}
     linears = [m for m in model.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))]
     packed = prepack_linears(model)
-    assert packed == len(linears) + (0 if tie else 1)
+    assert packed == len(linears) + 1
+    if tie:  # NOTE: the head's packed copy is a parameter of its own now, of the table's shape
+        names["lm_head.weight"] = names["model.embed_tokens.weight"]
     assert {n: p.shape for n, p in model.named_parameters()} == names
     assert all(m.weight.is_mkldnn for m in linears)
     head = next(m for m in model.modules() if isinstance(m, ParallelLMHead))
-    # NOTE: a tied head shares the embedding table, which lookups index: it stays plain.
-    assert head.weight.is_mkldnn is not tie
+    # NOTE: a tied head packs a copy of its own; lookups index the embedding's plain table.
+    assert head.weight.is_mkldnn
     assert not model.model.embed_tokens.weight.is_mkldnn
     assert prepack_linears(model) == 0  # packed weights are not packed again
 
@@ -115,8 +117,9 @@ def _logits(model: DecoderForCausalLM) -> torch.Tensor:
         return model.compute_logits(hidden)
 
 
-def test_prepacked_decoder_gives_the_same_logits():
-    model = _tiny_decoder(tie=False)
+@pytest.mark.parametrize("tie", [False, True])
+def test_prepacked_decoder_gives_the_same_logits(tie):
+    model = _tiny_decoder(tie=tie)
     before = _logits(model)
     prepack_linears(model)
     after = _logits(model)
