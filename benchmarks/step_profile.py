@@ -38,7 +38,8 @@ import time
 from collections.abc import Callable
 
 from benchmarks.common import HelpFormatter, set_threads
-from benchmarks.throughput import machine, save_random_llama, workload
+from benchmarks.model_shapes import SHAPES, model_vocab
+from benchmarks.throughput import machine, workload, write_model
 from benchmarks.vllm_baseline import Job, check_python, run_offline
 
 # op name -> group, for the torch.profiler pass (anything else: "other")
@@ -414,9 +415,15 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--vllm-python", default=None, help="python of vLLM's venv: profile vLLM on the same requests too")
     p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"), help="results directory")
     p.add_argument("--result-name", default=None, help="file name in --out (default: step-profile-DATE-Tt.json)")
+    p.add_argument(
+        "--shape",
+        default="bench",
+        choices=sorted(s for s in SHAPES if s != "llama-7b"),
+        help="model shape (benchmarks/model_shapes.py)",
+    )
+    p.add_argument("--model", default=None, help="a local checkpoint to profile instead of a --shape")
     args = p.parse_args()
     args.max_output = args.fixed_output
-    args.shape = "bench"  # NOTE: the throughput benchmark's small LLaMA, whose workload() reads this
     if args.vllm_python:
         try:
             args.vllm_python = check_python(args.vllm_python)
@@ -433,6 +440,8 @@ def main() -> None:
         "machine": machine(),
         "threads": threads,
         "dtype": args.dtype,
+        "shape": args.shape if args.model is None else None,
+        "model": args.model,
         "load_avg_1m_at_start": os.getloadavg()[0],
         "command": "python -m benchmarks.step_profile " + " ".join(sys.argv[1:]),
         "cases": [],
@@ -443,7 +452,11 @@ def main() -> None:
     batches = [int(b) for b in args.batch_sizes.split(",")]
     counts = [int(n) for n in args.num_requests.split(",")]
     with tempfile.TemporaryDirectory() as model_dir:
-        save_random_llama(model_dir)
+        if args.model is None:
+            write_model(model_dir, args.shape, args.dtype)
+        else:
+            model_dir = args.model
+        args.vocab = model_vocab(model_dir)  # NOTE: what workload() draws prompt ids from
         for batch, num in zip(batches, counts):
             case = profile_batch(model_dir, batch, num, threads, args)
             result["cases"].append(case)

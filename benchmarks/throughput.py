@@ -22,8 +22,13 @@ overhead per step (scheduler + block manager, no model) with many running sequen
     python -m benchmarks.throughput --threads 2 --systems ours,vllm --vllm-python ~/vllm/V/bin/python \
         --workloads fixed --batch-sizes 16,64 --num-requests 32,128 --repeats 2
 
-``--shape llama-7b`` runs LLaMA-7B's shape instead (random bf16 weights drawn on the GPU and
-saved, ~13.5 GB): the GPU setting, where every system runs on the GPU.
+``--shape`` picks the model (:mod:`benchmarks.model_shapes`): the small LLaMA by default, a
+real size people serve on CPUs (``qwen2.5-0.5b``, ``qwen2.5-1.5b``, ``llama-3.2-1b``: random
+weights saved in ``--dtype``), or ``llama-7b`` (random bf16 weights drawn on the GPU, ~13.5 GB:
+the GPU setting). ``--model PATH`` runs a local checkpoint instead.
+
+    python -m benchmarks.throughput --threads 2 --systems ours,vllm --vllm-python V/bin/python \
+        --shape qwen2.5-0.5b --dtype bfloat16 --workloads fixed --batch-sizes 1,16 --num-requests 8,32
 """
 
 from __future__ import annotations
@@ -43,20 +48,11 @@ import torch
 
 from benchmarks.common import HelpFormatter, set_threads
 from benchmarks.hf_baselines import forward_ceiling, run_hf_continuous, run_hf_static
-from benchmarks.paper_setting import LLAMA_7B
+from benchmarks.model_shapes import BENCH_LLAMA, SHAPES, model_vocab, write_random_model
 from benchmarks.vllm_baseline import Job, Result, check_python, run_offline
 from benchmarks.workloads import Request, sample_requests
 
-MODEL_SHAPE = dict(
-    vocab_size=8000,
-    hidden_size=512,
-    intermediate_size=1376,
-    num_hidden_layers=8,
-    num_attention_heads=8,
-    num_key_value_heads=8,
-    max_position_embeddings=2048,
-)
-SHAPES = {"bench": MODEL_SHAPE, "llama-7b": LLAMA_7B}
+MODEL_SHAPE = BENCH_LLAMA
 SYSTEMS = ("ours", "vllm", "hf_static", "hf_continuous", "ceiling")
 DTYPES = ("float32", "bfloat16")
 
@@ -175,8 +171,7 @@ def scheduling_overhead_us(num_seqs: int, steps: int, block_size: int = 16) -> f
 
 def workload(name: str, num: int, args) -> list[Request]:
     """ShareGPT input lengths; outputs fixed or ShareGPT-like (see the module docstring)."""
-    vocab = SHAPES[args.shape]["vocab_size"]
-    requests = sample_requests("sharegpt", num, vocab, args.seed, max_output=args.max_output)
+    requests = sample_requests("sharegpt", num, args.vocab, args.seed, max_output=args.max_output)
     if name == "fixed":
         return [Request(r.prompt_token_ids, args.fixed_output) for r in requests]
     return requests
@@ -254,8 +249,9 @@ def parse_args() -> argparse.Namespace:
         "--systems", default=None, help=f"which of {SYSTEMS} to run (default: all; vllm only with --vllm-python)"
     )
     parser.add_argument(
-        "--shape", default="bench", choices=sorted(SHAPES), help="model shape: the small bench LLaMA or LLaMA-7B's"
+        "--shape", default="bench", choices=sorted(SHAPES), help="model shape (benchmarks/model_shapes.py)"
     )
+    parser.add_argument("--model", default=None, help="a local checkpoint to run instead of a --shape")
     parser.add_argument("--dtype", default="float32", choices=DTYPES, help="weights and activations, every system")
     parser.add_argument("--repeats", type=int, default=1, help="runs of every system per case, in turn")
     parser.add_argument("--vllm-python", default=None, help="python of a venv with vLLM's CPU build: adds vllm")
@@ -303,13 +299,15 @@ def machine() -> str:
     return f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__}, device cpu"
 
 
-def write_model(model_dir: str, shape: str) -> int:
+def write_model(model_dir: str, shape: str, dtype: str = "float32") -> int:
     """The run's random-weight model in ``model_dir``; its parameter count."""
     if shape == "bench":
         return save_random_llama(model_dir)
-    from benchmarks.llama7b import write_llama7b
+    if shape == "llama-7b":
+        from benchmarks.llama7b import write_llama7b
 
-    return write_llama7b(model_dir, weights=True)
+        return write_llama7b(model_dir, weights=True)
+    return write_random_model(model_dir, shape, dtype)
 
 
 def main() -> None:
@@ -322,7 +320,8 @@ def main() -> None:
         "machine": machine(),
         "threads": threads,
         "dtype": args.dtype,
-        "shape": args.shape,
+        "shape": args.shape if args.model is None else None,
+        "model": args.model,
         "systems": args.systems,
         "repeats": args.repeats,
         "vllm_python": args.vllm_python,
@@ -338,13 +337,18 @@ def main() -> None:
     os.makedirs(args.out, exist_ok=True)
     suffix = "" if args.dtype == "float32" else f"-{args.dtype}"
     where = "gpu-" + args.shape if torch.cuda.is_available() else f"cpu{os.cpu_count()}-{threads}t"
+    where += "" if args.shape == "bench" or args.model else f"-{args.shape}"
     name = args.result_name or f"throughput-{result['date']}-{where}{suffix}.json"
     path = os.path.join(args.out, name)
     batches = [int(b) for b in args.batch_sizes.split(",")]
     counts = [int(n) for n in args.num_requests.split(",")]
     with tempfile.TemporaryDirectory() as model_dir, tempfile.TemporaryDirectory(prefix="vllm-logs-") as logs:
         args.vllm_log = os.path.join(logs, "vllm.log")
-        result["model_params"] = write_model(model_dir, args.shape)
+        if args.model is None:
+            result["model_params"] = write_model(model_dir, args.shape, args.dtype)
+        else:
+            model_dir = args.model
+        args.vocab = model_vocab(model_dir)
         for name in args.workloads.split(","):
             for batch, num in zip(batches, counts):
                 result["cases"].append(run_workload(model_dir, name, batch, num, threads, args))
