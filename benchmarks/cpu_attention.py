@@ -43,14 +43,14 @@ def median_ms(fn, repeats: int) -> float:
     return sorted(times)[len(times) // 2] * 1e3
 
 
-def make_case(batch: int, heads: int, head_dim: int, block_size: int, seed: int, dtype: torch.dtype):
+def make_case(batch: int, heads: int, kv_heads: int, head_dim: int, block_size: int, seed: int, dtype: torch.dtype):
     rng = np.random.default_rng(seed)
     lens = np.round(rng.lognormal(math.log(161) - 0.32, 0.8, batch)).clip(1, 1024).astype(int)
     lens += rng.integers(0, 128, batch)
     width = -(-int(lens.max()) // block_size)
     num_blocks = 4 * batch * width
-    key_cache = torch.randn(num_blocks, block_size, heads, head_dim, dtype=dtype)
-    value_cache = torch.randn(num_blocks, block_size, heads, head_dim, dtype=dtype)
+    key_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, dtype=dtype)
+    value_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, dtype=dtype)
     perm = torch.randperm(num_blocks)
     tables = torch.zeros(batch, width, dtype=torch.int32)
     used = 0
@@ -72,21 +72,22 @@ def contiguous_padded(query, lens, head_dim):
 
 
 def layer_caches(
-    batch: int, layers: int, heads: int, head_dim: int, block_size: int, dtype: torch.dtype
+    batch: int, layers: int, heads: int, kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype
 ) -> list[tuple]:
     """``layers`` cases sharing the query, block tables and lengths, each with its own caches."""
-    first = make_case(batch, heads, head_dim, block_size, seed=0, dtype=dtype)
+    first = make_case(batch, heads, kv_heads, head_dim, block_size, seed=0, dtype=dtype)
     query, key_cache, _, tables, lens = first
     more = [(query, torch.randn_like(key_cache), torch.randn_like(key_cache), tables, lens) for _ in range(1, layers)]
     return [first, *more]
 
 
 def run_batch(batch: int, block_size: int, args: argparse.Namespace, threads: int) -> None:
-    heads, head_dim, scale = 8, 64, 0.125
+    heads, kv_heads, head_dim = args.heads, args.kv_heads or args.heads, args.head_dim
+    scale = head_dim**-0.5
     dtype = getattr(torch, args.dtype)
-    layers = layer_caches(batch, args.layers, heads, head_dim, block_size, dtype)
+    layers = layer_caches(batch, args.layers, heads, kv_heads, head_dim, block_size, dtype)
     query, _, _, tables, lens = layers[0]
-    kv_bytes = int(lens.sum()) * heads * head_dim * query.element_size() * 2
+    kv_bytes = int(lens.sum()) * kv_heads * head_dim * query.element_size() * 2
     print(
         f"batch {batch}, {args.dtype}, blocks of {block_size} tokens: mean context {lens.float().mean():.0f}, "
         f"longest {int(lens.max())}, {threads} thread(s), {args.layers} cache(s), "
@@ -97,17 +98,21 @@ def run_batch(batch: int, block_size: int, args: argparse.Namespace, threads: in
         ms = median_ms(lambda: [fn(*case) for case in layers], args.repeats) / len(layers)
         print(f"  {label:44s} {ms:8.2f} ms  {kv_bytes / ms / 1e6:6.1f} GB/s")
 
-    timed(
-        "reference (pad to longest)", lambda q, kc, vc, t, n: paged_decode_attention_reference(q, kc, vc, t, n, scale)
-    )
-    empty = (torch.zeros(0, 0, dtype=torch.int32), torch.zeros(1, dtype=torch.int32), torch.zeros(0, dtype=torch.int32))
-    for pad in args.pad_tokens:
-        plan = cpu_attention.plan_attention(tables, lens, *empty, block_size, max_pad_tokens=pad)
-        label = f"planned, pad <= {pad} tokens ({len(plan.grouped().groups)} groups)"
-        timed(label, lambda q, kc, vc, t, n, plan=plan: cpu_attention.decode_attention(q, kc, vc, plan, scale))
+    if args.variants == "all":
+        timed(
+            "reference (pad to longest)",
+            lambda q, kc, vc, t, n: paged_decode_attention_reference(q, kc, vc, t, n, scale),
+        )
+        empty = (torch.zeros(0, 0, dtype=torch.int32), torch.zeros(1, dtype=torch.int32))
+        empty += (torch.zeros(0, dtype=torch.int32),)
+        for pad in args.pad_tokens:
+            plan = cpu_attention.plan_attention(tables, lens, *empty, block_size, max_pad_tokens=pad)
+            label = f"planned, pad <= {pad} tokens ({len(plan.grouped().groups)} groups)"
+            timed(label, lambda q, kc, vc, t, n, plan=plan: cpu_attention.decode_attention(q, kc, vc, plan, scale))
     timed("compiled kernel (numba backend)", lambda q, kc, vc, t, n: paged_decode_attention_cpu(q, kc, vc, t, n, scale))
-    floor = contiguous_padded(query, lens, head_dim)
-    print(f"  {'contiguous K/V padded to the longest':44s} {median_ms(floor, args.repeats):8.2f} ms")
+    if args.variants == "all" and kv_heads == heads:
+        floor = contiguous_padded(query, lens, head_dim)
+        print(f"  {'contiguous K/V padded to the longest':44s} {median_ms(floor, args.repeats):8.2f} ms")
     # NOTE: what the memory allows: the same bytes per layer, read once in order (no attention).
     streams = [torch.randn(kv_bytes // 4) for _ in layers]
     ms = median_ms(lambda: [x.sum() for x in streams], args.repeats) / len(streams)
@@ -124,6 +129,10 @@ def main() -> None:
     parser.add_argument("--pad-tokens", type=int, nargs="+", default=[0, 32, 64, 100000], help="grouping thresholds")
     parser.add_argument("--repeats", type=int, default=30, help="timed calls per variant (median reported)")
     parser.add_argument("--layers", type=int, default=1, help="distinct caches cycled through (see the NOTE)")
+    parser.add_argument("--heads", type=int, default=8, help="query heads (Qwen2.5-0.5B: 14)")
+    parser.add_argument("--kv-heads", type=int, default=None, help="KV heads (default: --heads; Qwen2.5-0.5B: 2)")
+    parser.add_argument("--head-dim", type=int, default=64, help="head size")
+    parser.add_argument("--variants", default="all", choices=("all", "kernel"), help="kernel: the compiled kernel only")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"), help="cache dtype")
     args = parser.parse_args()
     threads = set_threads(args.threads)

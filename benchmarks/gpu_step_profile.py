@@ -27,7 +27,7 @@ import time
 import torch
 
 from benchmarks.common import HelpFormatter
-from benchmarks.paper_setting import LLAMA_7B
+from benchmarks.model_shapes import LLAMA_7B
 
 
 def copy_bandwidth() -> float:

@@ -16,28 +16,19 @@ from __future__ import annotations
 import argparse
 
 from benchmarks.common import HelpFormatter
-from benchmarks.paper_setting import LLAMA_7B
+from benchmarks.model_shapes import LLAMA_7B
 
 
 def write_llama7b(path: str, weights: bool = False, device: str = "cuda") -> int:
     """Write the model to ``path``; its parameter count (0 without ``weights``: config and tokenizer only)."""
-    from pydoc_data.topics import topics
-
     from transformers import LlamaConfig
 
-    from pagedllm.server.demo.train import train_tokenizer
+    from benchmarks.model_shapes import write_tokenizer
 
-    vocab = LLAMA_7B["vocab_size"]
     config = LlamaConfig(**LLAMA_7B, bos_token_id=0, eos_token_id=1, pad_token_id=2, dtype="bfloat16")
     config.architectures = ["LlamaForCausalLM"]  # NOTE: a config saved without a model names none
     config.save_pretrained(path)
-    tok = train_tokenizer([topics[k] for k in sorted(topics)], vocab)
-    if len(tok) < vocab:
-        tok.add_tokens([f"<unused_{i}>" for i in range(vocab - len(tok))])
-    if len(tok) != vocab:
-        raise RuntimeError(f"the tokenizer has {len(tok)} tokens, not the model's {vocab}")
-    tok.model_max_length = LLAMA_7B["max_position_embeddings"]
-    tok.save_pretrained(path)  # NOTE: ids 0, 1, 2 are <s>, </s>, <pad>, as the config says
+    write_tokenizer(path, LLAMA_7B["vocab_size"], LLAMA_7B["max_position_embeddings"])
     if weights:
         import torch
         from transformers import LlamaForCausalLM

@@ -15,7 +15,6 @@ import json
 import os
 
 from benchmarks.common import HelpFormatter
-from benchmarks.paper_setting import LLAMA_7B
 
 BENCH_LLAMA = dict(
     vocab_size=8000,
@@ -57,6 +56,16 @@ LLAMA_3_2_1B = dict(
     rms_norm_eps=1e-5,
     tie_word_embeddings=True,
 )
+LLAMA_7B = dict(
+    vocab_size=32000,
+    hidden_size=4096,
+    intermediate_size=11008,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=32,
+    max_position_embeddings=2048,
+)
+"""The paper's LLaMA-7B (its GPU setting)."""
 SHAPES: dict[str, dict] = {
     "bench": BENCH_LLAMA,
     "qwen2.5-0.5b": QWEN2_5_0_5B,
@@ -76,8 +85,12 @@ def shape_config(shape: str):
     return cls, cls.config_class(**fields, bos_token_id=0, eos_token_id=1, pad_token_id=2)
 
 
-def write_random_model(path: str, shape: str, dtype: str = "bfloat16", device: str = "cpu") -> int:
-    """Save ``shape`` with random weights in ``dtype`` to ``path``; its parameter count."""
+def write_random_model(
+    path: str, shape: str, dtype: str = "bfloat16", device: str = "cpu", tokenizer: bool = False
+) -> int:
+    """Save ``shape`` with random weights in ``dtype`` to ``path``; its parameter count.
+    ``tokenizer``: also a tokenizer of the model's vocabulary (:func:`write_tokenizer`), for
+    servers and clients that speak text."""
     import torch
 
     cls, config = shape_config(shape)
@@ -90,7 +103,29 @@ def write_random_model(path: str, shape: str, dtype: str = "bfloat16", device: s
     finally:
         torch.set_default_dtype(previous)
     model.save_pretrained(path, safe_serialization=True)
+    if tokenizer:
+        write_tokenizer(path, config.vocab_size, min(config.max_position_embeddings, 32768))
     return sum(p.numel() for p in model.parameters())
+
+
+def write_tokenizer(path: str, vocab: int, max_length: int) -> None:
+    """A byte-level BPE trained on the standard library's documentation, with placeholder tokens
+    (``<unused_N>``) after its own up to ``vocab``, so every id a random model emits decodes to
+    some text and that text encodes back to the same id. Ids 0, 1, 2 are <s>, </s>, <pad>."""
+    from pydoc_data.topics import topics
+
+    from pagedllm.server.demo.train import train_tokenizer
+
+    tok = train_tokenizer([topics[k] for k in sorted(topics)], vocab)
+    if len(tok) < vocab:
+        tok.add_tokens([f"<unused_{i}>" for i in range(vocab - len(tok))])
+    if len(tok) != vocab:
+        raise RuntimeError(f"the tokenizer has {len(tok)} tokens, not the model's {vocab}")
+    tok.model_max_length = max_length
+    # NOTE: loaders that pick the tokenizer class by the model's family (Qwen2's) would otherwise
+    # add their own unknown token past the vocabulary, an id the model cannot take.
+    tok.unk_token = "<pad>"
+    tok.save_pretrained(path)
 
 
 def model_vocab(path: str) -> int:

@@ -13,21 +13,13 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from benchmarks.model_shapes import LLAMA_7B
 from benchmarks.workloads import Request, poisson_arrivals, sample_requests
 from pagedllm.server.config import EngineConfig, choose_token_budget
 from pagedllm.server.engine.llm_engine import LLMEngine
 from pagedllm.server.worker.model_runner import resolve_device
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "paper")
-LLAMA_7B = dict(
-    vocab_size=32000,
-    hidden_size=4096,
-    intermediate_size=11008,
-    num_hidden_layers=32,
-    num_attention_heads=32,
-    num_key_value_heads=32,
-    max_position_embeddings=2048,
-)
 
 
 @dataclass(frozen=True)

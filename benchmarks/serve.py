@@ -52,6 +52,7 @@ from tqdm.asyncio import tqdm
 
 from benchmarks import vllm_baseline
 from benchmarks.common import HelpFormatter
+from benchmarks.model_shapes import SHAPES
 from benchmarks.serve_metrics import RequestResult, median_summary, report, side_by_side, summarize
 from benchmarks.servers import launch_ours, launch_vllm, stop_server
 from benchmarks.workloads import WORKLOADS, poisson_arrivals, sample_requests
@@ -174,7 +175,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--model-path",
         default=None,
         help="Model directory the launched servers serve (default: the demo model); "
-        "'random': the offline benchmark's random LLaMA with a tokenizer, written to a temp dir.",
+        "'random': the offline benchmark's random LLaMA with a tokenizer, written to a temp dir; "
+        "a shape of benchmarks/model_shapes.py (qwen2.5-0.5b, ...): that shape's random weights in "
+        "--dtype (default bfloat16) with a tokenizer of its vocabulary.",
     )
     p.add_argument("--threads", type=int, default=None, help="CPU threads of each launched server (default: its own).")
     p.add_argument("--dtype", default=None, help="--dtype of each launched server (default: its own).")
@@ -296,6 +299,12 @@ def model_directory(args) -> Iterator[str | None]:
 
         with tempfile.TemporaryDirectory(prefix="random-llama-") as path:
             save_random_llama(path, tokenizer=True)
+            yield path
+    elif args.model_path in SHAPES:
+        from benchmarks.model_shapes import write_random_model
+
+        with tempfile.TemporaryDirectory(prefix=f"{args.model_path}-") as path:
+            write_random_model(path, args.model_path, args.dtype or "bfloat16", tokenizer=True)
             yield path
     elif args.model_path:
         yield os.path.abspath(args.model_path)

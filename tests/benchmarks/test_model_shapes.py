@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -37,3 +39,18 @@ def test_a_written_model_is_read_back_by_our_engine_with_its_vocabulary(tmp_path
     assert len(out[0].outputs[0].token_ids) == 3
     assert llm.llm_engine.runner.model.lm_head.weight.is_mkldnn  # the tied head packed its own copy
     llm.shutdown()
+
+
+def test_the_tokenizer_of_a_large_vocabulary_has_exactly_its_ids_and_round_trips_them(tmp_path):
+    from transformers import AutoTokenizer
+
+    from benchmarks.model_shapes import write_tokenizer
+
+    vocab = SHAPES["qwen2.5-0.5b"]["vocab_size"]
+    write_tokenizer(str(tmp_path), vocab, 4096)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2", "vocab_size": vocab}))
+    tok = AutoTokenizer.from_pretrained(str(tmp_path))  # NOTE: by the family's class, as vLLM's client loads it
+    ids = tok.get_vocab().values()
+    assert len(tok) == vocab and max(ids) == vocab - 1
+    sample = [5, 1000, vocab // 2, vocab - 1]  # trained tokens and placeholders alike
+    assert tok.encode(tok.decode(sample), add_special_tokens=False) == sample
