@@ -40,7 +40,17 @@ def our_command(args, port: int, python: str = sys.executable) -> list[str]:
         cmd += ["--cpu-threads", str(args.threads)]
     if getattr(args, "dtype", None):
         cmd += ["--dtype", args.dtype]
-    return [*cmd, *args.serve_args.split()]
+    extra = args.serve_args.split()
+    return [*cmd, *batch_flags(args, extra), *extra]
+
+
+def batch_flags(args, extra: list[str]) -> list[str]:
+    """``--max-num-seqs`` equal to the client's ``--max-concurrency``, as a user sizes a server for
+    its load, unless the server's own extra flags set it."""
+    concurrency = getattr(args, "max_concurrency", None)
+    if not concurrency or any(flag.split("=")[0] == "--max-num-seqs" for flag in extra):
+        return []
+    return ["--max-num-seqs", str(concurrency)]
 
 
 def free_port() -> int:
@@ -96,6 +106,7 @@ def launch_vllm(args, log) -> tuple[subprocess.Popen, str]:
     """Start `vllm serve` of ``args.model_dir`` with ``args.vllm_python``; the process and its base URL."""
     port = free_port()
     extra = args.vllm_serve_args.split()
+    extra = [*batch_flags(args, extra), *extra]
     cmd = vllm_baseline.serve_command(args.vllm_python, args.model_dir, port, SERVED_NAME, args.dtype, extra)
     env = cpu_env(args.threads, args.vllm_kv_cache_gib) if args.threads else {}
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", f"{args.vllm_kv_cache_gib:g}")
