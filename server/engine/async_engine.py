@@ -21,18 +21,21 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pagedllm.server.config import ConfigError, EngineConfig
 from pagedllm.server.engine.commands import AbortRequests, AddRequest, CallEngine, Command, Wake, execute, reject_all
+from pagedllm.server.engine.engine_stats import EngineStats
 from pagedllm.server.engine.input_processor import PromptType
-from pagedllm.server.engine.llm_engine import EngineStats, LLMEngine
 from pagedllm.server.engine.model_info import ModelInfo, load_tokenizer
 from pagedllm.server.engine.request_stream import EngineDeadError, RequestFailedError, RequestStream, StepTimes
 from pagedllm.server.lora_request import LoRARequest
 from pagedllm.server.outputs import EngineOutput
 from pagedllm.server.pooling_params import PoolingParams
 from pagedllm.server.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from pagedllm.server.engine.llm_engine import LLMEngine
 
 logger = logging.getLogger("pagedllm.async_engine")
 
@@ -66,13 +69,13 @@ class AsyncLLMEngine:
         config: EngineConfig,
         *,
         warmup: bool = True,
-        engine_factory: Callable[[EngineConfig], LLMEngine] = LLMEngine,
+        engine_factory: Callable[[EngineConfig], LLMEngine] | None = None,
         observer: Callable[..., None] | None = None,
     ) -> None:
         self.config = config
         self.observer = observer
         self._warmup = warmup
-        self._factory = engine_factory
+        self._factory = engine_factory or _new_engine
         self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}
         self._thread: threading.Thread | None = None
@@ -322,3 +325,10 @@ def _reject(future: asyncio.Future[None], exc: BaseException) -> None:
     if not future.done():
         future.set_exception(exc)
         future.exception()  # NOTE: marks it retrieved, so an unawaited failure is not logged twice
+
+
+def _new_engine(config: EngineConfig) -> LLMEngine:
+    """The engine, imported on the engine thread: importing this module loads no torch."""
+    from pagedllm.server.engine.llm_engine import LLMEngine
+
+    return LLMEngine(config)

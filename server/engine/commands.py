@@ -10,13 +10,15 @@ import concurrent.futures
 import queue
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pagedllm.server.engine.input_processor import PromptType
-from pagedllm.server.engine.llm_engine import LLMEngine
 from pagedllm.server.lora_request import LoRARequest
 from pagedllm.server.pooling_params import PoolingParams
 from pagedllm.server.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from pagedllm.server.engine.llm_engine import LLMEngine
 
 
 @dataclass(frozen=True)

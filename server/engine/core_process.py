@@ -19,14 +19,16 @@ import os
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import zmq
 
 from pagedllm.server.config import EngineConfig
 from pagedllm.server.engine import core_messages as msg
-from pagedllm.server.engine.llm_engine import LLMEngine
 from pagedllm.server.engine.output_deltas import DeltaMaker, RequestDelta
+
+if TYPE_CHECKING:
+    from pagedllm.server.engine.llm_engine import LLMEngine
 
 logger = logging.getLogger("pagedllm.engine_core")
 
@@ -61,6 +63,8 @@ def run_engine_core(
     outputs.connect(addresses.outputs)
     engine: LLMEngine | None = None
     try:
+        from pagedllm.server.engine.llm_engine import LLMEngine  # NOTE: torch loads here, in this process only
+
         engine = LLMEngine(config)
         if warmup:
             engine.warm_up()

@@ -19,7 +19,6 @@ import logging
 import time
 import weakref
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -31,6 +30,7 @@ from pagedllm.server.core.lora_slots import LoRASlots
 from pagedllm.server.core.scheduler import Scheduler, SchedulerOutput
 from pagedllm.server.core.sequence import Sequence, SequenceGroup, SequenceStatus
 from pagedllm.server.engine.beam_search import BeamSearch, BeamState
+from pagedllm.server.engine.engine_stats import EngineStats
 from pagedllm.server.engine.faults import EngineFatalError, FaultInjector, StepFailureWindow
 from pagedllm.server.engine.input_processor import InputProcessor, PromptType
 from pagedllm.server.engine.lora_registry import LoRARegistry
@@ -38,7 +38,7 @@ from pagedllm.server.engine.model_info import ModelInfo, load_tokenizer, read_mo
 from pagedllm.server.engine.output_processor import OutputProcessor
 from pagedllm.server.engine.sampler import Sampler
 from pagedllm.server.engine.spec_decode.draft_model import DraftModel
-from pagedllm.server.engine.spec_decode.spec_decoder import SpecDecoder, SpecDecodeStats
+from pagedllm.server.engine.spec_decode.spec_decoder import SpecDecoder
 from pagedllm.server.engine.step_inputs import StepBuilder, StepResult
 from pagedllm.server.engine.step_results import RequestState, StepResults
 from pagedllm.server.engine.structured_output import StructuredOutputs
@@ -57,42 +57,6 @@ logger = logging.getLogger("pagedllm.engine")
 
 WARM_UP_PROMPT_TOKENS = 256
 """Prompt tokens of :meth:`LLMEngine.warm_up`'s request (fewer where the model or the step budget is smaller)."""
-
-
-@dataclass
-class EngineStats:
-    """A snapshot of the engine's queues, cache and counters."""
-
-    num_running: int
-    """Sequences running (a request with n > 1 or beams counts each)."""
-    num_running_requests: int
-    num_waiting: int
-    num_swapped: int
-    block_size: int
-    """Tokens per KV cache block (the device's default when none was given)."""
-    num_gpu_blocks: int
-    num_free_gpu_blocks: int
-    num_cpu_blocks: int
-    num_free_cpu_blocks: int
-    num_preemptions: int
-    prefix_cache_hits: int
-    prefix_cache_queries: int
-    blocks_used: int
-    blocks_unshared: int
-    sharing_saving: float
-    num_copy_on_writes: int
-    num_window_frees: int
-    """Blocks released because they fell out of every layer's sliding window."""
-    kv_event_batches_dropped: int = 0
-    """KV event batches the publisher dropped because its queue was full (0 when events are off)."""
-    spec_decode: SpecDecodeStats | None = None
-    """Speculative decoding's proposals and acceptances since start (None when it is off)."""
-    running_lora_adapters: tuple[str, ...] = ()
-    """Names of the LoRA adapters running requests hold."""
-    waiting_lora_adapters: tuple[str, ...] = ()
-    """Names of the LoRA adapters of waiting requests."""
-    max_lora: int = 0
-    """Adapter slots (``max_loras``; 0 without LoRA)."""
 
 
 class EngineClosedError(RuntimeError):

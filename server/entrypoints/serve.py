@@ -14,6 +14,7 @@ import operator
 import os
 import signal
 import socket
+import sys
 import time
 
 from pagedllm.server.args import add_engine_args, as_flag_error, engine_config_from_args
@@ -213,11 +214,24 @@ def check_port_free(host: str, port: int) -> None:
             ) from exc
 
 
+def keep_torch_out() -> None:
+    """Mark torch absent from this process: with the engine core in its own process, the API
+    server needs none (tokenizer, templates, grammar checks, HTTP and metrics are torch-free).
+
+    NOTE: transformers imports torch whenever it is installed (its config module loads its RoPE
+    helpers), which would cost this process hundreds of MB and seconds of start-up; with
+    ``sys.modules["torch"] = None`` it finds torch unavailable and leaves it out. The engine core
+    is a spawned interpreter with modules of its own. Nothing changes if torch is already loaded.
+    """
+    if "torch" not in sys.modules:
+        sys.modules["torch"] = None  # type: ignore[assignment]
+
+
 def run_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from pagedllm.server.entrypoints.openai.api_server import build_app
-    from pagedllm.server.worker.model_loader import read_hf_config
+    from pagedllm.server.hf_config import read_hf_config
 
     config = engine_config_from_args(args)
     check_node_role(config, args.headless)
@@ -225,6 +239,8 @@ def run_serve(args: argparse.Namespace) -> int:
         return run_headless(config, args.log_level)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     settings = settings_from_args(args)
+    if settings.engine_core == "process":
+        keep_torch_out()
     check_port_free(args.host, args.port)  # NOTE: before the model loads, not minutes later
     if config.model.model is not None:
         try:

@@ -18,7 +18,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from pagedllm.server.config import EngineConfig
-from pagedllm.server.engine.llm_engine import EngineStats
+from pagedllm.server.engine.engine_stats import EngineStats
 from pagedllm.server.outputs import EmbeddingRequestOutput
 
 TTFT_BUCKETS = (
