@@ -75,14 +75,13 @@ class BlockManager:
         before the window of a sequence's next query are freed (not under a reservation)."""
         self.reservation = reservation
         """None: paging (blocks on demand); else a benchmark's reservation-based baseline."""
-        self.kv_events: list[KVCacheEvent] | None = [] if kv_events else None
-        """What entered and left the device prefix cache since :meth:`take_kv_events`; None: not recorded."""
-        self.gpu = BlockPool(num_gpu_blocks, enable_caching=enable_prefix_caching, events=self.kv_events)
+        events: list[KVCacheEvent] | None = [] if kv_events else None
+        self.gpu = BlockPool(num_gpu_blocks, enable_caching=enable_prefix_caching, events=events)
         self.cpu = BlockPool(num_cpu_blocks)
         self.enable_prefix_caching = enable_prefix_caching
         self.watermark_blocks = int(watermark * num_gpu_blocks)
         self.block_tables = BlockTables()
-        self.prefix_cache = PrefixCache(block_size, self.gpu, enable_prefix_caching, self.kv_events)
+        self.prefix_cache = PrefixCache(block_size, self.gpu, enable_prefix_caching, events)
         self.prefix_cache_queries = 0  # prompt tokens looked up
         self.prefix_cache_hits = 0  # of which found cached
         self.num_copy_on_writes = 0
@@ -97,6 +96,15 @@ class BlockManager:
     def table_versions(self) -> dict[int, int]:
         """seq_id -> the stamp of its table (see :attr:`BlockTables.versions`)."""
         return self.block_tables.versions
+
+    @property
+    def kv_events(self) -> list[KVCacheEvent] | None:
+        """What entered and left the device prefix cache since :meth:`take_kv_events`; None: not recorded."""
+        return self.prefix_cache.events
+
+    @kv_events.setter
+    def kv_events(self, events: list[KVCacheEvent] | None) -> None:
+        self.prefix_cache.events = events
 
     @property
     def _hashes(self) -> dict[int, list[BlockHash]]:
