@@ -2,7 +2,7 @@
 
 1. Step message: the :class:`ModelStep` of a decode batch (batch 1, 64, 256 at a given
    context) sent to ``--tp - 1`` rank processes that acknowledge it, over the TCP channel
-   the engine uses (:mod:`pagedllm.server.worker.rank_channel`) and over one
+   the engine uses (:mod:`pagedllm.server.worker.channel_protocol`) and over one
    multiprocessing pipe per rank (its former local transport); median microseconds of the
    send and of the round trip, their TCP/pipe ratio, bytes, and the driver's thread count.
 2. Throughput: the same requests (random-weight LLaMA, fixed output lengths, greedy)
@@ -33,8 +33,8 @@ from tqdm import tqdm
 from benchmarks.common import HelpFormatter, set_threads
 from pagedllm.server import LLM, SamplingParams
 from pagedllm.server.worker.attention import AttentionMetadata
+from pagedllm.server.worker.channel_protocol import frame
 from pagedllm.server.worker.model_step import ModelStep
-from pagedllm.server.worker.rank_channel import frame
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
@@ -111,7 +111,7 @@ def pipe_cost(step: ModelStep, ranks: int, repeats: int) -> dict:
 
 def channel_cost(step: ModelStep, ranks: int, repeats: int) -> dict:
     """What the engine pays now: one TCP channel, the step pickled once and written to every rank."""
-    from pagedllm.server.worker.rank_channel import LeaderChannel
+    from pagedllm.server.worker.leader_channel import LeaderChannel
 
     channel = LeaderChannel("127.0.0.1", 0, {rank: 0 for rank in range(1, ranks + 1)})
     context = multiprocessing.get_context("spawn")

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pagedllm.server.core.kv_events import AllBlocksCleared, BlockRemoved, KVCacheEvent, external_hash
 
 BlockHash = bytes
-"""A full block's prefix-cache key (see :func:`pagedllm.server.core.block_manager.block_hash`)."""
+"""A full block's prefix-cache key (see :func:`pagedllm.server.core.prefix_cache.block_hash`)."""
 BlockIdent = tuple[int, int]
 """(block, generation): one use of a physical block, distinct from its later reuses."""
 

@@ -25,6 +25,7 @@ from pagedllm.server.config import SchedulerConfig
 from pagedllm.server.core.block_manager import AllocStatus, BlockManager
 from pagedllm.server.core.lora_slots import LoRASlots
 from pagedllm.server.core.sequence import FINISHED, Sequence, SequenceGroup, SequenceStatus
+from pagedllm.server.core.step_budget import StepBudget, any_prefill
 
 
 @dataclass(slots=True)
@@ -52,18 +53,6 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.scheduled and not self.blocks_to_swap_out and not self.blocks_to_swap_in
-
-
-@dataclass
-class _Budget:
-    max_tokens: int
-    max_seqs: int
-    tokens: int = 0
-    seqs: int = 0
-
-    @property
-    def tokens_left(self) -> int:
-        return self.max_tokens - self.tokens
 
 
 class Scheduler:
@@ -137,7 +126,7 @@ class Scheduler:
     # -- one step -----------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        budget = _Budget(self._step_token_budget(), self.config.max_num_seqs)
+        budget = StepBudget.for_step(self.config, self.token_budget, self.running, self.waiting)
         self._schedule_running(budget, out)
         if not out.preempted:
             self._schedule_swapped(budget, out)
@@ -154,37 +143,12 @@ class Scheduler:
                 out.lora_slots[lora_id] = self.loras.slot_of[lora_id]
         return out
 
-    def _step_token_budget(self) -> int:
-        """This step's token budget: the whole of it, or, while more sequences decode than
-        prompts wait, their tokens plus at most ``max_prefill_tokens_while_decoding`` prompt tokens.
-
-        NOTE: a step's prompt tokens are what every decoding stream waits for before its next
-        token. A few streams are stalled once rather than many prompts trickling in over many
-        steps, each of which would stall every stream again.
-        """
-        cap = self.config.max_prefill_tokens_while_decoding
-        if cap is None:
-            return self.token_budget
-        # NOTE: only the waiting prompts that have a free seat could join this step
-        seats = max(self.config.max_num_seqs - len(self.running), 0)
-        decode_tokens, decoding, prompts = 0, 0, min(len(self.waiting), seats)
-        for group in self.running:
-            seqs = group.running_seqs()
-            if _any_prefill(seqs):
-                prompts += 1
-            else:
-                decoding += 1
-                decode_tokens += sum(1 + len(seq.spec_token_ids) for seq in seqs)
-        if decoding <= prompts:
-            return self.token_budget
-        return min(self.token_budget, decode_tokens + cap)
-
-    def _schedule_running(self, budget: _Budget, out: SchedulerOutput) -> None:
+    def _schedule_running(self, budget: StepBudget, out: SchedulerOutput) -> None:
         decodes: list[tuple[SequenceGroup, list[Sequence]]] = []
         prefills: list[tuple[SequenceGroup, list[Sequence]]] = []
         for group in self.running:
             seqs = group.running_seqs()
-            (prefills if _any_prefill(seqs) else decodes).append((group, seqs))
+            (prefills if any_prefill(seqs) else decodes).append((group, seqs))
         # NOTE: `pending` keeps arrival order, so popitem() yields the latest-arrived group.
         pending = dict.fromkeys(self.running)
         for group, seqs in decodes + prefills:
@@ -201,7 +165,7 @@ class Scheduler:
             pending.pop(group, None)  # NOTE: scheduled or not, it is no longer a candidate for preemption
 
     def _take_speculative(
-        self, group: SequenceGroup, seq: Sequence, budget: _Budget, out: SchedulerOutput, pending: dict
+        self, group: SequenceGroup, seq: Sequence, budget: StepBudget, out: SchedulerOutput, pending: dict
     ) -> bool:
         """A decode with proposals: its token and its proposals in one chunk, verified in one step.
 
@@ -229,7 +193,7 @@ class Scheduler:
     def _take(
         self,
         group: SequenceGroup,
-        budget: _Budget,
+        budget: StepBudget,
         out: SchedulerOutput,
         seqs: list[Sequence],
         pending: dict | None = None,
@@ -241,7 +205,7 @@ class Scheduler:
         """
         if not seqs or budget.seqs + len(seqs) > budget.max_seqs:
             return False
-        chunks = self._chunks(seqs, budget.max_tokens - budget.tokens)
+        chunks = budget.chunks(seqs, self.config.enable_chunked_prefill)
         if chunks is None:
             return False
         copies = self._append(group, seqs, pending, out)
@@ -276,20 +240,6 @@ class Scheduler:
             if victim is group:
                 return None
 
-    def _chunks(self, seqs: list[Sequence], tokens_left: int) -> dict[int, int] | None:
-        """Tokens each sequence computes this step; None if one cannot make progress."""
-        # NOTE: sequences of one group share the budget equally, so beams of equal length
-        # (all recomputed from scratch) finish their prefill in the same step.
-        share = tokens_left // len(seqs)
-        chunks = {}
-        for seq in seqs:
-            uncomputed = seq.num_tokens - seq.num_computed_tokens
-            chunk = uncomputed if uncomputed <= share else share
-            if chunk <= 0 or (chunk < uncomputed and not self.config.enable_chunked_prefill):
-                return None
-            chunks[seq.seq_id] = chunk
-        return chunks
-
     def _preempt(self, group: SequenceGroup, out: SchedulerOutput) -> None:
         self.running.remove(group)
         for seq in group.seqs:
@@ -309,7 +259,7 @@ class Scheduler:
         self._release_lora(group)
         self.waiting.appendleft(group)
 
-    def _schedule_swapped(self, budget: _Budget, out: SchedulerOutput) -> None:
+    def _schedule_swapped(self, budget: StepBudget, out: SchedulerOutput) -> None:
         while self.swapped:
             group = self.swapped[0]
             status = self.block_manager.can_swap_in(group)
@@ -329,7 +279,7 @@ class Scheduler:
             self._insert_running(group)
             self._take(group, budget, out, seqs)
 
-    def _schedule_waiting(self, budget: _Budget, out: SchedulerOutput) -> None:
+    def _schedule_waiting(self, budget: StepBudget, out: SchedulerOutput) -> None:
         while self.waiting and budget.tokens_left > 0:
             group = self.waiting[0]
             seqs = group.get_seqs(SequenceStatus.WAITING)
@@ -389,10 +339,3 @@ class Scheduler:
                     # are counted when the step's results are applied (SpecDecoder.apply).
                     seq.num_computed_tokens += min(chunk, len(seq.token_ids) - seq.num_computed_tokens)
                     self.block_manager.mark_computed(seq)
-
-
-def _any_prefill(seqs: list[Sequence]) -> bool:
-    for s in seqs:
-        if s.num_tokens - s.num_computed_tokens > 1:  # NOTE: Sequence.is_prefill, inlined: runs per sequence per step
-            return True
-    return False

@@ -23,7 +23,8 @@ import torch
 import torch.distributed as dist
 
 from pagedllm.server.config import ParallelConfig
-from pagedllm.server.worker.rank_channel import RankChannel, RankLostError, join_timeout
+from pagedllm.server.worker.channel_protocol import RankLostError, join_timeout
+from pagedllm.server.worker.rank_channel import RankChannel
 from pagedllm.server.worker.tp_workers import init_group, layout
 
 logger = logging.getLogger("pagedllm.tp")

@@ -40,7 +40,8 @@ import torch
 import torch.distributed as dist
 
 from pagedllm.server.config import EngineConfig, ParallelConfig
-from pagedllm.server.worker.rank_channel import LeaderChannel, RankLostError, join_timeout
+from pagedllm.server.worker.channel_protocol import RankLostError, join_timeout
+from pagedllm.server.worker.leader_channel import LeaderChannel
 
 logger = logging.getLogger("pagedllm.tp")
 HANG_TIMEOUT_ENV = "PAGEDLLM_TP_HANG_TIMEOUT"

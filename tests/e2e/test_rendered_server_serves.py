@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,12 +16,7 @@ import pytest
 from pagedllm.operator.command import SERVE_COMMAND
 from pagedllm.operator.manifests import RenderConfig, render
 from pagedllm.server.demo import ensure_demo_model
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.support import free_port
 
 
 def rendered_container(model_dir: str, port: int, tensor_parallel_size: int = 1) -> dict:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 import subprocess
 import sys
 import urllib.request
@@ -12,6 +11,8 @@ from pathlib import Path
 
 import yaml
 from k8s_emulator import EmulatedCluster, wait_for
+
+from tests.support import free_port
 
 DEFAULT_IMAGE = "registry.example/pagedllm:test"
 
@@ -28,12 +29,6 @@ class OperatorProcess:
     def log(self, tail: int = 60) -> str:
         lines = self.log_path.read_text(errors="replace").splitlines()
         return "--- operator log (tail) ---\n" + "\n".join(lines[-tail:])
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _answers(url: str) -> bool:
@@ -55,7 +50,7 @@ def running_operator(
     workdir.mkdir(parents=True, exist_ok=True)
     kubeconfig = workdir / "kubeconfig"
     kubeconfig.write_text(yaml.safe_dump(cluster.kubeconfig()))
-    liveness = f"http://127.0.0.1:{_free_port()}/healthz"
+    liveness = f"http://127.0.0.1:{free_port()}/healthz"
     log = workdir / "operator.log"
     env = {k: v for k, v in os.environ.items() if not k.startswith("KUBERNETES_")}
     env.update(KUBECONFIG=str(kubeconfig), PYTHONUNBUFFERED="1")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import socket
 import urllib.request
 
 import pytest
@@ -11,6 +10,8 @@ from emulated_scenario import pagedllm
 from k8s_emulator import Client, wait_for
 from operator_process import running_operator
 from prometheus_client.parser import text_string_to_metric_families
+
+from tests.support import free_port
 
 pytestmark = pytest.mark.k8s
 
@@ -22,12 +23,6 @@ def elected(identity: str, metrics_port: int) -> tuple[str, ...]:
     lease = ("--leader-elect", "--leader-election-namespace", NS, "--leader-election-id", identity)
     # NOTE: a lease far longer than the waits below: the take-over must come from the hand-over.
     return (*lease, "--lease-duration", "60", "--metrics-port", str(metrics_port))
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def metrics(port: int) -> dict[tuple[str, tuple], float]:

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import socket
 import urllib.request
 
 from prometheus_client.parser import text_string_to_metric_families
 
 from pagedllm.operator.metrics import OperatorMetrics
+from tests.support import free_port
 
 
 def samples(text: str) -> dict[tuple[str, tuple], float]:
@@ -16,12 +16,6 @@ def samples(text: str) -> dict[tuple[str, tuple], float]:
         for family in text_string_to_metric_families(text)
         for s in family.samples
     }
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def test_passes_and_phases_are_counted_and_served():

@@ -17,6 +17,7 @@ import uvicorn
 
 from pagedllm.server.config import EngineConfig
 from pagedllm.server.entrypoints.openai.api_server import ServerSettings, build_app
+from tests.support import free_port
 
 API_KEY = "test-key-123"
 MODEL_NAME = "tiny"
@@ -122,12 +123,6 @@ def sse_events(lines: Iterator[str]) -> Iterator[str]:
     for line in lines:
         if line.startswith("data: "):
             yield line[len("data: ") :]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def serve_command(model_dir: str, port: int) -> list[str]:

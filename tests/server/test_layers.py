@@ -120,7 +120,7 @@ def test_layers_import_one_way_and_core_stays_torch_free():
         ("core/scheduler.py", "def f():\n    import torch.nn\n", "must stay torch-free"),
         ("engine/llm_engine.py", "from pagedllm.server.entrypoints.openai import serving", "engine must not depend"),
         ("core/sequence.py", "from ..engine import sampler", "core must not depend on engine"),
-        ("config.py", "from pagedllm.server.worker import model_loader", "must stay torch-free"),
+        ("config/cache.py", "from pagedllm.server.worker import model_loader", "must stay torch-free"),
     ],
 )
 def test_a_wrong_import_is_caught(tmp_path, module, bad_import, expected):

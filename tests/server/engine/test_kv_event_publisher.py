@@ -17,12 +17,13 @@ import httpx
 import msgspec
 import pytest
 import zmq
-from api_factories import API_KEY, MODEL_NAME, free_port, live_server, wait_until_idle
+from api_factories import API_KEY, MODEL_NAME, live_server, wait_until_idle
 
 from pagedllm.server.config import ConfigError, KVEventsConfig
 from pagedllm.server.core import kv_events as core
 from pagedllm.server.core.block_manager import block_hash
 from pagedllm.server.engine.kv_event_publisher import ZmqEventPublisher, encode_batch, is_bind_endpoint
+from tests.support import free_port
 
 TOPIC = "kv@pod-1@tiny"
 

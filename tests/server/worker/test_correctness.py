@@ -8,6 +8,7 @@ from engine_factories import HFReference, assert_greedy_matches, make_prompts
 
 from pagedllm.server import LLM, SamplingParams
 from pagedllm.server.config import DEFAULT_BLOCK_SIZES
+from tests.support import assert_all_blocks_free
 
 MAX_TOKENS = 12
 
@@ -37,13 +38,6 @@ def run_greedy(model_dir, prompts, **engine_args):
 def check(references, expected, name, prompts, outputs):
     for prompt, want, out in zip(prompts, expected[name], outputs):
         assert_greedy_matches(references[name], prompt, out.outputs[0].token_ids, want)
-
-
-def assert_all_blocks_free(llm):
-    stats = llm.llm_engine.stats()
-    assert stats.num_free_gpu_blocks == stats.num_gpu_blocks
-    assert stats.num_free_cpu_blocks == stats.num_cpu_blocks
-    assert not llm.llm_engine.has_unfinished_requests()
 
 
 @pytest.mark.parametrize("backend", ["numba", "torch"])

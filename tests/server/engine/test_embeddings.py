@@ -13,6 +13,7 @@ from pagedllm.server.config import ConfigError, EngineConfig
 from pagedllm.server.engine.llm_engine import LLMEngine
 from pagedllm.server.engine.model_info import pooling_type
 from pagedllm.server.outputs import EmbeddingRequestOutput, RequestOutput
+from tests.support import assert_all_blocks_free
 
 pytestmark = pytest.mark.timeout(300)
 ATOL = 1e-5
@@ -25,14 +26,6 @@ def hf(tiny_llama) -> HFReference:
 
 def engine(model_dir: str, **kwargs) -> LLMEngine:
     return LLMEngine(EngineConfig.from_kwargs(model=model_dir, device="cpu", **{"block_size": 16, **kwargs}))
-
-
-def assert_all_blocks_free(e: LLMEngine) -> None:
-    bm = e.block_manager
-    assert not e.has_unfinished_requests()
-    assert bm.gpu.num_free == bm.gpu.num_blocks and not bm.tables
-    assert bm.check_invariants() == []
-    assert e._requests == {}
 
 
 def run(e: LLMEngine) -> dict[str, RequestOutput | EmbeddingRequestOutput]:

@@ -15,6 +15,7 @@ from api_factories import MODEL_NAME, live_server, serve_process, wait_until_idl
 from pagedllm.server import LLM, SamplingParams
 from pagedllm.server.engine.faults import FAULTS_ENV, EngineFatalError, FaultInjector, StepFailureWindow
 from pagedllm.server.entrypoints.openai.api_server import ServerSettings
+from tests.support import assert_all_blocks_free
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 PROMPTS = [[(7 * i + j) % 250 + 1 for j in range(5 + i)] for i in range(20)]
@@ -30,12 +31,6 @@ def run_all(llm: LLM, ids: list[str], params: SamplingParams = GREEDY) -> dict:
             if output.finished:
                 done[output.request_id] = output
     return done
-
-
-def assert_all_free(llm: LLM) -> None:
-    stats = llm.llm_engine.stats()
-    assert stats.num_free_gpu_blocks == stats.num_gpu_blocks and stats.num_running == stats.num_waiting == 0
-    assert llm.llm_engine.block_manager.check_invariants() == []
 
 
 @pytest.fixture
@@ -60,7 +55,7 @@ def test_a_raising_request_fails_alone(llm, reference, where):
         if i != 7:
             assert outputs[request_id].error is None
             assert outputs[request_id].outputs[0].token_ids == reference[i], request_id
-    assert_all_free(llm)
+    assert_all_blocks_free(llm)
 
 
 def test_a_failed_model_step_fails_its_requests_and_the_engine_goes_on(llm, reference):
@@ -70,10 +65,10 @@ def test_a_failed_model_step_fails_its_requests_and_the_engine_goes_on(llm, refe
     outputs = run_all(llm, ids)
     failed = [i for i in ids if outputs[i].error is not None]
     assert failed and all("model step failed" in outputs[i].error for i in failed)
-    assert_all_free(llm)
+    assert_all_blocks_free(llm)
     again = run_all(llm, [f"b{i}" for i in range(len(PROMPTS))])  # the engine still serves, correctly
     assert [again[f"b{i}"].outputs[0].token_ids for i in range(len(PROMPTS))] == reference
-    assert_all_free(llm)
+    assert_all_blocks_free(llm)
 
 
 def test_repeated_step_failures_are_fatal(llm):

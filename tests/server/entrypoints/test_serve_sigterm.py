@@ -10,7 +10,9 @@ import time
 
 import httpx
 import pytest
-from api_factories import free_port, serve_command, serve_process
+from api_factories import serve_command, serve_process
+
+from tests.support import free_port
 
 pytestmark = pytest.mark.timeout(300)
 MAX_TOKENS = 900

@@ -6,7 +6,9 @@ import socket
 import subprocess
 
 import httpx
-from api_factories import free_port, serve_command, serve_process
+from api_factories import serve_command, serve_process
+
+from tests.support import free_port
 
 
 def test_start_up_block_access_lines_root_and_metrics(tiny_llama):

@@ -12,6 +12,7 @@ from engine_factories import HFReference, assert_greedy_matches, make_prompts
 from family_factories import FAMILIES, WINDOW, WINDOWED, save_tiny_family
 
 from pagedllm.server import LLM, SamplingParams
+from tests.support import assert_all_blocks_free
 
 MAX_TOKENS = 10
 NAMES = sorted(FAMILIES)
@@ -56,12 +57,6 @@ def run_greedy(model_dir, prompts, **engine_args):
 def check(ref, prompts, expected, outputs):
     for prompt, want, out in zip(prompts, expected, outputs):
         assert_greedy_matches(ref, prompt, out.outputs[0].token_ids, want)
-
-
-def assert_all_blocks_free(llm):
-    stats = llm.llm_engine.stats()
-    assert stats.num_free_gpu_blocks == stats.num_gpu_blocks
-    assert not llm.llm_engine.has_unfinished_requests()
 
 
 @pytest.mark.parametrize("name", NAMES)

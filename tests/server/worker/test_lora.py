@@ -15,6 +15,7 @@ from lora_factories import save_random_adapter
 from pagedllm.server import LLM, LoRARequest, SamplingParams
 from pagedllm.server.config import ConfigError
 from pagedllm.server.demo import save_tiny_llama
+from tests.support import assert_all_blocks_free
 
 MAX_TOKENS = 8
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -87,12 +88,6 @@ def check(setup, batch, outputs):
     for (prompt, name), out in zip(batch, outputs):
         ref = setup["references"][name]
         assert_greedy_matches(ref, prompt, out.outputs[0].token_ids, ref.greedy(prompt, MAX_TOKENS))
-
-
-def assert_all_blocks_free(llm):
-    stats = llm.llm_engine.stats()
-    assert stats.num_free_gpu_blocks == stats.num_gpu_blocks
-    assert stats.running_lora_adapters == ()
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])

@@ -7,6 +7,7 @@ import torch
 from engine_factories import HFReference, assert_greedy_matches, save_tiny_mistral
 
 from pagedllm.server import LLM, SamplingParams
+from tests.support import assert_all_blocks_free
 
 WINDOW = 24
 MAX_TOKENS = 40  # decoding crosses several blocks and windows too
@@ -43,14 +44,6 @@ def run_greedy(model_dir: str, prompts: list[list[int]], **engine_args):
 def check(reference, prompts, expected, outputs) -> None:
     for prompt, want, out in zip(prompts, expected, outputs):
         assert_greedy_matches(reference, prompt, out.outputs[0].token_ids, want)
-
-
-def assert_all_blocks_free(llm) -> None:
-    stats = llm.llm_engine.stats()
-    assert stats.num_free_gpu_blocks == stats.num_gpu_blocks
-    assert stats.num_free_cpu_blocks == stats.num_cpu_blocks
-    assert not llm.llm_engine.has_unfinished_requests()
-    assert llm.llm_engine.block_manager.check_invariants() == []
 
 
 def test_the_reference_applies_the_window(mistral_dir, reference, prompts, expected):

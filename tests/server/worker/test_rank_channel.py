@@ -11,7 +11,8 @@ import time
 
 import pytest
 
-from pagedllm.server.worker.rank_channel import HEADER, LeaderChannel, RankLostError, _Reader, frame, rank_frame
+from pagedllm.server.worker.channel_protocol import HEADER, FrameReader, RankLostError, frame, rank_frame
+from pagedllm.server.worker.leader_channel import LeaderChannel
 
 LAYOUT = (4, 2)
 
@@ -21,7 +22,7 @@ class FakeRank:
 
     def __init__(self, port: int, rank: int, node: int, layout=LAYOUT) -> None:
         self.sock = socket.create_connection(("127.0.0.1", port), timeout=10)
-        self.reader = _Reader()
+        self.reader = FrameReader()
         self.send(("hello", rank, node, 4242, "node-host", layout))
 
     def send(self, message) -> None:
@@ -56,12 +57,12 @@ def joined(channel: LeaderChannel, *ranks: tuple[int, int]) -> list[FakeRank]:
 
 def test_frames_cut_anywhere_are_put_back_together():
     data = frame(("step", list(range(1000)))) + frame(("heartbeat", False))
-    reader = _Reader()
+    reader = FrameReader()
     for i in range(0, len(data), 7):
         reader.feed(data[i : i + 7])
     assert reader.take() == [("step", list(range(1000))), ("heartbeat", False)]
     assert HEADER.unpack_from(frame("x"))[0] == len(pickle.dumps("x", protocol=pickle.HIGHEST_PROTOCOL))
-    from_rank = _Reader(json.loads)
+    from_rank = FrameReader(json.loads)
     data = rank_frame(("hello", 1, 0, 7, "h", (2, 1))) + rank_frame(("heartbeat", True))
     for i in range(0, len(data), 5):
         from_rank.feed(data[i : i + 5])

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pagedllm.server import LLM, SamplingParams
-from pagedllm.server.core import block_manager
+from pagedllm.server.core import prefix_cache
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
 PROMPT = list(range(1, 41))  # five full blocks of 8
@@ -39,7 +39,7 @@ def test_a_colliding_digest_never_reuses_other_tokens(llm, tiny_llama, monkeypat
     other = [t + 100 for t in PROMPT]
     reference = LLM(model=tiny_llama, block_size=8, num_gpu_blocks_override=128, enable_prefix_caching=False)
     expected = reference.generate([{"prompt_token_ids": other}], PARAMS)[0].outputs[0].token_ids
-    monkeypatch.setattr(block_manager, "block_hash", lambda parent, tokens: b"every block collides")
+    monkeypatch.setattr(prefix_cache, "block_hash", lambda parent, tokens: b"every block collides")
     hits_of(llm, {"prompt_token_ids": PROMPT})
     hits, tokens = hits_of(llm, {"prompt_token_ids": other})
     assert hits == 0 and tokens == expected

@@ -15,6 +15,7 @@ from pagedllm.server import LLM, SamplingParams
 from pagedllm.server.worker.models import model_class
 from pagedllm.server.worker.models.gpt2 import GPT2LMHeadModel
 from pagedllm.server.worker.models.opt import OPTForCausalLM
+from tests.support import assert_all_blocks_free
 
 MAX_TOKENS = 12
 
@@ -89,12 +90,6 @@ def check_logprobs(ref, prompts, outputs):
         want = lp[torch.arange(len(tokens)), torch.tensor(tokens)]
         got = torch.tensor([out.outputs[0].logprobs[i][t].logprob for i, t in enumerate(tokens)])
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
-
-
-def assert_all_blocks_free(llm):
-    stats = llm.llm_engine.stats()
-    assert stats.num_free_gpu_blocks == stats.num_gpu_blocks
-    assert not llm.llm_engine.has_unfinished_requests()
 
 
 @pytest.mark.parametrize("name", list(VARIANTS))

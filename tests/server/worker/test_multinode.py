@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import time
 from collections.abc import Iterator
@@ -21,6 +20,7 @@ from pagedllm.server.config import ConfigError, EngineConfig
 from pagedllm.server.demo import save_tiny_llama
 from pagedllm.server.entrypoints.cli import main
 from pagedllm.server.entrypoints.headless import check_node_role
+from tests.support import free_port
 
 pytestmark = pytest.mark.timeout(300)
 ENV = {"OMP_NUM_THREADS": "1", "PAGEDLLM_TP_JOIN_TIMEOUT": "120"}
@@ -41,19 +41,6 @@ def model(tmp_path_factory) -> str:
         intermediate_size=128,
         initializer_range=0.2,
     )
-
-
-def two_free_ports() -> int:
-    """A port P with P+1 free too (the channel and torch.distributed's store)."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port < 65534:
-            with contextlib.suppress(OSError), socket.socket() as t:
-                t.bind(("127.0.0.1", port + 1))
-                return port
-    raise RuntimeError("no two consecutive free ports")
 
 
 def node_flags(master_port: int, node_rank: int) -> list[str]:
@@ -87,10 +74,8 @@ def two_nodes(
     model: str, env: dict[str, str] | None = None
 ) -> Iterator[tuple[subprocess.Popen, subprocess.Popen, str]]:
     """Leader (node 0, HTTP on a free port) and headless node 1, ready; both killed afterwards."""
-    master = two_free_ports()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        http = s.getsockname()[1]
+    master = free_port(consecutive=2)  # NOTE: the control channel takes P, torch.distributed's store P+1
+    http = free_port()
     leader_cmd = [*serve_command(model, http), "--served-model-name", "tiny", "--log-level", "warning", *ENGINE]
     leader_cmd += node_flags(master, 0)
     worker_cmd = [*serve_command(model, 0)[:-4], "--log-level", "info", *ENGINE, "--headless", *node_flags(master, 1)]
@@ -135,7 +120,7 @@ def test_a_killed_worker_node_ends_the_leader_naming_node_and_rank(model):
 
 def test_the_leader_answers_503_on_health_once_a_worker_node_is_gone(model):
     """The leader's engine runs in this process here, so /health can be read after the failure too."""
-    master = two_free_ports()
+    master = free_port(consecutive=2)
     worker = start([*serve_command(model, 0)[:-4], *ENGINE, "--headless", *node_flags(master, 1)])
     try:
         layout = dict(tensor_parallel_size=2, nnodes=2, master_addr="127.0.0.1", master_port=master)
@@ -157,7 +142,7 @@ def test_a_hung_rank_on_another_node_is_named_and_stopped(model, monkeypatch):
     from pagedllm.server.engine.faults import EngineFatalError
 
     monkeypatch.setenv("PAGEDLLM_TP_HANG_TIMEOUT", "3")
-    master = two_free_ports()
+    master = free_port(consecutive=2)
     worker = start([*serve_command(model, 0)[:-4], *ENGINE, "--headless", *node_flags(master, 1)])
     try:
         layout = dict(tensor_parallel_size=2, nnodes=2, master_addr="127.0.0.1", master_port=master)
@@ -183,10 +168,8 @@ def test_a_killed_leader_ends_the_worker_node(model):
 
 
 def test_a_node_that_never_joins_is_named(model):
-    master = two_free_ports()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        http = s.getsockname()[1]
+    master = free_port(consecutive=2)
+    http = free_port()
     cmd = [*serve_command(model, http), *ENGINE, *node_flags(master, 0)]
     leader = start(cmd, {"PAGEDLLM_TP_JOIN_TIMEOUT": "3"})
     try:

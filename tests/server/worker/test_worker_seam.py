@@ -15,7 +15,7 @@ import torch
 from pagedllm.server.worker.attention import AttentionMetadata
 from pagedllm.server.worker.model_step import ModelStep
 
-WORKER = pathlib.Path(__file__).resolve().parents[2] / "server" / "worker"
+WORKER = pathlib.Path(__file__).resolve().parents[3] / "server" / "worker"
 FORBIDDEN = ("pagedllm.server.core", "pagedllm.server.engine", "pagedllm.server.entrypoints")
 
 
