@@ -228,14 +228,21 @@ def test_the_responses_api_returns_a_reasoning_item_before_the_message(client):
 
 # -- deepseek_r1 -------------------------------------------------------------------------------------------
 def test_deepseek_r1_output_starts_inside_the_block_its_template_opened(qwen3_dir):
-    text = f"{THOUGHT}\n</think>\n\n" + '<tool_call>\n{"name": "get_time", "arguments": {"zone": "CET"}}\n</tool_call>'
-    with client_of(qwen3_dir, R1_TEMPLATE, reasoning_parser="deepseek_r1") as r1:
+    text = f"{THOUGHT}\n</think>\n\n" + '[TOOL_CALLS]get_time[ARGS]{"zone": "CET"}'
+    settings = dict(reasoning_parser="deepseek_r1", tool_call_parser="mistral", enable_auto_tool_choice=True)
+    with client_of(qwen3_dir, R1_TEMPLATE, **settings) as r1:
         whole = r1.chat.completions.create(messages=ASK, tools=TOOLS, **forced(text))
         message = whole.choices[0].message
         assert message.model_extra["reasoning_content"] == THOUGHT and message.content is None
         assert [(c.function.name, c.function.arguments) for c in message.tool_calls] == [
             ("get_time", '{"zone": "CET"}')
         ]
+        assert len(message.tool_calls[0].id) == 9
+        # NOTE: special tokens are kept for [TOOL_CALLS]; the end-of-sequence token's text is not content
+        answer = r1.chat.completions.create(messages=ASK, tools=TOOLS, **forced(f"{THOUGHT}\n</think>\n\nSunny."))
+        assert answer.choices[0].message.content == "Sunny." and answer.choices[0].finish_reason == "stop"
+        deltas, calls, _ = stream_deltas(r1, ASK, tools=TOOLS, **forced(f"{THOUGHT}\n</think>\n\nSunny."))
+        assert joined(deltas, "content") == "Sunny." and calls == []
         assert whole.usage.completion_tokens_details.reasoning_tokens == len(f"{THOUGHT}\n</think>".encode())
         deltas, calls, usage = stream_deltas(r1, ASK, **forced(f"{THOUGHT}\n</think>\n\nSunny."))
         assert joined(deltas, "reasoning") == THOUGHT and joined(deltas, "content") == "Sunny."

@@ -52,6 +52,8 @@ class ChatRun:
     """``time.monotonic()`` when the request came in (for the access log)."""
     reasoning: ReasoningFormat | None = None
     """How the model marks its reasoning (``--reasoning-parser``); None: the whole text is the answer."""
+    keeps_special_tokens: bool = False
+    """Special tokens were kept in the text for the tool-call format's markers (not for the request)."""
 
 
 @dataclass(frozen=True)
@@ -102,7 +104,8 @@ class OpenAIServingChat:
         formatter = LogprobFormatter(serving.tokenizer)
         choices = []
         reasoning_tokens = 0
-        for c in output.outputs:
+        for raw in output.outputs:
+            c = self.visible(run, raw)
             answer = self.answer(run, c)
             reasoning_tokens += answer.reasoning_tokens
             content, calls = parse_tool_calls(tools, c, answer.text)
@@ -133,6 +136,16 @@ class OpenAIServingChat:
                 reasoning_tokens if serving.reasoning_parser is not None else None,
             ),
         )
+
+    def visible(self, run: ChatRun, c: CompletionOutput) -> CompletionOutput:
+        """``c`` as the client sees it. NOTE: with special tokens kept for a tool-call format's markers,
+        the text of the end-of-sequence (or stop) token that finished the choice is dropped again."""
+        if not run.keeps_special_tokens or c.finish_reason != "stop" or isinstance(c.stop_reason, str):
+            return c
+        if not c.token_ids or self.serving.tokenizer is None:
+            return c
+        tail = self.serving.tokenizer.decode(c.token_ids[-1:], skip_special_tokens=False)
+        return dataclasses.replace(c, text=c.text.removesuffix(tail)) if tail else c
 
     def answer(self, run: ChatRun, c: CompletionOutput) -> Answer:
         """A finished choice's answer, its reasoning (and the tokens spent on it) apart."""
@@ -172,7 +185,8 @@ class OpenAIServingChat:
                     "tool_choice",
                 )
             params = dataclasses.replace(params, guided_decoding=tools.guided())
-        if tools is not None and tools.needs_special_tokens:
+        keeps_special_tokens = tools is not None and tools.needs_special_tokens and params.skip_special_tokens
+        if keeps_special_tokens:
             params = dataclasses.replace(params, skip_special_tokens=False)  # NOTE: the format's markers
         messages_param = renames.get("messages", "messages")
         prompt = self.prompt(req.messages, req.add_generation_prompt, tools, messages_param, req.chat_template_kwargs)
@@ -193,7 +207,7 @@ class OpenAIServingChat:
         reasoning = reasoning_format(serving.reasoning_parser)
         if reasoning is not None and params.guided_decoding is not None and params.guided_decoding.kind in JSON_KINDS:
             reasoning = None  # NOTE: a grammar of JSON from the first token leaves no room to reason: all is answer
-        return ChatRun(request_id, prompt, params, tools, streams, started, reasoning)
+        return ChatRun(request_id, prompt, params, tools, streams, started, reasoning, keeps_special_tokens)
 
     def prompt(
         self,
@@ -259,6 +273,7 @@ class OpenAIServingChat:
         def make(
             i: int, index: int, output: RequestOutput, c: CompletionOutput, tracker: Tracker
         ) -> list[dict[str, Any]] | None:
+            c = self.visible(run, c)
             delta = tracker.advance(c, keep, with_logprobs)
             if delta is None:
                 return None

@@ -91,7 +91,7 @@ class OpenAIServingResponses:
         if req.stream:
             return self._stream(run, draft, items)
         (output,) = await self.serving.final_outputs(run.streams)
-        c = output.outputs[0]
+        c = self.chat.visible(run, output.outputs[0])
         answer = self.chat.answer(run, c)
         response = finish(draft, run, c, answer, ItemIds(), run.tools, output.num_cached_tokens or 0)
         self._remember(response, items)
@@ -185,7 +185,7 @@ class OpenAIServingResponses:
         last: CompletionOutput | None = None
         cached = 0
         async for _, output in until_timeout(serving, merged(serving, run.streams)):
-            last = output.outputs[0]
+            last = self.chat.visible(run, output.outputs[0])
             cached = output.num_cached_tokens or 0
             events.output_tokens = len(last.token_ids)
             delta = tracker.advance(last, keep, False)
