@@ -27,7 +27,7 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any, Literal
 
-from pydantic import BaseModel, TypeAdapter
+from pydantic import TypeAdapter
 
 from pagedllm.server.entrypoints.openai.errors import APIError, bad_request
 from pagedllm.server.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
@@ -53,6 +53,16 @@ from pagedllm.server.entrypoints.openai.protocol_responses import (
     TextConfig,
 )
 from pagedllm.server.entrypoints.openai.response_store import ResponseStore, StoredResponse
+from pagedllm.server.entrypoints.openai.responses_events import (
+    EventCounter,
+    dump,
+    item_done,
+    item_whole,
+    message_opened,
+    part_opened,
+    reasoning_delta,
+    text_delta,
+)
 from pagedllm.server.entrypoints.openai.serving import OpenAIServing, RequestContext
 from pagedllm.server.entrypoints.openai.serving_chat import (
     Answer,
@@ -360,96 +370,3 @@ def finish(
 
 def new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
-
-
-def dump(model: BaseModel) -> dict[str, Any]:
-    return model.model_dump(mode="json", by_alias=True)
-
-
-# -- answer: stream events ------------------------------------------------------------------------
-class EventCounter:
-    """Numbers a stream's events (``sequence_number``) and counts the tokens it carried (for the log)."""
-
-    def __init__(self) -> None:
-        self.sequence_number = 0
-        self.output_tokens = 0
-
-    def event(self, kind: str, **fields: Any) -> dict[str, Any]:
-        event = {"type": kind, "sequence_number": self.sequence_number, **fields}
-        self.sequence_number += 1
-        return event
-
-    def error(self, error: APIError) -> dict[str, Any]:
-        """The Responses API's error event; its ``error`` object (OpenAI's shape) makes the client raise."""
-        body = error.body()["error"]
-        return self.event("error", code=str(error.code), message=error.message, param=error.param, error=body)
-
-
-def part_opened(
-    events: EventCounter, index: int, item: OutputMessage | ReasoningItem, part: OutputText | ReasoningText
-) -> list[dict[str, Any]]:
-    """An item of one text part begins: the item, then its empty part."""
-    return [
-        events.event("response.output_item.added", output_index=index, item=dump(item)),
-        events.event(
-            "response.content_part.added", item_id=item.id, output_index=index, content_index=0, part=dump(part)
-        ),
-    ]
-
-
-def message_opened(events: EventCounter, index: int, item_id: str) -> list[dict[str, Any]]:
-    return part_opened(events, index, OutputMessage(id=item_id, status="in_progress", content=[]), OutputText(text=""))
-
-
-def text_delta(events: EventCounter, index: int, item_id: str, text: str) -> dict[str, Any]:
-    return events.event(
-        "response.output_text.delta", item_id=item_id, output_index=index, content_index=0, delta=text, logprobs=[]
-    )
-
-
-def reasoning_delta(events: EventCounter, index: int, item_id: str, text: str) -> dict[str, Any]:
-    return events.event(
-        "response.reasoning_text.delta", item_id=item_id, output_index=index, content_index=0, delta=text
-    )
-
-
-def item_done(events: EventCounter, index: int, item: OutputItem) -> list[dict[str, Any]]:
-    """The events that close an item whose beginning (and any text) was sent."""
-    if isinstance(item, OutputMessage | ReasoningItem):
-        part = item.content[0]
-        where = {"item_id": item.id, "output_index": index, "content_index": 0}
-        text_done = (
-            events.event("response.output_text.done", **where, text=part.text, logprobs=[])
-            if isinstance(item, OutputMessage)
-            else events.event("response.reasoning_text.done", **where, text=part.text)
-        )
-        closing = [text_done, events.event("response.content_part.done", **where, part=dump(part))]
-    else:
-        closing = [
-            events.event(
-                "response.function_call_arguments.done", item_id=item.id, output_index=index, arguments=item.arguments
-            )
-        ]
-    return [*closing, events.event("response.output_item.done", output_index=index, item=dump(item))]
-
-
-def item_whole(events: EventCounter, index: int, item: OutputItem) -> list[dict[str, Any]]:
-    """All the events of an item held back until the choice finished."""
-    if isinstance(item, OutputMessage):
-        sent = message_opened(events, index, item.id)  # NOTE: in order: each call numbers its events
-        if item.content[0].text:
-            sent.append(text_delta(events, index, item.id, item.content[0].text))
-        return sent + item_done(events, index, item)
-    if isinstance(item, ReasoningItem):
-        begun = item.model_copy(update={"status": "in_progress", "content": []})
-        sent = part_opened(events, index, begun, ReasoningText(text=""))
-        sent.append(reasoning_delta(events, index, item.id, item.content[0].text))
-        return sent + item_done(events, index, item)
-    added = item.model_copy(update={"arguments": "", "status": "in_progress"})
-    return [
-        events.event("response.output_item.added", output_index=index, item=dump(added)),
-        events.event(
-            "response.function_call_arguments.delta", item_id=item.id, output_index=index, delta=item.arguments
-        ),
-        *item_done(events, index, item),
-    ]
