@@ -3,7 +3,9 @@
 Texts follow the models' published chat templates: Qwen3 writes ``<think>\\n…\\n</think>\\n\\n``
 before its answer, and its template closes an empty block (``<think>\\n\\n</think>\\n\\n``) when
 ``enable_thinking`` is false; DeepSeek-R1's template ends the prompt with
-``<｜Assistant｜><think>\\n``, so its output holds only ``</think>``; IBM Granite 3.2 (with
+``<｜Assistant｜><think>\\n``, so its output holds only ``</think>``; DeepSeek-V3.1's ends it in
+``<think>`` (thinking) or ``</think>`` (not); GLM-4.5's closes ``<think></think>`` when
+``enable_thinking`` is false; IBM Granite 3.2 (with
 ``thinking=True``) writes ``Here is my thought process:`` … ``Here is my response:``.
 """
 
@@ -19,6 +21,8 @@ QWEN3_OFF = QWEN3_PROMPT + "<think>\n\n</think>\n\n"
 R1_PROMPT = "<｜begin▁of▁sentence｜><｜User｜>Weather in Paris?<｜Assistant｜><think>\n"
 R1_OLD_PROMPT = "<｜begin▁of▁sentence｜><｜User｜>Weather in Paris?<｜Assistant｜>"
 GRANITE_PROMPT = "<|start_of_role|>assistant<|end_of_role|>"
+V31_PROMPT = "<｜begin▁of▁sentence｜><｜User｜>Weather in Paris?<｜Assistant｜>"
+GLM_PROMPT = "[gMASK]<sop><|user|>\nWeather in Paris?<|assistant|>"
 
 
 def split(name: str, prompt: str, text: str, size: int) -> tuple[str, str, list[tuple[str, str]]]:
@@ -68,6 +72,10 @@ def split(name: str, prompt: str, text: str, size: int) -> tuple[str, str, list[
         ),
         ("granite", GRANITE_PROMPT, "Here's my thought process:\nA.\nHere's my response:\nB.", "A.", "B."),
         ("granite", GRANITE_PROMPT, "It is sunny.", "", "It is sunny."),
+        ("deepseek_v3", V31_PROMPT + "<think>", "Paris.</think>Sunny.", "Paris.", "Sunny."),
+        ("deepseek_v3", V31_PROMPT + "</think>", "Sunny, no </think> read.", "", "Sunny, no </think> read."),
+        ("glm45", GLM_PROMPT, "\n<think>Paris.</think>\nSunny.", "Paris.", "Sunny."),
+        ("glm45", GLM_PROMPT + "\n<think></think>", "\nSunny.", "", "\nSunny."),
     ],
 )
 def test_reasoning_and_answer_are_the_same_however_the_text_is_cut(name, prompt, text, reasoning, answer):
@@ -107,7 +115,7 @@ def test_where_the_output_begins_is_read_from_the_prompt():
     # an earlier turn's reasoning in the history does not leave the block open
     history = QWEN3_PROMPT + "<think>\nold\n</think>\n\nold answer<|im_end|>\n<|im_start|>assistant\n"
     assert FORMATS["qwen3"].opening(history) == "either"
-    assert REASONING_PARSERS == ("deepseek_r1", "qwen3", "granite")
+    assert REASONING_PARSERS == ("deepseek_r1", "qwen3", "deepseek_v3", "glm45", "granite")
 
 
 def test_reasoning_tokens_are_the_tokens_up_to_the_closing_tag():

@@ -6,8 +6,9 @@ Sources of the texts: Mistral's tokenizer formats (v3, Mistral-7B-Instruct-v0.3:
 <parameter=…>\\n…\\n</parameter>\\n</function>\\n</tool_call>``); the Llama-3.2 / Llama-4 model
 cards' pythonic calls (``[func(a=1, b="x")]``, Llama-4 inside ``<|python_start|>…<|python_end|>``);
 IBM Granite 3.0's ``<|tool_call|>[…]``; InternLM2.5's
-``<|action_start|><|plugin|>\\n{…}<|action_end|>``. Each is parsed whole and streamed in
-pieces of every size, which must add up to the same content and calls.
+``<|action_start|><|plugin|>\\n{…}<|action_end|>``; AI21 Jamba 1.5's
+``<tool_calls>[…]</tool_calls>``. Each is parsed whole and streamed in pieces of every size,
+which must add up to the same content and calls.
 """
 
 from __future__ import annotations
@@ -72,6 +73,14 @@ CASES = [
         "Let me check.",
         [CET],
     ),
+    (
+        "jamba",
+        'Two.<tool_calls>[{"name": "get_weather", "arguments": {"city": "Paris", "unit": "C"}}, '
+        '{"name": "get_time", "arguments": {"zone": "CET"}}]</tool_calls>',
+        "Two.",
+        [PARIS, CET],
+    ),
+    ("llama4_pythonic", '<|python_start|>[get_time(zone="CET")]<|python_end|>', None, [CET]),
     (
         "hermes",
         '<tool_call>\n{"name": "get_time", "arguments": {"zone": "CET"}}\n</tool_call>',
@@ -169,7 +178,8 @@ def test_an_unknown_parser_name_is_refused_naming_the_value_and_the_known_ones()
     assert info.value.field == "tool_call_parser" and info.value.value == "hermes2"
     assert str(info.value) == (
         "tool_call_parser='hermes2' is not allowed: choose one of "
-        "['hermes', 'llama3_json', 'mistral', 'qwen3_coder', 'pythonic', 'granite', 'internlm']"
+        "['hermes', 'llama3_json', 'mistral', 'qwen3_coder', 'pythonic', 'granite', 'internlm', 'jamba', "
+        "'llama4_pythonic']"
     )
     with pytest.raises(ConfigError, match=r"^reasoning_parser='r1' is not allowed: choose one of \['deepseek_r1', "):
         ServerSettings(reasoning_parser="r1")

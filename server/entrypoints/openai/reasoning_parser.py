@@ -22,6 +22,10 @@ Formats (from the models' published chat templates and model cards):
   ``</think>`` is reasoning even when ``<think>`` appears in neither prompt nor output.
 - ``qwen3``: ``<think>…</think>``; Qwen3 thinks only when its output (or the prompt) opens
   the block, so text without one is all answer.
+- ``deepseek_v3``: DeepSeek-V3.1, whose template ends the prompt in ``<think>`` when
+  ``chat_template_kwargs`` ask for ``thinking`` and in ``</think>`` when not.
+- ``glm45``: GLM-4.5, which writes ``<think>…</think>`` and whose template closes an empty
+  ``<think></think>`` when ``enable_thinking`` is false.
 - ``granite``: IBM Granite 3.2 with ``thinking=True``: ``Here is my thought process:`` …
   ``Here is my response:`` (also written ``Here's``).
 
@@ -72,6 +76,8 @@ GRANITE = (
 FORMATS = {
     "deepseek_r1": ReasoningFormat("deepseek_r1", *THINK, always_thinks=True),
     "qwen3": ReasoningFormat("qwen3", *THINK, always_thinks=False),
+    "deepseek_v3": ReasoningFormat("deepseek_v3", *THINK, always_thinks=False),
+    "glm45": ReasoningFormat("glm45", *THINK, always_thinks=False),
     "granite": ReasoningFormat("granite", *GRANITE, always_thinks=False),
 }
 REASONING_PARSERS = tuple(FORMATS)

@@ -13,7 +13,9 @@ both, as without the flag); the others by the parsers here. Whatever the format,
   later also write ``<tool_call>``).
 - ``internlm``: ``<|action_start|><|plugin|>\\n{"name": ..., "parameters": {...}}<|action_end|>``
   (InternLM2.5-chat).
-- ``qwen3_coder`` (:mod:`.tool_format_xml`) and ``pythonic`` (:mod:`.tool_format_pythonic`).
+- ``jamba``: ``<tool_calls>[{"name": ..., "arguments": {...}}]</tool_calls>`` (AI21 Jamba 1.5).
+- ``qwen3_coder`` (:mod:`.tool_format_xml`) and ``pythonic`` (:mod:`.tool_format_pythonic`;
+  ``llama4_pythonic`` is the same reader, under the name vLLM gives Llama-4's).
 
 NOTE: ``[TOOL_CALLS]``, ``<|tool_call|>`` and ``<|action_start|>`` are special tokens, which the
 detokenizer drops by default: a request read with one of these formats keeps them
@@ -65,6 +67,8 @@ TOOL_FORMATS = {
         ToolFormat("pythonic", needs_special_tokens=True),  # NOTE: Llama-4's <|python_start|>
         ToolFormat("granite", needs_special_tokens=True),
         ToolFormat("internlm", needs_special_tokens=True),
+        ToolFormat("jamba", needs_special_tokens=True),
+        ToolFormat("llama4_pythonic", needs_special_tokens=True),
     )
 }
 TOOL_CALL_PARSERS = tuple(TOOL_FORMATS)
@@ -84,7 +88,9 @@ def make_parser(name: str, plan: ToolPlan) -> CallParser:
         return MarkedJsonParser(plan, ("<|action_start|><|plugin|>",), close="<|action_end|>")
     if name == "qwen3_coder":
         return Qwen3CoderParser(plan)
-    if name == "pythonic":
+    if name == "jamba":
+        return MarkedJsonParser(plan, ("<tool_calls>",), close="</tool_calls>")
+    if name in ("pythonic", "llama4_pythonic"):
         return PythonicParser(plan)
     return ToolCallParser(plan)
 
