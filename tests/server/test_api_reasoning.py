@@ -15,7 +15,7 @@ import json
 
 import openai
 import pytest
-from api_factories import live_server
+from api_factories import live_server, serve_process
 from family_factories import save_tiny_family
 from test_tool_calls import TOOLS
 
@@ -247,3 +247,20 @@ def test_deepseek_r1_output_starts_inside_the_block_its_template_opened(qwen3_di
         deltas, calls, usage = stream_deltas(r1, ASK, **forced(f"{THOUGHT}\n</think>\n\nSunny."))
         assert joined(deltas, "reasoning") == THOUGHT and joined(deltas, "content") == "Sunny."
         assert [k for k, _ in deltas][-1] == "content" and calls == []
+
+
+# -- pagedllm serve ------------------------------------------------------------------------------------------
+def test_pagedllm_serve_takes_the_flags_and_a_chat_template_file(qwen3_dir, tmp_path):
+    template = tmp_path / "qwen3.jinja"
+    template.write_text(QWEN3_TEMPLATE)
+    flags = ("--chat-template", str(template), "--reasoning-parser", "qwen3")
+    flags += ("--tool-call-parser", "qwen3_coder", "--enable-auto-tool-choice")
+    text = f"<think>\n{THOUGHT}\n</think>\n\n{QWEN3_CODER_CALL}"
+    with serve_process(qwen3_dir, *flags) as (_, url):
+        with openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120) as served:
+            out = served.chat.completions.create(messages=ASK, tools=TOOLS, **forced(text))
+    message = out.choices[0].message
+    assert message.model_extra["reasoning_content"] == THOUGHT and message.content is None
+    assert [(c.function.name, c.function.arguments) for c in message.tool_calls] == [
+        ("get_weather", '{"city": "Paris", "unit": "C"}')
+    ]
