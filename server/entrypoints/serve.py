@@ -20,12 +20,14 @@ import time
 from pagedllm.server.args import add_engine_args, as_flag_error, engine_config_from_args
 from pagedllm.server.config import ConfigError
 from pagedllm.server.entrypoints.headless import add_headless_arg, check_node_role, run_headless
+from pagedllm.server.entrypoints.openai.reasoning_parser import REASONING_PARSERS
 from pagedllm.server.entrypoints.openai.settings import (
     CACHE_SALT_POLICIES,
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_RESPONSES_STORE_SIZE,
     ENGINE_CORE_MODES,
 )
+from pagedllm.server.entrypoints.openai.tool_formats import TOOL_CALL_PARSERS
 
 API_KEY_ENV = "PAGEDLLM_API_KEY"
 SERVE_DESCRIPTION = (
@@ -41,6 +43,9 @@ SERVER_FLAGS = {  # ServerSettings field -> flag, for error messages
     "drain_timeout": "--drain-timeout",
     "api_key": "--api-key",
     "responses_store_size": "--responses-store-size",
+    "tool_call_parser": "--tool-call-parser",
+    "enable_auto_tool_choice": "--enable-auto-tool-choice",
+    "reasoning_parser": "--reasoning-parser",
 }
 
 logger = logging.getLogger("pagedllm.serve")
@@ -122,6 +127,25 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="Jinja chat template, as a file path or the template text (default: the tokenizer's).",
     )
     group.add_argument(
+        "--tool-call-parser",
+        default=None,
+        metavar="NAME",
+        help=f"The format tool_choice=auto reads the model's calls in: one of {', '.join(TOOL_CALL_PARSERS)} "
+        "(default: Hermes <tool_call> and LLaMA-3 JSON, both).",
+    )
+    group.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help="Accepted as vLLM takes it (with --tool-call-parser); tool_choice=auto is always served.",
+    )
+    group.add_argument(
+        "--reasoning-parser",
+        default=None,
+        metavar="NAME",
+        help=f"How the model marks its reasoning: one of {', '.join(REASONING_PARSERS)}; chat answers then carry "
+        "it as reasoning_content, apart from content (default: none, all text is content).",
+    )
+    group.add_argument(
         "--responses-store-size",
         type=int,
         default=DEFAULT_RESPONSES_STORE_SIZE,
@@ -175,6 +199,9 @@ def settings_from_args(args: argparse.Namespace):
             lora_modules=parse_lora_modules(args.lora_modules or []),
             allow_runtime_lora_updating=runtime_updates_allowed(),
             engine_core=args.engine_core,
+            tool_call_parser=args.tool_call_parser,
+            enable_auto_tool_choice=args.enable_auto_tool_choice,
+            reasoning_parser=args.reasoning_parser,
         )
     except ConfigError as exc:
         raise exc.renamed(SERVER_FLAGS.get(exc.field, exc.name)) from exc

@@ -100,6 +100,8 @@ def build_app(config: EngineConfig, settings: ServerSettings | None = None) -> F
         log_requests=settings.log_requests,
         loras=LoRAModules.of(settings.lora_modules),
         on_lora_request=metrics.count_lora_request,
+        tool_call_parser=settings.tool_call_parser,
+        reasoning_parser=settings.reasoning_parser,
     )
 
     @contextlib.asynccontextmanager

@@ -42,11 +42,16 @@ class PromptTokensDetails(OpenAIBaseModel):
     cached_tokens: int = Field(0, description="Prompt tokens served from the prefix cache (whole KV blocks).")
 
 
+class CompletionTokensDetails(OpenAIBaseModel):
+    reasoning_tokens: int = Field(0, description="Completion tokens spent on reasoning (with --reasoning-parser).")
+
+
 class UsageInfo(OpenAIBaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
     prompt_tokens_details: PromptTokensDetails | None = None
+    completion_tokens_details: CompletionTokensDetails | None = None
 
 
 class SamplingFields(OpenAIBaseModel):
@@ -158,6 +163,10 @@ class ChatCompletionRequest(SamplingFields):
         True, description="false: at most one tool call per choice (the first the model makes)."
     )
     add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None,
+        description='Extra variables for the chat template, e.g. {"enable_thinking": false} (Qwen3).',
+    )
 
 
 class TopLogprob(OpenAIBaseModel):
@@ -177,6 +186,8 @@ class ChatLogprobs(OpenAIBaseModel):
 class ChatResponseMessage(OpenAIBaseModel):
     role: str = "assistant"
     content: str | None = None
+    reasoning_content: str | None = Field(None, description="The model's reasoning (with --reasoning-parser).")
+    reasoning: str | None = Field(None, description="The same as reasoning_content (vLLM's newer name).")
     tool_calls: list[dict[str, Any]] | None = None
 
 

@@ -58,7 +58,19 @@ class FunctionCallOutputInput(OpenAIBaseModel):
     status: ItemStatus | None = None
 
 
-InputItem = InputMessage | FunctionCallInput | FunctionCallOutputInput
+class ReasoningInput(OpenAIBaseModel):
+    """The model's reasoning in an earlier answer, given back with the conversation (it is not shown
+    to the model again: chat templates drop earlier turns' reasoning)."""
+
+    type: Literal["reasoning"]
+    id: str | None = None
+    summary: list[dict[str, Any]] = Field(default_factory=list)
+    content: list[dict[str, Any]] | None = None
+    encrypted_content: str | None = None
+    status: ItemStatus | None = None
+
+
+InputItem = InputMessage | FunctionCallInput | FunctionCallOutputInput | ReasoningInput
 
 
 # -- tools and structured output ----------------------------------------------------------------------
@@ -135,6 +147,11 @@ class ResponsesRequest(OpenAIBaseModel):
         max_length=256,
         description="Prefix-cache blocks are shared only between requests with the same salt.",
     )
+    structured_outputs: dict[str, Any] | None = Field(
+        default=None,
+        description="One of json, regex, choice, grammar, json_object, as chat's structured_outputs "
+        "(or text.format, not both).",
+    )
 
 
 # -- response -------------------------------------------------------------------------------
@@ -161,7 +178,22 @@ class FunctionCall(OpenAIBaseModel):
     status: ItemStatus = "completed"
 
 
-OutputItem = Annotated[OutputMessage | FunctionCall, Field(discriminator="type")]
+class ReasoningText(OpenAIBaseModel):
+    type: Literal["reasoning_text"] = "reasoning_text"
+    text: str
+
+
+class ReasoningItem(OpenAIBaseModel):
+    """The model's reasoning (with ``--reasoning-parser``), before its answer."""
+
+    type: Literal["reasoning"] = "reasoning"
+    id: str
+    summary: list[dict[str, Any]] = Field(default_factory=list)
+    content: list[ReasoningText]
+    status: ItemStatus
+
+
+OutputItem = Annotated[OutputMessage | FunctionCall | ReasoningItem, Field(discriminator="type")]
 
 
 class InputTokensDetails(OpenAIBaseModel):

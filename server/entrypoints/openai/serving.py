@@ -30,7 +30,13 @@ from pagedllm.server.entrypoints.openai.errors import (
     unavailable,
 )
 from pagedllm.server.entrypoints.openai.guided import guided_decoding, logit_bias
-from pagedllm.server.entrypoints.openai.protocol import PromptInput, PromptTokensDetails, SamplingFields, UsageInfo
+from pagedllm.server.entrypoints.openai.protocol import (
+    CompletionTokensDetails,
+    PromptInput,
+    PromptTokensDetails,
+    SamplingFields,
+    UsageInfo,
+)
 from pagedllm.server.entrypoints.openai.serving_lora import LoRAModules
 from pagedllm.server.lora_request import LoRARequest
 from pagedllm.server.outputs import EngineOutput, RequestOutput
@@ -79,6 +85,10 @@ class OpenAIServing:
     """The LoRA adapters served, by the name a request gives as ``model``."""
     on_lora_request: Callable[[str], None] | None = None
     """Called with the adapter's name for each request that runs with one (the per-adapter counter)."""
+    tool_call_parser: str | None = None
+    """The format ``tool_choice="auto"`` reads calls in (``--tool-call-parser``); None: Hermes and LLaMA-3 JSON."""
+    reasoning_parser: str | None = None
+    """How the model marks its reasoning (``--reasoning-parser``); None: the whole text is content."""
     _serials: Iterator[int] = field(default_factory=itertools.count, init=False, repr=False)
 
     @property
@@ -317,14 +327,20 @@ class OpenAIServing:
         )
 
 
-def usage(prompts: list[Prompt], completion_tokens: int, cached_tokens: int = 0) -> UsageInfo:
-    """Token counts as OpenAI reports them; ``cached_tokens``: prompt tokens the prefix cache served."""
+def usage(
+    prompts: list[Prompt], completion_tokens: int, cached_tokens: int = 0, reasoning_tokens: int | None = None
+) -> UsageInfo:
+    """Token counts as OpenAI reports them; ``cached_tokens``: prompt tokens the prefix cache served;
+    ``reasoning_tokens``: completion tokens spent on reasoning (None: not told apart)."""
     prompt_tokens = sum(len(p.token_ids) for p in prompts)
     return UsageInfo(
         prompt_tokens=prompt_tokens,
         completion_tokens=completion_tokens,
         total_tokens=prompt_tokens + completion_tokens,
         prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens),
+        completion_tokens_details=None
+        if reasoning_tokens is None
+        else CompletionTokensDetails(reasoning_tokens=reasoning_tokens),
     )
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
 import time
 import uuid
@@ -22,6 +23,7 @@ from pagedllm.server.entrypoints.openai.protocol import (
     ChatMessage,
     ChatResponseMessage,
 )
+from pagedllm.server.entrypoints.openai.reasoning_parser import ReasoningFormat, count_tokens, reasoning_format
 from pagedllm.server.entrypoints.openai.serving import (
     OpenAIServing,
     Prompt,
@@ -32,7 +34,7 @@ from pagedllm.server.entrypoints.openai.serving import (
 from pagedllm.server.entrypoints.openai.sse import SSEResponse
 from pagedllm.server.entrypoints.openai.streaming import Delta, Tracker, holdback, stream
 from pagedllm.server.entrypoints.openai.tool_calls import ToolPlan
-from pagedllm.server.entrypoints.openai.tool_parser import ToolCall, ToolCallParser
+from pagedllm.server.entrypoints.openai.tool_parser import ToolCall
 from pagedllm.server.outputs import CompletionOutput, RequestOutput
 from pagedllm.server.sampling_params import SamplingParams
 
@@ -48,6 +50,21 @@ class ChatRun:
     streams: list[RequestStream]
     started: float
     """``time.monotonic()`` when the request came in (for the access log)."""
+    reasoning: ReasoningFormat | None = None
+    """How the model marks its reasoning (``--reasoning-parser``); None: the whole text is the answer."""
+    keeps_special_tokens: bool = False
+    """Special tokens were kept in the text for the tool-call format's markers (not for the request)."""
+
+
+@dataclass(frozen=True)
+class Answer:
+    """A finished choice's text, its reasoning apart."""
+
+    reasoning: str | None
+    text: str
+    reasoning_tokens: int
+    reasoning_closed: bool = False
+    """The model closed its reasoning (its end tag was read)."""
 
 
 class OpenAIServingChat:
@@ -80,18 +97,27 @@ class OpenAIServingChat:
                 params,
                 streams,
                 req.stream_options,
-                self._choice_maker(req, holdback(params), tools),
+                self._choice_maker(req, holdback(params), run),
                 first_choices=role,
             )
         (output,) = await serving.final_outputs(streams)
         formatter = LogprobFormatter(serving.tokenizer)
         choices = []
-        for c in output.outputs:
-            content, calls = parse_tool_calls(tools, c)
+        reasoning_tokens = 0
+        for raw in output.outputs:
+            c = self.visible(run, raw)
+            answer = self.answer(run, c)
+            reasoning_tokens += answer.reasoning_tokens
+            content, calls = parse_tool_calls(tools, c, answer.text)
             choices.append(
                 ChatChoice(
                     index=c.index,
-                    message=ChatResponseMessage(content=content, tool_calls=[t.openai() for t in calls] or None),
+                    message=ChatResponseMessage(
+                        content=content or None if run.reasoning is not None else content,
+                        reasoning_content=answer.reasoning,
+                        reasoning=answer.reasoning,
+                        tool_calls=[t.openai() for t in calls] or None,
+                    ),
                     logprobs=formatter.chat(c, 0, len(c.token_ids), req.top_logprobs or 0) if req.logprobs else None,
                     finish_reason="tool_calls" if calls and c.finish_reason == "stop" else c.finish_reason,
                     stop_reason=c.stop_reason,
@@ -103,8 +129,32 @@ class OpenAIServingChat:
             id=request_id,
             model=serving.model_name,
             choices=choices,
-            usage=usage([prompt], completion_tokens, cached_prompt_tokens([output])),
+            usage=usage(
+                [prompt],
+                completion_tokens,
+                cached_prompt_tokens([output]),
+                reasoning_tokens if serving.reasoning_parser is not None else None,
+            ),
         )
+
+    def visible(self, run: ChatRun, c: CompletionOutput) -> CompletionOutput:
+        """``c`` as the client sees it. NOTE: with special tokens kept for a tool-call format's markers,
+        the text of the end-of-sequence (or stop) token that finished the choice is dropped again."""
+        if not run.keeps_special_tokens or c.finish_reason != "stop" or isinstance(c.stop_reason, str):
+            return c
+        if not c.token_ids or self.serving.tokenizer is None:
+            return c
+        tail = self.serving.tokenizer.decode(c.token_ids[-1:], skip_special_tokens=False)
+        return dataclasses.replace(c, text=c.text.removesuffix(tail)) if tail else c
+
+    def answer(self, run: ChatRun, c: CompletionOutput) -> Answer:
+        """A finished choice's answer, its reasoning (and the tokens spent on it) apart."""
+        if run.reasoning is None:
+            return Answer(None, c.text, 0)
+        parser = run.reasoning.parser(run.prompt.text)
+        parser.feed(c.text, final=True)
+        spent = count_tokens(self.serving.tokenizer, c.token_ids, parser.reasoning_chars())
+        return Answer(parser.reasoning or None, parser.content, spent, parser.reasoning_end is not None)
 
     async def start(
         self, req: ChatCompletionRequest, context: RequestContext, request_id: str, renames: Mapping[str, str] = {}
@@ -120,7 +170,9 @@ class OpenAIServingChat:
         serving.check_ready()
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
-        tools = tool_calls.plan(req.tools, req.tool_choice, parallel=req.parallel_tool_calls is not False)
+        tools = tool_calls.plan(
+            req.tools, req.tool_choice, req.parallel_tool_calls is not False, serving.tool_call_parser
+        )
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params = serving.sampling_params(
             req, max_tokens=max_tokens, logprobs=(req.top_logprobs or 0) if req.logprobs else None
@@ -133,8 +185,11 @@ class OpenAIServingChat:
                     "tool_choice",
                 )
             params = dataclasses.replace(params, guided_decoding=tools.guided())
+        keeps_special_tokens = tools is not None and tools.needs_special_tokens and params.skip_special_tokens
+        if keeps_special_tokens:
+            params = dataclasses.replace(params, skip_special_tokens=False)  # NOTE: the format's markers
         messages_param = renames.get("messages", "messages")
-        prompt = self.prompt(req.messages, req.add_generation_prompt, tools, messages_param)
+        prompt = self.prompt(req.messages, req.add_generation_prompt, tools, messages_param, req.chat_template_kwargs)
         max_tokens_param = renames.get("max_tokens") or (
             "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         )
@@ -149,7 +204,10 @@ class OpenAIServingChat:
             **({} if req.best_of is not None else {"best_of": "n"}),
         }
         streams = await serving.start(request_id, [prompt], params, param_names, cache_salt, lora)
-        return ChatRun(request_id, prompt, params, tools, streams, started)
+        reasoning = reasoning_format(serving.reasoning_parser)
+        if reasoning is not None and params.guided_decoding is not None and params.guided_decoding.kind in JSON_KINDS:
+            reasoning = None  # NOTE: a grammar of JSON from the first token leaves no room to reason: all is answer
+        return ChatRun(request_id, prompt, params, tools, streams, started, reasoning, keeps_special_tokens)
 
     def prompt(
         self,
@@ -157,8 +215,11 @@ class OpenAIServingChat:
         add_generation_prompt: bool = True,
         tools: ToolPlan | None = None,
         param: str = "messages",
+        template_kwargs: dict[str, Any] | None = None,
     ) -> Prompt:
-        text = self.render(messages, add_generation_prompt, tools.template_tools if tools else None, param)
+        text = self.render(
+            messages, add_generation_prompt, tools.template_tools if tools else None, param, template_kwargs
+        )
         return Prompt(text, self.serving.need_tokenizer().encode(text, add_special_tokens=False))
 
     def render(
@@ -167,10 +228,12 @@ class OpenAIServingChat:
         add_generation_prompt: bool,
         tools: list[dict[str, Any]] | None = None,
         param: str = "messages",
+        template_kwargs: dict[str, Any] | None = None,
     ) -> str:
         """The messages as prompt text, through the server's or the tokenizer's chat template.
 
-        ``param`` names the messages in errors (the request's own name for them)."""
+        ``param`` names the messages in errors (the request's own name for them);
+        ``template_kwargs`` are the request's ``chat_template_kwargs``, extra variables of the template."""
         tokenizer = self.serving.need_tokenizer()
         template = self.serving.chat_template
         if template is None and not getattr(tokenizer, "chat_template", None):
@@ -182,21 +245,35 @@ class OpenAIServingChat:
         if not messages:
             raise bad_request(f"{param} is empty: give at least one message", param)
         plain = [_plain(m) for m in messages]
+        extra = template_kwargs or {}
+        taken = sorted(_render_arguments(tokenizer) & set(extra))
+        if taken:
+            raise bad_request(
+                f"chat_template_kwargs may not set {taken}: give them as the request's own fields",
+                "chat_template_kwargs",
+            )
         try:
             return tokenizer.apply_chat_template(
-                plain, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt, chat_template=template
+                plain,
+                tools=tools,
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+                chat_template=template,
+                **extra,
             )
         except Exception as exc:  # noqa: BLE001 (jinja raises many kinds; all are the request's fault)
             raise bad_request(f"the chat template could not render these messages: {exc}", param) from exc
 
-    def _choice_maker(self, req: ChatCompletionRequest, keep: int, tools: ToolPlan | None):
+    def _choice_maker(self, req: ChatCompletionRequest, keep: int, run: ChatRun):
         formatter = LogprobFormatter(self.serving.tokenizer)
         with_logprobs = bool(req.logprobs)
+        tools = run.tools
         reads_calls = tools is not None and tools.reads_calls
 
         def make(
             i: int, index: int, output: RequestOutput, c: CompletionOutput, tracker: Tracker
         ) -> list[dict[str, Any]] | None:
+            c = self.visible(run, c)
             delta = tracker.advance(c, keep, with_logprobs)
             if delta is None:
                 return None
@@ -204,11 +281,13 @@ class OpenAIServingChat:
             if with_logprobs and delta.token_end > delta.token_start:
                 logprobs = formatter.chat(c, delta.token_start, delta.token_end, req.top_logprobs or 0)
             finish_reason = delta.finish_reason
+            messages, text = self._reasoning_messages(run, c, delta, tracker)
             if reads_calls:
                 assert tools is not None
-                messages, finish_reason = _tool_messages(tools, delta, tracker)
+                called, finish_reason = _tool_messages(tools, text, delta.finish_reason, tracker)
+                messages += called
             else:
-                messages = [{"content": delta.text}] if delta.text else []
+                messages += [{"content": text}] if text else []
             if not messages and (finish_reason or logprobs):
                 messages = [{"content": ""} if not tracker.finished else {}]
             choices: list[dict[str, Any]] = [
@@ -222,26 +301,70 @@ class OpenAIServingChat:
 
         return make
 
+    def _reasoning_messages(
+        self, run: ChatRun, c: CompletionOutput, delta: Delta, tracker: Tracker
+    ) -> tuple[list[dict[str, Any]], str]:
+        """The reasoning deltas a choice's new text makes, and the answer's part of that text.
 
-def _tool_messages(tools: ToolPlan, delta: Delta, tracker: Tracker) -> tuple[list[dict[str, Any]], str | None]:
-    """The deltas a choice's new text makes when read for tool calls, and its finish reason."""
+        NOTE: while the reasoning runs every token so far is counted as reasoning; the exact
+        count is taken once, when it ends (``tracker.extra["reasoning_tokens"]``, for usage).
+        """
+        if run.reasoning is None:
+            if self.serving.reasoning_parser is not None:
+                tracker.extra["reasoning_tokens"] = 0  # NOTE: a grammar of JSON left no room to reason
+            return [], delta.text
+        parser = tracker.extra.get("reasoning")
+        if parser is None:
+            parser = tracker.extra["reasoning"] = run.reasoning.parser(run.prompt.text)
+        split = parser.feed(delta.text, final=delta.finish_reason is not None)
+        if parser.in_reasoning and delta.finish_reason is None:
+            tracker.extra["reasoning_tokens"] = len(c.token_ids)
+        elif not tracker.extra.get("reasoning_counted"):
+            chars = parser.reasoning_chars()
+            tracker.extra["reasoning_tokens"] = count_tokens(self.serving.tokenizer, c.token_ids, chars)
+            tracker.extra["reasoning_counted"] = parser.reasoning_end is not None or delta.finish_reason is not None
+        messages = [{"reasoning_content": split.reasoning, "reasoning": split.reasoning}] if split.reasoning else []
+        return messages, split.content
+
+
+JSON_KINDS = ("json", "json_object")
+"""Structured outputs (response_format, tool_choice required or named) whose grammar starts the output
+with JSON: a reasoning block cannot open, so such outputs are read as answer alone."""
+
+
+def _render_arguments(tokenizer: Any) -> set[str]:
+    """``apply_chat_template``'s own arguments (``tokenize``, ``return_dict``, ...): ``chat_template_kwargs``
+    are the template's variables and may not set them."""
+    parameters = inspect.signature(tokenizer.apply_chat_template).parameters.values()
+    return {"messages", *(p.name for p in parameters if p.kind is not inspect.Parameter.VAR_KEYWORD)}
+
+
+def _tool_messages(
+    tools: ToolPlan, text: str, finish_reason: str | None, tracker: Tracker
+) -> tuple[list[dict[str, Any]], str | None]:
+    """The deltas a choice's new answer text makes when read for tool calls, and its finish reason."""
     parser = tracker.extra.get("tools")
     if parser is None:
-        parser = tracker.extra["tools"] = ToolCallParser(tools)
-    messages = parser.feed(delta.text) + (parser.finish() if delta.finish_reason else [])
-    called = parser.calls and delta.finish_reason == "stop"
-    return messages, "tool_calls" if called else delta.finish_reason
+        parser = tracker.extra["tools"] = tools.parser()
+    messages = parser.feed(text) + (parser.finish() if finish_reason else [])
+    called = parser.calls and finish_reason == "stop"
+    return messages, "tool_calls" if called else finish_reason
 
 
-def parse_tool_calls(tools: ToolPlan | None, c: CompletionOutput) -> tuple[str | None, list[ToolCall]]:
-    """(content, tool calls) of a finished choice; a choice cut off by its token limit is text only."""
+def parse_tool_calls(
+    tools: ToolPlan | None, c: CompletionOutput, text: str | None = None
+) -> tuple[str | None, list[ToolCall]]:
+    """(content, tool calls) of a finished choice; a choice cut off by its token limit is text only.
+
+    ``text``: the answer, when reasoning came before it (default: the choice's whole text)."""
+    text = c.text if text is None else text
     if tools is None or c.finish_reason != "stop":
-        return c.text, []
-    return tools.parse(c.text)
+        return text, []
+    return tools.parse(text)
 
 
-def holds_tool_call(tools: ToolPlan, c: CompletionOutput, tracker: Tracker) -> bool:
-    """Whether an endpoint that sends calls whole keeps this choice's text back until it ends.
+def holds_tool_call(tools: ToolPlan) -> bool:
+    """Whether an endpoint that sends calls whole keeps a choice's answer back until it ends.
 
     NOTE: any text may still turn into a call while tools are read, so all of it is held;
     chat streams calls as fragments instead (:func:`_tool_messages`).

@@ -14,6 +14,11 @@ streamed, the Responses API's named events, numbered by ``sequence_number``::
         a function call: response.function_call_arguments.delta, ...arguments.done
                       response.output_item.done
     response.completed  (response.incomplete when max_output_tokens cut it short)
+
+With ``--reasoning-parser`` the model's reasoning is a ``reasoning`` item before the answer's
+items (``response.content_part.added``, ``response.reasoning_text.delta`` as it is written,
+``response.reasoning_text.done``, ``response.content_part.done``); the answer is read for tool
+calls as in chat.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any, Literal
 
-from pydantic import BaseModel, TypeAdapter
+from pydantic import TypeAdapter
 
 from pagedllm.server.entrypoints.openai.errors import APIError, bad_request
 from pagedllm.server.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
@@ -38,14 +43,29 @@ from pagedllm.server.entrypoints.openai.protocol_responses import (
     OutputItem,
     OutputMessage,
     OutputText,
+    OutputTokensDetails,
+    ReasoningInput,
+    ReasoningItem,
+    ReasoningText,
     ResponsesRequest,
     ResponsesResponse,
     ResponseUsage,
     TextConfig,
 )
 from pagedllm.server.entrypoints.openai.response_store import ResponseStore, StoredResponse
+from pagedllm.server.entrypoints.openai.responses_events import (
+    EventCounter,
+    dump,
+    item_done,
+    item_whole,
+    message_opened,
+    part_opened,
+    reasoning_delta,
+    text_delta,
+)
 from pagedllm.server.entrypoints.openai.serving import OpenAIServing, RequestContext
 from pagedllm.server.entrypoints.openai.serving_chat import (
+    Answer,
     ChatRun,
     OpenAIServingChat,
     holds_tool_call,
@@ -81,8 +101,9 @@ class OpenAIServingResponses:
         if req.stream:
             return self._stream(run, draft, items)
         (output,) = await self.serving.final_outputs(run.streams)
-        c = output.outputs[0]
-        response = finish(draft, run, c, new_id("msg"), run.tools, output.num_cached_tokens or 0)
+        c = self.chat.visible(run, output.outputs[0])
+        answer = self.chat.answer(run, c)
+        response = finish(draft, run, c, answer, ItemIds(), run.tools, output.num_cached_tokens or 0)
         self._remember(response, items)
         self.serving.log_access(run.request_id, [run.prompt], len(c.token_ids), run.started)
         return response
@@ -161,33 +182,58 @@ class OpenAIServingResponses:
     async def _events(
         self, run: ChatRun, draft: ResponsesResponse, items: list[InputItem], events: EventCounter
     ) -> AsyncIterator[dict[str, Any]]:
-        """Text streams as it comes; tool calls (and text that may be one) are held back and sent whole."""
+        """Reasoning and text stream as they come; tool calls (and text that may be one) are held back
+        and sent whole."""
         serving = self.serving
         yield events.event("response.created", response=dump(draft))
         yield events.event("response.in_progress", response=dump(draft))
-        tracker, keep, message_id = Tracker(), holdback(run.params), new_id("msg")
+        tracker, keep, ids = Tracker(), holdback(run.params), ItemIds()
+        reasoning = run.reasoning.parser(run.prompt.text) if run.reasoning is not None else None
+        holds = run.tools is not None and holds_tool_call(run.tools)
+        opened: list[str] = []  # NOTE: ids of the items begun while streaming, in output order
+        closed: set[str] = set()  # ids of the items also ended while streaming
         last: CompletionOutput | None = None
         cached = 0
         async for _, output in until_timeout(serving, merged(serving, run.streams)):
-            last = output.outputs[0]
+            last = self.chat.visible(run, output.outputs[0])
             cached = output.num_cached_tokens or 0
             events.output_tokens = len(last.token_ids)
-            if run.tools is not None and holds_tool_call(run.tools, last, tracker):
-                continue
             delta = tracker.advance(last, keep, False)
-            if delta is None or not delta.text:
+            if delta is None:
                 continue
-            if not tracker.extra.get("opened"):
-                tracker.extra["opened"] = True
-                for event in message_opened(events, 0, message_id):
+            text = delta.text
+            if reasoning is not None:
+                split = reasoning.feed(text, final=delta.finish_reason is not None)
+                if split.reasoning and not opened:
+                    opened.append(ids.reasoning)
+                    begun = ReasoningItem(id=ids.reasoning, status="in_progress", content=[])
+                    for event in part_opened(events, 0, begun, ReasoningText(text="")):
+                        yield event
+                if split.reasoning:
+                    yield reasoning_delta(events, 0, ids.reasoning, split.reasoning)
+                if ids.reasoning in opened and reasoning.reasoning_end is not None and ids.reasoning not in closed:
+                    closed.add(ids.reasoning)  # NOTE: the reasoning item ends before the answer's begin
+                    done = ReasoningItem(
+                        id=ids.reasoning, status="completed", content=[ReasoningText(text=reasoning.reasoning)]
+                    )
+                    for event in item_done(events, 0, done):
+                        yield event
+                text = split.content
+            if not text or holds:
+                continue
+            if ids.message not in opened:
+                opened.append(ids.message)
+                for event in message_opened(events, len(opened) - 1, ids.message):
                     yield event
-            yield text_delta(events, 0, message_id, delta.text)
+            yield text_delta(events, len(opened) - 1, ids.message, text)
         assert last is not None, "a stream ends with a finished output or an error"
-        opened = bool(tracker.extra.get("opened"))
         # NOTE: text already sent as a message stays one, so the final response matches the stream.
-        response = finish(draft, run, last, message_id, None if opened else run.tools, cached)
+        tools = None if ids.message in opened else run.tools
+        response = finish(draft, run, last, self.chat.answer(run, last), ids, tools, cached)
         for index, item in enumerate(response.output):
-            for event in (item_done if opened and index == 0 else item_whole)(events, index, item):
+            if item.id in closed:
+                continue
+            for event in (item_done if item.id in opened else item_whole)(events, index, item):
                 yield event
         self._remember(response, items)
         yield events.event(f"response.{response.status}", response=dump(response))
@@ -206,6 +252,8 @@ def chat_messages(instructions: str | None, items: list[InputItem]) -> list[Chat
     """
     messages = [ChatMessage(role="system", content=instructions)] if instructions is not None else []
     for item in items:
+        if isinstance(item, ReasoningInput):
+            continue  # NOTE: chat templates show no earlier turn's reasoning
         if isinstance(item, InputMessage):
             role = "system" if item.role == "developer" else item.role
             messages.append(ChatMessage(role=role, content=_text(item.content)))
@@ -253,6 +301,7 @@ def chat_request(req: ResponsesRequest, messages: list[ChatMessage]) -> ChatComp
             if isinstance(choice, FunctionToolChoice)
             else choice,
             "response_format": response_format(req.text),
+            "structured_outputs": req.structured_outputs,
         }
     )
 
@@ -272,20 +321,35 @@ def response_format(text: TextConfig | None) -> dict[str, Any] | None:
 
 
 # -- answer: output items ---------------------------------------------------------------------------
+class ItemIds:
+    """The ids of a response's reasoning and message items, made up front so that a stream and its
+    final response name them alike."""
+
+    def __init__(self) -> None:
+        self.reasoning = new_id("rs")
+        self.message = new_id("msg")
+
+
 def finish(
     draft: ResponsesResponse,
     run: ChatRun,
     c: CompletionOutput,
-    message_id: str,
+    answer: Answer,
+    ids: ItemIds,
     tools: ToolPlan | None,
     cached_tokens: int = 0,
 ) -> ResponsesResponse:
-    """The finished response of choice ``c``: its text as a message, its tool calls as function calls."""
-    content, calls = parse_tool_calls(tools, c)
+    """The finished response of choice ``c``: its reasoning, its answer as a message, its tool calls as
+    function calls."""
+    content, calls = parse_tool_calls(tools, c, answer.text)
     status: Literal["completed", "incomplete"] = "completed" if c.finish_reason == "stop" else "incomplete"
     output: list[OutputItem] = []
+    if answer.reasoning:
+        # NOTE: reasoning the model closed is complete, even when the answer after it was cut short
+        done: Literal["completed", "incomplete"] = "completed" if answer.reasoning_closed else status
+        output.append(ReasoningItem(id=ids.reasoning, status=done, content=[ReasoningText(text=answer.reasoning)]))
     if content or not calls:
-        output.append(OutputMessage(id=message_id, status=status, content=[OutputText(text=content or "")]))
+        output.append(OutputMessage(id=ids.message, status=status, content=[OutputText(text=content or "")]))
     output += [
         FunctionCall(id=new_id("fc"), call_id=new_id("call"), name=call.name, arguments=call.arguments)
         for call in calls
@@ -296,6 +360,7 @@ def finish(
         output_tokens=output_tokens,
         total_tokens=input_tokens + output_tokens,
         input_tokens_details=InputTokensDetails(cached_tokens=cached_tokens),
+        output_tokens_details=OutputTokensDetails(reasoning_tokens=answer.reasoning_tokens),
     )
     incomplete = IncompleteDetails(reason="max_output_tokens") if c.finish_reason == "length" else None
     return draft.model_copy(
@@ -305,81 +370,3 @@ def finish(
 
 def new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
-
-
-def dump(model: BaseModel) -> dict[str, Any]:
-    return model.model_dump(mode="json", by_alias=True)
-
-
-# -- answer: stream events ------------------------------------------------------------------------
-class EventCounter:
-    """Numbers a stream's events (``sequence_number``) and counts the tokens it carried (for the log)."""
-
-    def __init__(self) -> None:
-        self.sequence_number = 0
-        self.output_tokens = 0
-
-    def event(self, kind: str, **fields: Any) -> dict[str, Any]:
-        event = {"type": kind, "sequence_number": self.sequence_number, **fields}
-        self.sequence_number += 1
-        return event
-
-    def error(self, error: APIError) -> dict[str, Any]:
-        """The Responses API's error event; its ``error`` object (OpenAI's shape) makes the client raise."""
-        body = error.body()["error"]
-        return self.event("error", code=str(error.code), message=error.message, param=error.param, error=body)
-
-
-def message_opened(events: EventCounter, index: int, item_id: str) -> list[dict[str, Any]]:
-    item = OutputMessage(id=item_id, status="in_progress", content=[])
-    return [
-        events.event("response.output_item.added", output_index=index, item=dump(item)),
-        events.event(
-            "response.content_part.added",
-            item_id=item_id,
-            output_index=index,
-            content_index=0,
-            part=dump(OutputText(text="")),
-        ),
-    ]
-
-
-def text_delta(events: EventCounter, index: int, item_id: str, text: str) -> dict[str, Any]:
-    return events.event(
-        "response.output_text.delta", item_id=item_id, output_index=index, content_index=0, delta=text, logprobs=[]
-    )
-
-
-def item_done(events: EventCounter, index: int, item: OutputItem) -> list[dict[str, Any]]:
-    """The events that close an item whose beginning (and any text) was sent."""
-    if isinstance(item, OutputMessage):
-        part = item.content[0]
-        where = {"item_id": item.id, "output_index": index, "content_index": 0}
-        closing = [
-            events.event("response.output_text.done", **where, text=part.text, logprobs=[]),
-            events.event("response.content_part.done", **where, part=dump(part)),
-        ]
-    else:
-        closing = [
-            events.event(
-                "response.function_call_arguments.done", item_id=item.id, output_index=index, arguments=item.arguments
-            )
-        ]
-    return [*closing, events.event("response.output_item.done", output_index=index, item=dump(item))]
-
-
-def item_whole(events: EventCounter, index: int, item: OutputItem) -> list[dict[str, Any]]:
-    """All the events of an item held back until the choice finished."""
-    if isinstance(item, OutputMessage):
-        sent = message_opened(events, index, item.id)  # NOTE: in order: each call numbers its events
-        if item.content[0].text:
-            sent.append(text_delta(events, index, item.id, item.content[0].text))
-        return sent + item_done(events, index, item)
-    added = item.model_copy(update={"arguments": "", "status": "in_progress"})
-    return [
-        events.event("response.output_item.added", output_index=index, item=dump(added)),
-        events.event(
-            "response.function_call_arguments.delta", item_id=item.id, output_index=index, delta=item.arguments
-        ),
-        *item_done(events, index, item),
-    ]

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pagedllm.server.config import ConfigError, check_choice
+from pagedllm.server.entrypoints.openai.reasoning_parser import REASONING_PARSERS
+from pagedllm.server.entrypoints.openai.tool_formats import TOOL_CALL_PARSERS
 
 DEFAULT_MAX_BODY_BYTES = 8 << 20
 CACHE_SALT_POLICIES = ("optional", "required", "api-key")
@@ -52,6 +54,16 @@ class ServerSettings:
     ``pagedllm serve`` uses) or ``thread`` (a thread of the server's process; the default for an app
     built in a Python program, e.g. tests, where ``engine.call`` may take any callable)."""
 
+    tool_call_parser: str | None = None
+    """The format ``tool_choice="auto"`` reads calls in (one of :data:`TOOL_CALL_PARSERS`); None: Hermes
+    ``<tool_call>`` and LLaMA-3 JSON, both."""
+    enable_auto_tool_choice: bool = False
+    """vLLM's switch for ``tool_choice="auto"``; accepted for its command lines (auto is always served
+    here), and, as there, it needs ``tool_call_parser``."""
+    reasoning_parser: str | None = None
+    """How the model marks its reasoning (one of :data:`REASONING_PARSERS`): chat answers carry it as
+    ``reasoning_content``, apart from ``content``; None: the whole text is content."""
+
     def __post_init__(self) -> None:
         if self.request_timeout is not None and self.request_timeout <= 0:
             raise ConfigError(
@@ -71,3 +83,14 @@ class ServerSettings:
             )
         check_choice("cache_salt_policy", self.cache_salt_policy, CACHE_SALT_POLICIES)
         check_choice("engine_core", self.engine_core, ENGINE_CORE_MODES)
+        if self.tool_call_parser is not None:
+            check_choice("tool_call_parser", self.tool_call_parser, TOOL_CALL_PARSERS)
+        if self.reasoning_parser is not None:
+            check_choice("reasoning_parser", self.reasoning_parser, REASONING_PARSERS)
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ConfigError(
+                "enable_auto_tool_choice",
+                True,
+                f"also give --tool-call-parser, one of {list(TOOL_CALL_PARSERS)}",
+                problem="needs a tool-call parser",
+            )

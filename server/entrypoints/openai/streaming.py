@@ -156,7 +156,14 @@ def stream(
     latest: dict[int, RequestOutput] = {}  # prompt index -> its newest output
 
     def so_far() -> UsageInfo:
-        return usage(prompts, sum(t.num_tokens for t in trackers.values()), cached_prompt_tokens(latest.values()))
+        # NOTE: a choice maker that tells reasoning apart keeps its count in tracker.extra["reasoning_tokens"]
+        reasoning = [t.extra["reasoning_tokens"] for t in trackers.values() if "reasoning_tokens" in t.extra]
+        return usage(
+            prompts,
+            sum(t.num_tokens for t in trackers.values()),
+            cached_prompt_tokens(latest.values()),
+            sum(reasoning) if reasoning else None,
+        )
 
     def chunk(choices: list[dict[str, Any]], final: UsageInfo | None = None) -> dict[str, Any]:
         body: dict[str, Any] = {

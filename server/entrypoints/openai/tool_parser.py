@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from pagedllm.server.entrypoints.openai.call_object import CallObject
+from pagedllm.server.entrypoints.openai.markers import partial_suffix
 
 if TYPE_CHECKING:
     from pagedllm.server.entrypoints.openai.tool_calls import ToolPlan
@@ -157,7 +158,7 @@ class ToolCallParser:
             self._pos += at + len(TOOL_CALL_OPEN)
             self._state = _State.TAG_BODY
             return True
-        keep = 0 if self._final else _partial_suffix(rest, TOOL_CALL_OPEN)
+        keep = 0 if self._final else partial_suffix(rest, (TOOL_CALL_OPEN,))
         self._content(rest[: len(rest) - keep])
         self._pos += len(rest) - keep
         return False
@@ -323,11 +324,3 @@ class ToolCallParser:
     def _take_deltas(self) -> list[dict[str, Any]]:
         deltas, self._deltas = self._deltas, []
         return deltas
-
-
-def _partial_suffix(text: str, token: str) -> int:
-    """Length of the longest end of ``text`` that begins ``token`` (it may be a token arriving)."""
-    for n in range(min(len(text), len(token) - 1), 0, -1):
-        if token.startswith(text[-n:]):
-            return n
-    return 0
