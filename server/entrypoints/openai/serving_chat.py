@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import json
 import time
 import uuid
 from collections.abc import Mapping
@@ -13,6 +12,7 @@ from typing import Any
 
 from pagedllm.server.engine.request_stream import RequestStream
 from pagedllm.server.entrypoints.openai import tool_calls
+from pagedllm.server.entrypoints.openai.chat_messages import template_message
 from pagedllm.server.entrypoints.openai.errors import bad_request
 from pagedllm.server.entrypoints.openai.guided import guided_param_names
 from pagedllm.server.entrypoints.openai.logprobs import LogprobFormatter
@@ -244,7 +244,7 @@ class OpenAIServingChat:
             )
         if not messages:
             raise bad_request(f"{param} is empty: give at least one message", param)
-        plain = [_plain(m) for m in messages]
+        plain = [template_message(m) for m in messages]
         extra = template_kwargs or {}
         taken = sorted(_render_arguments(tokenizer) & set(extra))
         if taken:
@@ -370,36 +370,3 @@ def holds_tool_call(tools: ToolPlan) -> bool:
     chat streams calls as fragments instead (:func:`_tool_messages`).
     """
     return tools.reads_calls
-
-
-def _plain(message: ChatMessage) -> dict[str, Any]:
-    plain: dict[str, Any] = {"role": message.role, "content": _message_text(message)}
-    if message.tool_calls:
-        plain["tool_calls"] = [_template_call(call) for call in message.tool_calls]
-    if message.tool_call_id:
-        plain["tool_call_id"] = message.tool_call_id
-    if message.name:
-        plain["name"] = message.name
-    return plain
-
-
-def _template_call(call: dict[str, Any]) -> dict[str, Any]:
-    """An assistant's earlier tool call, with its arguments as an object (what chat templates expect)."""
-    function = dict(call.get("function") or {})
-    try:
-        function["arguments"] = json.loads(function.get("arguments") or "{}")
-    except (TypeError, ValueError):
-        pass
-    return {**call, "function": function}
-
-
-def _message_text(message: ChatMessage) -> str:
-    content = message.content
-    if content is None or isinstance(content, str):
-        return content or ""
-    parts = []
-    for part in content:
-        if part.type != "text":
-            raise bad_request(f"content part type={part.type!r} is not supported: only 'text'", "messages")
-        parts.append(part.text or "")
-    return "".join(parts)
