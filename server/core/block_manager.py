@@ -170,7 +170,7 @@ class BlockManager:
         NOTE: only the block the next tokens are written into can be shared and unfull; full
         blocks before it are never written again. A decode looks at one block.
         """
-        table = self.tables[seq.seq_id]
+        table = self.block_tables.tables[seq.seq_id]
         needed = _blocks_for(seq.num_slot_tokens, self.block_size)
         ref_counts = self.gpu.ref_counts
         first = seq.num_computed_tokens // self.block_size
@@ -279,11 +279,10 @@ class BlockManager:
     def mark_computed(self, seq: Sequence) -> None:
         """After a step: register the sequence's newly completed full blocks in the prefix
         cache, and free the blocks that fell out of the window."""
-        if seq.seq_id not in self.block_tables:
+        if seq.seq_id not in self.block_tables.tables:
             return
         if self.enable_prefix_caching:
-            first_held = self.block_tables.first_held(seq.seq_id)
-            self.prefix_cache.cache_full_blocks(seq, self.tables[seq.seq_id], first_held)
+            self.prefix_cache.cache_full_blocks(seq, self.block_tables)
         self._free_out_of_window(seq)
 
     def take_kv_events(self) -> list[KVCacheEvent]:

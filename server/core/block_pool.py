@@ -18,7 +18,7 @@ generation) stops matching once that parent block is reused for other tokens.
 
 A pool given an ``events`` list records there what leaves the cache (:class:`BlockRemoved`
 on eviction, :class:`AllBlocksCleared` on a reset); what enters it is recorded by the
-block manager, which knows the blocks' tokens.
+prefix cache (:mod:`pagedllm.server.core.prefix_cache`), which knows the blocks' tokens.
 """
 
 from __future__ import annotations

@@ -19,6 +19,7 @@ import struct
 from collections.abc import Sequence as Seq
 
 from pagedllm.server.core.block_pool import BlockContent, BlockHash, BlockIdent, BlockPool
+from pagedllm.server.core.block_tables import BlockTables
 from pagedllm.server.core.kv_events import KVCacheEvent, blocks_stored
 from pagedllm.server.core.sequence import Sequence
 
@@ -97,14 +98,14 @@ class PrefixCache:
             blocks.append(block)
         return hashes[: len(blocks)], blocks
 
-    def cache_full_blocks(self, seq: Sequence, table: list[int], first_held: int) -> None:
+    def cache_full_blocks(self, seq: Sequence, tables: BlockTables) -> None:
         """Hash and register the sequence's full blocks computed since the last call."""
         hashes = self.hashes[seq.seq_id]
         num_full = seq.num_computed_tokens // self.block_size
         if num_full <= len(hashes):
             return
         hashes[:] = self.chain_hashes(seq, num_full, hashes)
-        self.register(seq, table, first_held)
+        self.register(seq, tables.tables[seq.seq_id], tables.first_held(seq.seq_id))
 
     def register(self, seq: Sequence, table: list[int], first_held: int) -> None:
         """Register the sequence's hashed blocks from ``first_held`` on (``table`` holds them on the device)."""
