@@ -36,9 +36,12 @@ class SamplingRows:
         self.structured = structured
         self.eos_token_ids = eos_token_ids
         self._finished: list[str] = []
+        self._plain: dict[tuple[str, int], RowSampling] = {}
+        """(request id, samples) -> the row of a request whose rows are the same every step (reused)."""
 
     def finished(self, request_id: str, params: SamplingParams) -> None:
         """Note a request that ended; the next step tells the worker to drop its generator."""
+        self._plain.pop((request_id, 1), None)
         if params.seed is not None:
             self._finished.append(request_id)
 
@@ -72,6 +75,21 @@ class SamplingRows:
     def _row(self, group: SequenceGroup, seq: Sequence, output: list[int], num_samples: int) -> RowSampling:
         params = group.sampling_params
         penalized = params.repetition_penalty != 1.0 or bool(params.presence_penalty or params.frequency_penalty)
+        if penalized or len(output) < params.min_tokens:
+            return self._new_row(group, seq, output, num_samples, penalized)
+        # NOTE: without penalties or a min_tokens ban a request's rows do not change from step to step
+        key = (group.request_id, num_samples)
+        row = self._plain.get(key)
+        if row is None:
+            row = self._new_row(group, seq, output, num_samples, penalized)
+            if num_samples == 1:
+                self._plain[key] = row
+        return row
+
+    def _new_row(
+        self, group: SequenceGroup, seq: Sequence, output: list[int], num_samples: int, penalized: bool
+    ) -> RowSampling:
+        params = group.sampling_params
         needs_logprobs = (
             not params.greedy or params.logprobs is not None or params.best_of > params.n or num_samples > 1
         )

@@ -26,6 +26,7 @@ from pagedllm.server.engine.sampling_rows import logprob_dicts
 from pagedllm.server.engine.spec_decode.spec_decoder import SpecDecoder
 from pagedllm.server.engine.step_inputs import PoolRow, SampleRow, StepResult
 from pagedllm.server.engine.structured_output import StructuredOutputs
+from pagedllm.server.outputs import Logprob
 from pagedllm.server.worker.sampling_batch import SamplerOutput, Tokens
 
 logger = logging.getLogger("pagedllm.engine")
@@ -140,14 +141,16 @@ class StepResults:
 
     def _append(self, group: SequenceGroup, seq: Sequence, tokens: Tokens) -> None:
         """Append the sampled token; the group's first sample forks the other ``best_of - 1``."""
-        tops = logprob_dicts(tokens)
+        tops = logprob_dicts(tokens) if tokens.top is not None else None
         for i in range(1, len(tokens.token_ids)):
             child = self.scheduler.fork(seq, self.new_seq_id())  # NOTE: shares the parent's blocks
             group.seqs.append(child)
             self._append_token(group, child, tokens, tops, i)
         self._append_token(group, seq, tokens, tops, 0)
 
-    def _append_token(self, group: SequenceGroup, seq: Sequence, tokens: Tokens, tops: list, i: int) -> None:
+    def _append_token(
+        self, group: SequenceGroup, seq: Sequence, tokens: Tokens, tops: list[dict[int, Logprob] | None] | None, i: int
+    ) -> None:
         token = tokens.token_ids[i]
         state = self.requests[group.request_id]
         if state.grammar is not None:
@@ -155,7 +158,8 @@ class StepResults:
             if not matcher.accept_token(token):
                 raise RuntimeError(f"the grammar refused token {token} that its own mask allowed")
         logprob = tokens.logprobs[i] if tokens.logprobs is not None else None
-        self.output_processor.append_token(seq, token, logprob, tops[i], group.sampling_params)
+        top = tops[i] if tops is not None else None
+        self.output_processor.append_token(seq, token, logprob, top, group.sampling_params)
         if (
             state.grammar is not None
             and state.matcher(seq, self.structured).is_terminated()

@@ -135,38 +135,40 @@ class Sampler:
         wanted = [k for k in drawn if picked[k].needs_logprobs or picked[k].num_logprobs is not None]
         pending = None
         if wanted:
-            raw = torch.log_softmax(view[_index(wanted, view.device)], dim=-1)
-            width = max(picked[k].num_samples for k in wanted)
-            chosen = torch.stack([_pad(tokens[k], width) for k in wanted])
-            pending = gather_logprobs(raw, chosen, [picked[k].num_logprobs for k in wanted])
+            index = _index(wanted, view.device)
+            raw = torch.log_softmax(view[index], dim=-1)
+            pending = gather_logprobs(raw, tokens[index], [picked[k].num_logprobs for k in wanted])
         beams = self._beam_candidates(view, picked)
-        # NOTE: the step's one read-back: everything above stays on the device until here.
-        token_lists = {k: tokens[k].tolist() for k in drawn}
-        results = {units[k]: Tokens(token_lists[k]) for k in drawn}
+        # NOTE: the step's read-back: everything above stays on the device until here.
+        token_lists = tokens.tolist()
+        results = {units[k]: Tokens(token_lists[k][: picked[k].num_samples]) for k in drawn}
         if pending is not None:
             counts = [picked[k].num_samples for k in wanted]
             for k, logprobs in zip(wanted, pending.tolist(counts, [picked[k].num_logprobs for k in wanted])):
-                results[units[k]] = Tokens(token_lists[k], logprobs.chosen, logprobs.ranks, logprobs.top)
+                results[units[k]] = Tokens(results[units[k]].token_ids, logprobs.chosen, logprobs.ranks, logprobs.top)
         results.update({units[k]: candidates for k, candidates in beams.items()})
         return results
 
-    def _draw(self, logits: torch.Tensor, rows: list[RowSampling], drawn: list[int]) -> dict[int, torch.Tensor]:
-        """Per drawn row k: [num_samples] token ids on the device."""
-        tokens: dict[int, torch.Tensor] = {}
+    def _draw(self, logits: torch.Tensor, rows: list[RowSampling], drawn: list[int]) -> torch.Tensor:
+        """[len(rows), most samples] token ids on the device: drawn row k's first ``num_samples`` are
+        its draws (the rest repeat its first, so every row gathers at one width); beam rows stay 0."""
+        width = max((rows[k].num_samples for k in drawn), default=1)
         greedy = [k for k in drawn if rows[k].greedy]
+        if len(greedy) == len(rows):  # NOTE: the usual greedy batch: one argmax, nothing scattered
+            return logits.argmax(dim=-1, keepdim=True).expand(-1, width)
+        tokens = torch.zeros((len(rows), width), dtype=torch.int64, device=logits.device)
         if greedy:
-            view = logits if len(greedy) == logits.shape[0] else logits[_index(greedy, logits.device)]
-            for k, best in zip(greedy, view.argmax(dim=-1)):
-                tokens[k] = best.expand(rows[k].num_samples)
+            index = _index(greedy, logits.device)
+            view = logits if len(greedy) == logits.shape[0] else logits[index]
+            tokens[index] = view.argmax(dim=-1, keepdim=True).expand(-1, width)
         random = [k for k in drawn if not rows[k].greedy]
         if random:
             view = logits if len(random) == logits.shape[0] else logits[_index(random, logits.device)]
             probs = filtered_probs(view, [rows[k] for k in random])
             for j, k in enumerate(random):
                 row = rows[k]
-                tokens[k] = torch.multinomial(
-                    probs[j], row.num_samples, replacement=True, generator=self.generator_of(row)
-                )
+                draw = torch.multinomial(probs[j], row.num_samples, replacement=True, generator=self.generator_of(row))
+                tokens[k] = _pad(draw, width)
         return tokens
 
     @staticmethod
