@@ -75,6 +75,9 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, prompt_logits: torch.Tensor | None, batch: SamplingBatch) -> SamplerOutput:
         """``logits``: [len(batch.rows), vocab] float32; ``prompt_logits``: one row per scored prompt token."""
         out = SamplerOutput([None] * batch.num_sample_rows, [None] * len(batch.verify), [None] * len(batch.prompts))
+        logits = logits.float()  # NOTE: a no-op for the float32 LM heads; processors and draws run in float32
+        if prompt_logits is not None:
+            prompt_logits = prompt_logits.float()
         rows = batch.rows
         sample_units = list(range(batch.num_sample_rows))
         for i, tokens in self._isolated(

@@ -16,9 +16,12 @@ from dataclasses import dataclass, field
 import numpy as np
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class RowSampling:
-    """How one row of the step's logits becomes tokens (or beam candidates)."""
+    """How one row of the step's logits becomes tokens (or beam candidates).
+
+    NOTE: frozen, so the engine may send one object again while it still describes the row;
+    compared by identity (its numpy fields have no single truth value)."""
 
     request_id: str
     """The request the row belongs to: names its seeded generator and its failures."""
