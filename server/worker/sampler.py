@@ -73,59 +73,26 @@ class Sampler:
             self._generators.pop(request_id, None)
 
     def __call__(self, logits: torch.Tensor, prompt_logits: torch.Tensor | None, batch: SamplingBatch) -> SamplerOutput:
-        """``logits``: [len(batch.rows), vocab] float32; ``prompt_logits``: one row per scored prompt token."""
+        """``logits``: [len(batch.rows), vocab]; ``prompt_logits``: one row per scored prompt token."""
         out = SamplerOutput([None] * batch.num_sample_rows, [None] * len(batch.verify), [None] * len(batch.prompts))
         logits = logits.float()  # NOTE: a no-op for the float32 LM heads; processors and draws run in float32
-        if prompt_logits is not None:
-            prompt_logits = prompt_logits.float()
-        rows = batch.rows
-        sample_units = list(range(batch.num_sample_rows))
-        for i, tokens in self._isolated(
-            sample_units, lambda units: self._sample(logits, rows, units), lambda i: rows[i].request_id, out.errors
-        ).items():
-            out.rows[i] = tokens
-        verify = batch.verify
-        for g, tokens in self._isolated(
-            list(range(len(verify))),
+        rows, verify, prompts = batch.rows, batch.verify, batch.prompts
+        _fill(out.rows, out.errors, lambda units: self._sample(logits, rows, units), lambda i: rows[i].request_id)
+        _fill(
+            out.verified,
+            out.errors,
             lambda units: self.verifier.verify(logits, rows, [verify[g] for g in units], units),
             lambda g: rows[verify[g].first_row].request_id,
-            out.errors,
-        ).items():
-            out.verified[g] = tokens
+        )
         if prompt_logits is not None:
-            starts = _starts(batch.prompts)
-            for p, tokens in self._isolated(
-                list(range(len(batch.prompts))),
-                lambda units: _score_prompts(prompt_logits, batch.prompts, starts, units),
-                lambda p: batch.prompts[p].request_id,
+            scored, starts = prompt_logits.float(), _starts(prompts)
+            _fill(
+                out.prompts,
                 out.errors,
-            ).items():
-                out.prompts[p] = tokens
+                lambda units: _score_prompts(scored, prompts, starts, units),
+                lambda p: prompts[p].request_id,
+            )
         return out
-
-    @staticmethod
-    def _isolated(
-        units: list[int],
-        run: Callable[[list[int]], dict[int, Tokens]],
-        request_of: Callable[[int], str],
-        errors: dict[str, str],
-    ) -> dict[int, Tokens]:
-        """``run(units)``; if it raises, each unit alone, recording the requests of those that raise."""
-        if not units:
-            return {}
-        try:
-            return run(units)
-        except Exception as exc:
-            if len(units) == 1:
-                _fail(errors, request_of(units[0]), exc)
-                return {}
-        results: dict[int, Tokens] = {}
-        for unit in units:  # NOTE: one at a time, to find the units that raise
-            try:
-                results.update(run([unit]))
-            except Exception as exc:
-                _fail(errors, request_of(unit), exc)
-        return results
 
     def _sample(self, logits: torch.Tensor, rows: list[RowSampling], units: list[int]) -> dict[int, Tokens]:
         """Tokens (or beam candidates) of the sample rows ``units``."""
@@ -187,6 +154,33 @@ class Sampler:
             k: Tokens(ids[j][: rows[k].num_beam_candidates], values[j][: rows[k].num_beam_candidates])
             for j, k in enumerate(beams)
         }
+
+
+def _fill(
+    target: list[Tokens | None],
+    errors: dict[str, str],
+    run: Callable[[list[int]], dict[int, Tokens]],
+    request_of: Callable[[int], str],
+) -> None:
+    """``target[i] = run(all units)[i]``; if that raises, each unit alone, recording the requests of the
+    units that raise in ``errors`` (their entries stay None)."""
+    units = list(range(len(target)))
+    if not units:
+        return
+    try:
+        results = run(units)
+    except Exception as exc:
+        if len(units) == 1:
+            _fail(errors, request_of(units[0]), exc)
+            return
+        results = {}
+        for unit in units:  # NOTE: one at a time, to find the units that raise
+            try:
+                results.update(run([unit]))
+            except Exception as unit_exc:
+                _fail(errors, request_of(unit), unit_exc)
+    for unit, tokens in results.items():
+        target[unit] = tokens
 
 
 def _fail(errors: dict[str, str], request_id: str, error: Exception) -> None:
