@@ -67,6 +67,11 @@ class Sampler:
             self._generators[row.request_id] = generator
         return generator
 
+    @property
+    def num_generators(self) -> int:
+        """Seeded requests whose generators are kept."""
+        return len(self._generators)
+
     def forget(self, request_ids: Iterable[str]) -> None:
         """Drop finished requests' generators."""
         for request_id in request_ids:
