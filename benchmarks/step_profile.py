@@ -88,7 +88,7 @@ class Clock:
 
 
 class TimedSampler:
-    """The engine's sampler behind a timer (``__call__`` cannot be wrapped on the instance)."""
+    """The worker's sampler behind a timer (``__call__`` cannot be wrapped on the instance)."""
 
     def __init__(self, sampler, clock: Clock) -> None:
         self._sampler = sampler
@@ -122,7 +122,9 @@ def instrument(engine, clock: Clock) -> None:
     sched.free_finished = clock.timed("schedule", sched.free_finished)
     builder = engine.step_builder
     builder.build = clock.timed("step inputs", builder.build)
+    engine.sampling_rows.build = clock.timed("step inputs", engine.sampling_rows.build)
     runner.execute = clock.timed("runner.execute", runner.execute)
+    runner.sampler = TimedSampler(runner.sampler, clock)
     runner.ops = _timed_ops(runner.ops, clock)
     model = runner.model
     model.forward = clock.timed("model.forward", model.forward)
@@ -139,7 +141,6 @@ def instrument(engine, clock: Clock) -> None:
             if isinstance(module, cls):
                 module.forward = clock.timed(label, module.forward)
     engine.step_results.apply = clock.timed("step_results.apply", engine.step_results.apply)
-    engine.step_results.sampler = TimedSampler(engine.step_results.sampler, clock)
     processor = engine.output_processor
     processor.request_output = clock.timed("outputs (RequestOutput per request)", processor.request_output)
 
@@ -172,9 +173,10 @@ def components(step: dict[str, float]) -> dict[str, float]:
         "worker glue (execute rest)": g["runner.execute"]
         - g["attention metadata"]
         - g["model.forward"]
-        - g["LM head (logits)"],
+        - g["LM head (logits)"]
+        - g["sampler"],
         "sampler": g["sampler"],
-        "token append, stop checks (step results rest)": g["step_results.apply"] - g["sampler"],
+        "token append, stop checks (step results rest)": g["step_results.apply"],
         "outputs (RequestOutput per request)": g["outputs (RequestOutput per request)"],
         "engine glue (step rest)": g["engine.step"]
         - g["schedule"]

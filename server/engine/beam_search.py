@@ -1,9 +1,10 @@
 """Beam search decisions, with Hugging Face's scoring and stopping rules.
 
-One call per step and group: given the log-probabilities of every running beam, pick
-the next beams and the hypotheses that finish. The scheduler then forks and drops
-sequences accordingly (the paper's Fig. 9: beams share blocks, and a dropped beam's
-blocks lose a reference).
+One call per step and group: given each running beam's best candidates (the worker's
+``max(2, 1 + #eos) * k`` likeliest tokens and their log-probabilities: the only ones that
+can rank among the best pairs overall), pick the next beams and the hypotheses that
+finish. The scheduler then forks and drops sequences accordingly (the paper's Fig. 9:
+beams share blocks, and a dropped beam's blocks lose a reference).
 
 Per step, as in ``transformers``' beam search:
 
@@ -23,12 +24,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import torch
+import numpy as np
 
 from pagedllm.server.core.scheduler import Scheduler
 from pagedllm.server.core.sequence import Sequence, SequenceGroup, SequenceStatus
 from pagedllm.server.engine.output_processor import OutputProcessor
 from pagedllm.server.sampling_params import SamplingParams
+from pagedllm.server.worker.sampling_batch import Tokens
 
 
 @dataclass
@@ -57,26 +59,20 @@ class BeamStep:
 def beam_step(
     state: BeamState,
     beams: list[Sequence],
-    logprobs: torch.Tensor,
+    best: list[Tokens],
     params: SamplingParams,
     eos_token_ids: tuple[int, ...],
     at_length_limit: bool,
 ) -> BeamStep:
-    """Decide one step. ``logprobs``: [len(beams), vocab] log-softmax of each beam's logits.
+    """Decide one step. ``best[i]``: the likeliest tokens of ``beams[i]`` and their log-probabilities
+    (``log_softmax`` of the beam's logits), best first.
 
     ``at_length_limit`` says the new token is the last one allowed (max_tokens or max_model_len).
     """
     width = params.best_of
     eos = () if params.ignore_eos else tuple(eos_token_ids)
     gen_len = len(beams[0].output_token_ids) + 1
-    scores = logprobs + torch.tensor([b.cumulative_logprob for b in beams], dtype=logprobs.dtype)[:, None]
-    keep = min(max(2, 1 + len(eos)) * width, scores.numel())
-    top_scores, top_index = scores.view(-1).topk(keep)
-    vocab = logprobs.shape[1]
-    candidates = []
-    for score, index in zip(top_scores.tolist(), top_index.tolist()):
-        beam, token = divmod(index, vocab)
-        candidates.append(Candidate(beams[beam], token, float(logprobs[beam, token]), score))
+    candidates = _ranked(beams, best, max(2, 1 + len(eos)) * width)
     ends = [at_length_limit or c.token in eos for c in candidates]
     running = [c for c, end in zip(candidates, ends) if not end][:width]
     full = len(state.hypotheses) >= width and params.early_stopping is True
@@ -91,6 +87,18 @@ def beam_step(
         or (len(state.hypotheses) + len(finished) >= width and params.early_stopping is True)
     )
     return BeamStep(running, finished, done)
+
+
+def _ranked(beams: list[Sequence], best: list[Tokens], keep: int) -> list[Candidate]:
+    """The ``keep`` best (beam, token) pairs by cumulative log-probability, best first."""
+    pool = []
+    for b, (beam, tokens) in enumerate(zip(beams, best)):
+        assert tokens.logprobs is not None
+        cumulative = np.float32(beam.cumulative_logprob)
+        for r, (token, logprob) in enumerate(zip(tokens.token_ids, tokens.logprobs)):
+            # NOTE: scored in float32, as the model's log-probabilities are
+            pool.append((-float(np.float32(logprob) + cumulative), b, r, token, logprob))
+    return [Candidate(beams[b], token, logprob, -score) for score, b, _, token, logprob in sorted(pool)[:keep]]
 
 
 def _update_improvable(
@@ -128,15 +136,14 @@ class BeamSearch:
         self.outputs = outputs
         self.new_seq_id = new_seq_id
 
-    def step(self, group: SequenceGroup, state: BeamState, beams: list[Sequence], logits: torch.Tensor) -> None:
-        """Advance ``group`` by one token; ``logits``: [len(beams), vocab], row i for ``beams[i]``."""
+    def step(self, group: SequenceGroup, state: BeamState, beams: list[Sequence], candidates: list[Tokens]) -> None:
+        """Advance ``group`` by one token; ``candidates[i]``: the worker's best tokens for ``beams[i]``."""
         params = group.sampling_params
         gen_len = len(beams[0].output_token_ids) + 1
         at_limit = (params.max_tokens is not None and gen_len >= params.max_tokens) or len(
             beams[0]
         ) + 1 >= self.outputs.max_model_len
-        logprobs = torch.log_softmax(logits.float().cpu(), dim=-1)
-        decided = beam_step(state, beams, logprobs, params, self.outputs.eos_token_ids, at_limit)
+        decided = beam_step(state, beams, candidates, params, self.outputs.eos_token_ids, at_limit)
         add_hypotheses(state, [self._hypothesis(c, gen_len, params) for c in decided.finished], params.best_of)
         if decided.done:
             for beam in beams:

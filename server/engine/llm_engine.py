@@ -3,8 +3,9 @@
 ::
 
     add_request ─► InputProcessor (encode, validate) ─► Scheduler.waiting
-    step():  Scheduler.schedule() ─► StepBuilder.build() ─► ModelRunner.execute() ─► Sampler / BeamSearch / pooling
-             ─► OutputProcessor (text, stop checks) ─► [RequestOutput | EmbeddingRequestOutput]
+    step():  Scheduler.schedule() ─► StepBuilder.build() + SamplingRows.build() ─► ModelRunner.execute()
+             (model, then sampling on the worker's device: tokens back) ─► StepResults (tokens, beams,
+             pooling) ─► OutputProcessor (text, stop checks) ─► [RequestOutput | EmbeddingRequestOutput]
 
 Embedding requests (``PoolingParams``) are scheduled with the others and prefilled the
 same way, in chunks; the step that computes the end of the prompt pools it, the request
@@ -21,8 +22,6 @@ import weakref
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from pagedllm.server.config import ConfigError, EngineConfig, choose_token_budget
 from pagedllm.server.core.block_manager import BlockManager
 from pagedllm.server.core.kv_reservation import KVReservation
@@ -36,7 +35,7 @@ from pagedllm.server.engine.input_processor import InputProcessor, PromptType
 from pagedllm.server.engine.lora_registry import LoRARegistry
 from pagedllm.server.engine.model_info import ModelInfo, load_tokenizer, read_model_info
 from pagedllm.server.engine.output_processor import OutputProcessor
-from pagedllm.server.engine.sampler import Sampler
+from pagedllm.server.engine.sampling_rows import SamplingRows
 from pagedllm.server.engine.spec_decode.draft_model import DraftModel
 from pagedllm.server.engine.spec_decode.spec_decoder import SpecDecoder
 from pagedllm.server.engine.step_inputs import StepBuilder, StepResult
@@ -128,7 +127,6 @@ class LLMEngine:
         self.loras = LoRARegistry(self.runner.lora, self.lora_slots)
         """Adapters checked against the model, by id."""
         self.scheduler = Scheduler(config.scheduler, self.block_manager, self.lora_slots)
-        self.sampler = Sampler(config.model.seed)
         self.input_processor = InputProcessor(self.tokenizer, info.vocab_size, limit, config.scheduler.max_num_seqs)
         self.output_processor = OutputProcessor(self.tokenizer, info.eos_token_ids, limit)
         self.request_output: Callable[[SequenceGroup], Any] = OutputProcessor.request_output
@@ -139,17 +137,20 @@ class LLMEngine:
         self.step_failures = StepFailureWindow()
         beam_search = BeamSearch(self.scheduler, self.output_processor, self._next_seq_id)
         self.spec_decoder = self._spec_decoder(config)
+        structured = StructuredOutputs(self.tokenizer, info.vocab_size, info.eos_token_ids)
+        self.sampling_rows = SamplingRows(self._requests, structured, info.eos_token_ids)
+        """Describes each step's rows for the worker's sampler."""
         self.step_results = StepResults(
-            self.sampler,
             self.output_processor,
             beam_search,
             self.scheduler,
             self._requests,
             self._next_seq_id,
-            StructuredOutputs(self.tokenizer, info.vocab_size, info.eos_token_ids),
-            FaultInjector.from_env(),
+            structured,
+            None,
             self.spec_decoder,
         )
+        self.faults = FaultInjector.from_env()
 
     def _spec_decoder(self, config: EngineConfig) -> SpecDecoder | None:
         spec = config.scheduler.speculative_config
@@ -163,7 +164,7 @@ class LLMEngine:
                 problem=f"is not supported with kv_reservation={config.cache.kv_reservation!r}",
                 subject="{name}",
             )
-        return SpecDecoder(spec, self.sampler, self.output_processor, self.block_manager, self._requests, self.draft)
+        return SpecDecoder(spec, self.output_processor, self.block_manager, self._requests, self.draft)
 
     @property
     def faults(self) -> FaultInjector | None:
@@ -173,6 +174,8 @@ class LLMEngine:
     @faults.setter
     def faults(self, value: FaultInjector | None) -> None:
         self.step_results.faults = value
+        if self.runner.sampler is not None:  # NOTE: the driver's sampler draws in this process
+            self.runner.sampler.fault_hook = value.check_sampler if value is not None and value.sampler else None
 
     @property
     def max_model_len(self) -> int:
@@ -250,11 +253,10 @@ class LLMEngine:
             pooling_params=pooling,
             lora_request=lora_request,
         )
-        generator = torch.Generator().manual_seed(sampling.seed) if sampling.seed is not None else None
         guided = sampling.guided_decoding
         grammar = self.step_results.structured.compile(guided) if guided is not None else None
         beam = BeamState() if sampling.use_beam_search else None
-        self._requests[request_id] = RequestState(group, generator, beam, grammar)
+        self._requests[request_id] = RequestState(group, beam, grammar)
         self.scheduler.add(group)
 
     def add_lora(self, lora_request: LoRARequest | None) -> None:
@@ -294,7 +296,7 @@ class LLMEngine:
         """Stop the request(s) wherever they are; their blocks are freed at once. Unknown ids are ignored."""
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
         for group in self.scheduler.abort(ids):
-            self._requests.pop(group.request_id, None)
+            self._forget(group)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -325,6 +327,7 @@ class LLMEngine:
                 inputs, model_step = self.step_builder.build(
                     out, self.block_manager.tables, self.block_manager.table_versions
                 )
+                model_step = dataclasses.replace(model_step, sampling=self.sampling_rows.build(inputs, failed))
                 result = StepResult.of(inputs, self.runner.execute(model_step))
             except WorkerDiedError as exc:
                 raise EngineFatalError(str(exc)) from exc
@@ -343,9 +346,14 @@ class LLMEngine:
             output = self._output(group)
             output.error = failed.get(group.request_id)
             if output.finished:
-                self._requests.pop(output.request_id, None)
+                self._forget(group)
             outputs.append(output)
         return outputs
+
+    def _forget(self, group: SequenceGroup) -> None:
+        """Drop a request that ended: its state here, and (next step) its generator on the worker."""
+        if self._requests.pop(group.request_id, None) is not None:
+            self.sampling_rows.finished(group.request_id, group.sampling_params)
 
     def _output(self, group: SequenceGroup) -> EngineOutput:
         if group.pooling_params is None:

@@ -3,7 +3,7 @@ rows whose logits matter, and the :class:`~pagedllm.server.worker.model_step.Mod
 
     SchedulerOutput + block tables ─► StepBuilder.build ─┬► StepInputs (which sequence each logits row is)
                                                          └► ModelStep (tensors) ─► ModelRunner.execute
-                                                                                     └► StepOutputs (logits)
+                                                                                     └► StepOutputs (tokens)
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from pagedllm.server.lora_request import LoRARequest
 from pagedllm.server.worker.attention import AttentionMetadata
 from pagedllm.server.worker.lora_model import StepLoRA
 from pagedllm.server.worker.model_step import ModelStep, StepOutputs
+from pagedllm.server.worker.sampling_batch import SamplerOutput
 
 
 @dataclass
@@ -77,13 +78,13 @@ class StepResult:
     """A step's rows and the worker's outputs for them (see :class:`StepOutputs`)."""
 
     inputs: StepInputs
-    logits: torch.Tensor  # [len(inputs.sample_rows) + the spec rows' positions, vocab] float32
-    prompt_logits: torch.Tensor | None  # [len(inputs.prompt_index), vocab] float32
+    sampled: SamplerOutput | None
+    """Tokens of the sample rows, verified proposals and prompt log-probabilities (None: no sampling)."""
     pooled: torch.Tensor | None = None  # [len(inputs.pool_rows), hidden] float32 sums, on the CPU
 
     @classmethod
     def of(cls, inputs: StepInputs, outputs: StepOutputs) -> StepResult:
-        return cls(inputs, outputs.logits, outputs.prompt_logits, outputs.pooled)
+        return cls(inputs, outputs.sampled, outputs.pooled)
 
 
 Entry = tuple[SequenceGroup, Sequence, int]

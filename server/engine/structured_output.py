@@ -3,8 +3,9 @@
 Built on xgrammar. A request's grammar is compiled once when it is added (xgrammar keeps
 compiled grammars in its own cache, so a schema sent again compiles instantly); each of
 its sequences gets a matcher that follows the tokens it accepts. Every step the masks of
-all constrained rows are filled into one bitmask and handed to the sampler, which applies
-them after the raw log-probabilities are taken (so reported logprobs stay the model's).
+all constrained rows are filled into one packed bitmask on the host and sent with the step
+to the worker's sampler, which applies it on the device after the raw log-probabilities are
+taken (so reported logprobs stay the model's).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import json
 import re
 from typing import Any
 
-import torch
+import numpy as np
 
 from pagedllm.server.config import ConfigError
 from pagedllm.server.sampling_params import GuidedDecodingParams
@@ -81,11 +82,11 @@ class StructuredOutputs:
     def matcher(self, grammar: Any) -> Any:
         return self._xgrammar().GrammarMatcher(grammar)
 
-    def masks(self, matchers: list[Any]) -> torch.Tensor:
-        """[len(matchers), vocab_size] bool: the tokens each matcher allows next."""
+    def masks(self, matchers: list[Any]) -> np.ndarray:
+        """[len(matchers), ceil(vocab_size / 32)] int32: the tokens each matcher allows next, packed
+        (bit j of word w: token 32 w + j)."""
         xgrammar = self._xgrammar()
         bitmask = xgrammar.allocate_token_bitmask(len(matchers), self.vocab_size)
         for row, matcher in enumerate(matchers):
             matcher.fill_next_token_bitmask(bitmask, row)
-        bits = (bitmask.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1
-        return bits.view(len(matchers), -1)[:, : self.vocab_size].bool()
+        return bitmask.numpy()

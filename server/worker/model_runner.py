@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import time
@@ -22,6 +23,7 @@ from pagedllm.server.worker.models.base import CausalLM
 from pagedllm.server.worker.models.cpu_linear import prepack_linears
 from pagedllm.server.worker.models.fused_linear import fuse_projections
 from pagedllm.server.worker.models.tensor_parallel import TPGroup
+from pagedllm.server.worker.sampler import Sampler
 from pagedllm.server.worker.tp_workers import TPWorkers
 
 logger = logging.getLogger(__name__)
@@ -93,6 +95,8 @@ class ModelRunner:
         self.host_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.graphs: DecodeGraphs | None = None
         """Captured decode steps (CUDA, one rank, no LoRA, not ``enforce_eager``), once the cache exists."""
+        self.sampler = Sampler(config.model.seed, self.device) if self.tp.rank == 0 else None
+        """Turns the step's logits into tokens; the driver's alone (the other ranks never sample)."""
 
     def _load_model(self, hf_config: dict) -> CausalLM:
         cls = model_class(hf_config)
@@ -257,7 +261,7 @@ class ModelRunner:
         """Move and copy blocks as the step says, then run the model on its tokens (on every rank)."""
         if self.workers is None:
             return self.run_step(step)
-        self.workers.send(("step", step.to_wire()))
+        self.workers.send(("step", dataclasses.replace(step, sampling=None).to_wire()))
         self.workers.step_started()
         try:
             return self.run_step(step)
@@ -269,19 +273,21 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run_step(self, step: ModelStep) -> StepOutputs:
-        """This rank's part of a step: block moves, then the model (prompt logits whole on rank 0)."""
+        """This rank's part of a step: block moves, the model, then (the driver) sampling."""
         if self.fault == "die":
             os._exit(3)
         if self.fault == "hang":
             time.sleep(3600)
         step = step.to(self.device)
+        if step.sampling is not None and self.sampler is not None:
+            self.sampler.forget(step.sampling.finished_request_ids)
         self._move_blocks(step.swap_out, to_host=True)
         self._move_blocks(step.swap_in, to_host=False)
         if step.copies:
             mapping = torch.tensor(step.copies, dtype=torch.int64, device=self.device)
             self.ops.copy_blocks([k for k, _ in self.kv_caches], [v for _, v in self.kv_caches], mapping)
         if step.input_ids.numel() == 0:
-            return StepOutputs(torch.empty(0, 0), None, None)
+            return StepOutputs(None, None)
         meta = self.ops.prepare(step.meta, self.block_size)
         adapters = self.lora.running(step.lora, self.device) if self.lora is not None else contextlib.nullcontext()
         if self.graphs is not None and step.pool_index is None and self.graphs.fits(step.input_ids, meta):
@@ -289,9 +295,13 @@ class ModelRunner:
         else:
             with adapters:
                 hidden = self.model(step.input_ids, step.positions, self.kv_caches, meta, self.ops)
+        # NOTE: every rank computes the logits (the LM head's slices are gathered on rank 0); the driver samples
         logits = self.model.compute_logits(hidden[step.sample_index])
         prompt_logits = self.model.compute_logits(hidden[step.prompt_index]) if step.prompt_index is not None else None
-        return StepOutputs(logits, prompt_logits, _pool(hidden, step.pool_index, step.pool_lens))
+        sampled = None
+        if step.sampling is not None and self.sampler is not None:
+            sampled = self.sampler(logits, prompt_logits, step.sampling)
+        return StepOutputs(sampled, _pool(hidden, step.pool_index, step.pool_lens))
 
 
 def _pool(hidden: torch.Tensor, index: torch.Tensor | None, lens: torch.Tensor | None) -> torch.Tensor | None:

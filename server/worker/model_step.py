@@ -1,9 +1,9 @@
 """The worker's step message: everything a rank needs to run one step, tensors built by the engine.
 
 The engine turns a :class:`~pagedllm.server.core.scheduler.SchedulerOutput` into a
-:class:`ModelStep` (:mod:`pagedllm.server.engine.step_inputs`); the worker runs it and returns
-logits (:class:`StepOutputs`). The worker never reads a scheduler output, a sequence or a
-block table.
+:class:`ModelStep` (:mod:`pagedllm.server.engine.step_inputs`); the worker runs it, samples on
+its device and returns tokens (:class:`StepOutputs`), never logits. The worker never reads a
+scheduler output, a sequence or a block table.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from pagedllm.server.worker.attention import TENSOR_FIELDS, AttentionMetadata
+from pagedllm.server.worker.sampling_batch import SamplerOutput, SamplingBatch
 
 if TYPE_CHECKING:
     from pagedllm.server.worker.lora_model import StepLoRA
@@ -24,10 +25,8 @@ if TYPE_CHECKING:
 class StepOutputs(NamedTuple):
     """What a step returns to the engine."""
 
-    logits: torch.Tensor
-    """[sample rows + the verification rows, vocab] float32: the rows of ``ModelStep.sample_index``."""
-    prompt_logits: torch.Tensor | None
-    """[len(prompt_index), vocab] float32, or None when no row scores its prompt."""
+    sampled: SamplerOutput | None
+    """Tokens and asked log-probabilities of the step's sampling (None: nothing sampled, or not the driver)."""
     pooled: torch.Tensor | None
     """[pool rows, hidden] float32 sums on the CPU, or None without embedding requests."""
 
@@ -50,6 +49,8 @@ class ModelStep:
     """[pool rows] how many of ``pool_index`` each row sums."""
     lora: StepLoRA | None = None
     """Each token's LoRA slot and the adapters the step needs resident; None: the base model alone."""
+    sampling: SamplingBatch | None = None
+    """How the rows of ``sample_index`` and ``prompt_index`` become tokens; only the driver gets it."""
 
     def to_wire(self) -> tuple:
         """A by-value form for the pipe to the other ranks (numpy arrays: no shared-memory handles)."""
@@ -66,11 +67,25 @@ class ModelStep:
             _plain(self.pool_index),
             _plain(self.pool_lens),
             self.lora,
+            self.sampling,
         )
 
     @classmethod
     def from_wire(cls, wire: tuple) -> ModelStep:
-        swap_out, swap_in, copies, ids, positions, meta, sample_index, prompt_index, pool_index, pool_lens, lora = wire
+        (
+            swap_out,
+            swap_in,
+            copies,
+            ids,
+            positions,
+            meta,
+            sample_index,
+            prompt_index,
+            pool_index,
+            pool_lens,
+            lora,
+            sampling,
+        ) = wire
         tensors = {name: _tensor(value) for name, value in meta.items()}
         return cls(
             swap_out,
@@ -84,6 +99,7 @@ class ModelStep:
             _tensor(pool_index),
             _tensor(pool_lens),
             lora,
+            sampling,
         )
 
     def to(self, device: torch.device) -> ModelStep:

@@ -3,10 +3,11 @@
 Before each step :meth:`SpecDecoder.propose` gives each eligible decoding sequence up to
 k proposed tokens (``Sequence.spec_token_ids``); the scheduler gives such a sequence one
 chunk of ``1 + k`` tokens, with cache slots, or drops its proposals when there is no room.
-After the step :meth:`SpecDecoder.apply` reads the ``1 + k`` logits rows of each, appends
-the accepted proposals and one more token, counts the accepted proposals as computed
-(their K/V was written by the step, in the right context) and asks the block manager to
-free the blocks that held only rejected ones::
+The worker verifies the ``1 + k`` logits rows of each on its device
+(:mod:`~pagedllm.server.worker.spec_verify`) and returns the emitted tokens; after the step
+:meth:`SpecDecoder.apply` appends the accepted proposals and one more token, counts the
+accepted proposals as computed (their K/V was written by the step, in the right context)
+and asks the block manager to free the blocks that held only rejected ones::
 
     before:  tokens ... t | proposals d0 d1 d2      table: [.. B7 B9]   (B9 for d1, d2)
     verify:  target accepts d0, emits x             tokens ... t d0 x, computed ... t d0
@@ -31,18 +32,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 from pagedllm.server.config import SpeculativeConfig
 from pagedllm.server.core.block_manager import BlockManager
 from pagedllm.server.core.scheduler import SchedulerOutput
 from pagedllm.server.core.sequence import Sequence, SequenceGroup, SequenceStatus
 from pagedllm.server.engine.output_processor import OutputProcessor
-from pagedllm.server.engine.sampler import Sampler, SampleRequest, filtered_probs, top_logprobs
 from pagedllm.server.engine.spec_decode.draft_model import DraftModel, DraftState
 from pagedllm.server.engine.spec_decode.ngram_proposer import NgramIndex
-from pagedllm.server.engine.spec_decode.rejection_sampler import greedy_accept, sample_accept
 from pagedllm.server.engine.step_inputs import SpecRow
+from pagedllm.server.outputs import Logprob
 
 MAX_PAUSE = 64
 """The most steps a sequence whose proposals keep failing goes without proposing."""
@@ -86,7 +84,6 @@ class SpecDecoder:
     def __init__(
         self,
         config: SpeculativeConfig,
-        sampler: Sampler,
         output_processor: OutputProcessor,
         block_manager: BlockManager,
         requests: Mapping[str, Any],
@@ -95,11 +92,10 @@ class SpecDecoder:
         self.config = config
         self.draft = draft
         """The draft model (``draft_model``), None for n-grams."""
-        self.sampler = sampler
         self.output_processor = output_processor
         self.block_manager = block_manager
         self.requests = requests
-        """request id -> RequestState (the engine's; read for the generator and the grammar)."""
+        """request id -> RequestState (the engine's; read for the grammar)."""
         self.stats = SpecDecodeStats(accepted_per_pos=[0] * config.num_speculative_tokens)
         self._states: weakref.WeakKeyDictionary[Sequence, _SeqState] = weakref.WeakKeyDictionary()
 
@@ -190,57 +186,25 @@ class SpecDecoder:
             # NOTE: the K/V of the proposals but the last is written now; apply() counts what stays valid
             self._state(seq).draft = DraftState(len(seq.token_ids), tuple(tables[seq.seq_id]))
 
-    # -- after the step -----------------------------------------------------------------
-    def verify(self, rows: list[SpecRow], logits: torch.Tensor) -> list[tuple[list[int], list[torch.Tensor | None]]]:
-        """Each row's emitted tokens and the model's log-probabilities at its positions (``None``
-        at every position of a row that needs none: greedy without logprobs, as the sampler).
-
-        ``logits``: [sum over rows of 1 + len(drafts), vocab], row after row.
-        """
-        requests = [self._sample_request(row, i) for row in rows for i in range(len(row.draft_token_ids) + 1)]
-        raw, processed = self.sampler.process(logits, requests)
-        verdicts, start = [], 0
-        for row in rows:
-            end = start + len(row.draft_token_ids) + 1
-            logprobs = [raw.get(i) for i in range(start, end)]
-            verdicts.append((self._accept(row, processed[start:end], requests[start]), logprobs))
-            start = end
-        return verdicts
-
-    def _sample_request(self, row: SpecRow, position: int) -> SampleRequest:
-        # NOTE: the request at position i sees the drafts before it as output (penalties, min_tokens).
-        group, seq = row.group, row.seq
-        state = self.requests.get(group.request_id)
-        return SampleRequest(
-            group.sampling_params,
-            seq.prompt_token_ids,
-            seq.output_token_ids + row.draft_token_ids[:position] if position else seq.output_token_ids,
-            generator=state.generator if state is not None else None,
-            eos_token_ids=self.output_processor.eos_token_ids,
-        )
-
-    def _accept(self, row: SpecRow, logits: torch.Tensor, request: SampleRequest) -> list[int]:
-        params = request.params
-        if params.greedy:
-            return greedy_accept(logits.argmax(dim=-1).tolist(), row.draft_token_ids)
-        probs = filtered_probs(logits, [params] * logits.shape[0])
-        return sample_accept(probs, row.draft_token_ids, request.generator or self.sampler.generator)
-
-    def apply(self, row: SpecRow, emitted: list[int], logprobs: list[torch.Tensor | None]) -> None:
+    # -- after the step (the worker verified the proposals: spec_verify) --------------
+    def apply(
+        self,
+        row: SpecRow,
+        emitted: list[int],
+        logprobs: list[float] | None = None,
+        top: list[dict[int, Logprob] | None] | None = None,
+    ) -> None:
         """Append ``emitted`` (until the sequence finishes), count the accepted proposals as computed,
-        free the slots of the rejected ones. ``logprobs``: per position, [vocab] the model's own or None."""
+        free the slots of the rejected ones. ``logprobs`` and ``top``: per emitted token, the model's own
+        (None: not asked for)."""
         seq, params, drafts = row.seq, row.group.sampling_params, row.draft_token_ids
         accepted = len(emitted) - 1
         if self.draft is not None:  # NOTE: the draft wrote K/V for every proposal but the last
             self._state(seq).draft.computed += min(accepted, len(drafts) - 1)
         appended = 0
         for i, token in enumerate(emitted):
-            row_logprobs = logprobs[i]
-            if row_logprobs is None:
-                self.output_processor.append_token(seq, token, None, None, params)
-            else:
-                top = top_logprobs(row_logprobs, token, params.logprobs)
-                self.output_processor.append_token(seq, token, float(row_logprobs[token]), top, params)
+            logprob = logprobs[i] if logprobs is not None else None
+            self.output_processor.append_token(seq, token, logprob, top[i] if top is not None else None, params)
             appended += 1
             if seq.status.finished:
                 break

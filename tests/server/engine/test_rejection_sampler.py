@@ -6,7 +6,7 @@ import itertools
 
 import torch
 
-from pagedllm.server.engine.spec_decode.rejection_sampler import greedy_accept, sample_accept
+from pagedllm.server.worker.rejection_sampler import greedy_accept, sample_accept
 
 VOCAB = 4
 TRIALS = 15_000

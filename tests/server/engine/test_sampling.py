@@ -34,6 +34,21 @@ def test_parallel_samples_are_seeded_and_distinct(llm):
     assert_all_free(llm)
 
 
+def test_seeded_generators_go_with_their_requests(llm):
+    engine = llm.llm_engine
+    sampler = engine.runner.sampler
+    generate(llm, n=2, temperature=1.0, seed=5, max_tokens=4, ignore_eos=True)
+    assert sampler.num_generators == 1  # one per request, until the next step hears it finished
+    engine.add_request("kept", PROMPT, SamplingParams(temperature=1.0, seed=6, max_tokens=50, ignore_eos=True))
+    engine.add_request("aborted", PROMPT, SamplingParams(temperature=1.0, seed=7, max_tokens=50, ignore_eos=True))
+    engine.step()
+    assert sampler.num_generators == 2  # the finished request's went; both new ones drew
+    engine.abort_request("aborted")
+    engine.step()
+    assert sampler.num_generators == 1
+    engine.abort_request("kept")
+
+
 def test_max_tokens_and_length_reason(llm):
     out = generate(llm, temperature=0, max_tokens=9, ignore_eos=True)[0]
     assert len(out.token_ids) == 9 and out.finish_reason == "length"

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import httpx
 import pytest
-import torch
 from api_factories import API_KEY, MODEL_NAME, live_server
 
 from pagedllm.server import LLM
@@ -13,7 +12,6 @@ from pagedllm.server.core.block_manager import BlockManager
 from pagedllm.server.core.scheduler import Scheduler
 from pagedllm.server.core.sequence import Sequence, SequenceGroup, SequenceStatus
 from pagedllm.server.engine.output_processor import OutputProcessor
-from pagedllm.server.engine.sampler import Sampler
 from pagedllm.server.engine.spec_decode.spec_decoder import MAX_PAUSE, SpecDecoder
 from pagedllm.server.engine.step_inputs import SpecRow
 from pagedllm.server.sampling_params import SamplingParams
@@ -27,7 +25,6 @@ def setup(num_blocks: int = 128, k: int = 4) -> tuple[SpecDecoder, Scheduler, Se
     scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=64), bm)
     spec = SpecDecoder(
         SpeculativeConfig(num_speculative_tokens=k, prompt_lookup_min=1, prompt_lookup_max=3),
-        Sampler(0),
         OutputProcessor(None, (), 1000),
         bm,
         {},
@@ -45,7 +42,7 @@ def verify_step(spec: SpecDecoder, scheduler: Scheduler, emitted: list[int]) -> 
     seq = out.scheduled[0].group.seqs[0]
     row = SpecRow(out.scheduled[0].group, seq, list(seq.spec_token_ids))
     scheduler.mark_computed(out)
-    spec.apply(row, emitted, torch.zeros(len(row.draft_token_ids) + 1, 300))
+    spec.apply(row, emitted)
     return row
 
 
@@ -61,7 +58,7 @@ def test_proposals_take_slots_for_one_step_and_rejected_ones_give_them_back():
     row = SpecRow(group, seq, list(seq.spec_token_ids))
     scheduler.mark_computed(out)
     assert seq.num_computed_tokens == 13  # the real token only, until acceptance
-    spec.apply(row, [8, 5], torch.zeros(5, 300))  # one accepted, then the target's own token
+    spec.apply(row, [8, 5])  # one accepted, then the target's own token
     assert seq.output_token_ids == [7, 8, 5] and seq.num_computed_tokens == 14 and not seq.spec_token_ids
     assert len(bm.tables[seq.seq_id]) == 4 and bm.gpu.num_free == free_before + 1  # 15 tokens: 4 blocks
     assert bm.check_invariants() == []

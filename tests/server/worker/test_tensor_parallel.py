@@ -21,6 +21,7 @@ from pagedllm.server import LLM, SamplingParams
 from pagedllm.server.demo import save_tiny_llama
 from pagedllm.server.engine.faults import EngineFatalError
 from pagedllm.server.engine.llm_engine import EngineClosedError
+from pagedllm.server.worker.model_step import ModelStep
 
 pytestmark = pytest.mark.timeout(600)
 MAX_TOKENS = 10
@@ -109,6 +110,24 @@ def test_preemption_sampling_and_beams_at_two_ranks(models, prompts, mode):
         llm_two, two = generate(models["llama-gqa"], prompts, p, tensor_parallel_size=2, **tight)
         same_outputs(one, two, logprob_tol=1e-3)
         assert llm_two.llm_engine.stats().num_preemptions > 0
+
+
+def test_only_the_driver_samples(models, monkeypatch):
+    with LLM(model=models["llama-mha"], block_size=8, num_gpu_blocks_override=64, tensor_parallel_size=2) as llm:
+        runner = llm.llm_engine.runner
+        sent = []
+        send = runner.workers.send
+
+        def noting(message):
+            if message[0] == "step":
+                sent.append(ModelStep.from_wire(message[1]))
+            send(message)
+
+        monkeypatch.setattr(runner.workers, "send", noting)
+        params = SamplingParams(temperature=1.0, seed=3, max_tokens=4, ignore_eos=True, logprobs=1)
+        out = llm.generate([{"prompt_token_ids": [1, 2, 3]}], params)[0].outputs[0]
+        assert len(out.token_ids) == 4 and len(out.logprobs) == 4 and runner.sampler is not None
+        assert len(sent) == 4 and all(step.sampling is None for step in sent)  # the other ranks never sample
 
 
 def test_prefix_caching_hits_at_two_ranks(models):

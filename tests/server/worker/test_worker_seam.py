@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import ast
 import pathlib
+import pickle
 
+import numpy as np
 import torch
 
 from pagedllm.server.worker.attention import AttentionMetadata
 from pagedllm.server.worker.model_step import ModelStep
+from pagedllm.server.worker.sampling_batch import PromptScoring, RowSampling, SamplingBatch
 
 WORKER = pathlib.Path(__file__).resolve().parents[3] / "server" / "worker"
 FORBIDDEN = ("pagedllm.server.core", "pagedllm.server.engine", "pagedllm.server.entrypoints")
@@ -55,3 +58,25 @@ def test_a_model_step_survives_the_wire_to_the_other_ranks():
     assert back.swap_out == [(1, 0)] and back.copies == [(2, 5)] and back.prompt_index is None
     assert torch.equal(back.input_ids, ids) and torch.equal(back.meta.decode_block_tables, meta.decode_block_tables)
     assert back.meta.num_decode_tokens == 2
+
+
+def test_a_step_s_sampling_batch_survives_the_wire_by_value():
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor([3], dtype=torch.int64),
+        num_decode_tokens=1,
+        decode_block_tables=torch.tensor([[0]], dtype=torch.int32),
+        decode_context_lens=torch.tensor([4], dtype=torch.int32),
+        prefill_block_tables=torch.zeros(0, 0, dtype=torch.int32),
+        prefill_cu_seqlens_q=torch.zeros(1, dtype=torch.int32),
+        prefill_context_lens=torch.zeros(0, dtype=torch.int32),
+    )
+    row = RowSampling(
+        "r", temperature=0.5, seed=3, output_token_ids=np.array([1, 2]), allowed=np.zeros(2, dtype=np.int32)
+    )
+    batch = SamplingBatch([row], 1, [], [PromptScoring("r", (5,), 1)], ["gone"])
+    step = ModelStep([], [], [], torch.tensor([7]), torch.tensor([3]), meta, torch.tensor([0]), None, sampling=batch)
+    back = ModelStep.from_wire(pickle.loads(pickle.dumps(step.to_wire())))
+    assert back.sampling is not None and back.sampling.prompts == batch.prompts
+    assert back.sampling.finished_request_ids == ["gone"] and back.sampling.rows[0].seed == 3
+    assert np.array_equal(back.sampling.rows[0].output_token_ids, [1, 2])
+    assert not any(isinstance(v, torch.Tensor) for v in vars(back.sampling.rows[0]).values())

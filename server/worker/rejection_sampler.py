@@ -54,7 +54,7 @@ def sample_accept(
             continue
         p, q = probs[i], draft_probs[i]
         # NOTE: u < p/q without dividing; q[draft] > 0 as the draft was drawn from q.
-        if float(torch.rand((), generator=generator)) * float(q[draft]) < float(p[draft]):
+        if float(torch.rand((), generator=generator, device=generator.device)) * float(q[draft]) < float(p[draft]):
             out.append(draft)
             continue
         out.append(_draw(_residual(p, q), generator))
