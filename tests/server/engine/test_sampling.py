@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pagedllm.server import LLM, SamplingParams
+from tests.support import assert_all_blocks_free
 
 PROMPT = {"prompt_token_ids": [72, 101, 108, 108, 111, 32, 119, 111, 114, 108, 100]}
 
@@ -31,7 +32,7 @@ def test_parallel_samples_are_seeded_and_distinct(llm):
     b = generate(llm, n=3, temperature=1.0, seed=3, max_tokens=10, ignore_eos=True)
     assert [o.token_ids for o in a] == [o.token_ids for o in b]
     assert len({tuple(o.token_ids) for o in a}) > 1
-    assert_all_free(llm)
+    assert_all_blocks_free(llm)
 
 
 def test_seeded_generators_go_with_their_requests(llm):
@@ -159,7 +160,7 @@ def test_abort_frees_every_block(llm):
         engine.step()
     assert engine.stats().num_free_gpu_blocks < engine.stats().num_gpu_blocks
     engine.abort_request([f"a{i}" for i in range(4)])
-    assert_all_free(llm)
+    assert_all_blocks_free(llm)
 
 
 def test_bad_engine_arguments_raise_value_error(tiny_llama):
@@ -169,12 +170,6 @@ def test_bad_engine_arguments_raise_value_error(tiny_llama):
         LLM(model=tiny_llama, blok_size=16)
     with pytest.raises(ValueError, match="max_model_len=5000"):
         LLM(model=tiny_llama, max_model_len=5000)
-
-
-def assert_all_free(llm):
-    stats = llm.llm_engine.stats()
-    assert not llm.llm_engine.has_unfinished_requests()
-    assert stats.num_free_gpu_blocks == stats.num_gpu_blocks and stats.num_running == 0
 
 
 def test_extreme_repetition_penalty_still_samples(llm):
