@@ -41,6 +41,7 @@ from pagedllm.server.engine.spec_decode.spec_decoder import SpecDecoder
 from pagedllm.server.engine.step_inputs import StepBuilder, StepResult
 from pagedllm.server.engine.step_results import RequestState, StepResults
 from pagedllm.server.engine.structured_output import StructuredOutputs
+from pagedllm.server.engine.warm_up import warm_up
 from pagedllm.server.lora_request import LoRARequest
 from pagedllm.server.outputs import EngineOutput
 from pagedllm.server.pooling_params import PoolingParams
@@ -53,9 +54,6 @@ if TYPE_CHECKING:
     from pagedllm.server.engine.kv_event_publisher import ZmqEventPublisher
 
 logger = logging.getLogger("pagedllm.engine")
-
-WARM_UP_PROMPT_TOKENS = 256
-"""Prompt tokens of :meth:`LLMEngine.warm_up`'s request (fewer where the model or the step budget is smaller)."""
 
 
 class EngineClosedError(RuntimeError):
@@ -450,41 +448,8 @@ class LLMEngine:
         return "ready\n  " + "\n  ".join(lines)
 
     def warm_up(self, max_steps: int = 100) -> None:
-        """Run one real request, so a caller knows the model has run.
-
-        NOTE: a prompt and two output tokens make a prefill step and a decode step, so both
-        attention paths are compiled here (the CPU kernels by Numba, the Triton kernels on a
-        GPU), not during the first user request. The prompt is as long as a typical one
-        (:data:`WARM_UP_PROMPT_TOKENS`): the CPU's elementwise kernels have a build that
-        spreads large (prefill) calls over the threads, and it compiles here too. The run
-        leaves no trace a user sees: no cached prefix, no KV event, no prefix-cache counts.
-        """
-        eos = self.model_info.eos_token_ids
-        request_id = "pagedllm-warmup"
-        length = max(2, min(WARM_UP_PROMPT_TOKENS, self.max_model_len - 2, self.config.scheduler.token_budget))
-        bm = self.block_manager
-        counters = bm.prefix_cache_queries, bm.prefix_cache_hits
-        self._publish_kv_events()  # NOTE: what came before is announced; only the warm-up's own events are dropped
-        publisher, self.kv_event_publisher = self.kv_event_publisher, None
-        try:
-            self.add_request(
-                request_id,
-                {"prompt_token_ids": [eos[0] if eos else 0] * length},
-                SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True),
-            )
-            for _ in range(max_steps):
-                if not self.has_unfinished_requests():
-                    break
-                self.step()
-            else:
-                self.abort_request(request_id)
-        finally:
-            # NOTE: the warm-up's prompt is nobody's prefix: its blocks leave the prefix cache
-            # unannounced, so KV event subscribers see the engine's first user block as event 0.
-            bm.reset_prefix_cache()
-            bm.take_kv_events()
-            bm.prefix_cache_queries, bm.prefix_cache_hits = counters
-            self.kv_event_publisher = publisher
+        """Run one real request, so a caller knows the model has run (:func:`warm_up`)."""
+        warm_up(self, max_steps)
 
     # -- state ----------------------------------------------------------------------------
     def stats(self) -> EngineStats:

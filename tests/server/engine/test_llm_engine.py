@@ -12,7 +12,8 @@ from engine_factories import HFReference, assert_greedy_matches, make_prompts
 
 from pagedllm.server import LLM, SamplingParams
 from pagedllm.server.config import ConfigError, EngineConfig
-from pagedllm.server.engine.llm_engine import WARM_UP_PROMPT_TOKENS, EngineClosedError, LLMEngine
+from pagedllm.server.engine.llm_engine import EngineClosedError, LLMEngine
+from pagedllm.server.engine.warm_up import WARM_UP_PROMPT_TOKENS
 
 
 def engine(model_dir: str, **kwargs) -> LLMEngine:
