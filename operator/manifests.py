@@ -353,7 +353,7 @@ def _download_container(spec: PagedLLMSpec, config: RenderConfig, mounts: list[d
         "image": spec.image or config.default_image,
         "imagePullPolicy": spec.image_pull_policy,
         "command": download_args(spec, wait=waits) + adapter_args(spec),
-        "env": hub_env(spec),
+        "env": hub_env(spec, downloads=not waits),
         "resources": WAIT_RESOURCES if waits else download_resources(),
         "securityContext": _container_security(),
         "volumeMounts": [m for m in mounts if m["name"] in ("models", "tmp", "home")],
