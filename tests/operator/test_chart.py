@@ -428,6 +428,7 @@ def test_admission_policy_refuses_what_the_operator_refuses(helm_template):
         ({"image": "ghcr.io/pagedllm/pagedllm:dev", "serviceAccountName": "llm", "runtimeClassName": "nvidia"}, []),
         ({"image": "docker.io/x/y:1"}, ["spec.image=docker.io/x/y:1"]),
         ({"serviceAccountName": "admin"}, ["spec.serviceAccountName=admin"]),
+        ({"serviceAccountName": "default"}, []),
         ({"runtimeClassName": "kata"}, ["spec.runtimeClassName=kata"]),
         ({"routing": picker}, []),
         (
@@ -452,6 +453,20 @@ def test_admission_policy_refuses_what_the_operator_refuses(helm_template):
     (binding,) = by_kind(helm_template(*flags, "--set", "clusterWide=true"))["ValidatingAdmissionPolicyBinding"]
     assert "matchResources" not in binding["spec"]
     assert "ValidatingAdmissionPolicy" not in by_kind(helm_template())
+
+
+def test_admission_policy_refuses_foreign_service_accounts_without_a_list(helm_template):
+    from pagedllm.operator.policy import AdminPolicy
+    from pagedllm.operator.spec import PagedLLMSpec
+
+    docs = helm_template("--set", "policy.admissionPolicy=true")
+    for account, refused in (("default", []), ("cloud-admin", ["spec.serviceAccountName=cloud-admin"])):
+        spec = {"model": "org/m", "serviceAccountName": account}
+        messages = admission(docs, {"apiVersion": "pagedllm.dev/v1alpha1", "kind": "PagedLLM", "spec": spec})
+        assert [m.split(" is not allowed")[0] for m in messages] == refused
+        assert all(m.endswith('allowed are ["default"]') for m in messages), messages
+        problem = AdminPolicy().check(PagedLLMSpec.from_dict(spec), "img", "epp")
+        assert (problem is not None) == bool(refused)  # the operator agrees
 
 
 def test_policy_lists_reach_the_operator(helm_template):

@@ -130,7 +130,22 @@ def test_service_defaults_and_type():
     service = render(body(), CONFIG).service
     assert service["spec"]["type"] == "ClusterIP"
     assert service["spec"]["ports"] == [{"name": "http", "port": 8000, "targetPort": "http", "protocol": "TCP"}]
-    assert render(body(serviceType="LoadBalancer"), CONFIG).service["spec"]["type"] == "LoadBalancer"
+    public = render(body(serviceType="LoadBalancer", apiKeySecret={"name": "k"}), CONFIG).service
+    assert public["spec"]["type"] == "LoadBalancer"
+
+
+@pytest.mark.parametrize("service_type", ["NodePort", "LoadBalancer"])
+def test_a_public_service_needs_an_api_key_or_an_explicit_allowance(service_type):
+    with pytest.raises(SpecError) as refused:
+        render(body(serviceType=service_type), CONFIG)
+    assert str(refused.value) == (
+        f"spec.serviceType={service_type!r} is not allowed without spec.apiKeySecret: the Service is reachable from "
+        "outside the cluster and the server would answer anyone; set apiKeySecret, use serviceType 'ClusterIP', "
+        "or set allowUnauthenticatedPublicService: true to serve it without a key"
+    )
+    allowed = render(body(serviceType=service_type, allowUnauthenticatedPublicService=True), CONFIG)
+    assert allowed.service["spec"]["type"] == service_type
+    assert render(body(allowUnauthenticatedPublicService=False), CONFIG).service["spec"]["type"] == "ClusterIP"
 
 
 def test_generation_is_recorded_on_the_deployment():
