@@ -28,6 +28,7 @@ from pagedllm.operator.model_source import (  # noqa: F401 (the model source's n
     parse_model_cache,
     parse_model_source,
 )
+from pagedllm.operator.network_policy import NetworkPolicySettings, parse_network_policy
 from pagedllm.operator.rollout import Rollout, RolloutPlan, parse_rollout, plan_rollout
 from pagedllm.operator.spec_fields import (  # noqa: F401 (SpecError and GPU_RESOURCE are imported from here)
     GPU_RESOURCE,
@@ -183,6 +184,9 @@ class PagedLLMSpec:
     )
     """Serve a NodePort or LoadBalancer Service without apiKeySecret, on purpose (refused otherwise)."""
     model_cache: ModelCache | None = field(default=None, metadata=_nested("modelCache", parse_model_cache))
+    network_policy: NetworkPolicySettings = field(
+        default_factory=NetworkPolicySettings, metadata=_nested("networkPolicy", parse_network_policy)
+    )
     startup_timeout_seconds: int = field(
         default=1800, metadata=_scalar("startupTimeoutSeconds", int, minimum=60, maximum=86400)
     )

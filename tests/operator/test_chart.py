@@ -221,6 +221,7 @@ NAMESPACED_RULES = (
     | {("pagedllm.dev", "pagedllms/status", "patch")}
     | {("pagedllm.dev", "pagedllms/finalizers", "update")}
     | {("policy", "poddisruptionbudgets", v) for v in ("get", "create", "patch", "delete")}
+    | {("networking.k8s.io", "networkpolicies", v) for v in ("get", "create", "patch", "delete")}
     | {("autoscaling", "horizontalpodautoscalers", v) for v in ("get", "list", "watch", "create", "patch", "delete")}
     | {
         ("inference.networking.k8s.io", "inferencepools", v)
@@ -281,6 +282,8 @@ def test_rbac_per_namespace(helm_template):
 DELETABLE = {"poddisruptionbudgets", "horizontalpodautoscalers", "scaledobjects", "inferencepools", "podmonitors"}
 # The server pods' owner switches kind with spec.nodes: the one no longer rendered is deleted (if the operator's).
 DELETABLE |= {"deployments", "leaderworkersets"}
+# A resource's NetworkPolicies, when its spec (or the Job they fence) no longer asks for them.
+DELETABLE |= {"networkpolicies"}
 
 
 def test_no_wildcards_and_deletes_only_of_fleet_objects(helm_template):
@@ -467,6 +470,13 @@ def test_admission_policy_refuses_foreign_service_accounts_without_a_list(helm_t
         assert all(m.endswith('allowed are ["default"]') for m in messages), messages
         problem = AdminPolicy().check(PagedLLMSpec.from_dict(spec), "img", "epp")
         assert (problem is not None) == bool(refused)  # the operator agrees
+
+
+def test_network_policies_are_on_by_default_and_the_switch_reaches_the_operator(helm_template):
+    assert parse_operator_args(operator_container(helm_template())).network_policies is True
+    off = operator_container(helm_template("--set", "networkPolicy.enabled=false"))
+    assert "--no-network-policies" in off["args"]
+    assert parse_operator_args(off).network_policies is False
 
 
 def test_policy_lists_reach_the_operator(helm_template):

@@ -90,8 +90,8 @@ def test_owner_references_on_everything():
         ),
         CONFIG,
     )
-    kinds = ["PersistentVolumeClaim", "Job", "Deployment", "Service", "PodDisruptionBudget", "PodMonitor"]
-    kinds.append("InferencePool")
+    kinds = ["PersistentVolumeClaim", "NetworkPolicy", "NetworkPolicy", "Job", "Deployment", "Service"]
+    kinds += ["PodDisruptionBudget", "PodMonitor", "InferencePool"]
     assert [manifest["kind"] for manifest in m.all()] == kinds
     for manifest in m.all():
         assert manifest["metadata"]["namespace"] == "ml"
