@@ -137,6 +137,15 @@ def add_operator_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
         "a multi-node group's ports from its own pods, egress only where downloads run); "
         "--no-network-policies renders none (default: on).",
     )
+    parser.add_argument(
+        "--network-policy-namespace",
+        dest="network_policy_namespaces",
+        action="append",
+        default=[],
+        metavar="NS",
+        help="A namespace whose pods may reach every PagedLLM's API port whatever its networkPolicy.apiClients "
+        "(Prometheus scraping /metrics, a Gateway's proxies); repeat for several.",
+    )
     for flag, what in (
         ("--allowed-image", "an image pattern (fnmatch: ghcr.io/org/*) server and picker containers may run"),
         (
@@ -218,6 +227,7 @@ def run_operator(args: argparse.Namespace) -> int:
         pod_monitor_labels=tuple(args.pod_monitor_labels),
         endpoint_picker_image=args.endpoint_picker_image,
         network_policies=args.network_policies,
+        network_policy_namespaces=tuple(args.network_policy_namespaces),
     )
     kube = KubeClient()
     metrics = OperatorMetrics()

@@ -86,6 +86,8 @@ class RenderConfig:
     """Image of the endpoint pickers deployed for spec.routing.endpointPicker.deploy."""
     network_policies: bool = True
     """Render each resource's NetworkPolicies (spec.networkPolicy.enabled turns one resource's off)."""
+    network_policy_namespaces: tuple[str, ...] = ()
+    """Namespaces whose pods may always reach every API port (Prometheus, a Gateway's proxies)."""
 
     def __post_init__(self) -> None:
         if self.autoscaler not in AUTOSCALERS:
@@ -196,7 +198,9 @@ def _network_policies(name: str, spec: PagedLLMSpec, config: RenderConfig) -> tu
     downloads = download_pod_labels(name) if uses_download_job(spec) else None
     routing = spec.routing
     picker = picker_labels(name) if routing.inference_pool and routing.deploy_picker else None
-    policies = render_network_policies(name, spec, server_pod_labels(name), downloads, picker)
+    policies = render_network_policies(
+        name, spec, server_pod_labels(name), downloads, picker, config.network_policy_namespaces
+    )
     for policy in policies:
         policy["metadata"]["labels"] = labels(name)
     return policies

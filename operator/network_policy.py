@@ -6,7 +6,8 @@
       ingress  spec.port (TCP)          from networkPolicy.apiClients; unset: every pod of the namespace
                                         (ClusterIP), or any source (NodePort, LoadBalancer: meant to be
                                         reached from outside, behind apiKeySecret); plus the deployed
-                                        endpoint picker's pods
+                                        endpoint picker's pods and the namespaces the admin allows
+                                        (--network-policy-namespace: Prometheus, a Gateway's proxies)
       ingress  every port               (spec.nodes > 1) from the resource's own server pods: the engine's
                                         channel (29501), torch.distributed's store (29502) and the sockets
                                         NCCL and gloo open on ports of their choosing
@@ -41,6 +42,7 @@ API_VERSION = "networking.k8s.io/v1"
 KIND = "NetworkPolicy"
 DOWNLOAD_SUFFIX = "-model-download"
 PEER_KEYS = ("podSelector", "namespaceSelector", "ipBlock")
+NAMESPACE_NAME_LABEL = "kubernetes.io/metadata.name"  # set by the API server on every namespace
 DNS_PORTS = ({"protocol": "UDP", "port": 53}, {"protocol": "TCP", "port": 53})
 
 
@@ -90,22 +92,23 @@ def render_network_policies(
     server_pods: Mapping[str, str],
     download_pods: Mapping[str, str] | None,
     picker_pods: Mapping[str, str] | None,
+    namespaces: tuple[str, ...] = (),
 ) -> tuple[dict, ...]:
     """The policies of the resource ``name``: its server pods' (matched by ``server_pods``), and its
-    download Job pods' (``download_pods``, ``None`` without a Job). ``picker_pods``: the deployed
-    endpoint picker's labels, which may always reach the API port."""
-    policies = [_server_policy(name, spec, server_pods, picker_pods)]
+    download Job pods' (``download_pods``, ``None`` without a Job). ``picker_pods`` (the deployed
+    endpoint picker's labels) and the pods of ``namespaces`` (the admin's) may always reach the API port."""
+    always = [{"podSelector": {"matchLabels": dict(picker_pods)}}] if picker_pods is not None else []
+    always += [{"namespaceSelector": {"matchLabels": {NAMESPACE_NAME_LABEL: ns}}} for ns in namespaces]
+    policies = [_server_policy(name, spec, server_pods, always)]
     if download_pods is not None:
         policies.append(_download_policy(name, download_pods))
     return tuple(policies)
 
 
-def _server_policy(
-    name: str, spec: PagedLLMSpec, server_pods: Mapping[str, str], picker_pods: Mapping[str, str] | None
-) -> dict:
+def _server_policy(name: str, spec: PagedLLMSpec, server_pods: Mapping[str, str], always: list[dict]) -> dict:
     own = {"podSelector": {"matchLabels": dict(server_pods)}}
     api: dict[str, Any] = {"ports": [{"protocol": "TCP", "port": spec.port}]}
-    peers = _api_peers(spec, picker_pods)
+    peers = _api_peers(spec, always)
     if peers is not None:
         api["from"] = peers
     ingress = [api]
@@ -125,15 +128,14 @@ def _server_policy(
     return {"apiVersion": API_VERSION, "kind": KIND, "metadata": {"name": name}, "spec": policy_spec}
 
 
-def _api_peers(spec: PagedLLMSpec, picker_pods: Mapping[str, str] | None) -> list[dict] | None:
+def _api_peers(spec: PagedLLMSpec, always: list[dict]) -> list[dict] | None:
     """Who may reach the API port; ``None``: any source."""
     clients = spec.network_policy.api_clients
     if clients is None and spec.is_public:
         return None  # NOTE: a NodePort or LoadBalancer Service is there to be reached from outside
-    peers = [dict(p) for p in clients] if clients is not None else [{"podSelector": {}}]
-    if picker_pods is not None and clients is not None:
-        peers.append({"podSelector": {"matchLabels": dict(picker_pods)}})
-    return peers
+    if clients is None:  # every pod of the namespace (the picker's among them), and the admin's namespaces
+        return [{"podSelector": {}}] + [p for p in always if "namespaceSelector" in p]
+    return [dict(p) for p in clients] + always
 
 
 def _download_policy(name: str, download_pods: Mapping[str, str]) -> dict:

@@ -318,6 +318,8 @@ def test_rendered_manifests_validate_offline(helm_template, flags, monkeypatch):
         ("autoscaler", "kpa"),
         ("prometheus.address", "prometheus:9090"),
         ("prometheus.podMonitorLabels", "release"),
+        ("networkPolicy.enabled", "maybe"),
+        ("networkPolicy.allowNamespaces", "Not_A_Namespace"),
     ],
 )
 def test_values_schema_refuses_bad_values(helm, flag, value):
@@ -477,6 +479,10 @@ def test_network_policies_are_on_by_default_and_the_switch_reaches_the_operator(
     off = operator_container(helm_template("--set", "networkPolicy.enabled=false"))
     assert "--no-network-policies" in off["args"]
     assert parse_operator_args(off).network_policies is False
+    # Prometheus's namespace (prometheus.address's) may scrape the servers by default.
+    assert parse_operator_args(operator_container(helm_template())).network_policy_namespaces == ["monitoring"]
+    docs = helm_template("--set", "networkPolicy.allowNamespaces={monitoring,gateway-system}")
+    assert parse_operator_args(operator_container(docs)).network_policy_namespaces == ["monitoring", "gateway-system"]
 
 
 def test_policy_lists_reach_the_operator(helm_template):

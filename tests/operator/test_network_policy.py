@@ -155,3 +155,19 @@ def test_policies_turned_off_are_deleted_when_the_resources_own():
     kube = DeletingKube(live=live)  # no cache Job any more: only its policy goes
     asyncio.run(prune(render(resource(), CONFIG).all(), kube, "owner-uid", ApplyOutcome()))
     assert kube.deleted == [("NetworkPolicy", "ns", "llama-model-download", "np-uid")]
+
+
+def test_the_admins_namespaces_may_always_reach_the_api_port():
+    config = RenderConfig(default_image="img", network_policy_namespaces=("monitoring", "gateway-system"))
+    allowed = [
+        {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}},
+        {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "gateway-system"}}},
+    ]
+    (policy,) = render(body(), config).network_policies
+    assert policy["spec"]["ingress"][0]["from"] == [{"podSelector": {}}, *allowed]
+    office = {"ipBlock": {"cidr": "203.0.113.0/24"}}
+    (policy,) = render(body(networkPolicy={"apiClients": [office]}), config).network_policies
+    assert policy["spec"]["ingress"][0]["from"] == [office, *allowed]
+    public = body(serviceType="LoadBalancer", apiKeySecret={"name": "k"})
+    (policy,) = render(public, config).network_policies
+    assert "from" not in policy["spec"]["ingress"][0]  # any source already
