@@ -221,7 +221,7 @@ NAMESPACED_RULES = (
     | {("pagedllm.dev", "pagedllms/status", "patch")}
     | {("pagedllm.dev", "pagedllms/finalizers", "update")}
     | {("policy", "poddisruptionbudgets", v) for v in ("get", "create", "patch", "delete")}
-    | {("networking.k8s.io", "networkpolicies", v) for v in ("get", "create", "patch", "delete")}
+    | {("networking.k8s.io", "networkpolicies", v) for v in ("get", "list", "watch", "create", "patch", "delete")}
     | {("autoscaling", "horizontalpodautoscalers", v) for v in ("get", "list", "watch", "create", "patch", "delete")}
     | {
         ("inference.networking.k8s.io", "inferencepools", v)

@@ -281,6 +281,11 @@ def test_network_policies_fence_the_pods_and_go_when_turned_off(scenario):
     for obj in (policy, download):
         assert obj["metadata"]["ownerReferences"][0]["uid"] == created["metadata"]["uid"]
 
+    # Opened by hand (a rule with no `from` admits every source): closed again.
+    scenario.api.patch("NetworkPolicy", scenario.ns, "llama", {"spec": {"ingress": [{}]}})
+    restored = policy["spec"]["ingress"]
+    scenario.wait(lambda: (scenario.get("NetworkPolicy") or {})["spec"]["ingress"] == restored, "the policy reverted")
+
     scenario.api.patch(KIND, scenario.ns, "llama", {"spec": {"networkPolicy": {"enabled": False}}})
     scenario.wait(lambda: scenario.get("NetworkPolicy") is None, "the servers' NetworkPolicy deleted")
     scenario.wait(lambda: scenario.get("NetworkPolicy", "llama-model-download") is None, "the download's deleted")
