@@ -34,7 +34,10 @@ PRUNABLE: tuple[tuple[str, str], ...] = (
     # NOTE: the server pods' owner switches kind with spec.nodes (see leaderworkerset.py)
     ("apps/v1", "Deployment"),
     ("leaderworkerset.x-k8s.io/v1", "LeaderWorkerSet"),
+    ("networking.k8s.io/v1", "NetworkPolicy"),
 )
+# Objects named NAME + suffix that a rendering may stop asking for: (apiVersion, kind, suffix).
+PRUNABLE_SUFFIXED: tuple[tuple[str, str, str], ...] = (("networking.k8s.io/v1", "NetworkPolicy", "-model-download"),)
 WORKLOAD_KINDS = ("Deployment", "LeaderWorkerSet")
 
 # Keeps a Deployment's replica count while the operator stops applying it (autoscaling turned on).
@@ -142,18 +145,20 @@ async def prune(rendered: list[dict], kube: Kube, owner_uid: str | None, outcome
 
     Another controller's objects of those names are left alone.
     """
-    kept = {m["kind"] for m in rendered}
+    kept = {(m["kind"], m["metadata"]["name"]) for m in rendered}
     meta = next(m["metadata"] for m in rendered if m["kind"] in WORKLOAD_KINDS)
     namespace, name = meta["namespace"], meta["name"]
-    for api_version, kind in PRUNABLE:
-        if kind in kept or owner_uid is None:
+    candidates = [(api, kind, name) for api, kind in PRUNABLE]
+    candidates += [(api, kind, name + suffix) for api, kind, suffix in PRUNABLE_SUFFIXED]
+    for api_version, kind, child in candidates:
+        if (kind, child) in kept or owner_uid is None:
             continue
-        what = f"{kind} {name}"
+        what = f"{kind} {child}"
         try:
-            live = await kube.get(kind, namespace, name, api_version=api_version)  # None: not served or absent
+            live = await kube.get(kind, namespace, child, api_version=api_version)  # None: not served or absent
             if live is None or not _controlled_by(live, owner_uid):
                 continue
-            await kube.delete(kind, namespace, name, api_version, live["metadata"]["uid"])
+            await kube.delete(kind, namespace, child, api_version, live["metadata"]["uid"])
             outcome.deleted.append(kind)
         except ApiError as exc:
             if exc.status in (404, 409):  # gone already, or replaced by a namesake since the get

@@ -104,9 +104,15 @@ SOURCE_ANNOTATION, REVISION_ANNOTATION, PATH_ANNOTATION = (
 )
 
 
-def render_download_job(name: str, spec: PagedLLMSpec, pod_spec: dict, labels: Mapping[str, str]) -> dict:
-    """The Job that fills the cache once, running ``pod_spec`` (its one container is the download)."""
-    template = {"metadata": {"labels": dict(labels)}, "spec": {**pod_spec, "restartPolicy": "Never"}}
+def render_download_job(
+    name: str, spec: PagedLLMSpec, pod_spec: dict, labels: Mapping[str, str], pod_labels: Mapping[str, str]
+) -> dict:
+    """The Job that fills the cache once, running ``pod_spec`` (its one container is the download).
+
+    NOTE: its pods carry ``pod_labels``, not the servers' selector: the Service, the budget and
+    the servers' NetworkPolicy must never take a download pod for a server.
+    """
+    template = {"metadata": {"labels": dict(pod_labels)}, "spec": {**pod_spec, "restartPolicy": "Never"}}
     annotations = {SOURCE_ANNOTATION: source_uri(spec), PATH_ANNOTATION: model_path(spec)}
     if spec.model_source.revision:
         annotations[REVISION_ANNOTATION] = spec.model_source.revision

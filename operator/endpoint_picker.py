@@ -5,12 +5,21 @@ since a pool whose picker does not answer fails closed::
 
     ServiceAccount, Role, RoleBinding   NAME-epp: read the pool, its pods, InferenceObjectives
     ConfigMap                           NAME-epp: the picker's plugin configuration
-    Deployment                          NAME-epp: one picker (`epp --pool-name NAME ...`)
+    Deployment                          NAME-epp: two pickers (`epp --pool-name NAME ...`), on different
+                                        nodes where the scheduler can, with CPU and memory requests
+    PodDisruptionBudget                 NAME-epp: a drain takes one picker at a time
     Service                             NAME-epp: its ext_proc gRPC port, which the pool references
 
 The picker reads the servers' queue length, running requests and KV-cache use from their
 ``/metrics`` (vLLM's names, which the servers export) and scores pods on them and on
-prefix-cache affinity. One replica: several pickers need the picker's own leader election.
+prefix-cache affinity.
+
+NOTE: the pickers run active-active, without the picker's leader election: each scrapes every
+server and picks on its own, and the Service spreads the gateway's calls over both. With one
+leader only one picker would be ready, so a budget could never let a drain evict it, and a
+lost leader would leave no ready picker until another is elected. The price: each picker's
+prefix-cache index learns only from the requests it routed, so prefix affinity is looser.
+A gateway whose picker does not answer follows spec.routing.failureMode (FailClose by default).
 """
 
 from __future__ import annotations
@@ -22,6 +31,10 @@ from pagedllm.operator.routing import INFERENCE_POOL_API_VERSION, endpoint_picke
 DEFAULT_PICKER_IMAGE = "registry.k8s.io/gateway-api-inference-extension/epp:v1.0.1"
 HEALTH_PORT = 9003  # the picker's gRPC health service
 METRICS_PORT = 9090
+REPLICAS = 2
+# NOTE: no CPU limit: a throttled picker delays every request routed through the gateway.
+RESOURCES = {"requests": {"cpu": "500m", "memory": "512Mi"}, "limits": {"memory": "2Gi"}}
+HOSTNAME = "kubernetes.io/hostname"
 CONFIG_FILE = "plugins.yaml"
 CONFIG_DIR = "/config"
 
@@ -59,6 +72,7 @@ def render_endpoint_picker(name: str, namespace: str, routing: Routing, default_
         _role_binding(picker),
         {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": picker}, "data": {CONFIG_FILE: PLUGINS_CONFIG}},
         _deployment(picker, name, namespace, routing, routing.picker_image or default_image),
+        _disruption_budget(picker, name),
         _service(picker, name, routing.endpoint_picker_port),
     ]
 
@@ -116,6 +130,7 @@ def _deployment(picker: str, name: str, namespace: str, routing: Routing, image:
             {"name": "grpc-health", "containerPort": HEALTH_PORT, "protocol": "TCP"},
             {"name": "metrics", "containerPort": METRICS_PORT, "protocol": "TCP"},
         ],
+        "resources": {part: dict(amounts) for part, amounts in RESOURCES.items()},
         "readinessProbe": {"grpc": grpc_health, "periodSeconds": 5},
         "livenessProbe": {"grpc": grpc_health, "periodSeconds": 10, "initialDelaySeconds": 5},
         "securityContext": {
@@ -131,18 +146,39 @@ def _deployment(picker: str, name: str, namespace: str, routing: Routing, image:
         "kind": "Deployment",
         "metadata": {"name": picker},
         "spec": {
-            "replicas": 1,
+            "replicas": REPLICAS,
             "selector": {"matchLabels": picker_labels(name)},
+            # NOTE: a new picker is ready before an old one goes: never fewer than REPLICAS answer.
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
             "template": {
                 "metadata": {"labels": picker_labels(name)},
                 "spec": {
                     "serviceAccountName": picker,
+                    "affinity": _spread(name),
                     "securityContext": {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}},
                     "containers": [container],
                     "volumes": [{"name": "config", "configMap": {"name": picker}}],
                 },
             },
         },
+    }
+
+
+def _spread(name: str) -> dict:
+    """Prefer nodes without another picker of this pool: one node's loss leaves the other."""
+    term = {"labelSelector": {"matchLabels": picker_labels(name)}, "topologyKey": HOSTNAME}
+    # NOTE: preferred, not required: a one-node cluster still runs both.
+    preferred = [{"weight": 100, "podAffinityTerm": term}]
+    return {"podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": preferred}}
+
+
+def _disruption_budget(picker: str, name: str) -> dict:
+    """A drain evicts one picker at a time; the other keeps answering the gateway."""
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": {"name": picker},
+        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": picker_labels(name)}},
     }
 
 

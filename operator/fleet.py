@@ -43,8 +43,12 @@ class Fleet:
     """The picker's objects, with spec.routing.endpointPicker.deploy."""
 
     def all(self) -> list[dict]:
+        return self.of_servers() + list(self.endpoint_picker)
+
+    def of_servers(self) -> list[dict]:
+        """The objects that select or scale the server pods (not the picker's own)."""
         found = (self.disruption_budget, self.autoscaler, self.pod_monitor, self.inference_pool)
-        return [m for m in found if m is not None] + list(self.endpoint_picker)
+        return [m for m in found if m is not None]
 
 
 def max_replicas(spec: PagedLLMSpec) -> int:

@@ -52,6 +52,8 @@ WATCHED_CHILDREN = (
     ("", "v1", "services"),
     ("", "v1", "pods"),
     ("autoscaling", "v2", "horizontalpodautoscalers"),
+    # NOTE: a NetworkPolicy opened by hand is closed again at once, not at the next periodic check.
+    ("networking.k8s.io", "v1", "networkpolicies"),
     # NOTE: the EndpointSlice controller copies a Service's labels onto its slices, so the
     # deployed endpoint picker's slices carry the managed-by and instance labels.
     ("discovery.k8s.io", "v1", "endpointslices"),

@@ -149,7 +149,7 @@ def spread_over_nodes(manifests: Any, name: str, spec: PagedLLMSpec) -> Any:
     service = copy.deepcopy(manifests.service)
     service["spec"]["selector"] = leaders_only(service["spec"]["selector"])
     if manifests.fleet is not None:
-        retarget(manifests.fleet.all(), name)
+        retarget(manifests.fleet.of_servers(), name)  # NOTE: the picker's selectors name its own pods
     lws = render_leaderworkerset(manifests.deployment, spec)
     return dataclasses.replace(manifests, deployment=lws, service=service)
 

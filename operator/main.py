@@ -129,9 +129,30 @@ def add_operator_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
         help="A label of every PodMonitor, for a Prometheus that selects them by label (kube-prometheus-stack: "
         "release=RELEASE); repeat for several.",
     )
+    parser.add_argument(
+        "--network-policies",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="Give each PagedLLM NetworkPolicies (API port from its namespace or spec.networkPolicy.apiClients, "
+        "a multi-node group's ports from its own pods, egress only where downloads run); "
+        "--no-network-policies renders none (default: on).",
+    )
+    parser.add_argument(
+        "--network-policy-namespace",
+        dest="network_policy_namespaces",
+        action="append",
+        default=[],
+        metavar="NS",
+        help="A namespace whose pods may reach every PagedLLM's API port whatever its networkPolicy.apiClients "
+        "(Prometheus scraping /metrics, a Gateway's proxies); repeat for several.",
+    )
     for flag, what in (
         ("--allowed-image", "an image pattern (fnmatch: ghcr.io/org/*) server and picker containers may run"),
-        ("--allowed-service-account", "a spec.serviceAccountName resources may use"),
+        (
+            "--allowed-service-account",
+            "a spec.serviceAccountName resources may use besides 'default' (none "
+            "given: only the namespace's default account)",
+        ),
         ("--allowed-priority-class", "a spec.priorityClassName resources may use"),
         ("--allowed-runtime-class", "a spec.runtimeClassName resources may use"),
     ):
@@ -205,6 +226,8 @@ def run_operator(args: argparse.Namespace) -> int:
         prometheus_address=args.prometheus_address,
         pod_monitor_labels=tuple(args.pod_monitor_labels),
         endpoint_picker_image=args.endpoint_picker_image,
+        network_policies=args.network_policies,
+        network_policy_namespaces=tuple(args.network_policy_namespaces),
     )
     kube = KubeClient()
     metrics = OperatorMetrics()

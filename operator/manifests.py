@@ -41,10 +41,11 @@ from pagedllm.operator.artifacts import (
 from pagedllm.operator.autoscaling import AUTOSCALERS, HPA
 from pagedllm.operator.command import SERVE_COMMAND, check_engine, server_args
 from pagedllm.operator.container_env import hub_env, server_env
-from pagedllm.operator.endpoint_picker import DEFAULT_PICKER_IMAGE
+from pagedllm.operator.endpoint_picker import DEFAULT_PICKER_IMAGE, picker_labels
 from pagedllm.operator.fleet import Fleet, FleetConfig, render_fleet
 from pagedllm.operator.leaderworkerset import spread_over_nodes, wants_leaderworkerset
 from pagedllm.operator.monitoring import scrape_annotations
+from pagedllm.operator.network_policy import render_network_policies
 from pagedllm.operator.placement import pod_metadata, pod_placement
 from pagedllm.operator.resources import download_resources, models_size_limit, server_resources, shm_gib
 from pagedllm.operator.spec import PagedLLMSpec
@@ -83,6 +84,10 @@ class RenderConfig:
     """Extra labels of every PodMonitor, the ones the cluster's Prometheus selects them by."""
     endpoint_picker_image: str = DEFAULT_PICKER_IMAGE
     """Image of the endpoint pickers deployed for spec.routing.endpointPicker.deploy."""
+    network_policies: bool = True
+    """Render each resource's NetworkPolicies (spec.networkPolicy.enabled turns one resource's off)."""
+    network_policy_namespaces: tuple[str, ...] = ()
+    """Namespaces whose pods may always reach every API port (Prometheus, a Gateway's proxies)."""
 
     def __post_init__(self) -> None:
         if self.autoscaler not in AUTOSCALERS:
@@ -99,10 +104,13 @@ class Manifests:
     pvc: dict | None = None
     fleet: Fleet | None = None
     job: dict | None = None
+    network_policies: tuple[dict, ...] = ()
+    """Who may connect to the server and download pods, and where they may connect."""
 
     def all(self) -> list[dict]:
-        """In apply order: the claim before the Job and pods that mount it, the fleet objects after them."""
-        core = [m for m in (self.pvc, self.job, self.deployment, self.service) if m is not None]
+        """In apply order: the claim and the network policies before the Job and pods that use them,
+        the fleet objects after them."""
+        core = [m for m in (self.pvc, *self.network_policies, self.job, self.deployment, self.service) if m]
         return core + (self.fleet.all() if self.fleet is not None else [])
 
 
@@ -121,6 +129,20 @@ def labels(name: str) -> dict[str, str]:
 
 
 INSTANCE_LABEL = "app.kubernetes.io/instance"
+
+
+def server_pod_labels(name: str) -> dict[str, str]:
+    """What tells a server pod from the resource's other pods (the download Job's, the picker's)."""
+    return {**selector_labels(name), "app.kubernetes.io/component": "server"}
+
+
+def download_pod_labels(name: str) -> dict[str, str]:
+    """The download Job's pods: outside every server selector (Service, budget, pool, policies)."""
+    return {
+        **labels(name),
+        "app.kubernetes.io/name": "pagedllm-model-download",
+        "app.kubernetes.io/component": "model-download",
+    }
 
 
 def selector_labels(name: str) -> dict[str, str]:
@@ -159,14 +181,29 @@ def render(body: Mapping[str, Any], config: RenderConfig) -> Manifests:
         service=render_service(name, spec),
         pvc=render_pvc(name, spec) if spec.model_cache is not None else None,
         fleet=fleet,
-        job=render_download_job(name, spec, _job_pod_spec(name, spec, config), labels(name))
+        job=render_download_job(name, spec, _job_pod_spec(name, spec, config), labels(name), download_pod_labels(name))
         if uses_download_job(spec)
         else None,
+        network_policies=_network_policies(name, spec, config),
     )
     if wants_leaderworkerset(spec):
         manifests = spread_over_nodes(manifests, name, spec)
     _adopt(manifests, body, spec)
     return manifests
+
+
+def _network_policies(name: str, spec: PagedLLMSpec, config: RenderConfig) -> tuple[dict, ...]:
+    if not (config.network_policies and spec.network_policy.enabled):
+        return ()
+    downloads = download_pod_labels(name) if uses_download_job(spec) else None
+    routing = spec.routing
+    picker = picker_labels(name) if routing.inference_pool and routing.deploy_picker else None
+    policies = render_network_policies(
+        name, spec, server_pod_labels(name), downloads, picker, config.network_policy_namespaces
+    )
+    for policy in policies:
+        policy["metadata"]["labels"] = labels(name)
+    return policies
 
 
 def _adopt(manifests: Manifests, body: Mapping[str, Any], spec: PagedLLMSpec) -> None:
@@ -353,7 +390,7 @@ def _download_container(spec: PagedLLMSpec, config: RenderConfig, mounts: list[d
         "image": spec.image or config.default_image,
         "imagePullPolicy": spec.image_pull_policy,
         "command": download_args(spec, wait=waits) + adapter_args(spec),
-        "env": hub_env(spec),
+        "env": hub_env(spec, downloads=not waits),
         "resources": WAIT_RESOURCES if waits else download_resources(),
         "securityContext": _container_security(),
         "volumeMounts": [m for m in mounts if m["name"] in ("models", "tmp", "home")],

@@ -49,7 +49,7 @@ from pagedllm.operator.status import (
 # kopf retries a failed reconcile after RETRY.delay(retry): 10 s, 20 s, 40 s … 5 min.
 RETRY = Backoff(base=10, cap=300)
 # Children whose hand edits are reverted (the fleet objects are only recreated when missing).
-DRIFT_CHECKED = ("Deployment", LWS_KIND, "Service")
+DRIFT_CHECKED = ("Deployment", LWS_KIND, "Service", "NetworkPolicy")
 WORKLOADS = ("Deployment", LWS_KIND)
 
 __all__ = ["INVALID_SPEC", "RETRY", "Trigger", "now", "reconcile"]

@@ -28,6 +28,7 @@ from pagedllm.operator.model_source import (  # noqa: F401 (the model source's n
     parse_model_cache,
     parse_model_source,
 )
+from pagedllm.operator.network_policy import NetworkPolicySettings, parse_network_policy
 from pagedllm.operator.rollout import Rollout, RolloutPlan, parse_rollout, plan_rollout
 from pagedllm.operator.spec_fields import (  # noqa: F401 (SpecError and GPU_RESOURCE are imported from here)
     GPU_RESOURCE,
@@ -52,6 +53,7 @@ PREEMPTION_MODES = ("recompute", "swap")
 LOAD_FORMATS = ("auto", "safetensors", "pt", "dummy")
 PULL_POLICIES = ("Always", "IfNotPresent", "Never")
 SERVICE_TYPES = ("ClusterIP", "NodePort", "LoadBalancer")
+PUBLIC_SERVICE_TYPES = ("NodePort", "LoadBalancer")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 ROLLOUT_STRATEGIES = ("Recreate", "RollingUpdate")
 # An extended resource a device plugin advertises: vendor domain / name, e.g.
@@ -177,7 +179,14 @@ class PagedLLMSpec:
     adapters: tuple[Adapter, ...] = field(default=(), metadata=_nested("adapters", parse_adapters))
     port: int = field(default=8000, metadata=_scalar("port", int, minimum=1024, maximum=65535))
     service_type: str = field(default="ClusterIP", metadata=_scalar("serviceType", str, choices=SERVICE_TYPES))
+    allow_unauthenticated_public_service: bool = field(
+        default=False, metadata=_scalar("allowUnauthenticatedPublicService", bool)
+    )
+    """Serve a NodePort or LoadBalancer Service without apiKeySecret, on purpose (refused otherwise)."""
     model_cache: ModelCache | None = field(default=None, metadata=_nested("modelCache", parse_model_cache))
+    network_policy: NetworkPolicySettings = field(
+        default_factory=NetworkPolicySettings, metadata=_nested("networkPolicy", parse_network_policy)
+    )
     startup_timeout_seconds: int = field(
         default=1800, metadata=_scalar("startupTimeoutSeconds", int, minimum=60, maximum=86400)
     )
@@ -259,6 +268,7 @@ class PagedLLMSpec:
             )
         if self.model_cache is not None and self.uses_pvc_source:
             raise SpecError("spec.modelCache caches Hugging Face downloads: remove it when modelSource.type is pvc")
+        self._check_public_service()
         self._check_pod_fields()
         self.rollout_plan  # noqa: B018 (refuses what cannot roll out)
         check_adapter_sources(self.adapters, not self.uses_pvc_source and not self.model_is_path, self.uses_pvc_source)
@@ -266,6 +276,20 @@ class PagedLLMSpec:
             raise SpecError(
                 f"spec.maxNumBatchedTokens={self.max_num_batched_tokens} is out of range: "
                 f"must be >= maxNumSeqs ({self.max_num_seqs})"
+            )
+
+    @property
+    def is_public(self) -> bool:
+        """The Service is reachable from outside the cluster (a node port, a load balancer)."""
+        return self.service_type in PUBLIC_SERVICE_TYPES
+
+    def _check_public_service(self) -> None:
+        # NOTE: a public Service without a key serves the model to anyone who finds the address.
+        if self.is_public and self.api_key_secret is None and not self.allow_unauthenticated_public_service:
+            raise SpecError(
+                f"spec.serviceType={self.service_type!r} is not allowed without spec.apiKeySecret: the Service is "
+                "reachable from outside the cluster and the server would answer anyone; set apiKeySecret, use "
+                "serviceType 'ClusterIP', or set allowUnauthenticatedPublicService: true to serve it without a key"
             )
 
     def _check_pod_fields(self) -> None:

@@ -122,6 +122,12 @@ RESOURCE_INFOS = {
         namespaced=True,
         verbs={"get", "list", "watch", "create", "patch", "update", "delete"},
     ),
+    "networking.k8s.io/v1/networkpolicies": kmock.ResourceInfo(
+        kind="NetworkPolicy",
+        singular="networkpolicy",
+        namespaced=True,
+        verbs={"get", "list", "watch", "create", "patch", "update", "delete"},
+    ),
     "coordination.k8s.io/v1/leases": kmock.ResourceInfo(
         kind="Lease",
         singular="lease",
@@ -179,6 +185,7 @@ _STEM = {
     "ConfigMap": ("/api/v1", "configmaps"),
     "Role": ("/apis/rbac.authorization.k8s.io/v1", "roles"),
     "RoleBinding": ("/apis/rbac.authorization.k8s.io/v1", "rolebindings"),
+    "NetworkPolicy": ("/apis/networking.k8s.io/v1", "networkpolicies"),
     **{kind: (f"/apis/{gv}", plural) for gv, plural, kind in _OPTIONAL_KINDS},
 }
 

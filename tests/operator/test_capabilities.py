@@ -27,7 +27,7 @@ async def test_only_served_kinds_are_kept_and_each_feature_has_an_outcome():
     manifests = render(body(routing={"inferencePool": True}, autoscaling={"maxReplicas": 2, "target": 1}), KEDA)
     discovery = FakeDiscovery(("monitoring.coreos.com/v1", "PodMonitor"))
     keep, outcomes = await servable(manifests.all(), discovery)
-    assert [m["kind"] for m in keep] == ["Deployment", "Service", "PodDisruptionBudget", "PodMonitor"]
+    assert [m["kind"] for m in keep] == ["NetworkPolicy", "Deployment", "Service", "PodDisruptionBudget", "PodMonitor"]
     assert sorted(discovery.asked) == ["InferencePool", "PodMonitor", "ScaledObject"]  # built-in kinds: never asked
     conditions = {c["type"]: c for c in (o.condition() for o in outcomes)}
     assert conditions["AutoscalingReady"]["reason"] == "CRDNotInstalled"

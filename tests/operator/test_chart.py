@@ -221,6 +221,7 @@ NAMESPACED_RULES = (
     | {("pagedllm.dev", "pagedllms/status", "patch")}
     | {("pagedllm.dev", "pagedllms/finalizers", "update")}
     | {("policy", "poddisruptionbudgets", v) for v in ("get", "create", "patch", "delete")}
+    | {("networking.k8s.io", "networkpolicies", v) for v in ("get", "list", "watch", "create", "patch", "delete")}
     | {("autoscaling", "horizontalpodautoscalers", v) for v in ("get", "list", "watch", "create", "patch", "delete")}
     | {
         ("inference.networking.k8s.io", "inferencepools", v)
@@ -281,6 +282,8 @@ def test_rbac_per_namespace(helm_template):
 DELETABLE = {"poddisruptionbudgets", "horizontalpodautoscalers", "scaledobjects", "inferencepools", "podmonitors"}
 # The server pods' owner switches kind with spec.nodes: the one no longer rendered is deleted (if the operator's).
 DELETABLE |= {"deployments", "leaderworkersets"}
+# A resource's NetworkPolicies, when its spec (or the Job they fence) no longer asks for them.
+DELETABLE |= {"networkpolicies"}
 
 
 def test_no_wildcards_and_deletes_only_of_fleet_objects(helm_template):
@@ -315,6 +318,8 @@ def test_rendered_manifests_validate_offline(helm_template, flags, monkeypatch):
         ("autoscaler", "kpa"),
         ("prometheus.address", "prometheus:9090"),
         ("prometheus.podMonitorLabels", "release"),
+        ("networkPolicy.enabled", "maybe"),
+        ("networkPolicy.allowNamespaces", "Not_A_Namespace"),
     ],
 )
 def test_values_schema_refuses_bad_values(helm, flag, value):
@@ -428,6 +433,7 @@ def test_admission_policy_refuses_what_the_operator_refuses(helm_template):
         ({"image": "ghcr.io/pagedllm/pagedllm:dev", "serviceAccountName": "llm", "runtimeClassName": "nvidia"}, []),
         ({"image": "docker.io/x/y:1"}, ["spec.image=docker.io/x/y:1"]),
         ({"serviceAccountName": "admin"}, ["spec.serviceAccountName=admin"]),
+        ({"serviceAccountName": "default"}, []),
         ({"runtimeClassName": "kata"}, ["spec.runtimeClassName=kata"]),
         ({"routing": picker}, []),
         (
@@ -452,6 +458,31 @@ def test_admission_policy_refuses_what_the_operator_refuses(helm_template):
     (binding,) = by_kind(helm_template(*flags, "--set", "clusterWide=true"))["ValidatingAdmissionPolicyBinding"]
     assert "matchResources" not in binding["spec"]
     assert "ValidatingAdmissionPolicy" not in by_kind(helm_template())
+
+
+def test_admission_policy_refuses_foreign_service_accounts_without_a_list(helm_template):
+    from pagedllm.operator.policy import AdminPolicy
+    from pagedllm.operator.spec import PagedLLMSpec
+
+    docs = helm_template("--set", "policy.admissionPolicy=true")
+    for account, refused in (("default", []), ("cloud-admin", ["spec.serviceAccountName=cloud-admin"])):
+        spec = {"model": "org/m", "serviceAccountName": account}
+        messages = admission(docs, {"apiVersion": "pagedllm.dev/v1alpha1", "kind": "PagedLLM", "spec": spec})
+        assert [m.split(" is not allowed")[0] for m in messages] == refused
+        assert all(m.endswith('allowed are ["default"]') for m in messages), messages
+        problem = AdminPolicy().check(PagedLLMSpec.from_dict(spec), "img", "epp")
+        assert (problem is not None) == bool(refused)  # the operator agrees
+
+
+def test_network_policies_are_on_by_default_and_the_switch_reaches_the_operator(helm_template):
+    assert parse_operator_args(operator_container(helm_template())).network_policies is True
+    off = operator_container(helm_template("--set", "networkPolicy.enabled=false"))
+    assert "--no-network-policies" in off["args"]
+    assert parse_operator_args(off).network_policies is False
+    # Prometheus's namespace (prometheus.address's) may scrape the servers by default.
+    assert parse_operator_args(operator_container(helm_template())).network_policy_namespaces == ["monitoring"]
+    docs = helm_template("--set", "networkPolicy.allowNamespaces={monitoring,gateway-system}")
+    assert parse_operator_args(operator_container(docs)).network_policy_namespaces == ["monitoring", "gateway-system"]
 
 
 def test_policy_lists_reach_the_operator(helm_template):

@@ -114,7 +114,7 @@ def test_an_immutable_claim_is_reported_and_the_rest_still_applied():
     manifests = render(resource(modelCache={"size": "10Gi"}), CONFIG).all()
     kube = FakeKube(refuse={"PersistentVolumeClaim": ApiError(422, "spec: Forbidden: spec is immutable")})
     outcome = asyncio.run(apply_all(manifests, kube, "owner-uid"))
-    assert kube.applied == ["Job", "Service", "PodMonitor", "Deployment"]
+    assert kube.applied == ["NetworkPolicy", "NetworkPolicy", "Job", "Service", "PodMonitor", "Deployment"]
     problem = outcome.problem()
     assert problem is not None and problem.reason == APPLY_REFUSED
     assert problem.message == "PersistentVolumeClaim llama-model-cache: spec: Forbidden: spec is immutable"
@@ -124,7 +124,7 @@ def test_a_child_of_another_controller_is_not_applied():
     other = {"metadata": {"ownerReferences": [{"kind": "Notebook", "name": "lab", "uid": "x", "controller": True}]}}
     kube = FakeKube(live={"Service": other})
     outcome = asyncio.run(apply_all(render(resource(), CONFIG).all(), kube, "owner-uid"))
-    assert kube.applied == ["PodMonitor", "Deployment"]
+    assert kube.applied == ["NetworkPolicy", "PodMonitor", "Deployment"]
     problem = outcome.problem()
     assert problem is not None and problem.reason == ADOPTION_REFUSED
     assert "Service llama already exists and is controlled by Notebook/lab" in problem.message
@@ -144,7 +144,7 @@ def test_transient_failures_are_kept_apart_from_refusals():
     kube = FakeKube(refuse={"Service": ApiError(429, "slow down")})
     outcome = asyncio.run(apply_all(render(resource(), CONFIG).all(), kube, "owner-uid"))
     assert outcome.problem() is None and outcome.transient == ["Service llama: HTTP 429: slow down"]
-    assert list(outcome.applied) == ["PodMonitor llama", "Deployment llama"]
+    assert list(outcome.applied) == ["NetworkPolicy llama", "PodMonitor llama", "Deployment llama"]
 
 
 def owned(uid: str, owner_uid: str = "owner-uid") -> dict:

@@ -24,7 +24,8 @@ def matches(selector: dict, labels: dict) -> bool:
 
 def test_a_deployed_picker_serves_the_pool_it_is_named_after():
     objects = picker_objects({"inferencePool": True, "endpointPicker": {"deploy": True}})
-    assert sorted(objects) == ["ConfigMap", "Deployment", "Role", "RoleBinding", "Service", "ServiceAccount"]
+    kinds = ["ConfigMap", "Deployment", "PodDisruptionBudget", "Role", "RoleBinding", "Service", "ServiceAccount"]
+    assert sorted(objects) == kinds
     assert {m["metadata"]["name"] for m in objects.values()} == {"llama-epp"}
     pool = {
         m["kind"]: m
@@ -101,3 +102,50 @@ def test_no_picker_without_deploy_or_without_a_pool():
 def test_bad_picker_fields_are_refused(picker, message):
     with pytest.raises(SpecError, match=message):
         parse_routing("spec.routing", {"inferencePool": True, "endpointPicker": picker})
+
+
+PICKER_LABELS = {"app.kubernetes.io/name": "pagedllm-endpoint-picker", "app.kubernetes.io/instance": "llama"}
+
+
+@pytest.mark.parametrize("nodes", [1, 2])
+def test_two_pickers_with_resources_spread_over_nodes_and_a_budget(nodes):
+    routing = {"inferencePool": True, "endpointPicker": {"deploy": True}}
+    rendered = render(body(nodes=nodes, routing=routing), CONFIG).all()
+    objects = {m["kind"]: m for m in rendered if m["metadata"]["name"] == "llama-epp"}
+    deployment, budget = objects["Deployment"], objects["PodDisruptionBudget"]
+    assert deployment["spec"]["replicas"] == 2
+    assert deployment["spec"]["selector"] == {"matchLabels": PICKER_LABELS}
+    assert deployment["spec"]["template"]["metadata"]["labels"] == PICKER_LABELS
+    assert deployment["spec"]["strategy"] == {
+        "type": "RollingUpdate",
+        "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0},
+    }
+    pod = deployment["spec"]["template"]["spec"]
+    assert pod["affinity"] == {
+        "podAntiAffinity": {
+            "preferredDuringSchedulingIgnoredDuringExecution": [
+                {
+                    "weight": 100,
+                    "podAffinityTerm": {
+                        "labelSelector": {"matchLabels": PICKER_LABELS},
+                        "topologyKey": "kubernetes.io/hostname",
+                    },
+                }
+            ]
+        }
+    }
+    (container,) = pod["containers"]
+    assert container["resources"] == {"requests": {"cpu": "500m", "memory": "512Mi"}, "limits": {"memory": "2Gi"}}
+    assert budget["metadata"]["name"] == "llama-epp"
+    assert budget["spec"] == {"maxUnavailable": 1, "selector": {"matchLabels": PICKER_LABELS}}
+    assert budget["metadata"]["ownerReferences"][0]["uid"] == UID
+    kubernetes_validate.validate(budget, "1.30", strict=True)
+
+
+def test_the_default_failure_mode_is_fail_close_and_fail_open_is_a_choice():
+    pools = {
+        mode: {m["kind"]: m for m in render(body(routing={"inferencePool": True, **extra}), CONFIG).all()}
+        for mode, extra in (("default", {}), ("open", {"failureMode": "FailOpen"}))
+    }
+    assert pools["default"]["InferencePool"]["spec"]["endpointPickerRef"]["failureMode"] == "FailClose"
+    assert pools["open"]["InferencePool"]["spec"]["endpointPickerRef"]["failureMode"] == "FailOpen"

@@ -90,8 +90,8 @@ def test_owner_references_on_everything():
         ),
         CONFIG,
     )
-    kinds = ["PersistentVolumeClaim", "Job", "Deployment", "Service", "PodDisruptionBudget", "PodMonitor"]
-    kinds.append("InferencePool")
+    kinds = ["PersistentVolumeClaim", "NetworkPolicy", "NetworkPolicy", "Job", "Deployment", "Service"]
+    kinds += ["PodDisruptionBudget", "PodMonitor", "InferencePool"]
     assert [manifest["kind"] for manifest in m.all()] == kinds
     for manifest in m.all():
         assert manifest["metadata"]["namespace"] == "ml"
@@ -130,7 +130,22 @@ def test_service_defaults_and_type():
     service = render(body(), CONFIG).service
     assert service["spec"]["type"] == "ClusterIP"
     assert service["spec"]["ports"] == [{"name": "http", "port": 8000, "targetPort": "http", "protocol": "TCP"}]
-    assert render(body(serviceType="LoadBalancer"), CONFIG).service["spec"]["type"] == "LoadBalancer"
+    public = render(body(serviceType="LoadBalancer", apiKeySecret={"name": "k"}), CONFIG).service
+    assert public["spec"]["type"] == "LoadBalancer"
+
+
+@pytest.mark.parametrize("service_type", ["NodePort", "LoadBalancer"])
+def test_a_public_service_needs_an_api_key_or_an_explicit_allowance(service_type):
+    with pytest.raises(SpecError) as refused:
+        render(body(serviceType=service_type), CONFIG)
+    assert str(refused.value) == (
+        f"spec.serviceType={service_type!r} is not allowed without spec.apiKeySecret: the Service is reachable from "
+        "outside the cluster and the server would answer anyone; set apiKeySecret, use serviceType 'ClusterIP', "
+        "or set allowUnauthenticatedPublicService: true to serve it without a key"
+    )
+    allowed = render(body(serviceType=service_type, allowUnauthenticatedPublicService=True), CONFIG)
+    assert allowed.service["spec"]["type"] == service_type
+    assert render(body(allowUnauthenticatedPublicService=False), CONFIG).service["spec"]["type"] == "ClusterIP"
 
 
 def test_generation_is_recorded_on_the_deployment():
@@ -167,7 +182,8 @@ def test_hub_model_is_downloaded_with_the_token_and_served_from_the_volume():
     m = render(body(hfTokenSecret={"name": "hf", "key": "tok"}), CONFIG)
     (fetch,) = pod(m)["initContainers"]
     token = {"secretKeyRef": {"name": "hf", "key": "tok"}}
-    assert env_of(fetch)["HF_TOKEN"] == token and env_of(server(m))["HF_TOKEN"] == token
+    assert env_of(fetch)["HF_TOKEN"] == token
+    assert "HF_TOKEN" not in env_of(server(m))  # the server reads local files only
     assert fetch["command"] == [
         "pagedllm",
         "download",
@@ -178,6 +194,30 @@ def test_hub_model_is_downloaded_with_the_token_and_served_from_the_volume():
     assert args[args.index("--model") + 1] == "/models/meta-llama/Llama-2-7b-hf"
     assert {"name": "models", "emptyDir": {"sizeLimit": "21Gi"}} in pod(m)["volumes"]  # 16 GiB x 1.2 + 1
     assert m.pvc is None
+
+
+def credentials_in(container: dict) -> list:
+    """The download credentials a container can read: the Hub token, a credentials Secret."""
+    return [e["name"] for e in container.get("env", []) if e["name"] == "HF_TOKEN"] + container.get("envFrom", [])
+
+
+@pytest.mark.parametrize("nodes", [1, 2])
+def test_download_credentials_reach_only_the_container_that_downloads(nodes):
+    token = {"hfTokenSecret": {"name": "hf"}, "modelSource": {"credentialsSecret": {"name": "s3"}}}
+    cache = {"modelCache": {"size": "100Gi"}}
+    m = render(body(nodes=nodes, **token, **cache), CONFIG)
+    (download,) = m.job["spec"]["template"]["spec"]["containers"]
+    assert credentials_in(download) == ["HF_TOKEN", {"secretRef": {"name": "s3"}}]
+    templates = (
+        [m.deployment["spec"]["template"]]
+        if nodes == 1
+        else [m.deployment["spec"]["leaderWorkerTemplate"][t] for t in ("leaderTemplate", "workerTemplate")]
+    )
+    for template in templates:
+        (wait,) = template["spec"]["initContainers"]
+        (serve,) = template["spec"]["containers"]
+        assert (wait["name"], credentials_in(wait), credentials_in(serve)) == ("wait-for-model", [], [])
+        assert env_of(serve)["HF_HOME"] == "/models/.hf"
 
 
 def test_model_cache_claim_backs_the_models_volume():

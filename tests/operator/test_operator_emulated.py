@@ -266,6 +266,31 @@ def test_model_cache_renders_an_owned_claim(scenario):
     assert {"name": "models", "persistentVolumeClaim": {"claimName": "llama-model-cache"}} in volumes
 
 
+def test_network_policies_fence_the_pods_and_go_when_turned_off(scenario):
+    cache = {"size": "50Gi", "accessMode": "ReadWriteMany"}
+    created = scenario.api.create(pagedllm(scenario.ns, modelCache=cache))
+    policy = scenario.wait(lambda: scenario.get("NetworkPolicy"), "the servers' NetworkPolicy")
+    download = scenario.wait(lambda: scenario.get("NetworkPolicy", "llama-model-download"), "the download's")
+    servers = scenario.wait_deployment()["spec"]["template"]["metadata"]["labels"]
+    assert policy["spec"]["podSelector"]["matchLabels"].items() <= servers.items()
+    assert policy["spec"]["policyTypes"] == ["Ingress", "Egress"]
+    assert policy["spec"]["ingress"] == [{"ports": [{"protocol": "TCP", "port": 8000}], "from": [{"podSelector": {}}]}]
+    (job,) = [j for j in scenario.api.list("Job", scenario.ns) if j["metadata"]["name"].startswith("llama-model-")]
+    assert download["spec"]["podSelector"]["matchLabels"] == job["spec"]["template"]["metadata"]["labels"]
+    assert (download["spec"]["policyTypes"], download["spec"].get("ingress", [])) == (["Ingress"], [])
+    for obj in (policy, download):
+        assert obj["metadata"]["ownerReferences"][0]["uid"] == created["metadata"]["uid"]
+
+    # Opened by hand (a rule with no `from` admits every source): closed again.
+    scenario.api.patch("NetworkPolicy", scenario.ns, "llama", {"spec": {"ingress": [{}]}})
+    restored = policy["spec"]["ingress"]
+    scenario.wait(lambda: (scenario.get("NetworkPolicy") or {})["spec"]["ingress"] == restored, "the policy reverted")
+
+    scenario.api.patch(KIND, scenario.ns, "llama", {"spec": {"networkPolicy": {"enabled": False}}})
+    scenario.wait(lambda: scenario.get("NetworkPolicy") is None, "the servers' NetworkPolicy deleted")
+    scenario.wait(lambda: scenario.get("NetworkPolicy", "llama-model-download") is None, "the download's deleted")
+
+
 # -- run last: they look back at everything the operator did in this module ---------------
 
 

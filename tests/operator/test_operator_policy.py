@@ -35,3 +35,30 @@ def test_what_the_policy_refuses_is_degraded_and_not_applied_until_fixed(scenari
     dep = scenario.wait_deployment()
     assert dep["spec"]["template"]["spec"]["containers"][0]["image"] == "registry.example/pagedllm:test"
     scenario.wait_status(lambda s, o: condition(o, "Degraded").get("status") == "False", "no longer Degraded")
+
+
+def test_a_foreign_service_account_is_refused_by_default(scenario):
+    scenario.api.create(pagedllm(scenario.ns, serviceAccountName="cloud-admin"))
+    obj = scenario.wait_status(lambda s, o: s.get("phase") == "Degraded", "Degraded")
+    assert (condition(obj, "Degraded")["reason"], condition(obj, "Degraded")["message"]) == (
+        "NotAllowed",
+        "spec.serviceAccountName='cloud-admin' is not allowed by the cluster's policy: allowed are ['default']",
+    )
+    assert scenario.get("Deployment") is None
+    scenario.api.patch("PagedLLM", scenario.ns, "llama", {"spec": {"serviceAccountName": "default"}})
+    assert scenario.wait_deployment()["spec"]["template"]["spec"]["serviceAccountName"] == "default"
+
+
+def test_a_public_service_without_an_api_key_is_degraded_until_allowed(scenario):
+    scenario.api.create(pagedllm(scenario.ns, serviceType="LoadBalancer"))
+    obj = scenario.wait_status(lambda s, o: s.get("phase") == "Degraded", "Degraded")
+    degraded = condition(obj, "Degraded")
+    assert degraded["reason"] == "InvalidSpec"
+    assert degraded["message"].startswith(
+        "spec.serviceType='LoadBalancer' is not allowed without spec.apiKeySecret: the Service is reachable"
+    )
+    assert scenario.get("Service") is None and scenario.get("Deployment") is None
+    scenario.api.patch("PagedLLM", scenario.ns, "llama", {"spec": {"apiKeySecret": {"name": "keys"}}})
+    service = scenario.wait(lambda: scenario.get("Service"), "the Service")
+    assert service["spec"]["type"] == "LoadBalancer"
+    scenario.wait_status(lambda s, o: condition(o, "Degraded").get("status") == "False", "no longer Degraded")

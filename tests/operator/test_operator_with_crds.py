@@ -148,9 +148,15 @@ def test_the_operator_deploys_the_endpoint_picker_and_routing_follows_it(scenari
     routing = {"inferencePool": True, "endpointPicker": {"deploy": True}}
     created = scenario.api.create(pagedllm(scenario.ns, routing=routing))
     picker = scenario.wait(lambda: scenario.get("Deployment", "llama-epp"), "the picker's Deployment")
-    for kind in ("Service", "ConfigMap", "ServiceAccount", "Role", "RoleBinding"):
+    for kind in ("Service", "ConfigMap", "ServiceAccount", "Role", "RoleBinding", "PodDisruptionBudget"):
         obj = scenario.wait(lambda kind=kind: scenario.get(kind, "llama-epp"), f"the picker's {kind}")
         assert obj["metadata"]["ownerReferences"][0]["uid"] == created["metadata"]["uid"]
+    # Highly available: two pickers on different nodes where possible, one drained at a time.
+    assert picker["spec"]["replicas"] == 2
+    assert "podAntiAffinity" in picker["spec"]["template"]["spec"]["affinity"]
+    budget = scenario.get("PodDisruptionBudget", "llama-epp")
+    assert budget["spec"]["maxUnavailable"] == 1
+    assert budget["spec"]["selector"]["matchLabels"] == picker["spec"]["selector"]["matchLabels"]
     args = picker["spec"]["template"]["spec"]["containers"][0]["args"]
     assert args[args.index("--pool-namespace") + 1] == scenario.ns
     server = scenario.wait_deployment()

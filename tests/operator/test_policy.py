@@ -16,8 +16,19 @@ def check(policy: AdminPolicy, **fields):
     return policy.check(spec(**fields), DEFAULT, PICKER)
 
 
-def test_no_lists_allow_anything():
-    assert check(AdminPolicy(), image="anything:1", serviceAccountName="root-ish", runtimeClassName="x") is None
+def test_no_lists_allow_anything_but_a_foreign_service_account():
+    assert check(AdminPolicy(), image="anything:1", serviceAccountName="default", runtimeClassName="x") is None
+    assert check(AdminPolicy()) is None  # unset: the namespace's default account
+
+
+def test_foreign_service_accounts_are_refused_unless_allowed():
+    problem = check(AdminPolicy(), serviceAccountName="cloud-admin")
+    assert problem is not None and problem.reason == NOT_ALLOWED
+    assert problem.message == (
+        "spec.serviceAccountName='cloud-admin' is not allowed by the cluster's policy: allowed are ['default']"
+    )
+    assert check(AdminPolicy(service_accounts=("cloud-admin",)), serviceAccountName="cloud-admin") is None
+    assert check(AdminPolicy(service_accounts=("cloud-admin",)), serviceAccountName="default") is None
 
 
 def test_images_match_by_pattern_the_default_one_included():
@@ -47,7 +58,7 @@ def test_names_match_exactly_and_unset_is_allowed():
     assert check(policy) is None
     assert check(policy, serviceAccountName="llm", priorityClassName="inference", runtimeClassName="nvidia") is None
     for field, value, allowed in (
-        ("serviceAccountName", "llm-admin", "['llm']"),
+        ("serviceAccountName", "llm-admin", "['default', 'llm']"),
         ("priorityClassName", "system-cluster-critical", "['inference']"),
         ("runtimeClassName", "kata", "['nvidia']"),
     ):

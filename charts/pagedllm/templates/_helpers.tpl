@@ -91,6 +91,11 @@ Nothing else is deleted by the operator: owner references cascade deletion.
 - apiGroups: ["policy"]
   resources: ["poddisruptionbudgets"]
   verbs: ["get", "create", "patch", "delete"]
+# Each resource's NetworkPolicies, server-side applied, watched (a hand edit is reverted at
+# once); deleted when the spec turns them off.
+- apiGroups: ["networking.k8s.io"]
+  resources: ["networkpolicies"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
 # The fleet objects, server-side applied: the autoscaler (KEDA's ScaledObject only with
 # autoscaler=keda), the InferencePool and PodMonitor where their CRDs are installed.
 # The HorizontalPodAutoscaler is also watched: its conditions are the resource's AutoscalingReady.
