@@ -43,6 +43,10 @@ from pagedllm.operator.command import SERVE_COMMAND, check_engine, server_args
 from pagedllm.operator.container_env import hub_env, server_env
 from pagedllm.operator.endpoint_picker import DEFAULT_PICKER_IMAGE, picker_labels
 from pagedllm.operator.fleet import Fleet, FleetConfig, render_fleet
+from pagedllm.operator.labels import INSTANCE_LABEL as INSTANCE_LABEL
+from pagedllm.operator.labels import MANAGED_BY as MANAGED_BY
+from pagedllm.operator.labels import download_pod_labels, labels, selector_labels, server_pod_labels
+from pagedllm.operator.labels import selector_string as selector_string
 from pagedllm.operator.leaderworkerset import spread_over_nodes, wants_leaderworkerset
 from pagedllm.operator.monitoring import scrape_annotations
 from pagedllm.operator.network_policy import render_network_policies
@@ -52,7 +56,6 @@ from pagedllm.operator.spec import PagedLLMSpec
 from pagedllm.operator.spec_fields import dns_label
 
 GROUP, VERSION, PLURAL, KIND = "pagedllm.dev", "v1alpha1", "pagedllms", "PagedLLM"
-MANAGED_BY = "pagedllm-operator"
 GENERATION_ANNOTATION = "pagedllm.dev/generation"
 SERVER_CONTAINER = "server"
 RUN_AS = 1000  # the image's non-root user (Dockerfile: USER 1000)
@@ -117,42 +120,6 @@ class Manifests:
 def as_body(obj: Mapping[str, Any]) -> kopf.Body:
     """kopf's typed view of a plain object, for its adoption and event helpers."""
     return kopf.Body(dict(obj))  # type: ignore[arg-type]  # NOTE: kopf's RawBody is a TypedDict of this dict
-
-
-def labels(name: str) -> dict[str, str]:
-    """Labels of everything rendered for the resource ``name``."""
-    return {
-        **selector_labels(name),
-        "app.kubernetes.io/component": "server",
-        "app.kubernetes.io/managed-by": MANAGED_BY,
-    }
-
-
-INSTANCE_LABEL = "app.kubernetes.io/instance"
-
-
-def server_pod_labels(name: str) -> dict[str, str]:
-    """What tells a server pod from the resource's other pods (the download Job's, the picker's)."""
-    return {**selector_labels(name), "app.kubernetes.io/component": "server"}
-
-
-def download_pod_labels(name: str) -> dict[str, str]:
-    """The download Job's pods: outside every server selector (Service, budget, pool, policies)."""
-    return {
-        **labels(name),
-        "app.kubernetes.io/name": "pagedllm-model-download",
-        "app.kubernetes.io/component": "model-download",
-    }
-
-
-def selector_labels(name: str) -> dict[str, str]:
-    """The Deployment's (immutable) selector and the Service's selector."""
-    return {"app.kubernetes.io/name": "pagedllm", INSTANCE_LABEL: name}
-
-
-def selector_string(name: str) -> str:
-    """:func:`selector_labels` in the serialized form of status.selector (for HPAs)."""
-    return ",".join(f"{k}={v}" for k, v in selector_labels(name).items())
 
 
 def endpoint(name: str, namespace: str, port: int) -> str:

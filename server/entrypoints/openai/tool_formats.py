@@ -42,8 +42,15 @@ if TYPE_CHECKING:
 class CallParser(Protocol):
     """What a chat choice's text is read with: deltas per piece of text, then the calls."""
 
-    calls: list[ToolCall]
-    content: str
+    @property
+    def calls(self) -> list[ToolCall]:
+        """The calls read so far."""
+        ...
+
+    @property
+    def content(self) -> str:
+        """The text that is not a call."""
+        ...
 
     def feed(self, text: str) -> list[dict[str, Any]]: ...
 
