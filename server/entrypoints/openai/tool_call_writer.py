@@ -141,3 +141,51 @@ class Extent:
     @property
     def in_string(self) -> bool:
         return self._quote is not None
+
+
+class StreamingCallParser:
+    """What the streaming call parsers share: the text so far, a read position, and a state
+    machine run over whatever has arrived (:meth:`steps`: state -> a step that returns whether
+    it made progress, so the run goes on).
+
+    Subclasses set their first state and their own fields, and write to ``self.out``.
+    """
+
+    def __init__(self, out: CallWriter, state: Any) -> None:
+        self.out = out
+        self._text = ""
+        self._pos = 0
+        self._final = False
+        self._state = state
+
+    def steps(self) -> dict[Any, Callable[[], bool]]:
+        """State -> its step."""
+        raise NotImplementedError
+
+    @property
+    def calls(self) -> list[ToolCall]:
+        return self.out.calls
+
+    @property
+    def content(self) -> str:
+        return self.out.content
+
+    def feed(self, text: str) -> list[dict[str, Any]]:
+        self._text += text
+        self._run()
+        return self.out.take()
+
+    def finish(self) -> list[dict[str, Any]]:
+        self._final = True
+        self._run()
+        self.out.finish()
+        return self.out.take()
+
+    def _run(self) -> None:
+        steps = self.steps()
+        while steps[self._state]():
+            pass
+
+    @property
+    def _rest(self) -> str:
+        return self._text[self._pos :]

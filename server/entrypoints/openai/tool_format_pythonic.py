@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import ast
 import json
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from pagedllm.server.entrypoints.openai.tool_call_writer import CallWriter, Extent, OpenCall
-from pagedllm.server.entrypoints.openai.tool_parser import ToolCall
+from pagedllm.server.entrypoints.openai.tool_call_writer import CallWriter, Extent, OpenCall, StreamingCallParser
 
 if TYPE_CHECKING:
     from pagedllm.server.entrypoints.openai.tool_calls import ToolPlan
@@ -25,39 +25,16 @@ if TYPE_CHECKING:
 PYTHON_START, PYTHON_END = "<|python_start|>", "<|python_end|>"
 
 
-class PythonicParser:
+class PythonicParser(StreamingCallParser):
     def __init__(self, plan: ToolPlan) -> None:
-        self.out = CallWriter(plan)
+        super().__init__(CallWriter(plan), "start")
         self._names = plan.names
-        self._text = ""
-        self._pos = 0
-        self._final = False
-        self._state = "start"
         self._call: OpenCall | None = None
         self._argument: Extent | None = None
         self._argument_from = 0
 
-    @property
-    def calls(self) -> list[ToolCall]:
-        return self.out.calls
-
-    @property
-    def content(self) -> str:
-        return self.out.content
-
-    def feed(self, text: str) -> list[dict[str, Any]]:
-        self._text += text
-        self._run()
-        return self.out.take()
-
-    def finish(self) -> list[dict[str, Any]]:
-        self._final = True
-        self._run()
-        self.out.finish()
-        return self.out.take()
-
-    def _run(self) -> None:
-        steps = {
+    def steps(self) -> dict[Any, Callable[[], bool]]:
+        return {
             "start": self._start,
             "list": self._list,
             "call": self._call_name,
@@ -65,12 +42,6 @@ class PythonicParser:
             "after": self._after,
             "content": self._content,
         }
-        while steps[self._state]():
-            pass
-
-    @property
-    def _rest(self) -> str:
-        return self._text[self._pos :]
 
     def _head(self, chars: str = " \t\r\n") -> str:
         rest = self._rest

@@ -19,11 +19,11 @@ from __future__ import annotations
 
 import ast
 import json
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from pagedllm.server.entrypoints.openai.markers import first_of, partial_suffix
-from pagedllm.server.entrypoints.openai.tool_call_writer import CallWriter, OpenCall
-from pagedllm.server.entrypoints.openai.tool_parser import ToolCall
+from pagedllm.server.entrypoints.openai.tool_call_writer import CallWriter, OpenCall, StreamingCallParser
 
 if TYPE_CHECKING:
     from pagedllm.server.entrypoints.openai.tool_calls import ToolPlan
@@ -33,50 +33,21 @@ FUNCTION_OPEN, FUNCTION_CLOSE = "<function=", "</function>"
 PARAMETER_OPEN, PARAMETER_CLOSE = "<parameter=", "</parameter>"
 
 
-class Qwen3CoderParser:
+class Qwen3CoderParser(StreamingCallParser):
     def __init__(self, plan: ToolPlan) -> None:
-        self.out = CallWriter(plan)
+        super().__init__(CallWriter(plan), "content")
         self._schemas = {t["function"]["name"]: t["function"].get("parameters") or {} for t in plan.tools}
-        self._text = ""
-        self._pos = 0
-        self._final = False
-        self._state = "content"
         self._call: OpenCall | None = None
         self._parameter: str | None = None
 
-    @property
-    def calls(self) -> list[ToolCall]:
-        return self.out.calls
-
-    @property
-    def content(self) -> str:
-        return self.out.content
-
-    def feed(self, text: str) -> list[dict[str, Any]]:
-        self._text += text
-        self._run()
-        return self.out.take()
-
-    def finish(self) -> list[dict[str, Any]]:
-        self._final = True
-        self._run()
-        self.out.finish()
-        return self.out.take()
-
-    def _run(self) -> None:
-        steps = {
+    def steps(self) -> dict[Any, Callable[[], bool]]:
+        return {
             "content": self._content,
             "function": self._function,
             "parameters": self._parameters,
             "value": self._value,
             "after": self._after,
         }
-        while steps[self._state]():
-            pass
-
-    @property
-    def _rest(self) -> str:
-        return self._text[self._pos :]
 
     def _head(self) -> str:
         rest = self._rest

@@ -27,12 +27,13 @@ from __future__ import annotations
 import enum
 import random
 import string
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from pagedllm.server.entrypoints.openai.call_object import CallObject
 from pagedllm.server.entrypoints.openai.markers import first_of, partial_suffix
-from pagedllm.server.entrypoints.openai.tool_call_writer import CallWriter, Extent, OpenCall
+from pagedllm.server.entrypoints.openai.tool_call_writer import CallWriter, Extent, OpenCall, StreamingCallParser
 from pagedllm.server.entrypoints.openai.tool_parser import ToolCall, ToolCallParser
 
 if TYPE_CHECKING:
@@ -117,7 +118,7 @@ class _State(enum.Enum):
     AFTER = "after"  # after the calls: an optional closing marker
 
 
-class MarkedJsonParser:
+class MarkedJsonParser(StreamingCallParser):
     """Calls as JSON after a marker: a list of call objects, one call object, or ``name[ARGS]{...}``."""
 
     def __init__(
@@ -128,38 +129,15 @@ class MarkedJsonParser:
         name_args: str | None = None,
         make_id: Any = None,
     ) -> None:
-        self.out = CallWriter(plan, make_id) if make_id else CallWriter(plan)
+        super().__init__(CallWriter(plan, make_id) if make_id else CallWriter(plan), _State.CONTENT)
         self.opens, self.close, self.name_args = opens, close, name_args
-        self._text = ""
-        self._pos = 0
-        self._final = False
-        self._state = _State.CONTENT
         self._in_list = False
         self._obj: CallObject | None = None
         self._extent: Extent | None = None
         self._call: OpenCall | None = None
 
-    @property
-    def calls(self) -> list[ToolCall]:
-        return self.out.calls
-
-    @property
-    def content(self) -> str:
-        return self.out.content
-
-    def feed(self, text: str) -> list[dict[str, Any]]:
-        self._text += text
-        self._run()
-        return self.out.take()
-
-    def finish(self) -> list[dict[str, Any]]:
-        self._final = True
-        self._run()
-        self.out.finish()
-        return self.out.take()
-
-    def _run(self) -> None:
-        steps = {
+    def steps(self) -> dict[Any, Callable[[], bool]]:
+        return {
             _State.CONTENT: self._content,
             _State.BODY: self._body,
             _State.LIST: self._list,
@@ -168,12 +146,6 @@ class MarkedJsonParser:
             _State.ARGS: self._args,
             _State.AFTER: self._after,
         }
-        while steps[self._state]():
-            pass
-
-    @property
-    def _rest(self) -> str:
-        return self._text[self._pos :]
 
     def _skip_space(self, chars: str = " \t\r\n") -> str:
         rest = self._rest
