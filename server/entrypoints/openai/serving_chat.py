@@ -33,8 +33,8 @@ from pagedllm.server.entrypoints.openai.serving import (
 )
 from pagedllm.server.entrypoints.openai.sse import SSEResponse
 from pagedllm.server.entrypoints.openai.streaming import Delta, Tracker, holdback, stream
+from pagedllm.server.entrypoints.openai.tool_call_writer import ToolCall
 from pagedllm.server.entrypoints.openai.tool_calls import ToolPlan
-from pagedllm.server.entrypoints.openai.tool_parser import ToolCall
 from pagedllm.server.outputs import CompletionOutput, RequestOutput
 from pagedllm.server.sampling_params import SamplingParams
 

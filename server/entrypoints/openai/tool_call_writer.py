@@ -1,21 +1,35 @@
 """The deltas a tool-call parser streams: text content, a call's header, then its argument fragments.
 
-Shared by the parsers of :mod:`.tool_formats`, so every format streams what the ``openai``
-client accumulates, as :class:`~.tool_parser.ToolCallParser` does: a call's header is a delta
+Shared by every tool-call parser, so every format streams what the ``openai`` client
+accumulates: a call's header is a delta
 of its own (``index``, ``id``, ``type``, ``function.name``, arguments ``""``); every later delta
 of the call carries only ``index`` and an ``arguments`` fragment.
 """
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
-
-from pagedllm.server.entrypoints.openai.tool_parser import ToolCall, _call_id
 
 if TYPE_CHECKING:
     from pagedllm.server.entrypoints.openai.tool_calls import ToolPlan
+
+
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    name: str
+    arguments: str  # JSON text, as the model wrote it
+    id: str = field(default_factory=new_call_id)
+
+    def openai(self, index: int | None = None) -> dict[str, Any]:
+        call = {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+        return call if index is None else {"index": index, **call}
 
 
 @dataclass
@@ -32,10 +46,10 @@ class CallWriter:
     """Collects one choice's content and calls, and the deltas that stream them.
 
     NOTE: whitespace between text and calls is dropped at the start and end of the content,
-    as :class:`~.tool_parser.ToolCallParser` drops it.
+    as a non-streamed reply strips it.
     """
 
-    def __init__(self, plan: ToolPlan, make_id: Callable[[], str] = _call_id) -> None:
+    def __init__(self, plan: ToolPlan, make_id: Callable[[], str] = new_call_id) -> None:
         self.plan = plan
         self.calls: list[ToolCall] = []
         """Complete calls, in order."""
@@ -154,7 +168,7 @@ class StreamingCallParser:
     def __init__(self, out: CallWriter, state: Any) -> None:
         self.out = out
         self._text = ""
-        self._pos = 0
+        self._pos = 0  # NOTE: self._text[:self._pos] has been read; the rest waits for more text
         self._final = False
         self._state = state
 
@@ -178,8 +192,12 @@ class StreamingCallParser:
     def finish(self) -> list[dict[str, Any]]:
         self._final = True
         self._run()
+        self._ended()
         self.out.finish()
         return self.out.take()
+
+    def _ended(self) -> None:
+        """What a parser settles once the text is complete, before the content's last whitespace."""
 
     def _run(self) -> None:
         steps = self.steps()

@@ -24,8 +24,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagedllm.server.entrypoints.openai.errors import bad_request
+from pagedllm.server.entrypoints.openai.tool_call_writer import ToolCall
 from pagedllm.server.entrypoints.openai.tool_formats import TOOL_FORMATS, CallParser, make_parser
-from pagedllm.server.entrypoints.openai.tool_parser import ToolCall, ToolCallParser
+from pagedllm.server.entrypoints.openai.tool_parser import ToolCallParser
 from pagedllm.server.sampling_params import GuidedDecodingParams
 
 

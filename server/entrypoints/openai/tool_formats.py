@@ -33,8 +33,14 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from pagedllm.server.entrypoints.openai.call_object import CallObject
 from pagedllm.server.entrypoints.openai.markers import first_of, partial_suffix
-from pagedllm.server.entrypoints.openai.tool_call_writer import CallWriter, Extent, OpenCall, StreamingCallParser
-from pagedllm.server.entrypoints.openai.tool_parser import ToolCall, ToolCallParser
+from pagedllm.server.entrypoints.openai.tool_call_writer import (
+    CallWriter,
+    Extent,
+    OpenCall,
+    StreamingCallParser,
+    ToolCall,
+)
+from pagedllm.server.entrypoints.openai.tool_parser import ToolCallParser
 
 if TYPE_CHECKING:
     from pagedllm.server.entrypoints.openai.tool_calls import ToolPlan

@@ -17,32 +17,18 @@ name is not read yet) is held back, then sent as a call or, if it is none, as te
 from __future__ import annotations
 
 import enum
-import uuid
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from pagedllm.server.entrypoints.openai.call_object import CallObject
 from pagedllm.server.entrypoints.openai.markers import partial_suffix
+from pagedllm.server.entrypoints.openai.tool_call_writer import CallWriter, OpenCall, StreamingCallParser, ToolCall
 
 if TYPE_CHECKING:
     from pagedllm.server.entrypoints.openai.tool_calls import ToolPlan
 
 TOOL_CALL_OPEN, TOOL_CALL_CLOSE, PYTHON_TAG = "<tool_call>", "</tool_call>", "<|python_tag|>"
-
-
-def _call_id() -> str:
-    return f"call_{uuid.uuid4().hex[:24]}"
-
-
-@dataclass(frozen=True)
-class ToolCall:
-    name: str
-    arguments: str  # JSON text, as the model wrote it
-    id: str = field(default_factory=_call_id)
-
-    def openai(self, index: int | None = None) -> dict[str, Any]:
-        call = {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
-        return call if index is None else {"index": index, **call}
 
 
 class _State(enum.Enum):
@@ -64,13 +50,16 @@ class _Reading:
     obj: CallObject
     held_from: int  # NOTE: text from here on is content again if this turns out not to be a call
     tagged: bool
-    index: int | None = None  # set when its header is streamed (None: not a call, or dropped)
-    id: str = field(default_factory=_call_id)
+    call: OpenCall | None = None  # its header, once decided on (streamed, or dropped by parallel_tool_calls)
     sent: int = 0  # characters of its arguments streamed
-    announced: bool = False  # its header was decided on (streamed, or dropped by parallel_tool_calls)
+
+    @property
+    def index(self) -> int | None:
+        """Its index among the streamed calls (None: not announced, or dropped)."""
+        return self.call.index if self.call is not None else None
 
 
-class ToolCallParser:
+class ToolCallParser(StreamingCallParser):
     """One choice's text, fed as it grows (:meth:`feed`), read into content and tool calls.
 
     :meth:`feed` and :meth:`finish` return the choice's next ``delta`` messages in OpenAI's
@@ -81,40 +70,18 @@ class ToolCallParser:
     """
 
     def __init__(self, plan: ToolPlan) -> None:
+        state = {"named": _State.ARGUMENTS, "required": _State.LIST_START}.get(plan.mode, _State.START)
+        super().__init__(CallWriter(plan), state)
         self.plan = plan
-        self.calls: list[ToolCall] = []
-        """Complete calls, in order."""
-        self.content = ""
-        """The text content streamed so far."""
-        self._text = ""
-        self._pos = 0  # NOTE: self._text[:self._pos] has been read; the rest waits for more text
-        self._final = False
-        self._state = {"named": _State.ARGUMENTS, "required": _State.LIST_START}.get(plan.mode, _State.START)
         self._reading: _Reading | None = None
-        self._num_indexes = 0
-        self._pending_space = ""  # trailing whitespace of the content, sent only if more content follows
-        self._deltas: list[dict[str, Any]] = []
 
-    # -- feeding ------------------------------------------------------------------------------------------
-    def feed(self, text: str) -> list[dict[str, Any]]:
-        """Read ``text`` (what the choice's text gained); the deltas to stream for it."""
-        self._text += text
-        self._run()
-        return self._take_deltas()
+    def _ended(self) -> None:
+        reading = self._reading
+        if self._state is _State.ARGUMENTS and reading is not None and reading.call is not None:
+            self.out.calls.append(ToolCall(self.plan.named or "", self._text, reading.call.id))
 
-    def finish(self) -> list[dict[str, Any]]:
-        """The choice ended: resolve what was held back; the last deltas to stream."""
-        self._final = True
-        self._run()
-        if self._state is _State.ARGUMENTS and self._reading is not None:
-            self.calls.append(ToolCall(self.plan.named or "", self._text, self._reading.id))
-        if self._pending_space and not self._num_indexes:
-            self._emit_content(self._pending_space)
-        self._pending_space = ""
-        return self._take_deltas()
-
-    def _run(self) -> None:
-        steps = {
+    def steps(self) -> dict[Any, Callable[[], bool]]:
+        return {
             _State.START: self._start,
             _State.CONTENT: self._content_text,
             _State.TAG_BODY: self._tag_body,
@@ -125,12 +92,6 @@ class ToolCallParser:
             _State.ARGUMENTS: self._arguments,
             _State.DONE: self._done,
         }
-        while steps[self._state]():
-            pass
-
-    @property
-    def _rest(self) -> str:
-        return self._text[self._pos :]
 
     def _waits_for(self, rest: str, *tokens: str) -> bool:
         """Whether ``rest`` may still grow into one of ``tokens`` (so it is held back)."""
@@ -179,7 +140,7 @@ class ToolCallParser:
         assert reading is not None
         self._pos += reading.obj.feed(self._rest)
         obj = reading.obj
-        if not reading.announced and obj.name is not None:
+        if reading.call is None and obj.name is not None:
             if self.plan.mode == "auto" and obj.name not in self.plan.names:
                 self._not_a_call(reading.held_from, reading.tagged)
                 return True
@@ -190,7 +151,7 @@ class ToolCallParser:
             self._end_call(reading)
             return True
         if obj.invalid or obj.closed or self._final:
-            if not reading.announced:
+            if reading.call is None:
                 self._not_a_call(reading.held_from, reading.tagged)
             else:  # NOTE: already streamed; it stays incomplete, and the rest is text
                 self._reading, self._state = None, _State.CONTENT
@@ -249,22 +210,7 @@ class ToolCallParser:
         self._state = _State.CALL
 
     def _announce(self, reading: _Reading, name: str) -> None:
-        reading.announced = True
-        if self._num_indexes and not self.plan.parallel:
-            return  # NOTE: parallel_tool_calls=false: later calls are read, and dropped
-        reading.index, self._num_indexes = self._num_indexes, self._num_indexes + 1
-        self._deltas.append(
-            {
-                "tool_calls": [
-                    {
-                        "index": reading.index,
-                        "id": reading.id,
-                        "type": "function",
-                        "function": {"name": name, "arguments": ""},
-                    }
-                ]
-            }
-        )
+        reading.call = self.out.open(name)  # NOTE: dropped (index None) past the first with parallel_tool_calls=false
 
     def _stream_arguments(self, reading: _Reading) -> None:
         arguments = reading.obj.arguments()
@@ -274,18 +220,14 @@ class ToolCallParser:
         if not text:
             return
         reading.sent += len(text)
-        last = self._deltas[-1] if self._deltas else None
-        calls = last.get("tool_calls") if last is not None else None
-        if calls and "id" not in calls[-1] and calls[-1]["index"] == reading.index:
-            calls[-1]["function"]["arguments"] += text
-        else:
-            self._deltas.append({"tool_calls": [{"index": reading.index, "function": {"arguments": text}}]})
+        assert reading.call is not None
+        self.out.arguments(reading.call, text)
 
     def _end_call(self, reading: _Reading) -> None:
         obj = reading.obj
         assert obj.name is not None
-        if reading.index is not None:
-            self.calls.append(ToolCall(obj.name, obj.arguments(), reading.id))
+        if reading.call is not None and reading.call.index is not None:
+            self.out.calls.append(ToolCall(obj.name, obj.arguments(), reading.call.id))
         self._reading = None
         self._state = {"required": _State.LIST}.get(
             self.plan.mode, _State.TAG_END if reading.tagged else _State.CONTENT
@@ -303,24 +245,5 @@ class ToolCallParser:
             held_from += len(TOOL_CALL_OPEN)
         self._pos, self._state = held_from, _State.CONTENT
 
-    # -- content ----------------------------------------------------------------------------------------------
     def _content(self, text: str) -> None:
-        if not self.content and self._num_indexes:
-            text, self._pending_space = text.lstrip(), ""  # NOTE: the content begins after the calls before it
-        text = self._pending_space + text
-        body = text.rstrip()
-        self._pending_space = text[len(body) :]
-        if body:
-            self._emit_content(body)
-
-    def _emit_content(self, text: str) -> None:
-        self.content += text
-        last = self._deltas[-1] if self._deltas else None
-        if last is not None and "content" in last:
-            last["content"] += text
-        else:
-            self._deltas.append({"content": text})
-
-    def _take_deltas(self) -> list[dict[str, Any]]:
-        deltas, self._deltas = self._deltas, []
-        return deltas
+        self.out.text(text)
