@@ -108,6 +108,12 @@ def write_random_model(
     return sum(p.numel() for p in model.parameters())
 
 
+def save_random_llama(path: str, tokenizer: bool = False) -> int:
+    """The small LLaMA of the earlier rounds (:data:`BENCH_LLAMA`) in float32, as
+    :func:`write_random_model` writes any shape; its parameter count."""
+    return write_random_model(path, "bench", "float32", tokenizer=tokenizer)
+
+
 def write_tokenizer(path: str, vocab: int, max_length: int) -> None:
     """A byte-level BPE trained on the standard library's documentation, with placeholder tokens
     (``<unused_N>``) after its own up to ``vocab``, so every id a random model emits decodes to

@@ -14,7 +14,8 @@ import tempfile
 import time
 
 from benchmarks.common import HelpFormatter, set_threads
-from benchmarks.throughput import MODEL_SHAPE, save_random_llama
+from benchmarks.model_shapes import BENCH_LLAMA as MODEL_SHAPE
+from benchmarks.model_shapes import save_random_llama
 from benchmarks.workloads import Request, sample_requests
 
 

@@ -294,17 +294,14 @@ def main(argv=None) -> int:
 def model_directory(args) -> Iterator[str | None]:
     """The directory every launched server serves: ``--model-path``, the random LLaMA written to a
     temp dir, the demo model when two servers must share one, or None (each server's default)."""
-    if args.model_path == "random":
-        from benchmarks.throughput import save_random_llama
-
-        with tempfile.TemporaryDirectory(prefix="random-llama-") as path:
-            save_random_llama(path, tokenizer=True)
-            yield path
-    elif args.model_path in SHAPES:
-        from benchmarks.model_shapes import write_random_model
+    if args.model_path == "random" or args.model_path in SHAPES:
+        from benchmarks.model_shapes import save_random_llama, write_random_model
 
         with tempfile.TemporaryDirectory(prefix=f"{args.model_path}-") as path:
-            write_random_model(path, args.model_path, args.dtype or "bfloat16", tokenizer=True)
+            if args.model_path == "random":
+                save_random_llama(path, tokenizer=True)
+            else:
+                write_random_model(path, args.model_path, args.dtype or "bfloat16", tokenizer=True)
             yield path
     elif args.model_path:
         yield os.path.abspath(args.model_path)

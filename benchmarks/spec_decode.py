@@ -32,7 +32,8 @@ import time
 from dataclasses import dataclass
 
 from benchmarks.common import HelpFormatter, set_threads
-from benchmarks.throughput import MODEL_SHAPE, save_random_llama
+from benchmarks.model_shapes import BENCH_LLAMA as MODEL_SHAPE
+from benchmarks.model_shapes import save_random_llama
 from benchmarks.workloads import sample_requests
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}

@@ -48,39 +48,13 @@ import torch
 
 from benchmarks.common import HelpFormatter, set_threads
 from benchmarks.hf_baselines import forward_ceiling, run_hf_continuous, run_hf_static
-from benchmarks.model_shapes import BENCH_LLAMA, SHAPES, model_vocab, write_random_model
+from benchmarks.model_shapes import BENCH_LLAMA, SHAPES, model_vocab, save_random_llama, write_random_model
 from benchmarks.vllm_baseline import Job, Result, check_python, run_offline
 from benchmarks.workloads import Request, sample_requests
 
 MODEL_SHAPE = BENCH_LLAMA
 SYSTEMS = ("ours", "vllm", "hf_static", "hf_continuous", "ceiling")
 DTYPES = ("float32", "bfloat16")
-
-
-def save_random_llama(path: str, tokenizer: bool = False) -> int:
-    """Write the benchmark's random-weight LLaMA (seeded: always the same weights) to ``path``;
-    its parameter count. ``tokenizer``: also a BPE tokenizer of the model's vocabulary, trained
-    on the standard library's documentation, for servers and clients that speak text."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(**MODEL_SHAPE, bos_token_id=0, eos_token_id=1, pad_token_id=2))
-    model.save_pretrained(path, safe_serialization=True)
-    if tokenizer:
-        save_tokenizer(path)
-    return sum(p.numel() for p in model.parameters())
-
-
-def save_tokenizer(path: str) -> None:
-    from pydoc_data.topics import topics
-
-    from pagedllm.server.demo.train import train_tokenizer
-
-    tok = train_tokenizer([topics[k] for k in sorted(topics)], MODEL_SHAPE["vocab_size"])
-    if len(tok) != MODEL_SHAPE["vocab_size"]:
-        raise RuntimeError(f"the tokenizer has {len(tok)} tokens, not the model's {MODEL_SHAPE['vocab_size']}")
-    tok.model_max_length = MODEL_SHAPE["max_position_embeddings"]
-    tok.save_pretrained(path)  # NOTE: ids 0, 1, 2 are <s>, </s>, <pad>, as the model's config says
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.step_profile import Clock, clocked, components, make_engine, parse_profiler_table
+from benchmarks.step_clock import Clock, components
+from benchmarks.step_profile import clocked, make_engine
+from benchmarks.vllm_profile import parse_profiler_table
 from benchmarks.workloads import Request
 
 
