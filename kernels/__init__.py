@@ -10,6 +10,7 @@ All caches are ``[num_blocks, block_size, num_kv_heads, head_dim]`` per layer.
 
 from ._triton import HAS_TRITON
 from .copy_blocks import copy_blocks, copy_blocks_reference
+from .fp8_matmul import fp8_linear, fp8_linear_reference
 from .fused_moe import fused_moe, fused_moe_reference
 from .lora_matmul import lora_expand, lora_expand_reference, lora_shrink, lora_shrink_reference
 from .paged_decode_attention import paged_decode_attention, paged_decode_attention_reference
@@ -21,6 +22,8 @@ __all__ = [
     "HAS_TRITON",
     "copy_blocks",
     "copy_blocks_reference",
+    "fp8_linear",
+    "fp8_linear_reference",
     "fused_moe",
     "fused_moe_reference",
     "lora_expand",
