@@ -1,0 +1,60 @@
+"""The W4A16 GPU benchmark's host-side arithmetic: cases, bytes, copies past the L2, ratios."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from benchmarks.gpu_quant_linear import Case, cases, copies_for, main, measure, result_row
+
+
+def test_cases_are_the_fused_projections_of_each_shape():
+    got = cases(["llama-7b", "qwen2.5-7b"], [1, 16], 128)
+    assert len(got) == 2 * 4 * 2
+    by_key = {(c.shape, c.proj, c.rows): (c.k, c.n) for c in got}
+    assert by_key["llama-7b", "gate_up", 1] == (4096, 2 * 11008)
+    assert by_key["llama-7b", "down", 16] == (11008, 4096)
+    assert by_key["qwen2.5-7b", "qkv", 1] == (3584, (28 + 2 * 4) * 128)  # 28 query and 4 KV heads of 128
+
+
+def test_w4a16_bytes_count_codes_scales_zeros_and_activations():
+    c = Case("llama-7b", "o", rows=1, k=4096, n=4096, group_size=128)
+    codes = 4096 * 4096 // 2
+    scales_and_zeros = 2 * 32 * 4096 * 2
+    assert c.w4a16_bytes() == codes + scales_and_zeros + (4096 + 4096) * 2
+    assert c.bf16_bytes() == 4096 * 4096 * 2 + (4096 + 4096) * 2
+    assert c.bf16_bytes() / c.w4a16_bytes() == pytest.approx(3.76, abs=0.005)  # 2 B against 0.5 + 4 / 128 B a weight
+
+
+def test_copies_span_the_working_set():
+    assert copies_for(8 * 2**20, 200) == 25
+    assert copies_for(300 * 2**20, 200) == 1
+    assert copies_for(3, 0) == 1
+
+
+def test_result_row_puts_the_floor_from_the_copy_bandwidth():
+    c = Case("llama-7b", "o", rows=1, k=4096, n=4096, group_size=128)
+    row = result_row(c, w4a16_us=4.0, bf16_us=12.0, copy_gbs=c.w4a16_bytes() / 3e3)  # a 3 µs floor
+    assert row["floor_us"] == 3.0 and row["of_floor"] == 0.75 and row["speedup_vs_bf16"] == 3.0
+    assert row["proj"] == "o" and row["k"] == 4096
+
+
+def test_list_needs_no_gpu(capsys):
+    main(["--list", "--shapes", "llama-7b", "--rows", "1"])
+    out = capsys.readouterr().out.splitlines()
+    assert len(out) == 4 and "gate_up" in out[2] and "rows   1" in out[0]
+
+
+def test_measure_runs_every_copy_once_per_pass():
+    # NOTE: on CPU through Triton's interpreter (tests/conftest.py), float32: the pass, not the speed
+    c = Case("tiny", "o", rows=1, k=64, n=32, group_size=32)
+    passes = []
+
+    def bench(fn):
+        passes.append(len(fn()))  # the number of calls one pass made
+        return 2.0  # ms
+
+    w4a16_us, bf16_us = measure(c, bench, working_set_mb=0.005, device="cpu", dtype=torch.float32)
+    w4a16_copies, bf16_copies = copies_for(c.w4a16_bytes(), 0.005), copies_for(c.bf16_bytes(), 0.005)
+    assert passes == [w4a16_copies, bf16_copies] and w4a16_copies > 1
+    assert w4a16_us == 2000.0 / w4a16_copies and bf16_us == 2000.0 / bf16_copies
