@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from engine_factories import HFReference, assert_greedy_matches, make_prompts
+from family_factories import save_tiny_family
 
 from pagedllm.server import LLM, SamplingParams
 from pagedllm.server.worker.models import decoder, rope
@@ -15,7 +16,7 @@ MAX_TOKENS = 6
 TRITON_OPS = (
     (decoder, "fused_add_rms_norm"),
     (decoder, "rms_norm"),
-    (decoder, "silu_and_mul"),
+    (decoder, "act_and_mul"),
     (rope, "rotary_embedding"),
 )
 
@@ -46,15 +47,17 @@ def test_cpu_tensors_never_reach_the_triton_ops(tiny_llama, monkeypatch):
     assert not any(calls.values()), calls
 
 
-def test_triton_ops_forced_on_give_transformers_tokens(tiny_llama, monkeypatch):
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3"])  # + q/k norms; + Gemma's norms and GeGLU
+def test_triton_ops_forced_on_give_transformers_tokens(family, tiny_llama, tmp_path, monkeypatch):
     # NOTE: Triton's interpreter runs the kernels on CPU tensors (tests/conftest.py sets it)
+    model_dir = tiny_llama if family == "llama" else save_tiny_family(str(tmp_path / family), family)
     calls = _count_calls(monkeypatch)
     for module in (decoder, rope):
         monkeypatch.setattr(module, "runs_on_triton", lambda t: True)
     prompts = make_prompts(3, min_len=2, max_len=20, seed=2)
-    got = _greedy(tiny_llama, prompts, device="cpu", cpu_threads=1, attention_backend="torch")
+    got = _greedy(model_dir, prompts, device="cpu", cpu_threads=1, attention_backend="torch")
     assert all(calls.values()), calls
-    ref = HFReference(tiny_llama)
+    ref = HFReference(model_dir, attn_implementation="eager")
     for prompt, ours in zip(prompts, got):
         assert_greedy_matches(ref, prompt, ours, ref.greedy(prompt, MAX_TOKENS))
 
