@@ -17,6 +17,7 @@ weights to span ``--working-set-mb`` (4x the L2 by default), and one timed pass 
 copy in turn; the time per call is the pass's over the copies.
 
     python -m benchmarks.gpu_quant_linear                       # llama-7b and qwen2.5-7b, rows 1 4 16
+    python -m benchmarks.gpu_quant_linear --sweep-tiles         # + 18 other tile sizes at one row
     python -m benchmarks.gpu_quant_linear --list                # the cases and their bytes (no GPU)
 """
 
@@ -74,16 +75,21 @@ def copies_for(case_bytes: int, working_set_mb: float) -> int:
     return max(1, math.ceil(working_set_mb * 2**20 / case_bytes))
 
 
-def result_row(case: Case, w4a16_us: float, bf16_us: float, copy_gbs: float) -> dict:
-    """The case's measurements with the floor and the ratios derived from them."""
+def result_row(case: Case, w4a16_us: float, bf16_us: float, copy_gbs: float, swept: dict | None = None) -> dict:
+    """The case's measurements with the floor and the ratios derived from them; with ``swept``
+    (µs by tile name), the fastest of those tiles too."""
     floor_us = case.w4a16_bytes() / (copy_gbs * 1e3)
-    return asdict(case) | {
+    row = asdict(case) | {
         "w4a16_us": round(w4a16_us, 2),
         "bf16_us": round(bf16_us, 2),
         "floor_us": round(floor_us, 2),
         "of_floor": round(floor_us / w4a16_us, 3),
         "speedup_vs_bf16": round(bf16_us / w4a16_us, 3),
     }
+    if swept:
+        best = min(swept, key=swept.__getitem__)
+        row |= {"best_tiles": best, "best_us": round(swept[best], 2), "best_of_floor": round(floor_us / swept[best], 3)}
+    return row
 
 
 def _weights(case: Case, device: str, dtype):
@@ -102,8 +108,28 @@ def _per_call_us(bench, call, items: list) -> float:
     return bench(lambda: [call(item) for item in items]) * 1e3 / len(items)
 
 
-def measure(case: Case, bench, working_set_mb: float, device: str = "cuda", dtype=None) -> tuple[float, float]:
-    """(W4A16 µs, bf16 µs) per call, each over enough weight copies to leave the L2 cache.
+def sweep_tiles(rows: int) -> list:
+    """The tile sizes ``--sweep-tiles`` tries at ``rows`` rows: column and K tiles, warps, stages."""
+    from pagedllm.kernels.quant_matmul import Tiles
+
+    block_m = max(16, 1 << (rows - 1).bit_length())
+    return [
+        Tiles(block_m, bn, bk, warps, stages)
+        for bn in (32, 64, 128)
+        for bk in (128, 256)
+        for warps, stages in ((4, 3), (4, 4), (8, 3))
+    ]
+
+
+def tiles_name(t) -> str:
+    return f"m{t.block_m}-n{t.block_n}-k{t.block_k}-w{t.num_warps}-s{t.num_stages}"
+
+
+def measure(
+    case: Case, bench, working_set_mb: float, device: str = "cuda", dtype=None, sweep: list | tuple = ()
+) -> tuple[float, float, dict[str, float]]:
+    """(W4A16 µs, bf16 µs, W4A16 µs by swept tile name) per call, each over enough weight copies
+    to leave the L2 cache.
 
     ``device`` and ``dtype`` (bfloat16 by default) are for testing the pass on the CPU.
     """
@@ -116,6 +142,10 @@ def measure(case: Case, bench, working_set_mb: float, device: str = "cuda", dtyp
     copies = copies_for(case.w4a16_bytes(), working_set_mb)
     quant = [_weights(case, device, dtype) for _ in range(copies)]
     w4a16_us = _per_call_us(bench, lambda qsz: w4a16_matmul(x, *qsz, case.group_size), quant)
+    swept = {
+        tiles_name(t): _per_call_us(bench, lambda qsz, t=t: w4a16_matmul(x, *qsz, case.group_size, tiles=t), quant)
+        for t in sweep
+    }
     quant.clear()
     copies = copies_for(case.bf16_bytes(), working_set_mb)
     dense = [torch.randn(case.n, case.k, device=device).to(dtype) for _ in range(copies)]
@@ -123,7 +153,15 @@ def measure(case: Case, bench, working_set_mb: float, device: str = "cuda", dtyp
     dense.clear()
     if device == "cuda":
         torch.cuda.empty_cache()
-    return w4a16_us, bf16_us
+    return w4a16_us, bf16_us, swept
+
+
+def _report(row: dict) -> None:
+    print(f"{row['shape']:11s} {row['proj']:8s} rows {row['rows']:3d}: W4A16 {row['w4a16_us']:7.1f} us, "
+          f"floor {row['floor_us']:6.1f} ({row['of_floor']:4.0%}), "
+          f"bf16 {row['bf16_us']:7.1f} us ({row['speedup_vs_bf16']:.2f}x)")  # fmt: skip
+    if "best_tiles" in row:
+        print(f"    best tiles {row['best_tiles']}: {row['best_us']:.1f} us ({row['best_of_floor']:.0%} of the floor)")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -135,6 +173,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--working-set-mb", type=float, default=200, help="weights per timed pass (MB), past the L2")
     p.add_argument("--timer", choices=["cudagraph", "do_bench"], default="cudagraph")
     p.add_argument("--rep-ms", type=int, default=100, help="measurement time per point (ms)")
+    p.add_argument("--sweep-tiles", action="store_true", help="also time other tile sizes at one row; report the best")
     p.add_argument("--list", action="store_true", help="print the cases and their bytes, then exit")
     p.add_argument("--out", default=None, help="write the rows as JSON to this file")
     return p.parse_args(argv)
@@ -157,17 +196,16 @@ def main(argv: list[str] | None = None) -> None:
     bench = timer(args.timer, args.rep_ms)
     copy_gbs = measure_copy_bandwidth(timer("do_bench", args.rep_ms), "cuda") / 1e9
     print(f"{torch.cuda.get_device_name()}: copy {copy_gbs:.0f} GB/s (read + write)")
+    meta = {"device": torch.cuda.get_device_name(), "copy_gbs": round(copy_gbs, 1), "timer": args.timer}
     rows = []
     for c in todo:
-        row = result_row(c, *measure(c, bench, args.working_set_mb), copy_gbs)
-        rows.append(row)
-        print(f"{c.shape:11s} {c.proj:8s} rows {c.rows:3d}: W4A16 {row['w4a16_us']:7.1f} us, "
-              f"floor {row['floor_us']:6.1f} ({row['of_floor']:4.0%}), "
-              f"bf16 {row['bf16_us']:7.1f} us ({row['speedup_vs_bf16']:.2f}x)")  # fmt: skip
-    if args.out:
-        meta = {"device": torch.cuda.get_device_name(), "copy_gbs": round(copy_gbs, 1), "timer": args.timer}
-        with open(args.out, "w") as f:
-            json.dump(meta | {"rows": rows}, f, indent=2)
+        sweep = sweep_tiles(c.rows) if args.sweep_tiles and c.rows == 1 else ()
+        w4a16_us, bf16_us, swept = measure(c, bench, args.working_set_mb, sweep=sweep)
+        rows.append(result_row(c, w4a16_us, bf16_us, copy_gbs, swept))
+        _report(rows[-1])
+        if args.out:  # NOTE: after every case, so a run cut short by its time limit keeps what it measured
+            with open(args.out, "w") as f:
+                json.dump(meta | {"rows": rows}, f, indent=2)
     sys.stdout.flush()
 
 

@@ -163,6 +163,8 @@ def w4a16_matmul(
     group_size: int,  # -1: one group for all of K
     g_idx: torch.Tensor | None = None,  # [K] int32: group of each row of K (act-order)
     bits: int = 4,  # 4 or 8
+    *,
+    tiles: Tiles | None = None,  # override :func:`choose_tiles` (benchmarks sweep them)
 ) -> torch.Tensor:  # [M, N] in x's dtype
     """``x @ W`` with ``W[k, n] = (q[k, n] - zeros[g, n]) * scales[g, n]`` (Triton, float32 accumulation).
 
@@ -177,7 +179,9 @@ def w4a16_matmul(
         return y
     if k == 0:
         return y.zero_()
-    tiles = choose_tiles(m, group_size, g_idx is not None)
+    tiles = tiles or choose_tiles(m, group_size, g_idx is not None)
+    if min(tiles.block_m, tiles.block_n, tiles.block_k) < 16 or tiles.block_k % (32 // bits):
+        raise ValueError(f"tiles must be at least 16 a side with block_k a multiple of {32 // bits}, got {tiles}")
     one_group = g_idx is None and group_size % tiles.block_k == 0
     grid = (triton.cdiv(m, tiles.block_m), triton.cdiv(n, tiles.block_n))
     quant_matmul_kernel[grid](

@@ -5,7 +5,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from benchmarks.gpu_quant_linear import Case, cases, copies_for, main, measure, result_row
+from benchmarks.gpu_quant_linear import (
+    Case,
+    _report,
+    cases,
+    copies_for,
+    main,
+    measure,
+    result_row,
+    sweep_tiles,
+    tiles_name,
+)
 
 
 def test_cases_are_the_fused_projections_of_each_shape():
@@ -54,7 +64,26 @@ def test_measure_runs_every_copy_once_per_pass():
         passes.append(len(fn()))  # the number of calls one pass made
         return 2.0  # ms
 
-    w4a16_us, bf16_us = measure(c, bench, working_set_mb=0.005, device="cpu", dtype=torch.float32)
+    sweep = sweep_tiles(1)[:2]
+    w4a16_us, bf16_us, swept = measure(c, bench, working_set_mb=0.005, device="cpu", dtype=torch.float32, sweep=sweep)
     w4a16_copies, bf16_copies = copies_for(c.w4a16_bytes(), 0.005), copies_for(c.bf16_bytes(), 0.005)
-    assert passes == [w4a16_copies, bf16_copies] and w4a16_copies > 1
+    assert passes == [w4a16_copies] * 3 + [bf16_copies] and w4a16_copies > 1  # default tiles, two swept, bf16
     assert w4a16_us == 2000.0 / w4a16_copies and bf16_us == 2000.0 / bf16_copies
+    assert list(swept) == [tiles_name(t) for t in sweep]
+
+
+def test_sweep_reports_the_fastest_tiles():
+    c = Case("llama-7b", "o", rows=1, k=4096, n=4096, group_size=128)
+    row = result_row(c, 4.0, 12.0, c.w4a16_bytes() / 3e3, swept={"a": 5.0, "b": 3.75, "c": 4.0})
+    assert row["best_tiles"] == "b" and row["best_us"] == 3.75 and row["best_of_floor"] == 0.8
+    tiles = sweep_tiles(1)
+    assert len(tiles) == 18 and len({tiles_name(t) for t in tiles}) == 18
+    assert all(t.block_m == 16 for t in tiles) and sweep_tiles(33)[0].block_m == 64
+
+
+def test_report_names_the_best_tiles_when_swept(capsys):
+    c = Case("llama-7b", "o", rows=1, k=4096, n=4096, group_size=128)
+    _report(result_row(c, 4.0, 12.0, c.w4a16_bytes() / 3e3))
+    _report(result_row(c, 4.0, 12.0, c.w4a16_bytes() / 3e3, swept={"m16-n64-k256-w4-s3": 3.5}))
+    out = capsys.readouterr().out.splitlines()
+    assert len(out) == 3 and "75%" in out[0] and "best tiles m16-n64-k256-w4-s3: 3.5 us (86% of the floor)" in out[2]

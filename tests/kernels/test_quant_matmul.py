@@ -6,6 +6,7 @@ import torch
 from kernel_factories import DEVICE, gpu_test
 
 from pagedllm.kernels.quant_matmul import (
+    Tiles,
     choose_tiles,
     dequantize_reference,
     pack_along_k,
@@ -102,6 +103,15 @@ def test_dequantize_reference_uses_g_idx():
     assert w[:2, 0].tolist() == [30.0, 8.0]  # row 0 in group 1: 3 * 10; row 1 in group 0: (5 - 1) * 2
 
 
+@pytest.mark.parametrize("tiles", [Tiles(16, 64, 256, 4, 3), Tiles(32, 16, 16, 4, 2)])
+def test_explicit_tiles_give_the_same_product(seed, tiles):
+    # a K tile longer than the group (gathered scales) and one shorter than it
+    x, qw, s, z, _, q = _random_case(3, 256, 80, 4, 64, False, torch.float32)
+    y = w4a16_matmul(x, qw, s, z, 64, tiles=tiles)
+    expected = _oracle(x, q, s, z, 64, None)
+    torch.testing.assert_close(y.cpu().double(), expected, **TOL[torch.float32], msg=lambda e: f"seed={seed}: {e}")
+
+
 def test_tiles_for_decode_and_prefill():
     assert choose_tiles(1, 128, False).block_m == 16
     assert choose_tiles(33, 128, False).block_m == 64
@@ -120,6 +130,8 @@ def test_launcher_rejects_bad_arguments():
         w4a16_matmul(x, qw[:4], s, s, 32)
     with pytest.raises(ValueError, match="scales must be float"):
         w4a16_matmul(x, qw, s[:1], s, 32)
+    with pytest.raises(ValueError, match="tiles must be"):
+        w4a16_matmul(x, qw, s, s, 32, tiles=Tiles(16, 16, 8, 4, 2))
     with pytest.raises(ValueError, match="g_idx must be int32"):
         w4a16_matmul(x, qw, s, s, 32, g_idx=torch.zeros(64, dtype=torch.int64))
 
