@@ -19,7 +19,11 @@ streams long runs of packed words with few loop trips. Prefill (M > 64) is bound
 arithmetic: 64x128 or 128x128 output tiles reuse each dequantized weight tile over many
 rows, K tile 64. When no ``g_idx`` is given and the group is a multiple of the K tile, a
 tile lies inside one group and loads one row of scales and zeros; otherwise (act-order)
-each of the tile's rows gathers its own group's.
+each of the tile's rows gathers its own group's. Each packed word is loaded once per tile and
+repeated in registers for its rows: loading it once per row instead pipelined a tile 8x the
+size through shared memory (compiled for sm90: 61 KB against 18 KB at the decode tiles, and
+the larger swept tiles did not fit at all). These are choices by reasoning and compiler
+output, not yet by measurement: ``benchmarks/gpu_quant_linear.py --sweep-tiles`` measures them.
 """
 
 from __future__ import annotations
@@ -76,7 +80,7 @@ def quant_matmul_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    PACK = 32 // BITS  # a compile-time constant, as BITS is
+    PACK: tl.constexpr = 32 // BITS
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok, col_ok = rows < M, cols < N
@@ -89,12 +93,14 @@ def quant_matmul_kernel(
             mask=row_ok[:, None] & k_ok[None, :],
             other=0.0,
         )  # [BLOCK_M, BLOCK_K]
-        # NOTE: PACK neighbouring rows of the tile load the same word; each keeps its own bits.
-        words = tl.load(
-            qweight_ptr + (ks // PACK)[:, None] * stride_qk + cols[None, :] * stride_qn,
-            mask=k_ok[:, None] & col_ok[None, :],
+        # NOTE: each word is loaded once, then repeated for the PACK rows it holds (each keeps its own bits)
+        word_rows = k0 // PACK + tl.arange(0, BLOCK_K // PACK).to(tl.int64)
+        packed = tl.load(
+            qweight_ptr + word_rows[:, None] * stride_qk + cols[None, :] * stride_qn,
+            mask=(word_rows < K // PACK)[:, None] & col_ok[None, :],
             other=0,
-        )  # [BLOCK_K, BLOCK_N] int32
+        )  # [BLOCK_K // PACK, BLOCK_N] int32
+        words = tl.reshape(tl.broadcast_to(packed[:, None, :], (BLOCK_K // PACK, PACK, BLOCK_N)), (BLOCK_K, BLOCK_N))
         shifts = ((ks % PACK) * BITS).to(tl.int32)
         q = ((words >> shifts[:, None]) & ((1 << BITS) - 1)).to(tl.float32)
         if TILE_IN_ONE_GROUP:
