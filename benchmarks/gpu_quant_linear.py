@@ -125,6 +125,15 @@ def tiles_name(t) -> str:
     return f"m{t.block_m}-n{t.block_n}-k{t.block_k}-w{t.num_warps}-s{t.num_stages}"
 
 
+def _swept_us(bench, call, items: list) -> float:
+    """:func:`_per_call_us`, or infinity (reported) where a swept tile size cannot run on this GPU."""
+    try:
+        return _per_call_us(bench, call, items)
+    except Exception as err:  # noqa: BLE001 - e.g. Triton's OutOfResources on a GPU with less shared memory
+        print(f"    a swept tile size failed: {type(err).__name__}: {err}".splitlines()[0])
+        return math.inf
+
+
 def measure(
     case: Case, bench, working_set_mb: float, device: str = "cuda", dtype=None, sweep: list | tuple = ()
 ) -> tuple[float, float, dict[str, float]]:
@@ -142,10 +151,8 @@ def measure(
     copies = copies_for(case.w4a16_bytes(), working_set_mb)
     quant = [_weights(case, device, dtype) for _ in range(copies)]
     w4a16_us = _per_call_us(bench, lambda qsz: w4a16_matmul(x, *qsz, case.group_size), quant)
-    swept = {
-        tiles_name(t): _per_call_us(bench, lambda qsz, t=t: w4a16_matmul(x, *qsz, case.group_size, tiles=t), quant)
-        for t in sweep
-    }
+    swept = {tiles_name(t): _swept_us(bench, lambda qsz, t=t: w4a16_matmul(x, *qsz, case.group_size, tiles=t), quant)
+             for t in sweep}  # fmt: skip
     quant.clear()
     copies = copies_for(case.bf16_bytes(), working_set_mb)
     dense = [torch.randn(case.n, case.k, device=device).to(dtype) for _ in range(copies)]

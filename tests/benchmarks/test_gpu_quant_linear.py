@@ -16,6 +16,7 @@ from benchmarks.gpu_quant_linear import (
     sweep_tiles,
     tiles_name,
 )
+from pagedllm.kernels.quant_matmul import Tiles
 
 
 def test_cases_are_the_fused_projections_of_each_shape():
@@ -70,6 +71,19 @@ def test_measure_runs_every_copy_once_per_pass():
     assert passes == [w4a16_copies] * 3 + [bf16_copies] and w4a16_copies > 1  # default tiles, two swept, bf16
     assert w4a16_us == 2000.0 / w4a16_copies and bf16_us == 2000.0 / bf16_copies
     assert list(swept) == [tiles_name(t) for t in sweep]
+
+
+def test_a_swept_tile_size_that_cannot_run_is_never_the_best(capsys):
+    c = Case("tiny", "o", rows=1, k=64, n=32, group_size=32)
+
+    def bench(fn):
+        fn()
+        return 1.0
+
+    too_small = Tiles(16, 16, 8, 4, 2)  # refused by the launcher, as an oversized tile is by the GPU
+    _, _, swept = measure(c, bench, 0.001, device="cpu", dtype=torch.float32, sweep=[too_small, sweep_tiles(1)[0]])
+    assert swept[tiles_name(too_small)] == float("inf") and "failed: ValueError" in capsys.readouterr().out
+    assert result_row(c, 1.0, 1.0, 1.0, swept)["best_tiles"] == tiles_name(sweep_tiles(1)[0])
 
 
 def test_sweep_reports_the_fastest_tiles():
