@@ -8,7 +8,7 @@ imports and the references work; calling a Triton launcher raises a ``RuntimeErr
 All caches are ``[num_blocks, block_size, num_kv_heads, head_dim]`` per layer.
 """
 
-from ._triton import HAS_TRITON
+from ._triton import HAS_TRITON, runs_on_triton
 from .copy_blocks import copy_blocks, copy_blocks_reference
 from .fp8_matmul import fp8_linear, fp8_linear_reference
 from .fused_moe import fused_moe, fused_moe_reference
@@ -36,6 +36,7 @@ __all__ = [
     "paged_prefill_attention_reference",
     "reshape_and_cache",
     "reshape_and_cache_reference",
+    "runs_on_triton",
     "w4a16_matmul",
     "w4a16_matmul_reference",
 ]

@@ -17,7 +17,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from pagedllm.kernels._triton import runs_on_triton
+from pagedllm.kernels import runs_on_triton
 from pagedllm.kernels.fused_add_rms_norm import fused_add_rms_norm, rms_norm
 from pagedllm.kernels.rms_norm_cpu import rms_norm_cpu
 from pagedllm.kernels.silu_and_mul import act_and_mul

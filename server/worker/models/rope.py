@@ -32,7 +32,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from pagedllm.kernels._triton import runs_on_triton
+from pagedllm.kernels import runs_on_triton
 from pagedllm.kernels.rotary_cpu import rotary_cpu_
 from pagedllm.kernels.rotary_embedding import rotary_embedding
 from pagedllm.server.config import ConfigError
