@@ -43,6 +43,15 @@ QWEN2_5_0_5B = dict(
 QWEN2_5_1_5B = QWEN2_5_0_5B | dict(
     hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2
 )
+QWEN2_5_7B = QWEN2_5_0_5B | dict(
+    vocab_size=152064,
+    hidden_size=3584,
+    intermediate_size=18944,
+    num_hidden_layers=28,
+    num_attention_heads=28,
+    num_key_value_heads=4,
+    tie_word_embeddings=False,
+)
 LLAMA_3_2_1B = dict(
     architecture="LlamaForCausalLM",
     vocab_size=128256,
@@ -70,6 +79,7 @@ SHAPES: dict[str, dict] = {
     "bench": BENCH_LLAMA,
     "qwen2.5-0.5b": QWEN2_5_0_5B,
     "qwen2.5-1.5b": QWEN2_5_1_5B,
+    "qwen2.5-7b": QWEN2_5_7B,
     "llama-3.2-1b": LLAMA_3_2_1B,
     "llama-7b": LLAMA_7B,
 }

@@ -35,7 +35,16 @@ except ImportError:  # pragma: no cover - exercised by a subprocess test
     triton = _MissingTriton()
     tl = _MissingTriton()
 
-__all__ = ["HAS_TRITON", "triton", "tl", "check_can_launch", "next_pow2", "soft_cap_log2", "NO_WINDOW"]
+__all__ = [
+    "HAS_TRITON",
+    "triton",
+    "tl",
+    "check_can_launch",
+    "next_pow2",
+    "runs_on_triton",
+    "soft_cap_log2",
+    "NO_WINDOW",
+]
 
 NO_WINDOW = 2**31 - 1
 """The window the kernels get when there is none: every position is inside it (int32, no overflow)."""
@@ -73,6 +82,12 @@ def check_can_launch(kernel, *tensors: torch.Tensor) -> None:
         )
     if interpreted and any(t.dtype == torch.bfloat16 for t in tensors):
         raise TypeError("Triton's CPU interpreter has no bfloat16; use float16 or float32")
+
+
+def runs_on_triton(t: torch.Tensor) -> bool:
+    """Whether the model's layer ops should take their Triton kernels for ``t``: CUDA tensors with
+    Triton installed. CPU tensors keep their own kernels, interpreter or not."""
+    return HAS_TRITON and t.is_cuda
 
 
 def is_interpreted(kernel) -> bool:

@@ -14,6 +14,9 @@
 #   engine-tests  tests/server on the GPU (device auto picks CUDA), ENGINE_TESTS selects
 #   throughput7b  python -m benchmarks.throughput --shape llama-7b (ours, transformers, ceiling)
 #   profile7b     python -m benchmarks.gpu_step_profile (PROFILE_ARGS): decode step time by batch size
+#   quant-linear  python -m benchmarks.gpu_quant_linear (QUANT_LINEAR_ARGS, default --sweep-tiles): the
+#                 W4A16 kernel on 7B linear sizes at decode batches against the copy-bandwidth floor and
+#                 cuBLAS bf16, and the fastest of 18 tile sizes at one row
 #
 # Everything is logged to $OUT/run.log (OUT defaults to ./gpu-out); result files are packed
 # into $OUT/results.tar after each stage.
@@ -112,6 +115,12 @@ stage_throughput7b() {
 stage_profile7b() {
     # shellcheck disable=SC2086
     timeout "${PROFILE_TIMEOUT:-300}" $PY -m benchmarks.gpu_step_profile --out "$OUT/res" ${PROFILE_ARGS:-}
+}
+
+stage_quant-linear() {
+    # shellcheck disable=SC2086
+    timeout "${QUANT_LINEAR_TIMEOUT:-300}" $PY -m benchmarks.gpu_quant_linear --out "$OUT/res/quant-linear.json" \
+        ${QUANT_LINEAR_ARGS:---sweep-tiles}
 }
 
 status=0

@@ -30,6 +30,10 @@ def test_references_work_and_launchers_explain_without_triton():
             assert "pagedllm[triton]" in str(err), err
         else:
             raise AssertionError("the Triton launcher ran without triton")
+        from pagedllm.kernels import fp8_matmul, fused_add_rms_norm, quant_matmul, rotary_embedding, silu_and_mul
+        from pagedllm.server.worker.models import decoder
+
+        assert not decoder.runs_on_triton(torch.zeros(1))
         print("ok")
         """
     )

@@ -17,7 +17,10 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from pagedllm.kernels import runs_on_triton
+from pagedllm.kernels.fused_add_rms_norm import fused_add_rms_norm, rms_norm
 from pagedllm.kernels.rms_norm_cpu import rms_norm_cpu
+from pagedllm.kernels.silu_and_mul import act_and_mul
 from pagedllm.kernels.silu_and_mul_cpu import silu_and_mul_cpu
 from pagedllm.server.worker.attention import AttentionMetadata, AttentionOps, PagedAttention
 from pagedllm.server.worker.models.activations import activation
@@ -44,6 +47,8 @@ class RMSNorm(nn.Module):
         self.gemma = gemma
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if runs_on_triton(x):
+            return rms_norm(x, self.weight, self.eps, self.gemma)
         if self.gemma:
             dtype = x.dtype
             normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
@@ -51,7 +56,13 @@ class RMSNorm(nn.Module):
         return rms_norm_cpu(x, self.weight, self.eps)[0]
 
     def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(norm(x + residual), x + residual), in one pass where the compiled kernel runs (LLaMA's norms)."""
+        """(norm(x + residual), x + residual), in one pass where the compiled kernel runs (LLaMA's norms).
+
+        NOTE: on CUDA the Triton kernel writes both results in place, over ``x`` and ``residual``:
+        the callers' tensors are a sub-layer's fresh output and the residual stream they own.
+        """
+        if runs_on_triton(x):
+            return fused_add_rms_norm(x, residual, self.weight, self.eps, self.gemma)
         if self.gemma:
             summed = x + residual
             return self(summed), summed
@@ -101,6 +112,10 @@ class DecoderAttention(nn.Module):
         return self.o_proj(self.attn(q, k, v, kv_cache, meta, ops))
 
 
+# ``hidden_act`` names the Triton act-and-mul kernel computes, by its name for them (CUDA only).
+_TRITON_ACTS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh"}
+
+
 class GatedMLP(nn.Module):
     """``down(act(gate(x)) * up(x))``: SwiGLU with SiLU, GeGLU with GELU."""
 
@@ -111,6 +126,7 @@ class GatedMLP(nn.Module):
         self.up_proj = ColumnParallelLinear(hidden, inner, bias, tp)
         self.down_proj = RowParallelLinear(inner, hidden, bias, tp)
         self.act = activation(arch.hidden_act, "hidden_act")
+        self.triton_act = _TRITON_ACTS.get(arch.hidden_act)
         self.gate_up_proj: FusedLinear | None = None
         """gate and up in one GEMM, once :meth:`fuse_projections` has replaced the two."""
 
@@ -123,6 +139,8 @@ class GatedMLP(nn.Module):
             gate, up = self.gate_up_proj(x)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
+        if self.triton_act is not None and runs_on_triton(gate):
+            return self.down_proj(act_and_mul(gate, up, self.triton_act))
         if self.act is nn.functional.silu:
             return self.down_proj(silu_and_mul_cpu(gate, up))
         # NOTE: the product is taken in place in the activation's output, a tensor of this call's own.

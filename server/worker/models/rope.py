@@ -32,7 +32,9 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from pagedllm.kernels import runs_on_triton
 from pagedllm.kernels.rotary_cpu import rotary_cpu_
+from pagedllm.kernels.rotary_embedding import rotary_embedding
 from pagedllm.server.config import ConfigError
 
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
@@ -346,6 +348,8 @@ class RotaryEmbedding(nn.Module):
         # positions: [num_tokens]; q: [num_tokens, heads * head_dim]; k: [num_tokens, kv_heads * head_dim]
         # NOTE: q and k are rotated in place where the compiled kernel runs: they are this layer's own projections.
         cos, sin = self.get_buffer("cos"), self.get_buffer("sin")  # [max_positions, rotary_dim]
+        if runs_on_triton(q):
+            return rotary_embedding(positions, q, k, cos, sin, self.head_dim)
         both, d = _side_by_side(q, k), self.head_dim
         if both is None:
             return rotary_cpu_(q, cos, sin, positions, d), rotary_cpu_(k, cos, sin, positions, d)

@@ -1,0 +1,103 @@
+"""The W4A16 GPU benchmark's host-side arithmetic: cases, bytes, copies past the L2, ratios."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from benchmarks.gpu_quant_linear import (
+    Case,
+    _report,
+    cases,
+    copies_for,
+    main,
+    measure,
+    result_row,
+    sweep_tiles,
+    tiles_name,
+)
+from pagedllm.kernels.quant_matmul import Tiles
+
+
+def test_cases_are_the_fused_projections_of_each_shape():
+    got = cases(["llama-7b", "qwen2.5-7b"], [1, 16], 128)
+    assert len(got) == 2 * 4 * 2
+    by_key = {(c.shape, c.proj, c.rows): (c.k, c.n) for c in got}
+    assert by_key["llama-7b", "gate_up", 1] == (4096, 2 * 11008)
+    assert by_key["llama-7b", "down", 16] == (11008, 4096)
+    assert by_key["qwen2.5-7b", "qkv", 1] == (3584, (28 + 2 * 4) * 128)  # 28 query and 4 KV heads of 128
+
+
+def test_w4a16_bytes_count_codes_scales_zeros_and_activations():
+    c = Case("llama-7b", "o", rows=1, k=4096, n=4096, group_size=128)
+    codes = 4096 * 4096 // 2
+    scales_and_zeros = 2 * 32 * 4096 * 2
+    assert c.w4a16_bytes() == codes + scales_and_zeros + (4096 + 4096) * 2
+    assert c.bf16_bytes() == 4096 * 4096 * 2 + (4096 + 4096) * 2
+    assert c.bf16_bytes() / c.w4a16_bytes() == pytest.approx(3.76, abs=0.005)  # 2 B against 0.5 + 4 / 128 B a weight
+
+
+def test_copies_span_the_working_set():
+    assert copies_for(8 * 2**20, 200) == 25
+    assert copies_for(300 * 2**20, 200) == 1
+    assert copies_for(3, 0) == 1
+
+
+def test_result_row_puts_the_floor_from_the_copy_bandwidth():
+    c = Case("llama-7b", "o", rows=1, k=4096, n=4096, group_size=128)
+    row = result_row(c, w4a16_us=4.0, bf16_us=12.0, copy_gbs=c.w4a16_bytes() / 3e3)  # a 3 µs floor
+    assert row["floor_us"] == 3.0 and row["of_floor"] == 0.75 and row["speedup_vs_bf16"] == 3.0
+    assert row["proj"] == "o" and row["k"] == 4096
+
+
+def test_list_needs_no_gpu(capsys):
+    main(["--list", "--shapes", "llama-7b", "--rows", "1"])
+    out = capsys.readouterr().out.splitlines()
+    assert len(out) == 4 and "gate_up" in out[2] and "rows   1" in out[0]
+
+
+def test_measure_runs_every_copy_once_per_pass():
+    # NOTE: on CPU through Triton's interpreter (tests/conftest.py), float32: the pass, not the speed
+    c = Case("tiny", "o", rows=1, k=64, n=32, group_size=32)
+    passes = []
+
+    def bench(fn):
+        passes.append(len(fn()))  # the number of calls one pass made
+        return 2.0  # ms
+
+    sweep = sweep_tiles(1)[:2]
+    w4a16_us, bf16_us, swept = measure(c, bench, working_set_mb=0.005, device="cpu", dtype=torch.float32, sweep=sweep)
+    w4a16_copies, bf16_copies = copies_for(c.w4a16_bytes(), 0.005), copies_for(c.bf16_bytes(), 0.005)
+    assert passes == [w4a16_copies] * 3 + [bf16_copies] and w4a16_copies > 1  # default tiles, two swept, bf16
+    assert w4a16_us == 2000.0 / w4a16_copies and bf16_us == 2000.0 / bf16_copies
+    assert list(swept) == [tiles_name(t) for t in sweep]
+
+
+def test_a_swept_tile_size_that_cannot_run_is_never_the_best(capsys):
+    c = Case("tiny", "o", rows=1, k=64, n=32, group_size=32)
+
+    def bench(fn):
+        fn()
+        return 1.0
+
+    too_small = Tiles(16, 16, 8, 4, 2)  # refused by the launcher, as an oversized tile is by the GPU
+    _, _, swept = measure(c, bench, 0.001, device="cpu", dtype=torch.float32, sweep=[too_small, sweep_tiles(1)[0]])
+    assert swept[tiles_name(too_small)] == float("inf") and "failed: ValueError" in capsys.readouterr().out
+    assert result_row(c, 1.0, 1.0, 1.0, swept)["best_tiles"] == tiles_name(sweep_tiles(1)[0])
+
+
+def test_sweep_reports_the_fastest_tiles():
+    c = Case("llama-7b", "o", rows=1, k=4096, n=4096, group_size=128)
+    row = result_row(c, 4.0, 12.0, c.w4a16_bytes() / 3e3, swept={"a": 5.0, "b": 3.75, "c": 4.0})
+    assert row["best_tiles"] == "b" and row["best_us"] == 3.75 and row["best_of_floor"] == 0.8
+    tiles = sweep_tiles(1)
+    assert len(tiles) == 18 and len({tiles_name(t) for t in tiles}) == 18
+    assert all(t.block_m == 16 for t in tiles) and sweep_tiles(33)[0].block_m == 64
+
+
+def test_report_names_the_best_tiles_when_swept(capsys):
+    c = Case("llama-7b", "o", rows=1, k=4096, n=4096, group_size=128)
+    _report(result_row(c, 4.0, 12.0, c.w4a16_bytes() / 3e3))
+    _report(result_row(c, 4.0, 12.0, c.w4a16_bytes() / 3e3, swept={"m16-n64-k256-w4-s3": 3.5}))
+    out = capsys.readouterr().out.splitlines()
+    assert len(out) == 3 and "75%" in out[0] and "best tiles m16-n64-k256-w4-s3: 3.5 us (86% of the floor)" in out[2]
