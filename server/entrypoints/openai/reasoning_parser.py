@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagedllm.server.entrypoints.openai.markers import first_of, partial_suffix
+from pagedllm.server.sampling_params import ReasoningMarkers
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,10 @@ class ReasoningFormat:
     def parser(self, prompt: str | None) -> ReasoningParser:
         """A parser for one choice of a request whose prompt text is ``prompt``."""
         return ReasoningParser(self, self.opening(prompt or ""))
+
+    def markers(self, prompt: str | None) -> ReasoningMarkers:
+        """The markers a grammar waits behind, for a request whose prompt text is ``prompt``."""
+        return ReasoningMarkers(self.starts, self.ends, self.opening(prompt or ""))
 
     def opening(self, prompt: str) -> str:
         """Where the output begins: ``reasoning``, ``answer``, or ``either`` (the output says)."""

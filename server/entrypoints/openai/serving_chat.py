@@ -203,10 +203,14 @@ class OpenAIServingChat:
             **{field: renames.get(param, param) for field, param in guided_param_names(req).items()},
             **({} if req.best_of is not None else {"best_of": "n"}),
         }
-        streams = await serving.start(request_id, [prompt], params, param_names, cache_salt, lora)
         reasoning = reasoning_format(serving.reasoning_parser)
-        if reasoning is not None and params.guided_decoding is not None and params.guided_decoding.kind in JSON_KINDS:
-            reasoning = None  # NOTE: a grammar of JSON from the first token leaves no room to reason: all is answer
+        if reasoning is not None and params.guided_decoding is not None:
+            # NOTE: the grammar constrains the answer; the reasoning before it is free text
+            markers = reasoning.markers(prompt.text)
+            params = dataclasses.replace(
+                params, guided_decoding=dataclasses.replace(params.guided_decoding, reasoning=markers)
+            )
+        streams = await serving.start(request_id, [prompt], params, param_names, cache_salt, lora)
         return ChatRun(request_id, prompt, params, tools, streams, started, reasoning, keeps_special_tokens)
 
     def prompt(
@@ -310,8 +314,6 @@ class OpenAIServingChat:
         count is taken once, when it ends (``tracker.extra["reasoning_tokens"]``, for usage).
         """
         if run.reasoning is None:
-            if self.serving.reasoning_parser is not None:
-                tracker.extra["reasoning_tokens"] = 0  # NOTE: a grammar of JSON left no room to reason
             return [], delta.text
         parser = tracker.extra.get("reasoning")
         if parser is None:
@@ -325,11 +327,6 @@ class OpenAIServingChat:
             tracker.extra["reasoning_counted"] = parser.reasoning_end is not None or delta.finish_reason is not None
         messages = [{"reasoning_content": split.reasoning, "reasoning": split.reasoning}] if split.reasoning else []
         return messages, split.content
-
-
-JSON_KINDS = ("json", "json_object")
-"""Structured outputs (response_format, tool_choice required or named) whose grammar starts the output
-with JSON: a reasoning block cannot open, so such outputs are read as answer alone."""
 
 
 def _render_arguments(tokenizer: Any) -> set[str]:
