@@ -185,7 +185,10 @@ class OpenAIServingChat:
                     "tool_choice",
                 )
             params = dataclasses.replace(params, guided_decoding=tools.guided())
-        keeps_special_tokens = tools is not None and tools.needs_special_tokens and params.skip_special_tokens
+        reasoning = reasoning_format(serving.reasoning_parser)
+        keeps_special_tokens = params.skip_special_tokens and (
+            tools is not None and tools.needs_special_tokens or reasoning is not None and reasoning.needs_special_tokens
+        )
         if keeps_special_tokens:
             params = dataclasses.replace(params, skip_special_tokens=False)  # NOTE: the format's markers
         messages_param = renames.get("messages", "messages")
@@ -203,7 +206,6 @@ class OpenAIServingChat:
             **{field: renames.get(param, param) for field, param in guided_param_names(req).items()},
             **({} if req.best_of is not None else {"best_of": "n"}),
         }
-        reasoning = reasoning_format(serving.reasoning_parser)
         if reasoning is not None and params.guided_decoding is not None:
             # NOTE: the grammar constrains the answer; the reasoning before it is free text
             markers = reasoning.markers(prompt.text)
@@ -321,6 +323,7 @@ class OpenAIServingChat:
         split = parser.feed(delta.text, final=delta.finish_reason is not None)
         if parser.in_reasoning and delta.finish_reason is None:
             tracker.extra["reasoning_tokens"] = len(c.token_ids)
+            tracker.extra["reasoning_counted"] = False  # NOTE: a later reasoning block (harmony) is counted again
         elif not tracker.extra.get("reasoning_counted"):
             chars = parser.reasoning_chars()
             tracker.extra["reasoning_tokens"] = count_tokens(self.serving.tokenizer, c.token_ids, chars)
