@@ -61,7 +61,9 @@ class GuidedDecodingParams:
 
     @property
     def kind(self) -> str:
-        return next(n for n in ("json", "regex", "choice", "grammar", "json_object") if getattr(self, n))
+        # NOTE: "is not None", as __post_init__ counts them: an empty schema is given (and refused by the compiler)
+        given = [n for n in ("json", "regex", "choice", "grammar") if getattr(self, n) is not None]
+        return given[0] if given else "json_object"
 
 
 @dataclass
