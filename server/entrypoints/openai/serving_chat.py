@@ -192,7 +192,7 @@ class OpenAIServingChat:
         if keeps_special_tokens:
             params = dataclasses.replace(params, skip_special_tokens=False)  # NOTE: the format's markers
         messages_param = renames.get("messages", "messages")
-        prompt = self.prompt(req.messages, req.add_generation_prompt, tools, messages_param, req.chat_template_kwargs)
+        prompt = self.prompt(req.messages, req.add_generation_prompt, tools, messages_param, template_kwargs(req))
         max_tokens_param = renames.get("max_tokens") or (
             "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         )
@@ -330,6 +330,13 @@ class OpenAIServingChat:
             tracker.extra["reasoning_counted"] = parser.reasoning_end is not None or delta.finish_reason is not None
         messages = [{"reasoning_content": split.reasoning, "reasoning": split.reasoning}] if split.reasoning else []
         return messages, split.content
+
+
+def template_kwargs(req: ChatCompletionRequest) -> dict[str, Any] | None:
+    """The template's extra variables: ``chat_template_kwargs``, and ``reasoning_effort`` (which they may set too)."""
+    if req.reasoning_effort is None:
+        return req.chat_template_kwargs
+    return {"reasoning_effort": req.reasoning_effort, **(req.chat_template_kwargs or {})}
 
 
 def _render_arguments(tokenizer: Any) -> set[str]:

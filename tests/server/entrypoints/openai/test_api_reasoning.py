@@ -236,6 +236,18 @@ def test_the_responses_api_returns_a_reasoning_item_before_the_message(client):
     assert follow.output_text == "Rain." and follow.output[0].content[0].text == "Same."
 
 
+def test_the_responses_api_takes_chat_template_kwargs_as_chat_does(client):
+    def prompt_tokens(**extra):
+        out = client.responses.create(model=MODEL, input="Weather in Paris?", max_output_tokens=1, **extra)
+        return out.usage.input_tokens
+
+    off = prompt_tokens(extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert off - prompt_tokens() == len("<think>\n\n</think>\n\n")
+    with pytest.raises(openai.BadRequestError) as info:
+        prompt_tokens(extra_body={"chat_template_kwargs": {"tools": []}})
+    assert info.value.body["param"] == "chat_template_kwargs"
+
+
 # -- deepseek_r1 -------------------------------------------------------------------------------------------
 def test_deepseek_r1_output_starts_inside_the_block_its_template_opened(qwen3_dir):
     # NOTE: scripted, not forced by a grammar: a grammar would constrain only the answer after </think>

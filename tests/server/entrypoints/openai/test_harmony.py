@@ -129,6 +129,7 @@ def test_a_call_s_arguments_stream_as_they_arrive():
 
 # -- served, through the openai client -----------------------------------------------------------------------
 HARMONY_TEMPLATE = (
+    "<|start|>system<|message|>Reasoning: {{ reasoning_effort | default('medium') }}<|end|>"
     "{%- for message in messages %}<|start|>{{ message['role'] }}<|message|>{{ message['content'] }}<|end|>"
     "{%- endfor %}{%- if add_generation_prompt %}<|start|>assistant{%- endif %}"
 )
@@ -175,3 +176,42 @@ def test_a_json_schema_constrains_gpt_oss_s_final_message_only(gptoss):
     message = out.choices[0].message
     assert message.model_extra["reasoning_content"] == "User asks the weather. Need the tool."
     assert isinstance(json.loads(message.content)["sunny"], bool)
+
+
+def test_reasoning_effort_reaches_the_template_from_chat_and_responses(gptoss):
+    def chat(**extra):
+        return gptoss.chat.completions.create(model=MODEL, messages=ASK, max_tokens=1, **extra).usage.prompt_tokens
+
+    def responses(**extra):
+        return gptoss.responses.create(
+            model=MODEL, input=ASK[0]["content"], max_output_tokens=1, **extra
+        ).usage.input_tokens
+
+    # NOTE: one token per byte: "Reasoning: high" is one token longer than "Reasoning: low"
+    assert chat(reasoning_effort="high") - chat(reasoning_effort="low") == 1
+    assert chat(reasoning_effort="high") - chat() == len("high") - len("medium")
+    assert responses(reasoning={"effort": "high"}) - responses(reasoning={"effort": "low"}) == 1
+    kwargs = {"chat_template_kwargs": {"reasoning_effort": "low"}}
+    assert chat(reasoning_effort="high", extra_body=kwargs) == chat(reasoning_effort="low")  # NOTE: the kwargs win
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_time"}}])
+def test_tool_choice_required_and_named_constrain_the_final_message(gptoss, choice):
+    pytest.importorskip("xgrammar")
+    thinking = ANALYSIS + "<|start|>assistant<|channel|>final<|message|>"
+    with scripted() as scripts:
+        scripts.next_request_writes(build_byte_tokenizer().encode(thinking, add_special_tokens=False))
+        out = gptoss.chat.completions.create(
+            model=MODEL,
+            messages=ASK,
+            tools=[TOOLS[1]],
+            tool_choice=choice,
+            parallel_tool_calls=False,
+            max_tokens=len(thinking) + 200,
+            temperature=0,
+        )
+    choice_out = out.choices[0]
+    assert choice_out.message.model_extra["reasoning_content"] == "User asks the weather. Need the tool."
+    assert choice_out.finish_reason == "tool_calls"
+    ((call,),) = [choice_out.message.tool_calls]
+    assert call.function.name == "get_time" and set(json.loads(call.function.arguments)) == {"zone"}
