@@ -273,6 +273,23 @@ def test_deepseek_r1_output_starts_inside_the_block_its_template_opened(qwen3_di
         assert [k for k, _ in deltas][-1] == "content" and calls == []
 
 
+# -- mistral (Magistral) ---------------------------------------------------------------------------------------
+def test_magistral_s_think_block_and_call_come_apart_streamed_and_not(qwen3_dir):
+    text = '[THINK]The user wants the time.[/THINK][TOOL_CALLS]get_time[ARGS]{"zone": "CET"}'
+    settings = dict(reasoning_parser="mistral", tool_call_parser="mistral", enable_auto_tool_choice=True)
+    with client_of(qwen3_dir, QWEN3_TEMPLATE, **settings) as magistral, scripted() as scripts:
+        whole = magistral.chat.completions.create(messages=ASK, tools=TOOLS, **written(scripts, text))
+        deltas, calls, usage = stream_deltas(magistral, ASK, tools=TOOLS, **written(scripts, text))
+    message = whole.choices[0].message
+    assert message.model_extra["reasoning_content"] == "The user wants the time." and message.content is None
+    assert [(c.function.name, c.function.arguments) for c in message.tool_calls] == [("get_time", '{"zone": "CET"}')]
+    assert joined(deltas, "reasoning") == "The user wants the time." and joined(deltas, "content") == ""
+    assert "".join(c.function.arguments or "" for c in calls) == '{"zone": "CET"}'
+    spent = len(b"[THINK]The user wants the time.[/THINK]")
+    assert whole.usage.completion_tokens_details.reasoning_tokens == usage.completion_tokens_details.reasoning_tokens
+    assert usage.completion_tokens_details.reasoning_tokens == spent
+
+
 # -- pagedllm serve ------------------------------------------------------------------------------------------
 def test_pagedllm_serve_takes_the_flags_and_a_chat_template_file(qwen3_dir, tmp_path):
     template = tmp_path / "qwen3.jinja"
