@@ -7,6 +7,26 @@ from dataclasses import dataclass, field
 from pagedllm.server.config import ConfigError
 
 _GREEDY_EPS = 1e-5
+OPENINGS = ("reasoning", "answer", "either")
+
+
+@dataclass(frozen=True)
+class ReasoningMarkers:
+    """How a reasoning model marks its reasoning, so that a grammar constrains only the answer after it."""
+
+    starts: tuple[str, ...]
+    """Texts that open the reasoning (any one)."""
+    ends: tuple[str, ...]
+    """Texts that close it; the grammar applies from the token after one of them."""
+    opening: str = "either"
+    """Where the output begins: ``reasoning`` (the prompt opened the block), ``answer`` (thinking is
+    off) or ``either`` (the output's first token tells: an opening text, or the grammar's first token)."""
+
+    def __post_init__(self) -> None:
+        if self.opening not in OPENINGS:
+            raise ConfigError("reasoning.opening", self.opening, f"one of {list(OPENINGS)}")
+        if not self.ends or not all(self.ends):
+            raise ConfigError("reasoning.ends", self.ends, "at least one non-empty text")
 
 
 @dataclass
@@ -22,6 +42,8 @@ class GuidedDecodingParams:
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
+    reasoning: ReasoningMarkers | None = None
+    """A reasoning model's markers: the reasoning is free text and the grammar constrains the answer."""
 
     def __post_init__(self) -> None:
         given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
@@ -39,7 +61,9 @@ class GuidedDecodingParams:
 
     @property
     def kind(self) -> str:
-        return next(n for n in ("json", "regex", "choice", "grammar", "json_object") if getattr(self, n))
+        # NOTE: "is not None", as __post_init__ counts them: an empty schema is given (and refused by the compiler)
+        given = [n for n in ("json", "regex", "choice", "grammar") if getattr(self, n) is not None]
+        return given[0] if given else "json_object"
 
 
 @dataclass

@@ -148,7 +148,7 @@ class SamplingRows:
             return None
         return state
 
-    def _masks(self, rows: list[SampleRow]) -> list[np.ndarray]:
+    def _masks(self, rows: list[SampleRow]) -> list[np.ndarray | None]:
         matchers = [self._grammar_state(row).matcher(row.seq, self.structured) for row in rows]
         return list(self.structured.masks(matchers))
 

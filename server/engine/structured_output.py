@@ -6,17 +6,23 @@ its sequences gets a matcher that follows the tokens it accepts. Every step the 
 all constrained rows are filled into one packed bitmask on the host and sent with the step
 to the worker's sampler, which applies it on the device after the raw log-probabilities are
 taken (so reported logprobs stay the model's).
+
+A grammar given with a reasoning model's markers constrains only the answer after the
+reasoning (:mod:`~pagedllm.server.engine.reasoning_gate`): those rows are left unmasked while
+the model thinks.
 """
 
 from __future__ import annotations
 
 import json
 import re
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from pagedllm.server.config import ConfigError
+from pagedllm.server.engine.reasoning_gate import MarkerTokens, ReasoningGate, marker_tokens
 from pagedllm.server.sampling_params import GuidedDecodingParams
 
 FIELDS = {
@@ -26,6 +32,16 @@ FIELDS = {
     "choice": "guided_choice",
     "grammar": "guided_grammar",
 }
+
+
+@dataclass(frozen=True)
+class Grammar:
+    """A request's compiled grammar and, for a reasoning model, where its answer begins."""
+
+    compiled: Any
+    """xgrammar's compiled grammar."""
+    markers: MarkerTokens | None = None
+    """The reasoning markers (None: the grammar applies from the first token)."""
 
 
 class StructuredOutputs:
@@ -56,8 +72,13 @@ class StructuredOutputs:
             self._compiler = xgrammar.GrammarCompiler(info, max_threads=1)
         return xgrammar
 
-    def compile(self, guided: GuidedDecodingParams) -> Any:
+    def compile(self, guided: GuidedDecodingParams) -> Grammar:
         """The compiled grammar; a schema, regex or grammar xgrammar refuses raises :class:`ConfigError`."""
+        reasoning = guided.reasoning
+        markers = marker_tokens(reasoning, self.tokenizer) if reasoning and reasoning.opening != "answer" else None
+        return Grammar(self._compile(guided), markers)
+
+    def _compile(self, guided: GuidedDecodingParams) -> Any:
         self._xgrammar()
         compiler = self._compiler
         kind = guided.kind
@@ -79,14 +100,19 @@ class StructuredOutputs:
                 FIELDS[kind], shown, f"a valid {kind.replace('_', ' ')}: {exc}".strip(), problem="cannot be compiled"
             ) from exc
 
-    def matcher(self, grammar: Any) -> Any:
-        return self._xgrammar().GrammarMatcher(grammar)
+    def matcher(self, grammar: Grammar) -> Any:
+        """A matcher following one sequence (a :class:`ReasoningGate` around it for a reasoning model)."""
+        matcher = self._xgrammar().GrammarMatcher(grammar.compiled)
+        return matcher if grammar.markers is None else ReasoningGate(matcher, grammar.markers, self.tokenizer)
 
-    def masks(self, matchers: list[Any]) -> np.ndarray:
-        """[len(matchers), ceil(vocab_size / 32)] int32: the tokens each matcher allows next, packed
-        (bit j of word w: token 32 w + j)."""
+    def masks(self, matchers: list[Any]) -> list[np.ndarray | None]:
+        """Per matcher, ceil(vocab_size / 32) int32: the tokens it allows next, packed (bit j of word
+        w: token 32 w + j); None where any token is (a reasoning model thinking)."""
         xgrammar = self._xgrammar()
         bitmask = xgrammar.allocate_token_bitmask(len(matchers), self.vocab_size)
+        masked = []
         for row, matcher in enumerate(matchers):
-            matcher.fill_next_token_bitmask(bitmask, row)
-        return bitmask.numpy()
+            filled = matcher.fill_next_token_bitmask(bitmask, row)
+            masked.append(not isinstance(matcher, ReasoningGate) or filled)
+        words = bitmask.numpy()
+        return [words[row] if keep else None for row, keep in enumerate(masked)]

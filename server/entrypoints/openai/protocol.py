@@ -151,6 +151,9 @@ class ChatMessage(OpenAIBaseModel):
     tool_call_id: str | None = None
 
 
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high"]
+
+
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage]
     max_tokens: int | None = Field(None, description="Most tokens to generate; null = up to max_model_len.")
@@ -166,6 +169,9 @@ class ChatCompletionRequest(SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = Field(
         None,
         description='Extra variables for the chat template, e.g. {"enable_thinking": false} (Qwen3).',
+    )
+    reasoning_effort: ReasoningEffort | None = Field(
+        None, description="How hard a reasoning model thinks: the template's reasoning_effort variable (gpt-oss)."
     )
 
 

@@ -11,7 +11,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import ConfigDict, Field, StringConstraints, model_validator
 
-from pagedllm.server.entrypoints.openai.protocol import OpenAIBaseModel
+from pagedllm.server.entrypoints.openai.protocol import OpenAIBaseModel, ReasoningEffort
 
 ResponseStatus = Literal["completed", "incomplete", "in_progress"]
 ItemStatus = Literal["in_progress", "completed", "incomplete"]
@@ -118,6 +118,13 @@ class TextConfig(OpenAIBaseModel):
     format: TextFormat = Field(default_factory=TextFormat)
 
 
+class ReasoningConfig(OpenAIBaseModel):
+    """``reasoning``: how hard a reasoning model thinks (``effort`` reaches the chat template)."""
+
+    effort: ReasoningEffort | None = None
+    summary: str | None = Field(default=None, description="Accepted; the reasoning is returned whole, not summarised.")
+
+
 # -- request -------------------------------------------------------------------------------
 class ResponsesRequest(OpenAIBaseModel):
     """``POST /v1/responses``; fields OpenAI defines that this server does not use are ignored."""
@@ -151,6 +158,11 @@ class ResponsesRequest(OpenAIBaseModel):
         default=None,
         description="One of json, regex, choice, grammar, json_object, as chat's structured_outputs "
         "(or text.format, not both).",
+    )
+    reasoning: ReasoningConfig | None = None
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        default=None,
+        description='Extra variables for the chat template, e.g. {"enable_thinking": false} (Qwen3), as on chat.',
     )
 
 

@@ -28,6 +28,9 @@ Formats (from the models' published chat templates and model cards):
   ``<think></think>`` when ``enable_thinking`` is false.
 - ``granite``: IBM Granite 3.2 with ``thinking=True``: ``Here is my thought process:`` …
   ``Here is my response:`` (also written ``Here's``).
+- ``mistral``: Magistral (tokenizer v13 and later): ``[THINK]…[/THINK]``, special tokens; the
+  model thinks when its system prompt asks it to, so text without ``[THINK]`` is all answer.
+- ``openai_gptoss``: gpt-oss's harmony messages (:mod:`.harmony`): ``analysis`` is the reasoning.
 
 NOTE: a block the model never closed (cut off by ``max_tokens``) is reasoning to its end, in
 a stream and in a whole reply alike: a stream cannot take back what it sent as reasoning.
@@ -36,9 +39,33 @@ a stream and in a whole reply alike: a stream cannot take back what it sent as r
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
+from pagedllm.server.entrypoints.openai.harmony import FINAL_HEADERS, HarmonyReasoningParser
 from pagedllm.server.entrypoints.openai.markers import first_of, partial_suffix
+from pagedllm.server.sampling_params import ReasoningMarkers
+
+
+class SplitDelta(Protocol):
+    reasoning: str
+    content: str
+
+
+class ReasoningReader(Protocol):
+    """What a choice's text is read with to take its reasoning apart (see :class:`ReasoningParser`)."""
+
+    reasoning: str
+    content: str
+    reasoning_end: int | None
+
+    @property
+    def in_reasoning(self) -> bool: ...
+
+    def feed(self, text: str, final: bool = False) -> SplitDelta: ...
+
+    def finish(self) -> SplitDelta: ...
+
+    def reasoning_chars(self) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -52,10 +79,16 @@ class ReasoningFormat:
     """Texts that close it and begin the answer (any one)."""
     always_thinks: bool
     """The output begins inside the reasoning unless the prompt turned thinking off."""
+    needs_special_tokens: bool = False
+    """Its markers are special tokens: the request's text must keep them."""
 
-    def parser(self, prompt: str | None) -> ReasoningParser:
+    def parser(self, prompt: str | None) -> ReasoningReader:
         """A parser for one choice of a request whose prompt text is ``prompt``."""
         return ReasoningParser(self, self.opening(prompt or ""))
+
+    def markers(self, prompt: str | None) -> ReasoningMarkers:
+        """The markers a grammar waits behind, for a request whose prompt text is ``prompt``."""
+        return ReasoningMarkers(self.starts, self.ends, self.opening(prompt or ""))
 
     def opening(self, prompt: str) -> str:
         """Where the output begins: ``reasoning``, ``answer``, or ``either`` (the output says)."""
@@ -73,12 +106,27 @@ GRANITE = (
     ("Here is my thought process:", "Here's my thought process:"),
     ("Here is my response:", "Here's my response:"),
 )
-FORMATS = {
+
+
+@dataclass(frozen=True)
+class HarmonyFormat(ReasoningFormat):
+    """gpt-oss's harmony messages: read by :class:`~.harmony.HarmonyReasoningParser`."""
+
+    def parser(self, prompt: str | None) -> ReasoningReader:
+        return HarmonyReasoningParser()
+
+    def markers(self, prompt: str | None) -> ReasoningMarkers:
+        return ReasoningMarkers((), self.ends, "reasoning")  # NOTE: gpt-oss reasons before any answer
+
+
+FORMATS: dict[str, ReasoningFormat] = {
     "deepseek_r1": ReasoningFormat("deepseek_r1", *THINK, always_thinks=True),
     "qwen3": ReasoningFormat("qwen3", *THINK, always_thinks=False),
     "deepseek_v3": ReasoningFormat("deepseek_v3", *THINK, always_thinks=False),
     "glm45": ReasoningFormat("glm45", *THINK, always_thinks=False),
     "granite": ReasoningFormat("granite", *GRANITE, always_thinks=False),
+    "mistral": ReasoningFormat("mistral", ("[THINK]",), ("[/THINK]",), always_thinks=False, needs_special_tokens=True),
+    "openai_gptoss": HarmonyFormat("openai_gptoss", (), FINAL_HEADERS, always_thinks=True, needs_special_tokens=True),
 }
 REASONING_PARSERS = tuple(FORMATS)
 """The names ``--reasoning-parser`` takes."""

@@ -185,11 +185,14 @@ class OpenAIServingChat:
                     "tool_choice",
                 )
             params = dataclasses.replace(params, guided_decoding=tools.guided())
-        keeps_special_tokens = tools is not None and tools.needs_special_tokens and params.skip_special_tokens
+        reasoning = reasoning_format(serving.reasoning_parser)
+        keeps_special_tokens = params.skip_special_tokens and (
+            tools is not None and tools.needs_special_tokens or reasoning is not None and reasoning.needs_special_tokens
+        )
         if keeps_special_tokens:
             params = dataclasses.replace(params, skip_special_tokens=False)  # NOTE: the format's markers
         messages_param = renames.get("messages", "messages")
-        prompt = self.prompt(req.messages, req.add_generation_prompt, tools, messages_param, req.chat_template_kwargs)
+        prompt = self.prompt(req.messages, req.add_generation_prompt, tools, messages_param, template_kwargs(req))
         max_tokens_param = renames.get("max_tokens") or (
             "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         )
@@ -203,10 +206,13 @@ class OpenAIServingChat:
             **{field: renames.get(param, param) for field, param in guided_param_names(req).items()},
             **({} if req.best_of is not None else {"best_of": "n"}),
         }
+        if reasoning is not None and params.guided_decoding is not None:
+            # NOTE: the grammar constrains the answer; the reasoning before it is free text
+            markers = reasoning.markers(prompt.text)
+            params = dataclasses.replace(
+                params, guided_decoding=dataclasses.replace(params.guided_decoding, reasoning=markers)
+            )
         streams = await serving.start(request_id, [prompt], params, param_names, cache_salt, lora)
-        reasoning = reasoning_format(serving.reasoning_parser)
-        if reasoning is not None and params.guided_decoding is not None and params.guided_decoding.kind in JSON_KINDS:
-            reasoning = None  # NOTE: a grammar of JSON from the first token leaves no room to reason: all is answer
         return ChatRun(request_id, prompt, params, tools, streams, started, reasoning, keeps_special_tokens)
 
     def prompt(
@@ -310,8 +316,6 @@ class OpenAIServingChat:
         count is taken once, when it ends (``tracker.extra["reasoning_tokens"]``, for usage).
         """
         if run.reasoning is None:
-            if self.serving.reasoning_parser is not None:
-                tracker.extra["reasoning_tokens"] = 0  # NOTE: a grammar of JSON left no room to reason
             return [], delta.text
         parser = tracker.extra.get("reasoning")
         if parser is None:
@@ -319,6 +323,7 @@ class OpenAIServingChat:
         split = parser.feed(delta.text, final=delta.finish_reason is not None)
         if parser.in_reasoning and delta.finish_reason is None:
             tracker.extra["reasoning_tokens"] = len(c.token_ids)
+            tracker.extra["reasoning_counted"] = False  # NOTE: a later reasoning block (harmony) is counted again
         elif not tracker.extra.get("reasoning_counted"):
             chars = parser.reasoning_chars()
             tracker.extra["reasoning_tokens"] = count_tokens(self.serving.tokenizer, c.token_ids, chars)
@@ -327,9 +332,11 @@ class OpenAIServingChat:
         return messages, split.content
 
 
-JSON_KINDS = ("json", "json_object")
-"""Structured outputs (response_format, tool_choice required or named) whose grammar starts the output
-with JSON: a reasoning block cannot open, so such outputs are read as answer alone."""
+def template_kwargs(req: ChatCompletionRequest) -> dict[str, Any] | None:
+    """The template's extra variables: ``chat_template_kwargs``, and ``reasoning_effort`` (which they may set too)."""
+    if req.reasoning_effort is None:
+        return req.chat_template_kwargs
+    return {"reasoning_effort": req.reasoning_effort, **(req.chat_template_kwargs or {})}
 
 
 def _render_arguments(tokenizer: Any) -> set[str]:

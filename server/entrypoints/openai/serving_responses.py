@@ -302,6 +302,9 @@ def chat_request(req: ResponsesRequest, messages: list[ChatMessage]) -> ChatComp
             else choice,
             "response_format": response_format(req.text),
             "structured_outputs": req.structured_outputs,
+            "parallel_tool_calls": req.parallel_tool_calls,
+            "chat_template_kwargs": req.chat_template_kwargs,
+            "reasoning_effort": req.reasoning.effort if req.reasoning is not None else None,
         }
     )
 

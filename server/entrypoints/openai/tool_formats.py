@@ -16,6 +16,7 @@ both, as without the flag); the others by the parsers here. Whatever the format,
 - ``jamba``: ``<tool_calls>[{"name": ..., "arguments": {...}}]</tool_calls>`` (AI21 Jamba 1.5).
 - ``qwen3_coder`` (:mod:`.tool_format_xml`) and ``pythonic`` (:mod:`.tool_format_pythonic`;
   ``llama4_pythonic`` is the same reader, under the name vLLM gives Llama-4's).
+- ``openai``: gpt-oss's harmony messages to ``functions.NAME`` (:mod:`.tool_format_harmony`).
 
 NOTE: ``[TOOL_CALLS]``, ``<|tool_call|>`` and ``<|action_start|>`` are special tokens, which the
 detokenizer drops by default: a request read with one of these formats keeps them
@@ -83,6 +84,7 @@ TOOL_FORMATS = {
         ToolFormat("internlm", needs_special_tokens=True),
         ToolFormat("jamba", needs_special_tokens=True),
         ToolFormat("llama4_pythonic", needs_special_tokens=True),
+        ToolFormat("openai", needs_special_tokens=True),  # NOTE: harmony's <|channel|>, <|message|>, ...
     )
 }
 TOOL_CALL_PARSERS = tuple(TOOL_FORMATS)
@@ -91,6 +93,7 @@ TOOL_CALL_PARSERS = tuple(TOOL_FORMATS)
 
 def make_parser(name: str, plan: ToolPlan) -> CallParser:
     """The parser of format ``name`` for a request's ``auto`` tool choice."""
+    from pagedllm.server.entrypoints.openai.tool_format_harmony import HarmonyCallParser
     from pagedllm.server.entrypoints.openai.tool_format_pythonic import PythonicParser
     from pagedllm.server.entrypoints.openai.tool_format_xml import Qwen3CoderParser
 
@@ -106,6 +109,8 @@ def make_parser(name: str, plan: ToolPlan) -> CallParser:
         return MarkedJsonParser(plan, ("<tool_calls>",), close="</tool_calls>")
     if name in ("pythonic", "llama4_pythonic"):
         return PythonicParser(plan)
+    if name == "openai":
+        return HarmonyCallParser(plan)
     return ToolCallParser(plan)
 
 

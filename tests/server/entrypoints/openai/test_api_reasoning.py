@@ -2,7 +2,8 @@
 
 The model has random weights and a byte tokenizer (one token per byte, so every stream is cut
 at every character, inside ``</think>`` and inside each tag); its output is forced with a
-``guided_choice`` of the exact text a Qwen3 or DeepSeek-R1 model writes. The chat templates
+``guided_choice`` of the exact text a Qwen3 or DeepSeek-R1 model writes (the grammar takes the
+opening ``<`` itself, so it constrains the reasoning too), or scripted (:mod:`scripted_sampler`). The chat templates
 below keep the parts of the published Qwen3 and DeepSeek-R1 templates that matter here: tools
 listed in the system turn, ``enable_thinking=false`` closing an empty ``<think>`` block, and
 R1 opening the block after ``<｜Assistant｜>``.
@@ -17,8 +18,10 @@ import openai
 import pytest
 from api_factories import live_server, serve_process
 from family_factories import save_tiny_family
+from scripted_sampler import scripted
 from test_tool_calls import TOOLS
 
+from pagedllm.server.demo import build_byte_tokenizer
 from pagedllm.server.entrypoints.openai.settings import ServerSettings
 
 pytestmark = pytest.mark.timeout(300)
@@ -71,6 +74,13 @@ def client(qwen3_dir):
 def forced(text: str, **request) -> dict:
     """Request arguments that make the model write exactly ``text`` (then its end-of-sequence token)."""
     return dict(model=MODEL, max_tokens=len(text.encode()) + 8, extra_body={"guided_choice": [text]}, **request)
+
+
+def written(scripts, text: str) -> dict:
+    """Request arguments for a request the scripted sampler makes write ``text`` (then end-of-sequence)."""
+    tokenizer = build_byte_tokenizer()
+    scripts.next_request_writes(tokenizer.encode(text, add_special_tokens=False) + [tokenizer.eos_token_id])
+    return dict(model=MODEL, max_tokens=len(text.encode()) + 8)
 
 
 def stream_deltas(client, messages, **request) -> tuple[list[tuple[str, str]], list, object]:
@@ -226,12 +236,26 @@ def test_the_responses_api_returns_a_reasoning_item_before_the_message(client):
     assert follow.output_text == "Rain." and follow.output[0].content[0].text == "Same."
 
 
+def test_the_responses_api_takes_chat_template_kwargs_as_chat_does(client):
+    def prompt_tokens(**extra):
+        out = client.responses.create(model=MODEL, input="Weather in Paris?", max_output_tokens=1, **extra)
+        return out.usage.input_tokens
+
+    off = prompt_tokens(extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert off - prompt_tokens() == len("<think>\n\n</think>\n\n")
+    with pytest.raises(openai.BadRequestError) as info:
+        prompt_tokens(extra_body={"chat_template_kwargs": {"tools": []}})
+    assert info.value.body["param"] == "chat_template_kwargs"
+
+
 # -- deepseek_r1 -------------------------------------------------------------------------------------------
 def test_deepseek_r1_output_starts_inside_the_block_its_template_opened(qwen3_dir):
+    # NOTE: scripted, not forced by a grammar: a grammar would constrain only the answer after </think>
     text = f"{THOUGHT}\n</think>\n\n" + '[TOOL_CALLS]get_time[ARGS]{"zone": "CET"}'
+    answer_text = f"{THOUGHT}\n</think>\n\nSunny."
     settings = dict(reasoning_parser="deepseek_r1", tool_call_parser="mistral", enable_auto_tool_choice=True)
-    with client_of(qwen3_dir, R1_TEMPLATE, **settings) as r1:
-        whole = r1.chat.completions.create(messages=ASK, tools=TOOLS, **forced(text))
+    with client_of(qwen3_dir, R1_TEMPLATE, **settings) as r1, scripted() as scripts:
+        whole = r1.chat.completions.create(messages=ASK, tools=TOOLS, **written(scripts, text))
         message = whole.choices[0].message
         assert message.model_extra["reasoning_content"] == THOUGHT and message.content is None
         assert [(c.function.name, c.function.arguments) for c in message.tool_calls] == [
@@ -239,14 +263,31 @@ def test_deepseek_r1_output_starts_inside_the_block_its_template_opened(qwen3_di
         ]
         assert len(message.tool_calls[0].id) == 9
         # NOTE: special tokens are kept for [TOOL_CALLS]; the end-of-sequence token's text is not content
-        answer = r1.chat.completions.create(messages=ASK, tools=TOOLS, **forced(f"{THOUGHT}\n</think>\n\nSunny."))
+        answer = r1.chat.completions.create(messages=ASK, tools=TOOLS, **written(scripts, answer_text))
         assert answer.choices[0].message.content == "Sunny." and answer.choices[0].finish_reason == "stop"
-        deltas, calls, _ = stream_deltas(r1, ASK, tools=TOOLS, **forced(f"{THOUGHT}\n</think>\n\nSunny."))
+        deltas, calls, _ = stream_deltas(r1, ASK, tools=TOOLS, **written(scripts, answer_text))
         assert joined(deltas, "content") == "Sunny." and calls == []
         assert whole.usage.completion_tokens_details.reasoning_tokens == len(f"{THOUGHT}\n</think>".encode())
-        deltas, calls, usage = stream_deltas(r1, ASK, **forced(f"{THOUGHT}\n</think>\n\nSunny."))
+        deltas, calls, usage = stream_deltas(r1, ASK, **written(scripts, answer_text))
         assert joined(deltas, "reasoning") == THOUGHT and joined(deltas, "content") == "Sunny."
         assert [k for k, _ in deltas][-1] == "content" and calls == []
+
+
+# -- mistral (Magistral) ---------------------------------------------------------------------------------------
+def test_magistral_s_think_block_and_call_come_apart_streamed_and_not(qwen3_dir):
+    text = '[THINK]The user wants the time.[/THINK][TOOL_CALLS]get_time[ARGS]{"zone": "CET"}'
+    settings = dict(reasoning_parser="mistral", tool_call_parser="mistral", enable_auto_tool_choice=True)
+    with client_of(qwen3_dir, QWEN3_TEMPLATE, **settings) as magistral, scripted() as scripts:
+        whole = magistral.chat.completions.create(messages=ASK, tools=TOOLS, **written(scripts, text))
+        deltas, calls, usage = stream_deltas(magistral, ASK, tools=TOOLS, **written(scripts, text))
+    message = whole.choices[0].message
+    assert message.model_extra["reasoning_content"] == "The user wants the time." and message.content is None
+    assert [(c.function.name, c.function.arguments) for c in message.tool_calls] == [("get_time", '{"zone": "CET"}')]
+    assert joined(deltas, "reasoning") == "The user wants the time." and joined(deltas, "content") == ""
+    assert "".join(c.function.arguments or "" for c in calls) == '{"zone": "CET"}'
+    spent = len(b"[THINK]The user wants the time.[/THINK]")
+    assert whole.usage.completion_tokens_details.reasoning_tokens == usage.completion_tokens_details.reasoning_tokens
+    assert usage.completion_tokens_details.reasoning_tokens == spent
 
 
 # -- pagedllm serve ------------------------------------------------------------------------------------------

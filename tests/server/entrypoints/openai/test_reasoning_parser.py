@@ -23,6 +23,11 @@ R1_OLD_PROMPT = "<｜begin▁of▁sentence｜><｜User｜>Weather in Paris?<｜A
 GRANITE_PROMPT = "<|start_of_role|>assistant<|end_of_role|>"
 V31_PROMPT = "<｜begin▁of▁sentence｜><｜User｜>Weather in Paris?<｜Assistant｜>"
 GLM_PROMPT = "[gMASK]<sop><|user|>\nWeather in Paris?<|assistant|>"
+# NOTE: Magistral's system prompt asks for [THINK]...[/THINK]; the prompt itself opens no block
+MAGISTRAL_PROMPT = (
+    "<s>[SYSTEM_PROMPT]First draft your thinking process inside [THINK] and [/THINK].[/SYSTEM_PROMPT]"
+    "[INST]Weather in Paris?[/INST]"
+)
 
 
 def split(name: str, prompt: str, text: str, size: int) -> tuple[str, str, list[tuple[str, str]]]:
@@ -76,6 +81,16 @@ def split(name: str, prompt: str, text: str, size: int) -> tuple[str, str, list[
         ("deepseek_v3", V31_PROMPT + "</think>", "Sunny, no </think> read.", "", "Sunny, no </think> read."),
         ("glm45", GLM_PROMPT, "\n<think>Paris.</think>\nSunny.", "Paris.", "Sunny."),
         ("glm45", GLM_PROMPT + "\n<think></think>", "\nSunny.", "", "\nSunny."),
+        (
+            "mistral",
+            MAGISTRAL_PROMPT,
+            "[THINK]Paris is in France.[/THINK]It is sunny.",
+            "Paris is in France.",
+            "It is sunny.",
+        ),
+        ("mistral", MAGISTRAL_PROMPT, "[THINK]\nA.\n[/THINK]\n\nB.", "A.", "B."),
+        ("mistral", MAGISTRAL_PROMPT, "It is sunny, [THINK] later is text.", "", "It is sunny, [THINK] later is text."),
+        ("mistral", MAGISTRAL_PROMPT, "[THINK]Cut off [/THI", "Cut off [/THI", ""),
     ],
 )
 def test_reasoning_and_answer_are_the_same_however_the_text_is_cut(name, prompt, text, reasoning, answer):
@@ -115,7 +130,7 @@ def test_where_the_output_begins_is_read_from_the_prompt():
     # an earlier turn's reasoning in the history does not leave the block open
     history = QWEN3_PROMPT + "<think>\nold\n</think>\n\nold answer<|im_end|>\n<|im_start|>assistant\n"
     assert FORMATS["qwen3"].opening(history) == "either"
-    assert REASONING_PARSERS == ("deepseek_r1", "qwen3", "deepseek_v3", "glm45", "granite")
+    assert REASONING_PARSERS == ("deepseek_r1", "qwen3", "deepseek_v3", "glm45", "granite", "mistral", "openai_gptoss")
 
 
 def test_reasoning_tokens_are_the_tokens_up_to_the_closing_tag():

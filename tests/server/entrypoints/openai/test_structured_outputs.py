@@ -6,7 +6,7 @@ import json
 
 import pytest
 from api_factories import live_server
-from openai import OpenAI
+from openai import BadRequestError, OpenAI
 
 from pagedllm.server.demo import ensure_demo_model
 from pagedllm.server.entrypoints.openai.settings import ServerSettings
@@ -80,6 +80,14 @@ def test_guided_choice_and_completions_json(client):
         model="demo", prompt="The os module", max_tokens=120, extra_body={"guided_json": SCHEMA}
     )
     valid(out.choices[0].text)
+
+
+def test_an_empty_schema_is_refused_not_left_waiting(client):
+    with pytest.raises(BadRequestError) as info:
+        client.completions.create(model="demo", prompt="x", max_tokens=3, timeout=30, extra_body={"guided_json": ""})
+    assert info.value.body["param"] == "guided_json"
+    empty = client.completions.create(model="demo", prompt="x", max_tokens=3, extra_body={"guided_regex": ""})
+    assert empty.choices[0].text == ""  # NOTE: an empty regex is a grammar: it matches only the empty text
 
 
 def test_logit_bias_forces_a_token(client):
