@@ -76,10 +76,18 @@ def check_adapter_sources(adapters: tuple[Adapter, ...], model_from_hub: bool, m
             )
 
 
+def check_lora_switch(enable: bool | None, adapters: tuple[Adapter, ...], sizes: tuple[int | None, ...]) -> None:
+    """Adapters and LoRA sizes need LoRA on: refuse ``enableLora: false`` beside them."""
+    if enable is False and adapters:
+        raise SpecError("spec.enableLora=False is not allowed with spec.adapters: remove the adapters or enableLora")
+    if enable is False and any(size is not None for size in sizes):
+        raise SpecError("spec.enableLora=False is not allowed with spec.maxLoras or spec.maxLoraRank: they size LoRA")
+
+
 def lora_args(adapters: tuple[Adapter, ...]) -> list[str]:
     if not adapters:
         return []
-    return ["--enable-lora", "--lora-modules", *(f"{a.name}={a.path}" for a in adapters)]
+    return ["--lora-modules", *(f"{a.name}={a.path}" for a in adapters)]
 
 
 def adapter_mounts(adapters: tuple[Adapter, ...]) -> list[dict]:
