@@ -37,7 +37,10 @@ PRUNABLE: tuple[tuple[str, str], ...] = (
     ("networking.k8s.io/v1", "NetworkPolicy"),
 )
 # Objects named NAME + suffix that a rendering may stop asking for: (apiVersion, kind, suffix).
-PRUNABLE_SUFFIXED: tuple[tuple[str, str, str], ...] = (("networking.k8s.io/v1", "NetworkPolicy", "-model-download"),)
+PRUNABLE_SUFFIXED: tuple[tuple[str, str, str], ...] = (
+    ("networking.k8s.io/v1", "NetworkPolicy", "-model-download"),
+    ("v1", "ConfigMap", "-adapters"),
+)
 WORKLOAD_KINDS = ("Deployment", "LeaderWorkerSet")
 
 # Keeps a Deployment's replica count while the operator stops applying it (autoscaling turned on).

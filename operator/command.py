@@ -12,7 +12,6 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from pagedllm.operator.adapters import lora_args
 from pagedllm.operator.spec import PagedLLMSpec, SpecError
 from pagedllm.server.args import flag_for
 
@@ -113,7 +112,7 @@ def server_args(spec: PagedLLMSpec, model_path: str) -> list[str]:
         value = served_name if key == "servedModelName" else spec_value(spec, key)
         if value is not None:
             args += _flag_args(flag, value)
-    return args + lora_args(spec.adapters) + list(checked_extra_args(spec.extra_args))
+    return args + list(checked_extra_args(spec.extra_args))
 
 
 def _rendered_value(spec: PagedLLMSpec, key: str, model_path: str | None) -> Any:

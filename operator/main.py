@@ -146,6 +146,13 @@ def add_operator_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
         help="A namespace whose pods may reach every PagedLLM's API port whatever its networkPolicy.apiClients "
         "(Prometheus scraping /metrics, a Gateway's proxies); repeat for several.",
     )
+    parser.add_argument(
+        "--operator-namespace",
+        default=None,
+        metavar="NS",
+        help="The operator's own namespace: its pods (app.kubernetes.io/component=operator) may reach the API port "
+        "of a PagedLLM with LoRA on, to load and unload adapters at run time (default: unset, no such rule).",
+    )
     for flag, what in (
         ("--allowed-image", "an image pattern (fnmatch: ghcr.io/org/*) server and picker containers may run"),
         (
@@ -228,6 +235,7 @@ def run_operator(args: argparse.Namespace) -> int:
         endpoint_picker_image=args.endpoint_picker_image,
         network_policies=args.network_policies,
         network_policy_namespaces=tuple(args.network_policy_namespaces),
+        operator_namespace=args.operator_namespace,
     )
     kube = KubeClient()
     metrics = OperatorMetrics()

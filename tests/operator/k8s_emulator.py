@@ -104,6 +104,12 @@ RESOURCE_INFOS = {
         namespaced=True,
         verbs={"get", "list", "watch", "create", "patch", "update", "delete"},
     ),
+    "v1/secrets": kmock.ResourceInfo(
+        kind="Secret",
+        singular="secret",
+        namespaced=True,
+        verbs={"get", "list", "watch", "create", "patch", "update", "delete"},
+    ),
     "v1/configmaps": kmock.ResourceInfo(
         kind="ConfigMap",
         singular="configmap",
@@ -183,6 +189,7 @@ _STEM = {
     "EndpointSlice": ("/apis/discovery.k8s.io/v1", "endpointslices"),
     "ServiceAccount": ("/api/v1", "serviceaccounts"),
     "ConfigMap": ("/api/v1", "configmaps"),
+    "Secret": ("/api/v1", "secrets"),
     "Role": ("/apis/rbac.authorization.k8s.io/v1", "roles"),
     "RoleBinding": ("/apis/rbac.authorization.k8s.io/v1", "rolebindings"),
     "NetworkPolicy": ("/apis/networking.k8s.io/v1", "networkpolicies"),

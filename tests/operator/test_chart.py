@@ -241,6 +241,7 @@ NAMESPACED_RULES = (
     | {("", kind, v) for kind in ("serviceaccounts", "configmaps") for v in ("get", "create", "patch")}
     | {("rbac.authorization.k8s.io", kind, v) for kind in ("roles", "rolebindings") for v in ("get", "create", "patch")}
     | {("", "pods", "get")}
+    | {("", "configmaps", "delete"), ("", "secrets", "get")}  # the adapters ConfigMap; apiKeySecret for adapter loads
     | {
         ("inference.networking.x-k8s.io", kind, v)
         for kind in ("inferenceobjectives", "inferencemodelrewrites")
@@ -284,6 +285,8 @@ DELETABLE = {"poddisruptionbudgets", "horizontalpodautoscalers", "scaledobjects"
 DELETABLE |= {"deployments", "leaderworkersets"}
 # A resource's NetworkPolicies, when its spec (or the Job they fence) no longer asks for them.
 DELETABLE |= {"networkpolicies"}
+# The LoRA adapter list, when LoRA is turned off.
+DELETABLE |= {"configmaps"}
 
 
 def test_no_wildcards_and_deletes_only_of_fleet_objects(helm_template):
@@ -492,3 +495,12 @@ def test_policy_lists_reach_the_operator(helm_template):
     args = parse_operator_args(operator_container(docs))
     assert args.allowed_image == ["ghcr.io/pagedllm/*"] and args.allowed_priority_class == ["inference"]
     assert args.allowed_service_account == [] and args.allowed_runtime_class == []
+
+
+def test_the_operator_pods_carry_the_label_the_server_policies_admit(helm_template):
+    from pagedllm.operator.network_policy import OPERATOR_POD_LABELS
+
+    docs = helm_template()
+    (deployment,) = by_kind(docs)["Deployment"]
+    assert OPERATOR_POD_LABELS.items() <= deployment["spec"]["template"]["metadata"]["labels"].items()
+    assert parse_operator_args(operator_container(docs)).operator_namespace == "pagedllm-system"

@@ -136,6 +136,14 @@ Nothing else is deleted by the operator: owner references cascade deletion.
 - apiGroups: [""]
   resources: ["persistentvolumeclaims"]
   verbs: ["get", "create", "patch"]
+# The LoRA adapter list new server pods read at start (NAME-adapters), deleted when LoRA is turned off.
+- apiGroups: [""]
+  resources: ["configmaps"]
+  verbs: ["get", "create", "patch", "delete"]
+# spec.apiKeySecret, read to call the server pods' adapter routes (/v1/load_lora_adapter), which ask the key.
+- apiGroups: [""]
+  resources: ["secrets"]
+  verbs: ["get"]
 # The Job that fills a model cache once; watched for status.model.
 - apiGroups: ["batch"]
   resources: ["jobs"]
