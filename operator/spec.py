@@ -19,6 +19,7 @@ from typing import Any
 
 from pagedllm.operator.adapters import Adapter, check_adapter_sources, check_lora_switch, parse_adapters
 from pagedllm.operator.fleet_spec import Autoscaling, Routing, parse_autoscaling, parse_routing
+from pagedllm.operator.group_placement import GroupPlacement, parse_group_placement
 from pagedllm.operator.model_source import (  # noqa: F401 (the model source's names are imported from here too)
     ACCESS_MODES,
     MODEL_SOURCES,
@@ -137,6 +138,9 @@ class PagedLLMSpec:
     )
     nodes: int = field(default=1, metadata=_scalar("nodes", int, minimum=1, maximum=64))
     """Pods per replica: above 1 the replica's tensorParallelSize x nodes ranks span nodes (a LeaderWorkerSet)."""
+    group_placement: GroupPlacement = field(
+        default_factory=GroupPlacement, metadata=_nested("groupPlacement", parse_group_placement)
+    )
     block_size: int = field(default=16, metadata=_scalar("blockSize", int, choices=BLOCK_SIZES))
     gpu_memory_utilization: float = field(
         default=0.9, metadata=_scalar("gpuMemoryUtilization", float, minimum=0.1, maximum=0.99)
