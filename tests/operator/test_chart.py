@@ -83,6 +83,7 @@ def test_template_renders_crd_operator_and_rbac(helm_template):
         "Role",
         "RoleBinding",
         "Deployment",
+        "PodDisruptionBudget",
     }
     (deployment,) = kinds["Deployment"]
     # Two replicas elect a leader, so a rollout never leaves the resources unserved.
@@ -504,3 +505,25 @@ def test_the_operator_pods_carry_the_label_the_server_policies_admit(helm_templa
     (deployment,) = by_kind(docs)["Deployment"]
     assert OPERATOR_POD_LABELS.items() <= deployment["spec"]["template"]["metadata"]["labels"].items()
     assert parse_operator_args(operator_container(docs)).operator_namespace == "pagedllm-system"
+
+
+def test_operator_replicas_spread_and_are_drained_one_at_a_time(helm_template):
+    docs = helm_template()
+    (deployment,) = by_kind(docs)["Deployment"]
+    selector = deployment["spec"]["selector"]["matchLabels"]
+    assert deployment["spec"]["replicas"] == 2
+    terms = deployment["spec"]["template"]["spec"]["affinity"]["podAntiAffinity"][
+        "preferredDuringSchedulingIgnoredDuringExecution"
+    ]
+    keys = [t["podAffinityTerm"]["topologyKey"] for t in terms]
+    assert keys == ["kubernetes.io/hostname", "topology.kubernetes.io/zone"]
+    assert all(t["podAffinityTerm"]["labelSelector"]["matchLabels"] == selector for t in terms)
+    (budget,) = by_kind(docs)["PodDisruptionBudget"]
+    assert budget["spec"] == {"maxUnavailable": 1, "selector": {"matchLabels": selector}}
+
+    single = by_kind(helm_template("--set", "replicas=1"))
+    assert "PodDisruptionBudget" not in single
+    assert "affinity" not in single["Deployment"][0]["spec"]["template"]["spec"]
+    own = {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": []}}}
+    custom = by_kind(helm_template("--set-json", f"affinity={json.dumps(own)}"))["Deployment"][0]
+    assert custom["spec"]["template"]["spec"]["affinity"] == own  # the values' affinity replaces the default
