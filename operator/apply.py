@@ -113,15 +113,15 @@ async def apply_all(manifests: Iterable[Mapping[str, Any]], kube: Kube, owner_ui
 
 
 def replicas_to_hand_over(manifest: Mapping[str, Any], live: Mapping[str, Any] | None) -> int | None:
-    """The live replica count to hand over before applying a Deployment that no longer sets it.
+    """The live replica count to hand over before applying a workload that no longer sets it.
 
     NOTE: server-side apply removes a field that its only manager stops applying, and a
-    Deployment without replicas defaults to 1: turning autoscaling on for a fleet of 4
+    Deployment or LeaderWorkerSet without replicas defaults to 1: turning autoscaling on for a fleet of 4
     would drop it to 1 pod until the new autoscaler acts. Applying the current count
     first under a second field manager keeps it (the Kubernetes documentation's
     "transferring ownership" to a HorizontalPodAutoscaler); the autoscaler then owns it.
     """
-    if manifest["kind"] != "Deployment" or "replicas" in manifest["spec"] or live is None:
+    if manifest["kind"] not in WORKLOAD_KINDS or "replicas" in manifest["spec"] or live is None:
         return None
     replicas = (live.get("spec") or {}).get("replicas")
     if not isinstance(replicas, int) or isinstance(replicas, bool):
