@@ -139,7 +139,7 @@ def with_adapters(status: Mapping[str, Any], adapters: tuple[Adapter, ...], repo
     conditions = [c for c in status.get("conditions") or [] if c.get("type") != CONDITION]
     if report is None:
         return {**status, "conditions": conditions, "adapters": None}
-    old = next((c for c in status.get("conditions") or [] if c.get("type") == CONDITION), {})
+    old: Mapping[str, Any] = next((c for c in status.get("conditions") or [] if c.get("type") == CONDITION), {})
     state, reason, message = report.condition()
     since = old.get("lastTransitionTime", now) if old.get("status") == state else now
     cond = {"type": CONDITION, "status": state, "reason": reason, "message": message, "lastTransitionTime": since}

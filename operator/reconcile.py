@@ -140,8 +140,8 @@ async def _reconcile(
         _announce_repairs(owner, reasons, trigger)
         refused, observed = await _apply(owner, manifests, wanted, observed, kube, trigger, logger)
     adapters = await _sync_adapters(owner, spec, kube, observed) if spec.lora_enabled else None
-    problem = problem_of(owner, observed, refused=refused, applied=bool(reasons))
-    return await _write(owner, observed, kube, problem, features, (spec, adapters))
+    reported = problem_of(owner, observed, refused=refused, applied=bool(reasons))
+    return await _write(owner, observed, kube, reported, features, (spec, adapters))
 
 
 @dataclass(frozen=True)

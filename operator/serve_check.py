@@ -12,7 +12,7 @@ never ``sys.exit``.
 from __future__ import annotations
 
 import argparse
-from typing import NoReturn
+from typing import NoReturn, cast
 
 from pagedllm.operator.command import SERVE_COMMAND
 from pagedllm.operator.spec_fields import SpecError
@@ -32,7 +32,8 @@ def serve_parser() -> argparse.ArgumentParser:
     from pagedllm.server.entrypoints.serve import add_serve_parser
 
     root = _RaisingParser(prog=SERVE_COMMAND[0], add_help=False)
-    return add_serve_parser(root.add_subparsers())
+    subparsers = cast("argparse._SubParsersAction[argparse.ArgumentParser]", root.add_subparsers())
+    return add_serve_parser(subparsers)
 
 
 def check_serve_args(args: list[str], extra_args: tuple[str, ...]) -> None:
