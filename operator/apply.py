@@ -29,6 +29,7 @@ PRUNABLE: tuple[tuple[str, str], ...] = (
     ("policy/v1", "PodDisruptionBudget"),
     ("autoscaling/v2", "HorizontalPodAutoscaler"),
     ("keda.sh/v1alpha1", "ScaledObject"),
+    ("http.keda.sh/v1alpha1", "HTTPScaledObject"),
     ("inference.networking.k8s.io/v1", "InferencePool"),
     ("monitoring.coreos.com/v1", "PodMonitor"),
     # NOTE: the server pods' owner switches kind with spec.nodes (see leaderworkerset.py)
@@ -40,6 +41,7 @@ PRUNABLE: tuple[tuple[str, str], ...] = (
 PRUNABLE_SUFFIXED: tuple[tuple[str, str, str], ...] = (
     ("networking.k8s.io/v1", "NetworkPolicy", "-model-download"),
     ("v1", "ConfigMap", "-adapters"),
+    ("v1", "Service", "-http"),  # the HTTP add-on's address of a model that no longer scales from zero
 )
 WORKLOAD_KINDS = ("Deployment", "LeaderWorkerSet")
 

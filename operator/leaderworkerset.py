@@ -134,7 +134,7 @@ def retarget(objects: list[dict], name: str) -> None:
         spec = obj.get("spec", {})
         target = spec.get("scaleTargetRef")
         if target is not None:
-            spec["scaleTargetRef"] = {"apiVersion": API_VERSION, "kind": KIND, "name": name}
+            spec["scaleTargetRef"] = {**target, "apiVersion": API_VERSION, "kind": KIND, "name": name}
         if obj.get("kind") == "PodDisruptionBudget":
             spec.update(group_disruption_budget())
             continue

@@ -48,6 +48,7 @@ from pagedllm.operator.command import SERVE_COMMAND, check_engine, server_args
 from pagedllm.operator.container_env import hub_env, server_env
 from pagedllm.operator.endpoint_picker import DEFAULT_PICKER_IMAGE, picker_labels
 from pagedllm.operator.fleet import Fleet, FleetConfig, render_fleet
+from pagedllm.operator.keda_http import parse_interceptor
 from pagedllm.operator.labels import INSTANCE_LABEL as INSTANCE_LABEL
 from pagedllm.operator.labels import MANAGED_BY as MANAGED_BY
 from pagedllm.operator.labels import download_pod_labels, labels, selector_labels, server_pod_labels
@@ -99,10 +100,14 @@ class RenderConfig:
     """Namespaces whose pods may always reach every API port (Prometheus, a Gateway's proxies)."""
     operator_namespace: str | None = None
     """Where the operator's pods run: with LoRA on they may reach the API port (they load adapters)."""
+    http_interceptor: str | None = None
+    """KEDA's HTTP add-on interceptor proxy, SERVICE.NAMESPACE:PORT (keda_http.py); None: not installed."""
 
     def __post_init__(self) -> None:
         if self.autoscaler not in AUTOSCALERS:
             raise ValueError(f"autoscaler={self.autoscaler!r} is not allowed: choose one of {list(AUTOSCALERS)}")
+        if self.http_interceptor is not None:
+            parse_interceptor(self.http_interceptor)
 
 
 @dataclass(frozen=True)
@@ -148,9 +153,7 @@ def render(body: Mapping[str, Any], config: RenderConfig) -> Manifests:
     spec = PagedLLMSpec.from_dict(body.get("spec"))
     check_engine(spec, model_path(spec))
     generation = meta.get("generation")
-    fleet_config = FleetConfig(
-        config.autoscaler, config.prometheus_address, config.pod_monitor_labels, config.endpoint_picker_image
-    )
+    fleet_config = FleetConfig.of(config)
     fleet = render_fleet(name, meta.get("namespace", ""), spec, selector_labels(name), fleet_config)
     for obj in fleet.all():
         obj["metadata"]["labels"] = {**obj["metadata"].get("labels", {}), **labels(name)}

@@ -242,7 +242,9 @@ NAMESPACED_RULES = (
     | {("", kind, v) for kind in ("serviceaccounts", "configmaps") for v in ("get", "create", "patch")}
     | {("rbac.authorization.k8s.io", kind, v) for kind in ("roles", "rolebindings") for v in ("get", "create", "patch")}
     | {("", "pods", "get")}
-    | {("", "configmaps", "delete"), ("", "secrets", "get")}  # the adapters ConfigMap; apiKeySecret for adapter loads
+    # the adapters ConfigMap; apiKeySecret for adapter loads; the HTTP add-on's NAME-http and HTTPScaledObject
+    | {("", "configmaps", "delete"), ("", "secrets", "get"), ("", "services", "delete")}
+    | {("http.keda.sh", "httpscaledobjects", v) for v in ("get", "delete")}
     | {
         ("inference.networking.x-k8s.io", kind, v)
         for kind in ("inferenceobjectives", "inferencemodelrewrites")
@@ -286,8 +288,9 @@ DELETABLE = {"poddisruptionbudgets", "horizontalpodautoscalers", "scaledobjects"
 DELETABLE |= {"deployments", "leaderworkersets"}
 # A resource's NetworkPolicies, when its spec (or the Job they fence) no longer asks for them.
 DELETABLE |= {"networkpolicies"}
-# The LoRA adapter list, when LoRA is turned off.
-DELETABLE |= {"configmaps"}
+# The LoRA adapter list, when LoRA is turned off; the HTTP add-on's objects (NAME-http, the HTTPScaledObject)
+# when a model no longer scales from zero.
+DELETABLE |= {"configmaps", "services", "httpscaledobjects"}
 
 
 def test_no_wildcards_and_deletes_only_of_fleet_objects(helm_template):
@@ -527,3 +530,16 @@ def test_operator_replicas_spread_and_are_drained_one_at_a_time(helm_template):
     own = {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": []}}}
     custom = by_kind(helm_template("--set-json", f"affinity={json.dumps(own)}"))["Deployment"][0]
     assert custom["spec"]["template"]["spec"]["affinity"] == own  # the values' affinity replaces the default
+
+
+def test_the_keda_http_add_on_is_wired_only_with_keda(helm_template):
+    flags = ("--set", "autoscaler=keda", "--set", "kedaHttpAddOn.enabled=true")
+    docs = helm_template(*flags)
+    args = parse_operator_args(operator_container(docs))
+    assert args.keda_http_interceptor == "keda-add-ons-http-interceptor-proxy.keda:8080"
+    assert "keda" in args.network_policy_namespaces
+    (role,) = roles(docs)["serving"]
+    http = {verb for group, resource, verb in rules_of(role) if resource == "httpscaledobjects"}
+    assert http == {"get", "create", "patch", "delete"}
+    hpa = parse_operator_args(operator_container(helm_template("--set", "kedaHttpAddOn.enabled=true")))
+    assert hpa.keda_http_interceptor is None  # the add-on scales through KEDA
