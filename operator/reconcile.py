@@ -252,8 +252,15 @@ async def _api_key(kube: KubeClient, namespace: str, spec: PagedLLMSpec) -> str 
     import base64
 
     ref = spec.api_key_secret
-    secret = await kube.get("Secret", namespace, ref.name) if ref is not None else None
-    value = ((secret or {}).get("data") or {}).get(ref.key) if ref is not None else None
+    if ref is None:
+        return None
+    try:
+        secret = await kube.get("Secret", namespace, ref.name)
+    except ApiError as exc:
+        if exc.retriable:
+            raise
+        return None  # NOTE: e.g. no grant to read it: the loads then fail with the server's 401, reported
+    value = ((secret or {}).get("data") or {}).get(ref.key)
     return base64.b64decode(value).decode() if value else None
 
 

@@ -61,3 +61,26 @@ def test_a_failed_load_is_a_condition_with_the_servers_message(scenario, fake):
     assert cond["message"] == (
         "adapter sql on pod llama-abc12: HTTP 400: the adapter's rank 128 is above --max-lora-rank 16"
     )
+
+
+def test_the_api_key_of_the_pods_is_sent(scenario):
+    import base64
+
+    fake = FakePodApi(api_key="s3cret")
+    try:
+        secret = {"api-key": base64.b64encode(b"s3cret").decode()}
+        scenario.api.create(
+            {
+                "apiVersion": "v1",
+                "kind": "Secret",
+                "metadata": {"name": "llama-key", "namespace": scenario.ns},
+                "data": secret,
+            }
+        )
+        spec = {"model": "org/model", "port": fake.port, "adapters": [SQL], "apiKeySecret": {"name": "llama-key"}}
+        scenario.api.create(pagedllm(scenario.ns, **spec))
+        dep = scenario.wait_deployment()
+        scenario.api.create(ready_pod(scenario, dep["spec"]["template"]["metadata"]["labels"]))
+        scenario.wait(lambda: fake.loaded == {"sql": "/models/adapters/sql"}, "sql loaded with the key")
+    finally:
+        fake.close()
