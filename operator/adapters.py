@@ -1,13 +1,22 @@
-"""LoRA adapters of a ``PagedLLM``: where each one comes from, where the pod sees it, and the flags.
+"""LoRA adapters of a ``PagedLLM``: where each one comes from, where the pod sees it, and how a pod gets it.
 
 ``spec.adapters`` lists ``{name, source}``; a request whose ``model`` is ``name`` runs with it::
 
     source "org/sql-lora"     a Hugging Face id: fetch-model downloads it to /models/adapters/NAME
                               (with the model, so the model must come from the Hub too)
-    source "pvc:loras/sql"    a directory in spec.modelSource.pvc's claim, mounted read-only at
-                              /adapters/NAME
+    source "pvc:loras/sql"    a directory in spec.modelSource.pvc's claim, which is mounted whole
+                              and read-only at /adapters: the server reads /adapters/loras/sql
 
-and the server gets ``--enable-lora --lora-modules NAME=PATH ...``.
+The pod template never holds the list, so adding or removing an adapter restarts nothing:
+
+    ConfigMap NAME-adapters   lora-modules: "sql=/adapters/loras/sql chat=/models/adapters/chat"
+                              downloads:    "org/chat /models/adapters/chat"
+    server container          --enable-lora, $PAGEDLLM_LORA_MODULES <- lora-modules (read at start),
+                              $PAGEDLLM_ALLOW_RUNTIME_LORA_UPDATING=true
+    fetch-model / wait        $PAGEDLLM_ADAPTER_DOWNLOADS <- downloads (read at start)
+
+A pod that starts reads the current list; pods already running are brought to it through the
+server's ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` (:mod:`adapter_sync`).
 """
 
 from __future__ import annotations
@@ -41,7 +50,7 @@ class Adapter:
     @property
     def path(self) -> str:
         """Where the server reads the adapter inside its container."""
-        return f"{PVC_ADAPTERS_DIR if self.on_pvc else HUB_ADAPTERS_DIR}/{self.name}"
+        return f"{PVC_ADAPTERS_DIR}/{self.pvc_path}" if self.on_pvc else f"{HUB_ADAPTERS_DIR}/{self.name}"
 
 
 def parse_adapters(path: str, value: Any) -> tuple[Adapter, ...]:
@@ -76,19 +85,68 @@ def check_adapter_sources(adapters: tuple[Adapter, ...], model_from_hub: bool, m
             )
 
 
-def lora_args(adapters: tuple[Adapter, ...]) -> list[str]:
-    if not adapters:
+def check_lora_switch(enable: bool | None, adapters: tuple[Adapter, ...], sizes: tuple[int | None, ...]) -> None:
+    """Adapters and LoRA sizes need LoRA on: refuse ``enableLora: false`` beside them."""
+    if enable is False and adapters:
+        raise SpecError("spec.enableLora=False is not allowed with spec.adapters: remove the adapters or enableLora")
+    if enable is False and any(size is not None for size in sizes):
+        raise SpecError("spec.enableLora=False is not allowed with spec.maxLoras or spec.maxLoraRank: they size LoRA")
+
+
+# The server's variables (pagedllm.server.entrypoints: serve, openai.serving_lora, download); a test checks them.
+LORA_MODULES_ENV = "PAGEDLLM_LORA_MODULES"
+RUNTIME_LORA_ENV = "PAGEDLLM_ALLOW_RUNTIME_LORA_UPDATING"
+DOWNLOADS_ENV = "PAGEDLLM_ADAPTER_DOWNLOADS"
+MODULES_KEY, DOWNLOADS_KEY = "lora-modules", "downloads"
+
+
+def config_map_name(name: str) -> str:
+    return f"{name}-adapters"
+
+
+def render_adapters_config_map(name: str, adapters: tuple[Adapter, ...], lora_enabled: bool) -> dict | None:
+    """The adapter list new pods read at start; ``None`` while LoRA is off."""
+    if not lora_enabled:
+        return None
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {"name": config_map_name(name)},
+        "data": {
+            MODULES_KEY: " ".join(f"{a.name}={a.path}" for a in adapters),
+            DOWNLOADS_KEY: " ".join(downloads(adapters)),
+        },
+    }
+
+
+def _from_config_map(var: str, name: str, key: str) -> dict:
+    ref = {"name": config_map_name(name), "key": key, "optional": True}
+    return {"name": var, "valueFrom": {"configMapKeyRef": ref}}
+
+
+def server_adapter_env(name: str, lora_enabled: bool) -> list[dict]:
+    """The server's adapters at start, and the run-time load/unload routes on."""
+    if not lora_enabled:
         return []
-    return ["--enable-lora", "--lora-modules", *(f"{a.name}={a.path}" for a in adapters)]
+    return [_from_config_map(LORA_MODULES_ENV, name, MODULES_KEY), {"name": RUNTIME_LORA_ENV, "value": "true"}]
 
 
-def adapter_mounts(adapters: tuple[Adapter, ...]) -> list[dict]:
-    """Read-only mounts of the model claim's adapter directories (the claim's volume is named ``model``)."""
-    return [
-        {"name": "model", "mountPath": a.path, "subPath": a.pvc_path, "readOnly": True} for a in adapters if a.on_pvc
-    ]
+def download_adapter_env(name: str, lora_enabled: bool) -> list[dict]:
+    """The Hub adapters fetch-model (or wait-for-model) gets after the model."""
+    return [_from_config_map(DOWNLOADS_ENV, name, DOWNLOADS_KEY)] if lora_enabled else []
+
+
+def adapter_mounts(lora_enabled: bool) -> list[dict]:
+    """The model claim (its volume is named ``model``) whole and read-only at /adapters, while LoRA is on."""
+    return [{"name": "model", "mountPath": PVC_ADAPTERS_DIR, "readOnly": True}] if lora_enabled else []
 
 
 def downloads(adapters: tuple[Adapter, ...]) -> list[str]:
-    """``repo dest`` pairs for the fetch-model container."""
+    """``source dest`` words of the Hub adapters, for the downloads."""
     return [part for a in adapters if not a.on_pvc for part in (a.source, a.path)]
+
+
+def adapter_download_args(adapters: tuple[Adapter, ...]) -> list[str]:
+    """``--adapter SOURCE DEST`` for each Hub adapter: the model-cache Job's (a Job is made once per spec)."""
+    pairs = downloads(adapters)
+    return [arg for source, dest in zip(pairs[::2], pairs[1::2]) for arg in ("--adapter", source, dest)]

@@ -29,6 +29,7 @@ PRUNABLE: tuple[tuple[str, str], ...] = (
     ("policy/v1", "PodDisruptionBudget"),
     ("autoscaling/v2", "HorizontalPodAutoscaler"),
     ("keda.sh/v1alpha1", "ScaledObject"),
+    ("http.keda.sh/v1alpha1", "HTTPScaledObject"),
     ("inference.networking.k8s.io/v1", "InferencePool"),
     ("monitoring.coreos.com/v1", "PodMonitor"),
     # NOTE: the server pods' owner switches kind with spec.nodes (see leaderworkerset.py)
@@ -37,7 +38,11 @@ PRUNABLE: tuple[tuple[str, str], ...] = (
     ("networking.k8s.io/v1", "NetworkPolicy"),
 )
 # Objects named NAME + suffix that a rendering may stop asking for: (apiVersion, kind, suffix).
-PRUNABLE_SUFFIXED: tuple[tuple[str, str, str], ...] = (("networking.k8s.io/v1", "NetworkPolicy", "-model-download"),)
+PRUNABLE_SUFFIXED: tuple[tuple[str, str, str], ...] = (
+    ("networking.k8s.io/v1", "NetworkPolicy", "-model-download"),
+    ("v1", "ConfigMap", "-adapters"),
+    ("v1", "Service", "-http"),  # the HTTP add-on's address of a model that no longer scales from zero
+)
 WORKLOAD_KINDS = ("Deployment", "LeaderWorkerSet")
 
 # Keeps a Deployment's replica count while the operator stops applying it (autoscaling turned on).
@@ -110,15 +115,15 @@ async def apply_all(manifests: Iterable[Mapping[str, Any]], kube: Kube, owner_ui
 
 
 def replicas_to_hand_over(manifest: Mapping[str, Any], live: Mapping[str, Any] | None) -> int | None:
-    """The live replica count to hand over before applying a Deployment that no longer sets it.
+    """The live replica count to hand over before applying a workload that no longer sets it.
 
     NOTE: server-side apply removes a field that its only manager stops applying, and a
-    Deployment without replicas defaults to 1: turning autoscaling on for a fleet of 4
+    Deployment or LeaderWorkerSet without replicas defaults to 1: turning autoscaling on for a fleet of 4
     would drop it to 1 pod until the new autoscaler acts. Applying the current count
     first under a second field manager keeps it (the Kubernetes documentation's
     "transferring ownership" to a HorizontalPodAutoscaler); the autoscaler then owns it.
     """
-    if manifest["kind"] != "Deployment" or "replicas" in manifest["spec"] or live is None:
+    if manifest["kind"] not in WORKLOAD_KINDS or "replicas" in manifest["spec"] or live is None:
         return None
     replicas = (live.get("spec") or {}).get("replicas")
     if not isinstance(replicas, int) or isinstance(replicas, bool):

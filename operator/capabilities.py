@@ -37,6 +37,12 @@ class Feature:
 FEATURES: Mapping[str, Feature] = {
     "HorizontalPodAutoscaler": Feature("AutoscalingReady", None, "Kubernetes", ""),
     "ScaledObject": Feature("AutoscalingReady", "scaledobjects.keda.sh", "KEDA", "the replicas stay as they are"),
+    "HTTPScaledObject": Feature(
+        "AutoscalingReady",
+        "httpscaledobjects.http.keda.sh",
+        "KEDA's HTTP add-on",
+        "the replicas stay as they are, and NAME-http reaches no interceptor",
+    ),
     "InferencePool": Feature(
         "RoutingReady",
         "inferencepools.inference.networking.k8s.io",

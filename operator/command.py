@@ -12,7 +12,6 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from pagedllm.operator.adapters import lora_args
 from pagedllm.operator.spec import PagedLLMSpec, SpecError
 from pagedllm.server.args import flag_for
 
@@ -38,6 +37,9 @@ ENGINE_FIELDS: Mapping[str, str] = {
     "seed": "seed",
     "loadFormat": "load_format",
     "speculativeConfig": "speculative_config",
+    "enableLora": "enable_lora",
+    "maxLoras": "max_loras",
+    "maxLoraRank": "max_lora_rank",
 }
 
 # spec key -> flag of `pagedllm serve` that is not an engine field (pagedllm.server.entrypoints.serve).
@@ -52,15 +54,29 @@ SERVE_FIELDS: Mapping[str, str] = {
 # Other spellings `pagedllm serve` accepts for a flag the spec owns.
 FLAG_ALIASES: Mapping[str, str] = {"--max-waiting-requests": "--max-queue-len"}
 
+# Flags the operator renders that no single spec key sets: flag -> who owns it.
+OPERATOR_FLAGS: Mapping[str, str] = {
+    "--host": "the operator",  # the probes and the Service need 0.0.0.0
+    "--api-key": "spec.apiKeySecret",
+    "--lora-modules": "spec.adapters",
+    "--device": "the operator",  # the pods run on the GPUs they request
+    "--headless": "spec.nodes",
+    "--nnodes": "spec.nodes",
+    "--node-rank": "spec.nodes",
+    "--master-addr": "spec.nodes",
+    "--master-port": "spec.nodes",
+}
+
 # Flags that extraArgs may not set: those rendered from the spec (and their aliases), plus
-# --host (the probes and the Service need 0.0.0.0) and --api-key (it would show the key in
-# the pod spec). A test checks this covers every option string of those destinations.
+# the operator's own (--api-key would show the key in the pod spec; the group layout flags
+# are rendered for spec.nodes > 1 and would break a one-pod replica). A test checks this
+# covers every option string of those destinations and every flag any rendering emits.
 OWNED_FLAGS = frozenset(
     [flag_for(f) for f in ENGINE_FIELDS.values()]
     + ["--no-" + flag_for(f)[2:] for f in ENGINE_FIELDS.values()]
     + list(SERVE_FIELDS.values())
     + list(FLAG_ALIASES)
-    + ["--host", "--api-key", "--lora-modules"]
+    + list(OPERATOR_FLAGS)
 )
 
 
@@ -88,7 +104,7 @@ def server_args(spec: PagedLLMSpec, model_path: str) -> list[str]:
     """The arguments after ``pagedllm serve``; ``model_path`` is where the pod sees the model."""
     args = ["--host", "0.0.0.0"]
     for key, engine_field in ENGINE_FIELDS.items():
-        value = model_path if key == "model" else spec_value(spec, key)
+        value = _rendered_value(spec, key, model_path)
         if value is not None:
             args += _flag_args(flag_for(engine_field), value)
     served_name = spec.served_model_name or spec.model
@@ -96,7 +112,15 @@ def server_args(spec: PagedLLMSpec, model_path: str) -> list[str]:
         value = served_name if key == "servedModelName" else spec_value(spec, key)
         if value is not None:
             args += _flag_args(flag, value)
-    return args + lora_args(spec.adapters) + list(checked_extra_args(spec.extra_args))
+    return args + list(checked_extra_args(spec.extra_args))
+
+
+def _rendered_value(spec: PagedLLMSpec, key: str, model_path: str | None) -> Any:
+    if key == "model":
+        return model_path
+    if key == "enableLora":  # NOTE: rendered only when on, so a spec without LoRA keeps its command line
+        return True if spec.lora_enabled else None
+    return spec_value(spec, key)
 
 
 def checked_extra_args(extra_args: tuple[str, ...]) -> tuple[str, ...]:
@@ -141,19 +165,21 @@ def _owner_of(flag: str) -> str:
     for key, serve_flag in SERVE_FIELDS.items():
         if serve_flag == flag:
             return f"spec.{key}"
-    return {"--api-key": "spec.apiKeySecret", "--lora-modules": "spec.adapters"}.get(flag, "the operator")
+    return OPERATOR_FLAGS.get(flag, "the operator")
 
 
 def engine_kwargs(spec: PagedLLMSpec, model_path: str | None = None) -> dict[str, Any]:
     """The engine keyword arguments the rendered flags stand for (for validation and tests)."""
-    return {field: (model_path if key == "model" else spec_value(spec, key)) for key, field in ENGINE_FIELDS.items()}
+    values = {field: _rendered_value(spec, key, model_path) for key, field in ENGINE_FIELDS.items()}
+    return {field: value for field, value in values.items() if value is not None}  # None: the engine's default
 
 
 def check_engine(spec: PagedLLMSpec, model_path: str) -> None:
     """Validate the rendered engine arguments with the engine's own config classes.
 
     Raises :class:`SpecError` naming the spec key, so a value the server would refuse at
-    start-up is reported on the resource instead of crash-looping its pods.
+    start-up is reported on the resource instead of crash-looping its pods; then the whole
+    rendered command line, ``extraArgs`` included, goes through `pagedllm serve`'s parser.
     """
     from pagedllm.server.config import ConfigError, EngineConfig
 
@@ -163,3 +189,6 @@ def check_engine(spec: PagedLLMSpec, model_path: str) -> None:
         base, dot, sub = exc.field.partition(".")  # a key inside a JSON-valued field keeps its spelling
         key = next((k for k, field in ENGINE_FIELDS.items() if field == base), None)
         raise SpecError(exc.renamed(f"spec.{key}{dot}{sub}" if key else exc.name).message) from exc
+    from pagedllm.operator.serve_check import check_serve_args
+
+    check_serve_args(server_args(spec, model_path), spec.extra_args)

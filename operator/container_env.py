@@ -8,6 +8,7 @@ endpoint, a crash dump, ``kubectl exec env``).
 
 from __future__ import annotations
 
+from pagedllm.operator.adapters import DOWNLOADS_ENV, LORA_MODULES_ENV, RUNTIME_LORA_ENV
 from pagedllm.operator.command import API_KEY_ENV
 from pagedllm.operator.spec import PagedLLMSpec, SecretKeyRef, SpecError
 
@@ -32,6 +33,7 @@ def server_env(spec: PagedLLMSpec) -> list[dict]:
     if spec.api_key_secret:
         env.append(_secret_env(API_KEY_ENV, spec.api_key_secret))
     reserved = {e["name"] for e in env} | {"HF_TOKEN", "HF_HOME", API_KEY_ENV}
+    reserved |= {LORA_MODULES_ENV, RUNTIME_LORA_ENV, DOWNLOADS_ENV}
     for index, extra in enumerate(spec.env):
         if extra["name"] in reserved:
             raise SpecError(

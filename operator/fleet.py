@@ -5,6 +5,8 @@
     InferencePool         spec.routing.inferencePool
     endpoint picker       spec.routing.endpointPicker.deploy (with the pool)
     PodMonitor            always rendered; applied only where the Prometheus Operator runs
+    HTTPScaledObject      instead of the autoscaler, scaling from zero with KEDA's HTTP add-on
+      + NAME-http Service   (autoscaling.minReplicas 0 and --keda-http-interceptor: keda_http.py)
 
 Pure functions, like the rest of the rendering; which of these the cluster can take is
 decided when they are applied (:mod:`capabilities`).
@@ -13,9 +15,11 @@ decided when they are applied (:mod:`capabilities`).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
-from pagedllm.operator.autoscaling import render_autoscaler
+from pagedllm.operator.autoscaling import KEDA, render_autoscaler
 from pagedllm.operator.endpoint_picker import DEFAULT_PICKER_IMAGE, render_endpoint_picker
+from pagedllm.operator.keda_http import render_http_scaled_object, render_proxy_service, wants_http_scaling
 from pagedllm.operator.monitoring import render_pod_monitor
 from pagedllm.operator.routing import render_inference_pool
 from pagedllm.operator.spec import PagedLLMSpec
@@ -29,6 +33,15 @@ class FleetConfig:
     prometheus_address: str
     pod_monitor_labels: tuple[tuple[str, str], ...] = ()
     endpoint_picker_image: str = DEFAULT_PICKER_IMAGE
+    http_interceptor: str | None = None
+    """KEDA's HTTP add-on interceptor proxy (SERVICE.NAMESPACE:PORT): minReplicas 0 holds requests there."""
+
+    @classmethod
+    def of(cls, config: Any) -> FleetConfig:
+        """The fleet's part of a :class:`~pagedllm.operator.manifests.RenderConfig` (the add-on only with KEDA)."""
+        interceptor = config.http_interceptor if config.autoscaler == KEDA else None
+        labels, image = config.pod_monitor_labels, config.endpoint_picker_image
+        return cls(config.autoscaler, config.prometheus_address, labels, image, interceptor)
 
 
 @dataclass(frozen=True)
@@ -41,9 +54,11 @@ class Fleet:
     pod_monitor: dict
     endpoint_picker: tuple[dict, ...] = ()
     """The picker's objects, with spec.routing.endpointPicker.deploy."""
+    proxy_service: dict | None = None
+    """NAME-http, the interceptor's address for this model, when it scales from zero on the HTTP add-on."""
 
     def all(self) -> list[dict]:
-        return self.of_servers() + list(self.endpoint_picker)
+        return self.of_servers() + list(self.endpoint_picker) + ([self.proxy_service] if self.proxy_service else [])
 
     def of_servers(self) -> list[dict]:
         """The objects that select or scale the server pods (not the picker's own)."""
@@ -60,12 +75,15 @@ def max_replicas(spec: PagedLLMSpec) -> int:
 
 def render_fleet(name: str, namespace: str, spec: PagedLLMSpec, selector: dict[str, str], config: FleetConfig) -> Fleet:
     scaling = spec.autoscaling
+    from_zero = wants_http_scaling(spec, config.http_interceptor)
     return Fleet(
         # NOTE: with an autoscaler, whenever it may run 2+ replicas: maxUnavailable 1 never
         # blocks a drain while it runs one, and protects the fleet once it has grown.
         disruption_budget=render_disruption_budget(name, selector) if max_replicas(spec) > 1 else None,
         autoscaler=(
-            render_autoscaler(name, namespace, scaling, config.autoscaler, config.prometheus_address)
+            render_http_scaled_object(name, namespace, spec)
+            if from_zero
+            else render_autoscaler(name, namespace, scaling, config.autoscaler, config.prometheus_address)
             if scaling is not None
             else None
         ),
@@ -78,6 +96,7 @@ def render_fleet(name: str, namespace: str, spec: PagedLLMSpec, selector: dict[s
             if spec.routing.inference_pool and spec.routing.deploy_picker
             else ()
         ),
+        proxy_service=render_proxy_service(name, config.http_interceptor or "") if from_zero else None,
     )
 
 

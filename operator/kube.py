@@ -40,6 +40,7 @@ RESOURCES: Mapping[str, tuple[str, str]] = {
     "Pod": ("/api/v1", "pods"),
     "PodDisruptionBudget": ("/apis/policy/v1", "poddisruptionbudgets"),
     "PersistentVolumeClaim": ("/api/v1", "persistentvolumeclaims"),
+    "Secret": ("/api/v1", "secrets"),
     "PagedLLM": ("/apis/pagedllm.dev/v1alpha1", "pagedllms"),
     "HorizontalPodAutoscaler": ("/apis/autoscaling/v2", "horizontalpodautoscalers"),
     "EndpointSlice": ("/apis/discovery.k8s.io/v1", "endpointslices"),

@@ -5,8 +5,8 @@ chart would need kopf's peering CRDs. This is the Lease protocol of client-go's
 ``leaderelection`` (and of kube-controller-manager), asynchronous so it shares the
 operator's event loop::
 
-    candidate   every retry_period: get the Lease; take it if absent, ours, or not renewed
-                for lease_duration (by its holder's renewTime); else wait
+    candidate   every retry_period: get the Lease; take it if absent, released, ours, or unchanged
+                for lease_duration by this replica's own monotonic clock; else wait
     leader      every retry_period: renew (renewTime = now); a renewal that has not succeeded
                 for renew_deadline means another replica may take over: stop reconciling
     stopping    a leader stopped on purpose (SIGTERM, a rollout) empties holderIdentity, so a
@@ -16,12 +16,21 @@ Every write carries the ``resourceVersion`` it read, so of two candidates racing
 expired Lease the API server accepts one (the other gets 409 Conflict and stays a
 candidate). ``renew_deadline < lease_duration`` leaves the old leader time to stop
 before anyone else may start.
+
+NOTE: expiry is timed by observation, as client-go does: a candidate records when it last
+saw the Lease's record change (holder, renewTime, transitions, ...) on its own monotonic
+clock, and takes the Lease only once ``leaseDurationSeconds`` have passed since then. The
+holder's ``renewTime`` is a stamp of another machine's clock and is never compared with this
+one's: with skewed clocks, comparing them lets two replicas lead at once (a candidate whose
+clock runs ahead sees a live Lease as expired). The price: a new candidate waits one
+lease_duration after its first look, even at a Lease long abandoned.
 """
 
 from __future__ import annotations
 
 import asyncio
 import datetime
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -67,17 +76,6 @@ def _stamp(when: datetime.datetime) -> str:
     return when.strftime(MICRO_TIME)
 
 
-def _parse(text: str | None) -> datetime.datetime | None:
-    if not text:
-        return None
-    for fmt in (MICRO_TIME, "%Y-%m-%dT%H:%M:%SZ"):
-        try:
-            return datetime.datetime.strptime(text, fmt).replace(tzinfo=datetime.timezone.utc)
-        except ValueError:
-            continue
-    return None
-
-
 def _utcnow() -> datetime.datetime:
     return datetime.datetime.now(datetime.timezone.utc)
 
@@ -85,8 +83,19 @@ def _utcnow() -> datetime.datetime:
 class LeaderElector:
     """Takes and keeps the Lease of :class:`LeaseConfig` for this replica."""
 
-    def __init__(self, api: Api, config: LeaseConfig, clock: Callable[[], datetime.datetime] = _utcnow):
-        self._api, self._config, self._clock = api, config, clock
+    def __init__(
+        self,
+        api: Api,
+        config: LeaseConfig,
+        clock: Callable[[], datetime.datetime] = _utcnow,
+        monotonic: Callable[[], float] = time.monotonic,
+    ):
+        """``clock`` stamps what this replica writes (for people to read); ``monotonic`` times the expiry."""
+        self._api, self._config, self._clock, self._monotonic = api, config, clock, monotonic
+        self._observed: dict | None = None
+        """The Lease's record as last seen (or written) by this replica."""
+        self._observed_at = 0.0
+        """When (``monotonic``) that record was first seen."""
 
     @property
     def _collection(self) -> str:
@@ -108,9 +117,13 @@ class LeaderElector:
         return await self._write("PATCH", f"{self._collection}/{cfg.name}", self._lease(lease))
 
     def _expired(self, spec: dict) -> bool:
-        renewed = _parse(spec.get("renewTime")) or _parse(spec.get("acquireTime"))
+        """Whether ``spec`` has stayed unchanged for its lease duration, by this replica's observation."""
+        now = self._monotonic()
+        if spec != self._observed:
+            self._observed, self._observed_at = dict(spec), now
+            return False
         duration = spec.get("leaseDurationSeconds") or self._config.lease_duration
-        return renewed is None or (self._clock() - renewed).total_seconds() > duration
+        return now - self._observed_at > duration
 
     def _lease(self, current: dict | None) -> dict:
         cfg, now = self._config, _stamp(self._clock())
@@ -137,6 +150,7 @@ class LeaderElector:
             if exc.status == 409:  # another replica wrote first
                 return False
             raise
+        self._observed, self._observed_at = dict(lease.get("spec") or {}), self._monotonic()
         return True
 
     async def release(self) -> None:

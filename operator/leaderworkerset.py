@@ -84,12 +84,9 @@ def render_leaderworkerset(deployment: dict, spec: PagedLLMSpec) -> dict:
     }
     if "replicas" in deployment["spec"]:  # NOTE: left out under an autoscaler, as for the Deployment
         lws_spec = {"replicas": deployment["spec"]["replicas"], **lws_spec}
-    return {
-        "apiVersion": API_VERSION,
-        "kind": KIND,
-        "metadata": copy.deepcopy(deployment["metadata"]),
-        "spec": lws_spec,
-    }
+    metadata = copy.deepcopy(deployment["metadata"])
+    metadata["annotations"] = {**metadata.get("annotations", {}), **spec.group_placement.annotations()}
+    return {"apiVersion": API_VERSION, "kind": KIND, "metadata": metadata, "spec": lws_spec}
 
 
 def _rollout(spec: PagedLLMSpec) -> dict:
@@ -131,15 +128,35 @@ def leaders_only(selector: dict[str, str]) -> dict[str, str]:
 
 
 def retarget(objects: list[dict], name: str) -> None:
-    """Point the fleet objects at the LeaderWorkerSet: autoscalers scale it, selectors take leaders only."""
+    """Point the fleet objects at the LeaderWorkerSet: autoscalers scale it, the disruption budget covers
+    every pod of every group, the other selectors take leaders only."""
     for obj in objects:
         spec = obj.get("spec", {})
         target = spec.get("scaleTargetRef")
         if target is not None:
-            spec["scaleTargetRef"] = {"apiVersion": API_VERSION, "kind": KIND, "name": name}
+            spec["scaleTargetRef"] = {**target, "apiVersion": API_VERSION, "kind": KIND, "name": name}
+        if obj.get("kind") == "PodDisruptionBudget":
+            spec.update(group_disruption_budget())
+            continue
         match = (spec.get("selector") or {}).get("matchLabels")
         if match is not None:
             spec["selector"]["matchLabels"] = leaders_only(match)
+
+
+def group_disruption_budget() -> dict:
+    """At most one group disrupted at a time: ``maxUnavailable: 1`` over every pod of every group.
+
+    NOTE: why this does it. An eviction is allowed only while fewer than one selected pod is
+    unavailable, i.e. while every group is whole. Evicting any pod (leader or worker) breaks its
+    group: ``RecreateGroupOnPodRestart`` recreates all its pods, which stay unavailable until the
+    group is ready again, and until then every other eviction is refused. A budget over leaders
+    only (what a Service selects) let workers be evicted freely; ``maxUnavailable: size`` would
+    let one pod of each of several groups go at once. The pods' controllers are LWS's
+    StatefulSets, which the disruption controller counts. ``AlwaysAllow`` lets a drain evict pods
+    that are not ready anyway (a group being recreated, a crash loop), so a broken group never
+    blocks a drain forever.
+    """
+    return {"maxUnavailable": 1, "unhealthyPodEvictionPolicy": "AlwaysAllow"}
 
 
 def spread_over_nodes(manifests: Any, name: str, spec: PagedLLMSpec) -> Any:

@@ -146,6 +146,21 @@ def add_operator_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
         help="A namespace whose pods may reach every PagedLLM's API port whatever its networkPolicy.apiClients "
         "(Prometheus scraping /metrics, a Gateway's proxies); repeat for several.",
     )
+    parser.add_argument(
+        "--operator-namespace",
+        default=None,
+        metavar="NS",
+        help="The operator's own namespace: its pods (app.kubernetes.io/component=operator) may reach the API port "
+        "of a PagedLLM with LoRA on, to load and unload adapters at run time (default: unset, no such rule).",
+    )
+    parser.add_argument(
+        "--keda-http-interceptor",
+        default=None,
+        metavar="SERVICE.NAMESPACE:PORT",
+        help="KEDA's HTTP add-on interceptor proxy (with --autoscaler keda): a PagedLLM with autoscaling.minReplicas "
+        "0 gets an HTTPScaledObject and a NAME-http Service whose requests the interceptor holds while a pod "
+        "starts (default: unset, the Prometheus-triggered ScaledObject).",
+    )
     for flag, what in (
         ("--allowed-image", "an image pattern (fnmatch: ghcr.io/org/*) server and picker containers may run"),
         (
@@ -228,6 +243,8 @@ def run_operator(args: argparse.Namespace) -> int:
         endpoint_picker_image=args.endpoint_picker_image,
         network_policies=args.network_policies,
         network_policy_namespaces=tuple(args.network_policy_namespaces),
+        operator_namespace=args.operator_namespace,
+        http_interceptor=args.keda_http_interceptor,
     )
     kube = KubeClient()
     metrics = OperatorMetrics()

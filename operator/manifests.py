@@ -24,8 +24,13 @@ from typing import Any
 
 import kopf
 
-from pagedllm.operator.adapters import adapter_mounts
-from pagedllm.operator.adapters import downloads as adapter_downloads
+from pagedllm.operator.adapters import (
+    adapter_download_args,
+    adapter_mounts,
+    download_adapter_env,
+    render_adapters_config_map,
+    server_adapter_env,
+)
 from pagedllm.operator.artifacts import (
     FETCH_CONTAINER,
     JOB_CONTAINER,
@@ -43,6 +48,7 @@ from pagedllm.operator.command import SERVE_COMMAND, check_engine, server_args
 from pagedllm.operator.container_env import hub_env, server_env
 from pagedllm.operator.endpoint_picker import DEFAULT_PICKER_IMAGE, picker_labels
 from pagedllm.operator.fleet import Fleet, FleetConfig, render_fleet
+from pagedllm.operator.keda_http import parse_interceptor
 from pagedllm.operator.labels import INSTANCE_LABEL as INSTANCE_LABEL
 from pagedllm.operator.labels import MANAGED_BY as MANAGED_BY
 from pagedllm.operator.labels import download_pod_labels, labels, selector_labels, server_pod_labels
@@ -51,6 +57,8 @@ from pagedllm.operator.leaderworkerset import spread_over_nodes, wants_leaderwor
 from pagedllm.operator.monitoring import scrape_annotations
 from pagedllm.operator.network_policy import render_network_policies
 from pagedllm.operator.placement import pod_metadata, pod_placement
+from pagedllm.operator.pod_security import RUN_AS as RUN_AS
+from pagedllm.operator.pod_security import container_security, pod_security
 from pagedllm.operator.resources import download_resources, models_size_limit, server_resources, shm_gib
 from pagedllm.operator.spec import PagedLLMSpec
 from pagedllm.operator.spec_fields import dns_label
@@ -58,7 +66,6 @@ from pagedllm.operator.spec_fields import dns_label
 GROUP, VERSION, PLURAL, KIND = "pagedllm.dev", "v1alpha1", "pagedllms", "PagedLLM"
 GENERATION_ANNOTATION = "pagedllm.dev/generation"
 SERVER_CONTAINER = "server"
-RUN_AS = 1000  # the image's non-root user (Dockerfile: USER 1000)
 HOME_DIR = "/home/pagedllm"  # the image's $HOME (Dockerfile), writable through an emptyDir
 
 # Seconds between the server's drain deadline and the kubelet's SIGKILL.
@@ -91,10 +98,16 @@ class RenderConfig:
     """Render each resource's NetworkPolicies (spec.networkPolicy.enabled turns one resource's off)."""
     network_policy_namespaces: tuple[str, ...] = ()
     """Namespaces whose pods may always reach every API port (Prometheus, a Gateway's proxies)."""
+    operator_namespace: str | None = None
+    """Where the operator's pods run: with LoRA on they may reach the API port (they load adapters)."""
+    http_interceptor: str | None = None
+    """KEDA's HTTP add-on interceptor proxy, SERVICE.NAMESPACE:PORT (keda_http.py); None: not installed."""
 
     def __post_init__(self) -> None:
         if self.autoscaler not in AUTOSCALERS:
             raise ValueError(f"autoscaler={self.autoscaler!r} is not allowed: choose one of {list(AUTOSCALERS)}")
+        if self.http_interceptor is not None:
+            parse_interceptor(self.http_interceptor)
 
 
 @dataclass(frozen=True)
@@ -109,11 +122,14 @@ class Manifests:
     job: dict | None = None
     network_policies: tuple[dict, ...] = ()
     """Who may connect to the server and download pods, and where they may connect."""
+    adapters: dict | None = None
+    """The ConfigMap of LoRA adapters that pods read at start (only while LoRA is on)."""
 
     def all(self) -> list[dict]:
-        """In apply order: the claim and the network policies before the Job and pods that use them,
-        the fleet objects after them."""
-        core = [m for m in (self.pvc, *self.network_policies, self.job, self.deployment, self.service) if m]
+        """In apply order: the claim, the network policies and the adapter list before the Job and pods
+        that use them, the fleet objects after them."""
+        first = (self.pvc, *self.network_policies, self.adapters)
+        core = [m for m in (*first, self.job, self.deployment, self.service) if m]
         return core + (self.fleet.all() if self.fleet is not None else [])
 
 
@@ -137,9 +153,7 @@ def render(body: Mapping[str, Any], config: RenderConfig) -> Manifests:
     spec = PagedLLMSpec.from_dict(body.get("spec"))
     check_engine(spec, model_path(spec))
     generation = meta.get("generation")
-    fleet_config = FleetConfig(
-        config.autoscaler, config.prometheus_address, config.pod_monitor_labels, config.endpoint_picker_image
-    )
+    fleet_config = FleetConfig.of(config)
     fleet = render_fleet(name, meta.get("namespace", ""), spec, selector_labels(name), fleet_config)
     for obj in fleet.all():
         obj["metadata"]["labels"] = {**obj["metadata"].get("labels", {}), **labels(name)}
@@ -152,6 +166,7 @@ def render(body: Mapping[str, Any], config: RenderConfig) -> Manifests:
         if uses_download_job(spec)
         else None,
         network_policies=_network_policies(name, spec, config),
+        adapters=render_adapters_config_map(name, spec.adapters, spec.lora_enabled),
     )
     if wants_leaderworkerset(spec):
         manifests = spread_over_nodes(manifests, name, spec)
@@ -165,9 +180,9 @@ def _network_policies(name: str, spec: PagedLLMSpec, config: RenderConfig) -> tu
     downloads = download_pod_labels(name) if uses_download_job(spec) else None
     routing = spec.routing
     picker = picker_labels(name) if routing.inference_pool and routing.deploy_picker else None
-    policies = render_network_policies(
-        name, spec, server_pod_labels(name), downloads, picker, config.network_policy_namespaces
-    )
+    namespaces = config.network_policy_namespaces
+    pods = server_pod_labels(name)
+    policies = render_network_policies(name, spec, pods, downloads, picker, namespaces, config.operator_namespace)
     for policy in policies:
         policy["metadata"]["labels"] = labels(name)
     return policies
@@ -247,14 +262,14 @@ def _pod_spec(name: str, spec: PagedLLMSpec, config: RenderConfig) -> dict:
     pod: dict[str, Any] = {
         "automountServiceAccountToken": False,  # the server never talks to the API
         "enableServiceLinks": False,
-        "securityContext": _pod_security(),
+        "securityContext": pod_security(),
         # NOTE: longer than the pre-stop pause plus the server's drain timeout, so in-flight requests finish.
         "terminationGracePeriodSeconds": PRESTOP_SLEEP_SECONDS + spec.drain_timeout_seconds + GRACE_MARGIN_SECONDS,
-        "containers": [_server_container(spec, config, mounts)],
+        "containers": [_server_container(name, spec, config, mounts)],
         "volumes": volumes,
     }
     if spec.downloads:
-        pod["initContainers"] = [_download_container(spec, config, mounts)]
+        pod["initContainers"] = [_download_container(name, spec, config, mounts)]
     if spec.node_selector:
         pod["nodeSelector"] = dict(spec.node_selector)
     if spec.tolerations:
@@ -263,17 +278,6 @@ def _pod_spec(name: str, spec: PagedLLMSpec, config: RenderConfig) -> dict:
         pod["affinity"] = dict(spec.affinity)
     pod.update(pod_placement(spec, selector_labels(name)))
     return pod
-
-
-def _pod_security() -> dict:
-    return {
-        "runAsNonRoot": True,
-        "runAsUser": RUN_AS,
-        "runAsGroup": RUN_AS,
-        "fsGroup": RUN_AS,
-        "fsGroupChangePolicy": "OnRootMismatch",  # NOTE: no slow recursive chown of a big model cache
-        "seccompProfile": {"type": "RuntimeDefault"},
-    }
 
 
 def _volumes(name: str, spec: PagedLLMSpec) -> tuple[list[dict], list[dict]]:
@@ -285,7 +289,7 @@ def _volumes(name: str, spec: PagedLLMSpec) -> tuple[list[dict], list[dict]]:
         volumes.append({"name": "model", "persistentVolumeClaim": {"claimName": pvc.claim_name, "readOnly": True}})
         mount = {"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True}
         mounts.append({**mount, "subPath": pvc.path} if pvc.path else mount)
-        mounts.extend(adapter_mounts(spec.adapters))
+        mounts.extend(adapter_mounts(spec.lora_enabled))
     elif spec.downloads:
         source = (
             {"persistentVolumeClaim": {"claimName": cache_claim_name(name)}}
@@ -307,11 +311,7 @@ def _volumes(name: str, spec: PagedLLMSpec) -> tuple[list[dict], list[dict]]:
 WRITABLE_DIRS = (("tmp", "/tmp"), ("home", HOME_DIR))
 
 
-def _container_security() -> dict:
-    return {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True, "capabilities": {"drop": ["ALL"]}}
-
-
-def _server_container(spec: PagedLLMSpec, config: RenderConfig, mounts: list[dict]) -> dict:
+def _server_container(name: str, spec: PagedLLMSpec, config: RenderConfig, mounts: list[dict]) -> dict:
     http = {"path": "/ready", "port": "http"}
     container = {
         "name": SERVER_CONTAINER,
@@ -326,7 +326,7 @@ def _server_container(spec: PagedLLMSpec, config: RenderConfig, mounts: list[dic
         # SIGTERM starts the drain, so no new request is routed to a server that refuses it.
         "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(PRESTOP_SLEEP_SECONDS)]}}},
         "ports": [{"name": "http", "containerPort": spec.port, "protocol": "TCP"}],
-        "env": server_env(spec),
+        "env": server_env(spec) + server_adapter_env(name, spec.lora_enabled),
         "resources": server_resources(spec),
         # The startup budget covers loading weights and profiling memory; /ready answers
         # only once a forward pass is done. Liveness uses /health, alive while loading.
@@ -343,33 +343,32 @@ def _server_container(spec: PagedLLMSpec, config: RenderConfig, mounts: list[dic
             "timeoutSeconds": 5,
             "failureThreshold": 3,
         },
-        "securityContext": _container_security(),
+        "securityContext": container_security(),
         "volumeMounts": mounts,
     }
     return container
 
 
-def _download_container(spec: PagedLLMSpec, config: RenderConfig, mounts: list[dict], *, job: bool = False) -> dict:
-    """The pod's init container (fetch-model, or wait-for-model with a Job-filled cache), or the Job's."""
+def _download_container(
+    name: str, spec: PagedLLMSpec, config: RenderConfig, mounts: list[dict], *, job: bool = False
+) -> dict:
+    """The pod's init container (fetch-model, or wait-for-model with a Job-filled cache), or the Job's.
+
+    NOTE: the Job is given the Hub adapters as arguments; a pod's container reads them from the
+    adapters ConfigMap, so the pod template does not change with the list."""
     waits = uses_download_job(spec) and not job
     container: dict[str, Any] = {
         "name": JOB_CONTAINER if job else WAIT_CONTAINER if waits else FETCH_CONTAINER,
         "image": spec.image or config.default_image,
         "imagePullPolicy": spec.image_pull_policy,
-        "command": download_args(spec, wait=waits) + adapter_args(spec),
-        "env": hub_env(spec, downloads=not waits),
+        "command": download_args(spec, wait=waits) + (adapter_download_args(spec.adapters) if job else []),
+        "env": hub_env(spec, downloads=not waits) + ([] if job else download_adapter_env(name, spec.lora_enabled)),
         "resources": WAIT_RESOURCES if waits else download_resources(),
-        "securityContext": _container_security(),
+        "securityContext": container_security(),
         "volumeMounts": [m for m in mounts if m["name"] in ("models", "tmp", "home")],
     }
     env_from = [] if waits else credentials_env_from(spec)
     return {**container, "envFrom": env_from} if env_from else container
-
-
-def adapter_args(spec: PagedLLMSpec) -> list[str]:
-    """``--adapter SOURCE DEST`` for each Hub adapter of ``spec.adapters``: fetched (or waited for) after the model."""
-    pairs = adapter_downloads(spec.adapters)
-    return [arg for source, dest in zip(pairs[::2], pairs[1::2]) for arg in ("--adapter", source, dest)]
 
 
 # A wait-for-model container only polls for a file.
@@ -383,8 +382,8 @@ def _job_pod_spec(name: str, spec: PagedLLMSpec, config: RenderConfig) -> dict:
     pod: dict[str, Any] = {
         "automountServiceAccountToken": False,
         "enableServiceLinks": False,
-        "securityContext": _pod_security(),
-        "containers": [_download_container(spec, config, mounts, job=True)],
+        "securityContext": pod_security(),
+        "containers": [_download_container(name, spec, config, mounts, job=True)],
         "volumes": [v for v in volumes if v["name"] in keep],
     }
     # NOTE: the server pods' node selector and tolerations: a ReadWriteOnce claim is then

@@ -44,6 +44,7 @@ DOWNLOAD_SUFFIX = "-model-download"
 PEER_KEYS = ("podSelector", "namespaceSelector", "ipBlock")
 NAMESPACE_NAME_LABEL = "kubernetes.io/metadata.name"  # set by the API server on every namespace
 DNS_PORTS = ({"protocol": "UDP", "port": 53}, {"protocol": "TCP", "port": 53})
+OPERATOR_POD_LABELS = {"app.kubernetes.io/component": "operator"}  # the chart's (a test checks it)
 
 
 @dataclass(frozen=True)
@@ -93,12 +94,17 @@ def render_network_policies(
     download_pods: Mapping[str, str] | None,
     picker_pods: Mapping[str, str] | None,
     namespaces: tuple[str, ...] = (),
+    operator_namespace: str | None = None,
 ) -> tuple[dict, ...]:
     """The policies of the resource ``name``: its server pods' (matched by ``server_pods``), and its
     download Job pods' (``download_pods``, ``None`` without a Job). ``picker_pods`` (the deployed
-    endpoint picker's labels) and the pods of ``namespaces`` (the admin's) may always reach the API port."""
+    endpoint picker's labels) and the pods of ``namespaces`` (the admin's) may always reach the API port, and
+    with LoRA on so may the operator's pods in ``operator_namespace`` (they load adapters through it)."""
     always = [{"podSelector": {"matchLabels": dict(picker_pods)}}] if picker_pods is not None else []
     always += [{"namespaceSelector": {"matchLabels": {NAMESPACE_NAME_LABEL: ns}}} for ns in namespaces]
+    if operator_namespace is not None and spec.lora_enabled:
+        selector = {"namespaceSelector": {"matchLabels": {NAMESPACE_NAME_LABEL: operator_namespace}}}
+        always.append({**selector, "podSelector": {"matchLabels": dict(OPERATOR_POD_LABELS)}})
     policies = [_server_policy(name, spec, server_pods, always)]
     if download_pods is not None:
         policies.append(_download_policy(name, download_pods))

@@ -81,6 +81,12 @@ async def observe(kube: Reader, owner: Mapping[str, Any], manifests: Iterable[Ma
     return Observed(children, await _list(kube, "Pod", namespace, instance_selector(name)), slices)
 
 
+async def list_pods(kube: Reader, owner: Mapping[str, Any]) -> tuple[dict, ...]:
+    """The server pods of ``owner`` (a LeaderWorkerSet's workers too)."""
+    meta = owner["metadata"]
+    return await _list(kube, "Pod", meta["namespace"], instance_selector(meta["name"]))
+
+
 # The label the EndpointSlice controller puts on every slice of a Service.
 SERVICE_NAME_LABEL = "kubernetes.io/service-name"
 

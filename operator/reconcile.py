@@ -24,6 +24,7 @@ from typing import Any
 
 import kopf
 
+from pagedllm.operator.adapter_sync import AdapterReport, sync_adapters, with_adapters
 from pagedllm.operator.apply import APPLY_REFUSED, REFUSALS, apply_all, prune
 from pagedllm.operator.backoff import Backoff, RepairPacer
 from pagedllm.operator.capabilities import Outcome, servable, with_features
@@ -32,7 +33,7 @@ from pagedllm.operator.kube import ApiError, KubeClient
 from pagedllm.operator.leaderworkerset import KIND as LWS_KIND
 from pagedllm.operator.leaderworkerset import missing_workload
 from pagedllm.operator.manifests import GENERATION_ANNOTATION, KIND, RenderConfig, as_body, render
-from pagedllm.operator.observed import INVALID_SPEC, Observed, observe, problem_of
+from pagedllm.operator.observed import INVALID_SPEC, Observed, list_pods, observe, problem_of
 from pagedllm.operator.policy import AdminPolicy
 from pagedllm.operator.readiness import Verdict, hpa_verdict, pool_verdict, scaled_object_verdict
 from pagedllm.operator.spec import PagedLLMSpec, SpecError
@@ -114,9 +115,8 @@ async def _reconcile(
     except SpecError as exc:
         observed = await observe(kube, owner, [])
         return await _write(owner, observed, kube, problem_of(owner, observed, spec_error=str(exc)), None)
-    refusal = policy.check(
-        PagedLLMSpec.from_dict(owner.get("spec")), config.default_image, config.endpoint_picker_image
-    )
+    spec = PagedLLMSpec.from_dict(owner.get("spec"))
+    refusal = policy.check(spec, config.default_image, config.endpoint_picker_image)
     if refusal is not None:  # NOTE: like a spec error: nothing is applied, what runs keeps running
         return await _write(owner, await observe(kube, owner, []), kube, refusal, None)
     try:
@@ -139,9 +139,9 @@ async def _reconcile(
     if reasons:
         _announce_repairs(owner, reasons, trigger)
         refused, observed = await _apply(owner, manifests, wanted, observed, kube, trigger, logger)
-    return await _write(
-        owner, observed, kube, problem_of(owner, observed, refused=refused, applied=bool(reasons)), features
-    )
+    adapters = await _sync_adapters(owner, spec, kube, observed) if spec.lora_enabled else None
+    reported = problem_of(owner, observed, refused=refused, applied=bool(reasons))
+    return await _write(owner, observed, kube, reported, features, (spec, adapters))
 
 
 @dataclass(frozen=True)
@@ -235,12 +235,47 @@ async def _apply(
     return problem, observed.with_applied(applied.values())
 
 
+async def _sync_adapters(owner: Mapping[str, Any], spec: PagedLLMSpec, kube: KubeClient, observed: Observed):
+    """Bring the ready pods' LoRA adapters to the spec through their API (see :mod:`adapter_sync`)."""
+    import aiohttp
+
+    from pagedllm.operator.pod_api import HttpPodApi
+
+    pods = observed.pods or await list_pods(kube, owner)
+    key = await _api_key(kube, owner["metadata"]["namespace"], spec)
+    async with aiohttp.ClientSession() as session:
+        return await sync_adapters(pods, spec.adapters, spec.port, HttpPodApi(session, key))
+
+
+async def _api_key(kube: KubeClient, namespace: str, spec: PagedLLMSpec) -> str | None:
+    """The key the server pods ask for (spec.apiKeySecret), to call their adapter routes."""
+    import base64
+
+    ref = spec.api_key_secret
+    if ref is None:
+        return None
+    try:
+        secret = await kube.get("Secret", namespace, ref.name)
+    except ApiError as exc:
+        if exc.retriable:
+            raise
+        return None  # NOTE: e.g. no grant to read it: the loads then fail with the server's 401, reported
+    value = ((secret or {}).get("data") or {}).get(ref.key)
+    return base64.b64decode(value).decode() if value else None
+
+
 async def _write(
-    owner: Mapping[str, Any], observed: Observed, kube: KubeClient, problem: Problem | None, features: list | None
+    owner: Mapping[str, Any],
+    observed: Observed,
+    kube: KubeClient,
+    problem: Problem | None,
+    features: list | None,
+    adapters: tuple[PagedLLMSpec, AdapterReport | None] | None = None,
 ) -> dict:
     """Compute the status and write it if it changed: the one place a ``PagedLLM``'s status is written.
 
-    ``features`` ``None`` (nothing was rendered) keeps the feature conditions as they were.
+    ``features`` ``None`` (nothing was rendered) keeps the feature conditions as they were;
+    ``adapters`` None likewise keeps the adapters' status.
     """
     meta = owner["metadata"]
     stamp = now()
@@ -249,6 +284,9 @@ async def _write(
     status = status_from(owner, observed.workload(owner), now=stamp, problem=problem)
     if features is not None:
         status = with_features(status, features, stamp, lambda outcome: verdict_of(outcome, observed))
+    if adapters is not None:
+        spec, report = adapters
+        status = with_adapters(status, spec.adapters, report, stamp)
     if problem is not None and not _reported(owner, problem):  # NOTE: one warning per problem, not per pass
         kopf.warn(as_body(owner), reason=problem.reason, message=problem.message)
     if status != comparable(owner.get("status"), status):

@@ -17,8 +17,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagedllm.operator.adapters import Adapter, check_adapter_sources, parse_adapters
+from pagedllm.operator.adapters import Adapter, check_adapter_sources, check_lora_switch, parse_adapters
 from pagedllm.operator.fleet_spec import Autoscaling, Routing, parse_autoscaling, parse_routing
+from pagedllm.operator.group_placement import GroupPlacement, parse_group_placement
 from pagedllm.operator.model_source import (  # noqa: F401 (the model source's names are imported from here too)
     ACCESS_MODES,
     MODEL_SOURCES,
@@ -47,6 +48,7 @@ from pagedllm.operator.spec_fields import (  # noqa: F401 (SpecError and GPU_RES
 )
 
 TENSOR_PARALLEL_SIZES = (1, 2, 4, 8)
+MAX_LORA_RANKS = (1, 8, 16, 32, 64)
 BLOCK_SIZES = (8, 16, 32, 64, 128)
 DTYPES = ("auto", "float16", "bfloat16", "float32")
 PREEMPTION_MODES = ("recompute", "swap")
@@ -136,6 +138,9 @@ class PagedLLMSpec:
     )
     nodes: int = field(default=1, metadata=_scalar("nodes", int, minimum=1, maximum=64))
     """Pods per replica: above 1 the replica's tensorParallelSize x nodes ranks span nodes (a LeaderWorkerSet)."""
+    group_placement: GroupPlacement = field(
+        default_factory=GroupPlacement, metadata=_nested("groupPlacement", parse_group_placement)
+    )
     block_size: int = field(default=16, metadata=_scalar("blockSize", int, choices=BLOCK_SIZES))
     gpu_memory_utilization: float = field(
         default=0.9, metadata=_scalar("gpuMemoryUtilization", float, minimum=0.1, maximum=0.99)
@@ -177,6 +182,10 @@ class PagedLLMSpec:
     env: tuple = field(default=(), metadata=_nested("env", _env))
     extra_args: tuple[str, ...] = field(default=(), metadata=_nested("extraArgs", _string_list))
     adapters: tuple[Adapter, ...] = field(default=(), metadata=_nested("adapters", parse_adapters))
+    enable_lora: bool | None = field(default=None, metadata=_scalar("enableLora", bool))
+    """LoRA on (unset: on exactly when adapters are listed)."""
+    max_loras: int | None = field(default=None, metadata=_scalar("maxLoras", int, minimum=1, maximum=256))
+    max_lora_rank: int | None = field(default=None, metadata=_scalar("maxLoraRank", int, choices=MAX_LORA_RANKS))
     port: int = field(default=8000, metadata=_scalar("port", int, minimum=1024, maximum=65535))
     service_type: str = field(default="ClusterIP", metadata=_scalar("serviceType", str, choices=SERVICE_TYPES))
     allow_unauthenticated_public_service: bool = field(
@@ -219,6 +228,11 @@ class PagedLLMSpec:
         cache = self.model_cache
         rwo_cache = self.downloads and cache is not None and cache.access_mode == "ReadWriteOnce"
         return plan_rollout(self.rollout_strategy, self.rollout, self.is_fleet, rwo_cache)
+
+    @property
+    def lora_enabled(self) -> bool:
+        """The server runs with ``--enable-lora``: asked for, or adapters listed."""
+        return bool(self.adapters) if self.enable_lora is None else self.enable_lora
 
     @property
     def model_is_path(self) -> bool:
@@ -272,6 +286,7 @@ class PagedLLMSpec:
         self._check_pod_fields()
         self.rollout_plan  # noqa: B018 (refuses what cannot roll out)
         check_adapter_sources(self.adapters, not self.uses_pvc_source and not self.model_is_path, self.uses_pvc_source)
+        check_lora_switch(self.enable_lora, self.adapters, (self.max_loras, self.max_lora_rank))
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < self.max_num_seqs:
             raise SpecError(
                 f"spec.maxNumBatchedTokens={self.max_num_batched_tokens} is out of range: "

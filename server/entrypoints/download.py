@@ -233,8 +233,20 @@ def add_download_parser(subparsers: argparse._SubParsersAction[argparse.Argument
     return p
 
 
+ADAPTERS_ENV = "PAGEDLLM_ADAPTER_DOWNLOADS"
+"""Whitespace-separated SOURCE DEST pairs fetched (or waited for) like --adapter, after those."""
+
+
+def adapters_from_env() -> list[tuple[str, str]]:
+    words = os.environ.get(ADAPTERS_ENV, "").split()
+    if len(words) % 2:
+        raise SystemExit(f"${ADAPTERS_ENV}={' '.join(words)!r} is not SOURCE DEST pairs")
+    return list(zip(words[::2], words[1::2]))
+
+
 def run_download(args: argparse.Namespace) -> int:
-    pairs = [(args.source, args.dest, args.revision)] + [(src, dest, None) for src, dest in args.adapter]
+    adapters = [*args.adapter, *adapters_from_env()]
+    pairs = [(args.source, args.dest, args.revision)] + [(src, dest, None) for src, dest in adapters]
     for text, where, revision in pairs:
         source, dest = parse_source(text), Path(where)
         if args.wait:

@@ -30,6 +30,9 @@ from pagedllm.server.entrypoints.openai.settings import (
 from pagedllm.server.entrypoints.openai.tool_formats import TOOL_CALL_PARSERS
 
 API_KEY_ENV = "PAGEDLLM_API_KEY"
+LORA_MODULES_ENV = "PAGEDLLM_LORA_MODULES"
+"""Whitespace-separated NAME=PATH adapters, read when --lora-modules is not given (the operator sets it
+from a ConfigMap, so its pods start with the current adapters without the list being in the pod spec)."""
 SERVE_DESCRIPTION = (
     "Serve the OpenAI-compatible HTTP API. On SIGTERM or a first Ctrl-C the server stops admitting "
     "(/ready turns 503, new requests get 503 with Retry-After), lets in-flight requests finish for up to "
@@ -158,7 +161,8 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         default=None,
         metavar="NAME=PATH",
         help="LoRA adapters to serve (with --enable-lora): a request's model picks one by NAME; PATH is a "
-        'PEFT directory; vLLM\'s JSON form {"name": ..., "path": ...} is read too (default: none).',
+        'PEFT directory; vLLM\'s JSON form {"name": ..., "path": ...} is read too '
+        f"(default: ${LORA_MODULES_ENV}, whitespace-separated NAME=PATH, or none).",
     )
     group.add_argument(
         "--engine-core",
@@ -196,7 +200,7 @@ def settings_from_args(args: argparse.Namespace):
             log_requests=not args.disable_log_requests,
             drain_timeout=args.drain_timeout,
             chat_template=load_chat_template(args.chat_template),
-            lora_modules=parse_lora_modules(args.lora_modules or []),
+            lora_modules=parse_lora_modules(args.lora_modules or os.environ.get(LORA_MODULES_ENV, "").split()),
             allow_runtime_lora_updating=runtime_updates_allowed(),
             engine_core=args.engine_core,
             tool_call_parser=args.tool_call_parser,

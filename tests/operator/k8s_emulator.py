@@ -7,7 +7,10 @@ things a real API server does and kmock does not, which :class:`ApiServer` adds:
   create (owner references need the owner's uid), and a name from ``generateName``;
 - ``generation`` bumped when ``spec`` changes (through the object or its ``/scale``);
 - a patch that carries a stale ``metadata.resourceVersion`` is refused (409 Conflict);
-- server-side apply (``application/apply-patch+yaml``) of a missing object creates it;
+- server-side apply (``application/apply-patch+yaml``) of a missing object creates it, and
+  every write of ``spec`` keeps its field managers' ownership in ``metadata.managedFields``:
+  a field an applier stops applying is removed unless another manager owns it
+  (:mod:`field_ownership`);
 - garbage collection: deleting an object deletes the objects whose owner references name
   its uid (and theirs, in turn), as the API server's collector does in the background.
 
@@ -16,7 +19,7 @@ without the RBAC grant (403) or with an immutable field (422) would.
 
 The server runs on its own event loop in a thread, so the operator (a subprocess) and
 the synchronous tests both talk to it over HTTP. Known gaps, harmless here: no schema
-validation or defaulting, merge instead of apply semantics.
+validation or defaulting; apart from the removal of dropped fields, an apply merges.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from typing import Any
 
 import aiohttp.web
 import attrs
+import field_ownership
 import kmock
 from kmock._internal import dicts as kmock_dicts
 
@@ -101,6 +105,12 @@ RESOURCE_INFOS = {
     "v1/serviceaccounts": kmock.ResourceInfo(
         kind="ServiceAccount",
         singular="serviceaccount",
+        namespaced=True,
+        verbs={"get", "list", "watch", "create", "patch", "update", "delete"},
+    ),
+    "v1/secrets": kmock.ResourceInfo(
+        kind="Secret",
+        singular="secret",
         namespaced=True,
         verbs={"get", "list", "watch", "create", "patch", "update", "delete"},
     ),
@@ -183,6 +193,7 @@ _STEM = {
     "EndpointSlice": ("/apis/discovery.k8s.io/v1", "endpointslices"),
     "ServiceAccount": ("/api/v1", "serviceaccounts"),
     "ConfigMap": ("/api/v1", "configmaps"),
+    "Secret": ("/api/v1", "secrets"),
     "Role": ("/apis/rbac.authorization.k8s.io/v1", "roles"),
     "RoleBinding": ("/apis/rbac.authorization.k8s.io/v1", "rolebindings"),
     "NetworkPolicy": ("/apis/networking.k8s.io/v1", "networkpolicies"),
@@ -275,18 +286,40 @@ class ApiServer(kmock.KubernetesEmulator):
         if not exists:
             content_type = {k.lower(): v for k, v in request.headers.items()}.get("content-type", "")
             if content_type.startswith(APPLY_PATCH) and request.subresource is None:
-                await self._create_by_apply(key, request.data)
+                await self._create_by_apply(key, request.data, request.url.query.get("fieldManager") or "kubectl")
             return
         old = self.objects[key].raw
+        kept = self._record_owners(request, key)
         meta = request.data.setdefault("metadata", {})
         meta["resourceVersion"] = str(next(self._versions))
         if request.subresource in (None, "scale"):
-            new = kmock_dicts.patch_dict(copy.deepcopy(old), request.data)
+            new = kmock_dicts.patch_dict(copy.deepcopy(kept), request.data)
             if new.get("spec") != old.get("spec"):
                 meta["generation"] = old.get("metadata", {}).get("generation", 1) + 1
 
-    async def _create_by_apply(self, key: tuple, data: dict) -> None:
+    def _record_owners(self, request: kmock.Request, key: tuple) -> dict:
+        """Field ownership of a write of ``spec`` (or ``/scale``); the stored object, less what the write dropped."""
+        old = copy.deepcopy(self.objects[key].raw)
+        spec = request.data.get("spec")
+        if request.subresource not in (None, "scale") or not isinstance(spec, dict):
+            return old
+        applied = request.subresource is None and self._content_type(request).startswith(APPLY_PATCH)
+        manager = request.url.query.get("fieldManager") or ("kubectl" if applied else "kubectl-edit")
+        entries, removed = field_ownership.record_write(old, spec, manager, applied, old.get("apiVersion", ""))
+        new = field_ownership.without(old, removed)
+        new.setdefault("metadata", {})["managedFields"] = entries
+        self.objects[key] = new
+        return new
+
+    @staticmethod
+    def _content_type(request: kmock.Request) -> str:
+        return {k.lower(): v for k, v in request.headers.items()}.get("content-type", "")
+
+    async def _create_by_apply(self, key: tuple, data: dict, manager: str) -> None:
         self._stamp_new(data)
+        if isinstance(data.get("spec"), dict):
+            entries, _ = field_ownership.record_write(None, data["spec"], manager, True, data.get("apiVersion", ""))
+            data["metadata"]["managedFields"] = entries
         async with self._lock:
             self.objects[key] = copy.deepcopy(data)
             await self._buses[key[0]].put({"type": "ADDED", "object": self.objects[key].raw})

@@ -83,6 +83,7 @@ def test_template_renders_crd_operator_and_rbac(helm_template):
         "Role",
         "RoleBinding",
         "Deployment",
+        "PodDisruptionBudget",
     }
     (deployment,) = kinds["Deployment"]
     # Two replicas elect a leader, so a rollout never leaves the resources unserved.
@@ -241,6 +242,9 @@ NAMESPACED_RULES = (
     | {("", kind, v) for kind in ("serviceaccounts", "configmaps") for v in ("get", "create", "patch")}
     | {("rbac.authorization.k8s.io", kind, v) for kind in ("roles", "rolebindings") for v in ("get", "create", "patch")}
     | {("", "pods", "get")}
+    # the adapters ConfigMap; apiKeySecret for adapter loads; the HTTP add-on's NAME-http and HTTPScaledObject
+    | {("", "configmaps", "delete"), ("", "secrets", "get"), ("", "services", "delete")}
+    | {("http.keda.sh", "httpscaledobjects", v) for v in ("get", "delete")}
     | {
         ("inference.networking.x-k8s.io", kind, v)
         for kind in ("inferenceobjectives", "inferencemodelrewrites")
@@ -284,6 +288,9 @@ DELETABLE = {"poddisruptionbudgets", "horizontalpodautoscalers", "scaledobjects"
 DELETABLE |= {"deployments", "leaderworkersets"}
 # A resource's NetworkPolicies, when its spec (or the Job they fence) no longer asks for them.
 DELETABLE |= {"networkpolicies"}
+# The LoRA adapter list, when LoRA is turned off; the HTTP add-on's objects (NAME-http, the HTTPScaledObject)
+# when a model no longer scales from zero.
+DELETABLE |= {"configmaps", "services", "httpscaledobjects"}
 
 
 def test_no_wildcards_and_deletes_only_of_fleet_objects(helm_template):
@@ -492,3 +499,47 @@ def test_policy_lists_reach_the_operator(helm_template):
     args = parse_operator_args(operator_container(docs))
     assert args.allowed_image == ["ghcr.io/pagedllm/*"] and args.allowed_priority_class == ["inference"]
     assert args.allowed_service_account == [] and args.allowed_runtime_class == []
+
+
+def test_the_operator_pods_carry_the_label_the_server_policies_admit(helm_template):
+    from pagedllm.operator.network_policy import OPERATOR_POD_LABELS
+
+    docs = helm_template()
+    (deployment,) = by_kind(docs)["Deployment"]
+    assert OPERATOR_POD_LABELS.items() <= deployment["spec"]["template"]["metadata"]["labels"].items()
+    assert parse_operator_args(operator_container(docs)).operator_namespace == "pagedllm-system"
+
+
+def test_operator_replicas_spread_and_are_drained_one_at_a_time(helm_template):
+    docs = helm_template()
+    (deployment,) = by_kind(docs)["Deployment"]
+    selector = deployment["spec"]["selector"]["matchLabels"]
+    assert deployment["spec"]["replicas"] == 2
+    terms = deployment["spec"]["template"]["spec"]["affinity"]["podAntiAffinity"][
+        "preferredDuringSchedulingIgnoredDuringExecution"
+    ]
+    keys = [t["podAffinityTerm"]["topologyKey"] for t in terms]
+    assert keys == ["kubernetes.io/hostname", "topology.kubernetes.io/zone"]
+    assert all(t["podAffinityTerm"]["labelSelector"]["matchLabels"] == selector for t in terms)
+    (budget,) = by_kind(docs)["PodDisruptionBudget"]
+    assert budget["spec"] == {"maxUnavailable": 1, "selector": {"matchLabels": selector}}
+
+    single = by_kind(helm_template("--set", "replicas=1"))
+    assert "PodDisruptionBudget" not in single
+    assert "affinity" not in single["Deployment"][0]["spec"]["template"]["spec"]
+    own = {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": []}}}
+    custom = by_kind(helm_template("--set-json", f"affinity={json.dumps(own)}"))["Deployment"][0]
+    assert custom["spec"]["template"]["spec"]["affinity"] == own  # the values' affinity replaces the default
+
+
+def test_the_keda_http_add_on_is_wired_only_with_keda(helm_template):
+    flags = ("--set", "autoscaler=keda", "--set", "kedaHttpAddOn.enabled=true")
+    docs = helm_template(*flags)
+    args = parse_operator_args(operator_container(docs))
+    assert args.keda_http_interceptor == "keda-add-ons-http-interceptor-proxy.keda:8080"
+    assert "keda" in args.network_policy_namespaces
+    (role,) = roles(docs)["serving"]
+    http = {verb for group, resource, verb in rules_of(role) if resource == "httpscaledobjects"}
+    assert http == {"get", "create", "patch", "delete"}
+    hpa = parse_operator_args(operator_container(helm_template("--set", "kedaHttpAddOn.enabled=true")))
+    assert hpa.keda_http_interceptor is None  # the add-on scales through KEDA

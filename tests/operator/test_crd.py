@@ -20,7 +20,7 @@ import yaml
 from crd_jsonschema import apply_defaults, failed_cel_rules, resource_validator, spec_schema, to_jsonschema, walk
 from resource_factories import resource
 
-from pagedllm.operator.command import ENGINE_FIELDS
+from pagedllm.operator.command import ENGINE_FIELDS, spec_attr
 from pagedllm.operator.manifests import GRACE_MARGIN_SECONDS, PRESTOP_SLEEP_SECONDS, RenderConfig, render
 from pagedllm.operator.spec import PagedLLMSpec, SpecError
 from pagedllm.server import config as engine_config
@@ -181,6 +181,8 @@ def test_engine_fields_agree_with_the_engine(crd_schema):
         if key == "model":
             continue
         default = engine[field_name].default
+        if "default" not in props[key] and PagedLLMSpec.__dataclass_fields__[spec_attr(key)].default is None:
+            continue  # unset is not rendered: the engine's own default applies
         if field_name == "block_size":  # NOTE: the engine's depends on the device; a PagedLLM's pods run on GPUs
             default = engine_config.CacheConfig().with_block_size("cuda").block_size
         assert props[key].get("default") == default, f"spec.{key} default vs engine {field_name}={default!r}"

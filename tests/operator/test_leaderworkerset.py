@@ -118,7 +118,12 @@ def test_clients_and_fleet_objects_reach_only_leaders():
     assert fleet.inference_pool["spec"]["selector"]["matchLabels"] == leaders
     assert fleet.pod_monitor["spec"]["selector"]["matchLabels"] == leaders
     assert fleet.disruption_budget is not None
-    assert fleet.disruption_budget["spec"]["selector"]["matchLabels"] == leaders
+    # every pod of every group, one pod (so one group) at a time
+    assert fleet.disruption_budget["spec"] == {
+        "selector": {"matchLabels": selector_labels("llama")},
+        "maxUnavailable": 1,
+        "unhealthyPodEvictionPolicy": "AlwaysAllow",
+    }
     target = fleet.autoscaler["spec"]["scaleTargetRef"]
     assert (target["apiVersion"], target["kind"], target["name"]) == (
         "leaderworkerset.x-k8s.io/v1",
@@ -155,3 +160,29 @@ def test_the_schema_check_catches_mistakes():
     messages = [e.message for e in lws_validator().iter_errors(lws)]
     assert any("RecreateGroupOnPodRestarts" in m for m in messages), messages
     assert any("'sizes' was unexpected" in m for m in messages), messages
+
+
+def test_groups_are_placed_exclusively_unless_opted_out():
+    m = render(body(nodes=2, tensorParallelSize=2), CONFIG)
+    annotations = m.deployment["metadata"]["annotations"]
+    assert annotations["leaderworkerset.sigs.k8s.io/exclusive-topology"] == "topology.kubernetes.io/zone"
+    pool = render(body(nodes=2, groupPlacement={"topologyKey": "cloud.google.com/gke-nodepool"}), CONFIG)
+    assert pool.deployment["metadata"]["annotations"]["leaderworkerset.sigs.k8s.io/exclusive-topology"] == (
+        "cloud.google.com/gke-nodepool"
+    )
+    off = render(body(nodes=2, groupPlacement={"exclusiveTopology": False}), CONFIG)
+    assert "leaderworkerset.sigs.k8s.io/exclusive-topology" not in off.deployment["metadata"]["annotations"]
+    single = render(body(groupPlacement={"topologyKey": "x/y"}), CONFIG)  # a Deployment: nothing to place
+    assert "leaderworkerset.sigs.k8s.io/exclusive-topology" not in single.deployment["metadata"]["annotations"]
+
+
+def test_the_group_budget_admits_one_group_at_a_time():
+    """The disruption controller's arithmetic over 2 groups of 2 pods: an eviction needs every pod healthy."""
+    budget = render(body(nodes=2, replicas=2), CONFIG).fleet.disruption_budget["spec"]
+
+    def allowed(healthy: int, expected: int = 4) -> int:
+        return max(0, budget["maxUnavailable"] - (expected - healthy))
+
+    assert allowed(4) == 1  # all groups whole: one pod (any, a worker too) may go
+    assert allowed(2) == 0  # its group is being recreated (both pods down): no other eviction
+    assert allowed(3) == 0  # even one pod of a group not ready: none

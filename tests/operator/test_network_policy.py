@@ -171,3 +171,18 @@ def test_the_admins_namespaces_may_always_reach_the_api_port():
     public = body(serviceType="LoadBalancer", apiKeySecret={"name": "k"})
     (policy,) = render(public, config).network_policies
     assert "from" not in policy["spec"]["ingress"][0]  # any source already
+
+
+def test_the_operator_may_reach_the_api_port_only_with_lora_on():
+    from pagedllm.operator.network_policy import OPERATOR_POD_LABELS
+
+    config = RenderConfig(default_image="img", operator_namespace="pagedllm-system")
+    peer = {
+        "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "pagedllm-system"}},
+        "podSelector": {"matchLabels": OPERATOR_POD_LABELS},
+    }
+    clients = {"networkPolicy": {"apiClients": [{"podSelector": {"matchLabels": {"app": "web"}}}]}}
+    with_lora = render(body(model="org/m", enableLora=True, **clients), config).network_policies[0]
+    assert peer in with_lora["spec"]["ingress"][0]["from"]
+    without = render(body(model="org/m", **clients), config).network_policies[0]
+    assert peer not in without["spec"]["ingress"][0]["from"]

@@ -130,3 +130,14 @@ def test_download_progress_reaches_the_status(scenario):
     obj = scenario.wait_status(lambda s, o: (s.get("model") or {}).get("phase") == "Failed", "Failed")
     assert "backoff limit" in obj["status"]["model"]["message"] and f"job/{name}" in obj["status"]["model"]["message"]
     assert "attempts" not in obj["status"]["model"]
+
+
+def test_an_extra_arg_the_server_refuses_degrades_and_rolls_nothing(scenario):
+    scenario.api.create(pagedllm(scenario.ns))
+    before = scenario.wait_deployment()
+    template = before["spec"]["template"]
+    scenario.api.patch(KIND, scenario.ns, "llama", {"spec": {"extraArgs": ["--enable-chunked-prefil"]}})
+    message = degraded_message(scenario)
+    assert message.startswith("spec.extraArgs[0]='--enable-chunked-prefil' is refused by pagedllm serve: ")
+    assert "unrecognized arguments: --enable-chunked-prefil" in message
+    assert scenario.get("Deployment")["spec"]["template"] == template  # nothing rolled

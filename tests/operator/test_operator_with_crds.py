@@ -232,3 +232,42 @@ def test_a_model_over_two_nodes_is_a_leaderworkerset_with_leaders_behind_the_ser
     scenario.api.patch("PagedLLM", scenario.ns, "llama", {"spec": {"nodes": 1}})
     scenario.wait_deployment()
     scenario.wait(lambda: scenario.get("LeaderWorkerSet") is None or None, "the LeaderWorkerSet deleted")
+
+
+def managers_of_replicas(obj: dict) -> set[str]:
+    return {
+        entry["manager"]
+        for entry in obj["metadata"].get("managedFields") or []
+        if "f:replicas" in ((entry.get("fieldsV1") or {}).get("f:spec") or {})
+    }
+
+
+@pytest.mark.parametrize("kind, spec", [("LeaderWorkerSet", {"nodes": 2}), ("Deployment", {})], ids=["lws", "dep"])
+def test_autoscaling_on_keeps_replicas_under_ssa(scenario, kind, spec):
+    """The emulator removes a field whose only manager stops applying it (as an API server does): without
+    the hand-over the fleet of 3 would lose spec.replicas (and fall to the default of 1)."""
+    scenario.api.create(pagedllm(scenario.ns, replicas=3, **spec))
+    # NOTE: long waits: by now this module's operator reconciles every earlier test's resources too
+    workload = scenario.wait(lambda: scenario.get(kind), kind, timeout=90)
+    assert workload["spec"]["replicas"] == 3 and managers_of_replicas(workload) == {"pagedllm-operator"}
+
+    scaling = {"minReplicas": 2, "maxReplicas": 6, "metric": "queue", "target": 4}
+    scenario.api.patch("PagedLLM", scenario.ns, "llama", {"spec": {"replicas": None, "autoscaling": scaling}})
+    scenario.wait(lambda: scenario.get("ScaledObject"), "the ScaledObject", timeout=90)
+    handed = scenario.wait(
+        lambda: (w := scenario.get(kind)) and managers_of_replicas(w) == {"pagedllm-operator-handover"} and w,
+        "the replicas handed over",
+        timeout=90,
+    )
+    assert handed["spec"]["replicas"] == 3
+
+    # The autoscaler (through /scale) takes the field; the operator's re-applies leave it alone.
+    scenario.api.patch(kind, scenario.ns, "llama", {"spec": {"replicas": 5}}, sub="scale")
+    changed = scenario.api.patch("PagedLLM", scenario.ns, "llama", {"spec": {"seed": 1}})
+    generation = str(changed["metadata"]["generation"])
+    scenario.wait(
+        lambda: scenario.get(kind)["metadata"]["annotations"].get("pagedllm.dev/generation") == generation or None,
+        "the new generation applied",
+        timeout=90,
+    )
+    assert scenario.get(kind)["spec"]["replicas"] == 5

@@ -58,6 +58,9 @@ FULL_SPEC = {
     "drainTimeoutSeconds": 45,
     "maxQueueLen": 100,
     "logLevel": "debug",
+    "enableLora": True,
+    "maxLoras": 4,
+    "maxLoraRank": 32,
 }
 
 
@@ -126,6 +129,17 @@ def test_extra_args_are_appended():
         ("--api-key", "spec.apiKeySecret"),
         ("--host", "the operator"),
         ("--model", "spec.model"),
+        ("--no-enable-lora", "spec.enableLora"),
+        ("--enable-lora", "spec.enableLora"),
+        ("--max-loras", "spec.maxLoras"),
+        ("--max-lora-rank=64", "spec.maxLoraRank"),
+        ("--lora-modules", "spec.adapters"),
+        ("--device", "the operator"),
+        ("--nnodes", "spec.nodes"),
+        ("--node-rank", "spec.nodes"),
+        ("--master-addr", "spec.nodes"),
+        ("--master-port", "spec.nodes"),
+        ("--headless", "spec.nodes"),
     ],
 )
 def test_extra_args_cannot_set_owned_flags(arg, owner):
@@ -260,3 +274,76 @@ def test_a_bad_speculative_config_is_refused_under_its_spec_path():
     with pytest.raises(SpecError) as info:
         check_engine(spec, "/m")
     assert str(info.value).startswith("spec.speculativeConfig.num_speculative_tokens=99 is out of range")
+
+
+RENDERINGS = [
+    {"model": "org/model"},
+    FULL_SPEC,
+    {"model": "org/model", "adapters": [{"name": "sql", "source": "org/sql-lora"}]},
+    {"model": "org/model", "nodes": 2, "tensorParallelSize": 2},
+    {"model": "org/model", "apiKeySecret": {"name": "key"}, "serviceType": "LoadBalancer"},
+]
+
+
+@pytest.mark.parametrize("spec", RENDERINGS)
+def test_every_flag_any_rendering_emits_is_owned(spec):
+    manifests = render(body(**spec), CONFIG)
+    workload = manifests.deployment
+    templates = (
+        [workload["spec"]["template"]]
+        if workload["kind"] == "Deployment"
+        else [workload["spec"]["leaderWorkerTemplate"][role] for role in ("leaderTemplate", "workerTemplate")]
+    )
+    for template in templates:
+        args = template["spec"]["containers"][0]["args"]
+        flags = {arg for arg in args if arg.startswith("--")}
+        assert flags and flags <= OWNED_FLAGS, flags - OWNED_FLAGS
+
+
+@pytest.mark.parametrize(
+    "extra, at, said",
+    [
+        (["--enable-chunked-prefil"], 0, "unrecognized arguments: --enable-chunked-prefil"),
+        (["--enable-chunked-prefill", "--num-gpu-blocks-override", "x"], 1, "invalid int value: 'x'"),
+        (["--num-gpu-blocks-override=many"], 0, "invalid int value: 'many'"),
+        (["--cache-salt-policy", "sometimes"], 0, "invalid choice: 'sometimes'"),
+        (["--enable-chunked-prefill", "stray"], 1, "unrecognized arguments: stray"),
+        (["--cpu-threads", "0"], 0, "--cpu-threads=0"),
+    ],
+)
+def test_extra_args_the_server_refuses_are_named(extra, at, said):
+    with pytest.raises(SpecError) as info:
+        render(body(extraArgs=extra), CONFIG)
+    message = str(info.value)
+    assert message.startswith(f"spec.extraArgs[{at}]={extra[at]!r} is refused by pagedllm serve: "), message
+    assert said in message
+
+
+def test_valid_extra_args_pass_the_parser():
+    manifests = render(body(extraArgs=["--enable-chunked-prefill", "--num-gpu-blocks-override", "64"]), CONFIG)
+    assert manifests.deployment["spec"]["template"]["spec"]["containers"][0]["args"][-3:] == [
+        "--enable-chunked-prefill",
+        "--num-gpu-blocks-override",
+        "64",
+    ]
+
+
+def test_the_parser_the_operator_uses_imports_no_torch():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from pagedllm.operator.serve_check import check_serve_args; "
+        "check_serve_args(['--model', '/m'], ()); "
+        "assert 'torch' not in sys.modules and 'fastapi' not in sys.modules, sorted(sys.modules)"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd="/")
+
+
+def test_lora_flags_render_from_the_spec():
+    assert "--enable-lora" not in server_args(PagedLLMSpec.from_dict({"model": "m"}), "/m")
+    on = server_args(PagedLLMSpec.from_dict({"model": "m", "enableLora": True, "maxLoras": 3}), "/m")
+    namespace = run_as_container(on)
+    assert namespace.enable_lora is True and namespace.max_loras == 3
+    with pytest.raises(SpecError, match="spec.enableLora=False is not allowed with spec.adapters"):
+        PagedLLMSpec.from_dict({"model": "org/m", "enableLora": False, "adapters": [{"name": "a", "source": "o/a"}]})

@@ -107,6 +107,11 @@ Nothing else is deleted by the operator: owner references cascade deletion.
 - apiGroups: ["keda.sh"]
   resources: ["scaledobjects"]
   verbs: {{ if eq .Values.autoscaler "keda" }}["get", "list", "watch", "create", "patch", "delete"]{{ else }}["get", "delete"]{{ end }}
+# HTTPScaledObjects (KEDA's HTTP add-on, scale from zero) only with kedaHttpAddOn; otherwise
+# only looked for and deleted, like ScaledObjects, where the add-on's CRD is installed.
+- apiGroups: ["http.keda.sh"]
+  resources: ["httpscaledobjects"]
+  verbs: {{ if and (eq .Values.autoscaler "keda") .Values.kedaHttpAddOn.enabled }}["get", "create", "patch", "delete"]{{ else }}["get", "delete"]{{ end }}
 # InferencePools are also watched: a Gateway accepting one (status.parents) is RoutingReady.
 - apiGroups: ["inference.networking.k8s.io"]
   resources: ["inferencepools"]
@@ -128,7 +133,7 @@ Nothing else is deleted by the operator: owner references cascade deletion.
   verbs: ["get", "list", "watch", "create", "patch", "delete"]
 - apiGroups: [""]
   resources: ["services"]
-  verbs: ["get", "list", "watch", "create", "patch"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
 # Server pods: read to report why a server exited (its termination message) on the resource.
 - apiGroups: [""]
   resources: ["pods"]
@@ -136,6 +141,14 @@ Nothing else is deleted by the operator: owner references cascade deletion.
 - apiGroups: [""]
   resources: ["persistentvolumeclaims"]
   verbs: ["get", "create", "patch"]
+# The LoRA adapter list new server pods read at start (NAME-adapters), deleted when LoRA is turned off.
+- apiGroups: [""]
+  resources: ["configmaps"]
+  verbs: ["get", "create", "patch", "delete"]
+# spec.apiKeySecret, read to call the server pods' adapter routes (/v1/load_lora_adapter), which ask the key.
+- apiGroups: [""]
+  resources: ["secrets"]
+  verbs: ["get"]
 # The Job that fills a model cache once; watched for status.model.
 - apiGroups: ["batch"]
   resources: ["jobs"]
