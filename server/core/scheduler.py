@@ -12,6 +12,10 @@ Each call of :meth:`Scheduler.schedule` plans one model step, in this order:
 A prompt longer than the step's remaining token budget is prefilled over several
 steps. Admission is strictly first-come-first-served on blocks, so a large prompt
 waits only until enough running sequences finish, never behind later arrivals.
+
+After the step, :meth:`Scheduler.update_from_output` applies what the step decided
+(:mod:`~pagedllm.server.core.sequence_updates`) and frees what finished: with the
+scheduling above, the only code that changes a sequence.
 """
 
 from __future__ import annotations

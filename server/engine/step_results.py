@@ -2,8 +2,9 @@
 tokens, beams, verified proposals, embeddings.
 
 NOTE: all of this is per-request work, so a failure in it fails that request alone: it
-is recorded in ``failed`` (request id -> reason) and the engine aborts those requests
-after the step, freeing their blocks, while every other request goes on. The worker's
+is recorded in ``failed`` (request id -> reason), gets no update, and the scheduler aborts
+it after the step (``Scheduler.update_from_output``), freeing its blocks, while every other
+request goes on. The worker's
 sampler isolates its own failures the same way (``SamplerOutput.errors``).
 """
 
