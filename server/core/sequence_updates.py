@@ -38,7 +38,7 @@ class SeqUpdate:
     seq_id: int
     token_ids: tuple[int, ...] = ()
     logprobs: tuple[float | None, ...] = ()
-    """Per new token: its own log-probability (None: not asked for)."""
+    """Per new token: its own log-probability (None: not asked for); empty: none at all."""
     top_logprobs: tuple[Logprobs | None, ...] = ()
     """Per new token: the top alternatives to record (None: not asked for); empty: none at all."""
     output_text: str | None = None
@@ -139,6 +139,8 @@ class SequenceUpdater:
                 failed.setdefault(group.request_id, f"output processing failed: {exc!r}")
 
     def apply_group(self, group: SequenceGroup, update: GroupUpdate) -> None:
+        """Apply one request's update, in its fields' order; sequences are named by id among the
+        group's sequences, its hypotheses and the update's new sequences."""
         if update.prompt_logprobs is not None:
             if not group.prompt_logprobs:
                 group.prompt_logprobs = [None]  # the first prompt token has no logprob
@@ -161,8 +163,10 @@ class SequenceUpdater:
             group.seqs = [seqs[seq_id] for seq_id in update.seqs]
 
     def _apply_seq(self, seq: Sequence, update: SeqUpdate) -> None:
-        tops = update.top_logprobs or (None,) * len(update.token_ids)
-        for token, logprob, top in zip(update.token_ids, update.logprobs, tops):
+        none = (None,) * len(update.token_ids)
+        logprobs, tops = update.logprobs or none, update.top_logprobs or none
+        assert len(logprobs) == len(tops) == len(none), "one logprob and one top entry per new token"
+        for token, logprob, top in zip(update.token_ids, logprobs, tops):
             seq.append_token(token, logprob, top)
         if update.output_text is not None:
             seq.output_text = update.output_text

@@ -118,3 +118,9 @@ def test_decisions_are_frozen():
         update.finish = SequenceStatus.FINISHED_STOPPED  # type: ignore[misc]
     with pytest.raises(dataclasses.FrozenInstanceError):
         GroupUpdate("r").seqs = (0,)  # type: ignore[misc]
+
+
+def test_tokens_without_logprobs_are_appended_all_the_same():
+    scheduler, (group,), out = admitted([1, 2, 3])
+    scheduler.update_from_output(out, StepUpdates((GroupUpdate("0", updates=(SeqUpdate(0, (4,)),)),)), {})
+    assert group.seqs[0].output_token_ids == [4] and group.seqs[0].cumulative_logprob is None
