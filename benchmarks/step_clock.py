@@ -68,7 +68,7 @@ def instrument(engine, clock: Clock) -> None:
         return out
 
     sched.schedule = schedule_and_note_shape
-    sched.mark_computed = clock.timed("schedule", sched.mark_computed)
+    sched.updater.mark_computed = clock.timed("schedule", sched.updater.mark_computed)
     sched.free_finished = clock.timed("schedule", sched.free_finished)
     builder = engine.step_builder
     builder.build = clock.timed("step inputs", builder.build)
@@ -90,7 +90,9 @@ def instrument(engine, clock: Clock) -> None:
         for cls, label in kinds:
             if isinstance(module, cls):
                 module.forward = clock.timed(label, module.forward)
-    engine.step_results.apply = clock.timed("step_results.apply", engine.step_results.apply)
+    # NOTE: deciding (text, stop checks, beams) and applying (the scheduler appends) count as one part
+    engine.step_results.decide = clock.timed("step_results.apply", engine.step_results.decide)
+    sched.updater.apply = clock.timed("step_results.apply", sched.updater.apply)
     processor = engine.output_processor
     processor.request_output = clock.timed("outputs (RequestOutput per request)", processor.request_output)
 

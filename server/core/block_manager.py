@@ -137,8 +137,9 @@ class BlockManager:
             return AllocStatus.OK
         return AllocStatus.LATER
 
-    def allocate(self, seq: Sequence, use_cache: bool = True) -> None:
-        """Give a waiting sequence blocks for all its tokens, reusing cached prefix blocks."""
+    def allocate(self, seq: Sequence, use_cache: bool = True) -> int:
+        """Give a waiting sequence blocks for all its tokens, reusing cached prefix blocks; return
+        how many of its tokens those cached blocks hold (the caller counts them as computed)."""
         assert seq.seq_id not in self.block_tables, f"sequence {seq.seq_id} already has blocks"
         hashes, table = self.prefix_cache.lookup(seq) if use_cache else ([], [])
         for block in table:
@@ -152,8 +153,9 @@ class BlockManager:
         self.prefix_cache.hashes[seq.seq_id] = hashes
         if self.reservation:
             self.reservation.hold(seq.seq_id, len(table))
-        seq.num_computed_tokens = len(hashes) * self.block_size
-        self._free_out_of_window(seq)  # a long cached prefix may reach past the window
+        num_cached = len(hashes) * self.block_size
+        self._free_out_of_window(seq, num_cached)  # a long cached prefix may reach past the window
+        return num_cached
 
     def can_append_slots(self, seqs: list[Sequence]) -> bool:
         """Whether every one of ``seqs`` (a group's running sequences) can get slots for its uncomputed tokens."""
@@ -251,9 +253,9 @@ class BlockManager:
         """The blocks the sequence holds: its table less the entries freed as out of the window."""
         return self.block_tables.held(seq.seq_id)
 
-    def _free_out_of_window(self, seq: Sequence) -> None:
+    def _free_out_of_window(self, seq: Sequence, num_computed: int) -> None:
         """Drop the blocks no query of ``seq`` will read again: those whose every position lies
-        before the window of its next query (position ``seq.num_computed_tokens``).
+        before the window of its next query (position ``num_computed``).
 
         NOTE: a block is cached naming the block before it, so with prefix caching the block
         before the next one to cache is kept until that one is cached (with windows of at
@@ -261,7 +263,7 @@ class BlockManager:
         """
         if self.sliding_window is None or self.reservation:
             return
-        dead = max(0, seq.num_computed_tokens - self.sliding_window + 1) // self.block_size
+        dead = max(0, num_computed - self.sliding_window + 1) // self.block_size
         if self.enable_prefix_caching:
             dead = min(dead, len(self.prefix_cache.hashes[seq.seq_id]) - 1)
         freed = self.block_tables.first_held(seq.seq_id)
@@ -283,7 +285,7 @@ class BlockManager:
             return
         if self.enable_prefix_caching:
             self.prefix_cache.cache_full_blocks(seq, self.block_tables)
-        self._free_out_of_window(seq)
+        self._free_out_of_window(seq, seq.num_computed_tokens)
 
     def take_kv_events(self) -> list[KVCacheEvent]:
         """The prefix-cache events recorded since the last call, oldest first (none when not recording)."""

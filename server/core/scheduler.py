@@ -12,6 +12,10 @@ Each call of :meth:`Scheduler.schedule` plans one model step, in this order:
 A prompt longer than the step's remaining token budget is prefilled over several
 steps. Admission is strictly first-come-first-served on blocks, so a large prompt
 waits only until enough running sequences finish, never behind later arrivals.
+
+After the step, :meth:`Scheduler.update_from_output` applies what the step decided
+(:mod:`~pagedllm.server.core.sequence_updates`) and frees what finished: with the
+scheduling above, the only code that changes a sequence.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from pagedllm.server.config import SchedulerConfig
 from pagedllm.server.core.block_manager import AllocStatus, BlockManager
 from pagedllm.server.core.lora_slots import LoRASlots
 from pagedllm.server.core.sequence import FINISHED, Sequence, SequenceGroup, SequenceStatus
+from pagedllm.server.core.sequence_updates import SequenceUpdater, StepUpdates
 from pagedllm.server.core.step_budget import StepBudget, any_prefill
 
 
@@ -68,6 +73,8 @@ class Scheduler:
         self.running: list[SequenceGroup] = []  # NOTE: kept in arrival order
         self.swapped: deque[SequenceGroup] = deque()
         self.num_preemptions = 0
+        self.updater = SequenceUpdater(block_manager)
+        """Applies what a step decided to sequences and groups: the one writer of their state."""
 
     # -- queues -------------------------------------------------------------------------
     def add(self, group: SequenceGroup) -> None:
@@ -104,24 +111,6 @@ class Scheduler:
             finished = set(map(id, done))
             self.running = [g for g in self.running if id(g) not in finished]
         return done
-
-    # -- sequences within a group ----------------------------------------------------------
-    def fork(self, parent: Sequence, child_id: int) -> Sequence:
-        """A copy of ``parent`` as sequence ``child_id`` that shares every block it holds.
-
-        NOTE: each shared block gains a reference; the first write to a shared last block
-        is copied on write, so parent and child never see each other's new tokens.
-        """
-        child = parent.fork(child_id)
-        self.block_manager.fork(parent, child)
-        return child
-
-    def drop(self, seq: Sequence) -> None:
-        """Release a sequence its group no longer runs (a dropped or finished beam).
-
-        NOTE: its blocks lose one reference each; a block still shared stays allocated.
-        """
-        self.block_manager.free(seq)
 
     # -- one step -----------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -299,7 +288,7 @@ class Scheduler:
                 self._give_up(group, SequenceStatus.WAITING, out)
                 continue
             for seq in seqs:
-                self.block_manager.allocate(seq, use_cache)
+                seq.num_computed_tokens = self.block_manager.allocate(seq, use_cache)
                 seq.status = SequenceStatus.RUNNING
             if self.loras is not None:
                 self.loras.acquire(group.request_id, group.lora_request)
@@ -328,14 +317,26 @@ class Scheduler:
             index -= 1
         self.running.insert(index, group)
 
-    # -- after the step -----------------------------------------------------------------
+    # -- around the step: the one place sequences change --------------------------------
+    def set_proposals(self, proposals: dict[int, list[int]]) -> None:
+        """Give running sequences (seq id -> tokens) the proposals the coming step verifies."""
+        self.updater.set_proposals(self.running, proposals)
+
+    def update_from_output(
+        self, out: SchedulerOutput, updates: StepUpdates | None, failed: dict[str, str]
+    ) -> list[SequenceGroup]:
+        """Apply a step: computed chunks, then ``updates`` (None: the model step did not run), then
+        abort the requests in ``failed`` (apply failures join them); return the groups now done.
+
+        NOTE: the only place requests and sequences change after a step (see :mod:`sequence_updates`).
+        """
+        if updates is not None:
+            self.updater.mark_computed(out)
+            self.updater.apply({item.group.request_id: item.group for item in out.scheduled}, updates, failed)
+        if failed:
+            self.abort(failed)
+        return self.free_finished()
+
     def mark_computed(self, out: SchedulerOutput) -> None:
         """Advance every scheduled sequence by its chunk and cache its completed blocks."""
-        for item in out.scheduled:
-            for seq in item.group.seqs:
-                chunk = item.chunks.get(seq.seq_id)
-                if chunk:
-                    # NOTE: a chunk with proposals computes one real token; the accepted proposals
-                    # are counted when the step's results are applied (SpecDecoder.apply).
-                    seq.num_computed_tokens += min(chunk, len(seq.token_ids) - seq.num_computed_tokens)
-                    self.block_manager.mark_computed(seq)
+        self.updater.mark_computed(out)

@@ -168,6 +168,9 @@ class SequenceGroup:
     lora_request: LoRARequest | None = None
     """The LoRA adapter the request runs with; None: the base model."""
 
+    hypotheses: list[Sequence] = field(default_factory=list)
+    """Beam search's finished hypotheses so far, best first: block-less copies kept only as outputs."""
+
     @property
     def reads_every_prompt_position(self) -> bool:
         """Prompt logprobs and mean pooling need every prompt position computed (none taken from the cache)."""

@@ -3,7 +3,7 @@
 One call per step and group: given each running beam's best candidates (the worker's
 ``max(2, 1 + #eos) * k`` likeliest tokens and their log-probabilities: the only ones that
 can rank among the best pairs overall), pick the next beams and the hypotheses that
-finish. The scheduler then forks and drops sequences accordingly (the paper's Fig. 9:
+finish. The scheduler then forks and drops sequences as decided (the paper's Fig. 9:
 beams share blocks, and a dropped beam's blocks lose a reference).
 
 Per step, as in ``transformers``' beam search:
@@ -22,12 +22,12 @@ Per step, as in ``transformers``' beam search:
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from pagedllm.server.core.scheduler import Scheduler
 from pagedllm.server.core.sequence import Sequence, SequenceGroup, SequenceStatus
+from pagedllm.server.core.sequence_updates import GroupUpdate, NewSeq, SeqUpdate
 from pagedllm.server.engine.output_processor import OutputProcessor
 from pagedllm.server.sampling_params import SamplingParams
 from pagedllm.server.worker.sampling_batch import Tokens
@@ -45,7 +45,8 @@ class Candidate:
 class BeamState:
     """What a beam group remembers between steps."""
 
-    hypotheses: list[tuple[float, Sequence]] = field(default_factory=list)  # (score, finished sequence)
+    scored: list[tuple[float, int]] = field(default_factory=list)
+    """(score, seq id) of the finished hypotheses kept, best first (the group holds the sequences)."""
     improvable: bool = True
 
 
@@ -75,7 +76,7 @@ def beam_step(
     candidates = _ranked(beams, best, max(2, 1 + len(eos)) * width)
     ends = [at_length_limit or c.token in eos for c in candidates]
     running = [c for c, end in zip(candidates, ends) if not end][:width]
-    full = len(state.hypotheses) >= width and params.early_stopping is True
+    full = len(state.scored) >= width and params.early_stopping is True
     finished = []
     if state.improvable and not full:
         finished = [c for c, end in zip(candidates[:width], ends[:width]) if end]
@@ -84,7 +85,7 @@ def beam_step(
     done = (
         all(ends)
         or not state.improvable
-        or (len(state.hypotheses) + len(finished) >= width and params.early_stopping is True)
+        or (len(state.scored) + len(finished) >= width and params.early_stopping is True)
     )
     return BeamStep(running, finished, done)
 
@@ -104,7 +105,7 @@ def _ranked(beams: list[Sequence], best: list[Tokens], keep: int) -> list[Candid
 def _update_improvable(
     state: BeamState, running: list[Candidate], new_scores: list[float], gen_len: int, params: SamplingParams
 ) -> None:
-    scores = sorted([s for s, _ in state.hypotheses] + new_scores, reverse=True)[: params.best_of]
+    scores = sorted([s for s, _ in state.scored] + new_scores, reverse=True)[: params.best_of]
     if len(scores) < params.best_of or not running:
         return
     if params.early_stopping == "never" and params.length_penalty > 0 and params.max_tokens is not None:
@@ -115,28 +116,28 @@ def _update_improvable(
     state.improvable = state.improvable and best_possible > min(scores)
 
 
-def add_hypotheses(state: BeamState, new: list[tuple[float, Sequence]], width: int) -> None:
+def add_hypotheses(state: BeamState, new: list[tuple[float, int]], width: int) -> None:
     """Keep the ``width`` best-scoring hypotheses (earlier ones win ties, as in a stable top-k)."""
-    merged = state.hypotheses + new
+    merged = state.scored + new
     order = sorted(range(len(merged)), key=lambda i: (-merged[i][0], i))
-    state.hypotheses = [merged[i] for i in order[:width]]
+    state.scored = [merged[i] for i in order[:width]]
 
 
 class BeamSearch:
-    """Carries out :func:`beam_step`'s decisions on sequences and their blocks.
+    """Turns :func:`beam_step`'s choices into a :class:`GroupUpdate` for the scheduler to apply.
 
-    Kept beams are forked (children share their parent's blocks), dropped beams are
-    freed (their blocks lose a reference), and finished candidates become hypotheses:
-    block-less copies that exist only as outputs.
+    Kept beams fork (children share their parent's blocks), dropped beams are released
+    (their blocks lose a reference), and finished candidates become hypotheses: block-less
+    copies that exist only as outputs. Sequences are read here, never changed.
     """
 
-    def __init__(self, scheduler: Scheduler, outputs: OutputProcessor, new_seq_id: Callable[[], int]) -> None:
-        self.scheduler = scheduler
-        """Forks kept beams and drops the others: only it changes which sequence holds which block."""
+    def __init__(self, outputs: OutputProcessor, new_seq_id: Callable[[], int]) -> None:
         self.outputs = outputs
         self.new_seq_id = new_seq_id
 
-    def step(self, group: SequenceGroup, state: BeamState, beams: list[Sequence], candidates: list[Tokens]) -> None:
+    def decide(
+        self, group: SequenceGroup, state: BeamState, beams: list[Sequence], candidates: list[Tokens]
+    ) -> GroupUpdate:
         """Advance ``group`` by one token; ``candidates[i]``: the worker's best tokens for ``beams[i]``."""
         params = group.sampling_params
         gen_len = len(beams[0].output_token_ids) + 1
@@ -144,35 +145,59 @@ class BeamSearch:
             beams[0]
         ) + 1 >= self.outputs.max_model_len
         decided = beam_step(state, beams, candidates, params, self.outputs.eos_token_ids, at_limit)
-        add_hypotheses(state, [self._hypothesis(c, gen_len, params) for c in decided.finished], params.best_of)
+        hyps, hyp_updates, scored = [], [], []
+        for cand in decided.finished:
+            seq_id = self.new_seq_id()
+            hyps.append(NewSeq(cand.parent.seq_id, seq_id, shares_blocks=False))
+            stopped = self.outputs.is_eos(cand.token, params)
+            finish = SequenceStatus.FINISHED_STOPPED if stopped else SequenceStatus.FINISHED_LENGTH
+            hyp_updates.append(replace(self._next(cand, params), seq_id=seq_id, finish=finish))
+            scored.append((cand.score / gen_len**params.length_penalty, seq_id))
+        add_hypotheses(state, scored, params.best_of)
+        kept = tuple(seq_id for _, seq_id in state.scored)
         if decided.done:
-            for beam in beams:
-                self.scheduler.drop(beam)
-            group.seqs = [hyp for _, hyp in state.hypotheses]
-            return
-        group.seqs = self._fork_beams(beams, decided.running, params)
+            drops = tuple(beam.seq_id for beam in beams)
+            return GroupUpdate(
+                group.request_id,
+                new_seqs=tuple(hyps),
+                updates=tuple(hyp_updates),
+                drops=drops,
+                hypotheses=kept,
+                seqs=kept,
+            )
+        forks, updates, drops, order = self._fork_beams(beams, decided.running, params)
+        return GroupUpdate(
+            group.request_id,
+            new_seqs=tuple(hyps + forks),
+            updates=tuple(hyp_updates + updates),
+            drops=drops,
+            hypotheses=kept,
+            seqs=order,
+        )
 
-    def _hypothesis(self, cand: Candidate, gen_len: int, params: SamplingParams) -> tuple[float, Sequence]:
-        hyp = cand.parent.fork(self.new_seq_id())  # NOTE: holds no blocks; it is only an output
-        self.outputs.append_text_token(hyp, cand.token, cand.logprob, None, params)
-        stopped = self.outputs.is_eos(cand.token, params)
-        hyp.status = SequenceStatus.FINISHED_STOPPED if stopped else SequenceStatus.FINISHED_LENGTH
-        return cand.score / gen_len**params.length_penalty, hyp
+    def _next(self, cand: Candidate, params: SamplingParams) -> SeqUpdate:
+        """The candidate's token appended to its parent (beam search checks its own ends)."""
+        return self.outputs.decide(cand.parent, (cand.token,), (cand.logprob,), None, params, check_stops=False)
 
-    def _fork_beams(self, beams: list[Sequence], running: list[Candidate], params: SamplingParams) -> list[Sequence]:
-        children: dict[Sequence, list[Candidate]] = {}
+    def _fork_beams(
+        self, beams: list[Sequence], running: list[Candidate], params: SamplingParams
+    ) -> tuple[list[NewSeq], list[SeqUpdate], tuple[int, ...], tuple[int, ...]]:
+        """Forks, token updates, dropped beams, and the next beams by cumulative logprob, best first."""
+        children: dict[int, list[Candidate]] = {}
         for cand in running:
-            children.setdefault(cand.parent, []).append(cand)
-        kept = []
+            children.setdefault(cand.parent.seq_id, []).append(cand)
+        forks, updates, drops, ranked = [], [], [], []
         for parent in beams:
-            cands = children.get(parent)
+            cands = children.get(parent.seq_id)
             if not cands:
-                self.scheduler.drop(parent)  # a dropped beam: its blocks lose a reference
+                drops.append(parent.seq_id)  # a dropped beam: its blocks lose a reference
                 continue
             for cand in cands[1:]:
-                child = self.scheduler.fork(parent, self.new_seq_id())  # NOTE: shares the parent's blocks
-                self.outputs.append_text_token(child, cand.token, cand.logprob, None, params)
-                kept.append(child)
-            self.outputs.append_text_token(parent, cands[0].token, cands[0].logprob, None, params)
-            kept.append(parent)
-        return sorted(kept, key=lambda s: s.ranking_logprob, reverse=True)
+                child_id = self.new_seq_id()
+                forks.append(NewSeq(parent.seq_id, child_id))  # NOTE: shares the parent's blocks
+                updates.append(replace(self._next(cand, params), seq_id=child_id))
+                ranked.append((child_id, parent.ranking_logprob + cand.logprob))
+            updates.append(self._next(cands[0], params))
+            ranked.append((parent.seq_id, parent.ranking_logprob + cands[0].logprob))
+        ranked.sort(key=lambda r: r[1], reverse=True)  # NOTE: stable, as sorting the sequences was
+        return forks, updates, tuple(drops), tuple(seq_id for seq_id, _ in ranked)

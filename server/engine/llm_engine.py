@@ -4,8 +4,9 @@
 
     add_request ─► InputProcessor (encode, validate) ─► Scheduler.waiting
     step():  Scheduler.schedule() ─► StepBuilder.build() + SamplingRows.build() ─► ModelRunner.execute()
-             (model, then sampling on the worker's device: tokens back) ─► StepResults (tokens, beams,
-             pooling) ─► OutputProcessor (text, stop checks) ─► [RequestOutput | EmbeddingRequestOutput]
+             (model, then sampling on the worker's device: tokens back) ─► StepResults, BeamSearch,
+             SpecDecoder, OutputProcessor decide (tokens, text, stop checks, forks) ─►
+             Scheduler.update_from_output applies ─► [RequestOutput | EmbeddingRequestOutput]
 
 Embedding requests (``PoolingParams``) are scheduled with the others and prefilled the
 same way, in chunks; the step that computes the end of the prompt pools it, the request
@@ -133,7 +134,7 @@ class LLMEngine:
         self._requests: dict[str, RequestState] = {}
         self._num_steps = 0
         self.step_failures = StepFailureWindow()
-        beam_search = BeamSearch(self.scheduler, self.output_processor, self._next_seq_id)
+        beam_search = BeamSearch(self.output_processor, self._next_seq_id)
         self.spec_decoder = self._spec_decoder(config)
         structured = StructuredOutputs(self.tokenizer, info.vocab_size, info.eos_token_ids)
         self.sampling_rows = SamplingRows(self._requests, structured, info.eos_token_ids)
@@ -141,7 +142,6 @@ class LLMEngine:
         self.step_results = StepResults(
             self.output_processor,
             beam_search,
-            self.scheduler,
             self._requests,
             self._next_seq_id,
             structured,
@@ -310,10 +310,11 @@ class LLMEngine:
         """
         self._check_open()
         if self.spec_decoder is not None:
-            self.spec_decoder.propose(self.scheduler.running, self.max_model_len)
+            self.scheduler.set_proposals(self.spec_decoder.propose(self.scheduler.running, self.max_model_len))
         out = self.scheduler.schedule()
         touched = {id(g): g for g in out.ignored}
         failed: dict[str, str] = {}
+        updates = None
         if not out.is_empty:
             self._num_steps += 1
             touched.update((id(item.group), item.group) for item in out.scheduled)
@@ -321,7 +322,8 @@ class LLMEngine:
                 if self.faults is not None:
                     self.faults.check_step(self._num_steps)
                 if self.spec_decoder is not None:
-                    self.spec_decoder.fill_drafts(out)  # NOTE: a failing draft fails the step, as the model would
+                    # NOTE: a failing draft fails the step, as the model would
+                    self.scheduler.set_proposals(self.spec_decoder.fill_drafts(out))
                 inputs, model_step = self.step_builder.build(
                     out, self.block_manager.tables, self.block_manager.table_versions
                 )
@@ -332,12 +334,10 @@ class LLMEngine:
             except Exception as exc:
                 self._model_step_failed(out, exc, failed, touched)
             else:
-                self.scheduler.mark_computed(out)
-                self.step_results.apply(result, failed)
+                updates = self.step_results.decide(result, failed)
+        self.scheduler.update_from_output(out, updates, failed)  # NOTE: the one place sequences change
         if failed:
-            self.scheduler.abort(failed)
             self._check_invariants()
-        self.scheduler.free_finished()
         self._publish_kv_events()
         outputs = []
         for group in touched.values():

@@ -1,20 +1,23 @@
-"""Outputs: new tokens into text, stop checks, and the :class:`RequestOutput` a caller sees."""
+"""Outputs: what new tokens do (text, stop checks) and the :class:`RequestOutput` a caller sees."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence as Sequence_
 from typing import Any
 
 import torch
 
-from pagedllm.server.core.sequence import Logprobs, Sequence, SequenceGroup, SequenceStatus
+from pagedllm.server.core.sequence import Logprobs, Sequence, SequenceGroup, SequenceStatus, StopReason
+from pagedllm.server.core.sequence_updates import SeqUpdate
 from pagedllm.server.engine.detokenizer import decode_new_text
 from pagedllm.server.outputs import CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
 from pagedllm.server.sampling_params import SamplingParams
 
 
 class OutputProcessor:
-    """Appends sampled tokens to sequences, finishes them by the request's rules, reports them.
+    """Decides what sampled tokens do to a sequence: its text, and whether a stop rule ends it.
 
+    It reads sequences only; the scheduler applies the :class:`SeqUpdate` it returns.
     ``tokenizer`` may be None (``skip_tokenizer_init``): then no text is produced and
     stop strings never match.
     """
@@ -24,39 +27,74 @@ class OutputProcessor:
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
 
-    def append_token(
-        self, seq: Sequence, token: int, logprob: float | None, top: Logprobs | None, params: SamplingParams
-    ) -> None:
-        """Append a sampled token, extend the text, and finish the sequence if a stop rule says so."""
-        if top is not None and self.tokenizer is not None:
-            for token_id, entry in top.items():
-                entry.decoded_token = self.tokenizer.decode([token_id])
-        self.append_text_token(seq, token, logprob, top, params)
-        self._check_stop(seq, params)
+    def decide(
+        self,
+        seq: Sequence,
+        token_ids: Sequence_[int],
+        logprobs: Sequence_[float | None] | None,
+        tops: Sequence_[Logprobs | None] | None,
+        params: SamplingParams,
+        check_stops: bool = True,
+    ) -> SeqUpdate:
+        """Appending ``token_ids`` to ``seq`` with their text, up to the first one a stop rule ends it
+        at (``check_stops=False``: all of them; beam search decides its own ends).
 
-    def append_text_token(
-        self, seq: Sequence, token: int, logprob: float | None, top: Logprobs | None, params: SamplingParams
-    ) -> None:
-        """Append a token and its text, without stop checks (beam search decides its own ends)."""
-        seq.append_token(token, logprob, top)
-        if self.tokenizer is not None:
-            seq.output_text += decode_new_text(self.tokenizer, seq, params.skip_special_tokens)
+        ``logprobs`` and ``tops``: per token, its log-probability and the top alternatives (None: not
+        asked for); the alternatives get their text here.
+        """
+        tokenizer = self.tokenizer
+        text, prefix, read = seq.output_text, seq.prefix_offset, seq.read_offset
+        tail, start = seq.token_ids[prefix:], prefix  # NOTE: the detokenizer reads from prefix_offset on
+        num_out = len(seq.output_token_ids)
+        finish: SequenceStatus | None = None
+        reason: StopReason = None
+        n = 0
+        for token in token_ids:
+            n += 1
+            tail.append(token)
+            if tokenizer is not None:
+                top = tops[n - 1] if tops is not None else None
+                if top is not None:
+                    for token_id, entry in top.items():
+                        entry.decoded_token = tokenizer.decode([token_id])
+                new, prefix, read = decode_new_text(tokenizer, tail, start, prefix, read, params.skip_special_tokens)
+                text += new
+            if check_stops:
+                finish, reason, text = self._stop(token, num_out + n, start + len(tail), text, params)
+                if finish is not None:
+                    break
+        return SeqUpdate(
+            seq.seq_id,
+            tuple(token_ids[:n]),
+            tuple(logprobs[:n]) if logprobs is not None else (None,) * n,
+            tuple(tops[:n]) if tops is not None else (),
+            text if tokenizer is not None else None,
+            (prefix, read) if tokenizer is not None else None,
+            finish,
+            reason,
+        )
 
     def is_eos(self, token: int, params: SamplingParams) -> bool:
         return not params.ignore_eos and token in self.eos_token_ids
 
-    def _check_stop(self, seq: Sequence, params: SamplingParams) -> None:
-        token = seq.output_token_ids[-1]
-        num_out = len(seq.output_token_ids)
-        may_stop = num_out >= params.min_tokens
-        if may_stop and _stop_string_matched(seq, params):
-            return
-        if may_stop and token in params.stop_token_ids:
-            seq.status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, token
-        elif may_stop and self.is_eos(token, params):
-            seq.status = SequenceStatus.FINISHED_STOPPED
-        elif (params.max_tokens is not None and num_out >= params.max_tokens) or len(seq) >= self.max_model_len:
-            seq.status = SequenceStatus.FINISHED_LENGTH
+    def _stop(
+        self, token: int, num_out: int, length: int, text: str, params: SamplingParams
+    ) -> tuple[SequenceStatus | None, StopReason, str]:
+        """The verdict after ``token`` (the ``num_out``-th output, ``length`` tokens in all), its
+        reason, and the text (cut at a stop string)."""
+        if num_out >= params.min_tokens:
+            for stop in params.stop_list:  # NOTE: finish at the first stop string in the text
+                index = text.find(stop)
+                if index >= 0:
+                    end = index + len(stop) if params.include_stop_str_in_output else index
+                    return SequenceStatus.FINISHED_STOPPED, stop, text[:end]
+            if token in params.stop_token_ids:
+                return SequenceStatus.FINISHED_STOPPED, token, text
+            if self.is_eos(token, params):
+                return SequenceStatus.FINISHED_STOPPED, None, text
+        if (params.max_tokens is not None and num_out >= params.max_tokens) or length >= self.max_model_len:
+            return SequenceStatus.FINISHED_LENGTH, None, text
+        return None, None, text
 
     @staticmethod
     def request_output(group: SequenceGroup) -> RequestOutput:
@@ -98,14 +136,3 @@ class OutputProcessor:
             group.request_id, group.prompt, group.prompt_token_ids, EmbeddingOutput(vector), group.is_finished()
         )
 
-
-def _stop_string_matched(seq: Sequence, params: SamplingParams) -> bool:
-    """Finish at the first stop string in the text, cutting the text there."""
-    for stop in params.stop_list:
-        index = seq.output_text.find(stop)
-        if index >= 0:
-            end = index + len(stop) if params.include_stop_str_in_output else index
-            seq.output_text = seq.output_text[:end]
-            seq.status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, stop
-            return True
-    return False

@@ -1,9 +1,10 @@
-"""A finished model step's tokens into requests: prompt logprobs, sampled tokens, beams, verified
-proposals, embeddings.
+"""A finished model step's tokens into decisions for the scheduler: prompt logprobs, sampled
+tokens, beams, verified proposals, embeddings.
 
 NOTE: all of this is per-request work, so a failure in it fails that request alone: it
-is recorded in ``failed`` (request id -> reason) and the engine aborts those requests
-after the step, freeing their blocks, while every other request goes on. The worker's
+is recorded in ``failed`` (request id -> reason), gets no update, and the scheduler aborts
+it after the step (``Scheduler.update_from_output``), freeing its blocks, while every other
+request goes on. The worker's
 sampler isolates its own failures the same way (``SamplerOutput.errors``).
 """
 
@@ -12,19 +13,19 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
-from pagedllm.server.core.scheduler import Scheduler
 from pagedllm.server.core.sequence import Sequence, SequenceGroup, SequenceStatus
+from pagedllm.server.core.sequence_updates import GroupUpdate, NewSeq, SeqUpdate, StepUpdates
 from pagedllm.server.engine.beam_search import BeamSearch, BeamState
 from pagedllm.server.engine.faults import FaultInjector
 from pagedllm.server.engine.output_processor import OutputProcessor
 from pagedllm.server.engine.sampling_rows import logprob_dicts
 from pagedllm.server.engine.spec_decode.spec_decoder import SpecDecoder
-from pagedllm.server.engine.step_inputs import PoolRow, SampleRow, StepResult
+from pagedllm.server.engine.step_inputs import PoolRow, StepResult
 from pagedllm.server.engine.structured_output import StructuredOutputs
 from pagedllm.server.outputs import Logprob
 from pagedllm.server.worker.sampling_batch import SamplerOutput, Tokens
@@ -50,19 +51,27 @@ class RequestState:
     """An embedding request's result, once its whole prompt is pooled."""
 
     def matcher(self, seq: Sequence, structured: StructuredOutputs) -> Any:
-        if seq.seq_id not in self.matchers:
-            self.matchers[seq.seq_id] = structured.matcher(self.grammar)
-        return self.matchers[seq.seq_id]
+        return self.matcher_of(seq.seq_id, structured)
+
+    def matcher_of(self, seq_id: int, structured: StructuredOutputs) -> Any:
+        """The grammar matcher following sequence ``seq_id``'s tokens (made on first use)."""
+        if seq_id not in self.matchers:
+            self.matchers[seq_id] = structured.matcher(self.grammar)
+        return self.matchers[seq_id]
 
 
 class StepResults:
-    """Applies one step's tokens to the requests in it."""
+    """Decides what one step's tokens do to the requests in it; the scheduler applies the decisions.
+
+    NOTE: sequences are read here, never changed (the scheduler's :class:`SequenceUpdater`
+    is their one writer); the engine's own per-request state (grammar matchers, pooled sums,
+    beam scores, proposal statistics) is kept up to date here.
+    """
 
     def __init__(
         self,
         output_processor: OutputProcessor,
         beam_search: BeamSearch,
-        scheduler: Scheduler,
         requests: dict[str, RequestState],
         new_seq_id: Callable[[], int],
         structured: StructuredOutputs,
@@ -74,35 +83,38 @@ class StepResults:
         self.structured = structured
         self.output_processor = output_processor
         self.beam_search = beam_search
-        self.scheduler = scheduler
-        """Forks parallel samples (children share the prompt's blocks)."""
         self.requests = requests
         self.new_seq_id = new_seq_id
+        """Ids for the sequences parallel samples fork."""
         self.faults = faults
 
-    def apply(self, result: StepResult, failed: dict[str, str]) -> None:
-        """Record prompt logprobs, append sampled tokens and pool embeddings; failures go to ``failed``."""
+    def decide(self, result: StepResult, failed: dict[str, str]) -> StepUpdates:
+        """Prompt logprobs, sampled tokens, verified proposals and finished embeddings, as updates for
+        :meth:`Scheduler.update_from_output`; requests that fail go to ``failed`` instead."""
         sampled = result.sampled
+        updates: list[GroupUpdate] = []
+        first_token: tuple[str, ...] = ()
         if sampled is not None:
             for request_id, reason in sampled.errors.items():
                 failed.setdefault(request_id, reason)
-            self._record_prompt_logprobs(result, sampled, failed)
-            self._samples(result, sampled, failed)
-            self._verified(result, sampled, failed)
-        self._pool(result, failed)
+            self._prompt_logprobs(result, sampled, failed, updates)
+            first_token = tuple(row.group.request_id for row in result.inputs.sample_rows)
+            self._samples(result, sampled, failed, updates)
+            self._verified(result, sampled, failed, updates)
+        self._pool(result, failed, updates)
+        return StepUpdates(tuple(updates), first_token, time.monotonic())
 
     def _fail(self, failed: dict[str, str], group: SequenceGroup, stage: str, error: Exception) -> None:
         logger.error("request %s failed in %s: %r", group.request_id, stage, error, exc_info=error)
         failed.setdefault(group.request_id, f"{stage} failed: {error!r}")
 
-    def _samples(self, result: StepResult, sampled: SamplerOutput, failed: dict[str, str]) -> None:
+    def _samples(
+        self, result: StepResult, sampled: SamplerOutput, failed: dict[str, str], updates: list[GroupUpdate]
+    ) -> None:
         rows = result.inputs.sample_rows
-        now = time.monotonic()
         beam_rows: dict[str, list[int]] = {}
         for i, row in enumerate(rows):
             group = row.group
-            if group.first_token_time is None:
-                group.first_token_time = now
             tokens = sampled.rows[i]
             if group.request_id in failed or tokens is None:
                 continue
@@ -112,7 +124,7 @@ class StepResults:
             try:
                 if self.faults is not None:
                     self.faults.check_request(group.request_id)
-                self._append(group, row.seq, tokens)
+                updates.append(self._sample(group, row.seq, tokens))
             except Exception as exc:
                 self._fail(failed, group, "output processing", exc)
         for request_id, indices in beam_rows.items():
@@ -124,66 +136,76 @@ class StepResults:
                 if self.faults is not None:
                     self.faults.check_request(request_id)
                 candidates = [tokens for i in indices if (tokens := sampled.rows[i]) is not None]
-                self.beam_search.step(state.group, state.beam, [rows[i].seq for i in indices], candidates)
+                beams = [rows[i].seq for i in indices]
+                updates.append(self.beam_search.decide(state.group, state.beam, beams, candidates))
             except Exception as exc:
                 self._fail(failed, state.group, "beam search", exc)
 
-    def _verified(self, result: StepResult, sampled: SamplerOutput, failed: dict[str, str]) -> None:
+    def _verified(
+        self, result: StepResult, sampled: SamplerOutput, failed: dict[str, str], updates: list[GroupUpdate]
+    ) -> None:
         """Sequences that verified proposals: accepted tokens appended, the cache settled."""
         for row, tokens in zip(result.inputs.spec_rows, sampled.verified):
             if row.group.request_id in failed or tokens is None:
                 continue
             assert self.spec is not None
             try:
-                self.spec.apply(row, tokens.token_ids, tokens.logprobs, logprob_dicts(tokens))
+                updates.append(self.spec.decide(row, tokens.token_ids, tokens.logprobs, logprob_dicts(tokens)))
             except Exception as exc:
                 self._fail(failed, row.group, "output processing", exc)
 
-    def _append(self, group: SequenceGroup, seq: Sequence, tokens: Tokens) -> None:
-        """Append the sampled token; the group's first sample forks the other ``best_of - 1``."""
+    def _sample(self, group: SequenceGroup, seq: Sequence, tokens: Tokens) -> GroupUpdate:
+        """The sampled token appended; the group's first sample forks the other ``best_of - 1``."""
         tops = logprob_dicts(tokens) if tokens.top is not None else None
-        for i in range(1, len(tokens.token_ids)):
-            child = self.scheduler.fork(seq, self.new_seq_id())  # NOTE: shares the parent's blocks
-            group.seqs.append(child)
-            self._append_token(group, child, tokens, tops, i)
-        self._append_token(group, seq, tokens, tops, 0)
+        if len(tokens.token_ids) == 1:
+            return GroupUpdate(group.request_id, updates=(self._token(group, seq, seq.seq_id, tokens, tops, 0),))
+        forks = [NewSeq(seq.seq_id, self.new_seq_id()) for _ in range(1, len(tokens.token_ids))]
+        seq_updates = [self._token(group, seq, fork.seq_id, tokens, tops, i + 1) for i, fork in enumerate(forks)]
+        seq_updates.append(self._token(group, seq, seq.seq_id, tokens, tops, 0))
+        order = tuple(s.seq_id for s in group.seqs) + tuple(fork.seq_id for fork in forks)
+        return GroupUpdate(group.request_id, new_seqs=tuple(forks), updates=tuple(seq_updates), seqs=order)
 
-    def _append_token(
-        self, group: SequenceGroup, seq: Sequence, tokens: Tokens, tops: list[dict[int, Logprob] | None] | None, i: int
-    ) -> None:
+    def _token(
+        self,
+        group: SequenceGroup,
+        seq: Sequence,
+        seq_id: int,
+        tokens: Tokens,
+        tops: list[dict[int, Logprob] | None] | None,
+        i: int,
+    ) -> SeqUpdate:
+        """Token ``i`` appended to ``seq`` (or to its fork ``seq_id``, a copy of it as it is now)."""
         token = tokens.token_ids[i]
         state = self.requests[group.request_id]
-        if state.grammar is not None:
-            matcher = state.matcher(seq, self.structured)
-            if not matcher.accept_token(token):
-                raise RuntimeError(f"the grammar refused token {token} that its own mask allowed")
+        if state.grammar is not None and not state.matcher_of(seq_id, self.structured).accept_token(token):
+            raise RuntimeError(f"the grammar refused token {token} that its own mask allowed")
         logprob = tokens.logprobs[i] if tokens.logprobs is not None else None
         top = tops[i] if tops is not None else None
-        self.output_processor.append_token(seq, token, logprob, top, group.sampling_params)
+        update = self.output_processor.decide(
+            seq, (token,), (logprob,), (top,) if top is not None else None, group.sampling_params
+        )
+        if seq_id != seq.seq_id:
+            update = replace(update, seq_id=seq_id)
         if (
             state.grammar is not None
-            and state.matcher(seq, self.structured).is_terminated()
-            and not seq.status.finished
+            and update.finish is None
+            and state.matcher_of(seq_id, self.structured).is_terminated()
         ):
-            seq.status = SequenceStatus.FINISHED_STOPPED  # NOTE: the grammar is complete: nothing may follow
+            update = replace(update, finish=SequenceStatus.FINISHED_STOPPED)  # NOTE: the grammar is complete
+        return update
 
-    def _record_prompt_logprobs(self, result: StepResult, sampled: SamplerOutput, failed: dict[str, str]) -> None:
+    def _prompt_logprobs(
+        self, result: StepResult, sampled: SamplerOutput, failed: dict[str, str], updates: list[GroupUpdate]
+    ) -> None:
         for row, tokens in zip(result.inputs.prompt_rows, sampled.prompts):
             if tokens is None or row.group.request_id in failed:
                 continue
             try:
-                self._append_prompt_logprobs(row, tokens)
+                updates.append(GroupUpdate(row.group.request_id, prompt_logprobs=tuple(logprob_dicts(tokens))))
             except Exception as exc:
                 self._fail(failed, row.group, "prompt logprobs", exc)
 
-    @staticmethod
-    def _append_prompt_logprobs(row: SampleRow, tokens: Tokens) -> None:
-        group = row.group
-        if not group.prompt_logprobs:
-            group.prompt_logprobs = [None]  # the first prompt token has no logprob
-        group.prompt_logprobs.extend(logprob_dicts(tokens))
-
-    def _pool(self, result: StepResult, failed: dict[str, str]) -> None:
+    def _pool(self, result: StepResult, failed: dict[str, str], updates: list[GroupUpdate]) -> None:
         rows = result.inputs.pool_rows
         if not rows:
             return
@@ -194,24 +216,27 @@ class StepResults:
             try:
                 if self.faults is not None:
                     self.faults.check_request(row.group.request_id)
-                self._add_pooled(self.requests[row.group.request_id], row, pooled)
+                if self._add_pooled(self.requests[row.group.request_id], row, pooled):
+                    done = SeqUpdate(row.seq.seq_id, finish=SequenceStatus.FINISHED_STOPPED)
+                    updates.append(GroupUpdate(row.group.request_id, updates=(done,)))
             except Exception as exc:
                 self._fail(failed, row.group, "pooling", exc)
 
     @staticmethod
-    def _add_pooled(state: RequestState, row: PoolRow, pooled: torch.Tensor) -> None:
-        """Add a chunk's hidden-state sum; the chunk ending the prompt finishes the request with its embedding."""
+    def _add_pooled(state: RequestState, row: PoolRow, pooled: torch.Tensor) -> bool:
+        """Add a chunk's hidden-state sum; True: the chunk ends the prompt, so the embedding is ready
+        and the request finishes."""
         # NOTE: a prompt preempted by recomputation starts again from position 0: so does its sum.
         if row.start == 0 or state.pooled is None:
             state.pooled, state.num_pooled = torch.zeros_like(pooled), 0
         state.pooled += pooled
         state.num_pooled += row.num
         if not row.completes_prompt:
-            return
+            return False
         params = row.group.pooling_params
         assert params is not None
         embedding = state.pooled / state.num_pooled
         if params.normalize:
             embedding = torch.nn.functional.normalize(embedding, p=2.0, dim=0)
         state.embedding = embedding
-        row.seq.status = SequenceStatus.FINISHED_STOPPED
+        return True

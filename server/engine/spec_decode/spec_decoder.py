@@ -1,13 +1,13 @@
 """The engine's side of speculative decoding: proposals before a step, acceptance after it.
 
-Before each step :meth:`SpecDecoder.propose` gives each eligible decoding sequence up to
-k proposed tokens (``Sequence.spec_token_ids``); the scheduler gives such a sequence one
+Before each step :meth:`SpecDecoder.propose` picks up to k proposed tokens for each eligible
+decoding sequence (the scheduler sets them as ``Sequence.spec_token_ids``); the scheduler gives such a sequence one
 chunk of ``1 + k`` tokens, with cache slots, or drops its proposals when there is no room.
 The worker verifies the ``1 + k`` logits rows of each on its device
 (:mod:`~pagedllm.server.worker.spec_verify`) and returns the emitted tokens; after the step
-:meth:`SpecDecoder.apply` appends the accepted proposals and one more token, counts the
-accepted proposals as computed (their K/V was written by the step, in the right context)
-and asks the block manager to free the blocks that held only rejected ones::
+:meth:`SpecDecoder.decide` says to append the accepted proposals and one more token, to count
+the accepted proposals as computed (their K/V was written by the step, in the right context)
+and to free the blocks that held only rejected ones; the scheduler does so::
 
     before:  tokens ... t | proposals d0 d1 d2      table: [.. B7 B9]   (B9 for d1, d2)
     verify:  target accepts d0, emits x             tokens ... t d0 x, computed ... t d0
@@ -22,20 +22,21 @@ nothing. One accepted proposal resumes proposing at every step.
 With a draft model (``draft_model``) the proposals need the cache slots the scheduler
 gives the chunk, so :meth:`propose` only says how many (placeholders), and
 :meth:`fill_drafts`, between scheduling and the step, runs the draft that many times over
-the sequences that kept their slots and puts its greedy tokens in place.
+the sequences that kept their slots, and the scheduler puts its greedy tokens in place.
 """
 
 from __future__ import annotations
 
 import weakref
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from pagedllm.server.config import SpeculativeConfig
 from pagedllm.server.core.block_manager import BlockManager
 from pagedllm.server.core.scheduler import SchedulerOutput
 from pagedllm.server.core.sequence import Sequence, SequenceGroup, SequenceStatus
+from pagedllm.server.core.sequence_updates import GroupUpdate
 from pagedllm.server.engine.output_processor import OutputProcessor
 from pagedllm.server.engine.spec_decode.draft_model import DraftModel, DraftState
 from pagedllm.server.engine.spec_decode.ngram_proposer import NgramIndex
@@ -111,8 +112,10 @@ class SpecDecoder:
         )
 
     # -- before the step ----------------------------------------------------------------
-    def propose(self, running: list[SequenceGroup], max_model_len: int) -> None:
-        """Set ``spec_token_ids`` of every running sequence that may speculate this step."""
+    def propose(self, running: list[SequenceGroup], max_model_len: int) -> dict[int, list[int]]:
+        """The proposals (seq id -> tokens) of every running sequence that may speculate this step,
+        for :meth:`Scheduler.set_proposals`."""
+        proposals: dict[int, list[int]] = {}
         for group in running:
             if len(group.seqs) != 1 or not self._eligible(group):
                 continue
@@ -125,9 +128,12 @@ class SpecDecoder:
                 continue
             room = min(state.length, self._room(group, seq, max_model_len))
             if state.index is not None:
-                seq.spec_token_ids = state.index.propose(seq.token_ids, room)
-            elif room > 0:
-                seq.spec_token_ids = [0] * room  # NOTE: placeholders, filled by fill_drafts once slots exist
+                tokens = state.index.propose(seq.token_ids, room)
+            else:  # NOTE: placeholders, filled by fill_drafts once slots exist
+                tokens = [0] * max(room, 0)
+            if tokens:
+                proposals[seq.seq_id] = tokens
+        return proposals
 
     def _eligible(self, group: SequenceGroup) -> bool:
         params = group.sampling_params
@@ -156,19 +162,19 @@ class SpecDecoder:
             state = self._states[seq] = _SeqState(index, self.config.num_speculative_tokens)
         return state
 
-    def fill_drafts(self, out: SchedulerOutput) -> None:
-        """Replace the placeholders of the scheduled sequences by the draft model's tokens.
+    def fill_drafts(self, out: SchedulerOutput) -> dict[int, list[int]]:
+        """The draft model's tokens (seq id -> tokens) to replace the scheduled sequences' placeholders.
 
         The first pass brings each sequence's draft cache up to date (usually its newest
         token or two; all of it the first time, or after its blocks moved) and proposes one
         token; each further pass feeds the last proposal back, for the sequences that want more.
         """
         if self.draft is None:
-            return
+            return {}
         bs = self.draft.block_size
         seqs = [seq for item in out.scheduled for seq in item.group.seqs if seq.spec_token_ids]
         if not seqs:
-            return
+            return {}
         tables = {seq.seq_id: self.block_manager.tables[seq.seq_id] for seq in seqs}
         chunks = []
         for seq in seqs:
@@ -182,39 +188,30 @@ class SpecDecoder:
             for seq, token in zip(wanting, self.draft.next_tokens(chunks)):
                 drafts[seq.seq_id].append(token)
         for seq in seqs:
-            seq.spec_token_ids = drafts[seq.seq_id]
-            # NOTE: the K/V of the proposals but the last is written now; apply() counts what stays valid
+            # NOTE: the K/V of the proposals but the last is written now; decide() counts what stays valid
             self._state(seq).draft = DraftState(len(seq.token_ids), tuple(tables[seq.seq_id]))
+        return drafts
 
     # -- after the step (the worker verified the proposals: spec_verify) --------------
-    def apply(
+    def decide(
         self,
         row: SpecRow,
         emitted: list[int],
         logprobs: list[float] | None = None,
         top: list[dict[int, Logprob] | None] | None = None,
-    ) -> None:
+    ) -> GroupUpdate:
         """Append ``emitted`` (until the sequence finishes), count the accepted proposals as computed,
-        free the slots of the rejected ones. ``logprobs`` and ``top``: per emitted token, the model's own
-        (None: not asked for)."""
+        free the slots of the rejected ones: the update that does it. ``logprobs`` and ``top``: per
+        emitted token, the model's own (None: not asked for)."""
         seq, params, drafts = row.seq, row.group.sampling_params, row.draft_token_ids
         accepted = len(emitted) - 1
         if self.draft is not None:  # NOTE: the draft wrote K/V for every proposal but the last
             self._state(seq).draft.computed += min(accepted, len(drafts) - 1)
-        appended = 0
-        for i, token in enumerate(emitted):
-            logprob = logprobs[i] if logprobs is not None else None
-            self.output_processor.append_token(seq, token, logprob, top[i] if top is not None else None, params)
-            appended += 1
-            if seq.status.finished:
-                break
-        seq.spec_token_ids = []
-        # NOTE: the K/V of an appended accepted proposal was computed after accepted tokens only.
-        seq.num_computed_tokens += min(appended, accepted)
-        if seq.seq_id in self.block_manager.tables:
-            self.block_manager.mark_computed(seq)
-            self.block_manager.release_unused_slots(seq)
+        update = self.output_processor.decide(seq, emitted, logprobs, top, params)
         self._record(seq, len(drafts), accepted)
+        # NOTE: the K/V of an appended accepted proposal was computed after accepted tokens only.
+        num_accepted = min(len(update.token_ids), accepted)
+        return GroupUpdate(row.group.request_id, updates=(replace(update, verified=True, num_accepted=num_accepted),))
 
     def _record(self, seq: Sequence, num_drafts: int, accepted: int) -> None:
         stats = self.stats

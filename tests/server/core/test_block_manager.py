@@ -40,7 +40,7 @@ def test_allocate_append_and_free_exact_ids():
     group = make_group(0, 6)
     seq = group.seqs[0]
     assert bm.can_allocate(group) == AllocStatus.OK
-    bm.allocate(seq)
+    seq.num_computed_tokens = bm.allocate(seq)
     assert bm.block_table(seq) == [0, 1]
     seq.status = SequenceStatus.RUNNING
     seq.num_computed_tokens = 6
@@ -58,7 +58,7 @@ def test_allocate_append_and_free_exact_ids():
 def test_fork_shares_and_copy_on_write_copies_only_the_last_block():
     bm = make_manager()
     parent = make_group(0, 6).seqs[0]
-    bm.allocate(parent)
+    parent.num_computed_tokens = bm.allocate(parent)
     parent.num_computed_tokens = 6
     child = parent.fork(1)
     bm.fork(parent, child)
@@ -82,7 +82,7 @@ def test_swap_out_and_in_moves_shared_blocks_once():
     bm = make_manager()
     group = make_group(0, 6)
     parent = group.seqs[0]
-    bm.allocate(parent)
+    parent.num_computed_tokens = bm.allocate(parent)
     parent.status = SequenceStatus.RUNNING
     child = parent.fork(1)
     bm.fork(parent, child)
@@ -101,11 +101,11 @@ def test_swap_out_and_in_moves_shared_blocks_once():
 def test_prefix_cache_reuses_full_blocks_and_evicts_lru():
     bm = make_manager(num_gpu=4, caching=True)
     a = Sequence(0, list(range(9)))
-    bm.allocate(a)
+    a.num_computed_tokens = bm.allocate(a)
     a.num_computed_tokens = 9
     bm.mark_computed(a)  # blocks 0 and 1 are full and cached
     b = Sequence(1, list(range(8)) + [99])
-    bm.allocate(b)
+    b.num_computed_tokens = bm.allocate(b)
     assert bm.block_table(b)[:2] == bm.block_table(a)[:2]
     assert b.num_computed_tokens == 8
     bm.free(a)
@@ -113,7 +113,7 @@ def test_prefix_cache_reuses_full_blocks_and_evicts_lru():
     assert bm.gpu.num_free == 4 and bm.gpu.num_cached == 2
     # Exactly-cached prompt: the last block is recomputed so the step has logits.
     c = Sequence(2, list(range(8)))
-    bm.allocate(c)
+    c.num_computed_tokens = bm.allocate(c)
     assert c.num_computed_tokens == 4
     bm.free(c)
 
@@ -122,7 +122,7 @@ def test_table_version_changes_unless_the_table_only_grows():
     bm = make_manager(num_gpu=12)
     group = make_group(0, 4)
     seq = group.seqs[0]
-    bm.allocate(seq)
+    seq.num_computed_tokens = bm.allocate(seq)
     seq.status = SequenceStatus.RUNNING
     seq.num_computed_tokens = 4
     first = bm.table_versions[0]
@@ -143,7 +143,7 @@ def test_table_version_changes_unless_the_table_only_grows():
     assert 0 not in bm.table_versions
     bm.free(child)
     seq.reset_for_recompute()
-    bm.allocate(seq)  # re-admitted after recompute preemption: never an old stamp
+    seq.num_computed_tokens = bm.allocate(seq)  # re-admitted after recompute preemption: never an old stamp
     assert bm.table_versions[0] > before
 
 
@@ -151,7 +151,7 @@ def test_blocks_behind_the_window_are_freed_exact_ids():
     """Window 6, blocks of 4: the next query at q sees q-5..q, so block i is dead once 4i+3 < q-5."""
     bm = make_manager(window=6)
     seq = make_group(0, 10).seqs[0]
-    bm.allocate(seq)
+    seq.num_computed_tokens = bm.allocate(seq)
     assert bm.block_table(seq) == [0, 1, 2] and bm.num_window_frees == 0  # nothing computed yet
     seq.num_computed_tokens = 10
     version = bm.table_versions[0]
@@ -173,7 +173,7 @@ def test_blocks_behind_the_window_are_freed_exact_ids():
 def test_a_window_of_one_keeps_only_the_current_block():
     bm = make_manager(window=1)
     seq = make_group(0, 9).seqs[0]
-    bm.allocate(seq)
+    seq.num_computed_tokens = bm.allocate(seq)
     seq.num_computed_tokens = 9
     bm.mark_computed(seq)  # next query at 9 sees only 9 (block 2)
     assert bm.held_blocks(seq) == [2]
@@ -188,7 +188,7 @@ def test_a_window_of_one_keeps_only_the_current_block():
 def test_no_window_frees_nothing():
     bm = make_manager()
     seq = make_group(0, 10).seqs[0]
-    bm.allocate(seq)
+    seq.num_computed_tokens = bm.allocate(seq)
     seq.num_computed_tokens = 10
     bm.mark_computed(seq)
     advance(bm, seq, 20)
@@ -200,18 +200,20 @@ def test_freed_cached_blocks_stay_in_the_prefix_cache():
     a later prompt with the same prefix takes it back."""
     bm = make_manager(caching=True, window=6)
     a = Sequence(0, list(range(12)))
-    bm.allocate(a)
+    a.num_computed_tokens = bm.allocate(a)
     a.num_computed_tokens = 12
     bm.mark_computed(a)  # 3 full blocks cached; next query at 12 sees 7..12: block 0 is dead
     assert bm.held_blocks(a) == [1, 2] and bm.gpu.num_cached == 3
     assert bm.gpu.ref_counts[0] == 0 and list(bm.gpu._evictable) == [0] and bm.gpu.num_free == 6
     b = Sequence(1, list(range(8)) + [99, 98])
-    bm.allocate(b)  # blocks 0 (revived) and 1 (shared) from the cache; 8 tokens computed
+    b.num_computed_tokens = bm.allocate(b)  # blocks 0 (revived) and 1 (shared) from the cache; 8 tokens computed
     assert bm.block_table(b) == [0, 1, 3] and b.num_computed_tokens == 8
     assert bm.held_blocks(b) == [0, 1, 3]  # its next query at 8 sees 3..8: block 0 still needed
     assert bm.gpu.ref_counts[:4] == [1, 2, 1, 1]
     c = Sequence(2, list(range(12)) + [5])
-    bm.allocate(c)  # 12 tokens cached: its next query at 12 needs nothing before 7, so block 0 is dropped at once
+    c.num_computed_tokens = bm.allocate(
+        c
+    )  # 12 tokens cached: its next query at 12 needs nothing before 7, so block 0 is dropped at once
     assert bm.block_table(c) == [0, 1, 2, 4] and bm.held_blocks(c) == [1, 2, 4]
     assert bm.gpu.ref_counts[:5] == [1, 3, 2, 1, 1] and bm.num_window_frees == 2
     assert bm.check_invariants() == []
@@ -226,7 +228,7 @@ def test_with_caching_a_block_is_kept_until_the_next_one_is_cached():
     cached, plain = make_manager(caching=True, window=2), make_manager(window=2)
     seqs = [Sequence(0, list(range(5))), Sequence(0, list(range(5)))]
     for bm, seq in zip((cached, plain), seqs):
-        bm.allocate(seq)
+        seq.num_computed_tokens = bm.allocate(seq)
         seq.num_computed_tokens = 5
         bm.mark_computed(seq)  # next query at 5 sees 4..5: block 0 is dead
     assert plain.held_blocks(seqs[1]) == [1]
@@ -241,7 +243,7 @@ def test_with_caching_a_block_is_kept_until_the_next_one_is_cached():
 def test_fork_shares_only_held_blocks_and_a_dead_block_returns_when_both_drop_it():
     bm = make_manager(window=6)
     parent = make_group(0, 10).seqs[0]
-    bm.allocate(parent)
+    parent.num_computed_tokens = bm.allocate(parent)
     parent.num_computed_tokens = 10
     bm.mark_computed(parent)  # block 0 freed
     child = parent.fork(1)
@@ -263,7 +265,7 @@ def test_swap_moves_only_held_blocks():
     bm = make_manager(window=6)
     group = make_group(0, 10)
     seq = group.seqs[0]
-    bm.allocate(seq)
+    seq.num_computed_tokens = bm.allocate(seq)
     seq.status = SequenceStatus.RUNNING
     seq.num_computed_tokens = 10
     bm.mark_computed(seq)  # block 0 freed: free list [3, 4, 5, 6, 7, 0]
@@ -314,7 +316,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.next_id += 1
         if self.bm.can_allocate(group) != AllocStatus.OK:
             return
-        self.bm.allocate(group.seqs[0])
+        group.seqs[0].num_computed_tokens = self.bm.allocate(group.seqs[0])
         group.seqs[0].status = SequenceStatus.RUNNING
         group.seqs[0].num_computed_tokens = length
         self.bm.mark_computed(group.seqs[0])

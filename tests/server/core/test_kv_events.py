@@ -32,7 +32,7 @@ def manager(num_gpu: int = 6, events: bool = True) -> BlockManager:
 def run(bm: BlockManager, seq_id: int, tokens: list[int]) -> Sequence:
     """Admit a sequence and mark all its tokens computed, as a finished prefill does."""
     seq = Sequence(seq_id, tokens)
-    bm.allocate(seq)
+    seq.num_computed_tokens = bm.allocate(seq)
     seq.num_computed_tokens = len(tokens)
     bm.mark_computed(seq)
     return seq
@@ -108,8 +108,10 @@ def test_a_block_whose_key_another_block_holds_is_not_stored_twice():
     bm = manager(num_gpu=8)
     tokens = list(range(8))
     first, second = Sequence(0, tokens), Sequence(1, tokens)
-    bm.allocate(first)
-    bm.allocate(second)  # admitted before the first computed anything: nothing to share yet
+    first.num_computed_tokens = bm.allocate(first)
+    second.num_computed_tokens = bm.allocate(
+        second
+    )  # admitted before the first computed anything: nothing to share yet
     for seq in (first, second):
         seq.num_computed_tokens = 8
         bm.mark_computed(seq)

@@ -25,7 +25,7 @@ def admit(bm: BlockManager, seq_id: int, prompt: int, output: int) -> Sequence:
         bm.reservation.expect(seq_id, prompt + output)
     group = SequenceGroup(str(seq_id), [seq], SamplingParams(max_tokens=max(output, 1)))
     assert bm.can_allocate(group) == AllocStatus.OK
-    bm.allocate(seq)
+    seq.num_computed_tokens = bm.allocate(seq)
     seq.status = SequenceStatus.RUNNING
     seq.num_computed_tokens = prompt
     return seq
@@ -83,7 +83,7 @@ def test_reservations_limit_admission_where_paging_admits():
             group = SequenceGroup(str(i), [seq], SamplingParams(max_tokens=10))
             if bm.can_allocate(group) != AllocStatus.OK:
                 break
-            bm.allocate(seq)
+            seq.num_computed_tokens = bm.allocate(seq)
             count += 1
         admitted[mode] = count
     assert admitted == {"paged": 5, "oracle": 4, "max": 1}

@@ -10,6 +10,7 @@ from pagedllm.server.config import SchedulerConfig, choose_token_budget
 from pagedllm.server.core.block_manager import BlockManager
 from pagedllm.server.core.scheduler import Scheduler
 from pagedllm.server.core.sequence import Sequence, SequenceGroup, SequenceStatus
+from pagedllm.server.core.sequence_updates import GroupUpdate, NewSeq
 from pagedllm.server.sampling_params import SamplingParams
 
 
@@ -280,21 +281,21 @@ def test_fork_shares_the_parents_blocks_and_drop_releases_one_reference_each():
     parent, bm = group.seqs[0], s.block_manager
     assert bm.tables[0] == [0, 1] and bm.gpu.ref_counts[:3] == [1, 1, 0]
 
-    child = s.fork(parent, 5)
+    s.updater.apply_group(group, GroupUpdate("r", new_seqs=(NewSeq(0, 5),), seqs=(0, 5)))
+    child = group.seqs[1]
     assert child.seq_id == 5 and child.token_ids == parent.token_ids and child is not parent
     assert bm.tables[5] == [0, 1] and bm.tables[0] == [0, 1]
     assert bm.gpu.ref_counts[:3] == [2, 2, 0] and bm.gpu.num_free == 14
 
-    group.seqs.append(child)
     out = run_step(s)  # NOTE: both write into shared block 1: the parent, first, writes into a copy
     assert out.blocks_to_copy == [(1, 2)]
     assert (bm.tables[0], bm.tables[5]) == ([0, 2], [0, 1])
     assert bm.gpu.ref_counts[:4] == [2, 1, 1, 0] and bm.check_invariants() == []
 
-    s.drop(parent)
+    s.updater.apply_group(group, GroupUpdate("r", drops=(0,)))
     assert 0 not in bm.tables and bm.tables[5] == [0, 1]
     assert bm.gpu.ref_counts[:4] == [1, 1, 0, 0] and bm.gpu.num_free == 14
-    s.drop(parent)  # NOTE: a no-op once its blocks are gone
-    assert bm.gpu.ref_counts[:4] == [1, 1, 0, 0]
-    s.drop(child)
+    s.updater.apply_group(group, GroupUpdate("r", drops=(0,), seqs=(5,)))  # NOTE: a no-op once its blocks are gone
+    assert bm.gpu.ref_counts[:4] == [1, 1, 0, 0] and group.seqs == [child]
+    s.updater.apply_group(group, GroupUpdate("r", drops=(5,)))
     assert bm.tables == {} and bm.gpu.ref_counts == [0] * 16 and bm.gpu.num_free == 16

@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from engine_factories import HFReference, make_prompts
 
 from pagedllm.server import LLM, SamplingParams
+from pagedllm.server.core.block_manager import BlockManager
+from pagedllm.server.core.sequence import Sequence, SequenceGroup, SequenceStatus
+from pagedllm.server.core.sequence_updates import NewSeq, SequenceUpdater
+from pagedllm.server.engine.beam_search import BeamSearch, BeamState
+from pagedllm.server.engine.output_processor import OutputProcessor
+from pagedllm.server.worker.sampling_batch import Tokens
 
 PAD = 258
 MAX_TOKENS = 8
@@ -145,3 +153,21 @@ def test_parallel_sampling_shares_prompt_blocks(tiny_llama, prompt_len):
     assert llm.llm_engine.stats().num_copy_on_writes - before == expected_copies
     full_prompt_blocks = prompt_len // block_size
     assert many == full_prompt_blocks + n * (-(-(prompt_len + 20 - 1) // block_size) - full_prompt_blocks)
+
+
+def test_beam_search_decides_and_the_scheduler_forks_and_drops():
+    bm = BlockManager(4, 16, 0)
+    params = SamplingParams(use_beam_search=True, best_of=2, n=2, temperature=0, max_tokens=10)
+    beams = [Sequence(i, [1, 2, 3], [5], SequenceStatus.RUNNING, 4, cumulative_logprob=-1.0 - i) for i in range(2)]
+    group = SequenceGroup("r", list(beams), params)
+    for beam in beams:
+        bm.allocate(beam)
+    state, ids = BeamState(), itertools.count(100)
+    candidates = [Tokens([7, 8], [-0.1, -0.2]), Tokens([9, 3], [-0.1, -3.0])]  # 3 (EOS) ranks too low to end
+    update = BeamSearch(OutputProcessor(None, (3,), 100), ids.__next__).decide(group, state, beams, candidates)
+    assert [b.output_token_ids for b in beams] == [[5], [5]] and group.seqs == beams  # decided, nothing changed
+    assert update.new_seqs == (NewSeq(0, 100),) and update.drops == (1,) and update.seqs == (0, 100)
+    assert [(u.seq_id, u.token_ids) for u in update.updates] == [(100, (8,)), (0, (7,))] and update.hypotheses == ()
+    SequenceUpdater(bm).apply_group(group, update)
+    assert [(s.seq_id, s.output_token_ids) for s in group.seqs] == [(0, [5, 7]), (100, [5, 8])]
+    assert sorted(bm.tables) == [0, 100] and bm.check_invariants() == []

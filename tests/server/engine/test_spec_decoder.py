@@ -36,20 +36,30 @@ def setup(num_blocks: int = 128, k: int = 4) -> tuple[SpecDecoder, Scheduler, Se
     return spec, scheduler, group
 
 
+def propose(spec: SpecDecoder, scheduler: Scheduler) -> None:
+    """Proposals for the running sequences, set by the scheduler as the engine has it do."""
+    scheduler.set_proposals(spec.propose(scheduler.running, 1000))
+
+
+def settle(spec: SpecDecoder, scheduler: Scheduler, row: SpecRow, emitted: list[int]) -> None:
+    """The verified proposals' update, applied by the scheduler as after a model step."""
+    scheduler.updater.apply_group(row.group, spec.decide(row, emitted))
+
+
 def verify_step(spec: SpecDecoder, scheduler: Scheduler, emitted: list[int]) -> SpecRow:
     """Schedule the proposals, then settle as the engine does after the model step."""
     out = scheduler.schedule()
     seq = out.scheduled[0].group.seqs[0]
     row = SpecRow(out.scheduled[0].group, seq, list(seq.spec_token_ids))
     scheduler.mark_computed(out)
-    spec.apply(row, emitted)
+    settle(spec, scheduler, row, emitted)
     return row
 
 
 def test_proposals_take_slots_for_one_step_and_rejected_ones_give_them_back():
     spec, scheduler, group = setup()
     seq, bm = group.seqs[0], spec.block_manager
-    spec.propose(scheduler.running, 1000)
+    propose(spec, scheduler)
     assert seq.spec_token_ids == [8, 9, 7, 8]  # the loop continued
     out = scheduler.schedule()
     assert out.scheduled[0].chunks == {seq.seq_id: 5} and out.num_batched_tokens == 5
@@ -58,7 +68,7 @@ def test_proposals_take_slots_for_one_step_and_rejected_ones_give_them_back():
     row = SpecRow(group, seq, list(seq.spec_token_ids))
     scheduler.mark_computed(out)
     assert seq.num_computed_tokens == 13  # the real token only, until acceptance
-    spec.apply(row, [8, 5])  # one accepted, then the target's own token
+    settle(spec, scheduler, row, [8, 5])  # one accepted, then the target's own token
     assert seq.output_token_ids == [7, 8, 5] and seq.num_computed_tokens == 14 and not seq.spec_token_ids
     assert len(bm.tables[seq.seq_id]) == 4 and bm.gpu.num_free == free_before + 1  # 15 tokens: 4 blocks
     assert bm.check_invariants() == []
@@ -69,10 +79,10 @@ def test_proposals_take_slots_for_one_step_and_rejected_ones_give_them_back():
 def test_the_prefix_cache_hashes_accepted_tokens_only():
     spec, scheduler, group = setup()
     seq, bm = group.seqs[0], spec.block_manager
-    spec.propose(scheduler.running, 1000)  # 8 9 7 8: block 3 would be 7 8 9 7 with them
+    propose(spec, scheduler)  # 8 9 7 8: block 3 would be 7 8 9 7 with them
     verify_step(spec, scheduler, [5])  # rejected at once
     assert len(bm._hashes[seq.seq_id]) == 3  # the prompt's blocks; block 3 (7 5 ...) is not full
-    spec.propose(scheduler.running, 1000)
+    propose(spec, scheduler)
     assert not seq.spec_token_ids  # paused after an outright rejection
     assert bm.check_invariants() == []
 
@@ -84,7 +94,7 @@ def test_a_request_whose_proposals_fail_pauses_longer_each_time():
     for _ in range(9):
         steps = 0
         while True:
-            spec.propose(scheduler.running, 1000)
+            propose(spec, scheduler)
             if seq.spec_token_ids:
                 break
             steps += 1
@@ -93,31 +103,31 @@ def test_a_request_whose_proposals_fail_pauses_longer_each_time():
         pauses.append(steps)
         verify_step(spec, scheduler, [3])  # never what was proposed
     assert pauses == [0, 1, 2, 4, 8, 16, 32, MAX_PAUSE, MAX_PAUSE]
-    spec.propose(scheduler.running, 1000)
+    propose(spec, scheduler)
     assert spec.block_manager.check_invariants() == []
 
 
 def test_an_accepted_proposal_resumes_proposing_every_step():
     spec, scheduler, group = setup()
     seq = group.seqs[0]
-    spec.propose(scheduler.running, 1000)
+    propose(spec, scheduler)
     verify_step(spec, scheduler, [3])
-    spec.propose(scheduler.running, 1000)
+    propose(spec, scheduler)
     assert not seq.spec_token_ids
     scheduler.mark_computed(scheduler.schedule())
     seq.append_token(8, 0.0, None)
-    spec.propose(scheduler.running, 1000)
+    propose(spec, scheduler)
     drafts = list(seq.spec_token_ids)
     assert drafts
     verify_step(spec, scheduler, drafts[:2] + [7])  # two accepted; 7 was seen before: a match follows
-    spec.propose(scheduler.running, 1000)
+    propose(spec, scheduler)
     assert seq.spec_token_ids
 
 
 def test_without_room_proposals_are_dropped_never_a_preemption():
     spec, scheduler, group = setup(num_blocks=4)  # the 13 tokens hold all four blocks
     seq = group.seqs[0]
-    spec.propose(scheduler.running, 1000)
+    propose(spec, scheduler)
     assert seq.spec_token_ids
     out = scheduler.schedule()
     assert out.scheduled[0].chunks == {seq.seq_id: 1} and not out.preempted and not seq.spec_token_ids
@@ -127,16 +137,16 @@ def test_proposals_stop_short_of_max_tokens_and_skip_what_cannot_verify():
     spec, scheduler, group = setup()
     seq = group.seqs[0]
     group.sampling_params = SamplingParams(temperature=0, max_tokens=3)
-    spec.propose(scheduler.running, 1000)
+    propose(spec, scheduler)
     assert seq.spec_token_ids == [8]  # one output so far: two more to go, the last is the step's own
     for params in (SamplingParams(n=2, temperature=1.0), SamplingParams(best_of=2, temperature=1.0)):
         group.sampling_params = params
         seq.spec_token_ids = []
-        spec.propose(scheduler.running, 1000)
+        propose(spec, scheduler)
         assert not seq.spec_token_ids
     seq.status = SequenceStatus.SWAPPED
     group.sampling_params = SamplingParams(temperature=0, max_tokens=100)
-    spec.propose(scheduler.running, 1000)
+    propose(spec, scheduler)
     assert not seq.spec_token_ids
 
 
@@ -173,13 +183,13 @@ def test_reservation_baselines_refuse_speculation(tiny_llama):
 def test_proposals_shrink_to_what_was_accepted_and_grow_back():
     spec, scheduler, group = setup()
     seq = group.seqs[0]
-    spec.propose(scheduler.running, 1000)
+    propose(spec, scheduler)
     drafts = list(seq.spec_token_ids)
     assert len(drafts) == 4
     verify_step(spec, scheduler, drafts[:1] + [9])  # one of four accepted (9 follows 8: the loop goes on)
     lengths = []
     for _ in range(3):
-        spec.propose(scheduler.running, 1000)
+        propose(spec, scheduler)
         drafts = list(seq.spec_token_ids)
         lengths.append(len(drafts))
         verify_step(spec, scheduler, drafts + [LOOP[(len(seq) + len(drafts)) % 3]])  # all accepted
