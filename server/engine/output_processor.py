@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
+import numpy as np
 
 from pagedllm.server.core.sequence import Logprobs, Sequence, SequenceGroup, SequenceStatus
 from pagedllm.server.engine.detokenizer import decode_new_text
@@ -91,7 +91,7 @@ class OutputProcessor:
         )
 
     @staticmethod
-    def embedding_output(group: SequenceGroup, embedding: torch.Tensor | None) -> EmbeddingRequestOutput:
+    def embedding_output(group: SequenceGroup, embedding: np.ndarray | None) -> EmbeddingRequestOutput:
         """An embedding request's state now: its embedding once its prompt is pooled."""
         vector = embedding.tolist() if embedding is not None else []
         return EmbeddingRequestOutput(

@@ -15,12 +15,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
+import numpy as np
 
 from pagedllm.server.core.scheduler import Scheduler
 from pagedllm.server.core.sequence import Sequence, SequenceGroup, SequenceStatus
 from pagedllm.server.engine.beam_search import BeamSearch, BeamState
-from pagedllm.server.engine.faults import FaultInjector
 from pagedllm.server.engine.output_processor import OutputProcessor
 from pagedllm.server.engine.sampling_rows import logprob_dicts
 from pagedllm.server.engine.spec_decode.spec_decoder import SpecDecoder
@@ -43,10 +42,10 @@ class RequestState:
     """The compiled grammar of a structured-output request."""
     matchers: dict[int, Any] = field(default_factory=dict)
     """seq_id -> the grammar matcher following that sequence's tokens."""
-    pooled: torch.Tensor | None = None
+    pooled: np.ndarray | None = None
     """An embedding request's sum of hidden states over ``num_pooled`` positions so far (float32)."""
     num_pooled: int = 0
-    embedding: torch.Tensor | None = None
+    embedding: np.ndarray | None = None
     """An embedding request's result, once its whole prompt is pooled."""
 
     def matcher(self, seq: Sequence, structured: StructuredOutputs) -> Any:
@@ -66,7 +65,6 @@ class StepResults:
         requests: dict[str, RequestState],
         new_seq_id: Callable[[], int],
         structured: StructuredOutputs,
-        faults: FaultInjector | None = None,
         spec: SpecDecoder | None = None,
     ) -> None:
         self.spec = spec
@@ -78,7 +76,6 @@ class StepResults:
         """Forks parallel samples (children share the prompt's blocks)."""
         self.requests = requests
         self.new_seq_id = new_seq_id
-        self.faults = faults
 
     def apply(self, result: StepResult, failed: dict[str, str]) -> None:
         """Record prompt logprobs, append sampled tokens and pool embeddings; failures go to ``failed``."""
@@ -110,8 +107,6 @@ class StepResults:
                 beam_rows.setdefault(group.request_id, []).append(i)
                 continue
             try:
-                if self.faults is not None:
-                    self.faults.check_request(group.request_id)
                 self._append(group, row.seq, tokens)
             except Exception as exc:
                 self._fail(failed, group, "output processing", exc)
@@ -121,8 +116,6 @@ class StepResults:
             state = self.requests[request_id]
             assert state.beam is not None
             try:
-                if self.faults is not None:
-                    self.faults.check_request(request_id)
                 candidates = [tokens for i in indices if (tokens := sampled.rows[i]) is not None]
                 self.beam_search.step(state.group, state.beam, [rows[i].seq for i in indices], candidates)
             except Exception as exc:
@@ -192,18 +185,16 @@ class StepResults:
             if row.group.request_id in failed:
                 continue
             try:
-                if self.faults is not None:
-                    self.faults.check_request(row.group.request_id)
                 self._add_pooled(self.requests[row.group.request_id], row, pooled)
             except Exception as exc:
                 self._fail(failed, row.group, "pooling", exc)
 
     @staticmethod
-    def _add_pooled(state: RequestState, row: PoolRow, pooled: torch.Tensor) -> None:
+    def _add_pooled(state: RequestState, row: PoolRow, pooled: np.ndarray) -> None:
         """Add a chunk's hidden-state sum; the chunk ending the prompt finishes the request with its embedding."""
         # NOTE: a prompt preempted by recomputation starts again from position 0: so does its sum.
         if row.start == 0 or state.pooled is None:
-            state.pooled, state.num_pooled = torch.zeros_like(pooled), 0
+            state.pooled, state.num_pooled = np.zeros_like(pooled), 0
         state.pooled += pooled
         state.num_pooled += row.num
         if not row.completes_prompt:
@@ -212,6 +203,6 @@ class StepResults:
         assert params is not None
         embedding = state.pooled / state.num_pooled
         if params.normalize:
-            embedding = torch.nn.functional.normalize(embedding, p=2.0, dim=0)
+            embedding = embedding / max(float(np.linalg.norm(embedding)), 1e-12)  # as torch's normalize
         state.embedding = embedding
         row.seq.status = SequenceStatus.FINISHED_STOPPED
