@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from pagedllm.server.worker.attention import AttentionMetadata
-from pagedllm.server.worker.model_step import ARRAY_FIELDS, ModelStep, StepAttention, StepLoRA
+from pagedllm.server.worker.model_step import ModelStep, StepAttention, StepLoRA
 from pagedllm.server.worker.sampling_batch import SamplingBatch
 
 
@@ -53,8 +53,15 @@ class DeviceStep:
 
 def attention_metadata(meta: StepAttention, device: torch.device) -> AttentionMetadata:
     """The step's attention arrays as tensors on ``device``."""
-    tensors = {name: _tensor(getattr(meta, name), device) for name in ARRAY_FIELDS}
-    return AttentionMetadata(num_decode_tokens=meta.num_decode_tokens, **tensors)
+    return AttentionMetadata(
+        slot_mapping=_tensor(meta.slot_mapping, device),
+        num_decode_tokens=meta.num_decode_tokens,
+        decode_block_tables=_tensor(meta.decode_block_tables, device),
+        decode_context_lens=_tensor(meta.decode_context_lens, device),
+        prefill_block_tables=_tensor(meta.prefill_block_tables, device),
+        prefill_cu_seqlens_q=_tensor(meta.prefill_cu_seqlens_q, device),
+        prefill_context_lens=_tensor(meta.prefill_context_lens, device),
+    )
 
 
 def _tensor(value: np.ndarray, device: torch.device) -> torch.Tensor:

@@ -51,7 +51,7 @@ class DraftRunner:
     def allocate(self, num_blocks: int) -> None:
         """The draft's cache: as many blocks as the target's device cache, none on the host (and
         no CUDA graphs: those are for decode steps, the draft runs chunk-shaped passes)."""
-        self.runner.allocate_cache(num_blocks, 0)
+        self.runner.allocate_local_cache(num_blocks, 0)
 
     def shutdown(self) -> None:
         self.runner.shutdown()

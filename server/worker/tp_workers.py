@@ -4,7 +4,7 @@
 
     node 0: engine process (rank 0, the driver)           node n (``serve --headless``): rank r
     ───────────────────────────────────────────           ─────────────────────────────────────
-    scheduler, block manager, sampler                     ModelRunner with TPGroup(r, N)
+    scheduler, block manager, Executor                    ModelRunner with TPGroup(r, N)
     ModelRunner with TPGroup(0, N) ──TCP (rank_channel)─► one message per step: ("step", ModelStep)
             │  all-reduce / gather inside the model (gloo on CPU, NCCL on CUDA)  │
             └───────────────────────────────────────────────────────────────────┘
