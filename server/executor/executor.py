@@ -29,6 +29,9 @@ if TYPE_CHECKING:
 
 __all__ = ["Executor", "WorkerDiedError"]
 
+STEP_FAILURE_GRACE_S = 2.0
+"""After a failed tensor-parallel step, how long to wait for news of a rank that died in it."""
+
 
 class Executor:
     """Starts, drives, watches and stops the workers of one model; the engine's only way to them."""
@@ -104,7 +107,7 @@ class Executor:
         try:
             return self.local.collect(_sent(self.local, ("step", step)))[0]
         except Exception as exc:
-            self.remote.check()  # NOTE: a dead or hung rank is the likely cause: name it
+            self.remote.check(grace_s=STEP_FAILURE_GRACE_S)  # NOTE: a dead or hung rank is the likely cause: name it
             raise RuntimeError(f"the tensor-parallel step failed: {exc!r}") from exc
         finally:
             self.remote.step_ended()

@@ -130,12 +130,21 @@ class TPWorkers:
         self._step_started = None
 
     # -- health -------------------------------------------------------------------------------
-    def check(self) -> None:
-        """Raise :class:`WorkerDiedError` naming the node and rank if a rank exited, went quiet or hung."""
-        if self.error is None:
-            self.error = self._local_exit() or self._channel_error()
-        if self.error is not None:
-            raise WorkerDiedError(self.error)
+    def check(self, grace_s: float = 0.0) -> None:
+        """Raise :class:`WorkerDiedError` naming the node and rank if a rank exited, went quiet or hung.
+
+        ``grace_s``: how long to wait for such news (after a failed collective: a rank's sockets
+        close while it exits, a moment before its exit and its lost connection can be seen).
+        """
+        deadline = time.monotonic() + grace_s
+        while True:
+            if self.error is None:
+                self.error = self._local_exit() or self._channel_error()
+            if self.error is not None:
+                raise WorkerDiedError(self.error)
+            if time.monotonic() >= deadline:
+                return
+            time.sleep(0.05)
 
     def _local_exit(self) -> str | None:
         for rank, proc in self.procs.items():
