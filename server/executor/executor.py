@@ -80,6 +80,11 @@ class Executor:
             worker.send(message)
         return [answer for worker in self.workers for answer in worker.collect(message)]
 
+    def _on_rank0(self, message: tuple) -> Any:
+        """``message`` to rank 0 alone (the others got theirs already); its answer."""
+        self.local.send(message)
+        return self.local.collect(message)[0]
+
     # -- KV cache --------------------------------------------------------------------------------
     @property
     def block_bytes(self) -> int:
@@ -101,11 +106,11 @@ class Executor:
     def execute(self, step: ModelStep) -> StepOutputs:
         """Run one step on every rank; rank 0's outputs (tokens, pooled sums). Only rank 0 gets the sampling."""
         if self.remote is None:
-            return self.local.collect(_sent(self.local, ("step", step)))[0]
+            return self._on_rank0(("step", step))
         self.remote.send(("step", step.for_other_ranks()))
         self.remote.step_started()
         try:
-            return self.local.collect(_sent(self.local, ("step", step)))[0]
+            return self._on_rank0(("step", step))
         except Exception as exc:
             self.remote.check(grace_s=STEP_FAILURE_GRACE_S)  # NOTE: a dead or hung rank is the likely cause: name it
             raise RuntimeError(f"the tensor-parallel step failed: {exc!r}") from exc
@@ -138,8 +143,3 @@ class Executor:
             local.shutdown()
         if self.remote is not None:
             self.remote.shutdown()
-
-
-def _sent(worker: LocalWorker, message: tuple) -> tuple:
-    worker.send(message)
-    return message
