@@ -5,15 +5,14 @@ model_runner -> tp_workers -> tp_rank -> model_runner).
 
 from __future__ import annotations
 
-import ast
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from test_layers import build_graph
 
-SERVER = Path(__file__).resolve().parents[3] / "server"
-ROOTS = {"pagedllm.server.worker": SERVER / "worker", "pagedllm.server.executor": SERVER / "executor"}
+SPLIT_PACKAGES = ("pagedllm.server.worker", "pagedllm.server.executor")
 SPLIT = (
     "pagedllm.server.executor.executor",
     "pagedllm.server.worker.worker",
@@ -24,41 +23,11 @@ SPLIT = (
 )
 
 
-def _is_type_checking(node: ast.If) -> bool:
-    test = node.test
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
-    )
-
-
-def _imports(tree: ast.AST) -> set[str]:
-    """Every module imported anywhere in ``tree`` (functions included), except under ``if TYPE_CHECKING``."""
-    found: set[str] = set()
-    for node in ast.iter_child_nodes(tree):
-        if isinstance(node, ast.If) and _is_type_checking(node):
-            found |= {name for child in node.orelse for name in _imports(child)}
-            continue
-        if isinstance(node, ast.ImportFrom) and node.module and not node.level:
-            found.add(node.module)
-            found.update(f"{node.module}.{alias.name}" for alias in node.names)
-        elif isinstance(node, ast.Import):
-            found.update(alias.name for alias in node.names)
-        found |= _imports(node)
-    return found
-
-
-def import_graph(roots: dict[str, Path]) -> dict[str, set[str]]:
-    """module -> the modules under ``roots`` it imports (at top level or lazily)."""
-    modules: dict[str, Path] = {}
-    for package, folder in roots.items():
-        for path in folder.rglob("*.py"):
-            parts = path.relative_to(folder).with_suffix("").parts
-            parts = parts[:-1] if parts[-1] == "__init__" else parts
-            modules[".".join((package, *parts))] = path
-    return {
-        name: {m for m in _imports(ast.parse(path.read_text())) if m in modules and m != name}
-        for name, path in modules.items()
-    }
+def import_graph(root: Path | None = None, packages: tuple[str, ...] = SPLIT_PACKAGES) -> dict[str, set[str]]:
+    """module -> the modules of ``packages`` it imports, at top level or lazily (``test_layers``' reading)."""
+    full = build_graph(root) if root is not None else build_graph()
+    inside = {m for m in full if m.startswith(packages)}
+    return {m: {d for d in full[m] if d in inside and d != m} for m in inside}
 
 
 def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -85,26 +54,29 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 
 def test_the_worker_and_executor_modules_import_without_a_cycle():
-    graph = import_graph(ROOTS)
+    graph = import_graph()
     assert "pagedllm.server.worker.tp_rank" in graph["pagedllm.server.worker.tp_workers"]
     assert find_cycle(graph) is None, " -> ".join(find_cycle(graph) or [])
 
 
 def test_no_worker_module_imports_the_executor():
-    graph = import_graph(ROOTS)
+    graph = import_graph()
     back = {m: sorted(d for d in deps if d.startswith("pagedllm.server.executor")) for m, deps in graph.items()}
     assert {m: deps for m, deps in back.items() if deps and m.startswith("pagedllm.server.worker")} == {}
 
 
 def test_a_cycle_through_a_lazy_import_is_found(tmp_path: Path):
-    (tmp_path / "a.py").write_text("import pkg.b\n")
-    (tmp_path / "b.py").write_text("def later():\n    from pkg.c import x\n")
-    (tmp_path / "c.py").write_text(
-        "from typing import TYPE_CHECKING\nimport pkg.a\nif TYPE_CHECKING:\n    import pkg.b\n"
+    worker = tmp_path / "worker"
+    worker.mkdir()
+    (worker / "a.py").write_text("import pagedllm.server.worker.b\n")
+    (worker / "b.py").write_text("def later():\n    from pagedllm.server.worker.c import x\n")
+    (worker / "c.py").write_text(
+        "from typing import TYPE_CHECKING\nfrom . import a\nif TYPE_CHECKING:\n    import pagedllm.server.worker.b\n"
     )
-    graph = import_graph({"pkg": tmp_path})
-    assert graph["pkg.c"] == {"pkg.a"}  # NOTE: imports for type checking alone run never
-    assert find_cycle(graph) == ["pkg.a", "pkg.b", "pkg.c", "pkg.a"]
+    graph = import_graph(tmp_path)
+    assert graph["pagedllm.server.worker.c"] == {"pagedllm.server.worker.a"}  # NOTE: type-checking imports never run
+    cycle = find_cycle(graph)
+    assert cycle is not None and [m.rsplit(".", 1)[1] for m in cycle] == ["a", "b", "c", "a"]
 
 
 @pytest.mark.parametrize("module", SPLIT)
