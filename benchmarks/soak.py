@@ -4,7 +4,8 @@ N requests (default 10,000) at concurrency C, each with random parameters (compl
 chat, n / best_of, beam search, stop strings, logprobs, streaming or not), a share of
 them invalid (expect 4xx), a share disconnecting mid-stream or timing out on the client,
 and a share carrying an injected fault (expect 500 or a stream error event; the server is
-started with ``PAGEDLLM_INJECT_FAULTS=request=poison`` under ``--launch``).
+started with ``PAGEDLLM_INJECT_FAULTS=request=poison`` and the fault-injecting worker double
+under ``--launch``).
 
 Afterwards it waits for the server to drain and checks, exiting non-zero on a failure:
 
@@ -290,6 +291,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.launch:  # NOTE: faults come from the test double of the worker, which reads its rules from the env
+        args.serve_args += " --worker-cls tests.server.fault_doubles:FaultyWorker"
     server = launch(args, env={"PAGEDLLM_INJECT_FAULTS": f"request={POISON}"}) if args.launch else None
     pid = server.pid if server is not None else args.server_pid
     try:

@@ -14,8 +14,6 @@ from __future__ import annotations
 import argparse
 import time
 
-import torch
-
 from benchmarks.common import HelpFormatter, set_threads
 from pagedllm.server.config import SchedulerConfig
 from pagedllm.server.core.block_manager import BlockManager
@@ -24,8 +22,6 @@ from pagedllm.server.core.sequence import Sequence, SequenceGroup
 from pagedllm.server.engine.input_batch import InputBatch
 from pagedllm.server.engine.step_inputs import prepare_batched_inputs, prepare_inputs
 from pagedllm.server.sampling_params import SamplingParams
-
-CPU = torch.device("cpu")
 
 
 def median_us(times: list[float]) -> float:
@@ -41,8 +37,8 @@ def run(batch: int, steps: int, block_size: int, prompt_len: int, max_model_len:
         sched.add(SequenceGroup(str(i), [Sequence(i, prompt)], SamplingParams(), arrival_time=i))
     input_batch = InputBatch(batch, -(-max_model_len // block_size), block_size)
     builders = {
-        "list": lambda out: prepare_inputs(out, bm.tables, block_size, CPU),
-        "persistent": lambda out: prepare_batched_inputs(out, input_batch, bm.tables, bm.table_versions, CPU),
+        "list": lambda out: prepare_inputs(out, bm.tables, block_size),
+        "persistent": lambda out: prepare_batched_inputs(out, input_batch, bm.tables, bm.table_versions),
     }
     times: dict[str, list[float]] = {name: [] for name in builders}
     step = 0

@@ -27,32 +27,32 @@ import tempfile
 import threading
 import time
 
+import numpy as np
 import torch
 from tqdm import tqdm
 
 from benchmarks.common import HelpFormatter, set_threads
 from pagedllm.server import LLM, SamplingParams
-from pagedllm.server.worker.attention import AttentionMetadata
 from pagedllm.server.worker.channel_protocol import frame
-from pagedllm.server.worker.model_step import ModelStep
+from pagedllm.server.worker.model_step import ModelStep, StepAttention
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
 def decode_step(batch: int, context: int, block_size: int) -> ModelStep:
     blocks = -(-context // block_size)
-    tables = torch.arange(batch * blocks, dtype=torch.int32).view(batch, blocks)
-    meta = AttentionMetadata(
-        slot_mapping=torch.arange(batch, dtype=torch.int64) * block_size,
+    tables = np.arange(batch * blocks, dtype=np.int32).reshape(batch, blocks)
+    meta = StepAttention(
+        slot_mapping=np.arange(batch, dtype=np.int64) * block_size,
         num_decode_tokens=batch,
         decode_block_tables=tables,
-        decode_context_lens=torch.full((batch,), context, dtype=torch.int32),
-        prefill_block_tables=torch.zeros(0, 0, dtype=torch.int32),
-        prefill_cu_seqlens_q=torch.zeros(1, dtype=torch.int32),
-        prefill_context_lens=torch.zeros(0, dtype=torch.int32),
+        decode_context_lens=np.full((batch,), context, dtype=np.int32),
+        prefill_block_tables=np.zeros((0, 0), dtype=np.int32),
+        prefill_cu_seqlens_q=np.zeros(1, dtype=np.int32),
+        prefill_context_lens=np.zeros(0, dtype=np.int32),
     )
-    ids = torch.arange(batch, dtype=torch.int64)
-    return ModelStep([], [], [], ids, ids.clone(), meta, ids.clone(), None)
+    ids = np.arange(batch, dtype=np.int64)
+    return ModelStep([], [], [], ids, ids.copy(), meta, ids.copy(), None)
 
 
 def _pipe_reader(conn) -> None:
@@ -100,7 +100,7 @@ def pipe_cost(step: ModelStep, ranks: int, repeats: int) -> dict:
         proc.start()
         pipes.append(parent)
         procs.append(proc)
-    wire = ("step", step.to_wire())
+    wire = ("step", step.for_other_ranks())
     timed = _time(lambda: [pipe.send(wire) for pipe in pipes], lambda: [pipe.recv() for pipe in pipes], repeats)
     threads = threading.active_count()
     for pipe, proc in zip(pipes, procs):
@@ -121,7 +121,7 @@ def channel_cost(step: ModelStep, ranks: int, repeats: int) -> dict:
     channel.accept_all(60, lambda layout: None)
     channel.broadcast(("welcome",))
     channel.start()
-    wire = ("step", step.to_wire())
+    wire = ("step", step.for_other_ranks())
     timed = _time(
         lambda: channel.broadcast(wire), lambda: [channel.reply(r, 30)[1] for r in sorted(channel.peers)], repeats
     )
@@ -141,7 +141,7 @@ def message_cost(batch: int, context: int, block_size: int, repeats: int, ranks:
         "batch": batch,
         "context": context,
         "ranks": ranks,
-        "bytes": len(frame(("step", step.to_wire()))),
+        "bytes": len(frame(("step", step.for_other_ranks()))),
         "pipe": pipe,
         "tcp": tcp,
         "tcp_over_pipe_one_way": round(tcp["one_way_us"] / pipe["one_way_us"], 3),

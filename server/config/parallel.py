@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 from pagedllm.server.config.checks import ConfigError, check_range, field_help
@@ -28,6 +29,13 @@ class ParallelConfig:
     master_addr: str = field(
         default="127.0.0.1", metadata=field_help("Address of node 0, where the other nodes' ranks connect.")
     )
+    worker_cls: str = field(
+        default="auto",
+        metadata=field_help(
+            "The worker every rank runs, as module:Class (a subclass of the model runner, e.g. a test "
+            "double); auto: the model runner."
+        ),
+    )
     master_port: int = field(
         default=29501,
         metadata=field_help(
@@ -36,6 +44,8 @@ class ParallelConfig:
     )
 
     def __post_init__(self) -> None:
+        if self.worker_cls != "auto" and not re.fullmatch(r"[\w.]+:\w+", self.worker_cls):
+            raise ConfigError("worker_cls", self.worker_cls, "auto or module:Class")
         check_range("tensor_parallel_size", self.tensor_parallel_size, 1)
         check_range("cpu_threads", self.cpu_threads, 1)
         check_range("nnodes", self.nnodes, 1)

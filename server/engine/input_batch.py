@@ -32,21 +32,20 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
 from pagedllm.server.core.sequence import Sequence
 
 
 @dataclass
 class DecodeInputs:
-    """The decode part of one step (its first ``len(input_ids)`` tokens), as CPU arrays and tensors."""
+    """The decode part of one step (its first ``len(input_ids)`` tokens), as host arrays."""
 
     input_ids: np.ndarray  # [num_decodes] int64
     positions: np.ndarray  # [num_decodes] int64
     num_tokens: np.ndarray  # [num_decodes] int64: each sequence's length (it samples if position + 1 equals it)
     slot_mapping: np.ndarray  # [num_decodes] int64
-    block_tables: torch.Tensor  # [num_decodes, widest table] int32, a view of the persistent table
-    context_lens: torch.Tensor  # [num_decodes] int32, including the new token
+    block_tables: np.ndarray  # [num_decodes, widest table] int32, a view of the persistent table
+    context_lens: np.ndarray  # [num_decodes] int32, including the new token
 
 
 class InputBatch:
@@ -61,11 +60,11 @@ class InputBatch:
 
     def __init__(self, max_num_seqs: int, max_blocks_per_seq: int, block_size: int) -> None:
         self.block_size = block_size
-        self.block_table = torch.zeros((max_num_seqs, max_blocks_per_seq), dtype=torch.int32)
-        self.context_lens = torch.zeros(max_num_seqs, dtype=torch.int32)
-        # NOTE: numpy views of the same memory: element writes from Python cost ~0.1 us, not ~5 us.
-        self._table = self.block_table.numpy()
-        self._lens = self.context_lens.numpy()
+        # NOTE: numpy, not tensors: element writes from Python cost ~0.1 us, not ~5 us.
+        self.block_table = np.zeros((max_num_seqs, max_blocks_per_seq), dtype=np.int32)
+        self.context_lens = np.zeros(max_num_seqs, dtype=np.int32)
+        self._table = self.block_table
+        self._lens = self.context_lens
         self.seq_ids: list[int] = []  # row -> sequence
         self._row_of: dict[int, int] = {}  # sequence -> row
         self.versions: list[int | None] = []  # row -> table version written (None: not yet)
@@ -102,8 +101,8 @@ class InputBatch:
             positions=positions,
             num_tokens=np.fromiter(map(len, token_lists), dtype=np.int64, count=n),
             slot_mapping=slots,
-            block_tables=torch.from_numpy(self._table[:n, :width]),  # a view (see the NOTE above)
-            context_lens=torch.from_numpy(lens.copy()),
+            block_tables=self._table[:n, :width],  # a view (see the NOTE above)
+            context_lens=lens.copy(),
         )
 
     def _reorder(self, ids: list[int]) -> None:
@@ -147,10 +146,10 @@ class InputBatch:
         """Larger tensors, contents kept (only if the engine's limits were exceeded; not on the hot path)."""
         old = self.block_table
         shape = (max(rows, old.shape[0]), max(cols, old.shape[1]))
-        self.block_table = torch.zeros(shape, dtype=torch.int32)
+        self.block_table = np.zeros(shape, dtype=np.int32)
         self.block_table[: old.shape[0], : old.shape[1]] = old
-        lens = torch.zeros(shape[0], dtype=torch.int32)
+        lens = np.zeros(shape[0], dtype=np.int32)
         lens[: self.context_lens.shape[0]] = self.context_lens
         self.context_lens = lens
-        self._table = self.block_table.numpy()
-        self._lens = self.context_lens.numpy()
+        self._table = self.block_table
+        self._lens = self.context_lens

@@ -3,10 +3,13 @@
 ::
 
     add_request ─► InputProcessor (encode, validate) ─► Scheduler.waiting
-    step():  Scheduler.schedule() ─► StepBuilder.build() + SamplingRows.build() ─► ModelRunner.execute()
-             (model, then sampling on the worker's device: tokens back) ─► StepResults, BeamSearch,
-             SpecDecoder, OutputProcessor decide (tokens, text, stop checks, forks) ─►
-             Scheduler.update_from_output applies ─► [RequestOutput | EmbeddingRequestOutput]
+    step():  Scheduler.schedule() ─► StepBuilder.build() + SamplingRows.build() ─► Executor.execute()
+             (every rank's worker runs the model, rank 0 samples on its device: tokens back) ─►
+             StepResults, BeamSearch, SpecDecoder, OutputProcessor decide (tokens, text, stop checks,
+             forks) ─► Scheduler.update_from_output applies ─► [RequestOutput | EmbeddingRequestOutput]
+
+The engine builds steps from ids and counts (numpy arrays, no torch); the executor starts the
+workers, which load torch and the model (:mod:`pagedllm.server.executor`).
 
 Embedding requests (``PoolingParams``) are scheduled with the others and prefilled the
 same way, in chunks; the step that computes the end of the prompt pools it, the request
@@ -31,7 +34,7 @@ from pagedllm.server.core.scheduler import Scheduler, SchedulerOutput
 from pagedllm.server.core.sequence import Sequence, SequenceGroup, SequenceStatus
 from pagedllm.server.engine.beam_search import BeamSearch, BeamState
 from pagedllm.server.engine.engine_stats import EngineStats
-from pagedllm.server.engine.faults import EngineFatalError, FaultInjector, StepFailureWindow
+from pagedllm.server.engine.faults import EngineFatalError, StepFailureWindow
 from pagedllm.server.engine.input_processor import InputProcessor, PromptType
 from pagedllm.server.engine.lora_registry import LoRARegistry
 from pagedllm.server.engine.model_info import ModelInfo, load_tokenizer, read_model_info
@@ -43,16 +46,16 @@ from pagedllm.server.engine.step_inputs import StepBuilder, StepResult
 from pagedllm.server.engine.step_results import RequestState, StepResults
 from pagedllm.server.engine.structured_output import StructuredOutputs
 from pagedllm.server.engine.warm_up import warm_up
+from pagedllm.server.executor import Executor, WorkerDiedError
+from pagedllm.server.hf_config import read_hf_config
 from pagedllm.server.lora_request import LoRARequest
 from pagedllm.server.outputs import EngineOutput
 from pagedllm.server.pooling_params import PoolingParams
 from pagedllm.server.sampling_params import SamplingParams
-from pagedllm.server.worker.model_loader import read_hf_config
-from pagedllm.server.worker.model_runner import ModelRunner, check_tensor_parallel, resolve_device
-from pagedllm.server.worker.tp_workers import WorkerDiedError
 
 if TYPE_CHECKING:
     from pagedllm.server.engine.kv_event_publisher import ZmqEventPublisher
+    from pagedllm.server.worker.model_runner import ModelRunner
 
 logger = logging.getLogger("pagedllm.engine")
 
@@ -62,7 +65,7 @@ class EngineClosedError(RuntimeError):
 
 
 class LLMEngine:
-    """Owns the scheduler, block manager, model runner and sampler for one model.
+    """Owns the scheduler, block manager and the executor of one model's workers.
 
     ``shutdown()`` (or leaving a ``with LLMEngine(config) as engine:`` block) stops the
     tensor-parallel ranks, leaves the process group and frees the KV cache at once; an
@@ -78,19 +81,13 @@ class LLMEngine:
             None if config.model.skip_tokenizer_init else load_tokenizer(config.model.tokenizer or config.model.model)
         )
         info = read_model_info(config, hf_config, self.tokenizer)
-        device = resolve_device(config.model.device)
-        config = _with_token_budget(config, device.type, info.max_model_len)
-        config = self.config = dataclasses.replace(config, cache=config.cache.with_block_size(device.type))
+        device_type = Executor.device_type(config.model.device)
+        config = _with_token_budget(config, device_type, info.max_model_len)
+        config = self.config = dataclasses.replace(config, cache=config.cache.with_block_size(device_type))
         self._check_scheduler_fits(info.max_model_len)
-        tp = config.parallel.tensor_parallel_size
-        check_tensor_parallel(hf_config, tp, device, config.parallel.ranks_per_node)
-        self.runner = ModelRunner(config, hf_config, info.max_model_len)
+        self.executor = Executor(config, hf_config, info.max_model_len)
         self.step_builder = StepBuilder(
-            config.scheduler.max_num_seqs,
-            info.max_model_len,
-            config.cache.tokens_per_block,
-            self.runner.device,
-            config.lora.enable_lora,
+            config.scheduler.max_num_seqs, info.max_model_len, config.cache.tokens_per_block, config.lora.enable_lora
         )
         self.draft: DraftModel | None = None
         """The draft model of ``draft_model`` speculation (None otherwise)."""
@@ -100,12 +97,12 @@ class LLMEngine:
         # Nothing the engine owns may point back at it (no bound methods of it handed to its
         # parts), or the engine sits in a cycle and its ranks and process group outlive it
         # until a garbage-collection pass: a second tensor-parallel engine could not start.
-        self._closers: list[Callable[[], None]] = [self.runner.shutdown]
+        self._closers: list[Callable[[], None]] = [self.executor.shutdown]
         self._finalizer = weakref.finalize(self, _close_all, self._closers)
         try:
             spec = config.scheduler.speculative_config
             if spec is not None and spec.method == "draft_model":
-                self.draft = DraftModel(config, spec, info.vocab_size, info.max_model_len, self.runner.dtype)
+                self.draft = self.executor.start_draft(spec, info.vocab_size, info.max_model_len)
                 self._closers.append(self.draft.shutdown)
             self._build(config, info)
         except BaseException:
@@ -145,10 +142,8 @@ class LLMEngine:
             self._requests,
             self._next_seq_id,
             structured,
-            None,
             self.spec_decoder,
         )
-        self.faults = FaultInjector.from_env()
 
     def _spec_decoder(self, config: EngineConfig) -> SpecDecoder | None:
         spec = config.scheduler.speculative_config
@@ -165,15 +160,9 @@ class LLMEngine:
         return SpecDecoder(spec, self.output_processor, self.block_manager, self._requests, self.draft)
 
     @property
-    def faults(self) -> FaultInjector | None:
-        """Test-only fault injection (``PAGEDLLM_INJECT_FAULTS``); None in normal use."""
-        return self.step_results.faults
-
-    @faults.setter
-    def faults(self, value: FaultInjector | None) -> None:
-        self.step_results.faults = value
-        if self.runner.sampler is not None:  # NOTE: the driver's sampler draws in this process
-            self.runner.sampler.fault_hook = value.check_sampler if value is not None and value.sampler else None
+    def runner(self) -> ModelRunner:
+        """Rank 0's worker, in this process (its model, cache and sampler; tests and benchmarks read it)."""
+        return self.executor.driver
 
     @property
     def max_model_len(self) -> int:
@@ -192,13 +181,14 @@ class LLMEngine:
     def _allocate_cache(self, max_model_len: int, kv_window: int | None) -> BlockManager:
         config = self.config
         useful = config.scheduler.max_num_seqs * -(-max_model_len // config.cache.tokens_per_block)
-        num_cpu_blocks = self.runner.num_host_blocks(useful)
+        executor = self.executor
+        num_cpu_blocks = executor.num_host_blocks(useful)
         if self.draft is None or config.cache.num_gpu_blocks_override is not None:
-            num_gpu_blocks = self.runner.num_device_blocks(useful)
+            num_gpu_blocks = executor.num_device_blocks(useful)
         else:  # NOTE: the draft's cache takes its share of the same memory, block for block
-            target, both = self.runner.block_bytes, self.runner.block_bytes + self.draft.block_bytes
-            num_gpu_blocks = max(1, self.runner.num_device_blocks(-(-useful * both // target)) * target // both)
-        self.runner.allocate_cache(num_gpu_blocks, num_cpu_blocks)
+            target, both = executor.block_bytes, executor.block_bytes + self.draft.block_bytes
+            num_gpu_blocks = max(1, executor.num_device_blocks(-(-useful * both // target)) * target // both)
+        executor.allocate_cache(num_gpu_blocks, num_cpu_blocks)
         if self.draft is not None:
             self.draft.allocate(num_gpu_blocks)
         bm = BlockManager(
@@ -319,8 +309,6 @@ class LLMEngine:
             self._num_steps += 1
             touched.update((id(item.group), item.group) for item in out.scheduled)
             try:
-                if self.faults is not None:
-                    self.faults.check_step(self._num_steps)
                 if self.spec_decoder is not None:
                     # NOTE: a failing draft fails the step, as the model would
                     self.scheduler.set_proposals(self.spec_decoder.fill_drafts(out))
@@ -328,7 +316,7 @@ class LLMEngine:
                     out, self.block_manager.tables, self.block_manager.table_versions
                 )
                 model_step = dataclasses.replace(model_step, sampling=self.sampling_rows.build(inputs, failed))
-                result = StepResult.of(inputs, self.runner.execute(model_step))
+                result = StepResult.of(inputs, self.executor.execute(model_step))
             except WorkerDiedError as exc:
                 raise EngineFatalError(str(exc)) from exc
             except Exception as exc:
@@ -398,7 +386,7 @@ class LLMEngine:
     def check_health(self) -> None:
         """Raise :class:`EngineFatalError` if the engine can no longer run (a tensor-parallel rank died)."""
         try:
-            self.runner.check_health()
+            self.executor.check_health()
         except WorkerDiedError as exc:
             raise EngineFatalError(str(exc)) from exc
 

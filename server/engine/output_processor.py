@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence as Sequence_
 from typing import Any
 
-import torch
+import numpy as np
 
 from pagedllm.server.core.sequence import Logprobs, Sequence, SequenceGroup, SequenceStatus, StopReason
 from pagedllm.server.core.sequence_updates import SeqUpdate
@@ -129,7 +129,7 @@ class OutputProcessor:
         )
 
     @staticmethod
-    def embedding_output(group: SequenceGroup, embedding: torch.Tensor | None) -> EmbeddingRequestOutput:
+    def embedding_output(group: SequenceGroup, embedding: np.ndarray | None) -> EmbeddingRequestOutput:
         """An embedding request's state now: its embedding once its prompt is pooled."""
         vector = embedding.tolist() if embedding is not None else []
         return EmbeddingRequestOutput(

@@ -1,9 +1,12 @@
-"""One step's inputs, built on the engine side: the scheduled tokens flattened into tensors, the
-rows whose logits matter, and the :class:`~pagedllm.server.worker.model_step.ModelStep` the worker runs.
+"""One step's inputs, built on the engine side: the scheduled tokens flattened into host arrays,
+the rows whose logits matter, and the :class:`~pagedllm.server.worker.model_step.ModelStep` the workers run.
 
     SchedulerOutput + block tables ─► StepBuilder.build ─┬► StepInputs (which sequence each logits row is)
-                                                         └► ModelStep (tensors) ─► ModelRunner.execute
-                                                                                     └► StepOutputs (tokens)
+                                                         └► ModelStep (arrays) ─► Executor.execute
+                                                                                  └► StepOutputs (tokens)
+
+NOTE: numbers only (numpy): each worker makes its tensors on its own device
+(:mod:`pagedllm.server.worker.device_step`), so the engine imports no torch.
 """
 
 from __future__ import annotations
@@ -13,15 +16,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-import torch
 
 from pagedllm.server.core.scheduler import SchedulerOutput
 from pagedllm.server.core.sequence import Sequence, SequenceGroup
 from pagedllm.server.engine.input_batch import DecodeInputs, InputBatch
 from pagedllm.server.lora_request import LoRARequest
-from pagedllm.server.worker.attention import AttentionMetadata
-from pagedllm.server.worker.lora_model import StepLoRA
-from pagedllm.server.worker.model_step import ModelStep, StepOutputs
+from pagedllm.server.worker.model_step import ModelStep, StepAttention, StepLoRA, StepOutputs
 from pagedllm.server.worker.sampling_batch import SamplerOutput
 
 
@@ -60,15 +60,15 @@ class SpecRow:
 
 @dataclass
 class StepInputs:
-    input_ids: torch.Tensor  # [num_tokens] int64
-    positions: torch.Tensor  # [num_tokens] int64
-    meta: AttentionMetadata
+    input_ids: np.ndarray  # [num_tokens] int64
+    positions: np.ndarray  # [num_tokens] int64
+    meta: StepAttention
     sample_rows: list[SampleRow]  # sequences that reach their end and sample a token
-    sample_index: torch.Tensor  # [len(sample_rows)] token index of each row's last token
+    sample_index: np.ndarray  # [len(sample_rows)] token index of each row's last token
     prompt_rows: list[SampleRow]  # sequences that want prompt logprobs for this chunk
-    prompt_index: torch.Tensor  # [sum of their positions] token indices whose logits score the prompt
+    prompt_index: np.ndarray  # [sum of their positions] token indices whose logits score the prompt
     pool_rows: list[PoolRow] = field(default_factory=list)  # embedding requests' positions pooled this step
-    pool_index: torch.Tensor | None = None  # [sum of their num] token indices pooled, row after row
+    pool_index: np.ndarray | None = None  # [sum of their num] token indices pooled, row after row
     spec_rows: list[SpecRow] = field(default_factory=list)
     """Sequences verifying proposals; their logits rows follow the sample rows' in ``sample_index``."""
 
@@ -80,7 +80,7 @@ class StepResult:
     inputs: StepInputs
     sampled: SamplerOutput | None
     """Tokens of the sample rows, verified proposals and prompt log-probabilities (None: no sampling)."""
-    pooled: torch.Tensor | None = None  # [len(inputs.pool_rows), hidden] float32 sums, on the CPU
+    pooled: np.ndarray | None = None  # [len(inputs.pool_rows), hidden] float32 sums
 
     @classmethod
     def of(cls, inputs: StepInputs, outputs: StepOutputs) -> StepResult:
@@ -100,9 +100,8 @@ class StepBuilder:
     is built (the engine runs one at a time).
     """
 
-    def __init__(self, max_num_seqs: int, max_model_len: int, block_size: int, device: torch.device, lora: bool):
+    def __init__(self, max_num_seqs: int, max_model_len: int, block_size: int, lora: bool):
         self.batch = InputBatch(max_num_seqs, -(-max_model_len // block_size), block_size)
-        self.device = device
         self.lora = lora
         """Whether the model has adapter hooks (then every step carries its token slots)."""
 
@@ -111,7 +110,7 @@ class StepBuilder:
     ) -> tuple[StepInputs, ModelStep]:
         """The step's rows and the tensors the worker runs (``block_tables`` and ``table_versions``
         are the block manager's: see ``BlockManager.table_versions``)."""
-        inputs = prepare_batched_inputs(out, self.batch, block_tables, table_versions, self.device)
+        inputs = prepare_batched_inputs(out, self.batch, block_tables, table_versions)
         step = ModelStep(
             out.blocks_to_swap_out,
             out.blocks_to_swap_in,
@@ -122,7 +121,7 @@ class StepBuilder:
             inputs.sample_index,
             inputs.prompt_index if inputs.prompt_rows else None,
             inputs.pool_index,
-            torch.tensor([row.num for row in inputs.pool_rows], dtype=torch.int64) if inputs.pool_rows else None,
+            np.array([row.num for row in inputs.pool_rows], dtype=np.int64) if inputs.pool_rows else None,
             step_lora(out) if self.lora else None,
         )
         return inputs, step
@@ -167,9 +166,7 @@ def step_lora(out: SchedulerOutput) -> StepLoRA | None:
     return StepLoRA(token_slots, tuple(sorted(adapters.items())))
 
 
-def prepare_inputs(
-    out: SchedulerOutput, block_tables: dict[int, list[int]], block_size: int, device: torch.device
-) -> StepInputs:
+def prepare_inputs(out: SchedulerOutput, block_tables: dict[int, list[int]], block_size: int) -> StepInputs:
     """Flatten the step from Python lists: decodes first, then verifications, then prefill chunks.
 
     The engine keeps decodes in an :class:`~pagedllm.server.engine.input_batch.InputBatch`
@@ -179,8 +176,8 @@ def prepare_inputs(
     entries = decodes + verifies + prefills
     tokens = _Tokens()
     tokens.add(entries, block_tables, block_size)
-    meta = _metadata(decodes + verifies, prefills, block_tables, tokens.slots, device)
-    return _step_inputs(entries, tokens.ids, tokens.positions, meta, device)
+    meta = _metadata(decodes + verifies, prefills, block_tables, tokens.slots)
+    return _step_inputs(entries, tokens.ids, tokens.positions, meta)
 
 
 def prepare_batched_inputs(
@@ -188,7 +185,6 @@ def prepare_batched_inputs(
     batch: InputBatch,
     block_tables: Mapping[int, list[int]],
     table_versions: Mapping[int, int],
-    device: torch.device,
 ) -> StepInputs:
     """The same step as :func:`prepare_inputs`, its decodes taken from the persistent ``batch``."""
     decodes, verifies, prefills = split_step(out)
@@ -202,35 +198,35 @@ def prepare_batched_inputs(
         positions = np.concatenate((positions, np.array(tokens.positions, dtype=np.int64)))
         slots = np.concatenate((slots, np.array(tokens.slots, dtype=np.int64)))
     if verifies:
-        decode_tables = _stack(decode_tables, _tables(verifies, block_tables, torch.device("cpu")))
-        decode_lens = torch.cat((decode_lens, _context_lens(verifies, torch.device("cpu"))))
-    meta = AttentionMetadata(
-        slot_mapping=torch.from_numpy(slots).to(device),
-        num_decode_tokens=decode_lens.numel(),
-        decode_block_tables=decode_tables.to(device),
-        decode_context_lens=decode_lens.to(device),
-        prefill_block_tables=_tables(prefills, block_tables, device),
-        prefill_cu_seqlens_q=_cu_seqlens(prefills, device),
-        prefill_context_lens=_context_lens(prefills, device),
+        decode_tables = _stack(decode_tables, _tables(verifies, block_tables))
+        decode_lens = np.concatenate((decode_lens, _context_lens(verifies)))
+    meta = StepAttention(
+        slot_mapping=slots,
+        num_decode_tokens=int(decode_lens.size),
+        decode_block_tables=decode_tables,
+        decode_context_lens=decode_lens,
+        prefill_block_tables=_tables(prefills, block_tables),
+        prefill_cu_seqlens_q=_cu_seqlens(prefills),
+        prefill_context_lens=_context_lens(prefills),
     )
     if verifies or prefills or not _plain_decodes(decodes, rows):
         entries = decodes + verifies + prefills
-        return _step_inputs(entries, torch.from_numpy(ids), torch.from_numpy(positions), meta, device)
+        return _step_inputs(entries, ids, positions, meta)
     return StepInputs(  # every row samples its one token and none scores its prompt: the usual step
-        input_ids=torch.from_numpy(ids).to(device),
-        positions=torch.from_numpy(positions).to(device),
+        input_ids=ids,
+        positions=positions,
         meta=meta,
         sample_rows=[SampleRow(group, seq) for group, seq, _ in decodes],
-        sample_index=torch.from_numpy(np.arange(len(decodes), dtype=np.int64)).to(device),
+        sample_index=np.arange(len(decodes), dtype=np.int64),
         prompt_rows=[],
-        prompt_index=torch.zeros(0, dtype=torch.int64, device=device),
+        prompt_index=np.zeros(0, dtype=np.int64),
     )
 
 
-def _stack(first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
+def _stack(first: np.ndarray, second: np.ndarray) -> np.ndarray:
     """Block-table rows of ``first`` then ``second``, zero-padded to the wider (int32)."""
     width = max(first.shape[1], second.shape[1])
-    out = torch.zeros((first.shape[0] + second.shape[0], width), dtype=torch.int32)
+    out = np.zeros((first.shape[0] + second.shape[0], width), dtype=np.int32)
     out[: first.shape[0], : first.shape[1]] = first
     out[first.shape[0] :, : second.shape[1]] = second
     return out
@@ -265,9 +261,7 @@ class _Tokens:
             self.slots.extend(table[p // block_size] * block_size + p % block_size for p in range(start, start + chunk))
 
 
-def _step_inputs(
-    entries: list[Entry], ids: Any, positions: Any, meta: AttentionMetadata, device: torch.device
-) -> StepInputs:
+def _step_inputs(entries: list[Entry], ids: Any, positions: Any, meta: StepAttention) -> StepInputs:
     """The rows whose logits the step needs, around the step's tokens (``entries`` in token order)."""
     sample_rows: list[SampleRow] = []
     sample_index: list[int] = []
@@ -298,15 +292,15 @@ def _step_inputs(
             prompt_index.extend(offset + p - start for p in scored)
         offset += chunk
     return StepInputs(
-        input_ids=torch.as_tensor(ids, dtype=torch.int64, device=device),
-        positions=torch.as_tensor(positions, dtype=torch.int64, device=device),
+        input_ids=np.asarray(ids, dtype=np.int64),
+        positions=np.asarray(positions, dtype=np.int64),
         meta=meta,
         sample_rows=sample_rows,
-        sample_index=torch.from_numpy(np.array(sample_index + spec_index, dtype=np.int64)).to(device),
+        sample_index=np.array(sample_index + spec_index, dtype=np.int64),
         prompt_rows=prompt_rows,
-        prompt_index=torch.from_numpy(np.array(prompt_index, dtype=np.int64)).to(device),
+        prompt_index=np.array(prompt_index, dtype=np.int64),
         pool_rows=pool_rows,
-        pool_index=torch.from_numpy(np.array(pool_index, dtype=np.int64)).to(device) if pool_rows else None,
+        pool_index=np.array(pool_index, dtype=np.int64) if pool_rows else None,
         spec_rows=spec_rows,
     )
 
@@ -319,30 +313,30 @@ def _pool_row(group: SequenceGroup, seq: Sequence, start: int, chunk: int) -> Po
     return PoolRow(group, seq, len(seq) - 1, 1) if start + chunk == len(seq) else None
 
 
-def _metadata(decodes, prefills, block_tables, slots, device: torch.device) -> AttentionMetadata:
-    decode_lens = _context_lens(decodes, device)
-    return AttentionMetadata(
-        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-        num_decode_tokens=decode_lens.numel(),
-        decode_block_tables=_tables(decodes, block_tables, device),
+def _metadata(decodes, prefills, block_tables, slots) -> StepAttention:
+    decode_lens = _context_lens(decodes)
+    return StepAttention(
+        slot_mapping=np.array(slots, dtype=np.int64),
+        num_decode_tokens=int(decode_lens.size),
+        decode_block_tables=_tables(decodes, block_tables),
         decode_context_lens=decode_lens,
-        prefill_block_tables=_tables(prefills, block_tables, device),
-        prefill_cu_seqlens_q=_cu_seqlens(prefills, device),
-        prefill_context_lens=_context_lens(prefills, device),
+        prefill_block_tables=_tables(prefills, block_tables),
+        prefill_cu_seqlens_q=_cu_seqlens(prefills),
+        prefill_context_lens=_context_lens(prefills),
     )
 
 
-def _tables(entries: list[Entry], block_tables: Mapping[int, list[int]], device: torch.device) -> torch.Tensor:
+def _tables(entries: list[Entry], block_tables: Mapping[int, list[int]]) -> np.ndarray:
     """One row per token of a verification (see :func:`_context_lens`), one per chunk otherwise."""
     if not entries:
-        return torch.zeros((0, 0), dtype=torch.int32, device=device)
+        return np.zeros((0, 0), dtype=np.int32)
     rows = [block_tables[seq.seq_id] for _, seq, chunk in entries for _ in range(_decode_rows(seq, chunk))]
     width = max((len(r) for r in rows), default=0)
     padded = [r + [0] * (width - len(r)) for r in rows]
-    return torch.tensor(padded, dtype=torch.int32, device=device).view(len(rows), width)
+    return np.array(padded, dtype=np.int32).reshape(len(rows), width)
 
 
-def _context_lens(entries: list[Entry], device: torch.device) -> torch.Tensor:
+def _context_lens(entries: list[Entry]) -> np.ndarray:
     """Each chunk's context including its new tokens; a verification's tokens each as a decode of its own.
 
     NOTE: a sequence verifying k proposals attends as 1 + k decodes over the same block table,
@@ -358,7 +352,7 @@ def _context_lens(entries: list[Entry], device: torch.device) -> torch.Tensor:
             lens.append(start + chunk)
         else:
             lens.extend(range(start + 1, start + chunk + 1))
-    return torch.from_numpy(np.array(lens, dtype=np.int32)).to(device)
+    return np.array(lens, dtype=np.int32)
 
 
 def _decode_rows(seq: Sequence, chunk: int) -> int:
@@ -366,8 +360,8 @@ def _decode_rows(seq: Sequence, chunk: int) -> int:
     return chunk if seq.num_computed_tokens + chunk > len(seq.token_ids) else 1
 
 
-def _cu_seqlens(prefills: list[Entry], device: torch.device) -> torch.Tensor:
+def _cu_seqlens(prefills: list[Entry]) -> np.ndarray:
     cu = [0]
     for _, _, chunk in prefills:
         cu.append(cu[-1] + chunk)
-    return torch.tensor(cu, dtype=torch.int32, device=device)
+    return np.array(cu, dtype=np.int32)

@@ -16,12 +16,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-import torch
+import numpy as np
 
 from pagedllm.server.core.sequence import Sequence, SequenceGroup, SequenceStatus
 from pagedllm.server.core.sequence_updates import GroupUpdate, NewSeq, SeqUpdate, StepUpdates
 from pagedllm.server.engine.beam_search import BeamSearch, BeamState
-from pagedllm.server.engine.faults import FaultInjector
 from pagedllm.server.engine.output_processor import OutputProcessor
 from pagedllm.server.engine.sampling_rows import logprob_dicts
 from pagedllm.server.engine.spec_decode.spec_decoder import SpecDecoder
@@ -44,10 +43,10 @@ class RequestState:
     """The compiled grammar of a structured-output request."""
     matchers: dict[int, Any] = field(default_factory=dict)
     """seq_id -> the grammar matcher following that sequence's tokens."""
-    pooled: torch.Tensor | None = None
+    pooled: np.ndarray | None = None
     """An embedding request's sum of hidden states over ``num_pooled`` positions so far (float32)."""
     num_pooled: int = 0
-    embedding: torch.Tensor | None = None
+    embedding: np.ndarray | None = None
     """An embedding request's result, once its whole prompt is pooled."""
 
     def matcher(self, seq: Sequence, structured: StructuredOutputs) -> Any:
@@ -75,7 +74,6 @@ class StepResults:
         requests: dict[str, RequestState],
         new_seq_id: Callable[[], int],
         structured: StructuredOutputs,
-        faults: FaultInjector | None = None,
         spec: SpecDecoder | None = None,
     ) -> None:
         self.spec = spec
@@ -86,7 +84,6 @@ class StepResults:
         self.requests = requests
         self.new_seq_id = new_seq_id
         """Ids for the sequences parallel samples fork."""
-        self.faults = faults
 
     def decide(self, result: StepResult, failed: dict[str, str]) -> StepUpdates:
         """Prompt logprobs, sampled tokens, verified proposals and finished embeddings, as updates for
@@ -122,8 +119,6 @@ class StepResults:
                 beam_rows.setdefault(group.request_id, []).append(i)
                 continue
             try:
-                if self.faults is not None:
-                    self.faults.check_request(group.request_id)
                 updates.append(self._sample(group, row.seq, tokens))
             except Exception as exc:
                 self._fail(failed, group, "output processing", exc)
@@ -133,8 +128,6 @@ class StepResults:
             state = self.requests[request_id]
             assert state.beam is not None
             try:
-                if self.faults is not None:
-                    self.faults.check_request(request_id)
                 candidates = [tokens for i in indices if (tokens := sampled.rows[i]) is not None]
                 beams = [rows[i].seq for i in indices]
                 updates.append(self.beam_search.decide(state.group, state.beam, beams, candidates))
@@ -214,8 +207,6 @@ class StepResults:
             if row.group.request_id in failed:
                 continue
             try:
-                if self.faults is not None:
-                    self.faults.check_request(row.group.request_id)
                 if self._add_pooled(self.requests[row.group.request_id], row, pooled):
                     done = SeqUpdate(row.seq.seq_id, finish=SequenceStatus.FINISHED_STOPPED)
                     updates.append(GroupUpdate(row.group.request_id, updates=(done,)))
@@ -223,12 +214,12 @@ class StepResults:
                 self._fail(failed, row.group, "pooling", exc)
 
     @staticmethod
-    def _add_pooled(state: RequestState, row: PoolRow, pooled: torch.Tensor) -> bool:
+    def _add_pooled(state: RequestState, row: PoolRow, pooled: np.ndarray) -> bool:
         """Add a chunk's hidden-state sum; True: the chunk ends the prompt, so the embedding is ready
         and the request finishes."""
         # NOTE: a prompt preempted by recomputation starts again from position 0: so does its sum.
         if row.start == 0 or state.pooled is None:
-            state.pooled, state.num_pooled = torch.zeros_like(pooled), 0
+            state.pooled, state.num_pooled = np.zeros_like(pooled), 0
         state.pooled += pooled
         state.num_pooled += row.num
         if not row.completes_prompt:
@@ -237,6 +228,6 @@ class StepResults:
         assert params is not None
         embedding = state.pooled / state.num_pooled
         if params.normalize:
-            embedding = torch.nn.functional.normalize(embedding, p=2.0, dim=0)
+            embedding = embedding / max(float(np.linalg.norm(embedding)), 1e-12)  # as torch's normalize
         state.embedding = embedding
         return True

@@ -42,6 +42,10 @@ HEARTBEAT_TIMEOUT_ENV = "PAGEDLLM_TP_HEARTBEAT_TIMEOUT"
 JOIN_TIMEOUT_ENV = "PAGEDLLM_TP_JOIN_TIMEOUT"
 
 
+class WorkerDiedError(RuntimeError):
+    """A tensor-parallel rank exited or hung: the model can no longer run (fatal for the engine)."""
+
+
 class RankLostError(RuntimeError):
     """A rank (or, seen from a rank, the leader) closed its connection, went quiet, or never joined."""
 

@@ -32,7 +32,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -48,16 +47,8 @@ from pagedllm.kernels.lora_matmul import (
 from pagedllm.server.config import ConfigError, LoRAConfig
 from pagedllm.server.lora_request import LoRARequest
 from pagedllm.server.worker.lora_adapter import ROW_PARALLEL, TARGETS, AdapterInfo, Key, inspect_adapter, load_adapter
+from pagedllm.server.worker.model_step import StepLoRA
 from pagedllm.server.worker.models.tensor_parallel import TPGroup
-
-
-@dataclass(frozen=True)
-class StepLoRA:
-    """What every rank needs to run a step's adapters (sent with the step to the other ranks)."""
-
-    token_slots: np.ndarray  # [num_tokens] int64, 0 for base-model tokens
-    adapters: tuple[tuple[int, LoRARequest], ...]
-    """(slot, adapter) of every slot the step uses; a rank loads one whose slot holds another."""
 
 
 @dataclass

@@ -1,19 +1,19 @@
-"""The worker: owns the model and its KV cache, and runs the steps the engine builds (:class:`ModelStep`)."""
+"""One rank's worker: owns the model (its shard) and its KV cache, and runs the steps the engine
+builds (:class:`ModelStep`). The executor (:mod:`pagedllm.server.executor`) drives one per rank."""
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
-import os
-import time
 
+import numpy as np
 import torch
 
 from pagedllm.server.config import ConfigError, EngineConfig, GiB
 from pagedllm.server.worker.attention import AttentionMetadata, select_attention_ops
 from pagedllm.server.worker.cpu_threads import choose_threads
 from pagedllm.server.worker.cuda_graphs import DecodeGraphs, try_capture
+from pagedllm.server.worker.device_step import DeviceStep
 from pagedllm.server.worker.dtype_choice import choose_dtype
 from pagedllm.server.worker.lora_model import LoRAModel
 from pagedllm.server.worker.model_loader import init_dummy_weights, iterate_weights
@@ -24,7 +24,6 @@ from pagedllm.server.worker.models.cpu_linear import prepack_linears
 from pagedllm.server.worker.models.fused_linear import fuse_projections
 from pagedllm.server.worker.models.tensor_parallel import TPGroup
 from pagedllm.server.worker.sampler import Sampler
-from pagedllm.server.worker.tp_workers import TPWorkers
 
 logger = logging.getLogger(__name__)
 
@@ -59,18 +58,17 @@ def check_tensor_parallel(hf_config: dict, size: int, device: torch.device, rank
 
 
 class ModelRunner:
-    """Loads the model, allocates the KV cache and executes scheduled steps."""
+    """One rank: loads the model (its shard), allocates the KV cache and executes scheduled steps.
+
+    ``tp``: this rank of the tensor-parallel group (None: the only rank); the group's
+    process group is joined before (see :class:`~pagedllm.server.executor.Executor`).
+    """
 
     def __init__(self, config: EngineConfig, hf_config: dict, max_model_len: int, tp: TPGroup | None = None) -> None:
         self.config = config
-        size = config.parallel.tensor_parallel_size
+        self.tp = tp if tp is not None else TPGroup(0, 1)
         # NOTE: a rank's device is its index on its own node (ranks are spread over --nnodes hosts)
-        self.device = resolve_device(config.model.device, config.parallel.local_rank(tp.rank) if tp is not None else 0)
-        self.workers: TPWorkers | None = None
-        if tp is None and size > 1:  # NOTE: the driver (rank 0) starts the other ranks first
-            self.workers = TPWorkers(config, hf_config, max_model_len, self.device.type)
-        self.tp = tp if tp is not None else TPGroup(0, size)
-        self.fault: str | None = None
+        self.device = resolve_device(config.model.device, config.parallel.local_rank(self.tp.rank))
         self.threads = choose_threads(config.parallel.cpu_threads, ranks=config.parallel.ranks_per_node)
         torch.set_num_threads(self.threads.threads)
         logger.info("torch uses %d CPU threads (%s)", self.threads.threads, self.threads.reason)
@@ -85,8 +83,6 @@ class ModelRunner:
             use_triton = self.ops.name == "triton"
             self.lora = LoRAModel(self.model, config.lora, self.tp, use_triton) if config.lora.enable_lora else None
             """The resident LoRA adapters and the hooks that add them (None without --enable-lora)."""
-            if self.workers is not None:
-                self.workers.wait_ready()
         except BaseException:
             self.shutdown()
             raise
@@ -126,41 +122,15 @@ class ModelRunner:
         return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * element
 
     def shutdown(self) -> None:
-        """Free this rank's KV cache and stop the other tensor-parallel ranks, if any (idempotent).
-
-        NOTE: the other ranks free their caches as their processes exit; the workers leave the
-        process group last, so a new tensor-parallel runner can start in this process.
-        """
+        """Free this rank's KV cache (idempotent)."""
         self.graphs = None  # NOTE: first: the graphs hold the cache's addresses
         self.kv_caches = []
         self.host_caches = []
         if self.device.type == "cuda":
             torch.cuda.empty_cache()  # NOTE: hands the freed blocks back to the device, not only to torch's pool
-        if self.workers is not None:
-            self.workers.shutdown()
-
-    def check_health(self) -> None:
-        """Raise :class:`WorkerDiedError` if a tensor-parallel rank is gone."""
-        if self.workers is not None:
-            self.workers.check()
-
-    def num_device_blocks(self, useful_blocks: int) -> int:
-        """Device blocks every rank can hold: each rank's count, the smallest agreed."""
-        if self.workers is None:
-            return self.local_device_blocks(useful_blocks)
-        self.workers.send(("device_blocks", useful_blocks))  # NOTE: first, so CUDA profiling runs on all ranks
-        return min([self.local_device_blocks(useful_blocks), *self.workers.replies()])
-
-    def num_host_blocks(self, useful_blocks: int) -> int:
-        if self.workers is None:
-            return self.local_host_blocks(useful_blocks)
-        self.workers.send(("host_blocks", useful_blocks))
-        return min([self.local_host_blocks(useful_blocks), *self.workers.replies()])
 
     def allocate_cache(self, num_device_blocks: int, num_host_blocks: int) -> None:
-        """Allocate the same number of blocks on every rank (each for its own heads)."""
-        if self.workers is not None:
-            self.workers.send(("allocate", num_device_blocks, num_host_blocks))
+        """This rank's KV cache (every rank gets the same block counts, each for its own heads)."""
         self.allocate_local_cache(num_device_blocks, num_host_blocks)
         # NOTE: the Triton KV write skips the padding rows' slot -1; the torch backend's would not
         graphed = self.device.type == "cuda" and self.ops.name == "triton" and self.tp.size == 1 and self.lora is None
@@ -175,7 +145,7 @@ class ModelRunner:
                     self.device,
                 )
 
-    def local_device_blocks(self, useful_blocks: int) -> int:
+    def device_blocks(self, useful_blocks: int) -> int:
         """Blocks that fit here: the override, the CPU budget, or what profiling leaves on the GPU."""
         cache = self.config.cache
         if cache.num_gpu_blocks_override is not None:
@@ -192,7 +162,7 @@ class ModelRunner:
             )
         return int(blocks)
 
-    def local_host_blocks(self, useful_blocks: int) -> int:
+    def host_blocks(self, useful_blocks: int) -> int:
         return int(min(self.config.cache.swap_space * GiB // self.block_bytes, useful_blocks))
 
     @torch.inference_mode()
@@ -257,28 +227,10 @@ class ModelRunner:
                 else:
                     device_cache[dst.to(self.device)] = host_cache[src].to(self.device, non_blocking=True)
 
-    def execute(self, step: ModelStep) -> StepOutputs:
-        """Move and copy blocks as the step says, then run the model on its tokens (on every rank)."""
-        if self.workers is None:
-            return self.run_step(step)
-        self.workers.send(("step", dataclasses.replace(step, sampling=None).to_wire()))
-        self.workers.step_started()
-        try:
-            return self.run_step(step)
-        except Exception as exc:
-            self.workers.check()  # NOTE: a dead or hung rank is the likely cause: name it
-            raise RuntimeError(f"the tensor-parallel step failed: {exc!r}") from exc
-        finally:
-            self.workers.step_ended()
-
     @torch.inference_mode()
-    def run_step(self, step: ModelStep) -> StepOutputs:
+    def execute(self, model_step: ModelStep) -> StepOutputs:
         """This rank's part of a step: block moves, the model, then (the driver) sampling."""
-        if self.fault == "die":
-            os._exit(3)
-        if self.fault == "hang":
-            time.sleep(3600)
-        step = step.to(self.device)
+        step = DeviceStep.of(model_step, self.device)
         if step.sampling is not None and self.sampler is not None:
             self.sampler.forget(step.sampling.finished_request_ids)
         self._move_blocks(step.swap_out, to_host=True)
@@ -304,8 +256,8 @@ class ModelRunner:
         return StepOutputs(sampled, _pool(hidden, step.pool_index, step.pool_lens))
 
 
-def _pool(hidden: torch.Tensor, index: torch.Tensor | None, lens: torch.Tensor | None) -> torch.Tensor | None:
-    """Sum ``hidden`` over each pool row's token indices: [len(lens), hidden_size] float32 on the CPU.
+def _pool(hidden: torch.Tensor, index: torch.Tensor | None, lens: torch.Tensor | None) -> np.ndarray | None:
+    """Sum ``hidden`` over each pool row's token indices: [len(lens), hidden_size] float32 on the host.
 
     NOTE: a sum, not a mean: a prompt chunked over several steps adds its chunks' sums up
     and divides once at the end. Rows after the last layer's all-reduce are whole on every rank.
@@ -314,4 +266,4 @@ def _pool(hidden: torch.Tensor, index: torch.Tensor | None, lens: torch.Tensor |
         return None
     rows = torch.repeat_interleave(torch.arange(lens.numel(), device=hidden.device), lens, output_size=index.numel())
     sums = torch.zeros((lens.numel(), hidden.shape[1]), dtype=torch.float32, device=hidden.device)
-    return sums.index_add_(0, rows, hidden[index].float()).cpu()
+    return sums.index_add_(0, rows, hidden[index].float()).cpu().numpy()

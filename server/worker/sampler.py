@@ -41,9 +41,6 @@ from pagedllm.server.worker.spec_verify import SpecVerifier
 
 logger = logging.getLogger("pagedllm.worker")
 
-FaultHook = Callable[[list[str]], None]
-"""Tests only: called with the request ids of the rows about to be drawn; raises to inject a failure."""
-
 
 class Sampler:
     """Draws a step's tokens; owns the per-request generators (see the module)."""
@@ -54,7 +51,6 @@ class Sampler:
         """Unseeded requests' generator."""
         self._generators: dict[str, torch.Generator] = {}
         """request id -> a seeded request's generator."""
-        self.fault_hook: FaultHook | None = None
         self.verifier = SpecVerifier(self.generator_of)
 
     def generator_of(self, row: RowSampling) -> torch.Generator:
@@ -103,8 +99,6 @@ class Sampler:
         """Tokens (or beam candidates) of the sample rows ``units``."""
         picked = [rows[i] for i in units]
         drawn = [k for k, row in enumerate(picked) if not row.num_beam_candidates]
-        if self.fault_hook is not None and drawn:
-            self.fault_hook([picked[k].request_id for k in drawn])
         view = logits if len(units) == logits.shape[0] else logits[_index(units, logits.device)]
         tokens = self._draw(process(view, picked), picked, drawn)
         wanted = [k for k in drawn if picked[k].needs_logprobs or picked[k].num_logprobs is not None]

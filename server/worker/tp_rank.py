@@ -24,8 +24,11 @@ import torch.distributed as dist
 
 from pagedllm.server.config import ParallelConfig
 from pagedllm.server.worker.channel_protocol import RankLostError, join_timeout
+from pagedllm.server.worker.model_runner import ModelRunner
+from pagedllm.server.worker.models.tensor_parallel import TPGroup
+from pagedllm.server.worker.process_group import init_group, layout
 from pagedllm.server.worker.rank_channel import RankChannel
-from pagedllm.server.worker.tp_workers import init_group, layout
+from pagedllm.server.worker.worker import REPLIES, handle, worker_class
 
 logger = logging.getLogger("pagedllm.tp")
 
@@ -115,14 +118,11 @@ def _build(
     rank: int,
     init_method: str,
     device_type: str,
-) -> Any:
-    from pagedllm.server.worker.model_runner import ModelRunner
-    from pagedllm.server.worker.models.tensor_parallel import TPGroup
-
+) -> ModelRunner | None:
     size = config.parallel.tensor_parallel_size
     try:
         init_group(rank, size, init_method, device_type)
-        runner = ModelRunner(config, hf_config, max_model_len, TPGroup(rank, size))
+        runner = worker_class(config.parallel.worker_cls)(config, hf_config, max_model_len, TPGroup(rank, size))
     except BaseException as exc:  # noqa: BLE001 (reported to the driver)
         channel.send(("error", repr(exc)))
         return None
@@ -130,22 +130,14 @@ def _build(
     return runner
 
 
-def _serve(channel: RankChannel, runner: Any) -> None:
-    from pagedllm.server.worker.model_step import ModelStep
-
+def _serve(channel: RankChannel, runner: ModelRunner) -> None:
+    """Answer the executor's messages (:mod:`pagedllm.server.worker.worker`) until it says stop."""
     while True:
-        kind, *args = channel.recv()
-        if kind == "shutdown":
+        message = channel.recv()
+        if message[0] == "shutdown":
             return
-        if kind == "device_blocks":
-            channel.send(("reply", runner.local_device_blocks(*args)))
-        elif kind == "host_blocks":
-            channel.send(("reply", runner.local_host_blocks(*args)))
-        elif kind == "allocate":
-            runner.allocate_local_cache(*args)
-        elif kind == "step":
-            channel.busy = True
-            runner.run_step(ModelStep.from_wire(args[0]))
-            channel.busy = False
-        elif kind == "inject_fault":  # tests: die or hang on the next step
-            runner.fault = args[0]
+        channel.busy = message[0] == "step"
+        answer = handle(runner, message)
+        channel.busy = False
+        if message[0] in REPLIES:
+            channel.send(("reply", answer))

@@ -4,7 +4,7 @@
 
     node 0: engine process (rank 0, the driver)           node n (``serve --headless``): rank r
     ───────────────────────────────────────────           ─────────────────────────────────────
-    scheduler, block manager, sampler                     ModelRunner with TPGroup(r, N)
+    scheduler, block manager, Executor                    ModelRunner with TPGroup(r, N)
     ModelRunner with TPGroup(0, N) ──TCP (rank_channel)─► one message per step: ("step", ModelStep)
             │  all-reduce / gather inside the model (gloo on CPU, NCCL on CUDA)  │
             └───────────────────────────────────────────────────────────────────┘
@@ -30,7 +30,6 @@ every rank to exit (their collectives then fail), naming the ranks that were ins
 
 from __future__ import annotations
 
-import datetime
 import logging
 import os
 import time
@@ -40,27 +39,15 @@ import torch
 import torch.distributed as dist
 
 from pagedllm.server.config import EngineConfig, ParallelConfig
-from pagedllm.server.worker.channel_protocol import RankLostError, join_timeout
+from pagedllm.server.worker.channel_protocol import RankLostError, WorkerDiedError, join_timeout
 from pagedllm.server.worker.leader_channel import LeaderChannel
+from pagedllm.server.worker.process_group import init_group, layout
+from pagedllm.server.worker.tp_rank import rank_process
+from pagedllm.server.worker.worker import REPLIES
 
 logger = logging.getLogger("pagedllm.tp")
 HANG_TIMEOUT_ENV = "PAGEDLLM_TP_HANG_TIMEOUT"
 REPLY_TIMEOUT_S = 600.0
-
-
-class WorkerDiedError(RuntimeError):
-    """A tensor-parallel rank exited or hung: the model can no longer run (fatal for the engine)."""
-
-
-def init_group(rank: int, world_size: int, init_method: str, device_type: str) -> None:
-    backend = "nccl" if device_type == "cuda" else "gloo"
-    timeout = datetime.timedelta(seconds=float(os.environ.get("PAGEDLLM_TP_COLLECTIVE_TIMEOUT", "300")))
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size, timeout=timeout)
-
-
-def layout(parallel: ParallelConfig) -> tuple[int, int]:
-    """What every node must agree on: (tensor_parallel_size, nnodes)."""
-    return parallel.tensor_parallel_size, parallel.nnodes
 
 
 def _free_port(host: str) -> int:
@@ -72,7 +59,11 @@ def _free_port(host: str) -> int:
 
 
 class TPWorkers:
-    """Starts (on this node), admits (from every node), drives, watches and stops ranks 1..N-1."""
+    """Starts (on this node), admits (from every node), drives, watches and stops ranks 1..N-1.
+
+    To the executor they are the workers other than its own: :meth:`send` a message to all,
+    then :meth:`collect` their answers (see :mod:`pagedllm.server.worker.worker`).
+    """
 
     def __init__(self, config: EngineConfig, hf_config: dict, max_model_len: int, device_type: str) -> None:
         parallel = config.parallel
@@ -128,6 +119,10 @@ class TPWorkers:
             answers.append(value)
         return answers
 
+    def collect(self, message: tuple) -> list[Any]:
+        """The ranks' answers to ``message``, in rank order; none for a message that gets no reply."""
+        return self.replies() if message[0] in REPLIES else []
+
     def step_started(self) -> None:
         self._step_started = time.monotonic()
 
@@ -135,12 +130,21 @@ class TPWorkers:
         self._step_started = None
 
     # -- health -------------------------------------------------------------------------------
-    def check(self) -> None:
-        """Raise :class:`WorkerDiedError` naming the node and rank if a rank exited, went quiet or hung."""
-        if self.error is None:
-            self.error = self._local_exit() or self._channel_error()
-        if self.error is not None:
-            raise WorkerDiedError(self.error)
+    def check(self, grace_s: float = 0.0) -> None:
+        """Raise :class:`WorkerDiedError` naming the node and rank if a rank exited, went quiet or hung.
+
+        ``grace_s``: how long to wait for such news (after a failed collective: a rank's sockets
+        close while it exits, a moment before its exit and its lost connection can be seen).
+        """
+        deadline = time.monotonic() + grace_s
+        while True:
+            if self.error is None:
+                self.error = self._local_exit() or self._channel_error()
+            if self.error is not None:
+                raise WorkerDiedError(self.error)
+            if time.monotonic() >= deadline:
+                return
+            time.sleep(0.05)
 
     def _local_exit(self) -> str | None:
         for rank, proc in self.procs.items():
@@ -193,8 +197,6 @@ def _layout_problem(parallel: ParallelConfig, theirs: tuple[int, int]) -> str | 
 
 def _start_local_ranks(host: str, port: int, parallel: ParallelConfig) -> dict[int, Any]:
     """Node 0's ranks other than 0, each a process that connects back to ``host:port``."""
-    from pagedllm.server.worker.tp_rank import rank_process
-
     context = torch.multiprocessing.get_context("spawn")
     procs = {}
     for rank in parallel.ranks_of(0)[1:]:

@@ -1,6 +1,6 @@
 """The server's layers import one way, read from the source with ``ast`` (nothing is imported).
 
-    core  <-  engine  <-  entrypoints          worker  <-  engine
+    core  <-  engine  <-  entrypoints          worker  <-  executor  <-  engine
     config / args / sampling_params / outputs: torch-free, importable by the operator
 
 Every ``import`` counts, also one inside a function: a lazy import is still a
@@ -20,7 +20,8 @@ HEAVY = ("torch", "triton", "transformers", "fastapi", "starlette", "uvicorn", "
 TORCH_FREE = ("core", "config", "args", "sampling_params", "outputs")
 FORBIDDEN = {  # layer -> layers it must not import
     "core": ("engine", "worker", "entrypoints", "demo", "llm"),
-    "worker": ("engine", "entrypoints", "llm"),
+    "worker": ("engine", "executor", "entrypoints", "llm"),
+    "executor": ("core", "engine", "entrypoints", "llm"),
     "engine": ("entrypoints", "llm"),
     "config": ("core", "engine", "worker", "entrypoints", "demo", "llm"),
     "args": ("core", "engine", "worker", "entrypoints", "demo", "llm"),
@@ -121,6 +122,7 @@ def test_layers_import_one_way_and_core_stays_torch_free():
         ("engine/llm_engine.py", "from pagedllm.server.entrypoints.openai import serving", "engine must not depend"),
         ("core/sequence.py", "from ..engine import sampler", "core must not depend on engine"),
         ("config/cache.py", "from pagedllm.server.worker import model_loader", "must stay torch-free"),
+        ("worker/tp_rank.py", "from pagedllm.server.executor import Executor", "worker must not depend on executor"),
     ],
 )
 def test_a_wrong_import_is_caught(tmp_path, module, bad_import, expected):

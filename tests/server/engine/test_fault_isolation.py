@@ -1,6 +1,6 @@
 """One failing request never takes the engine down; a failing model step fails only its requests.
 
-Faults are injected with the test-only hooks of :mod:`pagedllm.server.engine.faults`.
+Faults are injected by a test double of the worker (:mod:`fault_doubles`): the engine has no fault hooks.
 """
 
 from __future__ import annotations
@@ -11,9 +11,10 @@ import time
 import httpx
 import pytest
 from api_factories import MODEL_NAME, live_server, serve_process, wait_until_idle
+from fault_doubles import FAULTS_ENV, WORKER, Faults
 
 from pagedllm.server import LLM, SamplingParams
-from pagedllm.server.engine.faults import FAULTS_ENV, EngineFatalError, FaultInjector, StepFailureWindow
+from pagedllm.server.engine.faults import EngineFatalError, StepFailureWindow
 from pagedllm.server.entrypoints.openai.api_server import ServerSettings
 from tests.support import assert_all_blocks_free
 
@@ -39,6 +40,19 @@ def llm(tiny_llama):
 
 
 @pytest.fixture
+def faulty_llm(tiny_llama, monkeypatch):
+    """An LLM whose worker fails by ``rules`` (see :mod:`fault_doubles`)."""
+
+    def make(rules: str) -> LLM:
+        monkeypatch.setenv(FAULTS_ENV, rules)
+        return LLM(
+            model=tiny_llama, block_size=8, num_gpu_blocks_override=256, enable_prefix_caching=False, worker_cls=WORKER
+        )
+
+    return make
+
+
+@pytest.fixture
 def reference(tiny_llama):
     ids = [f"r{i}" for i in range(len(PROMPTS))]
     outputs = run_all(LLM(model=tiny_llama, block_size=8, num_gpu_blocks_override=256), ids)
@@ -46,8 +60,8 @@ def reference(tiny_llama):
 
 
 @pytest.mark.parametrize("where", ["request", "sampler"])
-def test_a_raising_request_fails_alone(llm, reference, where):
-    llm.llm_engine.faults = FaultInjector(**{where: "poison"})
+def test_a_raising_request_fails_alone(faulty_llm, reference, where):
+    llm = faulty_llm(f"{where}=poison")
     ids = [f"poison-{i}" if i == 7 else f"ok-{i}" for i in range(len(PROMPTS))]
     outputs = run_all(llm, ids)
     assert "injected fault" in outputs["poison-7"].error
@@ -58,9 +72,8 @@ def test_a_raising_request_fails_alone(llm, reference, where):
     assert_all_blocks_free(llm)
 
 
-def test_a_failed_model_step_fails_its_requests_and_the_engine_goes_on(llm, reference):
-    engine = llm.llm_engine
-    engine.faults = FaultInjector(first_step=engine._num_steps + 3)
+def test_a_failed_model_step_fails_its_requests_and_the_engine_goes_on(faulty_llm, reference):
+    llm = faulty_llm("step=3")
     ids = [f"a{i}" for i in range(len(PROMPTS))]
     outputs = run_all(llm, ids)
     failed = [i for i in ids if outputs[i].error is not None]
@@ -71,9 +84,8 @@ def test_a_failed_model_step_fails_its_requests_and_the_engine_goes_on(llm, refe
     assert_all_blocks_free(llm)
 
 
-def test_repeated_step_failures_are_fatal(llm):
-    engine = llm.llm_engine
-    engine.faults = FaultInjector(first_step=engine._num_steps + 1, every_step_after=True)
+def test_repeated_step_failures_are_fatal(faulty_llm):
+    llm = faulty_llm("step=1+")
     with pytest.raises(EngineFatalError, match="3 model steps failed"):
         for round_ in range(3):
             run_all(llm, [f"x{round_}-{i}" for i in range(2)])
@@ -99,10 +111,10 @@ def test_broken_bookkeeping_is_reported(llm):
 
 
 def test_fault_rules_parse_and_reject_nonsense():
-    rules = FaultInjector.parse("request=bad,step=4+")
-    assert rules == FaultInjector(request="bad", first_step=4, every_step_after=True)
+    rules = Faults.parse("request=bad,step=4+,hang=1")
+    assert rules == Faults(request="bad", first_step=4, every_step_after=True, hang_rank=1)
     with pytest.raises(ValueError, match=FAULTS_ENV):
-        FaultInjector.parse("explode=now")
+        Faults.parse("explode=now")
 
 
 # -- over HTTP ------------------------------------------------------------------------------------------
@@ -121,7 +133,8 @@ def test_one_poisoned_request_among_20_over_http(tiny_llama, monkeypatch):
     with live_server(tiny_llama, settings) as clean, httpx.Client(base_url=clean.url, timeout=120) as http:
         expected = [r.json()["choices"][0]["text"] for r in complete_all(http, None)]
     monkeypatch.setenv(FAULTS_ENV, "request=poison")
-    with live_server(tiny_llama, settings) as server, httpx.Client(base_url=server.url, timeout=120) as http:
+    poisoned = live_server(tiny_llama, settings, worker_cls=WORKER)
+    with poisoned as server, httpx.Client(base_url=server.url, timeout=120) as http:
         responses = complete_all(http, poison=7)
         assert responses[7].status_code == 500
         error = responses[7].json()["error"]
@@ -142,7 +155,7 @@ def test_one_poisoned_request_among_20_over_http(tiny_llama, monkeypatch):
 
 
 def test_repeated_step_failures_end_the_server_with_a_non_zero_exit(tiny_llama):
-    with serve_process(tiny_llama, env={FAULTS_ENV: "step=3+"}) as (proc, url):
+    with serve_process(tiny_llama, "--worker-cls", WORKER, env={FAULTS_ENV: "step=3+"}) as (proc, url):
         with httpx.Client(base_url=url, timeout=30) as http:
             deadline = time.monotonic() + 60
             while proc.poll() is None and time.monotonic() < deadline:
@@ -161,7 +174,8 @@ def test_repeated_step_failures_end_the_server_with_a_non_zero_exit(tiny_llama):
 def test_repeated_step_failures_turn_health_503_with_the_reason(tiny_llama, monkeypatch):
     monkeypatch.setenv(FAULTS_ENV, "step=3+")
     settings = ServerSettings(served_model_names=[MODEL_NAME])
-    with live_server(tiny_llama, settings) as server, httpx.Client(base_url=server.url, timeout=30) as http:
+    failing = live_server(tiny_llama, settings, worker_cls=WORKER)
+    with failing as server, httpx.Client(base_url=server.url, timeout=30) as http:
         assert http.get("/health").status_code == 200
         statuses = set()
         for _ in range(3):  # each request dies with its failed step; the third failure is fatal

@@ -86,7 +86,7 @@ def test_warm_up_runs_a_prefill_and_a_decode_step_and_leaves_nothing_behind(tiny
 
     def counting(step):
         decodes.append(step.meta.num_decode_tokens)
-        tokens.append(step.input_ids.numel())
+        tokens.append(step.input_ids.size)
         return execute(step)
 
     e.runner.execute = counting

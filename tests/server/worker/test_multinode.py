@@ -15,6 +15,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 from api_factories import live_server, serve_command, serve_process, wait_ready
+from fault_doubles import FAULTS_ENV, WORKER
 
 from pagedllm.server.config import ConfigError, EngineConfig
 from pagedllm.server.demo import save_tiny_llama
@@ -142,14 +143,14 @@ def test_a_hung_rank_on_another_node_is_named_and_stopped(model, monkeypatch):
     from pagedllm.server.engine.faults import EngineFatalError
 
     monkeypatch.setenv("PAGEDLLM_TP_HANG_TIMEOUT", "3")
+    monkeypatch.setenv(FAULTS_ENV, "hang=1")  # rank 1 (on node 1) hangs in its first step
     master = free_port(consecutive=2)
     worker = start([*serve_command(model, 0)[:-4], *ENGINE, "--headless", *node_flags(master, 1)])
     try:
         layout = dict(tensor_parallel_size=2, nnodes=2, master_addr="127.0.0.1", master_port=master)
-        with LLM(model=model, block_size=8, num_gpu_blocks_override=64, **layout) as llm:
+        with LLM(model=model, block_size=8, num_gpu_blocks_override=64, worker_cls=WORKER, **layout) as llm:
             engine = llm.llm_engine
             engine.add_request("a", {"prompt_token_ids": [1, 2, 3]}, SamplingParams(max_tokens=4))
-            engine.runner.workers.send(("inject_fault", "hang"))
             with pytest.raises(EngineFatalError, match=r"did not finish within 3s \(still in it: rank 1 on node 1\)"):
                 while engine.has_unfinished_requests():
                     engine.step()

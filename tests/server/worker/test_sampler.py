@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from fault_doubles import PoisonSampler
 
 from pagedllm.server.worker import sampler as sampler_module
 from pagedllm.server.worker.logits_processors import filtered_probs, process
@@ -180,15 +181,9 @@ def test_a_complete_grammar_wins_over_min_tokens():
 def test_a_raising_row_fails_its_request_alone():
     rows = [RowSampling("ok-1", temperature=1.0, seed=1), RowSampling("poison"), RowSampling("ok-2")]
     logits = fresh_logits(3)
-    sampler = Sampler(0, CPU)
-
-    def hook(request_ids):
-        if "poison" in request_ids:
-            raise RuntimeError("injected")
-
-    sampler.fault_hook = hook
+    sampler = PoisonSampler(0, CPU, "poison")  # a test double: raises while "poison" is among its rows
     out = sampler(logits, None, SamplingBatch(rows, 3))
-    assert out.rows[1] is None and "injected" in out.errors["poison"] and set(out.errors) == {"poison"}
+    assert out.rows[1] is None and "injected fault" in out.errors["poison"] and set(out.errors) == {"poison"}
     assert [out.rows[0], out.rows[2]] == run([rows[0], rows[2]], logits[[0, 2]])
 
 

@@ -16,12 +16,12 @@ import pytest
 import torch
 from api_factories import serve_process
 from engine_factories import HFReference, assert_greedy_matches, make_prompts, save_tiny
+from fault_doubles import FAULTS_ENV, WORKER
 
 from pagedllm.server import LLM, SamplingParams
 from pagedllm.server.demo import save_tiny_llama
 from pagedllm.server.engine.faults import EngineFatalError
 from pagedllm.server.engine.llm_engine import EngineClosedError
-from pagedllm.server.worker.model_step import ModelStep
 
 pytestmark = pytest.mark.timeout(600)
 MAX_TOKENS = 10
@@ -114,16 +114,16 @@ def test_preemption_sampling_and_beams_at_two_ranks(models, prompts, mode):
 
 def test_only_the_driver_samples(models, monkeypatch):
     with LLM(model=models["llama-mha"], block_size=8, num_gpu_blocks_override=64, tensor_parallel_size=2) as llm:
-        runner = llm.llm_engine.runner
+        runner, others = llm.llm_engine.runner, llm.llm_engine.executor.remote
         sent = []
-        send = runner.workers.send
+        send = others.send
 
         def noting(message):
             if message[0] == "step":
-                sent.append(ModelStep.from_wire(message[1]))
+                sent.append(message[1])
             send(message)
 
-        monkeypatch.setattr(runner.workers, "send", noting)
+        monkeypatch.setattr(others, "send", noting)
         params = SamplingParams(temperature=1.0, seed=3, max_tokens=4, ignore_eos=True, logprobs=1)
         out = llm.generate([{"prompt_token_ids": [1, 2, 3]}], params)[0].outputs[0]
         assert len(out.token_ids) == 4 and len(out.logprobs) == 4 and runner.sampler is not None
@@ -149,10 +149,10 @@ def test_an_impossible_size_is_refused_before_any_rank_starts(models):
 @pytest.mark.parametrize("fault, message", [("die", "rank 1 .* exited with code 3"), ("hang", "did not finish")])
 def test_a_dead_or_hung_rank_ends_the_engine_naming_it(models, monkeypatch, fault, message):
     monkeypatch.setenv("PAGEDLLM_TP_HANG_TIMEOUT", "3")
-    llm = LLM(model=models["llama-mha"], tensor_parallel_size=2, num_gpu_blocks_override=64)
+    monkeypatch.setenv(FAULTS_ENV, f"{fault}=1")  # rank 1 dies or hangs in its first step
+    llm = LLM(model=models["llama-mha"], tensor_parallel_size=2, num_gpu_blocks_override=64, worker_cls=WORKER)
     engine = llm.llm_engine
     engine.add_request("a", {"prompt_token_ids": [1, 2, 3]}, GREEDY)
-    engine.runner.workers.send(("inject_fault", fault))
     started = time.monotonic()
     with pytest.raises(EngineFatalError, match=message):
         while engine.has_unfinished_requests():

@@ -2,7 +2,8 @@
 
 Dependencies point one way (``worker`` <- ``engine``), so nothing under ``server/worker`` may
 import the scheduler's or the engine's modules; the step arrives as a
-:class:`~pagedllm.server.worker.model_step.ModelStep` of tensors.
+:class:`~pagedllm.server.worker.model_step.ModelStep` of host arrays, which each worker makes
+tensors on its own device (:class:`~pagedllm.server.worker.device_step.DeviceStep`).
 """
 
 from __future__ import annotations
@@ -14,8 +15,8 @@ import pickle
 import numpy as np
 import torch
 
-from pagedllm.server.worker.attention import AttentionMetadata
-from pagedllm.server.worker.model_step import ModelStep
+from pagedllm.server.worker.device_step import DeviceStep
+from pagedllm.server.worker.model_step import ModelStep, StepAttention
 from pagedllm.server.worker.sampling_batch import PromptScoring, RowSampling, SamplingBatch
 
 WORKER = pathlib.Path(__file__).resolve().parents[3] / "server" / "worker"
@@ -43,39 +44,43 @@ def test_no_worker_module_imports_the_scheduler_or_the_engine():
 
 
 def test_a_model_step_survives_the_wire_to_the_other_ranks():
-    meta = AttentionMetadata(
-        slot_mapping=torch.tensor([3, 9], dtype=torch.int64),
+    meta = StepAttention(
+        slot_mapping=np.array([3, 9], dtype=np.int64),
         num_decode_tokens=2,
-        decode_block_tables=torch.tensor([[0], [2]], dtype=torch.int32),
-        decode_context_lens=torch.tensor([4, 2], dtype=torch.int32),
-        prefill_block_tables=torch.zeros(0, 0, dtype=torch.int32),
-        prefill_cu_seqlens_q=torch.zeros(1, dtype=torch.int32),
-        prefill_context_lens=torch.zeros(0, dtype=torch.int32),
+        decode_block_tables=np.array([[0], [2]], dtype=np.int32),
+        decode_context_lens=np.array([4, 2], dtype=np.int32),
+        prefill_block_tables=np.zeros((0, 0), dtype=np.int32),
+        prefill_cu_seqlens_q=np.zeros(1, dtype=np.int32),
+        prefill_context_lens=np.zeros(0, dtype=np.int32),
     )
-    ids = torch.tensor([7, 8])
-    step = ModelStep([(1, 0)], [], [(2, 5)], ids, torch.tensor([3, 1]), meta, torch.tensor([0, 1]), None)
-    back = ModelStep.from_wire(step.to_wire())
+    ids = np.array([7, 8])
+    step = ModelStep([(1, 0)], [], [(2, 5)], ids, np.array([3, 1]), meta, np.array([0, 1]), None)
+    back = pickle.loads(pickle.dumps(step.for_other_ranks()))
     assert back.swap_out == [(1, 0)] and back.copies == [(2, 5)] and back.prompt_index is None
-    assert torch.equal(back.input_ids, ids) and torch.equal(back.meta.decode_block_tables, meta.decode_block_tables)
+    assert np.array_equal(back.input_ids, ids) and np.array_equal(back.meta.decode_block_tables, [[0], [2]])
     assert back.meta.num_decode_tokens == 2
+    on_device = DeviceStep.of(back, torch.device("cpu"))
+    assert torch.equal(on_device.input_ids, torch.tensor([7, 8]))
+    assert on_device.meta.decode_block_tables.dtype == torch.int32 and on_device.meta.num_prefills == 0
 
 
-def test_a_step_s_sampling_batch_survives_the_wire_by_value():
-    meta = AttentionMetadata(
-        slot_mapping=torch.tensor([3], dtype=torch.int64),
+def test_only_the_driver_gets_the_sampling_batch_and_it_pickles_by_value():
+    meta = StepAttention(
+        slot_mapping=np.array([3], dtype=np.int64),
         num_decode_tokens=1,
-        decode_block_tables=torch.tensor([[0]], dtype=torch.int32),
-        decode_context_lens=torch.tensor([4], dtype=torch.int32),
-        prefill_block_tables=torch.zeros(0, 0, dtype=torch.int32),
-        prefill_cu_seqlens_q=torch.zeros(1, dtype=torch.int32),
-        prefill_context_lens=torch.zeros(0, dtype=torch.int32),
+        decode_block_tables=np.array([[0]], dtype=np.int32),
+        decode_context_lens=np.array([4], dtype=np.int32),
+        prefill_block_tables=np.zeros((0, 0), dtype=np.int32),
+        prefill_cu_seqlens_q=np.zeros(1, dtype=np.int32),
+        prefill_context_lens=np.zeros(0, dtype=np.int32),
     )
     row = RowSampling(
         "r", temperature=0.5, seed=3, output_token_ids=np.array([1, 2]), allowed=np.zeros(2, dtype=np.int32)
     )
     batch = SamplingBatch([row], 1, [], [PromptScoring("r", (5,), 1)], ["gone"])
-    step = ModelStep([], [], [], torch.tensor([7]), torch.tensor([3]), meta, torch.tensor([0]), None, sampling=batch)
-    back = ModelStep.from_wire(pickle.loads(pickle.dumps(step.to_wire())))
+    step = ModelStep([], [], [], np.array([7]), np.array([3]), meta, np.array([0]), None, sampling=batch)
+    assert step.for_other_ranks().sampling is None
+    back = pickle.loads(pickle.dumps(step))
     assert back.sampling is not None and back.sampling.prompts == batch.prompts
     assert back.sampling.finished_request_ids == ["gone"] and back.sampling.rows[0].seed == 3
     assert np.array_equal(back.sampling.rows[0].output_token_ids, [1, 2])
