@@ -26,6 +26,11 @@ never exceeds 127.
 
 Quantization happens once, when a token's K/V is written; attention kernels read the
 8-bit values and widen them as they go, so a step reads half the bytes of a 16-bit cache.
+On the CPU every format widens exactly in a few instructions (kernels/_cpu_widen.py), and
+int8's row scale costs one multiply per row: ``python -m benchmarks.cpu_attention --threads 1
+--batch 64 --block-sizes 64 --dtype bfloat16 --variants kernel --layers 8 --kv-cache-dtype X``
+took 8.6 ms a call for bfloat16, 6.7 for int8, 7.2 for e4m3, 6.3 for e5m2 (one run each, a
+shared 2-core machine under load 11: an indication, not a measurement to quote).
 """
 
 from __future__ import annotations
@@ -94,7 +99,8 @@ def quantize(x: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> torch.T
         return x.to(dtype)
     x = x.float()
     r = (x.abs().amax(dim=-1, keepdim=True) / _INT8_MAX).clamp(min=2.0**-24).half()
-    r = torch.where(r.float() * _INT8_MAX < x.abs().amax(dim=-1, keepdim=True), r.nextafter(r.new_tensor(1e4)), r)
+    top = x.abs().amax(dim=-1, keepdim=True)
+    r = torch.where(r.float() * _INT8_MAX < top, r.nextafter(torch.full_like(r, 65504.0)), r)  # NOTE: no host copy
     q = (x / r.float()).round().clamp(-_INT8_MAX, _INT8_MAX).to(torch.int8)
     return torch.cat([q, r.view(torch.int8)], dim=-1)
 
