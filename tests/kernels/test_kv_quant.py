@@ -174,3 +174,14 @@ def test_triton_reshape_and_cache_writes_what_the_reference_writes(dtype):
     kernels.reshape_and_cache(key.to(DEVICE), value.to(DEVICE), *got, slots.to(DEVICE), ks, vs)
     for g, w in zip(got, want):
         assert torch.equal(raw(g).cpu(), raw(w))
+
+
+@pytest.mark.parametrize("dtype", QDTYPES)
+def test_triton_copy_blocks_moves_values_with_their_scales(dtype):
+    if not kernels.HAS_TRITON:
+        pytest.skip("triton is not installed")
+    caches = [quantize(torch.randn(6, 4, 2, 16), dtype).to(DEVICE) for _ in range(2)]
+    before = [raw(c).cpu().clone() for c in caches]
+    kernels.copy_blocks(caches[:1], caches[1:], torch.tensor([[0, 3], [5, 1]], device=DEVICE))
+    for cache, old in zip(caches, before):
+        assert torch.equal(raw(cache).cpu()[3], old[0]) and torch.equal(raw(cache).cpu()[1], old[5])

@@ -186,3 +186,35 @@ def test_checkpoint_scales_are_taken_out_of_the_weights():
     kept = list(split_kv_scales(weights, found))
     assert [name for name, _ in kept] == ["model.layers.0.self_attn.q_proj.weight"]
     assert found == {0: {"k": 0.5}, 1: {"v": 0.25}, 2: {"k": 2.0, "v": 2.0}}
+
+
+@pytest.fixture(scope="module")
+def scaled_llama(tmp_path_factory, tiny_llama):
+    """The tiny LLaMA with compressed-tensors style ``k_scale`` / ``v_scale`` per layer."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    path = tmp_path_factory.mktemp("scaled") / "llama"
+    shutil.copytree(tiny_llama, path)
+    weights = load_file(str(path / "model.safetensors"))
+    for layer in range(2):
+        weights[f"model.layers.{layer}.self_attn.k_scale"] = torch.tensor(0.05 * (layer + 1))
+        weights[f"model.layers.{layer}.self_attn.v_scale"] = torch.tensor(0.02)
+    save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
+    return str(path)
+
+
+def test_checkpoint_scales_reach_every_layer_and_outputs_stay_close(scaled_llama, tiny_llama, prompts):
+    from pagedllm.server.worker.attention import PagedAttention
+
+    llm, ours = generate(scaled_llama, prompts, kv_cache_dtype="fp8")
+    layers = [m for m in llm.llm_engine.runner.model.modules() if isinstance(m, PagedAttention)]
+    assert [(a.kv_scales.k_scale, a.kv_scales.v_scale) for a in layers] == [
+        (pytest.approx(0.05), pytest.approx(0.02)),
+        (pytest.approx(0.1), pytest.approx(0.02)),
+    ]
+    _, plain = generate(tiny_llama, prompts)
+    assert_logprobs_close(ours, plain)
+    _, auto = generate(scaled_llama, prompts)  # NOTE: a model-dtype cache loads the same checkpoint, scales unused
+    assert [o.outputs[0].token_ids for o in auto] == [o.outputs[0].token_ids for o in plain]
