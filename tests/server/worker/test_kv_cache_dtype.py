@@ -218,3 +218,14 @@ def test_checkpoint_scales_reach_every_layer_and_outputs_stay_close(scaled_llama
     assert_logprobs_close(ours, plain)
     _, auto = generate(scaled_llama, prompts)  # NOTE: a model-dtype cache loads the same checkpoint, scales unused
     assert [o.outputs[0].token_ids for o in auto] == [o.outputs[0].token_ids for o in plain]
+
+
+@pytest.mark.parametrize("backend", ["numba", "torch"])
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8", "int8"])
+def test_a_bfloat16_model_over_an_8bit_cache(tiny_llama, prompts, backend, kv_cache_dtype):
+    _, plain = generate(tiny_llama, prompts, dtype="bfloat16", attention_backend=backend)
+    llm, ours = generate(
+        tiny_llama, prompts, dtype="bfloat16", attention_backend=backend, kv_cache_dtype=kv_cache_dtype
+    )
+    assert_logprobs_close(ours, plain)
+    assert_all_blocks_free(llm)
