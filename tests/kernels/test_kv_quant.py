@@ -139,23 +139,27 @@ def test_copy_blocks_moves_values_with_their_scales(dtype):
 
 
 @pytest.mark.parametrize("dtype", QDTYPES)
-def test_triton_decode_and_prefill_match_the_float64_oracle(dtype):
+@pytest.mark.parametrize("window", [None, 6])
+def test_triton_decode_and_prefill_match_the_float64_oracle(dtype, window):
     if not kernels.HAS_TRITON:
         pytest.skip("triton is not installed")
     lens = [3, 21]
-    kv, key_cache, value_cache, keys, values, (ks, vs) = _quantized_case(dtype, lens, num_heads=4, seed=5)
+    kv, key_cache, value_cache, keys, values, (ks, vs) = _quantized_case(dtype, lens, window=window, seed=5)
     key_cache, value_cache = key_cache.to(DEVICE), value_cache.to(DEVICE)
     tables, ctx = kv.block_tables.to(DEVICE), kv.context_lens.to(DEVICE)
     query = torch.randn(2, 4, 32)
-    out = kernels.paged_decode_attention(query.to(DEVICE), key_cache, value_cache, tables, ctx, 0.3, None, None, ks, vs)
-    torch.testing.assert_close(out.cpu().double(), _decode_oracle(query, keys, values, 0.3), atol=2e-5, rtol=1e-4)
+    out = kernels.paged_decode_attention(
+        query.to(DEVICE), key_cache, value_cache, tables, ctx, 0.3, window, None, ks, vs
+    )
+    expected = _decode_oracle(query, keys, values, 0.3, window)
+    torch.testing.assert_close(out.cpu().double(), expected, atol=2e-5, rtol=1e-4)
     cu = torch.tensor([0, 3, 8], dtype=torch.int32)
     q = torch.randn(8, 4, 32)
     out = kernels.paged_prefill_attention(
-        q.to(DEVICE), None, None, key_cache, value_cache, tables, cu.to(DEVICE), ctx, 0.3, None, None, ks, vs
+        q.to(DEVICE), None, None, key_cache, value_cache, tables, cu.to(DEVICE), ctx, 0.3, window, None, ks, vs
     )
     for s in range(2):
-        expected = naive_attention(q[cu[s] : cu[s + 1]], keys[s], values[s], 0.3)
+        expected = naive_attention(q[cu[s] : cu[s + 1]], keys[s], values[s], 0.3, window)
         torch.testing.assert_close(out[cu[s] : cu[s + 1]].cpu().double(), expected, atol=2e-5, rtol=1e-4)
 
 

@@ -229,3 +229,14 @@ def test_a_bfloat16_model_over_an_8bit_cache(tiny_llama, prompts, backend, kv_ca
     )
     assert_logprobs_close(ours, plain)
     assert_all_blocks_free(llm)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8", "int8"])
+def test_the_triton_backend_over_an_8bit_cache(tiny_llama, prompts, kv_cache_dtype):
+    """Under Triton's interpreter here (slow: two prompts, few tokens); on CUDA where there is one."""
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=5)
+    _, plain = generate(tiny_llama, prompts[:2], params)
+    llm, ours = generate(tiny_llama, prompts[:2], params, attention_backend="triton", kv_cache_dtype=kv_cache_dtype)
+    assert llm.llm_engine.runner.ops.name == "triton"
+    assert_logprobs_close(ours, plain)
+    assert_all_blocks_free(llm)
