@@ -326,8 +326,8 @@ def choose_kv_splits(num_seqs: int, num_kv_heads: int, threads: int) -> int:
 
 def paged_decode_attention_cpu(
     query: torch.Tensor,  # [num_seqs, num_heads, head_dim] float32, bfloat16 or float16
-    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim] query's dtype
-    value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim] query's dtype
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim] query's dtype or 8-bit
+    value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim] like key_cache
     block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
     context_lens: torch.Tensor,  # [num_seqs] int32
     scale: float,
