@@ -98,9 +98,10 @@ def quantize(x: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> torch.T
     if dtype != torch.int8:
         return x.to(dtype)
     x = x.float()
-    r = (x.abs().amax(dim=-1, keepdim=True) / _INT8_MAX).clamp(min=2.0**-24).half()
-    top = x.abs().amax(dim=-1, keepdim=True)
-    r = torch.where(r.float() * _INT8_MAX < top, r.nextafter(torch.full_like(r, 65504.0)), r)  # NOTE: no host copy
+    amax = x.abs().amax(dim=-1, keepdim=True)
+    r = (amax / _INT8_MAX).clamp(min=2.0**-24).half()
+    # NOTE: rounded up where float16 rounded it down, so |q| <= 127 (full_like: no host copy, graph-safe)
+    r = torch.where(r.float() * _INT8_MAX < amax, r.nextafter(torch.full_like(r, 65504.0)), r)
     q = (x / r.float()).round().clamp(-_INT8_MAX, _INT8_MAX).to(torch.int8)
     return torch.cat([q, r.view(torch.int8)], dim=-1)
 
