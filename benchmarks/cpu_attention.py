@@ -14,6 +14,7 @@ lies elsewhere starts a new stream of reads: larger blocks, fewer of them).
 
     python -m benchmarks.cpu_attention --threads 2 --batch 16 64
     python -m benchmarks.cpu_attention --threads 2 --batch 16 64 --dtype bfloat16
+    python -m benchmarks.cpu_attention --threads 2 --batch 16 64 --dtype bfloat16 --kv-cache-dtype int8
 """
 
 from __future__ import annotations
@@ -28,7 +29,9 @@ import torch.nn.functional as F
 
 from benchmarks.common import HelpFormatter, set_threads
 from pagedllm.kernels import paged_decode_attention_reference
+from pagedllm.kernels.kv_quant import CACHE_DTYPE_OF, quantize
 from pagedllm.kernels.paged_decode_attention_cpu import paged_decode_attention_cpu
+from pagedllm.server.config import KV_CACHE_DTYPES
 from pagedllm.server.worker import cpu_attention
 
 
@@ -86,10 +89,14 @@ def run_batch(batch: int, block_size: int, args: argparse.Namespace, threads: in
     scale = head_dim**-0.5
     dtype = getattr(torch, args.dtype)
     layers = layer_caches(batch, args.layers, heads, kv_heads, head_dim, block_size, dtype)
-    query, _, _, tables, lens = layers[0]
-    kv_bytes = int(lens.sum()) * kv_heads * head_dim * query.element_size() * 2
+    if args.kv_cache_dtype != "auto":  # NOTE: the same values, stored 8-bit (kernels/kv_quant.py)
+        stored = CACHE_DTYPE_OF[args.kv_cache_dtype]
+        layers = [(q, quantize(kc, stored), quantize(vc, stored), t, n) for q, kc, vc, t, n in layers]
+    query, key_cache, _, tables, lens = layers[0]
+    kv_bytes = int(lens.sum()) * kv_heads * key_cache.shape[-1] * key_cache.element_size() * 2
     print(
-        f"batch {batch}, {args.dtype}, blocks of {block_size} tokens: mean context {lens.float().mean():.0f}, "
+        f"batch {batch}, {args.dtype} (cache {args.kv_cache_dtype}), blocks of {block_size} tokens: "
+        f"mean context {lens.float().mean():.0f}, "
         f"longest {int(lens.max())}, {threads} thread(s), {args.layers} cache(s), "
         f"{kv_bytes / 1e6:.1f} MB of K/V per call; per call:"
     )
@@ -134,6 +141,7 @@ def main() -> None:
     parser.add_argument("--head-dim", type=int, default=64, help="head size")
     parser.add_argument("--variants", default="all", choices=("all", "kernel"), help="kernel: the compiled kernel only")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"), help="cache dtype")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES, help="auto: --dtype; else 8-bit")
     args = parser.parse_args()
     threads = set_threads(args.threads)
     for batch in args.batch:

@@ -61,6 +61,9 @@ def main() -> None:
     parser.add_argument(
         "--clocks", default=None, help="clocks of fig12/fig17, comma-separated (default: the profile's, see sim.py)"
     )
+    parser.add_argument(
+        "--kv-cache-dtype", default="auto", help="our KV cache's format (auto, fp8, fp8_e5m2, int8), at equal memory"
+    )
     args = parser.parse_args()
     names = sorted(table) if args.all else args.names
     unknown = sorted(set(names) - set(table))
@@ -71,7 +74,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as model_dir:
         vocab = build_model(profile, model_dir)
         clocks = tuple(args.clocks.split(",")) if args.clocks else profile.clocks
-        ctx = Context(profile, model_dir, args.seed, args.threads, vocab, clocks, tuple(args.workloads.split(",")))
+        workloads = tuple(args.workloads.split(","))
+        ctx = Context(
+            profile, model_dir, args.seed, args.threads, vocab, clocks, workloads, kv_cache_dtype=args.kv_cache_dtype
+        )
         for name in names:
             print(f"== {name} ({profile.name}, {args.threads} thread(s))", flush=True)
             table[name](ctx)

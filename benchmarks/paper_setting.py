@@ -15,6 +15,7 @@ import torch
 
 from benchmarks.model_shapes import LLAMA_7B
 from benchmarks.workloads import Request, poisson_arrivals, sample_requests
+from pagedllm.kernels.kv_quant import cache_dtype, row_width
 from pagedllm.server.config import EngineConfig, choose_token_budget
 from pagedllm.server.engine.llm_engine import LLMEngine
 from pagedllm.server.worker.model_runner import resolve_device
@@ -92,6 +93,8 @@ class Context:
     workloads: tuple[str, ...] = ("sharegpt", "alpaca")  # of fig12
     results: str = RESULTS
     """The directory the experiments write their JSON and PNG files to."""
+    kv_cache_dtype: str = "auto"
+    """Our engine's KV cache format; an 8-bit one gets as many more blocks as the same memory holds."""
 
     def requests(self, workload: str, num: int | None = None) -> list[Request]:
         n = num or self.profile.num_requests[workload]
@@ -121,7 +124,8 @@ class Context:
             skip_tokenizer_init=True,
             max_model_len=self.profile.max_model_len,
             block_size=block_size,
-            num_gpu_blocks_override=self.budget_tokens(workload) // block_size,
+            num_gpu_blocks_override=int(self.budget_tokens(workload) * self.kv_blocks_per_budget_block()) // block_size,
+            kv_cache_dtype=self.kv_cache_dtype,
             enable_prefix_caching=False,
             max_num_seqs=256,
             cpu_threads=self.threads,
@@ -130,6 +134,18 @@ class Context:
         )
         args.update(overrides)
         return EngineConfig.from_kwargs(**args)
+
+    def kv_blocks_per_budget_block(self) -> float:
+        """How many of our blocks fit in the memory of one budget block (kept in the model's dtype):
+        1 for ``auto``; an 8-bit cache's ratio of row bytes (2x bfloat16's, less int8's row scales)."""
+        if self.kv_cache_dtype == "auto":
+            return 1.0
+        with open(os.path.join(self.model_dir, "config.json")) as f:
+            hf = json.load(f)
+        head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
+        model_bytes = head_dim * getattr(torch, self.profile.engine.get("dtype", "float32")).itemsize
+        cache = cache_dtype(self.kv_cache_dtype, torch.float32)
+        return model_bytes / (row_width(cache, head_dim) * cache.itemsize)
 
 
 def build_model(profile: Profile, path: str) -> int:
@@ -154,7 +170,8 @@ def machine() -> str:
 def save(name: str, ctx: Context, result: dict, figure, variant: str = "") -> str:
     """Write ``<name>-<profile>[-<variant>].json`` and ``.png`` under the results directory."""
     os.makedirs(ctx.results, exist_ok=True)
-    stem = os.path.join(ctx.results, "-".join(part for part in (name, ctx.profile.name, variant) if part))
+    kv = "" if ctx.kv_cache_dtype == "auto" else f"kv-{ctx.kv_cache_dtype}"
+    stem = os.path.join(ctx.results, "-".join(part for part in (name, ctx.profile.name, variant, kv) if part))
     figure.savefig(stem + ".png", dpi=110, bbox_inches="tight")
     record = {
         "experiment": name,
@@ -162,6 +179,7 @@ def save(name: str, ctx: Context, result: dict, figure, variant: str = "") -> st
         "machine": machine(),
         "threads": ctx.threads,
         "profile": asdict(ctx.profile),
+        "kv_cache_dtype": ctx.kv_cache_dtype,
         "command": "python -m benchmarks.paper " + " ".join(sys.argv[1:]),
         **result,
     }

@@ -71,9 +71,10 @@ class Measured:
 
 
 def run_pagedllm(
-    model_dir: str, requests, batch_size: int, threads: int | None = None, dtype: str = "float32"
+    model_dir: str, requests, batch_size: int, threads: int | None = None, dtype: str = "float32", **engine_args
 ) -> Measured:
-    """How long ``LLM.generate`` takes over ``requests`` (greedy, EOS ignored), and the tokens it generated."""
+    """How long ``LLM.generate`` takes over ``requests`` (greedy, EOS ignored), and the tokens it
+    generated; ``engine_args`` go to the engine (``kv_cache_dtype``, ``kv_cache_memory``)."""
     from pagedllm.server import LLM, SamplingParams
 
     llm = LLM(
@@ -83,6 +84,7 @@ def run_pagedllm(
         max_model_len=2048,
         cpu_threads=threads,
         dtype=dtype,
+        **engine_args,
     )
     # NOTE: vLLM compiles and warms its model up before it serves; this is ours (what the
     # server runs at start-up: the compiled kernels, a prefill and a decode), also left out of the timing
@@ -164,7 +166,7 @@ def run_case(model_dir: str, requests: list[Request], batch: int, systems: list[
         return Measured(result.elapsed_s, result.token_ids, result.cpu_s)
 
     runners = {
-        "ours": lambda: run_pagedllm(model_dir, requests, batch, threads, args.dtype),
+        "ours": lambda: run_pagedllm(model_dir, requests, batch, threads, args.dtype, **_cache_args(args)),
         "vllm": vllm,
         "hf_static": lambda: Measured(run_hf_static(model_dir, requests, batch, dtype)),
         "hf_continuous": lambda: Measured(run_hf_continuous(model_dir, requests, batch, dtype=dtype)),
@@ -189,6 +191,12 @@ def run_case(model_dir: str, requests: list[Request], batch: int, systems: list[
     measured_cpu = runs[0]["cpu_ms_per_token"]
     cpu = {name: statistics.median(run["cpu_ms_per_token"][name] for run in runs) for name in measured_cpu}
     return {"tokens_per_s": medians, "cpu_ms_per_token": cpu, "runs": runs} | greedy_check(outputs) | extra
+
+
+def _cache_args(args) -> dict:
+    """Our engine's KV cache flags, as given (unset: the engine's defaults)."""
+    given = {"kv_cache_dtype": args.kv_cache_dtype, "kv_cache_memory": args.kv_cache_memory}
+    return {k: v for k, v in given.items() if v is not None}
 
 
 def greedy_check(outputs: dict[str, list[list[int]]]) -> dict:
@@ -228,6 +236,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--model", default=None, help="a local checkpoint to run instead of a --shape")
     parser.add_argument("--dtype", default="float32", choices=DTYPES, help="weights and activations, every system")
     parser.add_argument("--repeats", type=int, default=1, help="runs of every system per case, in turn")
+    parser.add_argument("--kv-cache-dtype", default=None, help="our KV cache's format: auto, fp8, fp8_e5m2, int8")
+    parser.add_argument("--kv-cache-memory", type=float, default=None, help="our KV cache's GiB on CPU (1 if unset)")
     parser.add_argument("--vllm-python", default=None, help="python of a venv with vLLM's CPU build: adds vllm")
     parser.add_argument("--vllm-kv-cache-gib", type=float, default=4.0, help="vLLM's KV cache (VLLM_CPU_KVCACHE_SPACE)")
     parser.add_argument("--fixed-output", type=int, default=128, help="output tokens per request (fixed)")
@@ -298,6 +308,7 @@ def main() -> None:
         "model": args.model,
         "systems": args.systems,
         "repeats": args.repeats,
+        "kv_cache": _cache_args(args),
         "vllm_python": args.vllm_python,
         "vllm_kv_cache_gib": args.vllm_kv_cache_gib if args.vllm_python else None,
         "fixed_output": args.fixed_output,
@@ -310,6 +321,7 @@ def main() -> None:
     }
     os.makedirs(args.out, exist_ok=True)
     suffix = "" if args.dtype == "float32" else f"-{args.dtype}"
+    suffix += f"-kv-{args.kv_cache_dtype}" if args.kv_cache_dtype not in (None, "auto") else ""
     where = "gpu-" + args.shape if torch.cuda.is_available() else f"cpu{os.cpu_count()}-{threads}t"
     where += "" if args.shape == "bench" or args.model else f"-{args.shape}"
     name = args.result_name or f"throughput-{result['date']}-{where}{suffix}.json"

@@ -5,7 +5,8 @@ the Triton versions run on CUDA (or on CPU through ``TRITON_INTERPRET=1``), the
 references run anywhere torch does. Triton is optional: without it this package still
 imports and the references work; calling a Triton launcher raises a ``RuntimeError``.
 
-All caches are ``[num_blocks, block_size, num_kv_heads, head_dim]`` per layer.
+All caches are ``[num_blocks, block_size, num_kv_heads, head_dim]`` per layer, in the model's
+dtype or 8-bit (kv_quant.py: an int8 row is ``head_dim + 2`` wide, its scale last).
 """
 
 from ._triton import HAS_TRITON, runs_on_triton

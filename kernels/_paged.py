@@ -21,19 +21,23 @@ from __future__ import annotations
 
 import torch
 
+from .kv_quant import QUANT_DTYPES, dequantize, head_dim_of, is_quantized, raw
+
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_BLOCK_SIZE = 256
 
 
 def check_kv_caches(key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
-    """Caches must be ``[num_blocks, block_size, num_kv_heads, head_dim]``, one float dtype."""
+    """Caches must be ``[num_blocks, block_size, num_kv_heads, head_dim]``, one float or 8-bit
+    dtype (kv_quant.py: an int8 row is ``head_dim + 2`` wide)."""
     if key_cache.dim() != 4 or value_cache.shape != key_cache.shape:
         raise ValueError(
             "key_cache and value_cache must both be [num_blocks, block_size, num_kv_heads, "
             f"head_dim], got {tuple(key_cache.shape)} and {tuple(value_cache.shape)}"
         )
-    if key_cache.dtype not in FLOAT_DTYPES or value_cache.dtype != key_cache.dtype:
-        raise TypeError(f"caches must share one dtype of {FLOAT_DTYPES}, got {key_cache.dtype} and {value_cache.dtype}")
+    allowed = (*FLOAT_DTYPES, *QUANT_DTYPES)
+    if key_cache.dtype not in allowed or value_cache.dtype != key_cache.dtype:
+        raise TypeError(f"caches must share one dtype of {allowed}, got {key_cache.dtype} and {value_cache.dtype}")
     block_size = key_cache.shape[1]
     if not 1 <= block_size <= MAX_BLOCK_SIZE:
         raise ValueError(f"block_size must be in [1, {MAX_BLOCK_SIZE}], got {block_size}")
@@ -60,13 +64,14 @@ def soft_cap(scores: torch.Tensor, logit_softcap: float | None) -> torch.Tensor:
 
 
 def check_query(query: torch.Tensor, key_cache: torch.Tensor, name: str = "query") -> int:
-    """``query`` is ``[tokens, num_heads, head_dim]`` in the cache dtype; returns the GQA group size."""
-    num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
+    """``query`` is ``[tokens, num_heads, head_dim]`` in the cache dtype (any float dtype over a
+    quantized cache); returns the GQA group size."""
+    num_kv_heads, head_dim = key_cache.shape[2], head_dim_of(key_cache)
     if query.dim() != 3 or query.shape[2] != head_dim:
         raise ValueError(f"{name} must be [tokens, num_heads, head_dim={head_dim}], got {tuple(query.shape)}")
     if query.shape[1] % num_kv_heads != 0:
         raise ValueError(f"num_heads ({query.shape[1]}) must be a multiple of num_kv_heads ({num_kv_heads})")
-    if query.dtype != key_cache.dtype:
+    if query.dtype != key_cache.dtype and not (is_quantized(key_cache) and query.dtype in FLOAT_DTYPES):
         raise TypeError(f"{name} dtype {query.dtype} differs from the cache dtype {key_cache.dtype}")
     return query.shape[1] // num_kv_heads
 
@@ -97,15 +102,27 @@ def check_tile(name: str, size: int) -> None:
         raise ValueError(f"{name} must be a power of two >= 16, got {size}")
 
 
+def gather_blocks(cache: torch.Tensor, blocks: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+    """``cache[blocks]`` in float32 (``[len(blocks), block_size, num_kv_heads, head_dim]``),
+    a quantized cache's rows dequantized with its per-tensor ``scale``."""
+    rows = raw(cache).index_select(0, blocks).view(cache.dtype)
+    return dequantize(rows, torch.float32, scale)
+
+
 def gather_sequence_kv(
     cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     block_table: torch.Tensor,  # [max_blocks] int32
     length: int,
     first_block: int = 0,
+    scale: float = 1.0,
 ) -> torch.Tensor:  # [length - first_block * block_size, num_kv_heads, head_dim]
     """Cached positions ``first_block * block_size .. length - 1`` of one sequence, contiguous
-    (table entries before ``first_block`` are not read)."""
+    (table entries before ``first_block`` are not read); a quantized cache's rows come back
+    dequantized (``scale``: its per-tensor scale) in float32."""
     block_size = cache.shape[1]
     num_blocks = -(-length // block_size)
-    blocks = cache[block_table[first_block:num_blocks].long()]  # [blocks, block_size, kv_heads, d]
-    return blocks.flatten(0, 1)[: length - first_block * block_size]
+    blocks = raw(cache)[block_table[first_block:num_blocks].long()].view(
+        cache.dtype
+    )  # [blocks, block_size, kv_heads, row]
+    rows = blocks.flatten(0, 1)[: length - first_block * block_size]
+    return dequantize(rows, torch.float32, scale) if is_quantized(cache) else rows

@@ -17,6 +17,7 @@ import torch
 
 from ._paged import check_kv_caches
 from ._triton import check_can_launch, next_pow2, tl, triton
+from .kv_quant import raw
 
 MAX_TILE = 4096
 
@@ -90,6 +91,7 @@ def copy_blocks(
     _check_args(key_caches, value_caches, block_mapping)
     if not key_caches or block_mapping.shape[0] == 0:
         return
+    key_caches, value_caches = [raw(k) for k in key_caches], [raw(v) for v in value_caches]  # NOTE: bytes of fp8
     check_can_launch(copy_blocks_kernel, *key_caches, *value_caches, block_mapping)
     for layer, cache in enumerate([*key_caches, *value_caches]):
         if not cache[0].is_contiguous():
@@ -132,4 +134,4 @@ def copy_blocks_reference(
     _check_args(key_caches, value_caches, block_mapping)
     src, dst = block_mapping[:, 0], block_mapping[:, 1]
     for cache in [*key_caches, *value_caches]:
-        cache[dst] = cache[src]
+        raw(cache)[dst] = raw(cache)[src]  # NOTE: torch copies no float8 on the CPU, their bytes it does

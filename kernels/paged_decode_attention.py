@@ -31,12 +31,13 @@ from ._paged import (
     check_query,
     check_tile,
     check_window,
+    gather_blocks,
     soft_cap,
 )
 from ._triton import NO_WINDOW, check_can_launch, is_interpreted, next_pow2, soft_cap_log2, tl, triton
+from ._triton_kv import kv_format, load_kv_tile
 
-# NOTE: a split shorter than this costs more in partial-result traffic and the reduce
-# launch than it wins in parallelism.
+# NOTE: a shorter split costs more in partial-result traffic and the reduce launch than it wins.
 MIN_TOKENS_PER_SPLIT = 256
 MAX_SPLITS = 64
 # off CUDA (Triton's interpreter) a small fixed count, which also exercises the reduce
@@ -53,6 +54,8 @@ def paged_decode_attention_kernel(
     out_ptr,  # DIRECT_OUT: [num_seqs, num_heads, head_dim]; else [num_seqs, num_heads, num_splits, head_dim] fp32
     lse_ptr,  # [num_seqs, num_heads, num_splits] fp32, log2 domain (unused when DIRECT_OUT)
     scale,  # softmax scale
+    k_scale,  # per-tensor scales of an fp8 cache (KV_QUANT)
+    v_scale,
     softcap,  # logit soft-cap (read only when SOFTCAP)
     window,  # sliding window in positions (NO_WINDOW: none)
     num_splits,
@@ -72,6 +75,7 @@ def paged_decode_attention_kernel(
     stride_lse_seq,
     stride_lse_head,
     QUERIES_PER_KV: tl.constexpr,
+    KV_QUANT: tl.constexpr,  # _triton_kv: KV_PLAIN, KV_FP8 or KV_INT8
     block_size: tl.constexpr,
     DIRECT_OUT: tl.constexpr,
     SOFTCAP: tl.constexpr,
@@ -115,12 +119,8 @@ def paged_decode_attention_kernel(
         n_mask = pos < end
         physical = tl.load(block_table + pos // block_size, mask=n_mask, other=0).to(tl.int64)
         slot = (pos % block_size).to(tl.int64)
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(  # [BLOCK_N, BLOCK_D]
-            k_head + physical[:, None] * stride_kc_blk + slot[:, None] * stride_kc_slot + d[None, :],
-            mask=kv_mask,
-            other=0.0,
-        )
+        k_rows = k_head + physical[:, None] * stride_kc_blk + slot[:, None] * stride_kc_slot
+        k = load_kv_tile(k_rows, d, n_mask, d_mask, k_scale, head_dim, KV_QUANT, q.dtype)  # [BLOCK_N, BLOCK_D]
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_G, BLOCK_N]
         if SOFTCAP:
             s = soft_cap_log2(s, scale, softcap)
@@ -131,11 +131,8 @@ def paged_decode_attention_kernel(
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(
-            v_head + physical[:, None] * stride_vc_blk + slot[:, None] * stride_vc_slot + d[None, :],
-            mask=kv_mask,
-            other=0.0,
-        )
+        v_rows = v_head + physical[:, None] * stride_vc_blk + slot[:, None] * stride_vc_slot
+        v = load_kv_tile(v_rows, d, n_mask, d_mask, v_scale, head_dim, KV_QUANT, q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
@@ -218,9 +215,7 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context_len: int, bl
     return 1 << (splits.bit_length() - 1)  # round down to a power of two
 
 
-@functools.cache
-def _multiprocessor_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
+_multiprocessor_count = functools.cache(lambda device: torch.cuda.get_device_properties(device).multi_processor_count)
 
 
 def paged_decode_attention_launch(
@@ -232,6 +227,8 @@ def paged_decode_attention_launch(
     scale,
     sliding_window: int | None = None,
     logit_softcap: float | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
     *,
     num_splits: int | None = None,
     block_n: int | None = None,
@@ -244,7 +241,7 @@ def paged_decode_attention_launch(
         query=query, key_cache=key_cache, value_cache=value_cache, block_tables=block_tables, context_lens=context_lens
     )
     num_seqs, num_heads, head_dim = query.shape
-    _, block_size, num_kv_heads, _ = key_cache.shape
+    block_size, num_kv_heads = key_cache.shape[1:3]
     out = torch.empty_like(query, memory_format=torch.contiguous_format)
     if num_seqs == 0:
         return out
@@ -281,6 +278,8 @@ def paged_decode_attention_launch(
         partial,
         lse,
         float(scale),
+        float(k_scale),
+        float(v_scale),
         float(logit_softcap or 1.0),
         NO_WINDOW if sliding_window is None else sliding_window,
         num_splits,
@@ -297,6 +296,7 @@ def paged_decode_attention_launch(
         *p_strides,
         *lse_strides,
         QUERIES_PER_KV=group,
+        KV_QUANT=kv_format(key_cache),
         block_size=block_size,
         DIRECT_OUT=direct,
         SOFTCAP=logit_softcap is not None,
@@ -332,6 +332,8 @@ def paged_decode_attention(
     scale: float,
     sliding_window: int | None = None,
     logit_softcap: float | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
     """Attention of each sequence's single new query over its paged K/V (Triton).
 
@@ -341,12 +343,11 @@ def paged_decode_attention(
     position ``context_lens[s] - sliding_window`` (0 without a window) to that of the
     last position; the rest may hold anything. A sequence with ``context_lens[s] == 0``
     gets zeros. ``logit_softcap`` caps the scaled scores (``cap * tanh(s / cap)``).
-    ``num_heads`` must be a multiple of ``num_kv_heads`` (GQA/MQA). The output has the
-    query's dtype; softmax and accumulation run in float32.
+    ``num_heads`` must be a multiple of ``num_kv_heads`` (GQA/MQA). Output in the query's dtype,
+    softmax and sums in float32; an 8-bit cache (kv_quant.py) is widened as it is read.
     """
-    return paged_decode_attention_launch(
-        query, key_cache, value_cache, block_tables, context_lens, scale, sliding_window, logit_softcap
-    )
+    args = (query, key_cache, value_cache, block_tables, context_lens, scale, sliding_window, logit_softcap)
+    return paged_decode_attention_launch(*args, k_scale, v_scale)
 
 
 def paged_decode_attention_reference(
@@ -358,6 +359,8 @@ def paged_decode_attention_reference(
     scale: float,
     sliding_window: int | None = None,
     logit_softcap: float | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
     """Plain-torch twin of :func:`paged_decode_attention`, vectorized over sequences."""
     _check_args(query, key_cache, value_cache, block_tables, context_lens, sliding_window, logit_softcap)
@@ -373,10 +376,8 @@ def paged_decode_attention_reference(
     num_blocks = int((end_blocks - first_blocks).max())
     if num_blocks == 0:
         return torch.zeros_like(query)
-    # Row s reads table columns first_blocks[s] .. end_blocks[s] - 1 (its visible blocks).
-    # NOTE: other entries may be garbage (past the context, or freed before the window):
-    # those columns are read as the row's first visible block instead, and zeroed below
-    # like every slot outside the visible span.
+    # Row s reads table columns first_blocks[s] .. end_blocks[s] - 1. NOTE: other entries may be garbage
+    # (past the context, freed before the window): read as the first visible block, zeroed below.
     cols = first_blocks[:, None] + torch.arange(num_blocks, device=query.device)  # [num_seqs, num_blocks]
     needed = cols < end_blocks[:, None]
     cols = torch.where(needed, cols, first_blocks[:, None]).clamp(max=block_tables.shape[1] - 1)
@@ -384,12 +385,11 @@ def paged_decode_attention_reference(
     first = torch.where(lens > 0, tables[:, 0], 0)[:, None]
     tables = torch.where(needed, tables, first).view(-1)
     length = num_blocks * block_size
-    keys = key_cache.index_select(0, tables).view(num_seqs, length, num_kv_heads, head_dim).float()
-    values = value_cache.index_select(0, tables).view(num_seqs, length, num_kv_heads, head_dim).float()
+    keys = gather_blocks(key_cache, tables, k_scale).view(num_seqs, length, num_kv_heads, head_dim)
+    values = gather_blocks(value_cache, tables, v_scale).view(num_seqs, length, num_kv_heads, head_dim)
     pos = first_blocks[:, None] * block_size + torch.arange(length, device=query.device)  # [num_seqs, length]
     valid = (pos >= starts[:, None]) & (pos < lens[:, None])
-    # NOTE: slots outside the span may hold anything, NaN included, and a zero probability
-    # times NaN is NaN: they are zeroed (only those rows are touched).
+    # NOTE: slots outside the span may hold anything, NaN too (0 * NaN = NaN): those rows are zeroed.
     tail_rows = (~valid).view(-1).nonzero().view(-1)
     keys.view(-1, num_kv_heads, head_dim).index_fill_(0, tail_rows, 0.0)
     values.view(-1, num_kv_heads, head_dim).index_fill_(0, tail_rows, 0.0)

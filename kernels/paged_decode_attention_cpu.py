@@ -26,13 +26,12 @@ has to discover page by page; while a pass reads block b it prefetches the first
 each page of block b + 1 (`python -m benchmarks.cpu_attention --threads 2 --batch 16 64
 --layers 8`: 5-10% off a call in float32, 9-12% in bfloat16).
 
-Caches may be float32, bfloat16 or float16; scores, softmax and the weighted sum are
-float32 whatever the cache holds, and the output is rounded to the query's dtype once at
-the end. NumPy has no bfloat16 and Numba no float16 on the CPU, so a 16-bit cache reaches
-the kernel as its bit patterns and each element is widened as it is read::
-
-    bfloat16 (viewed as uint16):  float32 bits = bits << 16       (exact)
-    float16  (viewed as int16):   LLVM's fpext half -> float      (exact; vcvtph2ps)
+Caches may be float32, bfloat16, float16 or 8-bit (fp8 e4m3 / e5m2, int8 rows with their
+scale: kernels/kv_quant.py); scores, softmax and the weighted sum are float32 whatever the
+cache holds, and the output is rounded to the query's dtype once at the end. Each element
+is widened exactly as it is read (kernels/_cpu_widen.py); an int8 row's scale multiplies
+its dot product and its weight, an fp8 cache's per-tensor scales the score scale and the
+output, so an 8-bit cache streams half the bytes of a 16-bit one for the same work.
 
 :func:`paged_decode_attention_reference` (same signature) is the oracle.
 """
@@ -46,6 +45,8 @@ from types import FunctionType
 import numpy as np
 import torch
 
+from . import _cpu_widen
+from ._cpu_widen import E4M3_FACTOR
 from ._fast_exp import exp
 from ._paged import check_block_tables, check_int_vector, check_kv_caches, check_query, check_window
 from .paged_decode_attention import paged_decode_attention_reference
@@ -69,56 +70,21 @@ ITEMS_PER_THREAD = 4
 __all__ = ["CACHE_DTYPES", "HAS_NUMBA", "paged_decode_attention_cpu", "paged_decode_attention_reference"]
 
 # NOTE: the integer type of each 16-bit format is what tells the kernel how to widen it
-# (see _llvm_widen): the two must never share one.
+# (see _cpu_widen.widen): the two must never share one. fp8 formats share uint8 and get
+# their own widening by specialisation; an int8 row ends with its float16 scale.
 _KERNEL_VIEWS = {torch.float32: torch.float32, torch.bfloat16: torch.uint16, torch.float16: torch.int16}
 CACHE_DTYPES = tuple(_KERNEL_VIEWS)
-"""The cache (and query) dtypes the compiled kernel reads."""
+"""The model dtypes the compiled kernel reads (as query and cache; any of them over an 8-bit cache)."""
+_FORMATS = {  # 8-bit cache dtype -> (view, widening, factor of the widened value)
+    torch.float8_e4m3fn: (torch.uint8, "widen_e4m3", E4M3_FACTOR),
+    torch.float8_e5m2: (torch.uint8, "widen_e5m2", 1.0),
+    torch.int8: (torch.int8, "widen", 1.0),
+}
 
 
 def _device_function(fn):
     """A helper the kernel calls: compiled into it by Numba (inlined), plain Python without numba."""
     return numba.njit(inline="always", fastmath=True, boundscheck=False)(fn) if HAS_NUMBA else fn
-
-
-def _llvm_widen(typingctx, value):
-    """One cache element as float32: float32 as it is, bfloat16 bits (uint16) shifted into
-    the high half of a float32, float16 bits (int16) converted by ``fpext``.
-
-    A Numba intrinsic, chosen by the element's type when the kernel is compiled: the
-    float32 kernel compiles to exactly what it would without it.
-    """
-    types, i32 = numba.types, ir.IntType(32)
-    if value == types.float32:
-
-        def codegen(context, builder, signature, args):
-            return args[0]
-
-    elif value == types.uint16:
-
-        def codegen(context, builder, signature, args):
-            bits = builder.shl(builder.zext(args[0], i32), ir.Constant(i32, 16))
-            return builder.bitcast(bits, ir.FloatType())
-
-    elif value == types.int16:
-
-        def codegen(context, builder, signature, args):
-            return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
-
-    else:
-        return None
-    return types.float32(value), codegen
-
-
-def _widen_python(value):
-    """What :func:`_llvm_widen` computes, for the kernel run as Python without numba."""
-    if value.dtype == np.uint16:
-        return (np.uint32(value) << np.uint32(16)).view(np.float32)
-    if value.dtype == np.int16:
-        return np.float32(value.view(np.float16))
-    return value
-
-
-_widen: Callable = intrinsic(_llvm_widen) if HAS_NUMBA else _widen_python
 
 
 PAGE_BYTES = 4096
@@ -184,6 +150,20 @@ def _visible_blocks(start, end, block_size):
     return start // block_size, (end + block_size - 1) // block_size
 
 
+_widen = _cpu_widen.widen
+ROW_SCALED = False
+"""Whether cache rows end with their float16 scale (int8): a constant in each specialised copy."""
+
+
+@_device_function
+def _row_scale(block, slot, kv, head_dim):
+    """The float16 scale that ends an int8 row (``block[slot, kv]``), as float32."""
+    if not ROW_SCALED:
+        return np.float32(1.0)
+    bits = (np.int32(block[slot, kv, head_dim + 1]) << 8) | (np.int32(block[slot, kv, head_dim]) & 0xFF)
+    return _cpu_widen.widen(np.int16(bits))
+
+
 @_device_function
 def _scores(query, key_cache, block_table, start, end, kv0, group, scale):
     """Pass 1, ``[heads, end - start]``: each query head (``query`` is ``[heads, head_dim]``)
@@ -205,7 +185,7 @@ def _scores(query, key_cache, block_table, start, end, kv0, group, scale):
                 acc = np.float32(0.0)
                 for d in range(head_dim):
                     acc += query[i, d] * _widen(block[slot, kv, d])
-                scores[i, col] = acc * scale
+                scores[i, col] = acc * scale * _row_scale(block, slot, kv, head_dim)
     return scores
 
 
@@ -247,7 +227,7 @@ def _weighted_values(probs, value_cache, block_table, start, end, kv0, group, ou
             col = base + slot - start
             for i in range(heads):
                 kv = kv0 + i // group
-                w = probs[i, col]
+                w = probs[i, col] * _row_scale(block, slot, kv, head_dim)
                 for d in range(head_dim):
                     acc[i, d] += w * _widen(block[slot, kv, d])
     out[:, :] = acc
@@ -284,7 +264,7 @@ def paged_decode_attention_cpu_kernel(
 
 
 @functools.cache
-def _compiled_kernel(head_dim: int):
+def _compiled_kernel(head_dim: int, widening: str = "widen", row_scaled: bool = False):
     """The kernel for heads of ``head_dim``, compiled by Numba on first use, its machine code
     cached on disk when a cache directory is writable (else compiled once per process, a
     few seconds).
@@ -292,7 +272,7 @@ def _compiled_kernel(head_dim: int):
     NOTE: compiled lazily so that importing the kernels never needs numba's cache
     directory: a read-only image and an unwritable home still import and serve.
     """
-    kernel = _specialised(head_dim)
+    kernel = _specialised(head_dim, widening, row_scaled)
     try:
         return _jit(kernel, cache=True)
     except RuntimeError:  # numba: "cannot cache function ... no locator available"
@@ -304,7 +284,7 @@ HEAD_DIM = 0
 array's shape); a constant in each copy :func:`_specialised` makes."""
 
 
-def _specialised(head_dim: int) -> Callable:
+def _specialised(head_dim: int, widening: str = "widen", row_scaled: bool = False) -> Callable:
     """A copy of the kernel whose passes see ``HEAD_DIM = head_dim`` as a compile-time constant.
 
     NOTE: Numba freezes a function's globals into its code. With the head size a constant,
@@ -312,12 +292,14 @@ def _specialised(head_dim: int) -> Callable:
     of vector instructions, without a loop, a remainder or the registers they take (float32
     and bfloat16, 8 heads of 64, 16 and 64 sequences: 7-15% less time per call, ``python -m
     benchmarks.cpu_attention``). Each copy has its own name, which is what Numba's disk cache
-    knows it by.
+    knows it by. An 8-bit cache's copy also gets its ``widening`` (a name in _cpu_widen) and
+    whether rows carry a scale (``ROW_SCALED``) the same way.
     """
-    names = {"HEAD_DIM": head_dim}
-    for fn in (_scores.py_func, _weighted_values.py_func):
-        names[fn.__name__] = _device_function(_copy(fn, f"{fn.__name__}_d{head_dim}", names))
-    return _copy(paged_decode_attention_cpu_kernel, f"paged_decode_attention_cpu_kernel_d{head_dim}", names)
+    names = {"HEAD_DIM": head_dim, "ROW_SCALED": row_scaled, "_widen": getattr(_cpu_widen, widening)}
+    tag = f"_d{head_dim}" + ("_int8" if row_scaled else "" if widening == "widen" else f"_{widening[6:]}")
+    for fn in (_row_scale.py_func, _scores.py_func, _weighted_values.py_func):
+        names[fn.__name__] = _device_function(_copy(fn, f"{fn.__name__}{tag}", names))
+    return _copy(paged_decode_attention_cpu_kernel, f"paged_decode_attention_cpu_kernel{tag}", names)
 
 
 def _copy(fn: Callable, name: str, names: dict) -> Callable:
@@ -344,16 +326,19 @@ def choose_kv_splits(num_seqs: int, num_kv_heads: int, threads: int) -> int:
 
 def paged_decode_attention_cpu(
     query: torch.Tensor,  # [num_seqs, num_heads, head_dim] float32, bfloat16 or float16
-    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim] query's dtype
-    value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim] query's dtype
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim] query's dtype or 8-bit
+    value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim] like key_cache
     block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
     context_lens: torch.Tensor,  # [num_seqs] int32
     scale: float,
     sliding_window: int | None = None,
     logit_softcap: float | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
-    """Decode attention on CPU tensors of one dtype of :data:`CACHE_DTYPES`, on as many
-    threads as torch uses; computed in float32, returned in the query's dtype.
+    """Decode attention on CPU tensors of one dtype of :data:`CACHE_DTYPES` (the caches may
+    be 8-bit instead, ``k_scale``/``v_scale`` an fp8 cache's scales), on as many threads as
+    torch uses; computed in float32, returned in the query's dtype.
 
     NOTE: like the Triton kernel, table entries for a sequence's visible blocks must be
     valid block ids: they are not bounds-checked. Entries past them, and with a
@@ -374,23 +359,24 @@ def paged_decode_attention_cpu(
     out = torch.empty(query.shape, dtype=torch.float32)
     if query.shape[0] == 0:
         return out.to(query.dtype)
-    cache_view = _KERNEL_VIEWS[key_cache.dtype]
+    cache_view, widening, factor = _FORMATS.get(key_cache.dtype) or (_KERNEL_VIEWS[key_cache.dtype], "widen", 1.0)
     threads = torch.get_num_threads()
     _use_threads(threads)
     splits = choose_kv_splits(query.shape[0], key_cache.shape[2], threads)
-    _compiled_kernel(query.shape[2])(
+    fp8 = widening != "widen"
+    _compiled_kernel(query.shape[2], widening, key_cache.dtype == torch.int8)(
         query.float().contiguous().numpy(),
         key_cache.view(cache_view).numpy(),
         value_cache.view(cache_view).numpy(),
         block_tables.numpy(),
         context_lens.numpy(),
-        np.float32(scale),
+        np.float32(scale * (k_scale * factor if fp8 else 1.0)),
         sliding_window or 0,
         np.float32(logit_softcap or 0.0),
         splits,
         out.numpy(),
     )
-    return out.to(query.dtype)
+    return (out.mul_(v_scale * factor) if fp8 else out).to(query.dtype)
 
 
 def _use_threads(threads: int) -> None:

@@ -34,6 +34,8 @@ from ._paged import (
     window_start,
 )
 from ._triton import NO_WINDOW, check_can_launch, is_interpreted, next_pow2, soft_cap_log2, tl, triton
+from ._triton_kv import kv_format, load_kv_tile
+from .kv_quant import head_dim_of
 
 
 @triton.jit
@@ -61,6 +63,8 @@ def paged_prefill_attention_kernel(
     context_lens_ptr,  # [num_seqs] int32
     out_ptr,  # [total_q, num_heads, head_dim]
     scale,  # softmax scale
+    k_scale,  # per-tensor scales of an fp8 cache (KV_QUANT)
+    v_scale,
     softcap,  # logit soft-cap (read only when SOFTCAP)
     window,  # sliding window in positions (NO_WINDOW: none)
     num_seqs,
@@ -77,6 +81,7 @@ def paged_prefill_attention_kernel(
     stride_o_tok,
     stride_o_head,
     QUERIES_PER_KV: tl.constexpr,
+    KV_QUANT: tl.constexpr,  # _triton_kv: KV_PLAIN, KV_FP8 or KV_INT8
     block_size: tl.constexpr,
     SOFTCAP: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -129,12 +134,8 @@ def paged_prefill_attention_kernel(
         n_mask = pos < kv_end
         physical = tl.load(block_table + pos // block_size, mask=n_mask, other=0).to(tl.int64)
         slot = (pos % block_size).to(tl.int64)
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(
-            k_head + physical[:, None] * stride_kc_blk + slot[:, None] * stride_kc_slot + d[None, :],
-            mask=kv_mask,
-            other=0.0,
-        )
+        k_rows = k_head + physical[:, None] * stride_kc_blk + slot[:, None] * stride_kc_slot
+        k = load_kv_tile(k_rows, d, n_mask, d_mask, k_scale, head_dim, KV_QUANT, q.dtype)  # [BLOCK_N, BLOCK_D]
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
         if SOFTCAP:
             s = soft_cap_log2(s, scale, softcap)
@@ -149,11 +150,8 @@ def paged_prefill_attention_kernel(
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(
-            v_head + physical[:, None] * stride_vc_blk + slot[:, None] * stride_vc_slot + d[None, :],
-            mask=kv_mask,
-            other=0.0,
-        )
+        v_rows = v_head + physical[:, None] * stride_vc_blk + slot[:, None] * stride_vc_slot
+        v = load_kv_tile(v_rows, d, n_mask, d_mask, v_scale, head_dim, KV_QUANT, q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
@@ -169,7 +167,7 @@ def _check_args(query, key, value, key_cache, value_cache, block_tables, cu_seql
     check_int_vector(context_lens, "context_lens", num_seqs)
     check_int_vector(cu_seqlens_q, "cu_seqlens_q", num_seqs + 1)
     check_block_tables(block_tables, num_seqs)
-    kv_shape = (query.shape[0], *key_cache.shape[2:])
+    kv_shape = (query.shape[0], key_cache.shape[2], head_dim_of(key_cache))
     for name, t in (("key", key), ("value", value)):
         if t is not None and t.shape != kv_shape:
             raise ValueError(f"{name} must be [total_q, num_kv_heads, head_dim] = {kv_shape}, got {tuple(t.shape)}")
@@ -187,6 +185,8 @@ def paged_prefill_attention_launch(
     scale,
     sliding_window: int | None = None,
     logit_softcap: float | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
     *,
     block_m: int | None = None,
     block_n: int | None = None,
@@ -235,6 +235,8 @@ def paged_prefill_attention_launch(
         context_lens,
         out,
         float(scale),
+        float(k_scale),
+        float(v_scale),
         float(logit_softcap or 1.0),
         NO_WINDOW if sliding_window is None else sliding_window,
         num_seqs,
@@ -251,6 +253,7 @@ def paged_prefill_attention_launch(
         out.stride(0),
         out.stride(1),
         QUERIES_PER_KV=group,
+        KV_QUANT=kv_format(key_cache),
         block_size=block_size,
         SOFTCAP=logit_softcap is not None,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
@@ -275,6 +278,8 @@ def paged_prefill_attention(
     scale: float,
     sliding_window: int | None = None,
     logit_softcap: float | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:  # [total_q, num_heads, head_dim]
     """Causal attention of the new tokens of several sequences over their paged K/V (Triton).
 
@@ -291,7 +296,8 @@ def paged_prefill_attention(
     (written with ``reshape_and_cache`` before this call); everything, new tokens
     included, is read from the caches. ``key``/``value`` (the new tokens' K/V, or
     ``None``) are only shape-checked, for backends that would use them directly.
-    Output dtype = query dtype; softmax and accumulation in float32.
+    Output dtype = query dtype; softmax and accumulation in float32. An 8-bit cache
+    (kv_quant.py) is widened as it is read (``k_scale``/``v_scale``: an fp8 cache's scales).
     """
     return paged_prefill_attention_launch(
         query,
@@ -305,6 +311,8 @@ def paged_prefill_attention(
         scale,
         sliding_window,
         logit_softcap,
+        k_scale,
+        v_scale,
     )
 
 
@@ -320,6 +328,8 @@ def paged_prefill_attention_reference(
     scale: float,
     sliding_window: int | None = None,
     logit_softcap: float | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:  # [total_q, num_heads, head_dim]
     """Plain-torch twin of :func:`paged_prefill_attention` (same contract: reads the
     caches only); loops over sequences, vectorized within each."""
@@ -339,8 +349,8 @@ def paged_prefill_attention_reference(
         # the first new token's first visible position decides the first block read
         first_block = window_start(length - q_len + 1, sliding_window) // block_size
         offset = first_block * block_size
-        keys = gather_sequence_kv(key_cache, block_tables[s], length, first_block).float()  # [span, kv_heads, d]
-        values = gather_sequence_kv(value_cache, block_tables[s], length, first_block).float()
+        keys = gather_sequence_kv(key_cache, block_tables[s], length, first_block, k_scale).float()  # [span, kv, d]
+        values = gather_sequence_kv(value_cache, block_tables[s], length, first_block, v_scale).float()
         q = query[cu[s] : cu[s + 1]].reshape(q_len, num_kv_heads, group, head_dim).float()
         scores = soft_cap(torch.einsum("qkgd,lkd->kgql", q, keys) * scale, logit_softcap)  # [kv, group, q, span]
         q_pos = torch.arange(length - q_len, length, device=query.device)[:, None]

@@ -5,6 +5,10 @@ A slot is a flat position in the cache, ``slot = block_id * block_size + offset`
     slot_mapping:  [ 13,  14,  -1,   5 ]        (block_size = 8, -1 = padding)
                      │    │          │
     key_cache:     block 1, offsets 5, 6     block 0, offset 5
+
+An 8-bit cache (kv_quant.py) gets the new tokens quantized first (a few elementwise torch
+ops over the step's new rows only) and the kernel scatters their bytes as it scatters
+16-bit values: an int8 row's scale travels with it.
 """
 
 from __future__ import annotations
@@ -12,8 +16,9 @@ from __future__ import annotations
 import torch
 
 from ._triton import check_can_launch, next_pow2, tl, triton
+from .kv_quant import is_quantized, quantize, raw
 
-_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.uint8, torch.int8)  # 8-bit: quantized rows
 
 
 @triton.jit
@@ -61,6 +66,14 @@ def reshape_and_cache_kernel(
     tl.store(dst_v + dims[None, :], tl.load(src_v, mask=mask), mask=mask)
 
 
+def _as_stored(key, value, key_cache, value_cache, k_scale: float, v_scale: float) -> tuple[torch.Tensor, ...]:
+    """For an 8-bit cache: the new rows quantized and all four as byte views (else all as given)."""
+    if not is_quantized(key_cache) or key.dtype == key_cache.dtype:
+        return key, value, key_cache, value_cache
+    key, value = quantize(key, key_cache.dtype, k_scale), quantize(value, value_cache.dtype, v_scale)
+    return raw(key), raw(value), raw(key_cache), raw(value_cache)
+
+
 def _check_args(key, value, key_cache, value_cache, slot_mapping) -> None:
     if key.dim() != 3 or value.shape != key.shape:
         raise ValueError(
@@ -96,13 +109,17 @@ def reshape_and_cache(
     key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     slot_mapping: torch.Tensor,  # [num_tokens] int64
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """Write ``key``/``value`` into the caches at ``slot_mapping`` (in place, one launch).
 
     ``slot = block_id * block_size + offset``; a slot < 0 marks a padding token, which is
     skipped. ``key``/``value`` may be strided views (e.g. slices of a fused QKV output)
     as long as ``head_dim`` is contiguous; the caches need a contiguous ``head_dim`` too.
+    An 8-bit cache stores them quantized (``k_scale``/``v_scale``: an fp8 cache's scales).
     """
+    key, value, key_cache, value_cache = _as_stored(key, value, key_cache, value_cache, k_scale, v_scale)
     _check_args(key, value, key_cache, value_cache, slot_mapping)
     check_can_launch(reshape_and_cache_kernel, key, value, key_cache, value_cache, slot_mapping)
     tensors = (
@@ -151,8 +168,11 @@ def reshape_and_cache_reference(
     key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     slot_mapping: torch.Tensor,  # [num_tokens] int64
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """Plain-torch twin of :func:`reshape_and_cache` (same signature, in place)."""
+    key, value, key_cache, value_cache = _as_stored(key, value, key_cache, value_cache, k_scale, v_scale)
     _check_args(key, value, key_cache, value_cache, slot_mapping)
     block_size = key_cache.shape[1]
     valid = slot_mapping >= 0  # [num_tokens]

@@ -30,6 +30,7 @@ ENGINE_FIELDS: Mapping[str, str] = {
     "gpuMemoryUtilization": "gpu_memory_utilization",
     "swapSpaceGiB": "swap_space",
     "enablePrefixCaching": "enable_prefix_caching",
+    "kvCacheDtype": "kv_cache_dtype",
     "maxNumSeqs": "max_num_seqs",
     "maxNumBatchedTokens": "max_num_batched_tokens",
     "preemptionMode": "preemption_mode",

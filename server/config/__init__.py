@@ -10,7 +10,7 @@ fields (see :mod:`pagedllm.server.args`), so there is one source of truth.
 Every name is importable from here (``from pagedllm.server.config import EngineConfig``).
 """
 
-from pagedllm.server.config.cache import DEFAULT_BLOCK_SIZES, KV_RESERVATIONS, CacheConfig, GiB
+from pagedllm.server.config.cache import DEFAULT_BLOCK_SIZES, KV_CACHE_DTYPES, KV_RESERVATIONS, CacheConfig, GiB
 from pagedllm.server.config.checks import ConfigError, check_choice, check_range, field_help, json_object
 from pagedllm.server.config.engine import SUB_CONFIGS, EngineConfig, engine_fields
 from pagedllm.server.config.kv_events import KV_EVENT_ENDPOINT_SCHEMES, KV_EVENT_PUBLISHERS, KVEventsConfig
@@ -49,6 +49,7 @@ __all__ = [
     "DTYPES",
     "KV_EVENT_ENDPOINT_SCHEMES",
     "KV_EVENT_PUBLISHERS",
+    "KV_CACHE_DTYPES",
     "KV_RESERVATIONS",
     "LOAD_FORMATS",
     "MAX_LORA_RANKS",

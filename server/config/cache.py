@@ -9,6 +9,8 @@ from pagedllm.server.config.checks import ConfigError, check_choice, check_range
 from pagedllm.server.config.kv_events import KVEventsConfig
 from pagedllm.server.config.model import DEVICES
 
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8")
+"""What the KV cache stores: ``auto`` the model's dtype; 8-bit formats described in kernels/kv_quant.py."""
 KV_RESERVATIONS = ("paged", "max", "pow2", "oracle")  # kept equal to core.kv_reservation's (config stays import-light)
 GiB = 1 << 30
 
@@ -39,6 +41,14 @@ class CacheConfig:
     swap_space: float = field(default=4.0, metadata=field_help("GiB of host memory for swapped-out KV blocks."))
     kv_cache_memory: float = field(
         default=1.0, metadata=field_help("GiB of KV cache on CPU (ignored on CUDA, where it is profiled).")
+    )
+    kv_cache_dtype: str = field(
+        default="auto",
+        metadata=field_help(
+            "KV cache element format: auto (the model's dtype), fp8 (= fp8_e4m3) or fp8_e5m2 with per-tensor"
+            " scales (the checkpoint's k_scale/v_scale, else 1.0), int8 with a scale per token and head.",
+            choices=KV_CACHE_DTYPES,
+        ),
     )
     num_gpu_blocks_override: int | None = field(
         default=None, metadata=field_help("Use exactly this many device KV blocks (default: sized from memory).")
@@ -80,6 +90,7 @@ class CacheConfig:
         check_range("kv_cache_memory", self.kv_cache_memory, 0.0, low_open=True)
         check_range("num_gpu_blocks_override", self.num_gpu_blocks_override, 1)
         check_choice("kv_reservation", self.kv_reservation, KV_RESERVATIONS)
+        check_choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         if self.kv_events_enabled and not self.enable_prefix_caching:
             raise ConfigError(
                 "kv_events_config",

@@ -425,7 +425,7 @@ class LLMEngine:
             f" x {config.parallel.tensor_parallel_size} rank(s), {runner.threads.threads} CPU thread(s)",
             f"attention        {runner.ops.name}",
             f"KV cache blocks  {bm.gpu.num_blocks} device + {bm.cpu.num_blocks} host,"
-            f" {config.cache.tokens_per_block} tokens each",
+            f" {config.cache.tokens_per_block} tokens each of {str(runner.cache_dtype).removeprefix('torch.')}",
             f"max model len    {self.max_model_len} tokens, max {config.scheduler.max_num_seqs} sequences"
             f" and {config.scheduler.token_budget} tokens per step",
         ]

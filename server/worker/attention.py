@@ -17,8 +17,8 @@ backend does exactly that; the torch backend (cpu_attention.py) plans the step o
 K/V directly.
 
 The metadata and the plan belong to the step and serve every layer; a layer's sliding
-window and logit soft-cap belong to the layer (Gemma alternates windowed and global
-layers) and are passed at each call. A windowed layer reads only the blocks inside its
+window, logit soft-cap and FP8 cache scales belong to the layer (Gemma alternates
+windowed and global layers) and are passed at each call. A windowed layer reads only the blocks inside its
 window, so the block manager may free the blocks before the window of every layer.
 """
 
@@ -34,6 +34,7 @@ import torch
 
 import pagedllm.kernels as kernels
 from pagedllm.kernels._paged import check_window
+from pagedllm.kernels.kv_quant import UNIT_SCALES, KVScales
 from pagedllm.kernels.paged_decode_attention_cpu import CACHE_DTYPES, HAS_NUMBA
 from pagedllm.server.worker import cpu_attention
 from pagedllm.server.worker.cpu_attention import AttentionPlan
@@ -84,13 +85,27 @@ class AttentionOps(ABC):
 
     @abstractmethod
     def reshape_and_cache(
-        self, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, slot_mapping
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        slot_mapping,
+        scales: KVScales = UNIT_SCALES,
     ) -> None:
         """Write each new token's K/V into the cache at its slot (``meta.slot_mapping``)."""
 
     @abstractmethod
     def decode(
-        self, query, key_cache, value_cache, meta: AttentionMetadata, scale: float, window: Window, softcap: SoftCap
+        self,
+        query,
+        key_cache,
+        value_cache,
+        meta: AttentionMetadata,
+        scale: float,
+        window: Window,
+        softcap: SoftCap,
+        scales: KVScales = UNIT_SCALES,
     ) -> torch.Tensor:
         """Attention of the step's single-token decodes (``query[:meta.num_decode_tokens]``)."""
 
@@ -106,6 +121,7 @@ class AttentionOps(ABC):
         scale: float,
         window: Window,
         softcap: SoftCap,
+        scales: KVScales = UNIT_SCALES,
     ) -> torch.Tensor:
         """Causal attention of the step's prompt chunks (the tokens after the decodes)."""
 
@@ -125,8 +141,8 @@ class CpuAttention(AttentionOps):
     compiled_decode: ClassVar[bool]
     """True: the plan leaves decode rows whole for the compiled kernel."""
 
-    def reshape_and_cache(self, key, value, key_cache, value_cache, slot_mapping) -> None:
-        cpu_attention.write_kv(key, value, key_cache, value_cache, slot_mapping)
+    def reshape_and_cache(self, key, value, key_cache, value_cache, slot_mapping, scales=UNIT_SCALES) -> None:
+        cpu_attention.write_kv(key, value, key_cache, value_cache, slot_mapping, scales)
 
     def copy_blocks(self, key_caches, value_caches, block_mapping) -> None:
         kernels.copy_blocks_reference(key_caches, value_caches, block_mapping)
@@ -143,9 +159,12 @@ class CpuAttention(AttentionOps):
         )
         return dataclasses.replace(meta, plan=plan)
 
-    def prefill(self, query, key, value, key_cache, value_cache, meta, scale, window, softcap) -> torch.Tensor:
+    def prefill(
+        self, query, key, value, key_cache, value_cache, meta, scale, window, softcap, scales=UNIT_SCALES
+    ) -> torch.Tensor:
         plan = self.plan_of(meta, key_cache)
-        return cpu_attention.prefill_attention(query, key, value, key_cache, value_cache, plan, scale, window, softcap)
+        args = (query, key, value, key_cache, value_cache, plan, scale, window, softcap, scales)
+        return cpu_attention.prefill_attention(*args)
 
     def plan_of(self, meta: AttentionMetadata, key_cache: torch.Tensor) -> AttentionPlan:
         # NOTE: the runner prepares the plan once per step; a caller that did not still gets a right answer.
@@ -160,9 +179,10 @@ class NumbaAttention(CpuAttention):
     name = "numba"
     compiled_decode = True
 
-    def decode(self, query, key_cache, value_cache, meta, scale, window, softcap) -> torch.Tensor:
+    def decode(self, query, key_cache, value_cache, meta, scale, window, softcap, scales=UNIT_SCALES) -> torch.Tensor:
         plan = self.plan_of(meta, key_cache)
-        return cpu_attention.compiled_decode_attention(query, key_cache, value_cache, plan, scale, window, softcap)
+        args = (query, key_cache, value_cache, plan, scale, window, softcap, scales)
+        return cpu_attention.compiled_decode_attention(*args)
 
 
 class TorchAttention(CpuAttention):
@@ -171,9 +191,9 @@ class TorchAttention(CpuAttention):
     name = "torch"
     compiled_decode = False
 
-    def decode(self, query, key_cache, value_cache, meta, scale, window, softcap) -> torch.Tensor:
+    def decode(self, query, key_cache, value_cache, meta, scale, window, softcap, scales=UNIT_SCALES) -> torch.Tensor:
         plan = self.plan_of(meta, key_cache)
-        return cpu_attention.decode_attention(query, key_cache, value_cache, plan, scale, window, softcap)
+        return cpu_attention.decode_attention(query, key_cache, value_cache, plan, scale, window, softcap, scales)
 
 
 class TritonAttention(AttentionOps):
@@ -181,8 +201,8 @@ class TritonAttention(AttentionOps):
 
     name = "triton"
 
-    def reshape_and_cache(self, key, value, key_cache, value_cache, slot_mapping) -> None:
-        kernels.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+    def reshape_and_cache(self, key, value, key_cache, value_cache, slot_mapping, scales=UNIT_SCALES) -> None:
+        kernels.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, scales.k_scale, scales.v_scale)
 
     def copy_blocks(self, key_caches, value_caches, block_mapping) -> None:
         kernels.copy_blocks(key_caches, value_caches, block_mapping)
@@ -190,12 +210,14 @@ class TritonAttention(AttentionOps):
     def prepare(self, meta: AttentionMetadata, block_size: int) -> AttentionMetadata:
         return meta
 
-    def decode(self, query, key_cache, value_cache, meta, scale, window, softcap) -> torch.Tensor:
-        return kernels.paged_decode_attention(
-            query, key_cache, value_cache, meta.decode_block_tables, meta.decode_context_lens, scale, window, softcap
-        )
+    def decode(self, query, key_cache, value_cache, meta, scale, window, softcap, scales=UNIT_SCALES) -> torch.Tensor:
+        tables, lens = meta.decode_block_tables, meta.decode_context_lens
+        args = (query, key_cache, value_cache, tables, lens, scale, window, softcap, scales.k_scale, scales.v_scale)
+        return kernels.paged_decode_attention(*args)
 
-    def prefill(self, query, key, value, key_cache, value_cache, meta, scale, window, softcap) -> torch.Tensor:
+    def prefill(
+        self, query, key, value, key_cache, value_cache, meta, scale, window, softcap, scales=UNIT_SCALES
+    ) -> torch.Tensor:
         return kernels.paged_prefill_attention(
             query,
             key,
@@ -208,6 +230,8 @@ class TritonAttention(AttentionOps):
             scale,
             window,
             softcap,
+            scales.k_scale,
+            scales.v_scale,
         )
 
 
@@ -272,6 +296,8 @@ class PagedAttention(torch.nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim, self.scale = num_heads, num_kv_heads, head_dim, scale
         self.sliding_window = sliding_window
         self.logit_softcap = logit_softcap
+        self.kv_scales = UNIT_SCALES
+        """An FP8 cache's per-tensor scales: the checkpoint's (``kv_scales.load_kv_scales``) or 1.0."""
 
     def forward(
         self,
@@ -287,12 +313,14 @@ class PagedAttention(torch.nn.Module):
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         key_cache, value_cache = kv_cache
-        ops.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping)
+        kv_scales = self.kv_scales
+        ops.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping, kv_scales)
         out = torch.empty_like(q)
         d = meta.num_decode_tokens
         window, softcap = self.sliding_window, self.logit_softcap
         if d:
-            out[:d] = ops.decode(q[:d], key_cache, value_cache, meta, self.scale, window, softcap)
+            out[:d] = ops.decode(q[:d], key_cache, value_cache, meta, self.scale, window, softcap, kv_scales)
         if meta.num_prefills:
-            out[d:] = ops.prefill(q[d:], k[d:], v[d:], key_cache, value_cache, meta, self.scale, window, softcap)
+            caches = (key_cache, value_cache)
+            out[d:] = ops.prefill(q[d:], k[d:], v[d:], *caches, meta, self.scale, window, softcap, kv_scales)
         return out.view(-1, self.num_heads * self.head_dim)

@@ -26,6 +26,10 @@ others read their context from the cache, from the block of the first new token'
 first visible position on. Logit soft-capping (which SDPA cannot do) runs the same
 steps with explicit scores.
 
+An 8-bit cache (kernels/kv_quant.py) is written quantized and read back in the query's
+dtype as blocks are gathered; a prefill chunk without a cached prefix attends to its own
+K/V as computed, before quantization (as vLLM's FP8 cache does).
+
 NOTE: positions past a context inside a gathered block are masked, not zeroed. Their
 probabilities are exactly 0, which is enough because the cache only ever holds finite
 values: it is allocated with zeros and written with the model's K/V (copies and swaps
@@ -39,6 +43,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from pagedllm.kernels.kv_quant import UNIT_SCALES, KVScales, dequantize, is_quantized, raw, write_rows
 from pagedllm.kernels.paged_decode_attention_cpu import paged_decode_attention_cpu
 
 # NOTE: measured on a 2-core CPU (benchmarks/cpu_attention.py): merging sequences whose
@@ -238,6 +243,7 @@ def decode_attention(
     scale: float,
     sliding_window: int | None = None,
     logit_softcap: float | None = None,
+    scales: KVScales = UNIT_SCALES,
 ) -> torch.Tensor:  # [num_decodes, num_heads, head_dim]
     """Each decode's query over its cached context (its window), one gather + SDPA per group of rows."""
     num_seqs, num_heads, head_dim = query.shape
@@ -250,8 +256,12 @@ def decode_attention(
     out = torch.empty_like(q)
     for g in grouped.groups:
         rows = g.rows.stop - g.rows.start
-        keys = key_cache.index_select(0, g.block_index).view(rows, g.length, num_kv_heads, head_dim)
-        values = value_cache.index_select(0, g.block_index).view(rows, g.length, num_kv_heads, head_dim)
+        keys = _blocks(key_cache, g.block_index, scales.k_scale, query.dtype).view(
+            rows, g.length, num_kv_heads, head_dim
+        )
+        values = _blocks(value_cache, g.block_index, scales.v_scale, query.dtype).view(
+            rows, g.length, num_kv_heads, head_dim
+        )
         out[g.rows] = _attend(q[g.rows], keys.transpose(1, 2), values.transpose(1, 2), g.mask, scale, logit_softcap)
     out = out.view(num_seqs, num_heads, head_dim)
     return out if grouped.order is None else torch.empty_like(out).index_copy_(0, grouped.order, out)
@@ -265,12 +275,15 @@ def compiled_decode_attention(
     scale: float,
     sliding_window: int | None = None,
     logit_softcap: float | None = None,
+    scales: KVScales = UNIT_SCALES,
 ) -> torch.Tensor:  # [num_decodes, num_heads, head_dim]
     """Decode through the compiled CPU kernel, which reads the cache in place (no gather)."""
     assert plan.compiled is not None, "the plan was made with compiled_decode=True"
     decode = plan.compiled
+    tables, lens = decode.block_tables, decode.context_lens
+    window, cap = sliding_window, logit_softcap
     return paged_decode_attention_cpu(
-        query, key_cache, value_cache, decode.block_tables, decode.context_lens, scale, sliding_window, logit_softcap
+        query, key_cache, value_cache, tables, lens, scale, window, cap, scales.k_scale, scales.v_scale
     )
 
 
@@ -284,6 +297,7 @@ def prefill_attention(
     scale: float,
     sliding_window: int | None = None,
     logit_softcap: float | None = None,
+    scales: KVScales = UNIT_SCALES,
 ) -> torch.Tensor:  # [total_q, num_heads, head_dim]
     """Causal attention of each chunk's new tokens over its context (within the window)."""
     out = torch.zeros_like(query)
@@ -297,8 +311,8 @@ def prefill_attention(
             first_query = chunk.context_len - q_len
             offset = 0 if sliding_window is None else max(0, first_query - sliding_window + 1)
             offset -= offset % block_size
-            keys = _gather(key_cache, chunk.block_table, offset, chunk.context_len)
-            values = _gather(value_cache, chunk.block_table, offset, chunk.context_len)
+            keys = _gather(key_cache, chunk.block_table, offset, chunk.context_len, scales.k_scale, query.dtype)
+            values = _gather(value_cache, chunk.block_table, offset, chunk.context_len, scales.v_scale, query.dtype)
         causal = offset == 0 and chunk.context_len == q_len and sliding_window is None
         mask = None if causal else _causal_mask(q_len, chunk.context_len, offset, sliding_window, query.device)
         o = _attend(
@@ -308,11 +322,20 @@ def prefill_attention(
     return out
 
 
-def _gather(cache: torch.Tensor, block_table: torch.Tensor, offset: int, length: int) -> torch.Tensor:
+def _gather(
+    cache: torch.Tensor, block_table: torch.Tensor, offset: int, length: int, scale: float, dtype: torch.dtype
+) -> torch.Tensor:
     # -> [length - offset, num_kv_heads, head_dim]: positions offset .. length - 1 (offset: a block start)
     block_size = cache.shape[1]
     blocks = block_table[offset // block_size : -(-length // block_size)].long()
-    return cache.index_select(0, blocks).flatten(0, 1)[: length - offset]
+    return _blocks(cache, blocks, scale, dtype).flatten(0, 1)[: length - offset]
+
+
+def _blocks(cache: torch.Tensor, index: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """``cache[index]``; an 8-bit cache's blocks dequantized to ``dtype`` (``scale``: fp8's per-tensor one)."""
+    if not is_quantized(cache):
+        return cache.index_select(0, index)
+    return dequantize(raw(cache).index_select(0, index).view(cache.dtype), dtype, scale)
 
 
 def _causal_mask(
@@ -333,7 +356,12 @@ def write_kv(
     key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     slot_mapping: torch.Tensor,  # [num_tokens] int64, every slot >= 0
+    scales: KVScales = UNIT_SCALES,
 ) -> None:
     """``reshape_and_cache`` for the engine's own steps, whose slots are never negative."""
+    if is_quantized(key_cache):
+        write_rows(key_cache, slot_mapping, key, scales.k_scale)
+        write_rows(value_cache, slot_mapping, value, scales.v_scale)
+        return
     key_cache.view(-1, *key_cache.shape[2:]).index_copy_(0, slot_mapping, key)
     value_cache.view(-1, *value_cache.shape[2:]).index_copy_(0, slot_mapping, value)

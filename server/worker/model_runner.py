@@ -9,12 +9,14 @@ import logging
 import numpy as np
 import torch
 
+from pagedllm.kernels.kv_quant import cache_dtype, raw, row_width
 from pagedllm.server.config import ConfigError, EngineConfig, GiB
 from pagedllm.server.worker.attention import AttentionMetadata, select_attention_ops
 from pagedllm.server.worker.cpu_threads import choose_threads
 from pagedllm.server.worker.cuda_graphs import DecodeGraphs, try_capture
 from pagedllm.server.worker.device_step import DeviceStep
 from pagedllm.server.worker.dtype_choice import choose_dtype
+from pagedllm.server.worker.kv_scales import apply_kv_scales, split_kv_scales
 from pagedllm.server.worker.lora_model import LoRAModel
 from pagedllm.server.worker.model_loader import init_dummy_weights, iterate_weights
 from pagedllm.server.worker.model_step import ModelStep, StepOutputs
@@ -87,6 +89,8 @@ class ModelRunner:
             self.shutdown()
             raise
         self.num_layers, self.num_kv_heads, self.head_dim = self.model.kv_shape
+        self.cache_dtype = cache_dtype(config.cache.kv_cache_dtype, self.dtype)
+        """What the KV cache holds: the model's dtype, or an 8-bit format (kernels/kv_quant.py)."""
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.host_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.graphs: DecodeGraphs | None = None
@@ -107,7 +111,10 @@ class ModelRunner:
             init_dummy_weights(model, self.config.model.seed)
         else:
             assert self.config.model.model is not None, "the engine resolves the model directory first"
-            model.load_weights(iterate_weights(self.config.model.model, self.config.model.load_format))
+            scales: dict = {}
+            weights = iterate_weights(self.config.model.model, self.config.model.load_format)
+            model.load_weights(split_kv_scales(weights, scales))
+            apply_kv_scales(model, scales, cache_dtype(self.config.cache.kv_cache_dtype, self.dtype))  # type: ignore[arg-type]
         if self.device.type == "cpu":
             if not self.config.lora.enable_lora:  # NOTE: adapters hook each projection by name
                 logger.info("%d layers' projections fused", fuse_projections(model))  # type: ignore[arg-type]
@@ -117,9 +124,10 @@ class ModelRunner:
     # -- KV cache -----------------------------------------------------------------------
     @property
     def block_bytes(self) -> int:
-        """Bytes of one block across all layers, K and V."""
-        element = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * element
+        """Bytes of one block across all layers, K and V (an 8-bit cache: half a 16-bit one's, plus int8's scales)."""
+        element = torch.empty((), dtype=self.cache_dtype).element_size()
+        row = row_width(self.cache_dtype, self.head_dim)
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * row * element
 
     def shutdown(self) -> None:
         """Free this rank's KV cache (idempotent)."""
@@ -196,20 +204,20 @@ class ModelRunner:
 
     def allocate_local_cache(self, num_device_blocks: int, num_host_blocks: int) -> None:
         # Each layer: key and value caches [num_blocks, block_size, num_kv_heads, head_dim].
-        shape = (self.block_size, self.num_kv_heads, self.head_dim)
-        pin = self.device.type == "cuda"
+        shape = (self.block_size, self.num_kv_heads, row_width(self.cache_dtype, self.head_dim))
+        pin, dtype = self.device.type == "cuda", self.cache_dtype
         self.kv_caches = [
             (
-                torch.zeros((num_device_blocks, *shape), dtype=self.dtype, device=self.device),
-                torch.zeros((num_device_blocks, *shape), dtype=self.dtype, device=self.device),
+                torch.zeros((num_device_blocks, *shape), dtype=dtype, device=self.device),
+                torch.zeros((num_device_blocks, *shape), dtype=dtype, device=self.device),
             )
             for _ in range(self.num_layers)
         ]
         # NOTE: host blocks are only ever read after being written by a swap-out.
         self.host_caches = [
             (
-                torch.empty((num_host_blocks, *shape), dtype=self.dtype, pin_memory=pin),
-                torch.empty((num_host_blocks, *shape), dtype=self.dtype, pin_memory=pin),
+                torch.empty((num_host_blocks, *shape), dtype=dtype, pin_memory=pin),
+                torch.empty((num_host_blocks, *shape), dtype=dtype, pin_memory=pin),
             )
             for _ in range(self.num_layers)
         ]
@@ -221,7 +229,7 @@ class ModelRunner:
         index = torch.tensor(pairs, dtype=torch.int64)
         src, dst = index[:, 0], index[:, 1]
         for device_kv, host_kv in zip(self.kv_caches, self.host_caches):
-            for device_cache, host_cache in zip(device_kv, host_kv):
+            for device_cache, host_cache in zip(map(raw, device_kv), map(raw, host_kv)):  # NOTE: fp8 as bytes
                 if to_host:
                     host_cache[dst] = device_cache[src.to(self.device)].to("cpu", non_blocking=False)
                 else:

@@ -90,3 +90,11 @@ def test_chatbot_block_size_and_preemption_experiments_run(ctx, results_dir):
     result = paper_features.fig19(ctx)
     assert all(result[mode][bs]["preemptions"] > 0 for mode in ("swap", "recompute") for bs in (4, 16))
     assert len(list(results_dir.glob("*.png"))) == 4
+
+
+def test_an_8bit_cache_runs_more_sequences_in_the_same_memory(ctx, results_dir):
+    quantized = dataclasses.replace(ctx, kv_cache_dtype="int8")
+    assert quantized.kv_blocks_per_budget_block() > 1.8  # float32 rows of 4 bytes against 1 (+ 2 scale bytes)
+    rows, rows_q = (paper_memory.fig13(c)["sharegpt"]["allocators"]["paged"] for c in (ctx, quantized))
+    assert rows_q["running"] > rows["running"]
+    assert (results_dir / "fig13-smoke-kv-int8.json").exists()

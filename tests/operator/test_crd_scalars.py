@@ -39,6 +39,7 @@ SCALARS = [
     "swapSpaceGiB",
     "dtype",
     "enablePrefixCaching",
+    "kvCacheDtype",
     "preemptionMode",
     "seed",
     "loadFormat",

@@ -50,6 +50,7 @@ FULL_SPEC = {
     "swapSpaceGiB": 2.5,
     "dtype": "bfloat16",
     "enablePrefixCaching": False,
+    "kvCacheDtype": "int8",
     "preemptionMode": "swap",
     "seed": 7,
     "loadFormat": "safetensors",

@@ -300,6 +300,7 @@ class EngineStatsCollector(Collector):
             "enable_prefix_caching": str(cache.enable_prefix_caching),
             "gpu_memory_utilization": str(cache.gpu_memory_utilization),
             "swap_space": str(cache.swap_space),
+            "cache_dtype": cache.kv_cache_dtype,
         }
         gauge = GaugeMetricFamily(name, "Information of the KV cache configuration.", labels=list(info))
         gauge.add_metric(list(info.values()), 1.0)

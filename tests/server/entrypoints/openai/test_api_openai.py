@@ -281,6 +281,7 @@ def test_metrics_parse_and_move(client, server):
     info = [k for k in after if k[0] == "pagedllm:cache_config_info"]
     assert info and dict(info[0][1])["block_size"] == str(ENGINE_ARGS["block_size"])
     assert dict(info[0][1])["num_gpu_blocks"] == "1024"
+    assert dict(info[0][1])["cache_dtype"] == "auto"
 
 
 def test_health_and_metrics_need_no_key(server):
