@@ -23,6 +23,8 @@ from pagedllm.server.worker.models.base import CausalLM
 from pagedllm.server.worker.models.cpu_linear import prepack_linears
 from pagedllm.server.worker.models.fused_linear import fuse_projections
 from pagedllm.server.worker.models.tensor_parallel import TPGroup
+from pagedllm.server.worker.quantization.config import with_quantization
+from pagedllm.server.worker.quantization.linear import finish_quantized_layers
 from pagedllm.server.worker.sampler import Sampler
 from pagedllm.server.worker.tp_workers import TPWorkers
 
@@ -63,6 +65,7 @@ class ModelRunner:
 
     def __init__(self, config: EngineConfig, hf_config: dict, max_model_len: int, tp: TPGroup | None = None) -> None:
         self.config = config
+        hf_config = with_quantization(hf_config, config.model.quantization)
         size = config.parallel.tensor_parallel_size
         # NOTE: a rank's device is its index on its own node (ranks are spread over --nnodes hosts)
         self.device = resolve_device(config.model.device, config.parallel.local_rank(tp.rank) if tp is not None else 0)
@@ -116,6 +119,7 @@ class ModelRunner:
             if not self.config.lora.enable_lora:  # NOTE: adapters hook each projection by name
                 logger.info("%d layers' projections fused", fuse_projections(model))  # type: ignore[arg-type]
             logger.info("%d linear weights packed for oneDNN", prepack_linears(model))  # type: ignore[arg-type]
+        finish_quantized_layers(model, self.device, self.dtype)  # type: ignore[arg-type]
         return model.eval()
 
     # -- KV cache -----------------------------------------------------------------------

@@ -1,0 +1,128 @@
+"""The matmuls a quantized layer runs, chosen once per layer from its :class:`QuantizedWeight`.
+
+    kernel        device  weights kept as                           when
+    int4-cpu      CPU     oneDNN-free packed int4 [N, K / 2] + (scale, zero) per group   4-bit, group 32..256
+    int8-cpu      CPU     int8 [N, K] + one scale per channel        8-bit symmetric per channel
+    w4a16-triton  CUDA    int32 [K / 8, N] packed along K            4-bit ints
+    dequantize    any     the integer / fp8 levels as loaded         everything else (the reference)
+
+Measured (2 threads, Qwen2.5-0.5B's 896 -> 4864 projection, bf16 activations, 1..16 rows) in
+benchmarks: the packed int4 matmul beats dequantizing per call by far; see quant_kernels_bench.
+
+The torch int4 CPU matmul computes ``(q - 8) * scale + zero_f`` per group, so a zero level
+``z`` becomes the float offset ``zero_f = (8 - z) * scale`` (exact in float32; rounded once to
+the activation dtype in bfloat16, like the scale itself).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedllm.server.worker.quantization.base import QuantizedWeight, pack_int32
+
+INT4_CPU_GROUPS = (32, 64, 128, 256)
+
+
+class DequantizeKernel(nn.Module):
+    """The reference on every device: dequantize the weight in float32 per call, then one GEMM."""
+
+    name = "dequantize"
+
+    def __init__(self, w: QuantizedWeight) -> None:
+        super().__init__()
+        self.register_buffer("q", w.q)
+        self.register_buffer("scales", w.scales)
+        self.register_buffer("zeros", w.zeros)
+        self.group_size, self.bits = w.group_size, w.bits
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = QuantizedWeight(self.q, self.scales, self.zeros, self.group_size, self.bits)
+        return F.linear(x, w.dequantize(x.dtype))
+
+
+class Int4CpuKernel(nn.Module):
+    """torch's CPU int4 weight-only matmul on the weight packed once ([N, K / 2] uint8)."""
+
+    name = "int4-cpu"
+
+    def __init__(self, w: QuantizedWeight, dtype: torch.dtype) -> None:
+        super().__init__()
+        group = w.group_size
+        scales, zeros = w.scales, w.zeros
+        if group not in INT4_CPU_GROUPS:  # NOTE: one group per channel: the same scale repeated per 128 inputs
+            repeat = w.shape[1] // 128
+            scales, zeros, group = scales.repeat_interleave(repeat, 1), zeros.repeat_interleave(repeat, 1), 128  # type: ignore[union-attr]
+        assert zeros is not None
+        self.group_size = group
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(w.q.to(torch.int32), 1)
+        self.register_buffer("packed", packed)
+        offsets = (8.0 - zeros) * scales
+        # scales_and_zeros: [K / group, N, 2] in the activation dtype
+        self.register_buffer("scales_and_zeros", torch.stack([scales.T, offsets.T], dim=-1).to(dtype).contiguous())
+
+    @staticmethod
+    def fits(w: QuantizedWeight) -> bool:
+        n, k = w.shape
+        groups_ok = w.group_size in INT4_CPU_GROUPS or (w.group_size == k and k % 128 == 0)
+        return w.bits == 4 and w.q.dtype == torch.uint8 and w.zeros is not None and groups_ok and n % 16 == 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.group_size, self.scales_and_zeros)
+        return out
+
+
+class Int8CpuKernel(nn.Module):
+    """torch's CPU int8 weight-only matmul: int8 [N, K] and one scale per output channel."""
+
+    name = "int8-cpu"
+
+    def __init__(self, w: QuantizedWeight, dtype: torch.dtype) -> None:
+        super().__init__()
+        q = w.q if w.zeros is None else (w.q.to(torch.int16) - 128).to(torch.int8)
+        self.register_buffer("q", q.contiguous())
+        self.register_buffer("scales", w.scales[:, 0].to(dtype).contiguous())
+
+    @staticmethod
+    def fits(w: QuantizedWeight) -> bool:
+        if w.bits != 8 or w.group_size != w.shape[1]:
+            return False
+        if w.q.dtype == torch.int8 and w.zeros is None:
+            return True
+        return w.q.dtype == torch.uint8 and w.zeros is not None and bool((w.zeros == 128).all())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch._weight_int8pack_mm(x, self.q, self.scales)
+
+
+class TritonW4A16Kernel(nn.Module):
+    """The CUDA W4A16 Triton GEMM (``pagedllm.kernels.quant_matmul``), dequantizing inside the kernel."""
+
+    name = "w4a16-triton"
+
+    def __init__(self, w: QuantizedWeight, dtype: torch.dtype) -> None:
+        super().__init__()
+        assert w.zeros is not None
+        self.group_size, self.bits = w.group_size, w.bits
+        # qweight: [K * bits / 32, N] packed along K; scales, zeros: [K / group, N]
+        self.register_buffer("qweight", pack_int32(w.q.T.contiguous(), w.bits, dim=0))
+        self.register_buffer("scales", w.scales.T.to(dtype).contiguous())
+        self.register_buffer("zeros", w.zeros.T.to(dtype).contiguous())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from pagedllm.kernels.quant_matmul import w4a16_matmul
+
+        return w4a16_matmul(x, self.qweight, self.scales, self.zeros, self.group_size)
+
+
+def choose_kernel(w: QuantizedWeight, device: torch.device, dtype: torch.dtype) -> nn.Module:
+    """The fastest kernel that runs ``w`` exactly on ``device`` for activations of ``dtype``."""
+    if device.type == "cpu" and dtype in (torch.float32, torch.bfloat16, torch.float16):
+        if Int4CpuKernel.fits(w):
+            return Int4CpuKernel(w, dtype)
+        if Int8CpuKernel.fits(w):
+            return Int8CpuKernel(w, dtype)
+    if device.type == "cuda" and w.bits == 4 and w.q.dtype == torch.uint8 and w.zeros is not None:
+        return TritonW4A16Kernel(w, dtype)
+    return DequantizeKernel(w)
