@@ -443,6 +443,8 @@ class LLMEngine:
         ]
         if self.spec_decoder is not None:
             lines.append(f"speculative      {self.spec_decoder.describe()}")
+        if runner.quant_info is not None:
+            lines.append("quantization     " + ", ".join(f"{k}={v}" for k, v in runner.quant_info.items()))
         if host is not None:
             lines.append(f"serving          http://{host}:{port}/v1 (docs at /docs)")
         return "ready\n  " + "\n  ".join(lines)
@@ -475,6 +477,7 @@ class LLMEngine:
             num_window_frees=bm.num_window_frees,
             kv_event_batches_dropped=self.kv_event_publisher.num_dropped if self.kv_event_publisher else 0,
             spec_decode=self.spec_decoder.stats.snapshot() if self.spec_decoder else None,
+            quant_config=self.runner.quant_info,
             **self.loras.stats(self.scheduler.waiting),
         )
 

@@ -251,6 +251,8 @@ class EngineStatsCollector(Collector):
         if stats.max_lora:
             yield _lora_info(stats)
         yield self._cache_config_info(stats, "pagedllm:cache_config_info")
+        if stats.quant_config is not None:
+            yield _quant_config_info(self.model_name, stats.quant_config)
         yield self._cache_config_info(stats, "vllm:cache_config_info")  # NOTE: prefix-aware routing reads it
 
     def _vllm_names(self, stats: EngineStats) -> Iterator:
@@ -304,6 +306,16 @@ class EngineStatsCollector(Collector):
         gauge = GaugeMetricFamily(name, "Information of the KV cache configuration.", labels=list(info))
         gauge.add_metric(list(info.values()), 1.0)
         return gauge
+
+
+def _quant_config_info(model_name: str, quant: dict[str, str]) -> GaugeMetricFamily:
+    """The quantized weights' format and the kernels that run them, in the labels (like ``cache_config_info``)."""
+    info = {"model_name": model_name, **quant}
+    gauge = GaugeMetricFamily(
+        "pagedllm:quant_config_info", "Information of the weight quantization.", labels=list(info)
+    )
+    gauge.add_metric(list(info.values()), 1.0)
+    return gauge
 
 
 def _lora_info(stats: EngineStats) -> GaugeMetricFamily:

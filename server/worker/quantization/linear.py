@@ -151,3 +151,12 @@ def finish_quantized_layers(model: nn.Module, device: torch.device, dtype: torch
     for layer in layers:
         layer.finish(device, dtype)
     return len(layers)
+
+
+def quant_info(model: nn.Module) -> dict[str, str] | None:
+    """The format of ``model``'s quantized layers and the kernels they run, or None when it has none."""
+    layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    if not layers:
+        return None
+    kernels = sorted({getattr(layer.kernel, "name", "?") for layer in layers})
+    return {**layers[0].cfg.describe(), "kernels": ",".join(kernels)}

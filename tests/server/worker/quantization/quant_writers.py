@@ -217,3 +217,20 @@ CONFIGS = {
         "weight_block_size": [32, 32],
     },
 }
+
+
+def write_online(root: str, kind: str, seed: int = 0) -> tuple[str, str]:
+    """(plain checkpoint dir, twin dir): the twin holds each projection quantized per channel to ``kind`` and back."""
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(demo_llama_config(**SHAPE, initializer_range=0.2))
+    plain, twin = os.path.join(root, f"online-{kind}-plain"), os.path.join(root, f"online-{kind}-twin")
+    model.save_pretrained(plain, safe_serialization=True)
+    build_byte_tokenizer().save_pretrained(plain)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.rsplit(".", 2)[-2] in PROJECTIONS:
+                param.copy_(channel_tensors(param.float(), kind)[1])
+    model.save_pretrained(twin, safe_serialization=True)
+    return plain, twin

@@ -1,0 +1,84 @@
+"""Quantized checkpoints of every format against transformers on their dequantized twins: greedy tokens equal."""
+
+from __future__ import annotations
+
+import pytest
+from engine_factories import HFReference, assert_greedy_matches, make_prompts
+from quant_writers import write_online, write_quantized
+
+from pagedllm.server import LLM, SamplingParams
+from pagedllm.server.worker.quantization.linear import QuantLinear
+from tests.support import assert_all_blocks_free
+
+MAX_TOKENS = 10
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+# (writer format, its options, the CPU kernel every layer must run)
+CASES = {
+    "awq-g32": ("awq", {"group": 32}, "int4-cpu"),
+    "awq-g64": ("awq", {"group": 64}, "int4-cpu"),
+    "gptq-4bit-sym": ("gptq", {}, "int4-cpu"),
+    "gptq-4bit-act-order-asym": ("gptq", {"desc_act": True, "sym": False}, "int4-cpu"),
+    "gptq-8bit-channel": ("gptq", {"bits": 8, "group": -1}, "int8-cpu"),
+    "gptq-8bit-g32-asym": ("gptq", {"bits": 8, "sym": False}, "dequantize"),
+    "ct-w4a16": ("ct-pack", {}, "int4-cpu"),
+    "ct-w4a16-asym-channel": ("ct-pack", {"sym": False, "group": -1}, "int4-cpu"),
+    "ct-int8-w8a8": ("ct-int8", {}, "int8-cpu"),
+    "ct-fp8-w8a8": ("ct-fp8", {}, "dequantize"),
+    "fp8-block": ("fp8-block", {}, "dequantize"),
+}
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return make_prompts(5, min_len=1, max_len=70, seed=3)
+
+
+def kernels(llm) -> set[str]:
+    model = llm.llm_engine.runner.model
+    return {m.kernel.name for m in model.modules() if isinstance(m, QuantLinear)}
+
+
+def check_greedy(llm, twin: str, prompts, **generate) -> None:
+    ref = HFReference(twin)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, **generate)
+    for prompt, out in zip(prompts, outputs):
+        assert_greedy_matches(ref, prompt, out.outputs[0].token_ids, ref.greedy(prompt, MAX_TOKENS))
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_greedy_matches_transformers_on_the_dequantized_twin(tmp_path, prompts, case):
+    fmt, options, kernel = CASES[case]
+    qdir, twin = write_quantized(str(tmp_path), fmt, seed=len(case), **options)
+    llm = LLM(model=qdir, block_size=16, num_gpu_blocks_override=64)
+    assert kernels(llm) == {kernel}
+    check_greedy(llm, twin, prompts)
+    assert_all_blocks_free(llm)
+
+
+@pytest.mark.parametrize(("kind", "kernel"), [("int8", "int8-cpu"), ("fp8", "dequantize")])
+def test_online_quantization_matches_the_per_channel_twin(tmp_path, prompts, kind, kernel):
+    plain, twin = write_online(str(tmp_path), kind)
+    llm = LLM(model=plain, quantization=kind, block_size=16, num_gpu_blocks_override=64)
+    assert kernels(llm) == {kernel}
+    assert llm.llm_engine.runner.quant_info["format"] == f"online-{kind}"
+    check_greedy(llm, twin, prompts)
+
+
+def test_preemption_and_prefix_caching_on_awq(tmp_path, prompts):
+    qdir, twin = write_quantized(str(tmp_path), "awq", seed=7)
+    shared = prompts[0] + prompts[1]
+    batch = [shared + p for p in prompts] + [shared]
+    llm = LLM(model=qdir, block_size=8, num_gpu_blocks_override=24, enable_prefix_caching=True)
+    check_greedy(llm, twin, batch)
+    stats = llm.llm_engine.stats()
+    assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
+    assert_all_blocks_free(llm)
+
+
+def test_banner_and_stats_name_the_quantization(tmp_path):
+    qdir, _ = write_quantized(str(tmp_path), "gptq", seed=1)
+    llm = LLM(model=qdir, block_size=16, num_gpu_blocks_override=16)
+    assert "quantization     method=gptq, format=gptq, bits=4, group_size=32" in llm.llm_engine.describe()
+    info = llm.llm_engine.stats().quant_config
+    assert info is not None and info["kernels"] == "int4-cpu" and info["desc_act"] == "False"
