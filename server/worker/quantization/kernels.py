@@ -6,8 +6,9 @@
     w4a16-triton  CUDA    int32 [K / 8, N] packed along K            4-bit ints
     dequantize    any     the integer / fp8 levels as loaded         everything else (the reference)
 
-Measured (2 threads, Qwen2.5-0.5B's 896 -> 4864 projection, bf16 activations, 1..16 rows) in
-benchmarks: the packed int4 matmul beats dequantizing per call by far; see quant_kernels_bench.
+``python -m benchmarks.quant_linear`` measures them at a real model's sizes (2 threads,
+Qwen2.5-0.5B's projections, 1..16 rows of bfloat16): the packed int4 matmul reads a quarter of
+the bytes of bfloat16 and beats dequantizing per call by far at decode sizes.
 
 The torch int4 CPU matmul computes ``(q - 8) * scale + zero_f`` per group, so a zero level
 ``z`` becomes the float offset ``zero_f = (8 - z) * scale`` (exact in float32; rounded once to
@@ -23,6 +24,11 @@ from torch import nn
 from pagedllm.server.worker.quantization.base import QuantizedWeight, pack_int32
 
 INT4_CPU_GROUPS = (32, 64, 128, 256)
+DENSE_ROWS = 64
+"""Rows from which a bfloat16 / float16 call unpacks the int4 weight and runs a dense GEMM instead."""
+DENSE_ROWS_FLOAT32 = 1
+"""The same in float32: always, since torch's packed int4 matmul has no fast float32 path (measured on a
+2-core AVX-512 EPYC: ~23 ms per row for Qwen2.5-0.5B's 896 x 4864 gate projection, growing linearly with rows)."""
 
 
 class DequantizeKernel(nn.Module):
@@ -43,7 +49,14 @@ class DequantizeKernel(nn.Module):
 
 
 class Int4CpuKernel(nn.Module):
-    """torch's CPU int4 weight-only matmul on the weight packed once ([N, K / 2] uint8)."""
+    """torch's CPU int4 weight-only matmul on the weight packed once ([N, K / 2] uint8).
+
+    NOTE: that matmul is fast for the few rows of a decode step but falls far behind a dense
+    GEMM as rows grow (prefill), in float32 most of all; there the weight is unpacked from the
+    same bytes into the activation dtype for the call (:meth:`dense`). torch lays the packed
+    weight out in blocks of 64 output rows: byte ``k * 32 + i`` of block b holds row
+    ``64b + i`` in its low and row ``64b + 32 + i`` in its high nibble; checked at load.
+    """
 
     name = "int4-cpu"
 
@@ -55,12 +68,14 @@ class Int4CpuKernel(nn.Module):
             repeat = w.shape[1] // 128
             scales, zeros, group = scales.repeat_interleave(repeat, 1), zeros.repeat_interleave(repeat, 1), 128  # type: ignore[union-attr]
         assert zeros is not None
-        self.group_size = group
+        self.group_size, self.shape = group, w.shape
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(w.q.to(torch.int32), 1)
         self.register_buffer("packed", packed)
         offsets = (8.0 - zeros) * scales
         # scales_and_zeros: [K / group, N, 2] in the activation dtype
         self.register_buffer("scales_and_zeros", torch.stack([scales.T, offsets.T], dim=-1).to(dtype).contiguous())
+        self.dense_rows = (DENSE_ROWS_FLOAT32 if dtype == torch.float32 else DENSE_ROWS) if self._unpacks(w.q) else None
+        """From how many rows a call unpacks the weight and runs a dense GEMM (None: never)."""
 
     @staticmethod
     def fits(w: QuantizedWeight) -> bool:
@@ -68,9 +83,28 @@ class Int4CpuKernel(nn.Module):
         groups_ok = w.group_size in INT4_CPU_GROUPS or (w.group_size == k and k % 128 == 0)
         return w.bits == 4 and w.q.dtype == torch.uint8 and w.zeros is not None and groups_ok and n % 16 == 0
 
+    def _unpacks(self, q: torch.Tensor) -> bool:
+        return q.shape[0] % 64 == 0 and torch.equal(self.unpack(), q)
+
+    def unpack(self) -> torch.Tensor:
+        """The levels [N, K] (uint8) back out of the packed bytes."""
+        n, k = self.shape
+        blocks = self.packed.view(n // 64, k, 32)
+        return torch.cat([blocks & 15, blocks >> 4], dim=2).transpose(1, 2).reshape(n, k)
+
+    def dense(self, dtype: torch.dtype) -> torch.Tensor:
+        """The weight [N, K] in ``dtype``: ``(q - 8) * scale + zero_f`` as the packed matmul computes it."""
+        n, k = self.shape
+        g = self.group_size
+        scales = self.scales_and_zeros[..., 0].T.unsqueeze(-1).to(dtype)  # [N, K / g, 1]
+        offsets = self.scales_and_zeros[..., 1].T.unsqueeze(-1).to(dtype)
+        q = self.unpack().view(n, k // g, g).to(dtype)
+        return q.sub_(8).mul_(scales).add_(offsets).view(n, k)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.group_size, self.scales_and_zeros)
-        return out
+        if self.dense_rows is not None and x.shape[0] >= self.dense_rows:
+            return F.linear(x, self.dense(x.dtype))
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.group_size, self.scales_and_zeros)
 
 
 class Int8CpuKernel(nn.Module):

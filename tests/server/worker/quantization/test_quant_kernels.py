@@ -114,3 +114,13 @@ def test_the_reference_runs_what_no_fast_kernel_takes():
     kernel = choose_kernel(fp8, CPU, torch.float32)
     assert isinstance(kernel, DequantizeKernel)
     assert_close(kernel(x), reference(fp8, x), 1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int4_cpu_unpacks_for_many_rows_exactly_as_it_multiplies(dtype):
+    w = random_int4(64, seed=3)
+    kernel = Int4CpuKernel(w, dtype)
+    assert kernel.dense_rows is not None and torch.equal(kernel.unpack(), w.q)
+    x = torch.randn(kernel.dense_rows + 3, K)
+    assert_close(kernel(x.to(dtype)), reference(w, x.to(dtype)), 1e-5 if dtype == torch.float32 else 3e-2)
+    assert_close(kernel(x[:1].to(dtype)), reference(w, x[:1].to(dtype)), 1e-5 if dtype == torch.float32 else 3e-2)
