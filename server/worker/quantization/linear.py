@@ -62,6 +62,9 @@ class QuantLinear(nn.Module):
         self.perm: torch.Tensor | None = None
         self.parts: list[QuantLinear] = []
         out_start = first_row if first_row is not None else tp.rank * n_local
+        self.plain_cut = (None, tp.rank * k_local, k_local) if row_parallel else (out_start, None, n_local)
+        """Where this rank's slice of a plain [out, in] weight lies: (output start, input start, length)."""
+        self.dtype = torch.get_default_dtype()
         for spec in FORMAT_MODULES[cfg.format].specs(cfg, k_local, n_local, in_features):
             param = nn.Parameter(torch.empty(spec.shape, dtype=spec.dtype), requires_grad=False)
             self.register_parameter(spec.name, param)
@@ -86,6 +89,23 @@ class QuantLinear(nn.Module):
         self.parts = []
         self.perm = w.perm
         self.kernel = choose_kernel(w, device, dtype)
+
+    def lora_layout(self) -> torch.Tensor:
+        """A weight-shaped stand-in ([out, in] of this rank, no memory) with the plain weight's shard rule.
+
+        LoRA sizes and cuts its adapters by the projection's weight; a quantized one has none.
+        """
+        device = self.kernel_device()
+        layout = torch.zeros((), dtype=self.dtype, device=device).expand(*self.shape)
+        if self.tp.size > 1:
+            out_start, in_start, length = self.plain_cut
+            dim, start = (0, out_start) if in_start is None else (1, in_start)
+            mark_shard(layout, lambda full: full.narrow(dim, start, length))
+        return layout
+
+    def kernel_device(self) -> torch.device:
+        buffers = list(self.buffers()) + list(self.parameters())
+        return buffers[0].device if buffers else torch.device("cpu")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
         assert self.kernel is not None, "finish_quantized_layers runs after loading"
