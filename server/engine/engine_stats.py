@@ -47,5 +47,3 @@ class EngineStats:
     """Names of the LoRA adapters of waiting requests."""
     max_lora: int = 0
     """Adapter slots (``max_loras``; 0 without LoRA)."""
-    quant_config: dict[str, str] | None = None
-    """What the quantized weights are and which kernels run them (None: plain weights)."""

@@ -432,7 +432,7 @@ class LLMEngine:
         """The start-up summary a person reads: what runs where, and how much cache it has."""
         runner, bm, config = self.runner, self.block_manager, self.config
         lines = [
-            f"model            {config.model.model}",
+            f"model            {config.model.model}" + (f" ({runner.quant_info})" if runner.quant_info else ""),
             f"dtype / device   {str(runner.dtype).removeprefix('torch.')} on {runner.device}"
             f" x {config.parallel.tensor_parallel_size} rank(s), {runner.threads.threads} CPU thread(s)",
             f"attention        {runner.ops.name}",
@@ -443,8 +443,6 @@ class LLMEngine:
         ]
         if self.spec_decoder is not None:
             lines.append(f"speculative      {self.spec_decoder.describe()}")
-        if runner.quant_info is not None:
-            lines.append("quantization     " + ", ".join(f"{k}={v}" for k, v in runner.quant_info.items()))
         if host is not None:
             lines.append(f"serving          http://{host}:{port}/v1 (docs at /docs)")
         return "ready\n  " + "\n  ".join(lines)
@@ -477,7 +475,6 @@ class LLMEngine:
             num_window_frees=bm.num_window_frees,
             kv_event_batches_dropped=self.kv_event_publisher.num_dropped if self.kv_event_publisher else 0,
             spec_decode=self.spec_decoder.stats.snapshot() if self.spec_decoder else None,
-            quant_config=self.runner.quant_info,
             **self.loras.stats(self.scheduler.waiting),
         )
 

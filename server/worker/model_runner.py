@@ -11,6 +11,7 @@ import time
 import torch
 
 from pagedllm.server.config import ConfigError, EngineConfig, GiB
+from pagedllm.server.config.quantization import with_quantization
 from pagedllm.server.worker.attention import AttentionMetadata, select_attention_ops
 from pagedllm.server.worker.cpu_threads import choose_threads
 from pagedllm.server.worker.cuda_graphs import DecodeGraphs, try_capture
@@ -23,7 +24,6 @@ from pagedllm.server.worker.models.base import CausalLM
 from pagedllm.server.worker.models.cpu_linear import prepack_linears
 from pagedllm.server.worker.models.fused_linear import fuse_projections
 from pagedllm.server.worker.models.tensor_parallel import TPGroup
-from pagedllm.server.worker.quantization.config import with_quantization
 from pagedllm.server.worker.quantization.linear import finish_quantized_layers, quant_info
 from pagedllm.server.worker.sampler import Sampler
 from pagedllm.server.worker.tp_workers import TPWorkers
@@ -121,7 +121,7 @@ class ModelRunner:
             logger.info("%d linear weights packed for oneDNN", prepack_linears(model))  # type: ignore[arg-type]
         finish_quantized_layers(model, self.device, self.dtype)  # type: ignore[arg-type]
         self.quant_info = quant_info(model)  # type: ignore[arg-type]
-        """The quantization and its kernels, for the banner and ``quant_config_info`` (None: plain weights)."""
+        """The quantization and its kernels, for the banner (None: plain weights)."""
         return model.eval()
 
     # -- KV cache -----------------------------------------------------------------------

@@ -18,6 +18,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from pagedllm.server.config import EngineConfig
+from pagedllm.server.config.quantization import model_quant_config
 from pagedllm.server.engine.engine_stats import EngineStats
 from pagedllm.server.outputs import EmbeddingRequestOutput
 
@@ -204,6 +205,7 @@ class EngineStatsCollector(Collector):
         self.model_name = model_name
         self.config = config
         self.stats = stats
+        self.quant = model_quant_config(config.model.model, config.model.quantization)
 
     def collect(self) -> Iterator:
         stats = self.stats()
@@ -251,8 +253,8 @@ class EngineStatsCollector(Collector):
         if stats.max_lora:
             yield _lora_info(stats)
         yield self._cache_config_info(stats, "pagedllm:cache_config_info")
-        if stats.quant_config is not None:
-            yield _quant_config_info(self.model_name, stats.quant_config)
+        if self.quant is not None:
+            yield _quant_config_info(self.model_name, self.quant.describe())
         yield self._cache_config_info(stats, "vllm:cache_config_info")  # NOTE: prefix-aware routing reads it
 
     def _vllm_names(self, stats: EngineStats) -> Iterator:

@@ -24,9 +24,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pagedllm.server.config import ConfigError
+from pagedllm.server.config.quantization import QuantConfig, quant_config_from_hf
 from pagedllm.server.worker.models.checkpoint import require
 from pagedllm.server.worker.models.rope import rope_parameters_for
-from pagedllm.server.worker.quantization.config import QuantConfig, quant_config_from_hf
 
 
 @dataclass(frozen=True)

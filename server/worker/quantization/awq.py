@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from pagedllm.server.config.quantization import QuantConfig
 from pagedllm.server.worker.quantization.base import QuantizedWeight, TensorSpec, unpack_int32
-from pagedllm.server.worker.quantization.config import QuantConfig
 
 AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 
 from pagedllm.server.config import ConfigError
+from pagedllm.server.config.quantization import QuantConfig
 from pagedllm.server.worker.quantization.base import QuantizedWeight, TensorSpec
-from pagedllm.server.worker.quantization.config import QuantConfig
 
 FP8_MAX = 448.0
 

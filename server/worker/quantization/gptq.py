@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import torch
 
+from pagedllm.server.config.quantization import QuantConfig
 from pagedllm.server.worker.quantization.base import QuantizedWeight, TensorSpec, sort_by_groups, unpack_int32
-from pagedllm.server.worker.quantization.config import QuantConfig
 
 
 def specs(cfg: QuantConfig, k: int, n: int, k_full: int) -> list[TensorSpec]:

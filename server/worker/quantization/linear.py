@@ -20,10 +20,10 @@ import torch
 from torch import nn
 
 from pagedllm.server.config import ConfigError
+from pagedllm.server.config.quantization import QuantConfig
 from pagedllm.server.worker.models.tensor_parallel import TPGroup, mark_shard
 from pagedllm.server.worker.quantization import awq, compressed_tensors, fp8, gptq
 from pagedllm.server.worker.quantization.base import QuantizedWeight, TensorSpec, concat_weights
-from pagedllm.server.worker.quantization.config import QuantConfig
 from pagedllm.server.worker.quantization.kernels import choose_kernel
 
 FORMAT_MODULES: dict[str, ModuleType] = {
@@ -173,10 +173,12 @@ def finish_quantized_layers(model: nn.Module, device: torch.device, dtype: torch
     return len(layers)
 
 
-def quant_info(model: nn.Module) -> dict[str, str] | None:
-    """The format of ``model``'s quantized layers and the kernels they run, or None when it has none."""
+def quant_info(model: nn.Module) -> str | None:
+    """``model``'s quantized format and the kernels its layers run, for the banner; None when it has none."""
     layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
     if not layers:
         return None
-    kernels = sorted({getattr(layer.kernel, "name", "?") for layer in layers})
-    return {**layers[0].cfg.describe(), "kernels": ",".join(kernels)}
+    cfg = layers[0].cfg
+    kernels = ", ".join(sorted({getattr(layer.kernel, "name", "?") for layer in layers}))
+    group = "per channel" if cfg.group_size < 0 else f"group {cfg.group_size}"
+    return f"{cfg.method} {cfg.format} {cfg.bits}-bit {group}, kernels: {kernels}"

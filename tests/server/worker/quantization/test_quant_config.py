@@ -7,7 +7,7 @@ from quant_writers import write_quantized
 
 from pagedllm.server import LLM
 from pagedllm.server.config import ConfigError, EngineConfig
-from pagedllm.server.worker.quantization.config import quant_config_from_hf, with_quantization
+from pagedllm.server.config.quantization import quant_config_from_hf, with_quantization
 
 AWQ = {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"}
 GPTQ = {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": True, "sym": False}

@@ -7,10 +7,12 @@ from engine_factories import HFReference, assert_greedy_matches, make_prompts
 from quant_writers import write_online, write_quantized
 
 from pagedllm.server import LLM, SamplingParams
+from pagedllm.server.config import EngineConfig
 from pagedllm.server.worker.quantization.linear import QuantLinear
 from tests.support import assert_all_blocks_free
 
 MAX_TOKENS = 10
+LLM_CONFIG = EngineConfig.from_kwargs()
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
 # (writer format, its options, the CPU kernel every layer must run)
@@ -61,7 +63,7 @@ def test_online_quantization_matches_the_per_channel_twin(tmp_path, prompts, kin
     plain, twin = write_online(str(tmp_path), kind)
     llm = LLM(model=plain, quantization=kind, block_size=16, num_gpu_blocks_override=64)
     assert kernels(llm) == {kernel}
-    assert llm.llm_engine.runner.quant_info["format"] == f"online-{kind}"
+    assert f"online-{kind} 8-bit per channel" in llm.llm_engine.runner.quant_info
     check_greedy(llm, twin, prompts)
 
 
@@ -76,9 +78,14 @@ def test_preemption_and_prefix_caching_on_awq(tmp_path, prompts):
     assert_all_blocks_free(llm)
 
 
-def test_banner_and_stats_name_the_quantization(tmp_path):
+def test_banner_and_metrics_name_the_quantization(tmp_path):
+    from pagedllm.server.entrypoints.openai.metrics import EngineStatsCollector
+
     qdir, _ = write_quantized(str(tmp_path), "gptq", seed=1)
     llm = LLM(model=qdir, block_size=16, num_gpu_blocks_override=16)
-    assert "quantization     method=gptq, format=gptq, bits=4, group_size=32" in llm.llm_engine.describe()
-    info = llm.llm_engine.stats().quant_config
-    assert info is not None and info["kernels"] == "int4-cpu" and info["desc_act"] == "False"
+    assert f"model            {qdir} (gptq gptq 4-bit group 32, kernels: int4-cpu)" in llm.llm_engine.describe()
+    collector = EngineStatsCollector("tiny", llm.llm_engine.config, llm.llm_engine.stats)
+    [info] = [m for m in collector.collect() if m.name == "pagedllm:quant_config_info"]
+    labels = info.samples[0].labels
+    assert labels["method"] == "gptq" and labels["bits"] == "4" and labels["group_size"] == "32"
+    assert not [m for m in EngineStatsCollector("t", LLM_CONFIG, llm.llm_engine.stats).collect() if "quant" in m.name]

@@ -1,5 +1,7 @@
 """Which quantized format a checkpoint uses, read once from ``quantization_config`` or ``--quantization``.
 
+Torch-free, like all configuration: the API server and the operator read it too.
+
 One frozen :class:`QuantConfig` per model says how every quantized linear layer stores its
 weight. Anything this engine cannot run exactly is refused here, at start-up, with the value
 and what is allowed, never half-loaded::
@@ -17,13 +19,14 @@ and what is allowed, never half-loaded::
 
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import dataclass
 from typing import Any
 
-from pagedllm.server.config import ConfigError
+from pagedllm.server.config.checks import ConfigError
+from pagedllm.server.config.model import QUANTIZATIONS
 
-QUANTIZATION_CHOICES = ("awq", "gptq", "compressed-tensors", "fp8", "int8")
-"""Values of ``--quantization``: a checkpoint's own method (checked against it) or an online one."""
 ONLINE = {"fp8": "online-fp8", "int8": "online-int8"}
 FORMATS = ("awq", "gptq", "pack-quantized", "int8-w8a8", "fp8-w8a8", "fp8-block", "online-int8", "online-fp8")
 _FIELD = "quantization_config"
@@ -86,8 +89,8 @@ def with_quantization(hf_config: dict, quantization: str | None) -> dict:
     """
     if quantization is None:
         return hf_config
-    if quantization not in QUANTIZATION_CHOICES:
-        raise ConfigError("quantization", quantization, f"one of {list(QUANTIZATION_CHOICES)}")
+    if quantization not in QUANTIZATIONS:
+        raise ConfigError("quantization", quantization, f"one of {list(QUANTIZATIONS)}")
     own = (hf_config.get(_FIELD) or {}).get("quant_method")
     if own == "online":
         return hf_config
@@ -97,6 +100,19 @@ def with_quantization(hf_config: dict, quantization: str | None) -> dict:
         allowed = f"{own!r} (what the checkpoint holds)" if own else f"one of {sorted(ONLINE)} (quantized at load)"
         raise ConfigError("quantization", quantization, allowed, problem="does not match the checkpoint")
     return hf_config
+
+
+def model_quant_config(model_dir: str | None, quantization: str | None) -> QuantConfig | None:
+    """What a model directory's weights are (its ``config.json``) under ``--quantization``; torch-free.
+
+    NOTE: for those that only have the engine's configuration (the API server's metrics).
+    """
+    hf_config: dict = {}
+    path = os.path.join(model_dir, "config.json") if model_dir else None
+    if path is not None and os.path.isfile(path):
+        with open(path) as f:
+            hf_config = json.load(f)
+    return quant_config_from_hf(with_quantization(hf_config, quantization))
 
 
 def _awq(qc: dict) -> QuantConfig:
