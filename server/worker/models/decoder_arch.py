@@ -23,7 +23,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pagedllm.server.config import ConfigError
 from pagedllm.server.config.quantization import QuantConfig, quant_config_from_hf
 from pagedllm.server.worker.models.checkpoint import require
 from pagedllm.server.worker.models.rope import rope_parameters_for
@@ -119,14 +118,6 @@ class DecoderArch:
         types = layer_types(cfg, num_layers)
         moe = _moe_arch(cfg) if family.moe else None
         quant = quant_config_from_hf(cfg)
-        if quant is not None and moe is not None:
-            raise ConfigError(
-                "quantization_config",
-                quant.method,
-                "a model without mixture-of-experts layers",
-                problem="is not supported",
-                subject=f"{quant.method} quantization of a {model_type} model",
-            )
         return cls(
             model_type=model_type,
             family=family,

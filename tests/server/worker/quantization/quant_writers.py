@@ -130,25 +130,53 @@ def fp8_block_tensors(w, block=32):
     return {"weight": q, "weight_scale_inv": s}, q.float() * s_full
 
 
-def write_quantized(root: str, fmt: str, seed: int = 0, **options) -> tuple[str, str]:
-    """(quantized checkpoint dir, dequantized twin dir) of a random tiny LLaMA in ``fmt``."""
+def tiny_model(family: str):
+    """A random tiny LLaMA, or a tiny Mixtral (``family='mixtral'``: 4 experts, stacked expert tensors)."""
+    if family == "mixtral":
+        from family_factories import family_config
+        from transformers import AutoModelForCausalLM
+
+        return AutoModelForCausalLM.from_config(family_config("mixtral"))
     from transformers import LlamaForCausalLM
 
+    return LlamaForCausalLM(demo_llama_config(**SHAPE, initializer_range=0.2))
+
+
+def _expert_weights(name: str, tensor: torch.Tensor):
+    """transformers' stacked experts as the per-expert [N, K] weights checkpoints name one by one."""
+    prefix = name.rsplit(".", 1)[0]
+    for e in range(tensor.shape[0]):
+        if name.endswith("gate_up_proj"):
+            gate, up = tensor[e].chunk(2)
+            yield f"{prefix}.{e}.gate_proj", gate
+            yield f"{prefix}.{e}.up_proj", up
+        else:
+            yield f"{prefix}.{e}.down_proj", tensor[e]
+
+
+def write_quantized(root: str, fmt: str, seed: int = 0, family: str = "llama", **options) -> tuple[str, str]:
+    """(quantized checkpoint dir, dequantized twin dir) of a random tiny model in ``fmt``."""
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(demo_llama_config(**SHAPE, initializer_range=0.2))
+    model = tiny_model(family)
     quantized, plain = {}, {}
     for name, tensor in model.state_dict().items():
         parts = name.rsplit(".", 2)
-        if len(parts) == 3 and parts[1] in PROJECTIONS and parts[2] == "weight":
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            twins = []
+            for expert, weight in _expert_weights(name, tensor):
+                tensors, twin = TENSORS[fmt](weight.float(), seed=seed, **options)
+                quantized.update({f"{expert}.{k}": v.contiguous() for k, v in tensors.items()})
+                twins.append(twin)
+            per = len(twins) // tensor.shape[0]
+            plain[name] = torch.stack([torch.cat(twins[i : i + per]) for i in range(0, len(twins), per)])
+        elif len(parts) == 3 and parts[1] in PROJECTIONS and parts[2] == "weight":
             tensors, twin = TENSORS[fmt](tensor.float(), seed=seed, **options)
             quantized.update({f"{parts[0]}.{parts[1]}.{k}": v.contiguous() for k, v in tensors.items()})
             plain[name] = twin
         else:
             quantized[name] = plain[name] = tensor.clone()
     qdir, tdir = os.path.join(root, f"{fmt}-q"), os.path.join(root, f"{fmt}-twin")
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            param.copy_(plain[name])
+    model.load_state_dict(plain)
     model.save_pretrained(tdir, safe_serialization=True)
     build_byte_tokenizer().save_pretrained(tdir)
     os.makedirs(qdir, exist_ok=True)

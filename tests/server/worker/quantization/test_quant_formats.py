@@ -89,3 +89,11 @@ def test_banner_and_metrics_name_the_quantization(tmp_path):
     labels = info.samples[0].labels
     assert labels["method"] == "gptq" and labels["bits"] == "4" and labels["group_size"] == "32"
     assert not [m for m in EngineStatsCollector("t", LLM_CONFIG, llm.llm_engine.stats).collect() if "quant" in m.name]
+
+
+@pytest.mark.parametrize(("fmt", "options"), [("awq", {}), ("gptq", {"desc_act": True}), ("ct-fp8", {})])
+def test_mixture_of_experts_dequantizes_its_experts_at_load(tmp_path, prompts, fmt, options):
+    qdir, twin = write_quantized(str(tmp_path), fmt, seed=4, family="mixtral", **options)
+    llm = LLM(model=qdir, block_size=16, num_gpu_blocks_override=64)
+    assert kernels(llm)  # NOTE: attention stays quantized; the experts hold dequantized weights
+    check_greedy(llm, twin, prompts)
