@@ -158,7 +158,7 @@ def _compressed_tensors(qc: dict) -> QuantConfig:
     fmt = qc.get("format")
     kind, bits, strategy = weights.get("type"), weights.get("num_bits"), weights.get("strategy")
     if fmt == "pack-quantized" and kind == "int" and acts is None:
-        _check("weights.num_bits", bits, (4, 8))
+        bits = _check("weights.num_bits", bits, (4, 8))
         _check("weights.strategy", strategy, ("group", "channel"))
         _check("weights.actorder", weights.get("actorder"), (None, False))
         group = int(weights["group_size"]) if strategy == "group" else -1

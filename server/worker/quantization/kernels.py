@@ -35,6 +35,9 @@ class DequantizeKernel(nn.Module):
     """The reference on every device: dequantize the weight in float32 per call, then one GEMM."""
 
     name = "dequantize"
+    q: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor | None
 
     def __init__(self, w: QuantizedWeight) -> None:
         super().__init__()
@@ -59,6 +62,8 @@ class Int4CpuKernel(nn.Module):
     """
 
     name = "int4-cpu"
+    packed: torch.Tensor
+    scales_and_zeros: torch.Tensor
 
     def __init__(self, w: QuantizedWeight, dtype: torch.dtype) -> None:
         super().__init__()
@@ -68,7 +73,7 @@ class Int4CpuKernel(nn.Module):
             repeat = w.shape[1] // 128
             scales, zeros, group = scales.repeat_interleave(repeat, 1), zeros.repeat_interleave(repeat, 1), 128  # type: ignore[union-attr]
         assert zeros is not None
-        self.group_size, self.shape = group, w.shape
+        self.group_size, self.dims = group, w.shape
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(w.q.to(torch.int32), 1)
         self.register_buffer("packed", packed)
         offsets = (8.0 - zeros) * scales
@@ -88,13 +93,13 @@ class Int4CpuKernel(nn.Module):
 
     def unpack(self) -> torch.Tensor:
         """The levels [N, K] (uint8) back out of the packed bytes."""
-        n, k = self.shape
+        n, k = self.dims
         blocks = self.packed.view(n // 64, k, 32)
         return torch.cat([blocks & 15, blocks >> 4], dim=2).transpose(1, 2).reshape(n, k)
 
     def dense(self, dtype: torch.dtype) -> torch.Tensor:
         """The weight [N, K] in ``dtype``: ``(q - 8) * scale + zero_f`` as the packed matmul computes it."""
-        n, k = self.shape
+        n, k = self.dims
         g = self.group_size
         scales = self.scales_and_zeros[..., 0].T.unsqueeze(-1).to(dtype)  # [N, K / g, 1]
         offsets = self.scales_and_zeros[..., 1].T.unsqueeze(-1).to(dtype)
@@ -111,6 +116,8 @@ class Int8CpuKernel(nn.Module):
     """torch's CPU int8 weight-only matmul: int8 [N, K] and one scale per output channel."""
 
     name = "int8-cpu"
+    q: torch.Tensor
+    scales: torch.Tensor
 
     def __init__(self, w: QuantizedWeight, dtype: torch.dtype) -> None:
         super().__init__()
@@ -134,6 +141,9 @@ class TritonW4A16Kernel(nn.Module):
     """The CUDA W4A16 Triton GEMM (``pagedllm.kernels.quant_matmul``), dequantizing inside the kernel."""
 
     name = "w4a16-triton"
+    qweight: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor
 
     def __init__(self, w: QuantizedWeight, dtype: torch.dtype) -> None:
         super().__init__()

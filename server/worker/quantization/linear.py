@@ -41,6 +41,12 @@ FORMAT_MODULES: dict[str, ModuleType] = {
 class QuantLinear(nn.Module):
     """``y = x @ W.T + b`` with W quantized; column- or row-parallel like the plain layers."""
 
+    kernel: nn.Module | None
+    perm: torch.Tensor | None
+    bias: nn.Parameter | None
+    _pending: QuantizedWeight
+    """The weight between loading and :meth:`finish`, where fusing had to read it first."""
+
     def __init__(
         self,
         cfg: QuantConfig,
@@ -71,9 +77,11 @@ class QuantLinear(nn.Module):
             if tp.size > 1:
                 cut = (None, tp.rank * k_local, k_local) if row_parallel else (out_start, None, n_local)
                 mark_shard(param, _shard_rule(spec, cut))
-        self.bias = nn.Parameter(torch.empty(out_features if row_parallel else n_local)) if bias else None
-        if bias and tp.size > 1 and not row_parallel:
-            mark_shard(self.bias, lambda full: full.narrow(0, out_start, n_local))
+        self.bias = None
+        if bias:
+            self.bias = nn.Parameter(torch.empty(out_features if row_parallel else n_local))
+            if tp.size > 1 and not row_parallel:
+                mark_shard(self.bias, lambda full: full.narrow(0, out_start, n_local))
 
     def quantized_weight(self) -> QuantizedWeight:
         """The loaded checkpoint tensors as one :class:`QuantizedWeight` (drops them: call once)."""
@@ -100,6 +108,7 @@ class QuantLinear(nn.Module):
         if self.tp.size > 1:
             out_start, in_start, length = self.plain_cut
             dim, start = (0, out_start) if in_start is None else (1, in_start)
+            assert start is not None
             mark_shard(layout, lambda full: full.narrow(dim, start, length))
         return layout
 
