@@ -97,3 +97,18 @@ def test_mixture_of_experts_dequantizes_its_experts_at_load(tmp_path, prompts, f
     llm = LLM(model=qdir, block_size=16, num_gpu_blocks_override=64)
     assert kernels(llm)  # NOTE: attention stays quantized; the experts hold dequantized weights
     check_greedy(llm, twin, prompts)
+
+
+def test_quantized_weights_take_a_fraction_of_the_plain_bytes(tmp_path):
+    qdir, twin = write_quantized(str(tmp_path), "awq", seed=2)
+
+    def projection_bytes(llm) -> int:
+        model = llm.llm_engine.runner.model
+        layers = [
+            m for name, m in model.named_modules() if name.endswith(("qkv_proj", "o_proj", "gate_up_proj", "down_proj"))
+        ]
+        return sum(t.numel() * t.element_size() for m in layers for t in [*m.parameters(), *m.buffers()])
+
+    quantized = projection_bytes(LLM(model=qdir, num_gpu_blocks_override=8))
+    plain = projection_bytes(LLM(model=twin, num_gpu_blocks_override=8))
+    assert quantized < 0.25 * plain  # float32 twin: 4 bytes a weight; int4 with group-32 scales: ~0.75
