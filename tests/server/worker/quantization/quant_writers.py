@@ -131,12 +131,12 @@ def fp8_block_tensors(w, block=32):
 
 
 def tiny_model(family: str):
-    """A random tiny LLaMA, or a tiny Mixtral (``family='mixtral'``: 4 experts, stacked expert tensors)."""
-    if family == "mixtral":
+    """A random tiny LLaMA, Qwen2 (q/k/v bias, tied embeddings) or Mixtral (4 experts, stacked expert tensors)."""
+    if family in ("mixtral", "qwen2"):
         from family_factories import family_config
         from transformers import AutoModelForCausalLM
 
-        return AutoModelForCausalLM.from_config(family_config("mixtral"))
+        return AutoModelForCausalLM.from_config(family_config(family))
     from transformers import LlamaForCausalLM
 
     return LlamaForCausalLM(demo_llama_config(**SHAPE, initializer_range=0.2))

@@ -88,3 +88,12 @@ def test_a_shard_that_cuts_a_group_is_refused(tmp_path):
     with pytest.raises(ConfigError) as info:
         LLM(model=qdir, tensor_parallel_size=2, num_gpu_blocks_override=16)
     assert info.value.field == "tensor_parallel_size" and "qzeros" in str(info.value)
+
+
+def test_models_without_quantized_layers_refuse_quantization(tmp_path):
+    from engine_factories import save_tiny
+
+    opt = save_tiny(str(tmp_path / "opt"), "opt", seed=1)
+    with pytest.raises(ConfigError) as info:
+        LLM(model=opt, quantization="int8", num_gpu_blocks_override=8)
+    assert info.value.field == "quantization" and "OPTForCausalLM" in str(info.value)

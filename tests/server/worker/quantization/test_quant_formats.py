@@ -91,6 +91,13 @@ def test_banner_and_metrics_name_the_quantization(tmp_path):
     assert not [m for m in EngineStatsCollector("t", LLM_CONFIG, llm.llm_engine.stats).collect() if "quant" in m.name]
 
 
+def test_qwen2_biases_and_tied_embeddings_on_awq(tmp_path, prompts):
+    qdir, twin = write_quantized(str(tmp_path), "awq", seed=6, family="qwen2")
+    llm = LLM(model=qdir, block_size=16, num_gpu_blocks_override=64)
+    assert kernels(llm) == {"int4-cpu"}
+    check_greedy(llm, twin, prompts)
+
+
 @pytest.mark.parametrize(("fmt", "options"), [("awq", {}), ("gptq", {"desc_act": True}), ("ct-fp8", {})])
 def test_mixture_of_experts_dequantizes_its_experts_at_load(tmp_path, prompts, fmt, options):
     qdir, twin = write_quantized(str(tmp_path), fmt, seed=4, family="mixtral", **options)
