@@ -24,11 +24,11 @@ from torch import nn
 from pagedllm.server.worker.quantization.base import QuantizedWeight, pack_int32
 
 INT4_CPU_GROUPS = (32, 64, 128, 256)
-DENSE_ROWS = 64
-"""Rows from which a bfloat16 / float16 call unpacks the int4 weight and runs a dense GEMM instead."""
 DENSE_ROWS_FLOAT32 = 1
-"""The same in float32: always, since torch's packed int4 matmul has no fast float32 path (measured on a
-2-core AVX-512 EPYC: ~23 ms per row for Qwen2.5-0.5B's 896 x 4864 gate projection, growing linearly with rows)."""
+"""Rows from which a float32 call unpacks the int4 weight and runs a dense GEMM: always, since torch's packed
+int4 matmul has no fast float32 path (measured on a 2-core AVX-512-BF16 EPYC, Qwen2.5-0.5B's 4864 x 896
+projection: 15-23 ms per row, linear in rows). In bfloat16 it stays packed: 0.07 / 0.39 / 1.7 ms at 1 / 16 /
+64 rows, while unpacking alone takes ~8 ms (best of 40 calls; a shared, loaded machine)."""
 
 
 class DequantizeKernel(nn.Module):
@@ -57,9 +57,9 @@ class DequantizeKernel(nn.Module):
 class Int4CpuKernel(nn.Module):
     """torch's CPU int4 weight-only matmul on the weight packed once ([N, K / 2] uint8).
 
-    NOTE: that matmul is fast for the few rows of a decode step but falls far behind a dense
-    GEMM as rows grow (prefill), in float32 most of all; there the weight is unpacked from the
-    same bytes into the activation dtype for the call (:meth:`dense`). torch lays the packed
+    NOTE: in float32 that matmul has no fast path (it falls far behind a dense GEMM, more so
+    with every row); there the weight is unpacked from the same bytes into float32 for the call
+    (:meth:`dense`). torch lays the packed
     weight out in blocks of 64 output rows: byte ``k * 32 + i`` of block b holds row
     ``64b + i`` in its low and row ``64b + 32 + i`` in its high nibble; checked at load.
     """
@@ -82,7 +82,7 @@ class Int4CpuKernel(nn.Module):
         offsets = (8.0 - zeros) * scales
         # scales_and_zeros: [K / group, N, 2] in the activation dtype
         self.register_buffer("scales_and_zeros", torch.stack([scales.T, offsets.T], dim=-1).to(dtype).contiguous())
-        self.dense_rows = (DENSE_ROWS_FLOAT32 if dtype == torch.float32 else DENSE_ROWS) if self._unpacks(w.q) else None
+        self.dense_rows = DENSE_ROWS_FLOAT32 if dtype == torch.float32 and self._unpacks(w.q) else None
         """From how many rows a call unpacks the weight and runs a dense GEMM (None: never)."""
 
     @staticmethod
