@@ -8,6 +8,7 @@ activations, the time of one pass through:
   - ``bf16``        the unquantized weights, oneDNN-packed (what an unquantized model runs);
   - ``int4-cpu``    torch's packed int4 weight-only matmul (``_weight_int4pack_mm_for_cpu``);
   - ``int8-cpu``    torch's int8 weight-only matmul, per channel (``_weight_int8pack_mm``);
+  - ``int8-w8a8``   activations quantized to int8 per token, an int32 GEMM (``torch._int_mm``);
   - ``dequantize``  the weight dequantized per call, then one bf16 GEMM (the reference).
 
     OMP_NUM_THREADS=2 python -m benchmarks.quant_linear --threads 2 --shape qwen2.5-0.5b
@@ -24,7 +25,12 @@ from benchmarks.common import HelpFormatter, set_threads
 from benchmarks.cpu_linear import layer_shapes, median_s
 from pagedllm.server.worker.models.cpu_linear import linear, pack_weight
 from pagedllm.server.worker.quantization.base import QuantizedWeight
-from pagedllm.server.worker.quantization.kernels import DequantizeKernel, Int4CpuKernel, Int8CpuKernel
+from pagedllm.server.worker.quantization.kernels import (
+    DequantizeKernel,
+    Int4CpuKernel,
+    Int8CpuKernel,
+    Int8W8A8CpuKernel,
+)
 
 
 def kernels(shape: tuple[int, int], group: int) -> dict:
@@ -37,12 +43,15 @@ def kernels(shape: tuple[int, int], group: int) -> dict:
         group,
         4,
     )
-    q8 = QuantizedWeight(torch.randint(-127, 128, (n, k), dtype=torch.int8), torch.rand(n, 1) * 0.01, None, k, 8)
+    q8 = QuantizedWeight(
+        torch.randint(-127, 128, (n, k), dtype=torch.int8), torch.rand(n, 1) * 0.01, None, k, 8, None, True
+    )
     bf16 = pack_weight(q4.dequantize(torch.bfloat16))
     return {
         "bf16": lambda x: linear(x, bf16),
         "int4-cpu": Int4CpuKernel(q4, torch.bfloat16),
         "int8-cpu": Int8CpuKernel(q8, torch.bfloat16),
+        "int8-w8a8": Int8W8A8CpuKernel(q8),
         "dequantize": DequantizeKernel(q4),
     }
 

@@ -54,6 +54,8 @@ class QuantizedWeight:
     bits: int
     perm: torch.Tensor | None = None
     """[K] int64: the layer multiplies ``x[:, perm]`` (act-order), or None."""
+    int8_activations: bool = False
+    """The format quantizes activations to int8 per token as it runs (W8A8), not only weights."""
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -77,7 +79,8 @@ def concat_weights(parts: list[QuantizedWeight]) -> QuantizedWeight | None:
         return None
     zeros = None if first.zeros is None else torch.cat([p.zeros for p in parts])  # type: ignore[misc]
     scales = torch.cat([p.scales for p in parts])
-    return QuantizedWeight(torch.cat([p.q for p in parts]), scales, zeros, first.group_size, first.bits)
+    q = torch.cat([p.q for p in parts])
+    return QuantizedWeight(q, scales, zeros, first.group_size, first.bits, None, first.int8_activations)
 
 
 def unpack_int32(packed: torch.Tensor, bits: int, dim: int, order: list[int] | None = None) -> torch.Tensor:

@@ -44,7 +44,7 @@ def to_weight(cfg: QuantConfig, t: dict[str, torch.Tensor]) -> QuantizedWeight:
     if cfg.format != "pack-quantized":
         n, k = t["weight"].shape
         scales = t["weight_scale"].float().reshape(-1, 1).expand(n, 1).contiguous()
-        return QuantizedWeight(t["weight"], scales, None, k, cfg.bits)
+        return QuantizedWeight(t["weight"], scales, None, k, cfg.bits, int8_activations=cfg.format == "int8-w8a8")
     q = unpack_int32(t["weight_packed"], cfg.bits, dim=1)
     n, k = q.shape
     scales = t["weight_scale"].float()

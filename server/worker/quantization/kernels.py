@@ -3,6 +3,7 @@
     kernel        device  weights kept as                           when
     int4-cpu      CPU     oneDNN-free packed int4 [N, K / 2] + (scale, zero) per group   4-bit, group 32..256
     int8-cpu      CPU     int8 [N, K] + one scale per channel        8-bit symmetric per channel
+    int8-w8a8-cpu CPU     int8 [N, K]; activations int8 per token    compressed-tensors int8 W8A8 (int32 GEMM)
     w4a16-triton  CUDA    int32 [K / 8, N] packed along K            4-bit ints
     dequantize    any     the integer / fp8 levels as loaded         everything else (the reference)
 
@@ -140,6 +141,32 @@ class Int8CpuKernel(nn.Module):
         return torch._weight_int8pack_mm(x, self.q, self.scales)
 
 
+class Int8W8A8CpuKernel(nn.Module):
+    """int8 W8A8 as the format defines it: each row of x quantized to int8 (its own scale), an int32 GEMM.
+
+    y[m, n] = (sum_k xq[m, k] * q[n, k]) * x_scale[m] * w_scale[n]
+    """
+
+    name = "int8-w8a8-cpu"
+    q: torch.Tensor
+    scales: torch.Tensor
+
+    def __init__(self, w: QuantizedWeight) -> None:
+        super().__init__()
+        self.register_buffer("q", w.q.contiguous())
+        self.register_buffer("scales", w.scales[:, 0].float().contiguous())
+
+    @staticmethod
+    def fits(w: QuantizedWeight) -> bool:
+        return w.int8_activations and w.q.dtype == torch.int8 and w.zeros is None and w.group_size == w.shape[1]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x_scale = (x.abs().amax(dim=-1, keepdim=True).float() / 127.0).clamp(min=1e-12)
+        xq = torch.round(x.float() / x_scale).to(torch.int8)
+        # NOTE: q.T is a [K, N] view of the [N, K] weight, no copy
+        return (torch._int_mm(xq, self.q.T).float() * x_scale * self.scales).to(x.dtype)
+
+
 class TritonW4A16Kernel(nn.Module):
     """The CUDA W4A16 Triton GEMM (``pagedllm.kernels.quant_matmul``), dequantizing inside the kernel."""
 
@@ -168,6 +195,8 @@ def choose_kernel(w: QuantizedWeight, device: torch.device, dtype: torch.dtype) 
     if device.type == "cpu" and dtype in (torch.float32, torch.bfloat16, torch.float16):
         if Int4CpuKernel.fits(w):
             return Int4CpuKernel(w, dtype)
+        if Int8W8A8CpuKernel.fits(w):
+            return Int8W8A8CpuKernel(w)
         if Int8CpuKernel.fits(w):
             return Int8CpuKernel(w, dtype)
     if device.type == "cuda" and w.bits == 4 and w.q.dtype == torch.uint8 and w.zeros is not None:

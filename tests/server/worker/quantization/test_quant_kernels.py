@@ -122,3 +122,20 @@ def test_int4_cpu_in_float32_unpacks_exactly_what_it_packed():
     assert kernel.dense_rows == 1 and torch.equal(kernel.unpack(), w.q)
     assert Int4CpuKernel(w, torch.bfloat16).dense_rows is None  # NOTE: bfloat16 always runs the packed matmul
     assert_close(kernel.dense(torch.float64).float() @ torch.eye(K), reference(w, torch.eye(K)).T, 1e-6)
+
+
+@pytest.mark.parametrize("rows", [1, 7, 16])
+def test_int8_w8a8_quantizes_each_row_and_multiplies_exactly(rows):
+    from pagedllm.server.worker.quantization.kernels import Int8W8A8CpuKernel
+
+    gen = torch.Generator().manual_seed(rows)
+    q = torch.randint(-127, 128, (N, K), generator=gen).to(torch.int8)
+    w = QuantizedWeight(q, torch.rand(N, 1, generator=gen) * 0.01, None, K, 8, int8_activations=True)
+    kernel = choose_kernel(w, CPU, torch.float32)
+    assert isinstance(kernel, Int8W8A8CpuKernel)
+    x = torch.randn(rows, K)
+    x_scale = x.abs().amax(-1, keepdim=True).double() / 127
+    xq = torch.round(x.double() / x_scale)
+    want = (xq @ q.double().T) * x_scale * w.scales.double()[:, 0]
+    assert_close(kernel(x), want, 1e-6)
+    assert_close(kernel(x), reference(w, x), 2e-2)  # NOTE: per-token int8 activations: close to W8A16, not equal
