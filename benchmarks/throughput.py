@@ -22,6 +22,9 @@ overhead per step (scheduler + block manager, no model) with many running sequen
     python -m benchmarks.throughput --threads 2 --systems ours,vllm --vllm-python ~/vllm/V/bin/python \
         --workloads fixed --batch-sizes 16,64 --num-requests 32,128 --repeats 2
 
+``--quantization awq`` writes the shape as an AWQ checkpoint (4-bit, group 128:
+:mod:`benchmarks.quant_checkpoint`) that both engines load; run it with ``--systems ours,vllm``.
+
 ``--shape`` picks the model (:mod:`benchmarks.model_shapes`): the small LLaMA by default, a
 real size people serve on CPUs (``qwen2.5-0.5b``, ``qwen2.5-1.5b``, ``llama-3.2-1b``: random
 weights saved in ``--dtype``), or ``llama-7b`` (random bf16 weights drawn on the GPU, ~13.5 GB:
@@ -166,7 +169,9 @@ def run_case(model_dir: str, requests: list[Request], batch: int, systems: list[
         return Measured(result.elapsed_s, result.token_ids, result.cpu_s)
 
     runners = {
-        "ours": lambda: run_pagedllm(model_dir, requests, batch, threads, args.dtype, **_cache_args(args)),
+        "ours": lambda: run_pagedllm(
+            model_dir, requests, batch, threads, args.dtype, quantization=args.quantization, **_cache_args(args)
+        ),
         "vllm": vllm,
         "hf_static": lambda: Measured(run_hf_static(model_dir, requests, batch, dtype)),
         "hf_continuous": lambda: Measured(run_hf_continuous(model_dir, requests, batch, dtype=dtype)),
@@ -234,6 +239,7 @@ def parse_args() -> argparse.Namespace:
         "--shape", default="bench", choices=sorted(SHAPES), help="model shape (benchmarks/model_shapes.py)"
     )
     parser.add_argument("--model", default=None, help="a local checkpoint to run instead of a --shape")
+    parser.add_argument("--quantization", default=None, choices=("awq",), help="write and run an AWQ checkpoint")
     parser.add_argument("--dtype", default="float32", choices=DTYPES, help="weights and activations, every system")
     parser.add_argument("--repeats", type=int, default=1, help="runs of every system per case, in turn")
     parser.add_argument("--kv-cache-dtype", default=None, help="our KV cache's format: auto, fp8, fp8_e5m2, int8")
@@ -283,8 +289,12 @@ def machine() -> str:
     return f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__}, device cpu"
 
 
-def write_model(model_dir: str, shape: str, dtype: str = "float32") -> int:
-    """The run's random-weight model in ``model_dir``; its parameter count."""
+def write_model(model_dir: str, shape: str, dtype: str = "float32", quantization: str | None = None) -> int:
+    """The run's random-weight model in ``model_dir`` (AWQ-quantized if asked); its parameter count."""
+    if quantization == "awq":
+        from benchmarks.quant_checkpoint import write_awq_model
+
+        return write_awq_model(model_dir, shape, dtype=dtype)
     if shape == "bench":
         return save_random_llama(model_dir)
     if shape == "llama-7b":
@@ -304,6 +314,7 @@ def main() -> None:
         "machine": machine(),
         "threads": threads,
         "dtype": args.dtype,
+        "quantization": args.quantization,
         "shape": args.shape if args.model is None else None,
         "model": args.model,
         "systems": args.systems,
@@ -331,7 +342,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as model_dir, tempfile.TemporaryDirectory(prefix="vllm-logs-") as logs:
         args.vllm_log = os.path.join(logs, "vllm.log")
         if args.model is None:
-            result["model_params"] = write_model(model_dir, args.shape, args.dtype)
+            result["model_params"] = write_model(model_dir, args.shape, args.dtype, args.quantization)
         else:
             model_dir = args.model
         args.vocab = model_vocab(model_dir)

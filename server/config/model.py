@@ -10,6 +10,8 @@ DTYPES = ("auto", "float32", "float16", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
 LOAD_FORMATS = ("auto", "safetensors", "pt", "dummy")
 ATTENTION_BACKENDS = ("auto", "numba", "torch", "triton")
+QUANTIZATIONS = ("awq", "gptq", "compressed-tensors", "fp8", "int8")
+"""``--quantization``: the checkpoint's own method (checked against its config) or fp8 / int8 at load."""
 POOLING_TYPES = ("last", "mean")
 """Embedding pooling: ``last`` takes the last prompt token's final hidden state (vLLM's default for
 ``*ForCausalLM`` used as embedding models), ``mean`` averages every prompt position's."""
@@ -40,6 +42,14 @@ class ModelConfig:
     load_format: str = field(
         default="auto",
         metadata=field_help("Weight format; dummy draws random weights (benchmarks).", choices=LOAD_FORMATS),
+    )
+    quantization: str | None = field(
+        default=None,
+        metadata=field_help(
+            "Quantized weights: the checkpoint's quant_method (default: read from its config), or fp8 / int8 to "
+            "quantize a plain checkpoint per channel at load.",
+            choices=(None, *QUANTIZATIONS),
+        ),
     )
     seed: int = field(default=0, metadata=field_help("Seed for random weights and unseeded sampling."))
     skip_tokenizer_init: bool = field(
@@ -74,3 +84,4 @@ class ModelConfig:
         check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         check_range("max_model_len", self.max_model_len, 1)
         check_choice("pooling_type", self.pooling_type, (None, *POOLING_TYPES))
+        check_choice("quantization", self.quantization, (None, *QUANTIZATIONS))

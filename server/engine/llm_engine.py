@@ -420,7 +420,7 @@ class LLMEngine:
         """The start-up summary a person reads: what runs where, and how much cache it has."""
         runner, bm, config = self.runner, self.block_manager, self.config
         lines = [
-            f"model            {config.model.model}",
+            f"model            {config.model.model}" + (f" ({runner.quant_info})" if runner.quant_info else ""),
             f"dtype / device   {str(runner.dtype).removeprefix('torch.')} on {runner.device}"
             f" x {config.parallel.tensor_parallel_size} rank(s), {runner.threads.threads} CPU thread(s)",
             f"attention        {runner.ops.name}",

@@ -61,7 +61,9 @@ class LoRAProjection:
     """One projection's slot weights, and the hook that adds their term to its output."""
 
     def __init__(self, layer: nn.Module, owner: LoRAModel, row_parallel: bool, full: tuple[int, int]) -> None:
-        weight: torch.Tensor = layer.weight  # type: ignore[assignment]
+        # NOTE: a quantized projection has no plain weight; it describes one (shape, dtype, shard rule)
+        layout = getattr(layer, "lora_layout", None)
+        weight: torch.Tensor = layout() if layout is not None else layer.weight  # type: ignore[assignment]
         out_local, in_local = weight.shape
         slots, rank, dtype, device = owner.num_slots, owner.max_rank, weight.dtype, weight.device
         self.owner = owner

@@ -11,6 +11,7 @@ import torch
 
 from pagedllm.kernels.kv_quant import cache_dtype, raw, row_width
 from pagedllm.server.config import ConfigError, EngineConfig, GiB
+from pagedllm.server.config.quantization import with_quantization
 from pagedllm.server.worker.attention import AttentionMetadata, select_attention_ops
 from pagedllm.server.worker.cpu_threads import choose_threads
 from pagedllm.server.worker.cuda_graphs import DecodeGraphs, try_capture
@@ -25,6 +26,7 @@ from pagedllm.server.worker.models.base import CausalLM
 from pagedllm.server.worker.models.cpu_linear import prepack_linears
 from pagedllm.server.worker.models.fused_linear import fuse_projections
 from pagedllm.server.worker.models.tensor_parallel import TPGroup
+from pagedllm.server.worker.quantization.linear import finish_quantized_layers, quant_info
 from pagedllm.server.worker.sampler import Sampler
 
 logger = logging.getLogger(__name__)
@@ -68,6 +70,7 @@ class ModelRunner:
 
     def __init__(self, config: EngineConfig, hf_config: dict, max_model_len: int, tp: TPGroup | None = None) -> None:
         self.config = config
+        hf_config = with_quantization(hf_config, config.model.quantization)
         self.tp = tp if tp is not None else TPGroup(0, 1)
         # NOTE: a rank's device is its index on its own node (ranks are spread over --nnodes hosts)
         self.device = resolve_device(config.model.device, config.parallel.local_rank(self.tp.rank))
@@ -119,6 +122,9 @@ class ModelRunner:
             if not self.config.lora.enable_lora:  # NOTE: adapters hook each projection by name
                 logger.info("%d layers' projections fused", fuse_projections(model))  # type: ignore[arg-type]
             logger.info("%d linear weights packed for oneDNN", prepack_linears(model))  # type: ignore[arg-type]
+        finish_quantized_layers(model, self.device, self.dtype)  # type: ignore[arg-type]
+        self.quant_info = quant_info(model)  # type: ignore[arg-type]
+        """The quantization and its kernels, for the banner (None: plain weights)."""
         return model.eval()
 
     # -- KV cache -----------------------------------------------------------------------

@@ -18,6 +18,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from pagedllm.server.config import EngineConfig
+from pagedllm.server.config.quantization import model_quant_config
 from pagedllm.server.engine.engine_stats import EngineStats
 from pagedllm.server.outputs import EmbeddingRequestOutput
 
@@ -204,6 +205,7 @@ class EngineStatsCollector(Collector):
         self.model_name = model_name
         self.config = config
         self.stats = stats
+        self.quant = model_quant_config(config.model.model, config.model.quantization)
 
     def collect(self) -> Iterator:
         stats = self.stats()
@@ -251,6 +253,8 @@ class EngineStatsCollector(Collector):
         if stats.max_lora:
             yield _lora_info(stats)
         yield self._cache_config_info(stats, "pagedllm:cache_config_info")
+        if self.quant is not None:
+            yield _quant_config_info(self.model_name, self.quant.describe())
         yield self._cache_config_info(stats, "vllm:cache_config_info")  # NOTE: prefix-aware routing reads it
 
     def _vllm_names(self, stats: EngineStats) -> Iterator:
@@ -305,6 +309,16 @@ class EngineStatsCollector(Collector):
         gauge = GaugeMetricFamily(name, "Information of the KV cache configuration.", labels=list(info))
         gauge.add_metric(list(info.values()), 1.0)
         return gauge
+
+
+def _quant_config_info(model_name: str, quant: dict[str, str]) -> GaugeMetricFamily:
+    """The quantized weights' format and the kernels that run them, in the labels (like ``cache_config_info``)."""
+    info = {"model_name": model_name, **quant}
+    gauge = GaugeMetricFamily(
+        "pagedllm:quant_config_info", "Information of the weight quantization.", labels=list(info)
+    )
+    gauge.add_metric(list(info.values()), 1.0)
+    return gauge
 
 
 def _lora_info(stats: EngineStats) -> GaugeMetricFamily:

@@ -34,6 +34,8 @@ def model_class(hf_config: dict) -> type[CausalLM]:
     names = hf_config.get("architectures") or []
     for name in names:
         if name in _REGISTRY:
+            if hf_config.get("quantization_config") and _REGISTRY[name] is not DecoderForCausalLM:
+                raise ConfigError("quantization", name, f"a LLaMA-like decoder: {list(DECODER_ARCHITECTURES)}")
             return _REGISTRY[name]
     raise ConfigError(
         "architectures",

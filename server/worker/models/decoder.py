@@ -26,7 +26,7 @@ from pagedllm.server.worker.attention import AttentionMetadata, AttentionOps, Pa
 from pagedllm.server.worker.models.activations import activation
 from pagedllm.server.worker.models.decoder_arch import DecoderArch
 from pagedllm.server.worker.models.families import load_decoder_weights
-from pagedllm.server.worker.models.fused_linear import FusedLinear
+from pagedllm.server.worker.models.fused_linear import fuse_linears
 from pagedllm.server.worker.models.rope import RotaryEmbedding
 from pagedllm.server.worker.models.tensor_parallel import (
     ColumnParallelLinear,
@@ -35,6 +35,21 @@ from pagedllm.server.worker.models.tensor_parallel import (
     TPGroup,
     VocabParallelEmbedding,
 )
+from pagedllm.server.worker.quantization.linear import QuantLinear
+
+
+def _column(arch: DecoderArch, size: tuple[int, int], bias: bool, tp: TPGroup, first_row: int | None = None):
+    """A column-parallel projection [in, out]: quantized when the checkpoint is."""
+    if arch.quant is not None:
+        return QuantLinear(arch.quant, *size, bias, tp, first_row=first_row)
+    return ColumnParallelLinear(*size, bias, tp, first_row=first_row)
+
+
+def _row(arch: DecoderArch, size: tuple[int, int], bias: bool, tp: TPGroup):
+    """A row-parallel projection [in, out]: quantized when the checkpoint is."""
+    if arch.quant is not None:
+        return QuantLinear(arch.quant, *size, bias, tp, row_parallel=True)
+    return RowParallelLinear(*size, bias, tp)
 
 
 class RMSNorm(nn.Module):
@@ -76,11 +91,11 @@ class DecoderAttention(nn.Module):
         self.num_heads = tp.split(arch.num_heads, "number of attention heads")
         self.num_kv_heads, first_kv = tp.kv_heads(arch.num_kv_heads)
         self.head_dim = d
-        self.q_proj = ColumnParallelLinear(hidden, arch.num_heads * d, arch.qkv_bias, tp)
-        self.k_proj = ColumnParallelLinear(hidden, self.num_kv_heads * d, arch.qkv_bias, tp, first_row=first_kv * d)
-        self.v_proj = ColumnParallelLinear(hidden, self.num_kv_heads * d, arch.qkv_bias, tp, first_row=first_kv * d)
-        self.o_proj = RowParallelLinear(arch.num_heads * d, hidden, arch.o_bias, tp)
-        self.qkv_proj: FusedLinear | None = None
+        self.q_proj = _column(arch, (hidden, arch.num_heads * d), arch.qkv_bias, tp)
+        self.k_proj = _column(arch, (hidden, self.num_kv_heads * d), arch.qkv_bias, tp, first_row=first_kv * d)
+        self.v_proj = _column(arch, (hidden, self.num_kv_heads * d), arch.qkv_bias, tp, first_row=first_kv * d)
+        self.o_proj = _row(arch, (arch.num_heads * d, hidden), arch.o_bias, tp)
+        self.qkv_proj: nn.Module | None = None
         """q, k and v in one GEMM, once :meth:`fuse_projections` has replaced the three."""
         self.qk_norm = arch.family.qk_norm
         if self.qk_norm:
@@ -97,8 +112,9 @@ class DecoderAttention(nn.Module):
         )
 
     def fuse_projections(self) -> None:
-        self.qkv_proj = FusedLinear([self.q_proj, self.k_proj, self.v_proj])
-        del self.q_proj, self.k_proj, self.v_proj
+        self.qkv_proj = fuse_linears([self.q_proj, self.k_proj, self.v_proj])
+        if self.qkv_proj is not None:
+            del self.q_proj, self.k_proj, self.v_proj
 
     def forward(self, x, positions, kv_cache, meta: AttentionMetadata, ops: AttentionOps):
         if self.qkv_proj is not None:
@@ -122,17 +138,18 @@ class GatedMLP(nn.Module):
     def __init__(self, arch: DecoderArch, tp: TPGroup) -> None:
         super().__init__()
         hidden, inner, bias = arch.hidden_size, arch.intermediate_size, arch.mlp_bias
-        self.gate_proj = ColumnParallelLinear(hidden, inner, bias, tp)
-        self.up_proj = ColumnParallelLinear(hidden, inner, bias, tp)
-        self.down_proj = RowParallelLinear(inner, hidden, bias, tp)
+        self.gate_proj = _column(arch, (hidden, inner), bias, tp)
+        self.up_proj = _column(arch, (hidden, inner), bias, tp)
+        self.down_proj = _row(arch, (inner, hidden), bias, tp)
         self.act = activation(arch.hidden_act, "hidden_act")
         self.triton_act = _TRITON_ACTS.get(arch.hidden_act)
-        self.gate_up_proj: FusedLinear | None = None
+        self.gate_up_proj: nn.Module | None = None
         """gate and up in one GEMM, once :meth:`fuse_projections` has replaced the two."""
 
     def fuse_projections(self) -> None:
-        self.gate_up_proj = FusedLinear([self.gate_proj, self.up_proj])
-        del self.gate_proj, self.up_proj
+        self.gate_up_proj = fuse_linears([self.gate_proj, self.up_proj])
+        if self.gate_up_proj is not None:
+            del self.gate_proj, self.up_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_proj is not None:

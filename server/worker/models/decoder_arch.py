@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pagedllm.server.config.quantization import QuantConfig, quant_config_from_hf
 from pagedllm.server.worker.models.checkpoint import require
 from pagedllm.server.worker.models.rope import rope_parameters_for
 
@@ -99,6 +100,8 @@ class DecoderArch:
     moe: MoEArch | None
     moe_layers: tuple[bool, ...]
     """Per layer: whether its MLP is the mixture of experts."""
+    quant: QuantConfig | None = None
+    """How the projections' weights are quantized (None: plain weights)."""
 
     @classmethod
     def from_hf(cls, cfg: dict) -> DecoderArch:
@@ -114,6 +117,7 @@ class DecoderArch:
         num_layers = require(cfg, "num_hidden_layers")
         types = layer_types(cfg, num_layers)
         moe = _moe_arch(cfg) if family.moe else None
+        quant = quant_config_from_hf(cfg)
         return cls(
             model_type=model_type,
             family=family,
@@ -138,6 +142,7 @@ class DecoderArch:
             layer_rope=tuple(rope_parameters_for(cfg, t) for t in types),
             moe=moe,
             moe_layers=tuple(_is_moe_layer(cfg, i) if moe else False for i in range(num_layers)),
+            quant=quant,
         )
 
 

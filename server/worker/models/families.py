@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -33,10 +33,15 @@ _MIXTRAL_PROJ = {"1": "gate_proj", "2": "down_proj", "3": "up_proj"}
 def load_decoder_weights(model: DecoderForCausalLM, weights: Weights) -> None:
     """Rename, split and copy a checkpoint into ``model``; every parameter must be filled once."""
     arch = model.arch
-    delegates = {
+    delegates: dict[str, Any] = {
         f"model.layers.{i}.mlp.": layer.mlp for i, layer in enumerate(model.model.layers) if arch.moe_layers[i]
     }
-    copy_weights(model, canonical_weights(arch, weights), arch.model_type, delegates)  # type: ignore[arg-type]
+    if arch.quant is not None:
+        from pagedllm.server.worker.quantization.experts import DequantizingExperts
+
+        dtype = model.model.norm.weight.dtype
+        delegates = {prefix: DequantizingExperts(block, arch.quant, dtype) for prefix, block in delegates.items()}
+    copy_weights(model, canonical_weights(arch, weights), arch.model_type, delegates)
 
 
 def canonical_weights(arch: DecoderArch, weights: Weights) -> Iterator[tuple[str, torch.Tensor]]:

@@ -46,6 +46,15 @@ class FusedLinear(PackableLinear):
         return linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
 
 
+def fuse_linears(parts: list[nn.Module]) -> nn.Module | None:
+    """One layer for ``parts`` (plain or quantized alike), or None where they must stay apart."""
+    from pagedllm.server.worker.quantization.linear import QuantLinear
+
+    if all(isinstance(p, QuantLinear) for p in parts):
+        return QuantLinear.fused(parts)  # type: ignore[arg-type]
+    return FusedLinear(parts)  # type: ignore[arg-type]
+
+
 def fuse_projections(model: nn.Module) -> int:
     """Fuse the projections of every module of ``model`` that can (has ``fuse_projections``); how many did."""
     fused = 0

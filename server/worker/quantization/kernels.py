@@ -1,0 +1,204 @@
+"""The matmuls a quantized layer runs, chosen once per layer from its :class:`QuantizedWeight`.
+
+    kernel        device  weights kept as                           when
+    int4-cpu      CPU     oneDNN-free packed int4 [N, K / 2] + (scale, zero) per group   4-bit, group 32..256
+    int8-cpu      CPU     int8 [N, K] + one scale per channel        8-bit symmetric per channel
+    int8-w8a8-cpu CPU     int8 [N, K]; activations int8 per token    compressed-tensors int8 W8A8 (int32 GEMM)
+    w4a16-triton  CUDA    int32 [K / 8, N] packed along K            4-bit ints
+    dequantize    any     the integer / fp8 levels as loaded         everything else (the reference)
+
+``python -m benchmarks.quant_linear`` measures them at a real model's sizes (2 threads,
+Qwen2.5-0.5B's projections, 1..16 rows of bfloat16): the packed int4 matmul reads a quarter of
+the bytes of bfloat16 and beats dequantizing per call by far at decode sizes.
+
+The torch int4 CPU matmul computes ``(q - 8) * scale + zero_f`` per group, so a zero level
+``z`` becomes the float offset ``zero_f = (8 - z) * scale`` (exact in float32; rounded once to
+the activation dtype in bfloat16, like the scale itself).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedllm.server.worker.quantization.base import QuantizedWeight, pack_int32
+
+INT4_CPU_GROUPS = (32, 64, 128, 256)
+DENSE_ROWS_FLOAT32 = 1
+"""Rows from which a float32 call unpacks the int4 weight and runs a dense GEMM: always, since torch's packed
+int4 matmul has no fast float32 path (measured on a 2-core AVX-512-BF16 EPYC, Qwen2.5-0.5B's 4864 x 896
+projection: 15-23 ms per row, linear in rows). In bfloat16 it stays packed: 0.07 / 0.39 / 1.7 ms at 1 / 16 /
+64 rows, while unpacking alone takes ~8 ms (best of 40 calls; a shared, loaded machine)."""
+
+
+class DequantizeKernel(nn.Module):
+    """The reference on every device: dequantize the weight in float32 per call, then one GEMM."""
+
+    name = "dequantize"
+    q: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor | None
+
+    def __init__(self, w: QuantizedWeight) -> None:
+        super().__init__()
+        self.register_buffer("q", w.q)
+        self.register_buffer("scales", w.scales)
+        self.register_buffer("zeros", w.zeros)
+        self.group_size, self.bits = w.group_size, w.bits
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.zeros is None and self.group_size == self.q.shape[1]:
+            # NOTE: one scale per output channel (fp8 / int8): scale the product, not the weight
+            return F.linear(x, self.q.to(x.dtype)) * self.scales[:, 0].to(x.dtype)
+        w = QuantizedWeight(self.q, self.scales, self.zeros, self.group_size, self.bits)
+        return F.linear(x, w.dequantize(x.dtype))
+
+
+class Int4CpuKernel(nn.Module):
+    """torch's CPU int4 weight-only matmul on the weight packed once ([N, K / 2] uint8).
+
+    NOTE: in float32 that matmul has no fast path (it falls far behind a dense GEMM, more so
+    with every row); there the weight is unpacked from the same bytes into float32 for the call
+    (:meth:`dense`). torch lays the packed
+    weight out in blocks of 64 output rows: byte ``k * 32 + i`` of block b holds row
+    ``64b + i`` in its low and row ``64b + 32 + i`` in its high nibble; checked at load.
+    """
+
+    name = "int4-cpu"
+    packed: torch.Tensor
+    scales_and_zeros: torch.Tensor
+
+    def __init__(self, w: QuantizedWeight, dtype: torch.dtype) -> None:
+        super().__init__()
+        group = w.group_size
+        scales, zeros = w.scales, w.zeros
+        if group not in INT4_CPU_GROUPS:  # NOTE: one group per channel: the same scale repeated per 128 inputs
+            repeat = w.shape[1] // 128
+            scales, zeros, group = scales.repeat_interleave(repeat, 1), zeros.repeat_interleave(repeat, 1), 128  # type: ignore[union-attr]
+        assert zeros is not None
+        self.group_size, self.dims = group, w.shape
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(w.q.to(torch.int32), 1)
+        self.register_buffer("packed", packed)
+        offsets = (8.0 - zeros) * scales
+        # scales_and_zeros: [K / group, N, 2] in the activation dtype
+        self.register_buffer("scales_and_zeros", torch.stack([scales.T, offsets.T], dim=-1).to(dtype).contiguous())
+        self.dense_rows = DENSE_ROWS_FLOAT32 if dtype == torch.float32 and self._unpacks(w.q) else None
+        """From how many rows a call unpacks the weight and runs a dense GEMM (None: never)."""
+
+    @staticmethod
+    def fits(w: QuantizedWeight) -> bool:
+        n, k = w.shape
+        groups_ok = w.group_size in INT4_CPU_GROUPS or (w.group_size == k and k % 128 == 0)
+        return w.bits == 4 and w.q.dtype == torch.uint8 and w.zeros is not None and groups_ok and n % 16 == 0
+
+    def _unpacks(self, q: torch.Tensor) -> bool:
+        return q.shape[0] % 64 == 0 and torch.equal(self.unpack(), q)
+
+    def unpack(self) -> torch.Tensor:
+        """The levels [N, K] (uint8) back out of the packed bytes."""
+        n, k = self.dims
+        blocks = self.packed.view(n // 64, k, 32)
+        return torch.cat([blocks & 15, blocks >> 4], dim=2).transpose(1, 2).reshape(n, k)
+
+    def dense(self, dtype: torch.dtype) -> torch.Tensor:
+        """The weight [N, K] in ``dtype``: ``(q - 8) * scale + zero_f`` as the packed matmul computes it."""
+        n, k = self.dims
+        g = self.group_size
+        scales = self.scales_and_zeros[..., 0].T.unsqueeze(-1).to(dtype)  # [N, K / g, 1]
+        offsets = self.scales_and_zeros[..., 1].T.unsqueeze(-1).to(dtype)
+        q = self.unpack().view(n, k // g, g).to(dtype)
+        return q.sub_(8).mul_(scales).add_(offsets).view(n, k)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.dense_rows is not None and x.shape[0] >= self.dense_rows:
+            return F.linear(x, self.dense(x.dtype))
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.group_size, self.scales_and_zeros)
+
+
+class Int8CpuKernel(nn.Module):
+    """torch's CPU int8 weight-only matmul: int8 [N, K] and one scale per output channel."""
+
+    name = "int8-cpu"
+    q: torch.Tensor
+    scales: torch.Tensor
+
+    def __init__(self, w: QuantizedWeight, dtype: torch.dtype) -> None:
+        super().__init__()
+        q = w.q if w.zeros is None else (w.q.to(torch.int16) - 128).to(torch.int8)
+        self.register_buffer("q", q.contiguous())
+        self.register_buffer("scales", w.scales[:, 0].to(dtype).contiguous())
+
+    @staticmethod
+    def fits(w: QuantizedWeight) -> bool:
+        if w.bits != 8 or w.group_size != w.shape[1]:
+            return False
+        if w.q.dtype == torch.int8 and w.zeros is None:
+            return True
+        return w.q.dtype == torch.uint8 and w.zeros is not None and bool((w.zeros == 128).all())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch._weight_int8pack_mm(x, self.q, self.scales)
+
+
+class Int8W8A8CpuKernel(nn.Module):
+    """int8 W8A8 as the format defines it: each row of x quantized to int8 (its own scale), an int32 GEMM.
+
+    y[m, n] = (sum_k xq[m, k] * q[n, k]) * x_scale[m] * w_scale[n]
+    """
+
+    name = "int8-w8a8-cpu"
+    q: torch.Tensor
+    scales: torch.Tensor
+
+    def __init__(self, w: QuantizedWeight) -> None:
+        super().__init__()
+        self.register_buffer("q", w.q.contiguous())
+        self.register_buffer("scales", w.scales[:, 0].float().contiguous())
+
+    @staticmethod
+    def fits(w: QuantizedWeight) -> bool:
+        return w.int8_activations and w.q.dtype == torch.int8 and w.zeros is None and w.group_size == w.shape[1]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x_scale = (x.abs().amax(dim=-1, keepdim=True).float() / 127.0).clamp(min=1e-12)
+        xq = torch.round(x.float() / x_scale).to(torch.int8)
+        # NOTE: q.T is a [K, N] view of the [N, K] weight, no copy
+        return (torch._int_mm(xq, self.q.T).float() * x_scale * self.scales).to(x.dtype)
+
+
+class TritonW4A16Kernel(nn.Module):
+    """The CUDA W4A16 Triton GEMM (``pagedllm.kernels.quant_matmul``), dequantizing inside the kernel."""
+
+    name = "w4a16-triton"
+    qweight: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor
+
+    def __init__(self, w: QuantizedWeight, dtype: torch.dtype) -> None:
+        super().__init__()
+        assert w.zeros is not None
+        self.group_size, self.bits = w.group_size, w.bits
+        # qweight: [K * bits / 32, N] packed along K; scales, zeros: [K / group, N]
+        self.register_buffer("qweight", pack_int32(w.q.T.contiguous(), w.bits, dim=0))
+        self.register_buffer("scales", w.scales.T.to(dtype).contiguous())
+        self.register_buffer("zeros", w.zeros.T.to(dtype).contiguous())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from pagedllm.kernels.quant_matmul import w4a16_matmul
+
+        return w4a16_matmul(x, self.qweight, self.scales, self.zeros, self.group_size)
+
+
+def choose_kernel(w: QuantizedWeight, device: torch.device, dtype: torch.dtype) -> nn.Module:
+    """The fastest kernel that runs ``w`` exactly on ``device`` for activations of ``dtype``."""
+    if device.type == "cpu" and dtype in (torch.float32, torch.bfloat16, torch.float16):
+        if Int4CpuKernel.fits(w):
+            return Int4CpuKernel(w, dtype)
+        if Int8W8A8CpuKernel.fits(w):
+            return Int8W8A8CpuKernel(w)
+        if Int8CpuKernel.fits(w):
+            return Int8CpuKernel(w, dtype)
+    if device.type == "cuda" and w.bits == 4 and w.q.dtype == torch.uint8 and w.zeros is not None:
+        return TritonW4A16Kernel(w, dtype)
+    return DequantizeKernel(w)

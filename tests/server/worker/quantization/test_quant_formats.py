@@ -1,0 +1,138 @@
+"""Quantized checkpoints of every format against transformers on their dequantized twins: greedy tokens equal."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from engine_factories import HFReference, assert_greedy_matches, make_prompts
+from quant_writers import write_online, write_quantized
+
+from pagedllm.server import LLM, SamplingParams
+from pagedllm.server.config import EngineConfig
+from pagedllm.server.worker.quantization.linear import QuantLinear
+from tests.support import assert_all_blocks_free
+
+MAX_TOKENS = 10
+LLM_CONFIG = EngineConfig.from_kwargs()
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+# (writer format, its options, the CPU kernel every layer must run)
+CASES = {
+    "awq-g32": ("awq", {"group": 32}, "int4-cpu"),
+    "awq-g64": ("awq", {"group": 64}, "int4-cpu"),
+    "gptq-4bit-sym": ("gptq", {}, "int4-cpu"),
+    "gptq-4bit-act-order-asym": ("gptq", {"desc_act": True, "sym": False}, "int4-cpu"),
+    "gptq-8bit-channel": ("gptq", {"bits": 8, "group": -1}, "int8-cpu"),
+    "gptq-8bit-g32-asym": ("gptq", {"bits": 8, "sym": False}, "dequantize"),
+    "ct-w4a16": ("ct-pack", {}, "int4-cpu"),
+    "ct-w4a16-asym-channel": ("ct-pack", {"sym": False, "group": -1}, "int4-cpu"),
+    "ct-int8-w8a8": ("ct-int8", {}, "int8-w8a8-cpu"),
+    "ct-fp8-w8a8": ("ct-fp8", {}, "dequantize"),
+    "fp8-block": ("fp8-block", {}, "dequantize"),
+}
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return make_prompts(5, min_len=1, max_len=70, seed=3)
+
+
+def kernels(llm) -> set[str]:
+    model = llm.llm_engine.runner.model
+    return {m.kernel.name for m in model.modules() if isinstance(m, QuantLinear)}
+
+
+def int8_activations(ref: HFReference) -> HFReference:
+    """The reference with every projection's input quantized to int8 per token and back (what W8A8 computes)."""
+
+    def fake_quant(module, args):
+        x = args[0]
+        scale = (x.abs().amax(dim=-1, keepdim=True) / 127.0).clamp(min=1e-12)
+        return (torch.round(x / scale) * scale,)
+
+    for name, module in ref.model.named_modules():
+        if isinstance(module, torch.nn.Linear) and not name.endswith("lm_head"):
+            module.register_forward_pre_hook(fake_quant)
+    return ref
+
+
+def check_greedy(llm, twin: str, prompts, **generate) -> None:
+    ref = HFReference(twin)
+    if "int8-w8a8-cpu" in kernels(llm):
+        ref = int8_activations(ref)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, **generate)
+    for prompt, out in zip(prompts, outputs):
+        assert_greedy_matches(ref, prompt, out.outputs[0].token_ids, ref.greedy(prompt, MAX_TOKENS))
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_greedy_matches_transformers_on_the_dequantized_twin(tmp_path, prompts, case):
+    fmt, options, kernel = CASES[case]
+    qdir, twin = write_quantized(str(tmp_path), fmt, seed=len(case), **options)
+    llm = LLM(model=qdir, block_size=16, num_gpu_blocks_override=64)
+    assert kernels(llm) == {kernel}
+    check_greedy(llm, twin, prompts)
+    assert_all_blocks_free(llm)
+
+
+@pytest.mark.parametrize(("kind", "kernel"), [("int8", "int8-cpu"), ("fp8", "dequantize")])
+def test_online_quantization_matches_the_per_channel_twin(tmp_path, prompts, kind, kernel):
+    plain, twin = write_online(str(tmp_path), kind)
+    llm = LLM(model=plain, quantization=kind, block_size=16, num_gpu_blocks_override=64)
+    assert kernels(llm) == {kernel}
+    assert f"online-{kind} 8-bit per channel" in llm.llm_engine.runner.quant_info
+    check_greedy(llm, twin, prompts)
+
+
+def test_preemption_and_prefix_caching_on_awq(tmp_path, prompts):
+    qdir, twin = write_quantized(str(tmp_path), "awq", seed=7)
+    shared = prompts[0] + prompts[1]
+    batch = [shared + p for p in prompts] + [shared]
+    llm = LLM(model=qdir, block_size=8, num_gpu_blocks_override=24, enable_prefix_caching=True)
+    check_greedy(llm, twin, batch)
+    stats = llm.llm_engine.stats()
+    assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
+    assert_all_blocks_free(llm)
+
+
+def test_banner_and_metrics_name_the_quantization(tmp_path):
+    from pagedllm.server.entrypoints.openai.metrics import EngineStatsCollector
+
+    qdir, _ = write_quantized(str(tmp_path), "gptq", seed=1)
+    llm = LLM(model=qdir, block_size=16, num_gpu_blocks_override=16)
+    assert f"model            {qdir} (gptq gptq 4-bit group 32, kernels: int4-cpu)" in llm.llm_engine.describe()
+    collector = EngineStatsCollector("tiny", llm.llm_engine.config, llm.llm_engine.stats)
+    [info] = [m for m in collector.collect() if m.name == "pagedllm:quant_config_info"]
+    labels = info.samples[0].labels
+    assert labels["method"] == "gptq" and labels["bits"] == "4" and labels["group_size"] == "32"
+    assert not [m for m in EngineStatsCollector("t", LLM_CONFIG, llm.llm_engine.stats).collect() if "quant" in m.name]
+
+
+def test_qwen2_biases_and_tied_embeddings_on_awq(tmp_path, prompts):
+    qdir, twin = write_quantized(str(tmp_path), "awq", seed=6, family="qwen2")
+    llm = LLM(model=qdir, block_size=16, num_gpu_blocks_override=64)
+    assert kernels(llm) == {"int4-cpu"}
+    check_greedy(llm, twin, prompts)
+
+
+@pytest.mark.parametrize(("fmt", "options"), [("awq", {}), ("gptq", {"desc_act": True}), ("ct-fp8", {})])
+def test_mixture_of_experts_dequantizes_its_experts_at_load(tmp_path, prompts, fmt, options):
+    qdir, twin = write_quantized(str(tmp_path), fmt, seed=4, family="mixtral", **options)
+    llm = LLM(model=qdir, block_size=16, num_gpu_blocks_override=64)
+    assert kernels(llm)  # NOTE: attention stays quantized; the experts hold dequantized weights
+    check_greedy(llm, twin, prompts)
+
+
+def test_quantized_weights_take_a_fraction_of_the_plain_bytes(tmp_path):
+    qdir, twin = write_quantized(str(tmp_path), "awq", seed=2)
+
+    def projection_bytes(llm) -> int:
+        model = llm.llm_engine.runner.model
+        layers = [
+            m for name, m in model.named_modules() if name.endswith(("qkv_proj", "o_proj", "gate_up_proj", "down_proj"))
+        ]
+        return sum(t.numel() * t.element_size() for m in layers for t in [*m.parameters(), *m.buffers()])
+
+    quantized = projection_bytes(LLM(model=qdir, num_gpu_blocks_override=8))
+    plain = projection_bytes(LLM(model=twin, num_gpu_blocks_override=8))
+    assert quantized < 0.25 * plain  # float32 twin: 4 bytes a weight; int4 with group-32 scales: ~0.75
