@@ -135,4 +135,3 @@ class OutputProcessor:
         return EmbeddingRequestOutput(
             group.request_id, group.prompt, group.prompt_token_ids, EmbeddingOutput(vector), group.is_finished()
         )
-
