@@ -31,6 +31,7 @@ ENGINE_FIELDS: Mapping[str, str] = {
     "swapSpaceGiB": "swap_space",
     "enablePrefixCaching": "enable_prefix_caching",
     "kvCacheDtype": "kv_cache_dtype",
+    "quantization": "quantization",
     "maxNumSeqs": "max_num_seqs",
     "maxNumBatchedTokens": "max_num_batched_tokens",
     "preemptionMode": "preemption_mode",

@@ -40,6 +40,7 @@ SCALARS = [
     "dtype",
     "enablePrefixCaching",
     "kvCacheDtype",
+    "quantization",
     "preemptionMode",
     "seed",
     "loadFormat",

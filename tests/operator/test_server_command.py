@@ -51,6 +51,7 @@ FULL_SPEC = {
     "dtype": "bfloat16",
     "enablePrefixCaching": False,
     "kvCacheDtype": "int8",
+    "quantization": "fp8",
     "preemptionMode": "swap",
     "seed": 7,
     "loadFormat": "safetensors",
