@@ -25,6 +25,8 @@ MIRRORS = {
     "benchmarks/README.md": "performance/benchmarks.md",
     "benchmarks/results/README.md": "performance/results.md",
     "benchmarks/results/gpu/README.md": "performance/gpu.md",
+    "benchmarks/results/real-models-2026-11-27.md": "performance/real-models.md",
+    "benchmarks/results/quantized-2026-11-27.md": "performance/quantized.md",
 }
 PLOTS = "benchmarks/results/paper"
 _LINK = re.compile(r"(!?)\[([^\]]*)\]\(([^)\s]+)\)")

@@ -17,6 +17,7 @@ runs the test command; `scripts/wheel-smoke.sh` installs the package and serves 
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import shlex
@@ -32,13 +33,18 @@ import pytest
 from tests.support import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
-MIRRORED = [
-    "operator/README.md",
-    "charts/pagedllm/README.md",
-    "benchmarks/README.md",
-    "benchmarks/results/README.md",
-    "benchmarks/results/gpu/README.md",
-]
+
+
+def _mirrored() -> list[str]:
+    """The guides the site shows beside docs/ (docs/hooks.py's MIRRORS: one list for both)."""
+    spec = importlib.util.spec_from_file_location("docs_hooks", ROOT / "docs" / "hooks.py")
+    assert spec is not None and spec.loader is not None
+    hooks = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hooks)
+    return list(hooks.MIRRORS)
+
+
+MIRRORED = _mirrored()
 COMMAND_LANGUAGES = {"sh", "bash", "console", "shell", "python"}
 NEEDS = {"cluster", "gpu", "vllm"}
 CI_MARKERS = {"main-command": "scripts/wheel-smoke.sh", "test-command": ".ci/run"}
