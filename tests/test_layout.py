@@ -18,13 +18,13 @@ MAX_MODULE_LINES = 400
 MAX_CLASS_LINES = 300
 
 OVER_MODULES = {
-    "server/engine/llm_engine.py": 523,
+    "server/engine/llm_engine.py": 511,
     "kernels/paged_decode_attention.py": 403,  # NOTE: kernel, launcher and reference stay in one file per op
     "kernels/paged_decode_attention_cpu.py": 402,
 }
 """Modules over the bar today -> their line count now (the most they may have)."""
 OVER_CLASSES = {
-    "server/engine/llm_engine.py::LLMEngine": 417,
+    "server/engine/llm_engine.py::LLMEngine": 401,
 }
 """Classes over the bar today -> their line count now (the most they may have)."""
 
