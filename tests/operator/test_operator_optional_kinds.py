@@ -123,8 +123,9 @@ def test_turning_autoscaling_off_deletes_the_autoscaler(scenario):
     scenario.wait(lambda: scenario.get("HorizontalPodAutoscaler") is None, "the HorizontalPodAutoscaler deleted")
     scenario.wait(lambda: scenario.get("PodDisruptionBudget") is None, "the PodDisruptionBudget deleted (1 replica)")
     scenario.wait_deployment(lambda d: d["spec"].get("replicas") == 1, "replicas 1 again")
-    deleted = [e for e in scenario.events() if e.get("reason") == "Deleted"]
-    assert deleted and "HorizontalPodAutoscaler" in deleted[0]["message"]
+    # NOTE: the event is posted after the deletion it reports, so it may land a moment later
+    deleted = scenario.wait(lambda: [e for e in scenario.events() if e.get("reason") == "Deleted"], "the Deleted event")
+    assert "HorizontalPodAutoscaler" in deleted[0]["message"]
     obj = scenario.wait_status(lambda s, o: not condition(o, "AutoscalingReady"), "AutoscalingReady gone")
     assert condition(obj, "Degraded")["status"] == "False"
 
