@@ -91,4 +91,17 @@ def _run_into(done: concurrent.futures.Future[Any], fn: Callable[..., Any], *arg
     try:
         done.set_result(fn(*args))
     except Exception as exc:  # noqa: BLE001 (handed to the caller)
-        done.set_exception(exc)
+        done.set_exception(awaitable_error(exc))
+
+
+def awaitable_error(exc: BaseException) -> BaseException:
+    """``exc``, or a RuntimeError from it where it is a StopIteration.
+
+    NOTE: asyncio refuses a StopIteration as a future's exception (TypeError inside the loop's
+    callback), so the awaiting request would never learn its fate and would hang.
+    """
+    if isinstance(exc, (StopIteration, StopAsyncIteration)):
+        error = RuntimeError(f"the engine raised {exc!r}")
+        error.__cause__ = exc
+        return error
+    return exc

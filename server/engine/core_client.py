@@ -38,7 +38,7 @@ import zmq
 from pagedllm.server.config import EngineConfig
 from pagedllm.server.engine import core_messages as msg
 from pagedllm.server.engine.async_engine import AsyncLLMEngine
-from pagedllm.server.engine.commands import AbortRequests, AddRequest, CallEngine, Command
+from pagedllm.server.engine.commands import AbortRequests, AddRequest, CallEngine, Command, awaitable_error
 from pagedllm.server.engine.core_process import CoreAddresses, run_engine_core
 from pagedllm.server.engine.model_info import load_tokenizer
 from pagedllm.server.engine.output_deltas import OutputAccumulator
@@ -226,7 +226,7 @@ class MultiprocessAsyncEngine(AsyncLLMEngine):
         if ok:
             done.set_result(value)
         else:
-            done.set_exception(value)
+            done.set_exception(awaitable_error(value))
 
     def _on_outputs(self, step: msg.StepOutputs) -> None:
         self._drain_forgotten()
