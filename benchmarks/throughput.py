@@ -52,6 +52,7 @@ import torch
 from benchmarks.common import HelpFormatter, set_threads
 from benchmarks.hf_baselines import forward_ceiling, run_hf_continuous, run_hf_static
 from benchmarks.model_shapes import BENCH_LLAMA, SHAPES, model_vocab, save_random_llama, write_random_model
+from benchmarks.scheduler_overhead import scheduling_overhead_us
 from benchmarks.vllm_baseline import Job, Result, check_python, run_offline
 from benchmarks.workloads import Request, sample_requests
 
@@ -117,35 +118,6 @@ def run_vllm(model_dir: str, requests, batch_size: int, threads: int, args) -> R
     )
     print(f"  (vLLM starting in {args.vllm_python}; its log: {args.vllm_log})")
     return run_offline(args.vllm_python, job, args.vllm_log)
-
-
-def scheduling_overhead_us(num_seqs: int, steps: int, block_size: int = 16) -> float:
-    """Median microseconds per step of schedule() + bookkeeping for ``num_seqs`` decoding sequences."""
-    from pagedllm.server.config import SchedulerConfig
-    from pagedllm.server.core.block_manager import BlockManager
-    from pagedllm.server.core.scheduler import Scheduler
-    from pagedllm.server.core.sequence import Sequence, SequenceGroup
-    from pagedllm.server.sampling_params import SamplingParams
-
-    bm = BlockManager(block_size, num_seqs * 64, 0)
-    sched = Scheduler(SchedulerConfig(max_num_seqs=num_seqs, max_num_batched_tokens=max(2048, num_seqs)), bm)
-    for i in range(num_seqs):
-        sched.add(SequenceGroup(str(i), [Sequence(i, list(range(161)))], SamplingParams(), arrival_time=i))
-    times = []
-    for step in range(steps + 64):  # the first steps prefill; time the decode steps
-        t0 = time.perf_counter()
-        out = sched.schedule()
-        sched.mark_computed(out)
-        for item in out.scheduled:
-            for seq in item.group.seqs:
-                if seq.num_computed_tokens == len(seq):
-                    seq.append_token(5, 0.0, None)
-        sched.free_finished()
-        if step >= 64:
-            times.append(time.perf_counter() - t0)
-    assert len(sched.running) == num_seqs
-    times.sort()
-    return times[len(times) // 2] * 1e6
 
 
 def workload(name: str, num: int, args) -> list[Request]:
