@@ -129,8 +129,9 @@ def _check_args(x, weight, weight_scale, block_size, input_scale) -> int:
         raise ValueError(
             f"weight must be float8_e4m3fn [N, K = {x.shape[1]}], got {weight.dtype} {tuple(weight.shape)}"
         )
-    if block_size is not None and (len(block_size) != 2 or min(block_size) < 16 or block_size[1] % 16):
-        raise ValueError(f"block_size must be [bn, bk] with bn >= 16 and bk a multiple of 16, got {block_size}")
+    bad_block = block_size is not None and (len(block_size) != 2 or block_size[0] < 1 or block_size[1] < 16)
+    if bad_block or (block_size is not None and block_size[1] % 16):
+        raise ValueError(f"block_size must be [bn, bk] with bn >= 1 and bk a multiple of 16, got {block_size}")
     if input_scale is not None and input_scale.numel() != 1:
         raise ValueError(f"input_scale must be one per-tensor value, got shape {list(input_scale.shape)}")
     return scale_mode(weight, weight_scale, block_size)

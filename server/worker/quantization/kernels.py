@@ -4,7 +4,9 @@
     int4-cpu      CPU     oneDNN-free packed int4 [N, K / 2] + (scale, zero) per group   4-bit, group 32..256
     int8-cpu      CPU     int8 [N, K] + one scale per channel        8-bit symmetric per channel
     int8-w8a8-cpu CPU     int8 [N, K]; activations int8 per token    compressed-tensors int8 W8A8 (int32 GEMM)
-    w4a16-triton  CUDA    int32 [K / 8, N] packed along K            4-bit ints
+    w4a16-triton  CUDA    int32 [K * bits / 32, N] packed along K    4- and 8-bit unsigned ints with zeros
+    fp8-scaled-mm CUDA    float8 [N, K] + one scale per channel      sm89+ (fp8_kernels.py)
+    fp8-triton    CUDA    float8 [N, K] + channel or block scales    other GPUs, block-wise scales
     dequantize    any     the integer / fp8 levels as loaded         everything else (the reference)
 
 ``python -m benchmarks.quant_linear`` measures them at a real model's sizes (2 threads,
@@ -23,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.server.worker.quantization.base import QuantizedWeight, pack_int32
+from pagedllm.server.worker.quantization.fp8_kernels import choose_fp8_kernel
 
 INT4_CPU_GROUPS = (32, 64, 128, 256)
 DENSE_ROWS_FLOAT32 = 1
@@ -184,10 +187,16 @@ class TritonW4A16Kernel(nn.Module):
         self.register_buffer("scales", w.scales.T.to(dtype).contiguous())
         self.register_buffer("zeros", w.zeros.T.to(dtype).contiguous())
 
+    @staticmethod
+    def fits(w: QuantizedWeight) -> bool:
+        k = w.shape[1]
+        packs = k % (32 // w.bits) == 0 if w.bits in (4, 8) else False
+        return packs and w.q.dtype == torch.uint8 and w.zeros is not None and k % w.group_size == 0
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from pagedllm.kernels.quant_matmul import w4a16_matmul
 
-        return w4a16_matmul(x, self.qweight, self.scales, self.zeros, self.group_size)
+        return w4a16_matmul(x, self.qweight, self.scales, self.zeros, self.group_size, bits=self.bits)
 
 
 def choose_kernel(w: QuantizedWeight, device: torch.device, dtype: torch.dtype) -> nn.Module:
@@ -199,6 +208,16 @@ def choose_kernel(w: QuantizedWeight, device: torch.device, dtype: torch.dtype) 
             return Int8W8A8CpuKernel(w)
         if Int8CpuKernel.fits(w):
             return Int8CpuKernel(w, dtype)
-    if device.type == "cuda" and w.bits == 4 and w.q.dtype == torch.uint8 and w.zeros is not None:
+    if device.type == "cuda":
+        return _choose_cuda_kernel(w, device, dtype)
+    return DequantizeKernel(w)
+
+
+def _choose_cuda_kernel(w: QuantizedWeight, device: torch.device, dtype: torch.dtype) -> nn.Module:
+    if TritonW4A16Kernel.fits(w):
         return TritonW4A16Kernel(w, dtype)
+    if w.q.dtype == torch.float8_e4m3fn:
+        fp8 = choose_fp8_kernel(w, device)
+        if fp8 is not None:
+            return fp8
     return DequantizeKernel(w)
