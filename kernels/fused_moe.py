@@ -208,7 +208,26 @@ def fused_moe_reference(
     """Plain-torch twin of :func:`fused_moe`: pairs sorted by expert, one matmul pair per
     expert over its contiguous rows, results added back by token."""
     _check_args(x, w13, w2, weights, experts)
-    num_local, top_k, inter = w13.shape[0], experts.shape[1], w2.shape[2]
+    inter = w2.shape[2]
+
+    def expert_mlp(expert: int, rows: torch.Tensor) -> torch.Tensor:
+        gate, up = linear(rows, w13[expert]).split(inter, dim=-1)
+        return linear(act(gate) * up, w2[expert])
+
+    return grouped_experts(x, weights, experts, w13.shape[0], expert_mlp)
+
+
+def grouped_experts(
+    x: torch.Tensor,  # [tokens, hidden]
+    weights: torch.Tensor,  # [tokens, top_k] float32
+    experts: torch.Tensor,  # [tokens, top_k] int64, local ids; others belong to other ranks
+    num_local: int,
+    expert_mlp: Callable[[int, torch.Tensor], torch.Tensor],  # (local expert, rows [r, hidden]) -> [r, hidden]
+) -> torch.Tensor:  # [tokens, hidden] in x's dtype
+    """``sum_j weights[t, j] * expert_mlp(experts[t, j], x[t])``: the (token, slot) pairs sorted by
+    expert, ``expert_mlp`` called once per expert on its contiguous rows, the weighted rows added
+    back by token in float32. Any per-expert weights (plain or quantized) run through it."""
+    top_k = experts.shape[1]
     flat = experts.reshape(-1)
     pairs = torch.nonzero((flat >= 0) & (flat < num_local)).squeeze(1)
     pairs = pairs[torch.argsort(flat[pairs], stable=True)]
@@ -219,8 +238,7 @@ def fused_moe_reference(
     start = 0
     for expert, count in enumerate(counts):
         if count:
-            gate, up = linear(grouped[start : start + count], w13[expert]).split(inter, dim=-1)
-            rows[start : start + count] = linear(act(gate) * up, w2[expert])
+            rows[start : start + count] = expert_mlp(expert, grouped[start : start + count])
         start += count
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     out.index_add_(0, tokens, rows.float() * weights.reshape(-1)[pairs, None])

@@ -170,9 +170,8 @@ def _mlp(arch: DecoderArch, layer: int, tp: TPGroup) -> nn.Module:
     from pagedllm.server.worker.models.moe import SparseMoeBlock
 
     moe = arch.moe
-    return SparseMoeBlock(
-        arch.hidden_size, moe.intermediate_size, moe.num_experts, moe.top_k, moe.norm_topk_prob, arch.hidden_act, tp
-    )
+    sizes = (arch.hidden_size, moe.intermediate_size, moe.num_experts, moe.top_k)
+    return SparseMoeBlock(*sizes, moe.norm_topk_prob, arch.hidden_act, tp, quant=arch.quant)
 
 
 class DecoderLayer(nn.Module):

@@ -36,11 +36,6 @@ def load_decoder_weights(model: DecoderForCausalLM, weights: Weights) -> None:
     delegates: dict[str, Any] = {
         f"model.layers.{i}.mlp.": layer.mlp for i, layer in enumerate(model.model.layers) if arch.moe_layers[i]
     }
-    if arch.quant is not None:
-        from pagedllm.server.worker.quantization.experts import DequantizingExperts
-
-        dtype = model.model.norm.weight.dtype
-        delegates = {prefix: DequantizingExperts(block, arch.quant, dtype) for prefix, block in delegates.items()}
     copy_weights(model, canonical_weights(arch, weights), arch.model_type, delegates)
 
 

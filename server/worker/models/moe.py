@@ -18,6 +18,9 @@ each expert's rows are contiguous and it runs as one matmul over them
 Tensor parallelism splits the experts, not their weights: rank r holds experts
 ``[r*E/tp, (r+1)*E/tp)`` whole, the router is replicated, every rank routes every token,
 adds up its own experts' contributions and the ranks' partial sums are all-reduced.
+
+A quantized checkpoint's experts stay quantized (no ``w13`` / ``w2``): each is three quantized
+layers run over its rows in turn (:mod:`pagedllm.server.worker.quantization.experts`).
 """
 
 from __future__ import annotations
@@ -29,10 +32,13 @@ from torch import nn
 
 from pagedllm.kernels.fused_moe import fused_moe, fused_moe_reference
 from pagedllm.server.config import ConfigError
+from pagedllm.server.config.quantization import QuantConfig
 from pagedllm.server.worker.models.activations import activation
 from pagedllm.server.worker.models.tensor_parallel import TPGroup
+from pagedllm.server.worker.quantization.experts import QuantizedExperts, keeps_experts_quantized
 
 _EXPERT_TENSOR = re.compile(r"experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
+_QUANTIZED_TENSOR = re.compile(r"experts\.(\d+)\.(\w+)\.(\w+)")
 _PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
 
@@ -54,6 +60,7 @@ class SparseMoeBlock(nn.Module):
         norm_topk_prob: bool,
         hidden_act: str,
         tp: TPGroup = TPGroup(),
+        quant: QuantConfig | None = None,
     ) -> None:
         super().__init__()
         if not 1 <= top_k <= num_experts:
@@ -70,9 +77,17 @@ class SparseMoeBlock(nn.Module):
         self.num_local_experts = _experts_per_rank(num_experts, tp)
         self.first_expert = tp.rank * self.num_local_experts
         self.gate = nn.Linear(hidden_size, num_experts, bias=False)
+        self._loaded: set[str] = set()
+        self.quantized: QuantizedExperts | None = None
+        """The experts as quantized layers (a quantized checkpoint), or None: ``w13`` and ``w2`` hold them."""
+        if keeps_experts_quantized(quant):
+            assert quant is not None
+            self.quantized = QuantizedExperts(
+                quant, self.num_local_experts, self.first_expert, hidden_size, intermediate_size
+            )
+            return
         self.w13 = nn.Parameter(torch.empty(self.num_local_experts, 2 * intermediate_size, hidden_size))
         self.w2 = nn.Parameter(torch.empty(self.num_local_experts, hidden_size, intermediate_size))
-        self._loaded: set[str] = set()
 
     # -- forward -------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -95,6 +110,8 @@ class SparseMoeBlock(nn.Module):
         NOTE: the weighted sum is accumulated in float32 (the routing weights stay float32),
         so half-precision inputs are rounded once, at the end, not once per expert.
         """
+        if self.quantized is not None:
+            return self.quantized(x, weights, experts - self.first_expert, self.act)
         moe = fused_moe if x.is_cuda else fused_moe_reference
         return moe(x, self.w13, self.w2, weights, experts - self.first_expert, self.act)
 
@@ -108,12 +125,16 @@ class SparseMoeBlock(nn.Module):
         ``experts.down_proj`` [E, hidden, intermediate]. Experts of other ranks are skipped.
         """
         match = _EXPERT_TENSOR.fullmatch(name)
-        if name == "gate.weight":
+        quantized = _QUANTIZED_TENSOR.fullmatch(name) if self.quantized is not None else None
+        if quantized is not None and int(quantized[1]) < self.num_experts:
+            assert self.quantized is not None
+            self.quantized.load(int(quantized[1]), quantized[2], quantized[3], tensor)
+        elif name == "gate.weight":
             self._copy(name, tensor, (self.num_experts, self.hidden_size), self.gate.weight)
             self._loaded.add(name)
         elif match is not None and int(match[1]) < self.num_experts:
             self._load_expert_tensor(int(match[1]), match[2], tensor)
-        elif name in ("experts.gate_up_proj", "experts.down_proj"):
+        elif name in ("experts.gate_up_proj", "experts.down_proj") and self.quantized is None:
             self._load_fused(name, tensor)
         else:
             raise ValueError(
@@ -124,10 +145,13 @@ class SparseMoeBlock(nn.Module):
 
     def missing_checkpoint_tensors(self) -> list[str]:
         """The canonical names of this rank's tensors that have not been loaded yet."""
-        return [name for name in self._expected_names() if name not in self._loaded]
+        missing = [name for name in self._expected_names() if name not in self._loaded]
+        return missing + (self.quantized.missing() if self.quantized is not None else [])
 
     def _expected_names(self) -> list[str]:
         first, last = self.first_expert, self.first_expert + self.num_local_experts
+        if self.quantized is not None:
+            return ["gate.weight"]
         return ["gate.weight"] + [f"experts.{e}.{p}.weight" for e in range(first, last) for p in _PROJECTIONS]
 
     def _load_expert_tensor(self, expert: int, projection: str, tensor: torch.Tensor) -> None:

@@ -1,60 +1,96 @@
-"""Quantized mixture-of-experts checkpoints: each expert's weights are dequantized as they load.
+"""Quantized mixture-of-experts experts: each expert's projections stay quantized, as its checkpoint has them.
 
-The experts of a sparse MoE block run as grouped matmuls over stacked plain weights
-(:mod:`pagedllm.server.worker.models.moe`); there is no grouped quantized kernel yet. So a
-quantized checkpoint's expert tensors (``experts.3.gate_proj.qweight``, ``.qzeros``,
-``.scales``, ...) are gathered per projection and, once all are in, handed to the block as
-the one plain ``experts.3.gate_proj.weight`` it expects::
+A quantized checkpoint names its expert tensors one by one (``experts.3.gate_proj.qweight``,
+``.qzeros``, ``.scales``, ...). Each of this rank's experts is three
+:class:`~pagedllm.server.worker.quantization.linear.QuantLinear` layers built with exactly
+those tensors, so they load like any quantized projection and, after loading, take the kernel
+chosen for the device (:func:`~pagedllm.server.worker.quantization.linear.finish_quantized_layers`
+finds them like the dense ones)::
 
-    experts.E.P.{qweight, qzeros, scales} ──gather──► QuantizedWeight ──dequantize──► experts.E.P.weight
+    experts.E.P.{qweight, qzeros, scales} ──load──► experts[E - first].P (QuantLinear) ──finish──► kernel
 
-NOTE: the experts then take the memory of the model's dtype (the attention and any dense MLP
-stay quantized); the router (``gate.weight``) is never quantized. With online quantization
-(``--quantization fp8/int8``) the experts stay as the checkpoint has them.
+The experts run one at a time over their routed rows
+(:func:`pagedllm.kernels.fused_moe.grouped_experts`, the loop the plain block's torch path
+runs too): no grouped quantized kernel yet, so a quantized MoE trades the single grouped launch
+for its smaller memory. The router (``gate.weight``) is never quantized.
+
+NOTE: with online quantization (``--quantization fp8/int8``) the experts stay as the checkpoint
+has them (plain); only their dense projections are quantized.
 """
 
 from __future__ import annotations
 
-import re
-
 import torch
+from torch import nn
 
+from pagedllm.kernels.fused_moe import Activation, grouped_experts
 from pagedllm.server.config.quantization import QuantConfig
-from pagedllm.server.worker.models.checkpoint import TensorLoader
+from pagedllm.server.worker.models.tensor_parallel import TPGroup
 
-_EXPERT = re.compile(r"(experts\.\d+\.(?:gate_proj|up_proj|down_proj))\.(\w+)")
-_PROBE = 1024
-"""Input and output widths to ask a format which tensor names a layer has (any multiple of the groups)."""
+PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
 
-class DequantizingExperts:
-    """A :class:`TensorLoader` in front of a MoE block: quantized expert tensors in, plain weights out."""
+def keeps_experts_quantized(cfg: QuantConfig | None) -> bool:
+    """Whether a MoE block of a model quantized by ``cfg`` holds quantized experts (checkpoint formats)."""
+    return cfg is not None and not cfg.format.startswith("online")
 
-    def __init__(self, block: TensorLoader, cfg: QuantConfig, dtype: torch.dtype) -> None:
-        from pagedllm.server.worker.quantization.linear import FORMAT_MODULES
 
-        self.block, self.cfg, self.dtype = block, cfg, dtype
-        self.module = FORMAT_MODULES[cfg.format]
-        self.names = {spec.name for spec in self.module.specs(cfg, _PROBE, _PROBE, _PROBE)}
-        self.pending: dict[str, dict[str, torch.Tensor]] = {}
+class QuantizedExpert(nn.Module):
+    """One expert's gated MLP with quantized projections: ``down(act(gate(x)) * up(x))``."""
 
-    def load_checkpoint_tensor(self, name: str, tensor: torch.Tensor) -> None:
-        match = _EXPERT.fullmatch(name)
-        if match is None or match[2] not in self.names or self.cfg.format.startswith("online"):
-            self.block.load_checkpoint_tensor(name, tensor)
+    def __init__(self, cfg: QuantConfig, hidden: int, inter: int) -> None:
+        super().__init__()
+        from pagedllm.server.worker.quantization.linear import QuantLinear
+
+        one = TPGroup()  # NOTE: expert parallelism keeps each expert whole on its rank
+        self.gate_proj = QuantLinear(cfg, hidden, inter, False, one)
+        self.up_proj = QuantLinear(cfg, hidden, inter, False, one)
+        self.down_proj = QuantLinear(cfg, inter, hidden, False, one)
+
+    def forward(self, x: torch.Tensor, act: Activation) -> torch.Tensor:
+        return self.down_proj(act(self.gate_proj(x)) * self.up_proj(x))  # type: ignore[operator]
+
+
+class QuantizedExperts(nn.Module):
+    """This rank's experts ``[first, first + num_local)``, quantized; loads their tensors by checkpoint name."""
+
+    def __init__(self, cfg: QuantConfig, num_local: int, first: int, hidden: int, inter: int) -> None:
+        super().__init__()
+        self.first = first
+        self.experts = nn.ModuleList(QuantizedExpert(cfg, hidden, inter) for _ in range(num_local))
+        self.tensor_names = [name for name, _ in self.experts[0].gate_proj.named_parameters(recurse=False)]
+        """The checkpoint tensors of one projection (``qweight``, ``scales``, ...)."""
+        self._loaded: set[str] = set()
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, act: Activation) -> torch.Tensor:
+        # x: [tokens, hidden]; weights, experts: [tokens, top_k] (local expert ids) -> [tokens, hidden]
+        def expert_mlp(expert: int, rows: torch.Tensor) -> torch.Tensor:
+            return self.experts[expert](rows, act)
+
+        return grouped_experts(x, weights, experts, len(self.experts), expert_mlp)
+
+    def load(self, expert: int, projection: str, tensor_name: str, tensor: torch.Tensor) -> None:
+        """Copy ``experts.{expert}.{projection}.{tensor_name}`` in (another rank's expert: skipped)."""
+        name = f"experts.{expert}.{projection}.{tensor_name}"
+        if projection not in PROJECTIONS or tensor_name not in self.tensor_names:
+            allowed = f"experts.{{e}}.{{{','.join(PROJECTIONS)}}}.{{{','.join(self.tensor_names)}}}"
+            raise ValueError(f"checkpoint tensor {name!r} is not part of a quantized expert: expected {allowed}")
+        local = expert - self.first
+        mine = 0 <= local < len(self.experts)
+        target = getattr(getattr(self.experts[local if mine else 0], projection), tensor_name)
+        if tuple(tensor.shape) != tuple(target.shape):
+            shapes = f"{tuple(tensor.shape)}, expected {tuple(target.shape)}"
+            raise ValueError(f"checkpoint tensor {name!r} has shape {shapes}")
+        if not mine:  # NOTE: another rank's expert: checked, not kept
             return
-        parts = self.pending.setdefault(match[1], {})
-        parts[match[2]] = tensor
-        if set(parts) == self.names:
-            del self.pending[match[1]]
-            weight = self.module.to_weight(self.cfg, parts)
-            if weight.perm is not None:  # NOTE: act-order: put the input features back in their order
-                plain = torch.empty_like(weight.dequantize())
-                plain[:, weight.perm] = weight.dequantize()
-            else:
-                plain = weight.dequantize()
-            self.block.load_checkpoint_tensor(f"{match[1]}.weight", plain.to(self.dtype))
+        with torch.no_grad():
+            target.copy_(tensor)
+        self._loaded.add(name)
 
-    def missing_checkpoint_tensors(self) -> list[str]:
-        partial = [f"{prefix}.{name}" for prefix, parts in self.pending.items() for name in self.names - set(parts)]
-        return partial + self.block.missing_checkpoint_tensors()
+    def expected_names(self) -> list[str]:
+        """Every checkpoint tensor name of this rank's experts."""
+        last = self.first + len(self.experts)
+        return [f"experts.{e}.{p}.{t}" for e in range(self.first, last) for p in PROJECTIONS for t in self.tensor_names]
+
+    def missing(self) -> list[str]:
+        return [name for name in self.expected_names() if name not in self._loaded]

@@ -15,16 +15,19 @@ N first. The checkpoint tensors are dropped then, so no weight is held twice.
 from __future__ import annotations
 
 from types import ModuleType
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from pagedllm.server.config import ConfigError
 from pagedllm.server.config.quantization import QuantConfig
-from pagedllm.server.worker.models.tensor_parallel import TPGroup, mark_shard
 from pagedllm.server.worker.quantization import awq, compressed_tensors, fp8, gptq
 from pagedllm.server.worker.quantization.base import QuantizedWeight, TensorSpec, concat_weights
 from pagedllm.server.worker.quantization.kernels import choose_kernel
+
+if TYPE_CHECKING:
+    from pagedllm.server.worker.models.tensor_parallel import TPGroup
 
 FORMAT_MODULES: dict[str, ModuleType] = {
     "awq": awq,
@@ -151,6 +154,17 @@ class QuantLinear(nn.Module):
             filled = [b.detach() if b is not None else torch.zeros(p.shape[0]) for b, p in zip(biases, parts)]
             fused.bias = nn.Parameter(torch.cat(filled), requires_grad=False)
         return fused
+
+
+def mark_shard(t: torch.Tensor, rule) -> None:
+    """:func:`~pagedllm.server.worker.models.tensor_parallel.mark_shard`, imported when first needed.
+
+    NOTE: the decoder imports this module as it loads, and any import from the models package
+    loads the decoder first; importing this module on its own must not start that cycle.
+    """
+    from pagedllm.server.worker.models.tensor_parallel import mark_shard as mark
+
+    mark(t, rule)
 
 
 def _shard_rule(spec: TensorSpec, cut: tuple[int | None, int | None, int]):

@@ -115,12 +115,34 @@ def test_qwen2_biases_and_tied_embeddings_on_awq(tmp_path, prompts):
     check_greedy(llm, twin, prompts)
 
 
-@pytest.mark.parametrize(("fmt", "options"), [("awq", {}), ("gptq", {"desc_act": True}), ("ct-fp8", {})])
-def test_mixture_of_experts_dequantizes_its_experts_at_load(tmp_path, prompts, fmt, options):
+MOE_CASES = [("awq", {}, "int4-cpu"), ("gptq", {"desc_act": True}, "int4-cpu"), ("ct-fp8", {}, "dequantize")]
+
+
+@pytest.mark.parametrize(("fmt", "options", "kernel"), MOE_CASES)
+def test_mixture_of_experts_keeps_its_experts_quantized(tmp_path, prompts, fmt, options, kernel):
+    from pagedllm.server.worker.models.moe import SparseMoeBlock
+
     qdir, twin = write_quantized(str(tmp_path), fmt, seed=4, family="mixtral", **options)
     llm = LLM(model=qdir, block_size=16, num_gpu_blocks_override=64)
-    assert kernels(llm)  # NOTE: attention stays quantized; the experts hold dequantized weights
+    blocks = [m for m in llm.llm_engine.runner.model.modules() if isinstance(m, SparseMoeBlock)]
+    assert blocks and all(b.quantized is not None and not hasattr(b, "w13") for b in blocks)
+    expert_kernels = {m.kernel.name for b in blocks for m in b.modules() if isinstance(m, QuantLinear)}
+    assert expert_kernels == {kernel}
     check_greedy(llm, twin, prompts)
+
+
+def expert_bytes(llm) -> int:
+    from pagedllm.server.worker.models.moe import SparseMoeBlock
+
+    blocks = [m for m in llm.llm_engine.runner.model.modules() if isinstance(m, SparseMoeBlock)]
+    return sum(t.numel() * t.element_size() for b in blocks for t in [*b.parameters(), *b.buffers()])
+
+
+def test_quantized_experts_take_a_fraction_of_the_plain_bytes(tmp_path):
+    qdir, twin = write_quantized(str(tmp_path), "awq", seed=2, family="mixtral")
+    quantized = expert_bytes(LLM(model=qdir, num_gpu_blocks_override=8))
+    plain = expert_bytes(LLM(model=twin, num_gpu_blocks_override=8))
+    assert quantized < 0.3 * plain  # NOTE: float32 twin; int4 with group-32 scales, plus the plain router
 
 
 def test_quantized_weights_take_a_fraction_of_the_plain_bytes(tmp_path):
