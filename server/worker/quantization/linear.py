@@ -197,11 +197,25 @@ def finish_quantized_layers(model: nn.Module, device: torch.device, dtype: torch
 
 
 def quant_info(model: nn.Module) -> str | None:
-    """``model``'s quantized format and the kernels its layers run, for the banner; None when it has none."""
+    """``model``'s quantized format, the kernels its layers run and its weights' bytes, for the banner;
+    None when it has none."""
     layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
     if not layers:
         return None
     cfg = layers[0].cfg
     kernels = ", ".join(sorted({getattr(layer.kernel, "name", "?") for layer in layers}))
     group = "per channel" if cfg.group_size < 0 else f"group {cfg.group_size}"
-    return f"{cfg.method} {cfg.format} {cfg.bits}-bit {group}, kernels: {kernels}"
+    weights = f"weights {weight_bytes(model) / 2**20:.2f} MiB"
+    return f"{cfg.method} {cfg.format} {cfg.bits}-bit {group}, kernels: {kernels}, {weights}"
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes ``model``'s weights take as they run (this rank): every parameter, and what each quantized
+    layer's kernel keeps (packed levels, scales, zero points, act-order permutation)."""
+    tensors = {id(t): t for t in model.parameters()}
+    for layer in model.modules():
+        if isinstance(layer, QuantLinear):
+            tensors.update((id(t), t) for t in layer.buffers())
+            if layer.perm is not None:
+                tensors[id(layer.perm)] = layer.perm
+    return sum(t.numel() * t.element_size() for t in tensors.values())

@@ -9,7 +9,7 @@ from quant_writers import write_online, write_quantized
 
 from pagedllm.server import LLM, SamplingParams
 from pagedllm.server.config import EngineConfig
-from pagedllm.server.worker.quantization.linear import QuantLinear
+from pagedllm.server.worker.quantization.linear import QuantLinear, weight_bytes
 from tests.support import assert_all_blocks_free
 
 MAX_TOKENS = 10
@@ -100,7 +100,9 @@ def test_banner_and_metrics_name_the_quantization(tmp_path):
 
     qdir, _ = write_quantized(str(tmp_path), "gptq", seed=1)
     llm = LLM(model=qdir, block_size=16, num_gpu_blocks_override=16)
-    assert f"model            {qdir} (gptq gptq 4-bit group 32, kernels: int4-cpu)" in llm.llm_engine.describe()
+    mib = weight_bytes(llm.llm_engine.runner.model) / 2**20
+    banner = f"model            {qdir} (gptq gptq 4-bit group 32, kernels: int4-cpu, weights {mib:.2f} MiB)"
+    assert banner in llm.llm_engine.describe()
     collector = EngineStatsCollector("tiny", llm.llm_engine.config, llm.llm_engine.stats)
     [info] = [m for m in collector.collect() if m.name == "pagedllm:quant_config_info"]
     labels = info.samples[0].labels
@@ -158,3 +160,14 @@ def test_quantized_weights_take_a_fraction_of_the_plain_bytes(tmp_path):
     quantized = projection_bytes(LLM(model=qdir, num_gpu_blocks_override=8))
     plain = projection_bytes(LLM(model=twin, num_gpu_blocks_override=8))
     assert quantized < 0.25 * plain  # float32 twin: 4 bytes a weight; int4 with group-32 scales: ~0.75
+
+
+def test_the_weight_bytes_are_the_packed_bytes(tmp_path):
+    """AWQ group 32 on the int4 CPU kernel: half a byte a weight, plus a float32 (scale, zero) pair per 32."""
+    qdir, twin = write_quantized(str(tmp_path), "awq", seed=2)
+    quantized, plain = LLM(model=qdir, num_gpu_blocks_override=8), LLM(model=twin, num_gpu_blocks_override=8)
+    layers = [m for m in quantized.llm_engine.runner.model.modules() if isinstance(m, QuantLinear)]
+    projection_weights = sum(m.shape[0] * m.shape[1] for m in layers)
+    want = weight_bytes(plain.llm_engine.runner.model) - 4 * projection_weights + projection_weights * (0.5 + 8 / 32)
+    assert weight_bytes(quantized.llm_engine.runner.model) == want
+    assert f"weights {want / 2**20:.2f} MiB" in quantized.llm_engine.runner.quant_info
