@@ -5,7 +5,9 @@
     fp8-triton        any other CUDA device, or block-wise scales          their own dtype (W8A16)
 
 Both run :mod:`pagedllm.kernels.fp8_matmul`; the choice is made once per layer at load, from
-the device's compute capability (:func:`cuda_capability`) and the weight's scale layout.
+the device's compute capability (:func:`cuda_capability`), the weight's scale layout and one
+16 x 16 probe of ``_scaled_mm`` with row and column scales (:func:`rowwise_scaled_mm_runs`):
+torch builds have run those scales on sm90 only, or not on some newer parts, and raise there.
 
 A :class:`~pagedllm.server.worker.quantization.base.QuantizedWeight` keeps block-wise scales
 repeated along N (``[N, K / bk]``: fused q/k/v or gate/up parts need not end on a block
@@ -31,6 +33,17 @@ SCALED_MM_CAPABILITY = (8, 9)
 def cuda_capability(device: torch.device) -> tuple[int, int]:
     """``device``'s compute capability (a seam the tests replace to pick kernels without a GPU)."""
     return torch.cuda.get_device_capability(device)
+
+
+def rowwise_scaled_mm_runs(device: torch.device) -> bool:
+    """Whether ``torch._scaled_mm`` runs e4m3 x e4m3 with a scale per row of A and per column of B on ``device``."""
+    try:
+        a = torch.ones(16, 16, device=device).to(torch.float8_e4m3fn)
+        scale = torch.ones(16, 1, device=device)
+        torch._scaled_mm(a, a.t(), scale_a=scale, scale_b=scale.t().contiguous(), out_dtype=torch.bfloat16)
+    except (RuntimeError, NotImplementedError):
+        return False
+    return True
 
 
 def _per_channel(w: QuantizedWeight) -> bool:
@@ -93,7 +106,7 @@ class Fp8TritonKernel(nn.Module):
 
 def choose_fp8_kernel(w: QuantizedWeight, device: torch.device) -> nn.Module | None:
     """The CUDA kernel for an fp8 weight on ``device``, or None where neither takes it."""
-    if Fp8ScaledMmKernel.fits(w, cuda_capability(device)):
+    if Fp8ScaledMmKernel.fits(w, cuda_capability(device)) and rowwise_scaled_mm_runs(device):
         return Fp8ScaledMmKernel(w)
     if Fp8TritonKernel.fits(w):
         return Fp8TritonKernel(w)

@@ -24,8 +24,9 @@ CUDA = torch.device("cuda")  # NOTE: only a name here: the kernels keep the CPU 
 def capability(monkeypatch):
     """Set the compute capability the selection sees: ``capability((8, 0))``."""
 
-    def fake(value: tuple[int, int]) -> None:
+    def fake(value: tuple[int, int], scaled_mm_runs: bool = True) -> None:
         monkeypatch.setattr(fp8_kernels, "cuda_capability", lambda device: value)
+        monkeypatch.setattr(fp8_kernels, "rowwise_scaled_mm_runs", lambda device: scaled_mm_runs)
 
     return fake
 
@@ -65,6 +66,16 @@ def assert_close(got: torch.Tensor, want: torch.Tensor, rel: float) -> None:
 def test_fp8_kernel_follows_the_capability_and_the_scales(capability, cap, group, want):
     capability(cap)
     assert isinstance(choose_kernel(fp8_weight(group, 0), CUDA, torch.bfloat16), want)
+
+
+def test_a_torch_whose_scaled_mm_refuses_row_scales_runs_triton(capability):
+    capability((8, 9), scaled_mm_runs=False)
+    assert isinstance(choose_kernel(fp8_weight(K, 0), CUDA, torch.bfloat16), Fp8TritonKernel)
+
+
+def test_the_probe_runs_row_scaled_scaled_mm():
+    """torch's CPU build runs ``_scaled_mm`` with row and column scales: the probe says so."""
+    assert fp8_kernels.rowwise_scaled_mm_runs(torch.device("cpu"))
 
 
 def test_shapes_scaled_mm_refuses_go_to_triton_and_what_none_takes_dequantizes(capability):
@@ -150,3 +161,27 @@ def test_fused_fp8_parts_keep_their_own_scales_on_cuda(capability):
     first, second = fused(torch.eye(K))
     assert_close(first, want[0].double(), 1e-5)
     assert_close(second, 3 * want[0].double(), 1e-5)
+
+
+@pytest.mark.parametrize("fmt", ["online-fp8", "fp8-w8a8"])
+def test_per_channel_fp8_layers_on_sm90_run_scaled_mm_close_to_the_cpu_reference(capability, fmt):
+    """``--quantization fp8`` and compressed-tensors FP8 W8A8 (per tensor here): one layer finished for CPU
+    and for an sm90 device; they differ by the activations' e4m3 rounding only."""
+    capability((9, 0))
+    cfg = QuantConfig(fmt, fmt, bits=8, group_size=-1, per_tensor=fmt == "fp8-w8a8")
+    gen = torch.Generator().manual_seed(2)
+    w = torch.randn(N, K, generator=gen) * 0.1
+    layers = []
+    for device in (torch.device("cpu"), CUDA):
+        layer = QuantLinear(cfg, K, N, bias=False, tp=TPGroup())
+        with torch.no_grad():
+            if fmt == "online-fp8":
+                layer.weight.copy_(w)
+            else:
+                layer.weight.copy_((w / 0.001).clamp(-448, 448).to(torch.float8_e4m3fn))
+                layer.weight_scale.fill_(0.001)
+        layer.finish(device, torch.float32)
+        layers.append(layer)
+    assert isinstance(layers[0].kernel, DequantizeKernel) and isinstance(layers[1].kernel, Fp8ScaledMmKernel)
+    x = torch.randn(4, K, generator=gen)
+    assert_close(layers[1](x), layers[0](x).double(), 8e-2)
