@@ -134,8 +134,11 @@ class SparseMoeBlock(nn.Module):
             self._loaded.add(name)
         elif match is not None and int(match[1]) < self.num_experts:
             self._load_expert_tensor(int(match[1]), match[2], tensor)
-        elif name in ("experts.gate_up_proj", "experts.down_proj") and self.quantized is None:
-            self._load_fused(name, tensor)
+        elif name in ("experts.gate_up_proj", "experts.down_proj"):
+            if self.quantized is None:
+                self._load_fused(name, tensor)
+            else:
+                self._load_fused_quantized(name, tensor)
         else:
             raise ValueError(
                 f"checkpoint tensor {name!r} is not part of a mixture-of-experts block with "
@@ -179,6 +182,21 @@ class SparseMoeBlock(nn.Module):
         self._loaded.update(
             f"experts.{e}.{p}.weight" for e in range(first, first + self.num_local_experts) for p in projections
         )
+
+    def _load_fused_quantized(self, name: str, tensor: torch.Tensor) -> None:
+        """All experts' plain weights at once, into quantized experts (online quantization), one expert at a time."""
+        assert self.quantized is not None
+        inter, hidden = self.intermediate_size, self.hidden_size
+        fused_gate_up = name == "experts.gate_up_proj"
+        _check_shape(
+            name, tensor, (self.num_experts, 2 * inter, hidden) if fused_gate_up else (self.num_experts, hidden, inter)
+        )
+        for e in range(self.num_experts):
+            if fused_gate_up:
+                self.quantized.load(e, "gate_proj", "weight", tensor[e, :inter])
+                self.quantized.load(e, "up_proj", "weight", tensor[e, inter:])
+            else:
+                self.quantized.load(e, "down_proj", "weight", tensor[e])
 
     def _copy(self, name: str, tensor: torch.Tensor, shape: tuple[int, ...], target: torch.Tensor) -> None:
         _check_shape(name, tensor, shape)

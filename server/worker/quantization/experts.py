@@ -14,8 +14,9 @@ The experts run one at a time over their routed rows
 runs too): no grouped quantized kernel yet, so a quantized MoE trades the single grouped launch
 for its smaller memory. The router (``gate.weight``) is never quantized.
 
-NOTE: with online quantization (``--quantization fp8/int8``) the experts stay as the checkpoint
-has them (plain); only their dense projections are quantized.
+With online quantization (``--quantization fp8/int8``) each expert's plain weight is quantized
+per output channel as it loads, like a dense projection's; transformers' stacked layout
+(``experts.gate_up_proj`` [E, 2 * inter, hidden], ``experts.down_proj``) is cut per expert first.
 """
 
 from __future__ import annotations
@@ -31,8 +32,8 @@ PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
 
 def keeps_experts_quantized(cfg: QuantConfig | None) -> bool:
-    """Whether a MoE block of a model quantized by ``cfg`` holds quantized experts (checkpoint formats)."""
-    return cfg is not None and not cfg.format.startswith("online")
+    """Whether a MoE block of a model quantized by ``cfg`` holds quantized experts (every format)."""
+    return cfg is not None
 
 
 class QuantizedExpert(nn.Module):

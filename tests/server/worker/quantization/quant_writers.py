@@ -247,18 +247,18 @@ CONFIGS = {
 }
 
 
-def write_online(root: str, kind: str, seed: int = 0) -> tuple[str, str]:
-    """(plain checkpoint dir, twin dir): the twin holds each projection quantized per channel to ``kind`` and back."""
-    from transformers import LlamaForCausalLM
-
+def write_online(root: str, kind: str, seed: int = 0, family: str = "llama") -> tuple[str, str]:
+    """(plain checkpoint dir, twin dir): the twin holds each projection quantized per channel to ``kind`` and back
+    (each expert's too: a row of transformers' stacked expert tensors is one output channel of one expert)."""
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(demo_llama_config(**SHAPE, initializer_range=0.2))
+    model = tiny_model(family)
     plain, twin = os.path.join(root, f"online-{kind}-plain"), os.path.join(root, f"online-{kind}-twin")
     model.save_pretrained(plain, safe_serialization=True)
     build_byte_tokenizer().save_pretrained(plain)
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if name.rsplit(".", 2)[-2] in PROJECTIONS:
-                param.copy_(channel_tensors(param.float(), kind)[1])
+            if name.rsplit(".", 2)[-2] in PROJECTIONS or name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                rows = param.float().reshape(-1, param.shape[-1])
+                param.copy_(channel_tensors(rows, kind)[1].reshape(param.shape))
     model.save_pretrained(twin, safe_serialization=True)
     return plain, twin

@@ -133,6 +133,18 @@ def test_mixture_of_experts_keeps_its_experts_quantized(tmp_path, prompts, fmt, 
     check_greedy(llm, twin, prompts)
 
 
+@pytest.mark.parametrize(("kind", "kernel"), [("int8", "int8-cpu"), ("fp8", "dequantize")])
+def test_online_quantization_quantizes_the_experts_too(tmp_path, prompts, kind, kernel):
+    from pagedllm.server.worker.models.moe import SparseMoeBlock
+
+    plain, twin = write_online(str(tmp_path), kind, seed=5, family="mixtral")
+    llm = LLM(model=plain, quantization=kind, block_size=16, num_gpu_blocks_override=64)
+    blocks = [m for m in llm.llm_engine.runner.model.modules() if isinstance(m, SparseMoeBlock)]
+    assert blocks and all(b.quantized is not None for b in blocks)
+    assert {m.kernel.name for b in blocks for m in b.modules() if isinstance(m, QuantLinear)} == {kernel}
+    check_greedy(llm, twin, prompts)
+
+
 def expert_bytes(llm) -> int:
     from pagedllm.server.worker.models.moe import SparseMoeBlock
 
