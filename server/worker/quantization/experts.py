@@ -49,7 +49,7 @@ class QuantizedExpert(nn.Module):
         self.down_proj = QuantLinear(cfg, inter, hidden, False, one)
 
     def forward(self, x: torch.Tensor, act: Activation) -> torch.Tensor:
-        return self.down_proj(act(self.gate_proj(x)) * self.up_proj(x))  # type: ignore[operator]
+        return self.down_proj(act(self.gate_proj(x)) * self.up_proj(x))
 
 
 class QuantizedExperts(nn.Module):
@@ -58,8 +58,9 @@ class QuantizedExperts(nn.Module):
     def __init__(self, cfg: QuantConfig, num_local: int, first: int, hidden: int, inter: int) -> None:
         super().__init__()
         self.first = first
-        self.experts = nn.ModuleList(QuantizedExpert(cfg, hidden, inter) for _ in range(num_local))
-        self.tensor_names = [name for name, _ in self.experts[0].gate_proj.named_parameters(recurse=False)]
+        experts = [QuantizedExpert(cfg, hidden, inter) for _ in range(num_local)]
+        self.experts = nn.ModuleList(experts)
+        self.tensor_names = [name for name, _ in experts[0].gate_proj.named_parameters(recurse=False)]
         """The checkpoint tensors of one projection (``qweight``, ``scales``, ...)."""
         self._loaded: set[str] = set()
 

@@ -212,7 +212,7 @@ def quant_info(model: nn.Module) -> str | None:
 def weight_bytes(model: nn.Module) -> int:
     """Bytes ``model``'s weights take as they run (this rank): every parameter, and what each quantized
     layer's kernel keeps (packed levels, scales, zero points, act-order permutation)."""
-    tensors = {id(t): t for t in model.parameters()}
+    tensors: dict[int, torch.Tensor] = {id(t): t for t in model.parameters()}
     for layer in model.modules():
         if isinstance(layer, QuantLinear):
             tensors.update((id(t), t) for t in layer.buffers())
