@@ -120,7 +120,7 @@ def test_fp8_scaled_mm_is_the_per_token_e4m3_product(rows):
     assert_close(kernel(x), reference(w, x), 8e-2)  # and close to W8A16: e4m3 activations
 
 
-@pytest.mark.parametrize(("bits", "group"), [(4, 32), (8, 16)])
+@pytest.mark.parametrize(("bits", "group"), [(4, 32), (8, 16), (4, 1), (4, K)])
 def test_int_triton_matches_the_dequantized_weight(bits, group):
     w = int_weight(bits, group, seed=group)
     x = torch.randn(3, K)
