@@ -185,3 +185,23 @@ def test_per_channel_fp8_layers_on_sm90_run_scaled_mm_close_to_the_cpu_reference
     assert isinstance(layers[0].kernel, DequantizeKernel) and isinstance(layers[1].kernel, Fp8ScaledMmKernel)
     x = torch.randn(4, K, generator=gen)
     assert_close(layers[1](x), layers[0](x).double(), 8e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("rows", [1, 33, 200])
+def test_on_a_gpu_each_weight_takes_its_kernel_and_matches_the_reference(rows):
+    """No faking: the device's own capability and probe pick; bfloat16 activations."""
+    device = torch.device("cuda")
+    scaled_mm = fp8_kernels.cuda_capability(device) >= (8, 9) and fp8_kernels.rowwise_scaled_mm_runs(device)
+    cases = [
+        (fp8_weight(K, 1), Fp8ScaledMmKernel if scaled_mm else Fp8TritonKernel, 8e-2),
+        (fp8_weight(32, 2), Fp8TritonKernel, 2e-2),
+        (int_weight(4, 32, 3), TritonW4A16Kernel, 2e-2),
+        (int_weight(8, K, 4), TritonW4A16Kernel, 2e-2),
+    ]
+    x = torch.randn(rows, K)
+    for w, want, rel in cases:
+        kernel = choose_kernel(w, device, torch.bfloat16).to(device)
+        assert isinstance(kernel, want)
+        assert_close(kernel(x.to(device, torch.bfloat16)).cpu(), reference(w, x), rel)
