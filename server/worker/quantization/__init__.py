@@ -2,5 +2,6 @@
 
 config.py parses and refuses; one module per format (awq, gptq, compressed_tensors, fp8)
 says what tensors a layer keeps and how they turn into a ``QuantizedWeight`` (base.py);
-kernels.py picks the matmul; linear.py is the layer the models build.
+kernels.py picks the matmul (fp8_kernels.py: the CUDA fp8 ones); linear.py is the layer the
+models build; experts.py keeps a MoE block's experts quantized.
 """

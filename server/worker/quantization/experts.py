@@ -14,6 +14,9 @@ The experts run one at a time over their routed rows
 runs too): no grouped quantized kernel yet, so a quantized MoE trades the single grouped launch
 for its smaller memory. The router (``gate.weight``) is never quantized.
 
+NOTE: the loop reads each expert's row count on the host, a device sync: on CUDA, capturing the
+decode step as a graph fails on it and the engine runs such a model's decode steps eagerly.
+
 With online quantization (``--quantization fp8/int8``) each expert's plain weight is quantized
 per output channel as it loads, like a dense projection's; transformers' stacked layout
 (``experts.gate_up_proj`` [E, 2 * inter, hidden], ``experts.down_proj``) is cut per expert first.
