@@ -15,7 +15,8 @@ runs too): no grouped quantized kernel yet, so a quantized MoE trades the single
 for its smaller memory. The router (``gate.weight``) is never quantized.
 
 NOTE: the loop reads each expert's row count on the host, a device sync: on CUDA, capturing the
-decode step as a graph fails on it and the engine runs such a model's decode steps eagerly.
+decode step as a graph fails on it, and ``try_capture`` leaves such a model's decode steps eager
+(by reading; not yet run on a GPU).
 
 With online quantization (``--quantization fp8/int8``) each expert's plain weight is quantized
 per output channel as it loads, like a dense projection's; transformers' stacked layout
