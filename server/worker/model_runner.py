@@ -23,8 +23,7 @@ from pagedllm.server.worker.model_loader import init_dummy_weights, iterate_weig
 from pagedllm.server.worker.model_step import ModelStep, StepOutputs
 from pagedllm.server.worker.models import model_class
 from pagedllm.server.worker.models.base import CausalLM
-from pagedllm.server.worker.models.cpu_linear import prepack_linears
-from pagedllm.server.worker.models.fused_linear import fuse_projections
+from pagedllm.server.worker.models.fused_linear import finish_linears
 from pagedllm.server.worker.models.tensor_parallel import TPGroup
 from pagedllm.server.worker.quantization.linear import finish_quantized_layers, quant_info
 from pagedllm.server.worker.sampler import Sampler
@@ -118,10 +117,8 @@ class ModelRunner:
             weights = iterate_weights(self.config.model.model, self.config.model.load_format)
             model.load_weights(split_kv_scales(weights, scales))
             apply_kv_scales(model, scales, cache_dtype(self.config.cache.kv_cache_dtype, self.dtype))  # type: ignore[arg-type]
-        if self.device.type == "cpu":
-            if not self.config.lora.enable_lora:  # NOTE: adapters hook each projection by name
-                logger.info("%d layers' projections fused", fuse_projections(model))  # type: ignore[arg-type]
-            logger.info("%d linear weights packed for oneDNN", prepack_linears(model))  # type: ignore[arg-type]
+        fused, packed = finish_linears(model, self.device, self.config.lora.enable_lora)  # type: ignore[arg-type]
+        logger.info("%d layers' projections fused, %d linear weights packed for oneDNN", fused, packed)
         finish_quantized_layers(model, self.device, self.dtype)  # type: ignore[arg-type]
         self.quant_info = quant_info(model)  # type: ignore[arg-type]
         """The quantization and its kernels, for the banner (None: plain weights)."""
