@@ -53,7 +53,9 @@ COUNTERS_MIN = 1024
 """Smallest counter buffer: (seq, KV head) pairs of a 128-row batch of 8 KV heads, grown by doubling."""
 
 
-@triton.jit
+# NOTE: what varies from step to step stays out of the compile key (no compile while serving)
+@triton.jit(do_not_specialize=["num_splits", "stride_bt_seq", "stride_o_seq", "stride_o_head", "stride_lse_seq",
+                               "stride_lse_head"])  # fmt: skip
 def paged_decode_attention_kernel(
     query_ptr,  # [num_seqs, num_heads, head_dim]
     key_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]

@@ -27,6 +27,7 @@ from pagedllm.server.worker.models.fused_linear import finish_linears
 from pagedllm.server.worker.models.tensor_parallel import TPGroup
 from pagedllm.server.worker.quantization.linear import finish_quantized_layers, quant_info
 from pagedllm.server.worker.sampler import Sampler
+from pagedllm.server.worker.triton_warmup import WarmupShapes, warm_up
 
 logger = logging.getLogger(__name__)
 
@@ -143,6 +144,8 @@ class ModelRunner:
     def allocate_cache(self, num_device_blocks: int, num_host_blocks: int) -> None:
         """This rank's KV cache (every rank gets the same block counts, each for its own heads)."""
         self.allocate_local_cache(num_device_blocks, num_host_blocks)
+        if self.device.type == "cuda" and self.ops.name == "triton":  # NOTE: no compile stalls while serving
+            warm_up(self.model, self.kv_caches, self.ops, self._warmup_shapes(), self.device)
         # NOTE: the Triton KV write skips the padding rows' slot -1; the torch backend's would not
         graphed = self.device.type == "cuda" and self.ops.name == "triton" and self.tp.size == 1 and self.lora is None
         if graphed and not self.config.model.enforce_eager:
@@ -155,6 +158,10 @@ class ModelRunner:
                     -(-self.max_model_len // self.block_size),
                     self.device,
                 )
+
+    def _warmup_shapes(self) -> WarmupShapes:
+        budget = min(self.config.scheduler.token_budget, self.max_model_len)
+        return WarmupShapes(self.config.scheduler.max_num_seqs, budget, -(-self.max_model_len // self.block_size))
 
     def device_blocks(self, useful_blocks: int) -> int:
         """Blocks that fit here: the override, the CPU budget, or what profiling leaves on the GPU."""
