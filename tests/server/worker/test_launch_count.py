@@ -109,13 +109,13 @@ def _decode_step(batch: int, device: str = "cpu") -> tuple[AttentionMetadata, to
     return meta, (lens - 1).long().to(device)
 
 
-def _layer_inputs(model: DecoderForCausalLM, batch: int, device: str = "cpu"):
+def _layer_inputs(model: DecoderForCausalLM, batch: int, device: str = "cpu", dtype: torch.dtype = torch.float32):
     meta, positions = _decode_step(batch, device)
     _, kv_heads, head_dim = model.kv_shape
     blocks = int(meta.decode_block_tables.numel())
-    cache = tuple(torch.randn(blocks, BLOCK_SIZE, kv_heads, head_dim, device=device) for _ in range(2))
-    x = torch.randn(batch, 64, device=device)
-    residual = torch.randn(batch, 64, device=device)
+    cache = tuple(torch.randn(blocks, BLOCK_SIZE, kv_heads, head_dim, device=device, dtype=dtype) for _ in range(2))
+    x = torch.randn(batch, 64, device=device, dtype=dtype)
+    residual = torch.randn(batch, 64, device=device, dtype=dtype)
     return x, residual, positions, cache, meta
 
 
@@ -146,10 +146,10 @@ def test_an_eager_cuda_decoder_layer_launches_at_most_12_kernels(batch, monkeypa
 def test_an_eager_cuda_decoder_layer_launches_at_most_12_kernels_on_a_gpu(batch):
     from torch.profiler import ProfilerActivity, profile
 
-    model = _llama("cuda")
+    model = _llama("cuda").half()  # NOTE: serving's 16-bit GEMMs, not float32's (cuBLAS may split those)
     ops = select_attention_ops("triton", torch.device("cuda"))
     layer = model.model.layers[1]
-    inputs = _layer_inputs(model, batch, "cuda")
+    inputs = _layer_inputs(model, batch, "cuda", torch.float16)
     with torch.inference_mode():
         layer(inputs[0].clone(), inputs[1].clone(), *inputs[2:], ops)  # compiles, allocates what is kept
         torch.cuda.synchronize()
