@@ -112,3 +112,23 @@ def test_serving_after_start_up_compiles_no_triton_kernel(tiny_llama, enforce_ea
         llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     assert compiled() == after_start, "a Triton kernel compiled while serving"
     llm.shutdown()
+
+
+def test_a_cuda_runner_warms_up_before_capturing_and_a_cpu_one_never(tiny_llama, monkeypatch):
+    from pagedllm.server import LLM
+    from pagedllm.server.worker import model_runner
+    from pagedllm.server.worker.attention import TritonAttention
+
+    calls = []
+    monkeypatch.setattr(model_runner, "warm_up", lambda *args: calls.append(("warm_up", args[3])))
+    monkeypatch.setattr(model_runner, "try_capture", lambda *args: calls.append(("capture", args[3])))
+    llm = LLM(model=tiny_llama, block_size=16, max_num_seqs=12, max_model_len=100, max_num_batched_tokens=64)
+    assert calls == []  # NOTE: the CPU runner just built its cache
+    runner = llm.llm_engine.runner
+    # the CUDA path's choices, on the CPU: what allocate_cache does with them
+    monkeypatch.setattr(runner, "device", torch.device("cuda"))
+    monkeypatch.setattr(runner, "ops", TritonAttention())
+    monkeypatch.setattr(runner, "allocate_local_cache", lambda *args: None)
+    runner.allocate_cache(8, 0)
+    assert calls == [("warm_up", WarmupShapes(max_rows=12, prefill_tokens=64, max_blocks=7)), ("capture", 12)]
+    llm.shutdown()
