@@ -224,17 +224,21 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context_len: int, bl
 
 _multiprocessor_count = functools.cache(lambda device: torch.cuda.get_device_properties(device).multi_processor_count)
 _counters: dict[torch.device, torch.Tensor] = {}
+_retired: list[torch.Tensor] = []
 
 
 def split_counters(device: torch.device, pairs: int) -> torch.Tensor:
     """The zeroed int32 counts the kernel's splits take turns on, at least ``pairs`` of them.
 
     One buffer per device, kept: the kernel leaves it zeroed. Grown (doubling, from
-    :data:`COUNTERS_MIN`) only when a launch needs more; the start-up warm-up launches the
-    largest decode batch first, so serving never allocates it.
+    :data:`COUNTERS_MIN`) only when a launch needs more, which a GPU of up to 256
+    multiprocessors never does: ``choose_num_splits`` splits only batches of fewer than
+    4 programs per multiprocessor (sequences x KV heads).
     """
     counters = _counters.get(device)
     if counters is None or counters.numel() < pairs:
+        if counters is not None:  # NOTE: a captured graph may still address it: never freed
+            _retired.append(counters)
         counters = torch.zeros(max(COUNTERS_MIN, next_pow2(pairs)), dtype=torch.int32, device=device)
         _counters[device] = counters
     return counters

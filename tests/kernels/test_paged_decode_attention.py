@@ -10,6 +10,7 @@ from kernel_factories import DEVICE, assert_close, gpu_test, huge_cache, make_pa
 
 from pagedllm.kernels import paged_decode_attention, paged_decode_attention_reference
 from pagedllm.kernels.paged_decode_attention import (
+    COUNTERS_MIN,
     MAX_SPLITS,
     choose_num_splits,
     paged_decode_attention_launch,
@@ -264,3 +265,9 @@ def test_batch_one_with_a_long_context_splits_for_enough_programs():
     # one sequence of 32k tokens on 132 multiprocessors: the cap; 8 sequences of 4k: fewer, >= 256 tokens each
     assert choose_num_splits(1, 8, 32768, 64, num_sms=132) == MAX_SPLITS
     assert choose_num_splits(8, 8, 4096, 64, num_sms=132) == 8
+    # NOTE: only batches of fewer than 4 programs per multiprocessor split, so the counters never grow on a GPU
+    for num_sms in (132, 256):
+        for seqs in (1, 3, 64, 127, 128, 129, 300, 1024):
+            for kv_heads in (1, 2, 8, 32):
+                if choose_num_splits(seqs, kv_heads, 1 << 20, 64, num_sms=num_sms) > 1:
+                    assert seqs * kv_heads <= COUNTERS_MIN
