@@ -158,3 +158,21 @@ def test_an_eager_cuda_decoder_layer_launches_at_most_12_kernels_on_a_gpu(batch)
             torch.cuda.synchronize()
     kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     assert 0 < len(kernels) <= MAX_LAUNCHES_PER_LAYER, kernels
+
+
+def test_the_counted_cuda_path_layer_computes_what_the_cpu_one_does(monkeypatch):
+    # NOTE: the launches above are of a right answer: the same layer on the CPU path (torch attention) agrees
+    model = _llama()
+    layer = model.model.layers[1]
+    x, residual, positions, cache, meta = _layer_inputs(model, 5)
+    cpu_ops = select_attention_ops("torch", torch.device("cpu"))
+    with torch.inference_mode():
+        cpu_cache = tuple(t.clone() for t in cache)
+        want = layer(x.clone(), residual.clone(), positions, cpu_cache, cpu_ops.prepare(meta, BLOCK_SIZE), cpu_ops)
+        for module in (decoder, rope):
+            monkeypatch.setattr(module, "runs_on_triton", lambda t: True)
+        ops = select_attention_ops("triton", torch.device("cpu"))
+        got = layer(x.clone(), residual.clone(), positions, cache, meta, ops)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(cache[0], cpu_cache[0])  # the same K written to the same slots
