@@ -1,20 +1,27 @@
-"""Paged decode attention: one new query token per sequence over its cached K/V.
+"""Paged decode attention: one new query token per sequence over its cached K/V, in one launch.
 
-Grid of the main kernel: ``(num_seqs, num_kv_heads, num_splits)``. One program serves
-all ``num_heads // num_kv_heads`` query heads of one KV head (GQA/MQA: each K/V tile is
-read once for the whole group) over one split of the context::
+Grid: ``(num_seqs, num_kv_heads, num_splits)``. One program serves all
+``num_heads // num_kv_heads`` query heads of one KV head (GQA/MQA: each K/V tile is read
+once for the whole group) over one split of the context::
 
     context of seq s (context_lens[s] tokens, tiles of BLOCK_N positions)
     |── split 0 ──|── split 1 ──|── split 2 ──|  (split 3: empty -> lse = -inf)
          │              │             │
-    partial out + log-sum-exp per (seq, head, split)  ──►  reduce kernel ──► out
+    partial out + log-sum-exp per (seq, head, split); the last program of (seq, KV head) to
+    finish (an atomic count) merges them into ``out`` and sets the count back to 0
+
+Small batches thus get many programs (``choose_num_splits``) without a second launch for
+the merge. With a single split the kernel writes ``out`` directly and counts nothing.
 
 Positions map to cache slots through the block table (``block_size`` is a compile-time
 constant independent of BLOCK_N, so a tile may span several blocks or part of one).
-With a single split the main kernel writes ``out`` directly and no reduce runs.
 
 With a sliding window the splits cover only the visible span
 ``[context_len - window, context_len)``: nothing before it is read, table entries included.
+
+NOTE: the counts live in one zeroed int32 buffer per device (:func:`split_counters`), left
+zeroed by every launch, so CUDA-graph replays need no reset; two launches must therefore
+not run at once on different streams of one device.
 """
 
 from __future__ import annotations
@@ -37,14 +44,18 @@ from ._paged import (
 from ._triton import NO_WINDOW, check_can_launch, is_interpreted, next_pow2, soft_cap_log2, tl, triton
 from ._triton_kv import kv_format, load_kv_tile
 
-# NOTE: a shorter split costs more in partial-result traffic and the reduce launch than it wins.
+# NOTE: a shorter split costs more in partial-result traffic and the merge than it wins.
 MIN_TOKENS_PER_SPLIT = 256
 MAX_SPLITS = 64
-# off CUDA (Triton's interpreter) a small fixed count, which also exercises the reduce
+# off CUDA (Triton's interpreter) a small fixed count, which also exercises the merge
 INTERPRETER_SPLITS = 4
+COUNTERS_MIN = 1024
+"""Smallest counter buffer: (seq, KV head) pairs of a 128-row batch of 8 KV heads, grown by doubling."""
 
 
-@triton.jit
+# NOTE: what varies from step to step stays out of the compile key (no compile while serving)
+@triton.jit(do_not_specialize=["num_splits", "stride_bt_seq", "stride_o_seq", "stride_o_head", "stride_lse_seq",
+                               "stride_lse_head"])  # fmt: skip
 def paged_decode_attention_kernel(
     query_ptr,  # [num_seqs, num_heads, head_dim]
     key_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
@@ -53,6 +64,8 @@ def paged_decode_attention_kernel(
     context_lens_ptr,  # [num_seqs] int32
     out_ptr,  # DIRECT_OUT: [num_seqs, num_heads, head_dim]; else [num_seqs, num_heads, num_splits, head_dim] fp32
     lse_ptr,  # [num_seqs, num_heads, num_splits] fp32, log2 domain (unused when DIRECT_OUT)
+    final_ptr,  # [num_seqs, num_heads, head_dim]: where the last split merges them (unused when DIRECT_OUT)
+    counter_ptr,  # [>= num_seqs * num_kv_heads] int32, zero (unused when DIRECT_OUT)
     scale,  # softmax scale
     k_scale,  # per-tensor scales of an fp8 cache (KV_QUANT)
     v_scale,
@@ -74,6 +87,8 @@ def paged_decode_attention_kernel(
     stride_o_split,
     stride_lse_seq,
     stride_lse_head,
+    stride_f_seq,
+    stride_f_head,
     QUERIES_PER_KV: tl.constexpr,
     KV_QUANT: tl.constexpr,  # _triton_kv: KV_PLAIN, KV_FP8 or KV_INT8
     block_size: tl.constexpr,
@@ -146,48 +161,40 @@ def paged_decode_attention_kernel(
         tl.store(o_ptrs + d[None, :], out, mask=o_mask)
         lse = tl.where(l_i > 0.0, m_i + tl.log2(tl.where(l_i > 0.0, l_i, 1.0)), float("-inf"))
         tl.store(lse_ptr + seq * stride_lse_seq + heads * stride_lse_head + split, lse, mask=g_mask)
+        # NOTE: every thread's stores come before the count (barrier), and the count releases
+        # them to the program that reads them (acq_rel at GPU scope): it sees every split's.
+        tl.debug_barrier()
+        counter = counter_ptr + seq * tl.num_programs(1) + kv_head
+        if tl.atomic_add(counter, 1, sem="acq_rel") == num_splits - 1:
+            p_rows = out_ptr + seq * stride_o_seq + heads[:, None] * stride_o_head + d[None, :]
+            lse_rows = lse_ptr + seq * stride_lse_seq + heads * stride_lse_head
+            merged = _merge_splits(p_rows, stride_o_split, lse_rows, num_splits, o_mask, g_mask, BLOCK_G, BLOCK_D)
+            f_ptrs = final_ptr + seq * stride_f_seq + heads[:, None] * stride_f_head + d[None, :]
+            tl.store(f_ptrs, merged.to(final_ptr.dtype.element_ty), mask=o_mask)
+            tl.atomic_xchg(counter, 0)  # NOTE: zero again for the next launch (or graph replay)
 
 
 @triton.jit
-def paged_decode_reduce_kernel(
-    partial_out_ptr,  # [num_seqs, num_heads, num_splits, head_dim] fp32
-    lse_ptr,  # [num_seqs, num_heads, num_splits] fp32, log2 domain
-    out_ptr,  # [num_seqs, num_heads, head_dim]
-    num_splits,
-    head_dim,
-    stride_p_seq,
-    stride_p_head,
-    stride_p_split,
-    stride_lse_seq,
-    stride_lse_head,
-    stride_o_seq,
-    stride_o_head,
-    BLOCK_S: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):
-    seq = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1).to(tl.int64)
-    s = tl.arange(0, BLOCK_S)
-    d = tl.arange(0, BLOCK_D)
-    s_mask = s < num_splits
-    d_mask = d < head_dim
-    lse = tl.load(lse_ptr + seq * stride_lse_seq + head * stride_lse_head + s, mask=s_mask, other=float("-inf"))
-    # NOTE: empty splits carry lse = -inf and weigh 0; if every split is empty
-    # (context_len == 0) the max is -inf, so shift by 0 instead to avoid inf - inf.
-    m = tl.max(lse, axis=0)
-    weights = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))  # [BLOCK_S]
-    partial = tl.load(
-        partial_out_ptr
-        + seq * stride_p_seq
-        + head * stride_p_head
-        + s[:, None].to(tl.int64) * stride_p_split
-        + d[None, :],
-        mask=s_mask[:, None] & d_mask[None, :],
-        other=0.0,
-    )  # [BLOCK_S, BLOCK_D]
-    total = tl.sum(weights, axis=0)
-    out = tl.sum(weights[:, None] * partial, axis=0) / tl.where(total == 0.0, 1.0, total)
-    tl.store(out_ptr + seq * stride_o_seq + head * stride_o_head + d, out.to(out_ptr.dtype.element_ty), mask=d_mask)
+def _merge_splits(p_rows, stride_split, lse_rows, num_splits, o_mask, g_mask, BLOCK_G: tl.constexpr,
+                  BLOCK_D: tl.constexpr):  # fmt: skip
+    """The splits' partial outputs [BLOCK_G, BLOCK_D] weighed by their log-sum-exps (log2), merged."""
+    m = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    total = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    for s in range(num_splits):
+        # NOTE: ".cg": read from L2, where the other programs' stores are, never a stale L1 line
+        lse = tl.load(lse_rows + s, mask=g_mask, other=float("-inf"), cache_modifier=".cg")
+        part = tl.load(p_rows + s * stride_split, mask=o_mask, other=0.0, cache_modifier=".cg")
+        m_new = tl.maximum(m, lse)
+        # NOTE: empty splits carry lse = -inf and weigh 0; while every split so far is
+        # empty the shift is 0, not -inf, so no inf - inf
+        shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m - shift)
+        weight = tl.exp2(lse - shift)
+        total = total * alpha + weight
+        acc = acc * alpha[:, None] + weight[:, None] * part
+        m = m_new
+    return acc / tl.where(total == 0.0, 1.0, total)[:, None]
 
 
 def _check_args(
@@ -216,6 +223,25 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context_len: int, bl
 
 
 _multiprocessor_count = functools.cache(lambda device: torch.cuda.get_device_properties(device).multi_processor_count)
+_counters: dict[torch.device, torch.Tensor] = {}
+_retired: list[torch.Tensor] = []
+
+
+def split_counters(device: torch.device, pairs: int) -> torch.Tensor:
+    """The zeroed int32 counts the kernel's splits take turns on, at least ``pairs`` of them.
+
+    One buffer per device, kept: the kernel leaves it zeroed. Grown (doubling, from
+    :data:`COUNTERS_MIN`) only when a launch needs more, which a GPU of up to 256
+    multiprocessors never does: ``choose_num_splits`` splits only batches of fewer than
+    4 programs per multiprocessor (sequences x KV heads).
+    """
+    counters = _counters.get(device)
+    if counters is None or counters.numel() < pairs:
+        if counters is not None:  # NOTE: a captured graph may still address it: never freed
+            _retired.append(counters)
+        counters = torch.zeros(max(COUNTERS_MIN, next_pow2(pairs)), dtype=torch.int32, device=device)
+        _counters[device] = counters
+    return counters
 
 
 def paged_decode_attention_launch(
@@ -262,39 +288,20 @@ def paged_decode_attention_launch(
     block_d = max(16, next_pow2(head_dim))  # tl.dot needs K >= 16
     direct = num_splits == 1
     if direct:
-        partial, lse = out, out  # lse_ptr is unused when DIRECT_OUT
+        partial, lse, counters = out, out, out  # NOTE: only ``out`` is written when DIRECT_OUT
         p_strides, lse_strides = (out.stride(0), out.stride(1), 0), (0, 0)
     else:
         partial = torch.empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=query.device)
         lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=query.device)
+        counters = split_counters(query.device, num_seqs * num_kv_heads)
         p_strides = (partial.stride(0), partial.stride(1), partial.stride(2))
         lse_strides = (lse.stride(0), lse.stride(1))
     paged_decode_attention_kernel[(num_seqs, num_kv_heads, num_splits)](
-        query,
-        key_cache,
-        value_cache,
-        block_tables,
-        context_lens,
-        partial,
-        lse,
-        float(scale),
-        float(k_scale),
-        float(v_scale),
-        float(logit_softcap or 1.0),
-        NO_WINDOW if sliding_window is None else sliding_window,
-        num_splits,
-        head_dim,
-        query.stride(0),
-        query.stride(1),
-        key_cache.stride(0),
-        key_cache.stride(1),
-        key_cache.stride(2),
-        value_cache.stride(0),
-        value_cache.stride(1),
-        value_cache.stride(2),
-        block_tables.stride(0),
-        *p_strides,
-        *lse_strides,
+        query, key_cache, value_cache, block_tables, context_lens, partial, lse, out, counters,
+        float(scale), float(k_scale), float(v_scale), float(logit_softcap or 1.0),
+        NO_WINDOW if sliding_window is None else sliding_window, num_splits, head_dim,
+        query.stride(0), query.stride(1), *key_cache.stride()[:3], *value_cache.stride()[:3], block_tables.stride(0),
+        *p_strides, *lse_strides, out.stride(0), out.stride(1),
         QUERIES_PER_KV=group,
         KV_QUANT=kv_format(key_cache),
         block_size=block_size,
@@ -305,21 +312,7 @@ def paged_decode_attention_launch(
         BLOCK_N=block_n,
         BLOCK_D=block_d,
         num_warps=num_warps,
-    )
-    if not direct:
-        paged_decode_reduce_kernel[(num_seqs, num_heads)](
-            partial,
-            lse,
-            out,
-            num_splits,
-            head_dim,
-            *partial.stride()[:3],
-            *lse.stride()[:2],
-            out.stride(0),
-            out.stride(1),
-            BLOCK_S=next_pow2(num_splits),
-            BLOCK_D=block_d,
-        )
+    )  # fmt: skip
     return out
 
 

@@ -53,7 +53,7 @@ def _find_seq(cu_seqlens_q_ptr, q_block, num_seqs, BLOCK_Q: tl.constexpr):
     return lo - 1
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_seqs", "stride_bt_seq"])  # NOTE: step-varying: out of the compile key
 def paged_prefill_attention_kernel(
     query_ptr,  # [total_q, num_heads, head_dim]
     key_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]

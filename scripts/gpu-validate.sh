@@ -6,7 +6,8 @@
 # Stages:
 #   setup         install wheels from .whl/ (what the machine lacks) and this checkout, editable
 #   env           GPU, driver, torch, triton; measured device copy bandwidth and bf16 GEMM rate
-#   gpu-tests     pytest -m gpu (the Triton kernels compiled, against their torch references)
+#   gpu-tests     pytest -m gpu (the Triton kernels compiled, against their torch references; the CUDA
+#                 path's launches per decoder layer; no Triton compile while serving after the warm-up)
 #   kernels       python -m benchmarks.kernels (KERNELS_ARGS, default --quick)
 #   kernels-full  the whole sweep of benchmarks.kernels
 #   serve7b       a LLaMA-7B-shaped dummy model in bf16 behind `pagedllm serve`, one completion,
@@ -58,7 +59,8 @@ EOF
 }
 
 stage_gpu-tests() {
-    timeout "${GPU_TESTS_TIMEOUT:-240}" $PY -m pytest -m gpu tests/kernels -q -p no:cacheprovider -rfE --timeout 300 \
+    timeout "${GPU_TESTS_TIMEOUT:-300}" $PY -m pytest -m gpu tests/kernels tests/server/worker/test_launch_count.py \
+        tests/server/worker/test_triton_warmup.py -q -p no:cacheprovider -rfE --timeout 300 \
         --junitxml "$OUT/res/gpu-tests.xml"
 }
 

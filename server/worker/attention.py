@@ -315,9 +315,16 @@ class PagedAttention(torch.nn.Module):
         key_cache, value_cache = kv_cache
         kv_scales = self.kv_scales
         ops.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping, kv_scales)
-        out = torch.empty_like(q)
         d = meta.num_decode_tokens
         window, softcap = self.sliding_window, self.logit_softcap
+        # NOTE: a step of one kind of token takes its kernel's output as the layer's (no copy into ``out``)
+        if d == q.shape[0] > 0:
+            out = ops.decode(q, key_cache, value_cache, meta, self.scale, window, softcap, kv_scales)
+            return out.reshape(-1, self.num_heads * self.head_dim)
+        if d == 0 and meta.num_prefills:
+            out = ops.prefill(q, k, v, key_cache, value_cache, meta, self.scale, window, softcap, kv_scales)
+            return out.reshape(-1, self.num_heads * self.head_dim)
+        out = torch.empty_like(q)
         if d:
             out[:d] = ops.decode(q[:d], key_cache, value_cache, meta, self.scale, window, softcap, kv_scales)
         if meta.num_prefills:

@@ -23,11 +23,11 @@ from pagedllm.server.worker.model_loader import init_dummy_weights, iterate_weig
 from pagedllm.server.worker.model_step import ModelStep, StepOutputs
 from pagedllm.server.worker.models import model_class
 from pagedllm.server.worker.models.base import CausalLM
-from pagedllm.server.worker.models.cpu_linear import prepack_linears
-from pagedllm.server.worker.models.fused_linear import fuse_projections
+from pagedllm.server.worker.models.fused_linear import finish_linears
 from pagedllm.server.worker.models.tensor_parallel import TPGroup
 from pagedllm.server.worker.quantization.linear import finish_quantized_layers, quant_info
 from pagedllm.server.worker.sampler import Sampler
+from pagedllm.server.worker.triton_warmup import WarmupShapes, warm_up
 
 logger = logging.getLogger(__name__)
 
@@ -118,10 +118,8 @@ class ModelRunner:
             weights = iterate_weights(self.config.model.model, self.config.model.load_format)
             model.load_weights(split_kv_scales(weights, scales))
             apply_kv_scales(model, scales, cache_dtype(self.config.cache.kv_cache_dtype, self.dtype))  # type: ignore[arg-type]
-        if self.device.type == "cpu":
-            if not self.config.lora.enable_lora:  # NOTE: adapters hook each projection by name
-                logger.info("%d layers' projections fused", fuse_projections(model))  # type: ignore[arg-type]
-            logger.info("%d linear weights packed for oneDNN", prepack_linears(model))  # type: ignore[arg-type]
+        fused, packed = finish_linears(model, self.device, self.config.lora.enable_lora)  # type: ignore[arg-type]
+        logger.info("%d layers' projections fused, %d linear weights packed for oneDNN", fused, packed)
         finish_quantized_layers(model, self.device, self.dtype)  # type: ignore[arg-type]
         self.quant_info = quant_info(model)  # type: ignore[arg-type]
         """The quantization and its kernels, for the banner (None: plain weights)."""
@@ -146,6 +144,8 @@ class ModelRunner:
     def allocate_cache(self, num_device_blocks: int, num_host_blocks: int) -> None:
         """This rank's KV cache (every rank gets the same block counts, each for its own heads)."""
         self.allocate_local_cache(num_device_blocks, num_host_blocks)
+        if self.device.type == "cuda" and self.ops.name == "triton":  # NOTE: no compile stalls while serving
+            warm_up(self.model, self.kv_caches, self.ops, self._warmup_shapes(), self.device)
         # NOTE: the Triton KV write skips the padding rows' slot -1; the torch backend's would not
         graphed = self.device.type == "cuda" and self.ops.name == "triton" and self.tp.size == 1 and self.lora is None
         if graphed and not self.config.model.enforce_eager:
@@ -158,6 +158,10 @@ class ModelRunner:
                     -(-self.max_model_len // self.block_size),
                     self.device,
                 )
+
+    def _warmup_shapes(self) -> WarmupShapes:
+        budget = min(self.config.scheduler.token_budget, self.max_model_len)
+        return WarmupShapes(self.config.scheduler.max_num_seqs, budget, -(-self.max_model_len // self.block_size))
 
     def device_blocks(self, useful_blocks: int) -> int:
         """Blocks that fit here: the override, the CPU budget, or what profiling leaves on the GPU."""

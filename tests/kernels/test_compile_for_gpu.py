@@ -1,5 +1,6 @@
 """The new Triton kernels compile to GPU code (Hopper sm90; the FP8 fallback also for Ampere
-sm80) without a GPU: ``triton.compile`` for a target, down to a cubin through Triton's ptxas.
+sm80; decode attention's one-launch split merge, atomics included) without a GPU:
+``triton.compile`` for a target, down to a cubin through Triton's ptxas.
 
 The interpreter runs the kernels' arithmetic; this catches what only the compiler sees (types
 the GPU lowering refuses, shared memory past the limit). It runs in a subprocess because the
@@ -16,11 +17,13 @@ from pathlib import Path
 import pytest
 
 SHARED_LIMIT = {80: 166912, 90: 232448}  # bytes of shared memory one block may use
+FLOATS = {"eps", "scale", "k_scale", "v_scale", "softcap"}  # the kernels' float scalars (the others: int32)
 
 
 def _cases():
     from pagedllm.kernels.fp8_matmul import fp8_matmul_kernel
     from pagedllm.kernels.fused_add_rms_norm import rms_norm_kernel
+    from pagedllm.kernels.paged_decode_attention import paged_decode_attention_kernel
     from pagedllm.kernels.quant_matmul import quant_matmul_kernel
     from pagedllm.kernels.rotary_embedding import rotary_embedding_kernel
     from pagedllm.kernels.silu_and_mul import act_and_mul_kernel
@@ -35,6 +38,15 @@ def _cases():
         ptrs = dict(x_ptr=dt, w_ptr="u8", scale_ptr="fp32", y_ptr=dt)
         const = dict(SCALE_MODE=mode, BN=128, BK=128, PRECISION="tf32", BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
         return fp8_matmul_kernel, ptrs, const, arch, dict(num_warps=warps, num_stages=3)
+
+    def decode(split: bool):
+        # NOTE: split: partial results in float32, merged by the last split in the same launch (atomics)
+        ptrs = dict(query_ptr="bf16", key_cache_ptr="bf16", value_cache_ptr="bf16", block_tables_ptr="i32",
+                    context_lens_ptr="i32", out_ptr="fp32" if split else "bf16", lse_ptr="fp32", final_ptr="bf16",
+                    counter_ptr="i32")  # fmt: skip
+        const = dict(QUERIES_PER_KV=4, KV_QUANT=0, block_size=16, DIRECT_OUT=not split, SOFTCAP=False,
+                     DOT_PRECISION="tf32", BLOCK_G=16, BLOCK_N=64, BLOCK_D=128)  # fmt: skip
+        return paged_decode_attention_kernel, ptrs, const, 90, dict(num_warps=4)
 
     norm_ptrs = dict(x_ptr="bf16", residual_ptr="bf16", weight_ptr="bf16", out_ptr="bf16")
     rot_ptrs = dict(q_ptr="bf16", k_ptr="bf16", cos_ptr="fp32", sin_ptr="fp32", positions_ptr="i64")
@@ -59,6 +71,8 @@ def _cases():
             dict(num_warps=4),
         ),  # fmt: skip
         "gelu-tanh-and-mul": (act_and_mul_kernel, act_ptrs, dict(ACT=2, BLOCK=1024), 90, dict(num_warps=4)),
+        "decode-split-merge": decode(True),
+        "decode-direct": decode(False),
     }
 
 
@@ -69,7 +83,7 @@ def compile_all() -> None:
     from triton.compiler import ASTSource
 
     for name, (fn, ptrs, const, arch, options) in _cases().items():
-        sig = {a: "constexpr" if a in const else "*" + ptrs[a] if a in ptrs else "fp32" if a == "eps" else "i32"
+        sig = {a: "constexpr" if a in const else "*" + ptrs[a] if a in ptrs else "fp32" if a in FLOATS else "i32"
                for a in fn.arg_names}  # fmt: skip
         try:
             src = ASTSource(fn=fn, signature=sig, constexprs=const)
@@ -94,7 +108,7 @@ def test_new_kernels_compile_for_hopper_and_the_fp8_fallback_for_ampere():
     result = subprocess.run([sys.executable, __file__], capture_output=True, text=True, timeout=600, env=env)
     lines = [line for line in result.stdout.splitlines() if line.startswith(("ok ", "FAIL "))]
     assert result.returncode == 0, result.stderr[-3000:]
-    assert len(lines) == 7, result.stdout + result.stderr[-3000:]
+    assert len(lines) == 9, result.stdout + result.stderr[-3000:]
     failures = [line for line in lines if line.startswith("FAIL")]
     assert not failures, "\n".join(failures)
     for line in lines:

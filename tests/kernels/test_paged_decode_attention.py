@@ -9,7 +9,13 @@ from hypothesis import strategies as st
 from kernel_factories import DEVICE, assert_close, gpu_test, huge_cache, make_paged_kv, naive_attention
 
 from pagedllm.kernels import paged_decode_attention, paged_decode_attention_reference
-from pagedllm.kernels.paged_decode_attention import MAX_SPLITS, choose_num_splits, paged_decode_attention_launch
+from pagedllm.kernels.paged_decode_attention import (
+    COUNTERS_MIN,
+    MAX_SPLITS,
+    choose_num_splits,
+    paged_decode_attention_launch,
+    split_counters,
+)
 
 
 def _lens(block_size: int) -> list[int]:
@@ -202,3 +208,66 @@ def test_kernel_matches_reference_cuda(seed, dtype, heads, head_dim, block_size,
     args = (query, kv.key_cache, kv.value_cache, kv.block_tables, kv.context_lens, 1 / math.sqrt(head_dim))
     out = paged_decode_attention_launch(*args, window, softcap, num_splits=num_splits)
     assert_close(out, paged_decode_attention_reference(*args, window, softcap), seed)
+
+
+def _poisoned_outputs(monkeypatch):
+    """Every buffer the launcher allocates starts as NaN: an element it never writes shows."""
+    empty, empty_like = torch.empty, torch.empty_like
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: empty(*a, **k).fill_(float("nan")))
+    monkeypatch.setattr(torch, "empty_like", lambda *a, **k: empty_like(*a, **k).fill_(float("nan")))
+
+
+def _launches(monkeypatch) -> list[str]:
+    """Names of the Triton kernels launched from now on (the interpreter's launch path)."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    names, run = [], InterpretedFunction.run
+
+    def counted(kernel, *args, **kwargs):
+        names.append(kernel.__name__)
+        return run(kernel, *args, **kwargs)
+
+    monkeypatch.setattr(InterpretedFunction, "run", counted)
+    return names
+
+
+# batch 1 over long contexts (many tiles per split), the merge with empty splits (64 splits
+# over 300 tokens), and a batch whose sequences all split
+BATCH_ONE_CASES = [([1500], 16, 4), ([2049], 32, 8), ([300], 16, 64), ([1, 700, 1200], 8, 16)]
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="the interpreter's launch path")
+@pytest.mark.parametrize("lens,block_size,num_splits", BATCH_ONE_CASES)
+def test_split_kv_merges_in_the_same_launch(seed, monkeypatch, lens, block_size, num_splits):
+    query, kv = _case(lens, 8, 2, 64, block_size, torch.float32)
+    args = (query, kv.key_cache, kv.value_cache, kv.block_tables, kv.context_lens, 0.125)
+    _poisoned_outputs(monkeypatch)
+    launched = _launches(monkeypatch)
+    out = paged_decode_attention_launch(*args, num_splits=num_splits, block_n=16 if lens[0] < 2000 else 64)
+    assert launched == ["paged_decode_attention_kernel"]  # one launch, the merge included
+    assert_close(out, _naive(query, kv, 0.125).float(), seed)  # against the float64 oracle
+    counters = split_counters(query.device, 1)
+    assert not counters.any()  # left zeroed for the next launch (or graph replay)
+    again = paged_decode_attention_launch(*args, num_splits=num_splits, block_n=16)
+    assert_close(again, out, seed)
+
+
+def test_split_counters_grow_and_stay_zeroed():
+    device = torch.device("cpu")
+    small = split_counters(device, 3)
+    assert small.dtype == torch.int32 and small.numel() >= 1024 and not small.any()
+    assert split_counters(device, 10) is small  # NOTE: kept: graph replays read its address
+    big = split_counters(device, 5000)
+    assert big.numel() == 8192 and not big.any() and split_counters(device, 7) is big
+
+
+def test_batch_one_with_a_long_context_splits_for_enough_programs():
+    # one sequence of 32k tokens on 132 multiprocessors: the cap; 8 sequences of 4k: fewer, >= 256 tokens each
+    assert choose_num_splits(1, 8, 32768, 64, num_sms=132) == MAX_SPLITS
+    assert choose_num_splits(8, 8, 4096, 64, num_sms=132) == 8
+    # NOTE: only batches of fewer than 4 programs per multiprocessor split, so the counters never grow on a GPU
+    for num_sms in (132, 256):
+        for seqs in (1, 3, 64, 127, 128, 129, 300, 1024):
+            for kv_heads in (1, 2, 8, 32):
+                if choose_num_splits(seqs, kv_heads, 1 << 20, 64, num_sms=num_sms) > 1:
+                    assert seqs * kv_heads <= COUNTERS_MIN

@@ -2,8 +2,9 @@
 
 Checkpoints, tensor-parallel shards and LoRA adapters all name ``q_proj``, ``k_proj``,
 ``v_proj``, ``gate_proj`` and ``up_proj`` apart, so the model is built and loaded that way.
-On the CPU each of them is then a oneDNN call of its own, an OpenMP region that reads
-the same activations again. After loading, their weights (this rank's rows) are stacked
+Apart, each of them is a GEMM of its own: on the CPU a oneDNN call (an OpenMP region that
+reads the same activations again), on CUDA a kernel launch (a decode step is bound by the
+launches). After loading, on every device, their weights (this rank's rows) are stacked
 and the output split back into views::
 
     loaded:  x ─ q_proj ─ q        fused:  x ─ qkv_proj ─┬─ q     [tokens, q + k + v]:
@@ -15,7 +16,9 @@ the two fused GEMMs of a layer take 0.81x (bfloat16) and 0.89x (float32) of the 
 separate ones' time at batch 16, and 0.96x at batch 64.
 
 NOTE: fusing drops the separate layers, so it happens after loading and only where nothing
-addresses them by name later: not with LoRA (adapters hook each projection).
+addresses them by name later: not with LoRA (adapters hook each projection). The views keep
+their rows' stride (q + k + v wide); the CUDA kernels that read them (rotary, KV write,
+attention, act-and-mul) take any row stride.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pagedllm.server.worker.models.cpu_linear import PackableLinear, linear
+from pagedllm.server.worker.models.cpu_linear import PackableLinear, linear, prepack_linears
 
 
 class FusedLinear(PackableLinear):
@@ -64,3 +67,11 @@ def fuse_projections(model: nn.Module) -> int:
             fuse()
             fused += 1
     return fused
+
+
+def finish_linears(model: nn.Module, device: torch.device, lora: bool) -> tuple[int, int]:
+    """After loading: fuse the projections (any device, not with ``lora``), then pack the
+    weights for oneDNN (CPU only). Returns (layers fused, weights packed)."""
+    fused = 0 if lora else fuse_projections(model)  # NOTE: adapters hook each projection by name
+    packed = prepack_linears(model) if device.type == "cpu" else 0
+    return fused, packed
