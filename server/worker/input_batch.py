@@ -1,0 +1,236 @@
+"""The worker's persistent batch: every sequence the scheduler told it about, kept across steps.
+
+Each step's :class:`~pagedllm.server.core.scheduler_output.SchedulerOutput` brings new
+sequences whole and known ones as diffs; :meth:`InputBatch.step` applies them to
+preallocated arrays, one row per sequence, and builds the step's arrays, all of them, here::
+
+    row  seq   tokens [rows, max_model_len]       block_table [rows, max_blocks]   computed
+     0    7    [p0 p1 .. p9 t10 t11  0 ...]       [ 4  9  2  0 ...]                11
+     1    3    [q0 .. q4  0  ...]                 [ 5  0  0  0 ...]                 2
+     2    -    (free: a finished sequence's row, reused by the next new one)
+
+    step tokens: row of each scheduled token and its position p (from ``computed`` on)
+      input_ids = tokens[row, p]      slot = block_table[row, p // B] * B + p % B
+    decode block tables / prefill block tables = block_table[rows of the step, :widest row]
+
+Rows are the batch's, not the step's: a sequence keeps its row from the step it is new to the
+step it finishes, whatever the step order; the step gathers its rows in its own order.
+Proposals being verified are written past a row's tokens, where the next accepted token
+overwrites them.
+
+Every tensor-parallel rank applies the same outputs, so every rank's batch is the same.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from pagedllm.server.core.scheduler_output import CachedSeqs, NewSeqData, SchedulerOutput
+from pagedllm.server.worker.model_step import ModelStep, StepAttention, StepLoRA
+
+_EMPTY = np.zeros(0, dtype=np.int64)
+
+
+class InputBatch:
+    """Sequences by id, their tokens and block tables in preallocated arrays, updated by diffs."""
+
+    def __init__(self, max_num_seqs: int, max_model_len: int, block_size: int) -> None:
+        self.block_size = block_size
+        rows, blocks = max(1, max_num_seqs), -(-max_model_len // block_size)
+        self.tokens = np.zeros((rows, max(1, max_model_len)), dtype=np.int64)
+        self.block_table = np.zeros((rows, max(1, blocks)), dtype=np.int32)
+        self.num_tokens = np.zeros(rows, dtype=np.int64)
+        self.num_blocks = np.zeros(rows, dtype=np.int64)
+        self.computed = np.zeros(rows, dtype=np.int64)
+        self.lora_slot = np.zeros(rows, dtype=np.int64)
+        self.row_of: dict[int, int] = {}
+        self._free: list[int] = list(range(rows - 1, -1, -1))
+
+    def __len__(self) -> int:
+        return len(self.row_of)
+
+    def __contains__(self, seq_id: int) -> bool:
+        return seq_id in self.row_of
+
+    def step(self, out: SchedulerOutput) -> ModelStep:
+        """Apply ``out``'s diffs, then build the step it schedules."""
+        self.apply(out)
+        return self.build(out)
+
+    # -- diffs --------------------------------------------------------------------------
+    def apply(self, out: SchedulerOutput) -> None:
+        """Forget what finished, add the new sequences, append the known ones' tokens and blocks."""
+        if out.reset:
+            self.row_of.clear()
+            self._free = list(range(self.tokens.shape[0] - 1, -1, -1))
+        for seq_id in out.finished_seq_ids:
+            row = self.row_of.pop(seq_id, None)
+            if row is not None:
+                self._free.append(row)
+        for seq in out.new_seqs:
+            self._add(seq)
+        if out.cached_seqs.seq_ids:
+            self._update(out.cached_seqs)
+
+    def _add(self, seq: NewSeqData) -> None:
+        row = self.row_of.get(seq.seq_id)
+        if row is None:
+            if not self._free:
+                self._grow_rows()
+            row = self.row_of[seq.seq_id] = self._free.pop()
+        n, k = len(seq.token_ids), len(seq.block_ids)
+        self._fit(n, k)
+        self.tokens[row, :n] = seq.token_ids
+        self.block_table[row, :k] = seq.block_ids
+        self.block_table[row, k:] = 0
+        self.num_tokens[row] = n
+        self.num_blocks[row] = k
+        self.computed[row] = seq.num_computed_tokens
+        self.lora_slot[row] = seq.lora_slot
+
+    def _update(self, cached: CachedSeqs) -> None:
+        row_of = self.row_of
+        rows = [row_of[seq_id] for seq_id in cached.seq_ids]
+        self.computed[rows] = cached.num_computed_tokens
+        counts = list(map(len, cached.new_token_ids))
+        if min(counts) == max(counts) == 1:  # NOTE: the usual step: one new token each, one write
+            ends = self.num_tokens[rows]
+            self._fit(int(ends.max()) + 1, 0)
+            self.tokens[rows, ends] = [tokens[0] for tokens in cached.new_token_ids]
+            self.num_tokens[rows] = ends + 1
+        else:
+            for row, tokens in zip(rows, cached.new_token_ids):
+                if tokens:
+                    n = int(self.num_tokens[row])
+                    self._fit(n + len(tokens), 0)
+                    self.tokens[row, n : n + len(tokens)] = tokens
+                    self.num_tokens[row] = n + len(tokens)
+        for row, blocks, replaced in zip(rows, cached.new_block_ids, cached.replaced):
+            if not blocks and not replaced:
+                continue  # NOTE: most rows, most steps: a block holds block_size tokens
+            if replaced:
+                k = len(blocks)
+                self._fit(0, k)
+                self.block_table[row, :k] = blocks
+                self.block_table[row, k:] = 0
+            else:
+                w = int(self.num_blocks[row])
+                k = w + len(blocks)
+                self._fit(0, k)
+                self.block_table[row, w:k] = blocks
+            self.num_blocks[row] = k
+
+    # -- the step's arrays --------------------------------------------------------------
+    def build(self, out: SchedulerOutput) -> ModelStep:
+        """The step's host arrays (decodes, then verifications, then prefill chunks), from the rows."""
+        n, nd, nv = len(out.scheduled_seq_ids), out.num_decodes, out.num_verifies
+        rows = np.fromiter(map(self.row_of.__getitem__, out.scheduled_seq_ids), dtype=np.int64, count=n)
+        chunks = np.array(out.num_scheduled_tokens, dtype=np.int64)
+        starts = self.computed[rows]
+        if nv:
+            self._write_proposals(out, rows[nd : nd + nv], starts[nd : nd + nv], chunks[nd : nd + nv])
+        plain = nd == n
+        ends = np.cumsum(chunks)
+        if plain:  # NOTE: one token per sequence: rows and positions are the sequences'
+            token_rows, positions = rows, starts
+        else:
+            token_rows = np.repeat(rows, chunks)
+            positions = np.arange(int(ends[-1]), dtype=np.int64) - np.repeat(ends - chunks - starts, chunks)
+        bs = self.block_size
+        index, offsets = np.divmod(positions, bs)
+        slots = self.block_table[token_rows, index].astype(np.int64) * bs + offsets
+        num_decode_tokens = nd + int(chunks[nd : nd + nv].sum())
+        decode_rows = token_rows[:num_decode_tokens]
+        prefill_rows = rows[nd + nv :]
+        prefill_chunks = chunks[nd + nv :]
+        meta = StepAttention(
+            slot_mapping=slots,
+            num_decode_tokens=num_decode_tokens,
+            decode_block_tables=self._tables(decode_rows),
+            decode_context_lens=(positions[:num_decode_tokens] + 1).astype(np.int32),
+            prefill_block_tables=self._tables(prefill_rows),
+            prefill_cu_seqlens_q=np.concatenate(([0], np.cumsum(prefill_chunks))).astype(np.int32),
+            prefill_context_lens=(starts[nd + nv :] + prefill_chunks).astype(np.int32),
+        )
+        sample_index, prompt_index, pool_index, pool_lens = _row_indices(out, ends, plain)
+        lora = None
+        if out.lora_adapters:
+            lora = StepLoRA(np.repeat(self.lora_slot[rows], chunks), out.lora_adapters)
+        return ModelStep(
+            list(out.swap_out),
+            list(out.swap_in),
+            list(out.copies),
+            self.tokens[token_rows, positions],
+            positions,
+            meta,
+            sample_index,
+            prompt_index,
+            pool_index,
+            pool_lens,
+            lora,
+            out.sampling,
+        )
+
+    def _tables(self, rows: np.ndarray) -> np.ndarray:
+        """Block-table rows of ``rows``, as wide as the widest of them (int32, a copy)."""
+        if rows.size == 0:
+            return np.zeros((0, 0), dtype=np.int32)
+        return self.block_table[rows, : int(self.num_blocks[rows].max())]
+
+    def _write_proposals(self, out: SchedulerOutput, rows: np.ndarray, starts: np.ndarray, chunks: np.ndarray) -> None:
+        """Put each verifying sequence's proposals after its tokens, where its chunk reads them."""
+        for row, start, chunk, drafts in zip(rows.tolist(), starts.tolist(), chunks.tolist(), out.spec_token_ids):
+            n = int(self.num_tokens[row])
+            wanted = start + chunk - n
+            self._fit(n + wanted, 0)
+            self.tokens[row, n : n + wanted] = drafts[:wanted]
+
+    def _fit(self, num_tokens: int, num_blocks: int) -> None:
+        """Wider arrays if a row needs more (beyond the engine's limits; not on the hot path)."""
+        if num_tokens > self.tokens.shape[1]:
+            self.tokens = _widened(self.tokens, max(num_tokens, 2 * self.tokens.shape[1]))
+        if num_blocks > self.block_table.shape[1]:
+            self.block_table = _widened(self.block_table, max(num_blocks, 2 * self.block_table.shape[1]))
+
+    def _grow_rows(self) -> None:
+        old = self.tokens.shape[0]
+        self.tokens = np.concatenate((self.tokens, np.zeros_like(self.tokens)))
+        self.block_table = np.concatenate((self.block_table, np.zeros_like(self.block_table)))
+        for name in ("num_tokens", "num_blocks", "computed", "lora_slot"):
+            setattr(self, name, np.concatenate((getattr(self, name), np.zeros(old, dtype=np.int64))))
+        self._free.extend(range(2 * old - 1, old - 1, -1))
+
+
+def _widened(array: np.ndarray, width: int) -> np.ndarray:
+    wider = np.zeros((array.shape[0], width), dtype=array.dtype)
+    wider[:, : array.shape[1]] = array
+    return wider
+
+
+def _row_indices(
+    out: SchedulerOutput, ends: np.ndarray, plain: bool
+) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None, np.ndarray | None]:
+    """Token indices of the logits rows (samples, then every verification's), of the prompt
+    positions scored and of the positions pooled (with each pool row's count)."""
+    n, nd, nv = len(out.scheduled_seq_ids), out.num_decodes, out.num_verifies
+    if plain and len(out.sample_seq_ids) == n:  # NOTE: the usual step: every decode samples
+        sample_index = ends - 1
+    else:
+        at = {seq_id: i for i, seq_id in enumerate(out.scheduled_seq_ids)}
+        sample = [int(ends[at[seq_id]]) - 1 for seq_id in out.sample_seq_ids]
+        for i, drafts in zip(range(nd, nd + nv), out.spec_token_ids):
+            sample.extend(range(int(ends[i]) - 1 - len(drafts), int(ends[i])))
+        sample_index = np.array(sample, dtype=np.int64)
+    if not out.prompt_logprobs and not out.pooled:
+        return sample_index, None, None, None
+    at = {seq_id: i for i, seq_id in enumerate(out.scheduled_seq_ids)}
+    begins = ends - np.array(out.num_scheduled_tokens, dtype=np.int64)
+    prompt_index = pool_index = pool_lens = None
+    if out.prompt_logprobs:
+        scored = [range(int(begins[at[s]]), int(begins[at[s]]) + count) for s, count in out.prompt_logprobs]
+        prompt_index = np.array([i for r in scored for i in r], dtype=np.int64)
+    if out.pooled:
+        pooled = [range(int(begins[at[s]]) + first, int(begins[at[s]]) + first + num) for s, first, num in out.pooled]
+        pool_index = np.array([i for r in pooled for i in r], dtype=np.int64)
+        pool_lens = np.array([num for _, _, num in out.pooled], dtype=np.int64)
+    return sample_index, prompt_index, pool_index, pool_lens
