@@ -79,25 +79,16 @@ class WorkerView:
     ) -> SchedulerOutput:
         """The step as the workers get it (``entries``: :func:`split_step` of ``out``); records what it sends."""
         decodes, verifies, prefills = entries
-        ids: list[int] = []
-        chunks: list[int] = []
-        new: list[NewSeqData] = []
-        cached = _Columns()
-        slots = out.lora_slots
-        for group, seq, chunk in (*decodes, *verifies, *prefills):
-            ids.append(seq.seq_id)
-            chunks.append(chunk)
-            lora = group.lora_request
-            slot = slots[lora.lora_int_id] if slots and lora is not None else 0
-            self._diff(seq, slot, new, cached)
+        ordered = (*decodes, *verifies, *prefills) if verifies or prefills else decodes
+        new, cached = self._diffs(ordered, out.lora_slots)
         return SchedulerOutput(
-            new_seqs=tuple(new),
-            cached_seqs=cached.frozen(),
-            scheduled_seq_ids=tuple(ids),
-            num_scheduled_tokens=tuple(chunks),
+            new_seqs=new,
+            cached_seqs=cached,
+            scheduled_seq_ids=tuple([seq.seq_id for _, seq, _ in ordered]),
+            num_scheduled_tokens=tuple([chunk for _, _, chunk in ordered]),
             num_decodes=len(decodes),
             num_verifies=len(verifies),
-            spec_token_ids=tuple(tuple(seq.spec_token_ids[: chunk - 1]) for _, seq, chunk in verifies),
+            spec_token_ids=tuple(tuple(seq.spec_token_ids) for _, seq, _ in verifies),
             sample_seq_ids=tuple(sample_seq_ids),
             prompt_logprobs=tuple(prompt_logprobs),
             pooled=tuple(pooled),
@@ -106,29 +97,44 @@ class WorkerView:
             swap_out=tuple(out.blocks_to_swap_out),
             swap_in=tuple(out.blocks_to_swap_in),
             copies=tuple(out.blocks_to_copy),
-            lora_adapters=_adapters(out, (*decodes, *verifies, *prefills)),
+            lora_adapters=_adapters(out, ordered),
         )
 
-    def _diff(self, seq: Sequence, slot: int, new: list[NewSeqData], cached: _Columns) -> None:
-        """Send ``seq`` whole if the workers do not know it (in this LoRA slot), else what changed."""
-        seq_id = seq.seq_id
-        table = self.block_manager.tables[seq_id]
-        version = self.block_manager.table_versions[seq_id]
-        tokens = seq.token_ids
-        sent = self._known.get(seq_id)
-        if sent is None or sent[3] != slot:
-            self._known[seq_id] = [len(tokens), version, len(table), slot]
-            new.append(NewSeqData(seq_id, tuple(tokens), tuple(table), seq.num_computed_tokens, slot))
-            return
-        num_tokens, num_blocks = len(tokens), len(table)
-        new_tokens = tuple(tokens[sent[0] :]) if num_tokens != sent[0] else ()
-        replaced = version != sent[1] or num_blocks < sent[2]
-        if replaced:
-            new_blocks = tuple(table)
-        else:
-            new_blocks = tuple(table[sent[2] :]) if num_blocks != sent[2] else ()
-        sent[0], sent[1], sent[2] = num_tokens, version, num_blocks
-        cached.add(seq_id, new_tokens, new_blocks, replaced, seq.num_computed_tokens)
+    def _diffs(self, entries: Iterable[Entry], lora_slots: dict[int, int]) -> tuple[tuple[NewSeqData, ...], CachedSeqs]:
+        """Each sequence whole if the workers do not know it (in this LoRA slot), else what changed.
+
+        NOTE: one pass, everything local: this runs for every sequence of every step.
+        """
+        tables, versions, known = self.block_manager.tables, self.block_manager.table_versions, self._known
+        new: list[NewSeqData] = []
+        ids: list[int] = []
+        new_tokens: list[tuple[int, ...]] = []
+        new_blocks: list[tuple[int, ...]] = []
+        replaced: list[bool] = []
+        computed: list[int] = []
+        for group, seq, _ in entries:
+            seq_id = seq.seq_id
+            table, version, tokens = tables[seq_id], versions[seq_id], seq.token_ids
+            slot = lora_slots[group.lora_request.lora_int_id] if lora_slots and group.lora_request else 0
+            sent = known.get(seq_id)
+            if sent is None or sent[3] != slot:
+                known[seq_id] = [len(tokens), version, len(table), slot]
+                new.append(NewSeqData(seq_id, tuple(tokens), tuple(table), seq.num_computed_tokens, slot))
+                continue
+            num_tokens, num_blocks = len(tokens), len(table)
+            new_tokens.append(tuple(tokens[sent[0] :]) if num_tokens != sent[0] else ())
+            if version != sent[1] or num_blocks < sent[2]:
+                new_blocks.append(tuple(table))
+                replaced.append(True)
+                sent[1] = version
+            else:
+                new_blocks.append(tuple(table[sent[2] :]) if num_blocks != sent[2] else ())
+                replaced.append(False)
+            sent[0], sent[2] = num_tokens, num_blocks
+            ids.append(seq_id)
+            computed.append(seq.num_computed_tokens)
+        cached = CachedSeqs(tuple(ids), tuple(new_tokens), tuple(new_blocks), tuple(replaced), tuple(computed))
+        return tuple(new), cached
 
     def _take_finished(self) -> tuple[int, ...]:
         """Known sequences whose tables are gone since the last step; forgotten here."""
@@ -140,29 +146,6 @@ class WorkerView:
     def _take_reset(self) -> bool:
         reset, self._reset = self._reset, False
         return reset
-
-
-class _Columns:
-    """The cached sequences' diffs, gathered column by column."""
-
-    def __init__(self) -> None:
-        self.seq_ids: list[int] = []
-        self.tokens: list[tuple[int, ...]] = []
-        self.blocks: list[tuple[int, ...]] = []
-        self.replaced: list[bool] = []
-        self.computed: list[int] = []
-
-    def add(self, seq_id: int, tokens: tuple[int, ...], blocks: tuple[int, ...], replaced: bool, computed: int) -> None:
-        self.seq_ids.append(seq_id)
-        self.tokens.append(tokens)
-        self.blocks.append(blocks)
-        self.replaced.append(replaced)
-        self.computed.append(computed)
-
-    def frozen(self) -> CachedSeqs:
-        return CachedSeqs(
-            tuple(self.seq_ids), tuple(self.tokens), tuple(self.blocks), tuple(self.replaced), tuple(self.computed)
-        )
 
 
 def _adapters(out: ScheduledStep, entries: Iterable[Entry]) -> tuple:

@@ -18,11 +18,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from pagedllm.server.config import EngineConfig, SpeculativeConfig
-from pagedllm.server.core.scheduler_output import SchedulerOutput
 from pagedllm.server.worker.channel_protocol import WorkerDiedError
 from pagedllm.server.worker.model_step import StepOutputs
 
 if TYPE_CHECKING:
+    from pagedllm.server.core.scheduler_output import SchedulerOutput
     from pagedllm.server.worker.draft_runner import DraftRunner
     from pagedllm.server.worker.model_runner import ModelRunner
     from pagedllm.server.worker.tp_workers import TPWorkers

@@ -45,6 +45,8 @@ class InputBatch:
         self.lora_slot = np.zeros(rows, dtype=np.int64)
         self.row_of: dict[int, int] = {}
         self._free: list[int] = list(range(rows - 1, -1, -1))
+        self._cached_rows = _EMPTY
+        """The rows of the last output's cached sequences (its step reuses them when they are all it runs)."""
 
     def __len__(self) -> int:
         return len(self.row_of)
@@ -69,6 +71,7 @@ class InputBatch:
                 self._free.append(row)
         for seq in out.new_seqs:
             self._add(seq)
+        self._cached_rows = _EMPTY
         if out.cached_seqs.seq_ids:
             self._update(out.cached_seqs)
 
@@ -90,24 +93,27 @@ class InputBatch:
 
     def _update(self, cached: CachedSeqs) -> None:
         row_of = self.row_of
-        rows = [row_of[seq_id] for seq_id in cached.seq_ids]
+        rows = np.fromiter(map(row_of.__getitem__, cached.seq_ids), dtype=np.int64, count=len(cached.seq_ids))
+        self._cached_rows = rows
         self.computed[rows] = cached.num_computed_tokens
-        counts = list(map(len, cached.new_token_ids))
-        if min(counts) == max(counts) == 1:  # NOTE: the usual step: one new token each, one write
+        new_tokens = cached.new_token_ids
+        if all(len(tokens) == 1 for tokens in new_tokens):  # NOTE: the usual step: one new token each, one write
             ends = self.num_tokens[rows]
             self._fit(int(ends.max()) + 1, 0)
-            self.tokens[rows, ends] = [tokens[0] for tokens in cached.new_token_ids]
+            self.tokens[rows, ends] = [tokens[0] for tokens in new_tokens]
             self.num_tokens[rows] = ends + 1
         else:
-            for row, tokens in zip(rows, cached.new_token_ids):
+            for row, tokens in zip(rows.tolist(), new_tokens):
                 if tokens:
                     n = int(self.num_tokens[row])
                     self._fit(n + len(tokens), 0)
                     self.tokens[row, n : n + len(tokens)] = tokens
                     self.num_tokens[row] = n + len(tokens)
-        for row, blocks, replaced in zip(rows, cached.new_block_ids, cached.replaced):
+        if not any(cached.new_block_ids) and not any(cached.replaced):
+            return  # NOTE: most steps: a block holds block_size tokens
+        for row, blocks, replaced in zip(rows.tolist(), cached.new_block_ids, cached.replaced):
             if not blocks and not replaced:
-                continue  # NOTE: most rows, most steps: a block holds block_size tokens
+                continue
             if replaced:
                 k = len(blocks)
                 self._fit(0, k)
@@ -124,33 +130,38 @@ class InputBatch:
     def build(self, out: SchedulerOutput) -> ModelStep:
         """The step's host arrays (decodes, then verifications, then prefill chunks), from the rows."""
         n, nd, nv = len(out.scheduled_seq_ids), out.num_decodes, out.num_verifies
-        rows = np.fromiter(map(self.row_of.__getitem__, out.scheduled_seq_ids), dtype=np.int64, count=n)
-        chunks = np.array(out.num_scheduled_tokens, dtype=np.int64)
+        if len(self._cached_rows) == n and out.cached_seqs.seq_ids == out.scheduled_seq_ids:
+            rows = self._cached_rows  # NOTE: the usual step: every sequence was known, in step order
+        else:
+            rows = np.fromiter(map(self.row_of.__getitem__, out.scheduled_seq_ids), dtype=np.int64, count=n)
         starts = self.computed[rows]
-        if nv:
-            self._write_proposals(out, rows[nd : nd + nv], starts[nd : nd + nv], chunks[nd : nd + nv])
         plain = nd == n
-        ends = np.cumsum(chunks)
         if plain:  # NOTE: one token per sequence: rows and positions are the sequences'
+            chunks = np.ones(n, dtype=np.int64)
+            ends = np.arange(1, n + 1, dtype=np.int64)
             token_rows, positions = rows, starts
         else:
+            chunks = np.array(out.num_scheduled_tokens, dtype=np.int64)
+            if nv:
+                self._write_proposals(out, rows[nd : nd + nv], starts[nd : nd + nv], chunks[nd : nd + nv])
+            ends = np.cumsum(chunks)
             token_rows = np.repeat(rows, chunks)
             positions = np.arange(int(ends[-1]), dtype=np.int64) - np.repeat(ends - chunks - starts, chunks)
         bs = self.block_size
         index, offsets = np.divmod(positions, bs)
         slots = self.block_table[token_rows, index].astype(np.int64) * bs + offsets
-        num_decode_tokens = nd + int(chunks[nd : nd + nv].sum())
-        decode_rows = token_rows[:num_decode_tokens]
-        prefill_rows = rows[nd + nv :]
-        prefill_chunks = chunks[nd + nv :]
+        num_decode_tokens = n if plain else nd + int(chunks[nd : nd + nv].sum())
+        tables, cu_seqlens, context_lens = (
+            _no_prefills() if plain else self._prefills(rows[nd + nv :], starts[nd + nv :], chunks[nd + nv :])
+        )
         meta = StepAttention(
             slot_mapping=slots,
             num_decode_tokens=num_decode_tokens,
-            decode_block_tables=self._tables(decode_rows),
+            decode_block_tables=self._tables(token_rows[:num_decode_tokens]),
             decode_context_lens=(positions[:num_decode_tokens] + 1).astype(np.int32),
-            prefill_block_tables=self._tables(prefill_rows),
-            prefill_cu_seqlens_q=np.concatenate(([0], np.cumsum(prefill_chunks))).astype(np.int32),
-            prefill_context_lens=(starts[nd + nv :] + prefill_chunks).astype(np.int32),
+            prefill_block_tables=tables,
+            prefill_cu_seqlens_q=cu_seqlens,
+            prefill_context_lens=context_lens,
         )
         sample_index, prompt_index, pool_index, pool_lens = _row_indices(out, ends, plain)
         lora = None
@@ -170,6 +181,13 @@ class InputBatch:
             lora,
             out.sampling,
         )
+
+    def _prefills(
+        self, rows: np.ndarray, starts: np.ndarray, chunks: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The prefill chunks' block tables, cumulative query lengths and context lengths."""
+        cu_seqlens = np.concatenate(([0], np.cumsum(chunks))).astype(np.int32)
+        return self._tables(rows), cu_seqlens, (starts + chunks).astype(np.int32)
 
     def _tables(self, rows: np.ndarray) -> np.ndarray:
         """Block-table rows of ``rows``, as wide as the widest of them (int32, a copy)."""
@@ -199,6 +217,10 @@ class InputBatch:
         for name in ("num_tokens", "num_blocks", "computed", "lora_slot"):
             setattr(self, name, np.concatenate((getattr(self, name), np.zeros(old, dtype=np.int64))))
         self._free.extend(range(2 * old - 1, old - 1, -1))
+
+
+def _no_prefills() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    return np.zeros((0, 0), dtype=np.int32), np.zeros(1, dtype=np.int32), np.zeros(0, dtype=np.int32)
 
 
 def _widened(array: np.ndarray, width: int) -> np.ndarray:

@@ -20,7 +20,7 @@ import pytest
 from pagedllm.server.config import SchedulerConfig
 from pagedllm.server.core.block_manager import BlockManager
 from pagedllm.server.core.scheduler import ScheduledStep, Scheduler
-from pagedllm.server.core.scheduler_output import SchedulerOutput
+from pagedllm.server.core.scheduler_output import CachedSeqs, NewSeqData, SchedulerOutput
 from pagedllm.server.core.sequence import Sequence, SequenceGroup, SequenceStatus
 from pagedllm.server.engine.reference_inputs import prepare_inputs
 from pagedllm.server.engine.step_inputs import StepBuilder
@@ -229,3 +229,46 @@ def test_worker_batch_equals_the_list_builder(seed, num_blocks, caching, config,
     assert bool(events["verified"]) is speculate, events
     assert bool(events["reset"]) is bool(driver.fail_rate), events
     assert events["new"] < events["decodes"] / 4, events  # NOTE: known sequences travel as diffs
+
+
+def test_diffs_update_rows_in_place_and_freed_rows_are_reused():
+    batch = InputBatch(max_num_seqs=2, max_model_len=8, block_size=2)
+    first = SchedulerOutput(
+        new_seqs=(NewSeqData(10, (1, 2, 3), (5, 6), 2), NewSeqData(11, (4, 5, 6, 7), (7, 8), 3)),
+        scheduled_seq_ids=(10, 11),
+        num_scheduled_tokens=(1, 1),
+        num_decodes=2,
+        sample_seq_ids=(10, 11),
+    )
+    step = batch.step(first)
+    assert step.input_ids.tolist() == [3, 7] and step.positions.tolist() == [2, 3]
+    assert step.meta.slot_mapping.tolist() == [6 * 2 + 0, 8 * 2 + 1]
+    assert step.meta.decode_block_tables.tolist() == [[5, 6], [7, 8]]
+    # 10 gets a token and a block; 11 a token and a whole new (shorter) table: copy-on-write.
+    second = SchedulerOutput(
+        cached_seqs=CachedSeqs((11, 10), ((9,), (4,)), ((12,), (13,)), (True, False), (4, 3)),
+        scheduled_seq_ids=(11, 10),
+        num_scheduled_tokens=(1, 1),
+        num_decodes=2,
+        sample_seq_ids=(11, 10),
+    )
+    step = batch.step(second)
+    assert step.input_ids.tolist() == [9, 4] and step.positions.tolist() == [4, 3]
+    assert step.meta.decode_block_tables.tolist() == [[12, 0, 0], [5, 6, 13]]
+    assert step.meta.decode_context_lens.tolist() == [5, 4]
+    # 11 finished: its row goes to the next new sequence, its old table gone; the arrays grow past max_num_seqs.
+    third = SchedulerOutput(
+        new_seqs=(NewSeqData(12, (8,), (3,), 0), NewSeqData(13, (1, 1), (4,), 0)),
+        cached_seqs=CachedSeqs((10,), ((),), ((),), (False,), (3,)),
+        scheduled_seq_ids=(10, 12, 13),
+        num_scheduled_tokens=(1, 1, 2),
+        num_decodes=2,
+        sample_seq_ids=(10, 12, 13),
+        finished_seq_ids=(11,),
+    )
+    step = batch.step(third)
+    assert 11 not in batch and len(batch) == 3
+    assert step.meta.decode_block_tables.tolist() == [[5, 6, 13], [3, 0, 0]]
+    assert step.meta.prefill_block_tables.tolist() == [[4]] and step.sample_index.tolist() == [0, 1, 3]
+    assert batch.step(SchedulerOutput(reset=True)).input_ids.size == 0
+    assert len(batch) == 0
