@@ -8,8 +8,9 @@
              StepResults, BeamSearch, SpecDecoder, OutputProcessor decide (tokens, text, stop checks,
              forks) ─► Scheduler.update_from_output applies ─► [RequestOutput | EmbeddingRequestOutput]
 
-The engine builds steps from ids and counts (numpy arrays, no torch); the executor starts the
-workers, which load torch and the model (:mod:`pagedllm.server.executor`).
+The engine sends steps as ids, counts and diffs (no arrays, no torch); every worker keeps the
+batch and builds the arrays. The executor starts the workers, which load torch and the model
+(:mod:`pagedllm.server.executor`).
 
 Embedding requests (``PoolingParams``) are scheduled with the others and prefilled the
 same way, in chunks; the step that computes the end of the prompt pools it, the request

@@ -93,21 +93,22 @@ class StepBuilder:
         """The step's rows and what the workers run (its sampling batch is added by the engine)."""
         entries = split_step(out)
         decodes, verifies, prefills = entries
-        if not verifies and not prefills and _plain_decodes(decodes):
-            # NOTE: the usual step: every row samples its one token and none scores its prompt
-            inputs = StepInputs([SampleRow(group, seq) for group, seq, _ in decodes])
-            return inputs, self.view.emit(out, entries, [seq.seq_id for _, seq, _ in decodes])
+        if not verifies and not prefills:
+            # NOTE: the usual step: every row samples its one token (its last) and none scores its
+            # prompt or is pooled; one pass, left at the first row that does otherwise
+            rows, ids = [], []
+            for group, seq, _ in decodes:
+                if (
+                    seq.num_computed_tokens + 1 != len(seq.token_ids)
+                    or group.sampling_params.prompt_logprobs is not None
+                    or group.pooling_params is not None
+                ):
+                    break
+                rows.append(SampleRow(group, seq))
+                ids.append(seq.seq_id)
+            else:
+                return StepInputs(rows), self.view.emit(out, entries, ids)
         return step_rows(out, entries, self.view)
-
-
-def _plain_decodes(decodes: list[Entry]) -> bool:
-    """Whether every decode samples (its token is its last), none wants prompt logprobs and none is pooled."""
-    return all(
-        seq.num_computed_tokens + 1 == len(seq.token_ids)
-        and group.sampling_params.prompt_logprobs is None
-        and group.pooling_params is None
-        for group, seq, _ in decodes
-    )
 
 
 def step_rows(

@@ -4,7 +4,7 @@ Each step's :class:`~pagedllm.server.core.scheduler_output.SchedulerOutput` brin
 sequences whole and known ones as diffs; :meth:`InputBatch.step` applies them to
 preallocated arrays, one row per sequence, and builds the step's arrays, all of them, here::
 
-    row  seq   tokens [rows, max_model_len]       block_table [rows, max_blocks]   computed
+    row  seq   tokens [rows, longest so far]      block_table [rows, max_blocks]   computed
      0    7    [p0 p1 .. p9 t10 t11  0 ...]       [ 4  9  2  0 ...]                11
      1    3    [q0 .. q4  0  ...]                 [ 5  0  0  0 ...]                 2
      2    -    (free: a finished sequence's row, reused by the next new one)
@@ -29,6 +29,8 @@ from pagedllm.server.core.scheduler_output import CachedSeqs, NewSeqData, Schedu
 from pagedllm.server.worker.model_step import ModelStep, StepAttention, StepLoRA
 
 _EMPTY = np.zeros(0, dtype=np.int64)
+INITIAL_TOKENS = 2048
+"""Token columns a fresh batch starts with."""
 
 
 class InputBatch:
@@ -37,7 +39,9 @@ class InputBatch:
     def __init__(self, max_num_seqs: int, max_model_len: int, block_size: int) -> None:
         self.block_size = block_size
         rows, blocks = max(1, max_num_seqs), -(-max_model_len // block_size)
-        self.tokens = np.zeros((rows, max(1, max_model_len)), dtype=np.int64)
+        # NOTE: int32 ids, and rows only as long as the longest sequence so far (they double as needed):
+        # a long max_model_len costs memory only when sequences are that long.
+        self.tokens = np.zeros((rows, max(1, min(max_model_len, INITIAL_TOKENS))), dtype=np.int32)
         self.block_table = np.zeros((rows, max(1, blocks)), dtype=np.int32)
         self.num_tokens = np.zeros(rows, dtype=np.int64)
         self.num_blocks = np.zeros(rows, dtype=np.int64)
@@ -171,7 +175,7 @@ class InputBatch:
             list(out.swap_out),
             list(out.swap_in),
             list(out.copies),
-            self.tokens[token_rows, positions],
+            self.tokens[token_rows, positions].astype(np.int64),
             positions,
             meta,
             sample_index,
