@@ -80,12 +80,13 @@ class WorkerView:
         """The step as the workers get it (``entries``: :func:`split_step` of ``out``); records what it sends."""
         decodes, verifies, prefills = entries
         ordered = (*decodes, *verifies, *prefills) if verifies or prefills else decodes
-        new, cached = self._diffs(ordered, out.lora_slots)
+        new, cached, scheduled = self._diffs(ordered, out.lora_slots)
+        chunks = (1,) * len(decodes) if ordered is decodes else tuple([chunk for _, _, chunk in ordered])
         return SchedulerOutput(
             new_seqs=new,
             cached_seqs=cached,
-            scheduled_seq_ids=tuple([seq.seq_id for _, seq, _ in ordered]),
-            num_scheduled_tokens=tuple([chunk for _, _, chunk in ordered]),
+            scheduled_seq_ids=scheduled,
+            num_scheduled_tokens=chunks,
             num_decodes=len(decodes),
             num_verifies=len(verifies),
             spec_token_ids=tuple(tuple(seq.spec_token_ids) for _, seq, _ in verifies),
@@ -100,13 +101,17 @@ class WorkerView:
             lora_adapters=_adapters(out, ordered),
         )
 
-    def _diffs(self, entries: Iterable[Entry], lora_slots: dict[int, int]) -> tuple[tuple[NewSeqData, ...], CachedSeqs]:
-        """Each sequence whole if the workers do not know it (in this LoRA slot), else what changed.
+    def _diffs(
+        self, entries: Iterable[Entry], lora_slots: dict[int, int]
+    ) -> tuple[tuple[NewSeqData, ...], CachedSeqs, tuple[int, ...]]:
+        """Each sequence whole if the workers do not know it (in this LoRA slot), else what changed;
+        and every sequence's id, in step order.
 
         NOTE: one pass, everything local: this runs for every sequence of every step.
         """
         tables, versions, known = self.block_manager.tables, self.block_manager.table_versions, self._known
         new: list[NewSeqData] = []
+        scheduled: list[int] = []
         ids: list[int] = []
         new_tokens: list[tuple[int, ...]] = []
         new_blocks: list[tuple[int, ...]] = []
@@ -114,15 +119,16 @@ class WorkerView:
         computed: list[int] = []
         for group, seq, _ in entries:
             seq_id = seq.seq_id
-            table, version, tokens = tables[seq_id], versions[seq_id], seq.token_ids
+            scheduled.append(seq_id)
+            table, tokens = tables[seq_id], seq.token_ids
             slot = lora_slots[group.lora_request.lora_int_id] if lora_slots and group.lora_request else 0
             sent = known.get(seq_id)
             if sent is None or sent[3] != slot:
-                known[seq_id] = [len(tokens), version, len(table), slot]
+                known[seq_id] = [len(tokens), versions[seq_id], len(table), slot]
                 new.append(NewSeqData(seq_id, tuple(tokens), tuple(table), seq.num_computed_tokens, slot))
                 continue
-            num_tokens, num_blocks = len(tokens), len(table)
-            new_tokens.append(tuple(tokens[sent[0] :]) if num_tokens != sent[0] else ())
+            num_tokens, num_blocks, version = len(tokens), len(table), versions[seq_id]
+            new_tokens.append(tuple(tokens[sent[0] :]))
             if version != sent[1] or num_blocks < sent[2]:
                 new_blocks.append(tuple(table))
                 replaced.append(True)
@@ -134,7 +140,7 @@ class WorkerView:
             ids.append(seq_id)
             computed.append(seq.num_computed_tokens)
         cached = CachedSeqs(tuple(ids), tuple(new_tokens), tuple(new_blocks), tuple(replaced), tuple(computed))
-        return tuple(new), cached
+        return tuple(new), cached, tuple(scheduled)
 
     def _take_finished(self) -> tuple[int, ...]:
         """Known sequences whose tables are gone since the last step; forgotten here."""

@@ -24,13 +24,13 @@ from pagedllm.server.worker.model_step import StepOutputs
 from pagedllm.server.worker.sampling_batch import SamplerOutput
 
 
-@dataclass
+@dataclass(slots=True)
 class SampleRow:
     """A row of the step's logits: the sequence it belongs to and what it is for."""
 
     group: SequenceGroup
     seq: Sequence
-    prompt_positions: list[int] = field(default_factory=list)  # prompt logprob rows: token indices scored
+    prompt_positions: tuple[int, ...] = ()  # prompt logprob rows: token indices scored
 
 
 @dataclass
@@ -133,7 +133,7 @@ def step_rows(
             inputs.spec_rows.append(SpecRow(group, seq, list(seq.spec_token_ids)))
         if group.sampling_params.prompt_logprobs is not None and start < len(seq.prompt_token_ids):
             scored = [p for p in range(start, start + chunk) if p + 1 < len(seq.prompt_token_ids)]
-            inputs.prompt_rows.append(SampleRow(group, seq, [p + 1 for p in scored]))
+            inputs.prompt_rows.append(SampleRow(group, seq, tuple([p + 1 for p in scored])))
             prompt.append((seq.seq_id, len(scored)))
     return inputs, view.emit(out, entries, sample_ids, prompt, pooled)
 

@@ -23,6 +23,8 @@ Every tensor-parallel rank applies the same outputs, so every rank's batch is th
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 
 from pagedllm.server.core.scheduler_output import CachedSeqs, NewSeqData, SchedulerOutput
@@ -101,10 +103,11 @@ class InputBatch:
         self._cached_rows = rows
         self.computed[rows] = cached.num_computed_tokens
         new_tokens = cached.new_token_ids
-        if all(len(tokens) == 1 for tokens in new_tokens):  # NOTE: the usual step: one new token each, one write
+        counts = list(map(len, new_tokens))
+        if counts.count(1) == len(counts):  # NOTE: the usual step: one new token each, one write
             ends = self.num_tokens[rows]
             self._fit(int(ends.max()) + 1, 0)
-            self.tokens[rows, ends] = [tokens[0] for tokens in new_tokens]
+            self.tokens[rows, ends] = np.fromiter(itertools.chain.from_iterable(new_tokens), np.int32, len(counts))
             self.num_tokens[rows] = ends + 1
         else:
             for row, tokens in zip(rows.tolist(), new_tokens):
@@ -113,7 +116,7 @@ class InputBatch:
                     self._fit(n + len(tokens), 0)
                     self.tokens[row, n : n + len(tokens)] = tokens
                     self.num_tokens[row] = n + len(tokens)
-        if not any(cached.new_block_ids) and not any(cached.replaced):
+        if not any(cached.new_block_ids) and True not in cached.replaced:
             return  # NOTE: most steps: a block holds block_size tokens
         for row, blocks, replaced in zip(rows.tolist(), cached.new_block_ids, cached.replaced):
             if not blocks and not replaced:
