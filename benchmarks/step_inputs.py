@@ -1,10 +1,12 @@
-"""Input preparation per decode step: the list-based builder against the persistent batch.
+"""Input preparation per decode step: the list-based builder against the id-keyed diffs.
 
 A real scheduler and block manager run ``--batch`` decoding sequences (prompts of 161
-tokens, the ShareGPT mean, each with its own blocks); every decode step both builders
-turn the same ``SchedulerOutput`` into the step's tensors (token ids, positions, slot
-mapping, block tables, context lengths, sample rows), in alternating order. Reported:
-the median over steps of each, in microseconds, and the ratio.
+tokens, the ShareGPT mean, each with its own blocks); every decode step both paths
+turn the same ``ScheduledStep`` into the step's arrays (token ids, positions, slot
+mapping, block tables, context lengths, sample rows), in alternating order: the list
+builder from the live sequences, and the engine's rows plus the scheduler's id-keyed
+output applied to a worker's persistent batch. Reported: the median over steps of
+each, in microseconds, and the ratio.
 
     python -m benchmarks.step_inputs --threads 1 --batch 16 64 256
 """
@@ -19,9 +21,10 @@ from pagedllm.server.config import SchedulerConfig
 from pagedllm.server.core.block_manager import BlockManager
 from pagedllm.server.core.scheduler import Scheduler
 from pagedllm.server.core.sequence import Sequence, SequenceGroup
-from pagedllm.server.engine.input_batch import InputBatch
-from pagedllm.server.engine.step_inputs import prepare_batched_inputs, prepare_inputs
+from pagedllm.server.engine.reference_inputs import prepare_inputs
+from pagedllm.server.engine.step_inputs import StepBuilder
 from pagedllm.server.sampling_params import SamplingParams
+from pagedllm.server.worker.input_batch import InputBatch
 
 
 def median_us(times: list[float]) -> float:
@@ -29,16 +32,17 @@ def median_us(times: list[float]) -> float:
 
 
 def run(batch: int, steps: int, block_size: int, prompt_len: int, max_model_len: int) -> tuple[float, float]:
-    """Median microseconds per decode step of (list builder, persistent batch)."""
+    """Median microseconds per decode step of (list builder, rows + diffs + worker batch)."""
     bm = BlockManager(block_size, batch * (-(-max_model_len // block_size)), 0)
     sched = Scheduler(SchedulerConfig(max_num_seqs=batch, max_num_batched_tokens=max(2048, batch)), bm)
     for i in range(batch):
         prompt = [(i * 7 + k) % 1000 for k in range(prompt_len)]
         sched.add(SequenceGroup(str(i), [Sequence(i, prompt)], SamplingParams(), arrival_time=i))
-    input_batch = InputBatch(batch, -(-max_model_len // block_size), block_size)
+    input_batch = InputBatch(batch, max_model_len, block_size)
+    step_builder = StepBuilder(sched.worker_view)
     builders = {
         "list": lambda out: prepare_inputs(out, bm.tables, block_size),
-        "persistent": lambda out: prepare_batched_inputs(out, input_batch, bm.tables, bm.table_versions),
+        "persistent": lambda out: input_batch.step(step_builder.build(out)[1]),
     }
     times: dict[str, list[float]] = {name: [] for name in builders}
     step = 0
@@ -72,7 +76,7 @@ def main() -> None:
     parser.add_argument("--max-model-len", type=int, default=2048)
     args = parser.parse_args()
     set_threads(args.threads)
-    print(f"{'batch':>6} {'list us':>9} {'persistent us':>14} {'speedup':>8}")
+    print(f"{'batch':>6} {'list us':>9} {'diffs us':>14} {'speedup':>8}")
     for batch in args.batch:
         old, new = run(batch, args.steps, args.block_size, args.prompt_len, args.max_model_len)
         print(f"{batch:>6} {old:>9.1f} {new:>14.1f} {old / new:>7.2f}x")

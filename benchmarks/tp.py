@@ -1,10 +1,11 @@
 """Tensor-parallel probe: what the driver pays per step to reach the other ranks, and TP=N vs TP=1 throughput.
 
-1. Step message: the :class:`ModelStep` of a decode batch (batch 1, 64, 256 at a given
-   context) sent to ``--tp - 1`` rank processes that acknowledge it, over the TCP channel
-   the engine uses (:mod:`pagedllm.server.worker.channel_protocol`) and over one
-   multiprocessing pipe per rank (its former local transport); median microseconds of the
-   send and of the round trip, their TCP/pipe ratio, bytes, and the driver's thread count.
+1. Step message: the id-keyed :class:`SchedulerOutput` of a steady decode step (batch 1,
+   64, 256 at a given context: one new token per sequence, no new block) sent to
+   ``--tp - 1`` rank processes that acknowledge it, over the TCP channel the engine uses
+   (:mod:`pagedllm.server.worker.channel_protocol`) and over one multiprocessing pipe per
+   rank (its former local transport); median microseconds of the send and of the round
+   trip, their TCP/pipe ratio, bytes, and the driver's thread count.
 2. Throughput: the same requests (random-weight LLaMA, fixed output lengths, greedy)
    offline at ``tensor_parallel_size`` 1 and N; output tokens/s and their ratio. On CPU
    the N ranks share the machine's cores (each gets cores / N threads), so this measures
@@ -27,32 +28,31 @@ import tempfile
 import threading
 import time
 
-import numpy as np
 import torch
 from tqdm import tqdm
 
 from benchmarks.common import HelpFormatter, set_threads
 from pagedllm.server import LLM, SamplingParams
+from pagedllm.server.core.scheduler_output import CachedSeqs, SchedulerOutput
 from pagedllm.server.worker.channel_protocol import frame
-from pagedllm.server.worker.model_step import ModelStep, StepAttention
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
-def decode_step(batch: int, context: int, block_size: int) -> ModelStep:
-    blocks = -(-context // block_size)
-    tables = np.arange(batch * blocks, dtype=np.int32).reshape(batch, blocks)
-    meta = StepAttention(
-        slot_mapping=np.arange(batch, dtype=np.int64) * block_size,
-        num_decode_tokens=batch,
-        decode_block_tables=tables,
-        decode_context_lens=np.full((batch,), context, dtype=np.int32),
-        prefill_block_tables=np.zeros((0, 0), dtype=np.int32),
-        prefill_cu_seqlens_q=np.zeros(1, dtype=np.int32),
-        prefill_context_lens=np.zeros(0, dtype=np.int32),
+def decode_step(batch: int, context: int, block_size: int) -> SchedulerOutput:
+    """What the ranks get for a decode step of ``batch`` sequences they know, ``context`` tokens each.
+
+    NOTE: the block tables stay on the ranks; ``block_size`` only matters when a block is added.
+    """
+    ids = tuple(range(batch))
+    cached = CachedSeqs(ids, tuple((i,) for i in ids), ((),) * batch, (False,) * batch, (context - 1,) * batch)
+    return SchedulerOutput(
+        cached_seqs=cached,
+        scheduled_seq_ids=ids,
+        num_scheduled_tokens=(1,) * batch,
+        num_decodes=batch,
+        sample_seq_ids=ids,
     )
-    ids = np.arange(batch, dtype=np.int64)
-    return ModelStep([], [], [], ids, ids.copy(), meta, ids.copy(), None)
 
 
 def _pipe_reader(conn) -> None:
@@ -90,7 +90,7 @@ def _time(send, wait, repeats: int) -> dict:
     }
 
 
-def pipe_cost(step: ModelStep, ranks: int, repeats: int) -> dict:
+def pipe_cost(step: SchedulerOutput, ranks: int, repeats: int) -> dict:
     """What the engine paid with one multiprocessing pipe per rank (its former transport)."""
     context = multiprocessing.get_context("spawn")
     pipes, procs = [], []
@@ -109,7 +109,7 @@ def pipe_cost(step: ModelStep, ranks: int, repeats: int) -> dict:
     return {**timed, "driver_threads": threads}
 
 
-def channel_cost(step: ModelStep, ranks: int, repeats: int) -> dict:
+def channel_cost(step: SchedulerOutput, ranks: int, repeats: int) -> dict:
     """What the engine pays now: one TCP channel, the step pickled once and written to every rank."""
     from pagedllm.server.worker.leader_channel import LeaderChannel
 

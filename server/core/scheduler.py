@@ -31,6 +31,7 @@ from pagedllm.server.core.lora_slots import LoRASlots
 from pagedllm.server.core.sequence import FINISHED, Sequence, SequenceGroup, SequenceStatus
 from pagedllm.server.core.sequence_updates import SequenceUpdater, StepUpdates
 from pagedllm.server.core.step_budget import StepBudget, any_prefill
+from pagedllm.server.core.worker_view import WorkerView
 
 
 @dataclass(slots=True)
@@ -42,8 +43,12 @@ class ScheduledGroup:
 
 
 @dataclass
-class SchedulerOutput:
-    """What one model step does: which tokens to compute and which blocks to move first."""
+class ScheduledStep:
+    """What one model step does: which tokens to compute and which blocks to move first.
+
+    The scheduler's own view, holding live groups; the workers get the frozen, id-keyed
+    :class:`~pagedllm.server.core.scheduler_output.SchedulerOutput` made from it (:attr:`Scheduler.worker_view`).
+    """
 
     scheduled: list[ScheduledGroup] = field(default_factory=list)
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
@@ -75,6 +80,8 @@ class Scheduler:
         self.num_preemptions = 0
         self.updater = SequenceUpdater(block_manager)
         """Applies what a step decided to sequences and groups: the one writer of their state."""
+        self.worker_view = WorkerView(block_manager)
+        """What the workers know of each sequence: each step's output carries only what changed."""
 
     # -- queues -------------------------------------------------------------------------
     def add(self, group: SequenceGroup) -> None:
@@ -113,8 +120,8 @@ class Scheduler:
         return done
 
     # -- one step -----------------------------------------------------------------------
-    def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput()
+    def schedule(self) -> ScheduledStep:
+        out = ScheduledStep()
         budget = StepBudget.for_step(self.config, self.token_budget, self.running, self.waiting)
         self._schedule_running(budget, out)
         if not out.preempted:
@@ -132,7 +139,7 @@ class Scheduler:
                 out.lora_slots[lora_id] = self.loras.slot_of[lora_id]
         return out
 
-    def _schedule_running(self, budget: StepBudget, out: SchedulerOutput) -> None:
+    def _schedule_running(self, budget: StepBudget, out: ScheduledStep) -> None:
         decodes: list[tuple[SequenceGroup, list[Sequence]]] = []
         prefills: list[tuple[SequenceGroup, list[Sequence]]] = []
         for group in self.running:
@@ -154,7 +161,7 @@ class Scheduler:
             pending.pop(group, None)  # NOTE: scheduled or not, it is no longer a candidate for preemption
 
     def _take_speculative(
-        self, group: SequenceGroup, seq: Sequence, budget: StepBudget, out: SchedulerOutput, pending: dict
+        self, group: SequenceGroup, seq: Sequence, budget: StepBudget, out: ScheduledStep, pending: dict
     ) -> bool:
         """A decode with proposals: its token and its proposals in one chunk, verified in one step.
 
@@ -183,7 +190,7 @@ class Scheduler:
         self,
         group: SequenceGroup,
         budget: StepBudget,
-        out: SchedulerOutput,
+        out: ScheduledStep,
         seqs: list[Sequence],
         pending: dict | None = None,
     ) -> bool:
@@ -208,7 +215,7 @@ class Scheduler:
         return True
 
     def _append(
-        self, group: SequenceGroup, seqs: list[Sequence], pending: dict | None, out: SchedulerOutput
+        self, group: SequenceGroup, seqs: list[Sequence], pending: dict | None, out: ScheduledStep
     ) -> list[tuple[int, int]] | None:
         """Slots for the group's uncomputed tokens: its copy-on-write pairs; None if it was preempted.
 
@@ -229,7 +236,7 @@ class Scheduler:
             if victim is group:
                 return None
 
-    def _preempt(self, group: SequenceGroup, out: SchedulerOutput) -> None:
+    def _preempt(self, group: SequenceGroup, out: ScheduledStep) -> None:
         self.running.remove(group)
         for seq in group.seqs:
             seq.spec_token_ids = []  # NOTE: proposals hold slots only in the step that verifies them
@@ -248,7 +255,7 @@ class Scheduler:
         self._release_lora(group)
         self.waiting.appendleft(group)
 
-    def _schedule_swapped(self, budget: StepBudget, out: SchedulerOutput) -> None:
+    def _schedule_swapped(self, budget: StepBudget, out: ScheduledStep) -> None:
         while self.swapped:
             group = self.swapped[0]
             status = self.block_manager.can_swap_in(group)
@@ -268,7 +275,7 @@ class Scheduler:
             self._insert_running(group)
             self._take(group, budget, out, seqs)
 
-    def _schedule_waiting(self, budget: StepBudget, out: SchedulerOutput) -> None:
+    def _schedule_waiting(self, budget: StepBudget, out: ScheduledStep) -> None:
         while self.waiting and budget.tokens_left > 0:
             group = self.waiting[0]
             seqs = group.get_seqs(SequenceStatus.WAITING)
@@ -299,7 +306,7 @@ class Scheduler:
             if not self._take(group, budget, out, seqs):
                 break
 
-    def _give_up(self, group: SequenceGroup, status: SequenceStatus, out: SchedulerOutput) -> None:
+    def _give_up(self, group: SequenceGroup, status: SequenceStatus, out: ScheduledStep) -> None:
         """A group larger than the whole cache finishes with what it has ("length")."""
         for seq in group.get_seqs(status):
             self.block_manager.free(seq)
@@ -323,7 +330,7 @@ class Scheduler:
         self.updater.set_proposals(self.running, proposals)
 
     def update_from_output(
-        self, out: SchedulerOutput, updates: StepUpdates | None, failed: dict[str, str]
+        self, out: ScheduledStep, updates: StepUpdates | None, failed: dict[str, str]
     ) -> list[SequenceGroup]:
         """Apply a step: computed chunks, then ``updates`` (None: the model step did not run), then
         abort the requests in ``failed`` (apply failures join them); return the groups now done.
@@ -337,6 +344,6 @@ class Scheduler:
             self.abort(failed)
         return self.free_finished()
 
-    def mark_computed(self, out: SchedulerOutput) -> None:
+    def mark_computed(self, out: ScheduledStep) -> None:
         """Advance every scheduled sequence by its chunk and cache its completed blocks."""
         self.updater.mark_computed(out)

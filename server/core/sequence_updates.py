@@ -26,7 +26,7 @@ from pagedllm.server.core.block_manager import BlockManager
 from pagedllm.server.core.sequence import Logprobs, Sequence, SequenceGroup, SequenceStatus, StopReason
 
 if TYPE_CHECKING:
-    from pagedllm.server.core.scheduler import SchedulerOutput
+    from pagedllm.server.core.scheduler import ScheduledStep
 
 logger = logging.getLogger("pagedllm.engine")
 
@@ -111,7 +111,7 @@ class SequenceUpdater:
                     seq.spec_token_ids = tokens
 
     # -- after the step -----------------------------------------------------------------
-    def mark_computed(self, out: SchedulerOutput) -> None:
+    def mark_computed(self, out: ScheduledStep) -> None:
         """Advance every scheduled sequence by its chunk and cache its completed blocks."""
         for item in out.scheduled:
             for seq in item.group.seqs:

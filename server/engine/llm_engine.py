@@ -3,13 +3,14 @@
 ::
 
     add_request ─► InputProcessor (encode, validate) ─► Scheduler.waiting
-    step():  Scheduler.schedule() ─► StepBuilder.build() + SamplingRows.build() ─► Executor.execute()
+    step():  Scheduler.schedule() ─► StepBuilder.build() + SamplingRows.build() ─► Executor.execute(SchedulerOutput)
              (every rank's worker runs the model, rank 0 samples on its device: tokens back) ─►
              StepResults, BeamSearch, SpecDecoder, OutputProcessor decide (tokens, text, stop checks,
              forks) ─► Scheduler.update_from_output applies ─► [RequestOutput | EmbeddingRequestOutput]
 
-The engine builds steps from ids and counts (numpy arrays, no torch); the executor starts the
-workers, which load torch and the model (:mod:`pagedllm.server.executor`).
+The engine sends steps as ids, counts and diffs (no arrays, no torch); every worker keeps the
+batch and builds the arrays. The executor starts the workers, which load torch and the model
+(:mod:`pagedllm.server.executor`).
 
 Embedding requests (``PoolingParams``) are scheduled with the others and prefilled the
 same way, in chunks; the step that computes the end of the prompt pools it, the request
@@ -30,7 +31,7 @@ from pagedllm.server.config import ConfigError, EngineConfig, choose_token_budge
 from pagedllm.server.core.block_manager import BlockManager
 from pagedllm.server.core.kv_reservation import KVReservation
 from pagedllm.server.core.lora_slots import LoRASlots
-from pagedllm.server.core.scheduler import Scheduler, SchedulerOutput
+from pagedllm.server.core.scheduler import ScheduledStep, Scheduler
 from pagedllm.server.core.sequence import Sequence, SequenceGroup, SequenceStatus
 from pagedllm.server.engine.beam_search import BeamSearch, BeamState
 from pagedllm.server.engine.engine_stats import EngineStats
@@ -86,9 +87,6 @@ class LLMEngine:
         config = self.config = dataclasses.replace(config, cache=config.cache.with_block_size(device_type))
         self._check_scheduler_fits(info.max_model_len)
         self.executor = Executor(config, hf_config, info.max_model_len)
-        self.step_builder = StepBuilder(
-            config.scheduler.max_num_seqs, info.max_model_len, config.cache.tokens_per_block, config.lora.enable_lora
-        )
         self.draft: DraftModel | None = None
         """The draft model of ``draft_model`` speculation (None otherwise)."""
         self.kv_event_publisher: ZmqEventPublisher | None = None
@@ -123,6 +121,7 @@ class LLMEngine:
         self.loras = LoRARegistry(self.runner.lora, self.lora_slots)
         """Adapters checked against the model, by id."""
         self.scheduler = Scheduler(config.scheduler, self.block_manager, self.lora_slots)
+        self.step_builder = StepBuilder(self.scheduler.worker_view)
         self.input_processor = InputProcessor(self.tokenizer, info.vocab_size, limit, config.scheduler.max_num_seqs)
         self.output_processor = OutputProcessor(self.tokenizer, info.eos_token_ids, limit)
         self.request_output: Callable[[SequenceGroup], Any] = OutputProcessor.request_output
@@ -312,11 +311,9 @@ class LLMEngine:
                 if self.spec_decoder is not None:
                     # NOTE: a failing draft fails the step, as the model would
                     self.scheduler.set_proposals(self.spec_decoder.fill_drafts(out))
-                inputs, model_step = self.step_builder.build(
-                    out, self.block_manager.tables, self.block_manager.table_versions
-                )
-                model_step = dataclasses.replace(model_step, sampling=self.sampling_rows.build(inputs, failed))
-                result = StepResult.of(inputs, self.executor.execute(model_step))
+                inputs, plan = self.step_builder.build(out)
+                plan = plan.with_sampling(self.sampling_rows.build(inputs, failed))
+                result = StepResult.of(inputs, self.executor.execute(plan))
             except WorkerDiedError as exc:
                 raise EngineFatalError(str(exc)) from exc
             except Exception as exc:
@@ -366,9 +363,10 @@ class LLMEngine:
         return done
 
     def _model_step_failed(
-        self, out: SchedulerOutput, error: Exception, failed: dict[str, str], touched: dict[int, SequenceGroup]
+        self, out: ScheduledStep, error: Exception, failed: dict[str, str], touched: dict[int, SequenceGroup]
     ) -> None:
         logger.error("model step %d failed: %r", self._num_steps, error, exc_info=error)
+        self.scheduler.worker_view.forget_all()  # NOTE: what the workers applied of the step is unknown
         for item in out.scheduled:
             failed[item.group.request_id] = f"the model step failed: {error!r}"
         # NOTE: groups swapped out for this step may hold host blocks that were never filled.

@@ -2,7 +2,7 @@
 
 ::
 
-    LLMEngine ──ModelStep──► Executor ──┬─► LocalWorker (rank 0, this process) ──► ModelRunner
+    LLMEngine ──SchedulerOutput──► Executor ──┬─► LocalWorker (rank 0, this process) ──► ModelRunner
               ◄─StepOutputs─            └─► TPWorkers (ranks 1..N-1, their own processes, any node)
                                                         └── rank channel ──► tp_rank ──► ModelRunner
 
@@ -19,9 +19,10 @@ from typing import TYPE_CHECKING, Any
 
 from pagedllm.server.config import EngineConfig, SpeculativeConfig
 from pagedllm.server.worker.channel_protocol import WorkerDiedError
-from pagedllm.server.worker.model_step import ModelStep, StepOutputs
+from pagedllm.server.worker.model_step import StepOutputs
 
 if TYPE_CHECKING:
+    from pagedllm.server.core.scheduler_output import SchedulerOutput
     from pagedllm.server.worker.draft_runner import DraftRunner
     from pagedllm.server.worker.model_runner import ModelRunner
     from pagedllm.server.worker.tp_workers import TPWorkers
@@ -103,8 +104,12 @@ class Executor:
         self._all(("allocate", num_device_blocks, num_host_blocks))
 
     # -- steps -----------------------------------------------------------------------------------
-    def execute(self, step: ModelStep) -> StepOutputs:
-        """Run one step on every rank; rank 0's outputs (tokens, pooled sums). Only rank 0 gets the sampling."""
+    def execute(self, step: SchedulerOutput) -> StepOutputs:
+        """Run one step on every rank; rank 0's outputs (tokens, pooled sums). Only rank 0 gets the sampling.
+
+        NOTE: every rank gets the same id-keyed output and applies the same diffs to its own
+        persistent batch, so the ranks' batches stay the same.
+        """
         if self.remote is None:
             return self._on_rank0(("step", step))
         self.remote.send(("step", step.for_other_ranks()))

@@ -1,5 +1,6 @@
-"""One rank's worker: owns the model (its shard) and its KV cache, and runs the steps the engine
-builds (:class:`ModelStep`). The executor (:mod:`pagedllm.server.executor`) drives one per rank."""
+"""One rank's worker: owns the model (its shard), its KV cache and its persistent input batch, and
+runs the steps the scheduler sends (:class:`SchedulerOutput`, keyed by sequence id). The executor
+(:mod:`pagedllm.server.executor`) drives one per rank."""
 
 from __future__ import annotations
 
@@ -12,11 +13,13 @@ import torch
 from pagedllm.kernels.kv_quant import cache_dtype, raw, row_width
 from pagedllm.server.config import ConfigError, EngineConfig, GiB
 from pagedllm.server.config.quantization import with_quantization
+from pagedllm.server.core.scheduler_output import SchedulerOutput
 from pagedllm.server.worker.attention import AttentionMetadata, select_attention_ops
 from pagedllm.server.worker.cpu_threads import choose_threads
 from pagedllm.server.worker.cuda_graphs import DecodeGraphs, try_capture
 from pagedllm.server.worker.device_step import DeviceStep
 from pagedllm.server.worker.dtype_choice import choose_dtype
+from pagedllm.server.worker.input_batch import InputBatch
 from pagedllm.server.worker.kv_scales import apply_kv_scales, split_kv_scales
 from pagedllm.server.worker.lora_model import LoRAModel
 from pagedllm.server.worker.model_loader import init_dummy_weights, iterate_weights
@@ -100,6 +103,8 @@ class ModelRunner:
         """Captured decode steps (CUDA, one rank, no LoRA, not ``enforce_eager``), once the cache exists."""
         self.sampler = Sampler(config.model.seed, self.device) if self.tp.rank == 0 else None
         """Turns the step's logits into tokens; the driver's alone (the other ranks never sample)."""
+        self.input_batch = InputBatch(config.scheduler.max_num_seqs, max_model_len, self.block_size)
+        """Every sequence the scheduler told this rank about; builds each step's arrays from its diffs."""
 
     def _load_model(self, hf_config: dict) -> CausalLM:
         cls = model_class(hf_config)
@@ -245,9 +250,13 @@ class ModelRunner:
                 else:
                     device_cache[dst.to(self.device)] = host_cache[src].to(self.device, non_blocking=True)
 
+    def execute(self, out: SchedulerOutput) -> StepOutputs:
+        """This rank's part of a step: its diffs into the batch, then the step (:meth:`run`)."""
+        return self.run(self.input_batch.step(out))
+
     @torch.inference_mode()
-    def execute(self, model_step: ModelStep) -> StepOutputs:
-        """This rank's part of a step: block moves, the model, then (the driver) sampling."""
+    def run(self, model_step: ModelStep) -> StepOutputs:
+        """A step's arrays on this rank: block moves, the model, then (the driver) sampling."""
         step = DeviceStep.of(model_step, self.device)
         if step.sampling is not None and self.sampler is not None:
             self.sampler.forget(step.sampling.finished_request_ids)

@@ -1,19 +1,17 @@
-"""The step contract between the engine and the workers: plain numbers, no tensors.
+"""A step's arrays on a worker: plain numbers, no tensors.
 
-The engine turns a :class:`~pagedllm.server.core.scheduler.SchedulerOutput` into a
-:class:`ModelStep` of numpy arrays (:mod:`pagedllm.server.engine.step_inputs`): token ids,
-positions, cache slots, block ids and row indices. Each worker turns it into tensors on its
-own device (:mod:`pagedllm.server.worker.device_step`), runs it, samples on that device and
-returns tokens (:class:`StepOutputs`), never logits. The worker never reads a scheduler
-output, a sequence or a block table.
+The scheduler sends each rank an id-keyed :class:`~pagedllm.server.core.scheduler_output.SchedulerOutput`;
+the rank's persistent batch (:mod:`pagedllm.server.worker.input_batch`) applies its diffs and
+builds the step's :class:`ModelStep` of numpy arrays: token ids, positions, cache slots, block
+ids and row indices. The worker then makes them tensors on its own device
+(:mod:`pagedllm.server.worker.device_step`), runs them, samples on that device and returns
+tokens (:class:`StepOutputs`), never logits.
 
-NOTE: this module imports no torch, so the engine that builds steps runs without it; the
-arrays pickle by value, so the same object travels to the other tensor-parallel ranks.
+NOTE: this module imports no torch.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -74,7 +72,7 @@ class StepOutputs(NamedTuple):
 
 @dataclass
 class ModelStep:
-    """What every tensor-parallel rank needs to run one step (the driver sends it to the others)."""
+    """One step's arrays on one rank, built by its input batch (every rank builds the same)."""
 
     swap_out: list[tuple[int, int]]
     swap_in: list[tuple[int, int]]
@@ -92,7 +90,3 @@ class ModelStep:
     """Each token's LoRA slot and the adapters the step needs resident; None: the base model alone."""
     sampling: SamplingBatch | None = None
     """How the rows of ``sample_index`` and ``prompt_index`` become tokens; only the driver gets it."""
-
-    def for_other_ranks(self) -> ModelStep:
-        """The step without its sampling (only the driver samples)."""
-        return dataclasses.replace(self, sampling=None)

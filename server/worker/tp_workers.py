@@ -5,7 +5,7 @@
     node 0: engine process (rank 0, the driver)           node n (``serve --headless``): rank r
     ───────────────────────────────────────────           ─────────────────────────────────────
     scheduler, block manager, Executor                    ModelRunner with TPGroup(r, N)
-    ModelRunner with TPGroup(0, N) ──TCP (rank_channel)─► one message per step: ("step", ModelStep)
+    ModelRunner with TPGroup(0, N) ──TCP (rank_channel)─► one message per step: ("step", SchedulerOutput)
             │  all-reduce / gather inside the model (gloo on CPU, NCCL on CUDA)  │
             └───────────────────────────────────────────────────────────────────┘
 

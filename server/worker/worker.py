@@ -7,7 +7,8 @@ on this node or another), is a :class:`~pagedllm.server.worker.model_runner.Mode
     ("device_blocks", useful)  -> how many device blocks fit here      (answered)
     ("host_blocks", useful)    -> how many host blocks fit here        (answered)
     ("allocate", device, host) -> allocate this rank's KV cache
-    ("step", ModelStep)        -> run one step; rank 0 samples and returns its StepOutputs
+    ("step", SchedulerOutput)  -> apply its diffs to this rank's batch, run the step; rank 0 samples
+                                  and returns its StepOutputs
 
 The executor sends each message to all of its workers and collects their answers; for the
 other ranks the message travels over the rank channel (:mod:`pagedllm.server.worker.tp_rank`).

@@ -23,8 +23,9 @@ from typing import Any
 import torch
 
 from pagedllm.server.config import ConfigError
+from pagedllm.server.core.scheduler_output import SchedulerOutput
 from pagedllm.server.worker.model_runner import ModelRunner
-from pagedllm.server.worker.model_step import ModelStep, StepOutputs
+from pagedllm.server.worker.model_step import StepOutputs
 from pagedllm.server.worker.sampler import Sampler
 from pagedllm.server.worker.sampling_batch import RowSampling
 
@@ -100,7 +101,7 @@ class FaultyWorker(ModelRunner):
         if self.sampler is not None and self.faults.sampler:
             self.sampler = PoisonSampler(self.config.model.seed, self.device, self.faults.sampler)
 
-    def execute(self, model_step: ModelStep) -> StepOutputs:
+    def execute(self, model_step: SchedulerOutput) -> StepOutputs:
         self.num_steps += 1
         if self.faults.die_rank == self.tp.rank:
             os._exit(3)

@@ -34,7 +34,7 @@ from typing import Any
 
 from pagedllm.server.config import SpeculativeConfig
 from pagedllm.server.core.block_manager import BlockManager
-from pagedllm.server.core.scheduler import SchedulerOutput
+from pagedllm.server.core.scheduler import ScheduledStep
 from pagedllm.server.core.sequence import Sequence, SequenceGroup, SequenceStatus
 from pagedllm.server.core.sequence_updates import GroupUpdate
 from pagedllm.server.engine.output_processor import OutputProcessor
@@ -162,7 +162,7 @@ class SpecDecoder:
             state = self._states[seq] = _SeqState(index, self.config.num_speculative_tokens)
         return state
 
-    def fill_drafts(self, out: SchedulerOutput) -> dict[int, list[int]]:
+    def fill_drafts(self, out: ScheduledStep) -> dict[int, list[int]]:
         """The draft model's tokens (seq id -> tokens) to replace the scheduled sequences' placeholders.
 
         The first pass brings each sequence's draft cache up to date (usually its newest

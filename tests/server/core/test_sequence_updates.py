@@ -8,7 +8,7 @@ import pytest
 
 from pagedllm.server.config import SchedulerConfig
 from pagedllm.server.core.block_manager import BlockManager
-from pagedllm.server.core.scheduler import Scheduler, SchedulerOutput
+from pagedllm.server.core.scheduler import ScheduledStep, Scheduler
 from pagedllm.server.core.sequence import Sequence, SequenceGroup, SequenceStatus
 from pagedllm.server.core.sequence_updates import GroupUpdate, NewSeq, SeqUpdate, StepUpdates
 from pagedllm.server.outputs import Logprob
@@ -17,7 +17,7 @@ from pagedllm.server.sampling_params import SamplingParams
 BLOCK = 4
 
 
-def admitted(*prompts: list[int], best_of: int = 1) -> tuple[Scheduler, list[SequenceGroup], SchedulerOutput]:
+def admitted(*prompts: list[int], best_of: int = 1) -> tuple[Scheduler, list[SequenceGroup], ScheduledStep]:
     """A scheduler with one request per prompt (request i, sequence i), all scheduled for their prefill."""
     bm = BlockManager(BLOCK, 16, 0)
     scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=64), bm)

@@ -82,14 +82,14 @@ def test_warm_up_runs_a_prefill_and_a_decode_step_and_leaves_nothing_behind(tiny
     the CPU's prefill-size builds too (a prompt of a typical length)."""
     e = engine(tiny_llama)
     decodes, tokens = [], []
-    execute = e.runner.execute
+    execute = e.runner.run
 
     def counting(step):
         decodes.append(step.meta.num_decode_tokens)
         tokens.append(step.input_ids.size)
         return execute(step)
 
-    e.runner.execute = counting
+    e.runner.run = counting
     e.warm_up()
     assert decodes == [0, 1]
     assert tokens == [WARM_UP_PROMPT_TOKENS, 1]
