@@ -58,6 +58,40 @@ class AttentionMetadata:
     def num_prefills(self) -> int:
         return self.prefill_context_lens.numel()
 
+    @classmethod
+    def decodes(
+        cls, slot_mapping: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor
+    ) -> AttentionMetadata:
+        """A step of single-token decodes only (one row of ``block_tables`` per token)."""
+        return cls(
+            slot_mapping=slot_mapping,
+            num_decode_tokens=slot_mapping.numel(),
+            decode_block_tables=block_tables,
+            decode_context_lens=context_lens,
+            prefill_block_tables=block_tables[:0],
+            prefill_cu_seqlens_q=torch.zeros(1, dtype=torch.int32, device=block_tables.device),
+            prefill_context_lens=context_lens[:0],
+        )
+
+    @classmethod
+    def prefills(
+        cls,
+        slot_mapping: torch.Tensor,
+        block_tables: torch.Tensor,
+        cu_seqlens_q: torch.Tensor,
+        context_lens: torch.Tensor,
+    ) -> AttentionMetadata:
+        """A step of prompt chunks only (chunk ``i``'s tokens are ``cu_seqlens_q[i]:cu_seqlens_q[i + 1]``)."""
+        return cls(
+            slot_mapping=slot_mapping,
+            num_decode_tokens=0,
+            decode_block_tables=block_tables[:0],
+            decode_context_lens=context_lens[:0],
+            prefill_block_tables=block_tables,
+            prefill_cu_seqlens_q=cu_seqlens_q,
+            prefill_context_lens=context_lens,
+        )
+
 
 TENSOR_FIELDS = (
     "slot_mapping",

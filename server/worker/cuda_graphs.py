@@ -75,16 +75,7 @@ class DecodeGraphs:
         torch.cuda.synchronize(device)
 
     def _meta(self, rows: int) -> AttentionMetadata:
-        none = self.block_tables[:0]
-        return AttentionMetadata(
-            slot_mapping=self.slot_mapping[:rows],
-            num_decode_tokens=rows,
-            decode_block_tables=self.block_tables[:rows],
-            decode_context_lens=self.context_lens[:rows],
-            prefill_block_tables=none,
-            prefill_cu_seqlens_q=torch.zeros(1, dtype=torch.int32, device=self.block_tables.device),
-            prefill_context_lens=self.context_lens[:0],
-        )
+        return AttentionMetadata.decodes(self.slot_mapping[:rows], self.block_tables[:rows], self.context_lens[:rows])
 
     def fits(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> bool:
         """Whether a graph can run this step: decodes only, no more rows than the largest graph."""

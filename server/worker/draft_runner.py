@@ -81,14 +81,11 @@ class DraftRunner:
         for row, (_, _, table) in enumerate(chunks):
             tables[row, : len(table)] = torch.tensor(table, dtype=torch.int32)
         tables = tables.to(device)
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-            num_decode_tokens=0,
-            decode_block_tables=tables[:0],
-            decode_context_lens=torch.zeros(0, dtype=torch.int32, device=device),
-            prefill_block_tables=tables,
-            prefill_cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=device),
-            prefill_context_lens=torch.tensor(lens, dtype=torch.int32, device=device),
+        meta = AttentionMetadata.prefills(
+            torch.tensor(slots, dtype=torch.int64, device=device),
+            tables,
+            torch.tensor(cu, dtype=torch.int32, device=device),
+            torch.tensor(lens, dtype=torch.int32, device=device),
         )
         meta = runner.ops.prepare(meta, bs)
         ids_t = torch.tensor(ids, dtype=torch.int64, device=device)

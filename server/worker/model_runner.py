@@ -197,14 +197,11 @@ class ModelRunner:
         blocks = -(-tokens // self.block_size)
         self.allocate_local_cache(blocks, 0)
         table = torch.arange(blocks, dtype=torch.int32, device=self.device)[None]
-        meta = AttentionMetadata(
-            slot_mapping=torch.arange(tokens, dtype=torch.int64, device=self.device),
-            num_decode_tokens=0,
-            decode_block_tables=table[:0],
-            decode_context_lens=torch.zeros(0, dtype=torch.int32, device=self.device),
-            prefill_block_tables=table,
-            prefill_cu_seqlens_q=torch.tensor([0, tokens], dtype=torch.int32, device=self.device),
-            prefill_context_lens=torch.tensor([tokens], dtype=torch.int32, device=self.device),
+        meta = AttentionMetadata.prefills(
+            torch.arange(tokens, dtype=torch.int64, device=self.device),
+            table,
+            torch.tensor([0, tokens], dtype=torch.int32, device=self.device),
+            torch.tensor([tokens], dtype=torch.int32, device=self.device),
         )
         ids = torch.zeros(tokens, dtype=torch.int64, device=self.device)
         meta = self.ops.prepare(meta, self.block_size)

@@ -52,29 +52,20 @@ class WarmupShapes:
 
 def decode_meta(rows: int, width: int, device: torch.device) -> AttentionMetadata:
     """A decode step of ``rows`` rows that writes nowhere and reads one cached token each."""
-    tables = torch.zeros((rows, width), dtype=torch.int32, device=device)
-    return AttentionMetadata(
-        slot_mapping=torch.full((rows,), -1, dtype=torch.int64, device=device),
-        num_decode_tokens=rows,
-        decode_block_tables=tables,
-        decode_context_lens=torch.ones(rows, dtype=torch.int32, device=device),
-        prefill_block_tables=tables[:0],
-        prefill_cu_seqlens_q=torch.zeros(1, dtype=torch.int32, device=device),
-        prefill_context_lens=torch.zeros(0, dtype=torch.int32, device=device),
+    return AttentionMetadata.decodes(
+        torch.full((rows,), -1, dtype=torch.int64, device=device),
+        torch.zeros((rows, width), dtype=torch.int32, device=device),
+        torch.ones(rows, dtype=torch.int32, device=device),
     )
 
 
 def prefill_meta(tokens: int, width: int, device: torch.device) -> AttentionMetadata:
     """One prompt chunk of ``tokens`` tokens that writes nowhere (its keys: whatever block 0 holds)."""
-    tables = torch.zeros((1, width), dtype=torch.int32, device=device)
-    return AttentionMetadata(
-        slot_mapping=torch.full((tokens,), -1, dtype=torch.int64, device=device),
-        num_decode_tokens=0,
-        decode_block_tables=tables[:0],
-        decode_context_lens=torch.zeros(0, dtype=torch.int32, device=device),
-        prefill_block_tables=tables,
-        prefill_cu_seqlens_q=torch.tensor([0, tokens], dtype=torch.int32, device=device),
-        prefill_context_lens=torch.tensor([tokens], dtype=torch.int32, device=device),
+    return AttentionMetadata.prefills(
+        torch.full((tokens,), -1, dtype=torch.int64, device=device),
+        torch.zeros((1, width), dtype=torch.int32, device=device),
+        torch.tensor([0, tokens], dtype=torch.int32, device=device),
+        torch.tensor([tokens], dtype=torch.int32, device=device),
     )
 
 
