@@ -2,9 +2,36 @@
 
 from __future__ import annotations
 
-from k8s_emulator import wait_for
+import contextlib
+
+import yaml
+from helm_tools import CRD_PATH
+from k8s_emulator import Client, EmulatedCluster, wait_for
+from rbac_policy import RbacPolicy
 
 KIND = "PagedLLM"
+
+
+@contextlib.contextmanager
+def emulated_cluster(policy: RbacPolicy):
+    """A started emulated API server with the PagedLLM CRD that authorizes the operator by ``policy``.
+
+    Fails at the end if the operator was refused anything: the chart must grant what it does.
+    """
+    emulated = EmulatedCluster(policy).start()
+    status, body = Client(emulated.url).request(
+        "POST",
+        "/apis/apiextensions.k8s.io/v1/customresourcedefinitions",
+        yaml.safe_load(CRD_PATH.read_text()),
+        "application/json",
+    )
+    assert status in (200, 201), body
+    try:
+        yield emulated
+    finally:
+        denials = emulated.denials()
+        emulated.stop()
+    assert not denials, "the chart's RBAC refused the operator:\n" + "\n".join(denials)
 
 
 def pagedllm(namespace: str, name: str = "llama", **spec) -> dict:

@@ -42,6 +42,7 @@ import attrs
 import field_ownership
 import kmock
 from kmock._internal import dicts as kmock_dicts
+from rbac_policy import Attributes, RbacPolicy, verb_of
 
 from pagedllm.operator.kube import APPLY_PATCH, RESOURCES
 
@@ -208,12 +209,17 @@ class ApiServer(kmock.KubernetesEmulator):
     _versions: Any = attrs.field(factory=lambda: itertools.count(1), init=False)
     # (METHOD, path prefix) -> (HTTP status, Status message), answered instead of serving.
     refusals: dict[tuple[str, str], tuple[int, str]] = attrs.field(factory=dict, init=False)
+    # What the operator's credentials (OPERATOR_TOKEN) may do; None: anything.
+    policy: RbacPolicy | None = attrs.field(default=None, init=False)
+    # The operator's requests answered 403 by the policy, as "METHOD PATH: why".
+    denials: list[str] = attrs.field(factory=list, init=False)
 
     async def _handle(self, request: kmock.Request):
-        refusal = self._refusal(request)
+        refusal = self._refusal(request) or self._forbidden(request)
         if refusal is not None:
             code, message = refusal
             status = {"kind": "Status", "apiVersion": "v1", "status": "Failure", "message": message, "code": code}
+            status["reason"] = {403: "Forbidden", 409: "Conflict", 422: "Invalid"}.get(code, "")
             return aiohttp.web.json_response(status, status=code)
         if request.resource is not None and isinstance(request.data, dict):
             if request.action == kmock.action.CREATE:
@@ -256,6 +262,30 @@ class ApiServer(kmock.KubernetesEmulator):
         for (refused_method, prefix), answer in list(self.refusals.items()):
             if method == refused_method and path.startswith(prefix):
                 return answer
+        return None
+
+    def _forbidden(self, request: kmock.Request) -> tuple[int, str] | None:
+        """403 where the policy does not allow an operator request (an apply that creates needs create too)."""
+        if self.policy is None or request.headers.get("Authorization") != f"Bearer {OPERATOR_TOKEN}":
+            return None
+        if request.resource is None or request.resource.plural is None:
+            return None  # discovery
+        plural, sub = request.resource.plural, request.subresource
+        attrs = Attributes(
+            verb_of(str(request.method.value), str(request.action.value) if request.action else "", bool(request.name)),
+            request.resource.group or "",
+            f"{plural}/{sub}" if sub else plural,
+            request.namespace,
+            request.name,
+        )
+        key = (request.resource, request.namespace, request.name)
+        creates = key not in self.objects or self.objects[key].deleted
+        applies = attrs.verb == "patch" and self._content_type(request).startswith(APPLY_PATCH)
+        for wanted in [attrs, attrs.as_verb("create")] if applies and creates else [attrs]:
+            if not self.policy.allows(wanted):
+                message = self.policy.refusal(wanted)
+                self.denials.append(f"{request.method.value} {request.url.path}: {message}")
+                return 403, message
         return None
 
     def _stale(self, request: kmock.Request) -> dict | None:
@@ -325,10 +355,20 @@ class ApiServer(kmock.KubernetesEmulator):
             await self._buses[key[0]].put({"type": "ADDED", "object": self.objects[key].raw})
 
 
-class EmulatedCluster:
-    """:class:`ApiServer` on 127.0.0.1 in a background thread; ``url`` once started."""
+# The bearer token of the operator's kubeconfig: requests that carry it are the policy's to allow.
+OPERATOR_TOKEN = "operator-service-account"
 
-    def __init__(self) -> None:
+
+class EmulatedCluster:
+    """:class:`ApiServer` on 127.0.0.1 in a background thread; ``url`` once started.
+
+    With ``policy``, the operator's requests (those with its kubeconfig's token) are
+    authorized against it and answered 403 where it does not allow them; the tests' own
+    requests act as a cluster admin.
+    """
+
+    def __init__(self, policy: RbacPolicy | None = None) -> None:
+        self.policy = policy
         self.url = ""
         self.api: ApiServer | None = None
         self._started = threading.Event()
@@ -363,6 +403,7 @@ class EmulatedCluster:
         async with ApiServer() as api, kmock.Server(api) as server:
             for resource, info in RESOURCE_INFOS.items():
                 api.resources[resource] = info
+            api.policy = self.policy
             self.api, self.url = api, str(server.url).rstrip("/")
             self._started.set()
             await self._stop.wait()
@@ -384,9 +425,14 @@ class EmulatedCluster:
             "kind": "Config",
             "current-context": "emulator",
             "clusters": [{"name": "emulator", "cluster": {"server": self.url}}],
-            "users": [{"name": "tester", "user": {"token": "test-token"}}],
-            "contexts": [{"name": "emulator", "context": {"cluster": "emulator", "user": "tester"}}],
+            "users": [{"name": "operator", "user": {"token": OPERATOR_TOKEN}}],
+            "contexts": [{"name": "emulator", "context": {"cluster": "emulator", "user": "operator"}}],
         }
+
+    def denials(self) -> list[str]:
+        """The operator's requests the policy refused (403), as "METHOD PATH: message"."""
+        assert self.api is not None
+        return list(self.api.denials)
 
     def operator_requests(self) -> list[kmock.Request]:
         """Requests sent by the operator process (kopf's and our client's, not the tests')."""
@@ -426,8 +472,8 @@ CLIENT_AGENT = "pagedllm-tests"
 class Client:
     """Synchronous HTTP calls from the tests to the emulated API."""
 
-    def __init__(self, url: str):
-        self.url = url
+    def __init__(self, url: str, token: str | None = None):
+        self.url, self.token = url, token
 
     def request(
         self, method: str, path: str, body: Any = None, content_type: str = "application/merge-patch+json"
@@ -437,7 +483,8 @@ class Client:
             self.url + path,
             data=data,
             method=method,
-            headers={"Content-Type": content_type, "User-Agent": CLIENT_AGENT},
+            headers={"Content-Type": content_type, "User-Agent": CLIENT_AGENT}
+            | ({"Authorization": f"Bearer {self.token}"} if self.token else {}),
         )
         try:
             with urllib.request.urlopen(req, timeout=10) as response:
