@@ -41,6 +41,7 @@ import aiohttp.web
 import attrs
 import field_ownership
 import kmock
+from api_schemas import ApiSchemas, SchemaError
 from kmock._internal import dicts as kmock_dicts
 from rbac_policy import Attributes, RbacPolicy, verb_of
 
@@ -213,6 +214,9 @@ class ApiServer(kmock.KubernetesEmulator):
     policy: RbacPolicy | None = attrs.field(default=None, init=False)
     # The operator's requests answered 403 by the policy, as "METHOD PATH: why".
     denials: list[str] = attrs.field(factory=list, init=False)
+    # Every write is validated against its kind's schema; the refused ones' messages.
+    schemas: ApiSchemas = attrs.field(factory=ApiSchemas, init=False)
+    invalid_writes: list[str] = attrs.field(factory=list, init=False)
 
     async def _handle(self, request: kmock.Request):
         refusal = self._refusal(request) or self._forbidden(request)
@@ -224,10 +228,18 @@ class ApiServer(kmock.KubernetesEmulator):
         if request.resource is not None and isinstance(request.data, dict):
             if request.action == kmock.action.CREATE:
                 self._stamp_new(request.data)
+                invalid = self._invalid(request, request.data)
+                if invalid is not None:
+                    return invalid
+                if request.resource.plural == "customresourcedefinitions":
+                    self.schemas.learn_crd(request.data)
             elif request.action == kmock.action.UPDATE and request.name is not None:
                 conflict = self._stale(request)
                 if conflict is not None:
                     return aiohttp.web.json_response(conflict, status=409)
+                invalid = self._invalid(request, self._prospective(request))
+                if invalid is not None:
+                    return invalid
                 await self._before_patch(request)
         owner_uid = self._uid_being_deleted(request)
         response = await super()._handle(request)
@@ -286,6 +298,41 @@ class ApiServer(kmock.KubernetesEmulator):
                 message = self.policy.refusal(wanted)
                 self.denials.append(f"{request.method.value} {request.url.path}: {message}")
                 return 403, message
+        return None
+
+    def _prospective(self, request: kmock.Request) -> dict | None:
+        """The object as the patch would leave it (None where there is nothing to patch)."""
+        key = (request.resource, request.namespace, request.name)
+        if key in self.objects and not self.objects[key].deleted:
+            return kmock_dicts.patch_dict(copy.deepcopy(self.objects[key].raw), request.data)
+        applies = request.subresource is None and self._content_type(request).startswith(APPLY_PATCH)
+        return request.data if applies else None
+
+    def _invalid(self, request: kmock.Request, obj: dict | None) -> aiohttp.web.Response | None:
+        """422 Invalid where ``obj`` breaks its kind's schema (unknown fields, wrong types, missing ones)."""
+        if obj is None or request.headers.get(UNCHECKED_HEADER) and request.headers.get("Authorization") is None:
+            return None
+        try:
+            self.schemas.validate(obj)
+        except SchemaError as exc:
+            if exc.args[0] == self._stored_error(request):
+                return None  # ratcheting: an error the stored object already had (an older schema admitted it)
+            kind, name = obj.get("kind", ""), (obj.get("metadata") or {}).get("name", request.name)
+            group = request.resource.group if request.resource is not None else ""
+            message = f"{kind}.{group}".rstrip(".") + f' "{name}" is invalid: {exc}'
+            self.invalid_writes.append(message)
+            status = {"kind": "Status", "apiVersion": "v1", "status": "Failure", "message": message}
+            return aiohttp.web.json_response({**status, "reason": "Invalid", "code": 422}, status=422)
+        return None
+
+    def _stored_error(self, request: kmock.Request) -> str | None:
+        key = (request.resource, request.namespace, request.name)
+        if key not in self.objects or self.objects[key].deleted:
+            return None
+        try:
+            self.schemas.validate(self.objects[key].raw)
+        except SchemaError as exc:
+            return exc.args[0]
         return None
 
     def _stale(self, request: kmock.Request) -> dict | None:
@@ -354,6 +401,9 @@ class ApiServer(kmock.KubernetesEmulator):
             self.objects[key] = copy.deepcopy(data)
             await self._buses[key[0]].put({"type": "ADDED", "object": self.objects[key].raw})
 
+
+# A test's create with this header skips validation: the object stands for one an older schema admitted.
+UNCHECKED_HEADER = "X-Emulator-Unchecked"
 
 # The bearer token of the operator's kubeconfig: requests that carry it are the policy's to allow.
 OPERATOR_TOKEN = "operator-service-account"
@@ -476,7 +526,12 @@ class Client:
         self.url, self.token = url, token
 
     def request(
-        self, method: str, path: str, body: Any = None, content_type: str = "application/merge-patch+json"
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        content_type: str = "application/merge-patch+json",
+        headers: dict[str, str] | None = None,
     ) -> tuple[int, Any]:
         data = json.dumps(body).encode() if body is not None else None
         req = urllib.request.Request(
@@ -484,7 +539,8 @@ class Client:
             data=data,
             method=method,
             headers={"Content-Type": content_type, "User-Agent": CLIENT_AGENT}
-            | ({"Authorization": f"Bearer {self.token}"} if self.token else {}),
+            | ({"Authorization": f"Bearer {self.token}"} if self.token else {})
+            | (headers or {}),
         )
         try:
             with urllib.request.urlopen(req, timeout=10) as response:
@@ -499,9 +555,12 @@ class Client:
             return path
         return f"{path}/{name}/{sub}" if sub else f"{path}/{name}"
 
-    def create(self, obj: dict) -> dict:
+    def create(self, obj: dict, *, unchecked: bool = False) -> dict:
+        """Create ``obj``; ``unchecked``: as an older schema admitted it (the emulator does not validate it)."""
         meta = obj["metadata"]
-        status, body = self.request("POST", self.path(obj["kind"], meta["namespace"]), obj, "application/json")
+        headers = {UNCHECKED_HEADER: "1"} if unchecked else {}
+        path = self.path(obj["kind"], meta["namespace"])
+        status, body = self.request("POST", path, obj, "application/json", headers)
         assert status in (200, 201), (status, body)
         return body
 
