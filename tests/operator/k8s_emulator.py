@@ -382,10 +382,13 @@ class ApiServer(kmock.KubernetesEmulator):
             return old
         applied = request.subresource is None and self._content_type(request).startswith(APPLY_PATCH)
         manager = request.url.query.get("fieldManager") or ("kubectl" if applied else "kubectl-edit")
-        entries, removed = field_ownership.record_write(old, spec, manager, applied, old.get("apiVersion", ""))
+        keys = self.schemas.list_keys(old.get("apiVersion", ""), old.get("kind", ""))
+        entries, removed = field_ownership.record_write(old, spec, manager, applied, old.get("apiVersion", ""), keys)
         new = field_ownership.without(old, removed)
         new.setdefault("metadata", {})["managedFields"] = entries
         self.objects[key] = new
+        if applied:  # keyed lists merge with the items other managers own
+            request.data["spec"] = field_ownership.merge_applied(new.get("spec") or {}, spec, keys)
         return new
 
     @staticmethod
@@ -395,7 +398,9 @@ class ApiServer(kmock.KubernetesEmulator):
     async def _create_by_apply(self, key: tuple, data: dict, manager: str) -> None:
         self._stamp_new(data)
         if isinstance(data.get("spec"), dict):
-            entries, _ = field_ownership.record_write(None, data["spec"], manager, True, data.get("apiVersion", ""))
+            api_version = data.get("apiVersion", "")
+            keys = self.schemas.list_keys(api_version, data.get("kind", ""))
+            entries, _ = field_ownership.record_write(None, data["spec"], manager, True, api_version, keys)
             data["metadata"]["managedFields"] = entries
         async with self._lock:
             self.objects[key] = copy.deepcopy(data)
