@@ -71,12 +71,12 @@ class Scenario:
     def get(self, kind: str, name: str = "llama"):
         return self.api.get(kind, self.ns, name)
 
-    def wait_status(self, check, what: str, name: str = "llama"):
+    def wait_status(self, check, what: str, name: str = "llama", timeout: float = 15):
         def probe():
             obj = self.get(KIND, name)
             return obj if obj and check(obj.get("status") or {}, obj) else None
 
-        return self.wait(probe, what)
+        return self.wait(probe, what, timeout)
 
     def wait_deployment(self, check=lambda d: True, what: str = "the Deployment", name: str = "llama"):
         def probe():

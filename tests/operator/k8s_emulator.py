@@ -27,7 +27,6 @@ from __future__ import annotations
 import asyncio
 import copy
 import datetime
-import itertools
 import json
 import threading
 import time
@@ -41,6 +40,7 @@ import aiohttp.web
 import attrs
 import field_ownership
 import kmock
+from api_chaos import WatchServing
 from api_schemas import ApiSchemas, SchemaError
 from kmock._internal import dicts as kmock_dicts
 from rbac_policy import Attributes, RbacPolicy, verb_of
@@ -204,10 +204,9 @@ _STEM = {
 
 
 @attrs.define(kw_only=True)
-class ApiServer(kmock.KubernetesEmulator):
+class ApiServer(WatchServing):
     """The emulator plus the API-server behaviour listed in the module docstring."""
 
-    _versions: Any = attrs.field(factory=lambda: itertools.count(1), init=False)
     # (METHOD, path prefix) -> (HTTP status, Status message), answered instead of serving.
     refusals: dict[tuple[str, str], tuple[int, str]] = attrs.field(factory=dict, init=False)
     # What the operator's credentials (OPERATOR_TOKEN) may do; None: anything.
@@ -219,6 +218,10 @@ class ApiServer(kmock.KubernetesEmulator):
     invalid_writes: list[str] = attrs.field(factory=list, init=False)
 
     async def _handle(self, request: kmock.Request):
+        if request.headers.get("Authorization") == f"Bearer {OPERATOR_TOKEN}":
+            fault = self.chaos.fault_for(str(request.method.value), request.url.path)
+            if fault is not None:
+                return fault
         refusal = self._refusal(request) or self._forbidden(request)
         if refusal is not None:
             code, message = refusal
@@ -355,7 +358,7 @@ class ApiServer(kmock.KubernetesEmulator):
         now = datetime.datetime.now(datetime.timezone.utc)
         meta.setdefault("creationTimestamp", now.strftime("%Y-%m-%dT%H:%M:%SZ"))
         meta["generation"] = 1
-        meta["resourceVersion"] = str(next(self._versions))
+        meta["resourceVersion"] = self.next_version()
 
     async def _before_patch(self, request: kmock.Request) -> None:
         key = (request.resource, request.namespace, request.name)
@@ -368,7 +371,7 @@ class ApiServer(kmock.KubernetesEmulator):
         old = self.objects[key].raw
         kept = self._record_owners(request, key)
         meta = request.data.setdefault("metadata", {})
-        meta["resourceVersion"] = str(next(self._versions))
+        meta["resourceVersion"] = self.next_version()
         if request.subresource in (None, "scale"):
             new = kmock_dicts.patch_dict(copy.deepcopy(kept), request.data)
             if new.get("spec") != old.get("spec"):
@@ -467,6 +470,21 @@ class EmulatedCluster:
         """Answer ``method`` calls under ``path_prefix`` with ``status`` and ``message`` from now on."""
         assert self.api is not None
         self.api.refusals[(method, path_prefix)] = (status, message)
+
+    def fail_next(self, count: int, code: int, method: str | None = None, path_prefix: str = "") -> None:
+        """Answer the operator's next ``count`` requests (``method`` under ``path_prefix``) with ``code``."""
+        assert self.api is not None
+        self.api.chaos.fail_next(count, code, method, path_prefix)
+
+    def drop_watches(self) -> None:
+        """End every open watch stream now."""
+        assert self.api is not None and self._loop is not None
+        asyncio.run_coroutine_threadsafe(self.api.drop_watches(), self._loop).result(timeout=10)
+
+    def expire_versions(self) -> None:
+        """Make every resourceVersion given out so far too old: watches from them get 410 Gone."""
+        assert self.api is not None
+        self.api.chaos.oldest_valid = int(self.api.next_version())
 
     def install(self, resources: dict[str, kmock.ResourceInfo]) -> None:
         """Serve more kinds from now on, as installing their CRDs would (API discovery included)."""
