@@ -75,6 +75,21 @@ def _vendored_crds() -> dict[tuple[str, str], dict]:
     return out
 
 
+def prune(schema: dict, value: Any) -> Any:
+    """``value`` without the fields a structural schema does not declare (the API server's pruning)."""
+    if schema.get("x-kubernetes-preserve-unknown-fields"):
+        return value
+    if isinstance(value, dict):
+        if "properties" in schema:
+            return {k: prune(schema["properties"][k], v) for k, v in value.items() if k in schema["properties"]}
+        if isinstance(schema.get("additionalProperties"), dict):
+            return {k: prune(schema["additionalProperties"], v) for k, v in value.items()}
+        return value
+    if isinstance(value, list) and isinstance(schema.get("items"), dict):
+        return [prune(schema["items"], item) for item in value]
+    return value
+
+
 def crd_versions(crd: dict) -> dict[tuple[str, str], dict]:
     """(apiVersion, kind) -> openAPIV3Schema of every version a CRD serves."""
     group, kind = crd["spec"]["group"], crd["spec"]["names"]["kind"]
@@ -96,6 +111,27 @@ class ApiSchemas:
 
     def crd_schema(self, api_version: str, kind: str) -> dict | None:
         return self.crds.get((api_version, kind)) or _vendored_crds().get((api_version, kind))
+
+    def admit(self, obj: dict, field_validation: str = "Strict") -> dict:
+        """``obj`` as the API server stores it, or :class:`SchemaError`.
+
+        For the kinds of CRDs created in the emulator (the PagedLLM CRD), as the API server
+        treats a structural schema: unknown fields pruned (``fieldValidation=Ignore|Warn``;
+        ``Strict``, the default here as with kubectl, refuses them), ``default`` values filled
+        in, then the schema and its ``x-kubernetes-validations`` CEL rules checked. Other kinds
+        are checked only.
+        """
+        crd = self.crds.get((obj.get("apiVersion", ""), obj.get("kind", "")))
+        if crd is not None:
+            if field_validation in ("Ignore", "Warn"):
+                obj = {**obj, **{k: prune(crd["properties"][k], v) for k, v in obj.items() if k in ("spec", "status")}}
+            obj = crd_jsonschema.apply_defaults(crd, obj)
+        self.validate(obj)
+        if crd is not None:
+            failed = crd_jsonschema.failed_cel_rules(crd, obj, required=False)
+            if failed:
+                raise SchemaError(f'<root>: Invalid value: "object": {failed[0]}')
+        return obj
 
     def validate(self, obj: dict) -> None:
         """Raise :class:`SchemaError` where ``obj`` breaks its kind's schema; a kind without one passes."""

@@ -234,6 +234,7 @@ class ApiServer(WatchServing):
                 invalid = self._invalid(request, request.data)
                 if invalid is not None:
                     return invalid
+                self._default(request, request.data)
                 if request.resource.plural == "customresourcedefinitions":
                     self.schemas.learn_crd(request.data)
             elif request.action == kmock.action.UPDATE and request.name is not None:
@@ -244,6 +245,7 @@ class ApiServer(WatchServing):
                 if invalid is not None:
                     return invalid
                 await self._before_patch(request)
+                self._default_patch(request)
         owner_uid = self._uid_being_deleted(request)
         response = await super()._handle(request)
         if owner_uid is not None and response.status == 200:
@@ -311,12 +313,35 @@ class ApiServer(WatchServing):
         applies = request.subresource is None and self._content_type(request).startswith(APPLY_PATCH)
         return request.data if applies else None
 
+    def _default(self, request: kmock.Request, data: dict) -> None:
+        """``data`` (a create's object) pruned and defaulted in place, as it is stored."""
+        try:
+            admitted = self.schemas.admit(data, request.params.get("fieldValidation", "Strict"))
+        except SchemaError:  # admitted unchecked (_invalid decided): stored as given
+            return
+        if admitted is not data:
+            data.clear()
+            data.update(admitted)
+
+    def _default_patch(self, request: kmock.Request) -> None:
+        """A patch of ``spec`` made to leave the stored ``spec`` pruned and defaulted."""
+        key = (request.resource, request.namespace, request.name)
+        if request.subresource is not None or key not in self.objects or self.objects[key].deleted:
+            return
+        merged = kmock_dicts.patch_dict(copy.deepcopy(self.objects[key].raw), request.data)
+        try:
+            admitted = self.schemas.admit(merged, request.params.get("fieldValidation", "Strict"))
+        except SchemaError:  # an error the stored object already had (ratcheting): left as it is
+            return
+        if admitted is not merged and "spec" in admitted:
+            request.data["spec"] = admitted["spec"]
+
     def _invalid(self, request: kmock.Request, obj: dict | None) -> aiohttp.web.Response | None:
         """422 Invalid where ``obj`` breaks its kind's schema (unknown fields, wrong types, missing ones)."""
         if obj is None or request.headers.get(UNCHECKED_HEADER) and request.headers.get("Authorization") is None:
             return None
         try:
-            self.schemas.validate(obj)
+            self.schemas.admit(obj, request.params.get("fieldValidation", "Strict"))
         except SchemaError as exc:
             if exc.args[0] == self._stored_error(request):
                 return None  # ratcheting: an error the stored object already had (an older schema admitted it)
@@ -333,7 +358,7 @@ class ApiServer(WatchServing):
         if key not in self.objects or self.objects[key].deleted:
             return None
         try:
-            self.schemas.validate(self.objects[key].raw)
+            self.schemas.admit(self.objects[key].raw)
         except SchemaError as exc:
             return exc.args[0]
         return None

@@ -92,3 +92,31 @@ def test_two_appliers_merge_containers_by_name(api):
     assert api.request("PATCH", f"{path}?fieldManager=mesh", alone, APPLY)[0] == 200
     (server,) = api.get("Deployment", NS, "merged")["spec"]["template"]["spec"]["containers"]
     assert server["name"] == "server" and server["image"] == "v2"
+
+
+PAGEDLLMS = f"/apis/pagedllm.dev/v1alpha1/namespaces/{NS}/pagedllms"
+
+
+def test_pagedllms_are_defaulted_on_create_and_on_patch(api):
+    created = api.create(pagedllm(NS, "defaulted"))
+    assert (created["spec"]["blockSize"], created["spec"]["port"]) == (16, 8000)
+    assert api.get("PagedLLM", NS, "defaulted")["spec"]["networkPolicy"] == {"enabled": True}
+    patched = api.patch("PagedLLM", NS, "defaulted", {"spec": {"modelCache": {"size": "1Gi"}}})
+    assert patched["spec"]["modelCache"]["retainPolicy"] == "Retain"
+
+
+def test_unknown_pagedllm_fields_are_pruned_when_asked_and_refused_by_default(api):
+    typo = pagedllm(NS, "pruned", blokSize=32)
+    assert api.request("POST", PAGEDLLMS, typo, "application/json")[0] == 422
+    status, body = api.request("POST", f"{PAGEDLLMS}?fieldValidation=Ignore", typo, "application/json")
+    assert status in (200, 201) and "blokSize" not in body["spec"] and body["spec"]["blockSize"] == 16
+
+
+def test_pagedllm_cel_rules_refuse_what_they_say(api):
+    public = pagedllm(NS, "public", serviceType="LoadBalancer")
+    status, body = api.request("POST", PAGEDLLMS, public, "application/json")
+    assert status == 422 and "apiKeySecret" in body["message"]
+    scaling = {"minReplicas": 1, "maxReplicas": 3, "metric": "kvCache", "target": 0.7}
+    api.create(pagedllm(NS, "scaled", autoscaling=scaling))
+    status, body = api.request("PATCH", f"{PAGEDLLMS}/scaled", {"spec": {"replicas": 2}})
+    assert status == 422 and "replicas and autoscaling exclude each other" in body["message"]
