@@ -105,9 +105,11 @@ class ApiSchemas:
 
     def __init__(self) -> None:
         self.crds: dict[tuple[str, str], dict] = {}
+        self._crd_keys: dict[tuple[str, str], dict[Path_, tuple[str, ...]]] = {}
 
     def learn_crd(self, crd: dict) -> None:
         self.crds.update(crd_versions(crd))
+        self._crd_keys.clear()
 
     def crd_schema(self, api_version: str, kind: str) -> dict | None:
         return self.crds.get((api_version, kind)) or _vendored_crds().get((api_version, kind))
@@ -154,7 +156,9 @@ class ApiSchemas:
         """Path of each keyed list of the kind -> its keys (``("spec", "template", ..., "containers")``)."""
         crd = self.crd_schema(api_version, kind)
         if crd is not None:
-            return _keys_of(crd, {}, ())
+            if (api_version, kind) not in self._crd_keys:
+                self._crd_keys[(api_version, kind)] = _keys_of(crd, {}, ())
+            return self._crd_keys[(api_version, kind)]
         found = _builtin(api_version, kind)
         return {} if found is None else _builtin_keys(api_version, kind)
 
