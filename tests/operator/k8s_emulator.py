@@ -334,7 +334,7 @@ class ApiServer(WatchServing):
         except SchemaError:  # an error the stored object already had (ratcheting): left as it is
             return
         if admitted is not merged and "spec" in admitted:
-            request.data["spec"] = admitted["spec"]
+            request.data["spec"] = merge_patch(self.objects[key].raw.get("spec") or {}, admitted["spec"])
 
     def _invalid(self, request: kmock.Request, obj: dict | None) -> aiohttp.web.Response | None:
         """422 Invalid where ``obj`` breaks its kind's schema (unknown fields, wrong types, missing ones)."""
@@ -433,6 +433,17 @@ class ApiServer(WatchServing):
         async with self._lock:
             self.objects[key] = copy.deepcopy(data)
             await self._buses[key[0]].put({"type": "ADDED", "object": self.objects[key].raw})
+
+
+def merge_patch(old: Any, new: Any) -> Any:
+    """The JSON merge patch that turns ``old`` into ``new`` (``None`` deletes a field)."""
+    if not (isinstance(old, dict) and isinstance(new, dict)):
+        return copy.deepcopy(new)
+    patch = {key: None for key in old if key not in new}
+    for key, value in new.items():
+        if key not in old or old[key] != value:
+            patch[key] = merge_patch(old.get(key), value)
+    return patch
 
 
 # A test's create with this header skips validation: the object stands for one an older schema admitted.

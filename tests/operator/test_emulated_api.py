@@ -120,3 +120,10 @@ def test_pagedllm_cel_rules_refuse_what_they_say(api):
     api.create(pagedllm(NS, "scaled", autoscaling=scaling))
     status, body = api.request("PATCH", f"{PAGEDLLMS}/scaled", {"spec": {"replicas": 2}})
     assert status == 422 and "replicas and autoscaling exclude each other" in body["message"]
+
+
+def test_a_merge_patch_that_removes_a_pagedllm_field_removes_it(api):
+    api.create(pagedllm(NS, "unscaled", replicas=3))
+    scaling = {"minReplicas": 1, "maxReplicas": 3, "metric": "kvCache", "target": 0.7}
+    patched = api.patch("PagedLLM", NS, "unscaled", {"spec": {"replicas": None, "autoscaling": scaling}})
+    assert "replicas" not in patched["spec"] and patched["spec"]["autoscaling"]["minReplicas"] == 1
