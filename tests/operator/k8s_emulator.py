@@ -9,17 +9,34 @@ things a real API server does and kmock does not, which :class:`ApiServer` adds:
 - a patch that carries a stale ``metadata.resourceVersion`` is refused (409 Conflict);
 - server-side apply (``application/apply-patch+yaml``) of a missing object creates it, and
   every write of ``spec`` keeps its field managers' ownership in ``metadata.managedFields``:
-  a field an applier stops applying is removed unless another manager owns it
-  (:mod:`field_ownership`);
+  a field an applier stops applying is removed unless another manager owns it, and lists
+  with keys (containers, env, ports, volumes, ... by the schemas' list-map keys) merge item
+  by item (:mod:`field_ownership`);
+- every write is checked against its kind's schema, the Kubernetes OpenAPI schemas of
+  ``kubernetes-validate`` or the CRD's, and refused with 422 Invalid (unknown fields, wrong
+  types, missing required fields: ``fieldValidation=Strict``); PagedLLMs are also pruned
+  (``fieldValidation=Ignore|Warn``), defaulted and checked against the CRD's CEL rules
+  (:mod:`api_schemas`). An update may keep an error the stored object already had
+  (validation ratcheting), and a test can store an object as an older schema admitted it
+  (``Client.create(..., unchecked=True)``);
+- RBAC: with a policy (:mod:`rbac_policy`, the chart's rendered roles), every request of
+  the operator (its kubeconfig's token) is authorized by verb, group, resource, namespace
+  and name, and answered 403 Forbidden where the roles do not allow it; an apply that
+  creates needs ``create`` too. Refusals are kept (:meth:`EmulatedCluster.denials`);
 - garbage collection: deleting an object deletes the objects whose owner references name
-  its uid (and theirs, in turn), as the API server's collector does in the background.
+  its uid (and theirs, in turn), as the API server's collector does in the background;
+- trouble on demand (:mod:`api_chaos`): 409/429/5xx answers to the operator's next
+  requests, watch streams cut, 410 Gone on a watch from an expired resourceVersion.
 
-Tests can also make it refuse calls (:meth:`EmulatedCluster.refuse`), as an API server
-without the RBAC grant (403) or with an immutable field (422) would.
+Tests can also make it refuse calls (:meth:`EmulatedCluster.refuse`), as an admission
+webhook or an immutable field would.
 
 The server runs on its own event loop in a thread, so the operator (a subprocess) and
-the synchronous tests both talk to it over HTTP. Known gaps, harmless here: no schema
-validation or defaulting; apart from the removal of dropped fields, an apply merges.
+the synchronous tests both talk to it over HTTP. Known gaps: no admission beyond the
+schemas, no defaulting of built-in kinds, no ``fieldValidation=Warn`` warning header,
+KEDA's ScaledObject, the InferencePool and the PodMonitor are checked against the
+project's own JSON Schemas (no package registry ships their CRDs' YAML), and ownership
+is tracked for ``spec`` only.
 """
 
 from __future__ import annotations
