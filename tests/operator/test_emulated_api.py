@@ -6,7 +6,7 @@ import pytest
 import yaml
 from emulated_scenario import pagedllm
 from helm_tools import CRD_PATH
-from k8s_emulator import Client, EmulatedCluster
+from k8s_emulator import OPTIONAL_RESOURCE_INFOS, Client, EmulatedCluster
 
 NS = "ml"
 APPLY = "application/apply-patch+yaml"
@@ -16,6 +16,7 @@ DEPLOYMENTS = f"/apis/apps/v1/namespaces/{NS}/deployments"
 @pytest.fixture(scope="module")
 def api():
     emulated = EmulatedCluster().start()
+    emulated.install(OPTIONAL_RESOURCE_INFOS)  # KEDA's, the LeaderWorkerSet's ... CRDs
     client = Client(emulated.url)
     status, body = client.request(
         "POST", "/apis/apiextensions.k8s.io/v1/customresourcedefinitions", yaml.safe_load(CRD_PATH.read_text())
@@ -127,3 +128,23 @@ def test_a_merge_patch_that_removes_a_pagedllm_field_removes_it(api):
     scaling = {"minReplicas": 1, "maxReplicas": 3, "metric": "kvCache", "target": 0.7}
     patched = api.patch("PagedLLM", NS, "unscaled", {"spec": {"replicas": None, "autoscaling": scaling}})
     assert "replicas" not in patched["spec"] and patched["spec"]["autoscaling"]["minReplicas"] == 1
+
+
+@pytest.mark.parametrize(
+    ("path", "obj"),
+    [
+        (
+            f"/apis/keda.sh/v1alpha1/namespaces/{NS}/scaledobjects",
+            {"apiVersion": "keda.sh/v1alpha1", "kind": "ScaledObject", "metadata": {"name": "s"},
+             "spec": {"scaleTargetRef": {"name": "llama"}, "triggers": [], "maxReplicaCont": 3}},
+        ),
+        (
+            f"/apis/leaderworkerset.x-k8s.io/v1/namespaces/{NS}/leaderworkersets",
+            {"apiVersion": "leaderworkerset.x-k8s.io/v1", "kind": "LeaderWorkerSet", "metadata": {"name": "l"},
+             "spec": {"replicas": "one"}},
+        ),
+    ],
+)  # fmt: skip
+def test_writes_of_other_projects_kinds_are_checked_too(api, path, obj):
+    status, body = api.request("POST", path, obj, "application/json")
+    assert status == 422, body
