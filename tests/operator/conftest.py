@@ -16,10 +16,13 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).parent))  # the helper modules, whatever pytest's import mode
 
-from emulated_scenario import Scenario  # noqa: E402
+from emulated_scenario import Scenario, emulated_cluster  # noqa: E402
 from helm_tools import CHART_DIR, CRD_PATH, INSTALL_SCRIPT, TOOLS_BIN, run_helm  # noqa: E402
-from k8s_emulator import Client, EmulatedCluster  # noqa: E402
+from k8s_emulator import Client  # noqa: E402
 from operator_process import running_operator  # noqa: E402
+from rbac_policy import RbacPolicy  # noqa: E402
+
+RELEASE_NAMESPACE = "pagedllm-system"
 
 
 @pytest.fixture(scope="session")
@@ -52,25 +55,27 @@ def helm_template(helm):
     """``helm template`` of the chart with extra flags (``--set k=v``) -> the documents."""
 
     def template(*flags: str) -> list[dict]:
-        out = run_helm(helm, "template", "rel", str(CHART_DIR), "--namespace", "pagedllm-system", *flags)
+        out = run_helm(helm, "template", "rel", str(CHART_DIR), "--namespace", RELEASE_NAMESPACE, *flags)
         return [doc for doc in yaml.safe_load_all(out) if doc]
 
     return template
 
 
+@pytest.fixture(scope="session")
+def chart_policy(helm_template):
+    """``(*helm flags) -> RbacPolicy``: what the chart's roles let its service account do."""
+
+    def policy(*flags: str) -> RbacPolicy:
+        return RbacPolicy.of_chart(helm_template("--set", "clusterWide=true", *flags), RELEASE_NAMESPACE)
+
+    return policy
+
+
 @pytest.fixture(scope="module")
-def cluster():
-    """An emulated API server with the PagedLLM CRD, one per test module."""
-    emulated = EmulatedCluster().start()
-    status, body = Client(emulated.url).request(
-        "POST",
-        "/apis/apiextensions.k8s.io/v1/customresourcedefinitions",
-        yaml.safe_load(CRD_PATH.read_text()),
-        "application/json",
-    )
-    assert status in (200, 201), body
-    yield emulated
-    emulated.stop()
+def cluster(chart_policy):
+    """An emulated API server with the PagedLLM CRD and the chart's RBAC, one per test module."""
+    with emulated_cluster(chart_policy()) as emulated:
+        yield emulated
 
 
 @pytest.fixture(scope="module")

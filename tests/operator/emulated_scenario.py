@@ -2,9 +2,36 @@
 
 from __future__ import annotations
 
-from k8s_emulator import wait_for
+import contextlib
+
+import yaml
+from helm_tools import CRD_PATH
+from k8s_emulator import Client, EmulatedCluster, wait_for
+from rbac_policy import RbacPolicy
 
 KIND = "PagedLLM"
+
+
+@contextlib.contextmanager
+def emulated_cluster(policy: RbacPolicy):
+    """A started emulated API server with the PagedLLM CRD that authorizes the operator by ``policy``.
+
+    Fails at the end if the operator was refused anything: the chart must grant what it does.
+    """
+    emulated = EmulatedCluster(policy).start()
+    status, body = Client(emulated.url).request(
+        "POST",
+        "/apis/apiextensions.k8s.io/v1/customresourcedefinitions",
+        yaml.safe_load(CRD_PATH.read_text()),
+        "application/json",
+    )
+    assert status in (200, 201), body
+    try:
+        yield emulated
+    finally:
+        denials = emulated.denials()
+        emulated.stop()
+    assert not denials, "the chart's RBAC refused the operator:\n" + "\n".join(denials)
 
 
 def pagedllm(namespace: str, name: str = "llama", **spec) -> dict:
@@ -44,12 +71,12 @@ class Scenario:
     def get(self, kind: str, name: str = "llama"):
         return self.api.get(kind, self.ns, name)
 
-    def wait_status(self, check, what: str, name: str = "llama"):
+    def wait_status(self, check, what: str, name: str = "llama", timeout: float = 15):
         def probe():
             obj = self.get(KIND, name)
             return obj if obj and check(obj.get("status") or {}, obj) else None
 
-        return self.wait(probe, what)
+        return self.wait(probe, what, timeout)
 
     def wait_deployment(self, check=lambda d: True, what: str = "the Deployment", name: str = "llama"):
         def probe():

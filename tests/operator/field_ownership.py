@@ -8,24 +8,53 @@ What the operator's replica hand-over depends on, as the API server does it:
 - a field a manager sets is taken from every other manager (an apply is always forced here,
   as the operator's are; an update always takes the field);
 - a field that an ``Apply`` manager set before and no longer applies is removed from the
-  object, unless another manager still owns it.
+  object, unless another manager still owns it;
+- lists the schema marks ``x-kubernetes-list-type: map`` (containers, env, ports, volumes,
+  ... by their ``x-kubernetes-list-map-keys``) are merged item by item: each item is owned
+  as ``k:{"name":"server"}`` with a ``.`` entry of its own, an apply merges its items into
+  the list (:func:`merge_applied`) and removes only the items it dropped that nobody else
+  owns a field of. Other lists are single fields (atomic), replaced by each write.
 
-Lists are single fields (atomic), where the API server merges some by their keys; that only
-matters to an apply that drops one item of a list another manager added to.
+``keys`` maps a keyed list's path from the object's root (``("spec", "template", "spec",
+"containers")``, ``"[]"`` standing for the items of an outer list) to its key fields, as
+:meth:`api_schemas.ApiSchemas.list_keys` gives them.
 """
 
 from __future__ import annotations
 
 import copy
+import json
 from typing import Any
 
 Path = tuple[str, ...]
+Keys = dict[Path, tuple[str, ...]]
+ITEM = "."  # the entry that owns a keyed list item itself
 
 
-def leaf_paths(value: Any, prefix: Path = ()) -> set[Path]:
-    """The leaf fields of a (nested) mapping; lists and scalars are leaves."""
+def item_key(item: dict, keys: tuple[str, ...]) -> str:
+    return "k:" + json.dumps({k: item[k] for k in keys if k in item}, separators=(",", ":"))
+
+
+def _keyed(value: Any, schema_path: Path, keys: Keys) -> tuple[str, ...] | None:
+    wanted = keys.get(schema_path)
+    if wanted and isinstance(value, list) and all(isinstance(i, dict) for i in value):
+        return wanted
+    return None
+
+
+def leaf_paths(value: Any, prefix: Path = (), keys: Keys | None = None, schema_path: Path = ("spec",)) -> set[Path]:
+    """The leaf fields of a (nested) mapping; keyed list items are owned one by one, other lists are leaves."""
+    keys = keys or {}
     if isinstance(value, dict) and value:
-        return {p for key, sub in value.items() for p in leaf_paths(sub, (*prefix, key))}
+        return {p for key, sub in value.items() for p in leaf_paths(sub, (*prefix, key), keys, (*schema_path, key))}
+    item_keys = _keyed(value, schema_path, keys)
+    if item_keys and value:
+        out: set[Path] = set()
+        for item in value:
+            at = (*prefix, item_key(item, item_keys))
+            out.add((*at, ITEM))
+            out |= leaf_paths(item, at, keys, (*schema_path, "[]")) if item else set()
+        return out
     return {prefix} if prefix else set()
 
 
@@ -34,14 +63,20 @@ def to_fields_v1(paths: set[Path]) -> dict:
     for path in paths:
         node = tree
         for key in path:
-            node = node.setdefault(f"f:{key}", {})
+            node = node.setdefault(key if key.startswith("k:") or key == ITEM else f"f:{key}", {})
     return tree
 
 
 def from_fields_v1(tree: dict, prefix: Path = ()) -> set[Path]:
     if not tree:
         return {prefix} if prefix else set()
-    return {p for key, sub in tree.items() if key.startswith("f:") for p in from_fields_v1(sub, (*prefix, key[2:]))}
+    out: set[Path] = set()
+    for key, sub in tree.items():
+        if key == ITEM or key.startswith("k:"):
+            out |= from_fields_v1(sub, (*prefix, key))
+        elif key.startswith("f:"):
+            out |= from_fields_v1(sub, (*prefix, key[2:]))
+    return out
 
 
 def owned(entries: list[dict]) -> dict[tuple[str, str], set[Path]]:
@@ -54,18 +89,24 @@ def owned(entries: list[dict]) -> dict[tuple[str, str], set[Path]]:
 
 
 def record_write(
-    old: dict | None, written_spec: dict, manager: str, apply: bool, api_version: str
+    old: dict | None, written_spec: dict, manager: str, apply: bool, api_version: str, keys: Keys | None = None
 ) -> tuple[list[dict], list[Path]]:
     """The object's new ``managedFields`` after ``manager`` wrote ``written_spec``, and the spec paths to
     remove from the object (an applier's dropped fields nobody else owns)."""
     before = owned(((old or {}).get("metadata") or {}).get("managedFields") or [])
-    written = leaf_paths(written_spec)
+    written = leaf_paths(written_spec, keys=keys)
     key = (manager, "Apply" if apply else "Update")
     dropped = before.get(key, set()) - written if apply else set()
-    after = {k: {p for p in paths if not _covers(written, p)} for k, paths in before.items() if k != key}
+    # A scalar or atomic list takes what was under it; an empty mapping only itself.
+    taking = written - _empty_maps(written_spec)
+    after = {
+        k: {p for p in paths if not _covers(taking, p) and p not in written} for k, paths in before.items() if k != key
+    }
     after[key] = written if apply else before.get(key, set()) | written
     still = set().union(*after.values()) if after else set()
-    removed = [p for p in dropped if not any(_covers({q}, p) or _covers({p}, q) for q in still)]
+    # Mappings owned as such (an applied ``{}``) hold nothing under them.
+    still_covering = still - _empty_maps(written_spec) - {q for q in still if _is_map((old or {}).get("spec"), q)}
+    removed = [p for p in dropped if not _still_needed(p, still, still_covering)]
     entries = [
         {
             "manager": manager,
@@ -80,6 +121,34 @@ def record_write(
     return entries, removed
 
 
+def _empty_maps(value: Any, prefix: Path = ()) -> set[Path]:
+    if isinstance(value, dict):
+        if not value:
+            return {prefix} if prefix else set()
+        return {p for key, sub in value.items() for p in _empty_maps(sub, (*prefix, key))}
+    return set()
+
+
+def _is_map(spec: Any, path: Path) -> bool:
+    node = spec
+    for key in path:
+        if isinstance(node, list) and key.startswith("k:"):
+            index = _find(node, key)
+            node = None if index is None else node[index]
+        elif isinstance(node, dict):
+            node = node.get(key)
+        else:
+            return False
+    return isinstance(node, dict)
+
+
+def _still_needed(path: Path, still: set[Path], covering: set[Path]) -> bool:
+    """Whether another manager owns ``path``, a field inside it or around it, or (for an item) anything in it."""
+    if path[-1] == ITEM:
+        return any(q[: len(path) - 1] == path[:-1] for q in still)
+    return _covers(covering, path) or any(_covers({path}, q) for q in still)
+
+
 def _covers(paths: set[Path], path: Path) -> bool:
     """Whether ``path`` is one of ``paths`` or inside one of them."""
     return any(path[: len(p)] == p for p in paths)
@@ -88,17 +157,61 @@ def _covers(paths: set[Path], path: Path) -> bool:
 def without(obj: dict, paths: list[Path]) -> dict:
     """``obj`` with the ``spec`` leaf ``paths`` removed (and mappings they leave empty)."""
     obj = copy.deepcopy(obj)
-    for path in paths:
+    # Whole items first (what was inside them goes with them); an item's key fields go only with it.
+    for path in sorted(paths, key=lambda p: (p[-1] != ITEM, -len(p))):
+        if len(path) > 1 and path[-2].startswith("k:") and path[-1] in json.loads(path[-2][2:]):
+            continue
         _remove(obj.get("spec") or {}, path)
     return obj
 
 
-def _remove(node: dict, path: Path) -> None:
-    if len(path) == 1:
-        node.pop(path[0], None)
+def _find(items: list, key: str) -> int | None:
+    wanted = json.loads(key[2:])
+    for index, item in enumerate(items):
+        if isinstance(item, dict) and all(item.get(k) == v for k, v in wanted.items()):
+            return index
+    return None
+
+
+def _remove(node: Any, path: Path) -> None:
+    head, rest = path[0], path[1:]
+    if isinstance(node, list):
+        index = _find(node, head) if head.startswith("k:") else None
+        if index is None:
+            return
+        if rest == (ITEM,):
+            node.pop(index)
+            return
+        _remove(node[index], rest)
         return
-    child = node.get(path[0])
-    if isinstance(child, dict):
-        _remove(child, path[1:])
-        if not child:
-            node.pop(path[0], None)
+    if not isinstance(node, dict):
+        return
+    if not rest:
+        node.pop(head, None)
+        return
+    child = node.get(head)
+    _remove(child, rest)
+    if child in ({}, []):
+        node.pop(head, None)
+
+
+def merge_applied(old: Any, applied: Any, keys: Keys, schema_path: Path = ("spec",)) -> Any:
+    """``applied`` merged into ``old`` as server-side apply does: mappings field by field, keyed lists item
+    by item (items the apply leaves out stay, for :func:`record_write`'s removal to judge), other lists
+    and scalars replaced."""
+    if isinstance(old, dict) and isinstance(applied, dict):
+        merged = copy.deepcopy(old)
+        for name, value in applied.items():
+            merged[name] = merge_applied(old.get(name), value, keys, (*schema_path, name))
+        return merged
+    item_keys = _keyed(applied, schema_path, keys)
+    if item_keys and isinstance(old, list):
+        merged_items = copy.deepcopy(old)
+        for item in applied:
+            index = _find(merged_items, item_key(item, item_keys))
+            if index is None:
+                merged_items.append(copy.deepcopy(item))
+            else:
+                merged_items[index] = merge_applied(merged_items[index], item, keys, (*schema_path, "[]"))
+        return merged_items
+    return copy.deepcopy(applied)

@@ -9,17 +9,34 @@ things a real API server does and kmock does not, which :class:`ApiServer` adds:
 - a patch that carries a stale ``metadata.resourceVersion`` is refused (409 Conflict);
 - server-side apply (``application/apply-patch+yaml``) of a missing object creates it, and
   every write of ``spec`` keeps its field managers' ownership in ``metadata.managedFields``:
-  a field an applier stops applying is removed unless another manager owns it
-  (:mod:`field_ownership`);
+  a field an applier stops applying is removed unless another manager owns it, and lists
+  with keys (containers, env, ports, volumes, ... by the schemas' list-map keys) merge item
+  by item (:mod:`field_ownership`);
+- every write is checked against its kind's schema, the Kubernetes OpenAPI schemas of
+  ``kubernetes-validate`` or the CRD's, and refused with 422 Invalid (unknown fields, wrong
+  types, missing required fields: ``fieldValidation=Strict``); PagedLLMs are also pruned
+  (``fieldValidation=Ignore|Warn``), defaulted and checked against the CRD's CEL rules
+  (:mod:`api_schemas`). An update may keep an error the stored object already had
+  (validation ratcheting), and a test can store an object as an older schema admitted it
+  (``Client.create(..., unchecked=True)``);
+- RBAC: with a policy (:mod:`rbac_policy`, the chart's rendered roles), every request of
+  the operator (its kubeconfig's token) is authorized by verb, group, resource, namespace
+  and name, and answered 403 Forbidden where the roles do not allow it; an apply that
+  creates needs ``create`` too. Refusals are kept (:meth:`EmulatedCluster.denials`);
 - garbage collection: deleting an object deletes the objects whose owner references name
-  its uid (and theirs, in turn), as the API server's collector does in the background.
+  its uid (and theirs, in turn), as the API server's collector does in the background;
+- trouble on demand (:mod:`api_chaos`): 409/429/5xx answers to the operator's next
+  requests, watch streams cut, 410 Gone on a watch from an expired resourceVersion.
 
-Tests can also make it refuse calls (:meth:`EmulatedCluster.refuse`), as an API server
-without the RBAC grant (403) or with an immutable field (422) would.
+Tests can also make it refuse calls (:meth:`EmulatedCluster.refuse`), as an admission
+webhook or an immutable field would.
 
 The server runs on its own event loop in a thread, so the operator (a subprocess) and
-the synchronous tests both talk to it over HTTP. Known gaps, harmless here: no schema
-validation or defaulting; apart from the removal of dropped fields, an apply merges.
+the synchronous tests both talk to it over HTTP. Known gaps: no admission beyond the
+schemas, no defaulting of built-in kinds, no ``fieldValidation=Warn`` warning header,
+KEDA's ScaledObject, the InferencePool and the PodMonitor are checked against the
+project's own JSON Schemas (no package registry ships their CRDs' YAML), and ownership
+is tracked for ``spec`` only.
 """
 
 from __future__ import annotations
@@ -27,7 +44,6 @@ from __future__ import annotations
 import asyncio
 import copy
 import datetime
-import itertools
 import json
 import threading
 import time
@@ -41,7 +57,9 @@ import aiohttp.web
 import attrs
 import field_ownership
 import kmock
+from api_admission import OPERATOR_TOKEN, UNCHECKED_HEADER, Admission
 from kmock._internal import dicts as kmock_dicts
+from rbac_policy import RbacPolicy
 
 from pagedllm.operator.kube import APPLY_PATCH, RESOURCES
 
@@ -202,27 +220,41 @@ _STEM = {
 
 
 @attrs.define(kw_only=True)
-class ApiServer(kmock.KubernetesEmulator):
+class ApiServer(Admission):
     """The emulator plus the API-server behaviour listed in the module docstring."""
 
-    _versions: Any = attrs.field(factory=lambda: itertools.count(1), init=False)
     # (METHOD, path prefix) -> (HTTP status, Status message), answered instead of serving.
     refusals: dict[tuple[str, str], tuple[int, str]] = attrs.field(factory=dict, init=False)
 
     async def _handle(self, request: kmock.Request):
-        refusal = self._refusal(request)
+        if request.headers.get("Authorization") == f"Bearer {OPERATOR_TOKEN}":
+            fault = self.chaos.fault_for(str(request.method.value), request.url.path)
+            if fault is not None:
+                return fault
+        refusal = self._refusal(request) or self._forbidden(request)
         if refusal is not None:
             code, message = refusal
             status = {"kind": "Status", "apiVersion": "v1", "status": "Failure", "message": message, "code": code}
+            status["reason"] = {403: "Forbidden", 409: "Conflict", 422: "Invalid"}.get(code, "")
             return aiohttp.web.json_response(status, status=code)
         if request.resource is not None and isinstance(request.data, dict):
             if request.action == kmock.action.CREATE:
                 self._stamp_new(request.data)
+                invalid = self._invalid(request, request.data)
+                if invalid is not None:
+                    return invalid
+                self._default(request, request.data)
+                if request.resource.plural == "customresourcedefinitions":
+                    self.schemas.learn_crd(request.data)
             elif request.action == kmock.action.UPDATE and request.name is not None:
                 conflict = self._stale(request)
                 if conflict is not None:
                     return aiohttp.web.json_response(conflict, status=409)
+                invalid = self._invalid(request, self._prospective(request))
+                if invalid is not None:
+                    return invalid
                 await self._before_patch(request)
+                self._default_patch(request)
         owner_uid = self._uid_being_deleted(request)
         response = await super()._handle(request)
         if owner_uid is not None and response.status == 200:
@@ -278,7 +310,7 @@ class ApiServer(kmock.KubernetesEmulator):
         now = datetime.datetime.now(datetime.timezone.utc)
         meta.setdefault("creationTimestamp", now.strftime("%Y-%m-%dT%H:%M:%SZ"))
         meta["generation"] = 1
-        meta["resourceVersion"] = str(next(self._versions))
+        meta["resourceVersion"] = self.next_version()
 
     async def _before_patch(self, request: kmock.Request) -> None:
         key = (request.resource, request.namespace, request.name)
@@ -291,7 +323,7 @@ class ApiServer(kmock.KubernetesEmulator):
         old = self.objects[key].raw
         kept = self._record_owners(request, key)
         meta = request.data.setdefault("metadata", {})
-        meta["resourceVersion"] = str(next(self._versions))
+        meta["resourceVersion"] = self.next_version()
         if request.subresource in (None, "scale"):
             new = kmock_dicts.patch_dict(copy.deepcopy(kept), request.data)
             if new.get("spec") != old.get("spec"):
@@ -305,20 +337,21 @@ class ApiServer(kmock.KubernetesEmulator):
             return old
         applied = request.subresource is None and self._content_type(request).startswith(APPLY_PATCH)
         manager = request.url.query.get("fieldManager") or ("kubectl" if applied else "kubectl-edit")
-        entries, removed = field_ownership.record_write(old, spec, manager, applied, old.get("apiVersion", ""))
+        keys = self.schemas.list_keys(old.get("apiVersion", ""), old.get("kind", ""))
+        entries, removed = field_ownership.record_write(old, spec, manager, applied, old.get("apiVersion", ""), keys)
         new = field_ownership.without(old, removed)
         new.setdefault("metadata", {})["managedFields"] = entries
         self.objects[key] = new
+        if applied:  # keyed lists merge with the items other managers own
+            request.data["spec"] = field_ownership.merge_applied(new.get("spec") or {}, spec, keys)
         return new
-
-    @staticmethod
-    def _content_type(request: kmock.Request) -> str:
-        return {k.lower(): v for k, v in request.headers.items()}.get("content-type", "")
 
     async def _create_by_apply(self, key: tuple, data: dict, manager: str) -> None:
         self._stamp_new(data)
         if isinstance(data.get("spec"), dict):
-            entries, _ = field_ownership.record_write(None, data["spec"], manager, True, data.get("apiVersion", ""))
+            api_version = data.get("apiVersion", "")
+            keys = self.schemas.list_keys(api_version, data.get("kind", ""))
+            entries, _ = field_ownership.record_write(None, data["spec"], manager, True, api_version, keys)
             data["metadata"]["managedFields"] = entries
         async with self._lock:
             self.objects[key] = copy.deepcopy(data)
@@ -326,9 +359,15 @@ class ApiServer(kmock.KubernetesEmulator):
 
 
 class EmulatedCluster:
-    """:class:`ApiServer` on 127.0.0.1 in a background thread; ``url`` once started."""
+    """:class:`ApiServer` on 127.0.0.1 in a background thread; ``url`` once started.
 
-    def __init__(self) -> None:
+    With ``policy``, the operator's requests (those with its kubeconfig's token) are
+    authorized against it and answered 403 where it does not allow them; the tests' own
+    requests act as a cluster admin.
+    """
+
+    def __init__(self, policy: RbacPolicy | None = None) -> None:
+        self.policy = policy
         self.url = ""
         self.api: ApiServer | None = None
         self._started = threading.Event()
@@ -363,6 +402,7 @@ class EmulatedCluster:
         async with ApiServer() as api, kmock.Server(api) as server:
             for resource, info in RESOURCE_INFOS.items():
                 api.resources[resource] = info
+            api.policy = self.policy
             self.api, self.url = api, str(server.url).rstrip("/")
             self._started.set()
             await self._stop.wait()
@@ -371,6 +411,21 @@ class EmulatedCluster:
         """Answer ``method`` calls under ``path_prefix`` with ``status`` and ``message`` from now on."""
         assert self.api is not None
         self.api.refusals[(method, path_prefix)] = (status, message)
+
+    def fail_next(self, count: int, code: int, method: str | None = None, path_prefix: str = "") -> None:
+        """Answer the operator's next ``count`` requests (``method`` under ``path_prefix``) with ``code``."""
+        assert self.api is not None
+        self.api.chaos.fail_next(count, code, method, path_prefix)
+
+    def drop_watches(self) -> None:
+        """End every open watch stream now."""
+        assert self.api is not None and self._loop is not None
+        asyncio.run_coroutine_threadsafe(self.api.drop_watches(), self._loop).result(timeout=10)
+
+    def expire_versions(self) -> None:
+        """Make every resourceVersion given out so far too old: watches from them get 410 Gone."""
+        assert self.api is not None
+        self.api.chaos.oldest_valid = int(self.api.next_version())
 
     def install(self, resources: dict[str, kmock.ResourceInfo]) -> None:
         """Serve more kinds from now on, as installing their CRDs would (API discovery included)."""
@@ -384,9 +439,14 @@ class EmulatedCluster:
             "kind": "Config",
             "current-context": "emulator",
             "clusters": [{"name": "emulator", "cluster": {"server": self.url}}],
-            "users": [{"name": "tester", "user": {"token": "test-token"}}],
-            "contexts": [{"name": "emulator", "context": {"cluster": "emulator", "user": "tester"}}],
+            "users": [{"name": "operator", "user": {"token": OPERATOR_TOKEN}}],
+            "contexts": [{"name": "emulator", "context": {"cluster": "emulator", "user": "operator"}}],
         }
+
+    def denials(self) -> list[str]:
+        """The operator's requests the policy refused (403), as "METHOD PATH: message"."""
+        assert self.api is not None
+        return list(self.api.denials)
 
     def operator_requests(self) -> list[kmock.Request]:
         """Requests sent by the operator process (kopf's and our client's, not the tests')."""
@@ -426,18 +486,25 @@ CLIENT_AGENT = "pagedllm-tests"
 class Client:
     """Synchronous HTTP calls from the tests to the emulated API."""
 
-    def __init__(self, url: str):
-        self.url = url
+    def __init__(self, url: str, token: str | None = None):
+        self.url, self.token = url, token
 
     def request(
-        self, method: str, path: str, body: Any = None, content_type: str = "application/merge-patch+json"
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        content_type: str = "application/merge-patch+json",
+        headers: dict[str, str] | None = None,
     ) -> tuple[int, Any]:
         data = json.dumps(body).encode() if body is not None else None
         req = urllib.request.Request(
             self.url + path,
             data=data,
             method=method,
-            headers={"Content-Type": content_type, "User-Agent": CLIENT_AGENT},
+            headers={"Content-Type": content_type, "User-Agent": CLIENT_AGENT}
+            | ({"Authorization": f"Bearer {self.token}"} if self.token else {})
+            | (headers or {}),
         )
         try:
             with urllib.request.urlopen(req, timeout=10) as response:
@@ -452,9 +519,12 @@ class Client:
             return path
         return f"{path}/{name}/{sub}" if sub else f"{path}/{name}"
 
-    def create(self, obj: dict) -> dict:
+    def create(self, obj: dict, *, unchecked: bool = False) -> dict:
+        """Create ``obj``; ``unchecked``: as an older schema admitted it (the emulator does not validate it)."""
         meta = obj["metadata"]
-        status, body = self.request("POST", self.path(obj["kind"], meta["namespace"]), obj, "application/json")
+        headers = {UNCHECKED_HEADER: "1"} if unchecked else {}
+        path = self.path(obj["kind"], meta["namespace"])
+        status, body = self.request("POST", path, obj, "application/json", headers)
         assert status in (200, 201), (status, body)
         return body
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from field_ownership import leaf_paths, owned, record_write, without
+from field_ownership import from_fields_v1, leaf_paths, merge_applied, owned, record_write, to_fields_v1, without
 
 
 def apply(obj, spec, manager, apply=True):
@@ -42,3 +42,52 @@ def test_nested_fields_and_lists():
     obj = apply(None, spec, "op")
     obj = apply(obj, {"selector": {"matchLabels": {"a": "1"}}}, "op")
     assert "template" not in obj["spec"]
+
+
+KEYS = {
+    ("spec", "template", "spec", "containers"): ("name",),
+    ("spec", "template", "spec", "containers", "[]", "env"): ("name",),
+}
+
+
+def pod_spec(*containers):
+    return {"template": {"spec": {"containers": list(containers)}}}
+
+
+def apply_keyed(obj, spec, manager):
+    entries, removed = record_write(obj, spec, manager, True, "apps/v1", KEYS)
+    new = without(obj or {"spec": {}}, removed)
+    new["spec"] = merge_applied(new.get("spec") or {}, spec, KEYS)
+    new.setdefault("metadata", {})["managedFields"] = entries
+    return new
+
+
+def test_keyed_list_items_are_owned_one_by_one():
+    paths = leaf_paths(pod_spec({"name": "a", "image": "i", "env": [{"name": "X", "value": "1"}]}), keys=KEYS)
+    item = ("template", "spec", "containers", 'k:{"name":"a"}')
+    assert paths == {(*item, "."), (*item, "name"), (*item, "image"), (*item, "env", 'k:{"name":"X"}', "."),
+                     (*item, "env", 'k:{"name":"X"}', "name"), (*item, "env", 'k:{"name":"X"}', "value")}  # fmt: skip
+    assert from_fields_v1(to_fields_v1(paths)) == paths
+    assert 'k:{"name":"a"}' in to_fields_v1(paths)["f:template"]["f:spec"]["f:containers"]
+
+
+def test_two_appliers_merge_a_keyed_list_and_each_removes_only_its_own_items():
+    obj = apply_keyed(None, pod_spec({"name": "server", "image": "v1"}), "op")
+    obj = apply_keyed(obj, pod_spec({"name": "sidecar", "image": "proxy"}), "mesh")
+    assert [c["name"] for c in obj["spec"]["template"]["spec"]["containers"]] == ["server", "sidecar"]
+    # The operator re-applies its container with a new image and an env var: the sidecar stays.
+    obj = apply_keyed(obj, pod_spec({"name": "server", "image": "v2", "env": [{"name": "X", "value": "1"}]}), "op")
+    server, sidecar = obj["spec"]["template"]["spec"]["containers"]
+    assert (server["image"], server["env"]) == ("v2", [{"name": "X", "value": "1"}])
+    assert sidecar == {"name": "sidecar", "image": "proxy"}
+    # The mesh stops applying its sidecar: removed; the operator's container untouched.
+    obj = apply_keyed(obj, {"template": {"spec": {}}}, "mesh")
+    assert [c["name"] for c in obj["spec"]["template"]["spec"]["containers"]] == ["server"]
+
+
+def test_an_item_another_manager_owns_a_field_of_stays():
+    obj = apply_keyed(None, pod_spec({"name": "server", "image": "v1"}), "op")
+    obj = apply_keyed(obj, pod_spec({"name": "server", "env": [{"name": "INJECTED", "value": "1"}]}), "mesh")
+    obj = apply_keyed(obj, {"template": {"spec": {}}}, "op")  # the operator drops its container
+    (server,) = obj["spec"]["template"]["spec"]["containers"]
+    assert server == {"name": "server", "env": [{"name": "INJECTED", "value": "1"}]}  # image went with its owner

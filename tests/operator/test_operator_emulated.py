@@ -183,8 +183,8 @@ def test_one_replica_gets_no_disruption_budget(scenario):
 
 
 def test_invalid_spec_becomes_degraded_and_recovers(scenario):
-    # blockSize 12 passes kmock (no schema) as it would pass an old CRD; the operator refuses it.
-    scenario.api.create(pagedllm(scenario.ns, blockSize=12))
+    # blockSize 12, as an older CRD without the enum admitted it: the operator refuses it.
+    scenario.api.create(pagedllm(scenario.ns, blockSize=12), unchecked=True)
     obj = scenario.wait_status(lambda s, o: s.get("phase") == "Degraded", "Degraded")
     degraded = condition(obj, "Degraded")
     assert degraded["status"] == "True" and degraded["reason"] == "InvalidSpec"
@@ -224,6 +224,8 @@ def test_a_server_that_refuses_to_start_shows_why_on_the_resource(scenario):
                 "containerStatuses": [
                     {
                         "name": "server",
+                        "image": "img",
+                        "imageID": "",
                         "ready": False,
                         "restartCount": 3,
                         "state": {"waiting": {"reason": "CrashLoopBackOff"}},

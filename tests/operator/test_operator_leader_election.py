@@ -15,7 +15,7 @@ from tests.support import free_port
 
 pytestmark = pytest.mark.k8s
 
-NS = "elected"
+NS = "pagedllm-system"  # the release namespace, where the chart grants the Lease
 LEASE = f"/apis/coordination.k8s.io/v1/namespaces/{NS}/leases/pagedllm-operator"
 
 

@@ -83,7 +83,14 @@ def test_a_same_named_deployment_of_another_owner_is_not_taken_over(scenario):
                 {"apiVersion": "example.com/v1", "kind": "Notebook", "name": "lab", "uid": "u-1", "controller": True}
             ],
         },
-        "spec": {"replicas": 3, "template": {"spec": {"containers": [{"name": "lab", "image": "lab:1"}]}}},
+        "spec": {
+            "replicas": 3,
+            "selector": {"matchLabels": {"app": "lab"}},
+            "template": {
+                "metadata": {"labels": {"app": "lab"}},
+                "spec": {"containers": [{"name": "lab", "image": "lab:1"}]},
+            },
+        },
     }
     scenario.api.create(theirs)
     scenario.api.create(pagedllm(scenario.ns))

@@ -7,10 +7,9 @@ operator runs with ``--autoscaler keda`` (the chart's ``autoscaler=keda``).
 from __future__ import annotations
 
 import pytest
-import yaml
-from emulated_scenario import condition, pagedllm
-from helm_tools import CRD_PATH, rules_of
-from k8s_emulator import OPTIONAL_RESOURCE_INFOS, Client, EmulatedCluster
+from emulated_scenario import condition, emulated_cluster, pagedllm
+from helm_tools import rules_of
+from k8s_emulator import OPTIONAL_RESOURCE_INFOS
 from operator_process import running_operator
 
 pytestmark = pytest.mark.k8s
@@ -19,15 +18,10 @@ PROMETHEUS = "http://prometheus.monitoring.svc:9090"
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    emulated = EmulatedCluster().start()
-    status, body = Client(emulated.url).request(
-        "POST", "/apis/apiextensions.k8s.io/v1/customresourcedefinitions", yaml.safe_load(CRD_PATH.read_text())
-    )
-    assert status in (200, 201), body
-    emulated.install(OPTIONAL_RESOURCE_INFOS)
-    yield emulated
-    emulated.stop()
+def cluster(chart_policy):
+    with emulated_cluster(chart_policy("--set", "autoscaler=keda")) as emulated:
+        emulated.install(OPTIONAL_RESOURCE_INFOS)
+        yield emulated
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,201 @@
+"""The schemas the emulated API server validates every write against, and the list keys it merges by.
+
+- Built-in kinds: the Kubernetes OpenAPI schemas that ``kubernetes-validate`` ships (its
+  ``-strict`` variant: an unknown field is an error, as with ``fieldValidation=Strict``), one
+  validator per kind built once.
+- Kinds of CRDs: the ``openAPIV3Schema`` of a CRD created in the emulator (the PagedLLM
+  CRD), or of one the tests vendor (``schemas/``: LeaderWorkerSet and KEDA's
+  HTTPScaledObject as published upstream), through :mod:`crd_jsonschema`; KEDA's
+  ScaledObject, the InferencePool and the PodMonitor through the project's own JSON
+  Schemas (:mod:`third_party_schemas`: no package registry ships those CRDs' YAML).
+
+:meth:`ApiSchemas.list_keys` gives the keys of every ``x-kubernetes-list-type: map`` list
+of a kind (``containers`` by ``name``, ``ports`` by ``containerPort`` and ``protocol``, ...),
+which server-side apply merges item by item.
+"""
+
+from __future__ import annotations
+
+import functools
+import gzip
+from pathlib import Path
+from typing import Any
+
+import crd_jsonschema
+import jsonschema
+import yaml
+from kubernetes_validate import utils as kv_utils
+from referencing import Registry, Resource
+from third_party_schemas import THIRD_PARTY, third_party_validator
+
+KUBERNETES_VERSION = "1.30"
+SCHEMAS = Path(__file__).parent / "schemas"
+VENDORED_CRDS = ("leaderworkerset.x-k8s.io_leaderworkersets.yaml.gz", "http.keda.sh_httpscaledobjects.yaml.gz")
+
+Path_ = tuple[str, ...]  # field names, "[]" for a list's items
+
+
+class SchemaError(ValueError):
+    """A write the schema refuses; ``str()`` is the API server's field error (``spec.x: ...``)."""
+
+
+def _field(path) -> str:
+    out = ""
+    for part in path:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out or "<root>"
+
+
+@functools.cache
+def _builtin(api_version: str, kind: str) -> tuple[jsonschema.Draft202012Validator, dict, Registry] | None:
+    local = f"v{KUBERNETES_VERSION}.0-local-strict"
+    group_version = api_version.split("/")
+    group = group_version[0].split(".")[0] if len(group_version) == 2 else "core"
+    stem = f"{kind.lower()}-{group}-{group_version[-1]}" if group != "core" else f"{kind.lower()}-{group_version[-1]}"
+    try:
+        schema = kv_utils.schema_contents(f"kubernetes-json-schema/{local}/{stem}.json", KUBERNETES_VERSION)
+    except FileNotFoundError:
+        return None
+    defs = _definitions()
+    registry = Resource.from_contents(defs) @ (Resource.from_contents(schema) @ Registry())
+    return jsonschema.Draft202012Validator(schema, registry=registry), defs, registry
+
+
+@functools.cache
+def _definitions() -> dict:
+    local = f"v{KUBERNETES_VERSION}.0-local-strict"
+    return kv_utils.schema_contents(f"kubernetes-json-schema/{local}/_definitions.json", KUBERNETES_VERSION)
+
+
+@functools.cache
+def _vendored_crds() -> dict[tuple[str, str], dict]:
+    out = {}
+    for name in VENDORED_CRDS:
+        out.update(crd_versions(yaml.safe_load(gzip.decompress((SCHEMAS / name).read_bytes()))))
+    return out
+
+
+def prune(schema: dict, value: Any) -> Any:
+    """``value`` without the fields a structural schema does not declare (the API server's pruning)."""
+    if schema.get("x-kubernetes-preserve-unknown-fields"):
+        return value
+    if isinstance(value, dict):
+        if "properties" in schema:
+            return {k: prune(schema["properties"][k], v) for k, v in value.items() if k in schema["properties"]}
+        if isinstance(schema.get("additionalProperties"), dict):
+            return {k: prune(schema["additionalProperties"], v) for k, v in value.items()}
+        return value
+    if isinstance(value, list) and isinstance(schema.get("items"), dict):
+        return [prune(schema["items"], item) for item in value]
+    return value
+
+
+def crd_versions(crd: dict) -> dict[tuple[str, str], dict]:
+    """(apiVersion, kind) -> openAPIV3Schema of every version a CRD serves."""
+    group, kind = crd["spec"]["group"], crd["spec"]["names"]["kind"]
+    return {
+        (f"{group}/{v['name']}", kind): v["schema"]["openAPIV3Schema"]
+        for v in crd["spec"]["versions"]
+        if v.get("served", True) and "schema" in v
+    }
+
+
+class ApiSchemas:
+    """Validation and list keys per kind; CRDs created in the emulator are added with :meth:`learn_crd`."""
+
+    def __init__(self) -> None:
+        self.crds: dict[tuple[str, str], dict] = {}
+        self._crd_keys: dict[tuple[str, str], dict[Path_, tuple[str, ...]]] = {}
+
+    def learn_crd(self, crd: dict) -> None:
+        self.crds.update(crd_versions(crd))
+        self._crd_keys.clear()
+
+    def crd_schema(self, api_version: str, kind: str) -> dict | None:
+        return self.crds.get((api_version, kind)) or _vendored_crds().get((api_version, kind))
+
+    def admit(self, obj: dict, field_validation: str = "Strict") -> dict:
+        """``obj`` as the API server stores it, or :class:`SchemaError`.
+
+        For the kinds of CRDs created in the emulator (the PagedLLM CRD), as the API server
+        treats a structural schema: unknown fields pruned (``fieldValidation=Ignore|Warn``;
+        ``Strict``, the default here as with kubectl, refuses them), ``default`` values filled
+        in, then the schema and its ``x-kubernetes-validations`` CEL rules checked. Other kinds
+        are checked only.
+        """
+        crd = self.crds.get((obj.get("apiVersion", ""), obj.get("kind", "")))
+        if crd is not None:
+            if field_validation in ("Ignore", "Warn"):
+                obj = {**obj, **{k: prune(crd["properties"][k], v) for k, v in obj.items() if k in ("spec", "status")}}
+            obj = crd_jsonschema.apply_defaults(crd, obj)
+        self.validate(obj)
+        if crd is not None:
+            failed = crd_jsonschema.failed_cel_rules(crd, obj, required=False)
+            if failed:
+                raise SchemaError(f'<root>: Invalid value: "object": {failed[0]}')
+        return obj
+
+    def validate(self, obj: dict) -> None:
+        """Raise :class:`SchemaError` where ``obj`` breaks its kind's schema; a kind without one passes."""
+        key = (obj.get("apiVersion", ""), obj.get("kind", ""))
+        crd = self.crd_schema(*key)
+        if crd is not None:
+            validator = crd_jsonschema.resource_validator(crd)
+        elif key in THIRD_PARTY:
+            validator = third_party_validator(*key)
+        else:
+            found = _builtin(*key)
+            if found is None:
+                return
+            validator = found[0]
+        error = jsonschema.exceptions.best_match(validator.iter_errors(obj))
+        if error is not None:
+            raise SchemaError(f"{_field(error.absolute_path)}: {error.message[:300]}")
+
+    def list_keys(self, api_version: str, kind: str) -> dict[Path_, tuple[str, ...]]:
+        """Path of each keyed list of the kind -> its keys (``("spec", "template", ..., "containers")``)."""
+        crd = self.crd_schema(api_version, kind)
+        if crd is not None:
+            if (api_version, kind) not in self._crd_keys:
+                self._crd_keys[(api_version, kind)] = _keys_of(crd, {}, ())
+            return self._crd_keys[(api_version, kind)]
+        found = _builtin(api_version, kind)
+        return {} if found is None else _builtin_keys(api_version, kind)
+
+
+@functools.cache
+def _builtin_keys(api_version: str, kind: str) -> dict[Path_, tuple[str, ...]]:
+    found = _builtin(api_version, kind)
+    assert found is not None
+    validator, defs, _ = found
+    return _keys_of(validator.schema, defs.get("$defs", {}), ())
+
+
+def _keys_of(schema: Any, defs: dict, path: Path_, depth: int = 0) -> dict[Path_, tuple[str, ...]]:
+    if not isinstance(schema, dict) or depth > 40:
+        return {}
+    ref = schema.get("$ref") or next(
+        (s["$ref"] for s in schema.get("allOf", []) + schema.get("oneOf", []) if isinstance(s, dict) and "$ref" in s),
+        None,
+    )
+    if ref is not None:
+        name = ref.rsplit("/", 1)[-1]
+        if name.endswith((".ObjectMeta", ".ManagedFieldsEntry")):
+            return {}
+        return _keys_of(defs.get(name, {}), defs, path, depth + 1)
+    out: dict[Path_, tuple[str, ...]] = {}
+    keys = schema.get("x-kubernetes-list-map-keys") or (
+        [schema["x-kubernetes-patch-merge-key"]]
+        if schema.get("x-kubernetes-patch-strategy", "").startswith("merge")
+        and "x-kubernetes-patch-merge-key" in schema
+        else []
+    )
+    if keys and schema.get("x-kubernetes-list-type", "map") == "map":
+        out[path] = tuple(keys)
+    for name, sub in (schema.get("properties") or {}).items():
+        if path == () and name in ("metadata", "status"):
+            continue
+        out.update(_keys_of(sub, defs, (*path, name), depth + 1))
+    if isinstance(schema.get("items"), dict):
+        out.update(_keys_of(schema["items"], defs, (*path, "[]"), depth + 1))
+    return out
