@@ -56,9 +56,10 @@ def serve(ctx: Context, workload: str, allocator: str, requests, arrivals, **kw)
 def fig13(ctx: Context) -> dict:
     """All requests at once: KV split and running requests over the steps where memory decided.
 
-    With an 8-bit cache every allocator gets the blocks the same memory holds, the load grows
-    as much (see :meth:`Context.memory_bound_requests`), and the paged engine with the model's
-    own cache format serves the same requests as the reference row ``paged-auto``.
+    With an 8-bit cache every allocator gets the blocks the same memory holds and the load grows
+    as much (see :meth:`Context.memory_bound_requests`); the reference row ``paged-auto``, the
+    paged engine with the model's own cache format, serves the profile's load, drawn alike: both
+    queue the same number of cache-fulls of requests, so memory decides for as many turnovers.
     """
     result: dict = {"method": "all requests queued at t=0; averages over memory-bound steps (see sim.py)"}
     quantized = ctx.kv_cache_dtype != "auto"
@@ -70,8 +71,7 @@ def fig13(ctx: Context) -> dict:
             rows[allocator] = {**run.mean_over_bound_steps(), "paper_waste_pct": PAPER_WASTE[allocator]}
             tokens[allocator] = run.tokens
         if quantized:
-            auto = dataclasses.replace(ctx, kv_cache_dtype="auto")
-            rows["paged-auto"] = serve(auto, workload, "paged", requests, [0.0] * len(requests)).mean_over_bound_steps()
+            rows["paged-auto"] = _auto_row(ctx, workload)
         _warn_unbound(workload, rows)
         same = all(tokens[a] == tokens["paged"] for a in ALLOCATORS)
         result[workload] = {
@@ -87,6 +87,15 @@ def fig13(ctx: Context) -> dict:
         _running_bars(axes[2 * col + 1], result[workload]["allocators"], workload)
     save("fig13", ctx, result, fig)
     return result
+
+
+def _auto_row(ctx: Context, workload: str) -> dict:
+    """The paged engine with the model's own cache format on the profile's load (see fig13)."""
+    auto = dataclasses.replace(ctx, kv_cache_dtype="auto")
+    requests = auto.requests(workload)
+    row = serve(auto, workload, "paged", requests, [0.0] * len(requests)).mean_over_bound_steps()
+    blocks = auto.engine_config(workload).cache.num_gpu_blocks_override
+    return row | {"num_requests": len(requests), "kv_blocks": blocks}
 
 
 def _warn_unbound(workload: str, rows: dict) -> None:
