@@ -1,0 +1,32 @@
+"""The KV-budget benchmark's step accounting (benchmarks/kv_budget.py)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from benchmarks.kv_budget import BudgetRun, _classify
+
+
+def _engine(*computed: int):
+    seqs = [SimpleNamespace(num_computed_tokens=n) for n in computed]
+    group = SimpleNamespace(seqs=seqs)
+    return SimpleNamespace(scheduler=SimpleNamespace(running=[group], waiting=[])), seqs
+
+
+def test_a_step_with_prompt_tokens_is_a_prefill_step_and_counts_them():
+    engine, (a, b) = _engine(100, 7)
+    before = {id(a): 99, id(b): 0}  # a decodes one token, b prefills 7
+    run = BudgetRun("auto", blocks=10, output_tokens=0, seconds=0.0)
+    _classify(run, engine, before, (0.5, 0.8), finished=0)
+    assert (run.prefill_steps, run.prefill_tokens, run.prefill_seconds, run.prefill_cpu_seconds) == (1, 7, 0.5, 0.8)
+    assert run.decode_steps == 0
+
+
+def test_a_decode_step_counts_the_sequences_that_got_a_token_finished_ones_included():
+    engine, (a, b) = _engine(100, 50)
+    before = {id(a): 99, id(b): 49}
+    run = BudgetRun("int8", blocks=10, output_tokens=0, seconds=0.0)
+    _classify(run, engine, before, (0.25, 0.5), finished=2)  # two more ended this step and left the queues
+    assert (run.decode_steps, run.decode_running_sum, run.decode_seconds) == (1, 4, 0.25)
+    summary = run.summary()
+    assert summary["mean_running_decode"] == 4 and summary["ms_per_decoded_token"] == 62.5
