@@ -12,7 +12,9 @@ splits every step into what it did and what it cost:
 
 The output rate of a run is ``output tokens / (prefill time + decode time)``: the 8-bit cache
 can shorten only the decode part (more sequences per step) and the recomputation, so the
-prefill share bounds what it gains. Timings are wall time on a shared machine: the counts
+prefill share bounds what it gains. ``--schedule-only`` runs the same schedule (the blocks
+``--shape`` gets from the budget, the same prompt lengths) on the tiny demo model: the
+counts in seconds, the timings of no use. Timings are wall time on a shared machine: the counts
 (blocks, running, preemptions, tokens) do not depend on load, the seconds do; CPU seconds
 (this process's, all threads) less so, since time spent descheduled is not counted.
 
@@ -34,7 +36,10 @@ from dataclasses import asdict, dataclass
 from benchmarks.common import HelpFormatter, set_threads
 from benchmarks.model_shapes import SHAPES, model_vocab, write_random_model
 from benchmarks.workloads import Request, sample_requests
+from pagedllm.server.demo import save_tiny_llama
 
+CPU_BLOCK_SIZE = 64
+"""The engine's block size on the CPU (``DEFAULT_BLOCK_SIZES``), which ``--schedule-only`` keeps."""
 RATIO_KEYS = (
     "blocks",
     "mean_running_decode",
@@ -96,8 +101,9 @@ def serve(model_dir: str, requests: Sequence[Request], kv_cache_dtype: str, args
         max_model_len=2048,
         cpu_threads=args.threads,
         dtype=args.dtype,
-        kv_cache_memory=args.kv_cache_memory,
         kv_cache_dtype=kv_cache_dtype,
+        preemption_mode=args.preemption_mode,
+        **_cache_size(args, kv_cache_dtype),
     )
     engine = llm.llm_engine
     engine.warm_up()
@@ -123,6 +129,29 @@ def serve(model_dir: str, requests: Sequence[Request], kv_cache_dtype: str, args
     run.preemptions = engine.scheduler.num_preemptions
     llm.shutdown()
     return run
+
+
+def shape_blocks(shape: str, dtype: str, kv_cache_dtype: str, gib: float, block_size: int) -> int:
+    """The device blocks ``gib`` of KV cache holds for ``shape`` (what the engine computes: K and V
+    rows of every layer and KV head, int8 rows with their scale)."""
+    import torch
+
+    from pagedllm.kernels.kv_quant import cache_dtype, row_width
+
+    config = SHAPES[shape]
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    cache = cache_dtype(kv_cache_dtype, getattr(torch, dtype))
+    row_bytes = row_width(cache, head_dim) * cache.itemsize
+    block_bytes = 2 * config["num_hidden_layers"] * block_size * config["num_key_value_heads"] * row_bytes
+    return int(gib * 2**30 // block_bytes)
+
+
+def _cache_size(args, kv_cache_dtype: str) -> dict:
+    """The real budget; with ``--schedule-only`` the blocks ``--shape`` would get, on the tiny model."""
+    if not args.schedule_only:
+        return {"kv_cache_memory": args.kv_cache_memory}
+    blocks = shape_blocks(args.shape, args.dtype, kv_cache_dtype, args.kv_cache_memory, CPU_BLOCK_SIZE)
+    return {"num_gpu_blocks_override": blocks, "block_size": CPU_BLOCK_SIZE}
 
 
 def _classify(run: BudgetRun, engine, before: dict[int, int], spent: tuple[float, float], finished: int) -> None:
@@ -156,6 +185,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=64, help="max_num_seqs")
     parser.add_argument("--output", type=int, default=128, help="output tokens per request")
     parser.add_argument("--max-input", type=int, default=1024, help="longest prompt, in tokens")
+    parser.add_argument(
+        "--schedule-only",
+        action="store_true",
+        help="the tiny model with the blocks --shape gets: exact counts in seconds, timings meaningless",
+    )
+    parser.add_argument("--preemption-mode", default=None, help="recompute or swap (default: the engine's)")
     parser.add_argument("--progress", action="store_true", help="print progress every 100 steps")
     parser.add_argument("--out", default=None, help="write the JSON here")
     return parser.parse_args()
@@ -165,7 +200,10 @@ def main() -> None:
     args = parse_args()
     set_threads(args.threads)
     with tempfile.TemporaryDirectory() as model_dir:
-        write_random_model(model_dir, args.shape, args.dtype)
+        if args.schedule_only:
+            save_tiny_llama(model_dir, max_position_embeddings=4096)
+        else:
+            write_random_model(model_dir, args.shape, args.dtype)
         requests = fixed_requests(args.num_requests, model_vocab(model_dir), args.output, args.max_input)
         runs = {}
         for name in args.kv_cache_dtypes.split(","):

@@ -36,6 +36,11 @@ def roofline_for(clock: str, kv_cache_dtype: str) -> Roofline | None:
     return dataclasses.replace(roofline, kv_bytes_per_token=scaled)
 
 
+def extended_rates(rates: list[float]) -> list[float]:
+    """The profile's rate grid and 1.5, 2, 3 and 4 times its top: more memory moves the knee up."""
+    return sorted({*rates, *(f * max(rates) for f in (1.5, 2, 3, 4))})
+
+
 def fig12kv(ctx: Context) -> dict:
     """Latency vs rate, 8-bit cache against the model's own, at equal memory; one file per clock."""
     if ctx.kv_cache_dtype == "auto":
@@ -66,7 +71,7 @@ def _workload(ctx: Context, systems: dict[str, Context], workload: str, clock: s
             run = serve(system, workload, "paged", requests, arrivals, roofline=roofline)
             return run.normalized_latency, run.duration
 
-        rates = ctx.profile.rates[clock][workload]
+        rates = extended_rates(ctx.profile.rates[clock][workload])
         desc = f"fig12kv {clock} {workload} {name}"
         curves[name] = sweep(measure, rates, bound, len(requests), desc, SKIP_OVER[clock])
     sustained = {name: sustainable_rate(curve, bound) for name, curve in curves.items()}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from benchmarks.kv_budget import BudgetRun, _classify
+from benchmarks.kv_budget import BudgetRun, _classify, shape_blocks
 
 
 def _engine(*computed: int):
@@ -30,3 +30,11 @@ def test_a_decode_step_counts_the_sequences_that_got_a_token_finished_ones_inclu
     assert (run.decode_steps, run.decode_running_sum, run.decode_seconds) == (1, 4, 0.25)
     summary = run.summary()
     assert summary["mean_running_decode"] == 4 and summary["ms_per_decoded_token"] == 62.5
+
+
+def test_the_schedule_only_run_gets_the_blocks_the_shape_would():
+    # Qwen2.5-0.5B: 24 layers x 2 KV heads x 64, K and V, 64-token blocks: 786,432 bytes in bf16,
+    # 405,504 in int8 (rows of 64 + 2 scale bytes)
+    assert shape_blocks("qwen2.5-0.5b", "bfloat16", "auto", 0.02, 64) == 27
+    assert shape_blocks("qwen2.5-0.5b", "bfloat16", "int8", 0.02, 64) == 52
+    assert shape_blocks("qwen2.5-0.5b", "bfloat16", "fp8", 0.06, 64) == 163
