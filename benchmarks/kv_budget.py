@@ -114,8 +114,8 @@ def serve(model_dir: str, requests: Sequence[Request], kv_cache_dtype: str, args
     prompt_tokens, done = sum(len(r.prompt_token_ids) for r in requests), 0
     start, cpu_start = time.perf_counter(), time.process_time()
     while engine.has_unfinished_requests():
-        before = {id(s): s.num_computed_tokens for g in engine.scheduler.running for s in g.seqs}
-        before |= {id(s): s.num_computed_tokens for g in engine.scheduler.waiting for s in g.seqs}
+        queued = [*engine.scheduler.running, *engine.scheduler.waiting]
+        before = {id(s): (s.num_computed_tokens, len(s.token_ids)) for g in queued for s in g.seqs}
         step_start, step_cpu = time.perf_counter(), time.process_time()
         finished = sum(o.finished for o in engine.step())
         spent = (time.perf_counter() - step_start, time.process_time() - step_cpu)
@@ -154,12 +154,22 @@ def _cache_size(args, kv_cache_dtype: str) -> dict:
     return {"num_gpu_blocks_override": blocks, "block_size": CPU_BLOCK_SIZE}
 
 
-def _classify(run: BudgetRun, engine, before: dict[int, int], spent: tuple[float, float], finished: int) -> None:
-    """A step with any prompt token is a prefill step; else a decode step of the sequences that
-    got a token (those still queued, and the ``finished`` ones that left)."""
+def _classify(
+    run: BudgetRun, engine, before: dict[int, tuple[int, int]], spent: tuple[float, float], finished: int
+) -> None:
+    """A step that computed any prompt token (a sequence with more than its last sampled token
+    to compute: a prompt, or a preempted sequence recomputed) is a prefill step; else a decode
+    step of the sequences that got a token (those still queued, and the ``finished`` ones that left).
+    ``before``: each queued sequence's computed tokens and length as the step began."""
     groups = [*engine.scheduler.running, *engine.scheduler.waiting]
-    deltas = [s.num_computed_tokens - before[id(s)] for g in groups for s in g.seqs if id(s) in before]
-    prefill = sum(d for d in deltas if d > 1)
+    prefill = decoded = 0
+    for seq in (s for g in groups for s in g.seqs if id(s) in before):
+        computed, length = before[id(seq)]
+        delta = seq.num_computed_tokens - computed
+        if length - computed > 1:
+            prefill += delta
+        else:
+            decoded += delta
     if prefill:
         run.prefill_steps += 1
         run.prefill_seconds += spent[0]
@@ -169,7 +179,7 @@ def _classify(run: BudgetRun, engine, before: dict[int, int], spent: tuple[float
         run.decode_steps += 1
         run.decode_seconds += spent[0]
         run.decode_cpu_seconds += spent[1]
-        run.decode_running_sum += sum(d == 1 for d in deltas) + finished
+        run.decode_running_sum += decoded + finished
 
 
 def parse_args() -> argparse.Namespace:
