@@ -160,12 +160,15 @@ def _classify(
     """A step that computed any prompt token (a sequence with more than its last sampled token
     to compute: a prompt, or a preempted sequence recomputed) is a prefill step; else a decode
     step of the sequences that got a token (those still queued, and the ``finished`` ones that left).
-    ``before``: each queued sequence's computed tokens and length as the step began."""
+    ``before``: each queued sequence's computed tokens and length as the step began. NOTE: a
+    prompt whose last chunk is one token computes it as a decode would, and is counted so."""
     groups = [*engine.scheduler.running, *engine.scheduler.waiting]
     prefill = decoded = 0
     for seq in (s for g in groups for s in g.seqs if id(s) in before):
         computed, length = before[id(seq)]
         delta = seq.num_computed_tokens - computed
+        if delta <= 0:  # preempted this step (recompute starts it over) or not scheduled
+            continue
         if length - computed > 1:
             prefill += delta
         else:

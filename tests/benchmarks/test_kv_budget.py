@@ -29,6 +29,13 @@ def test_a_one_token_prompt_chunk_is_prefill():
     assert (run.prefill_steps, run.prefill_tokens, run.decode_steps) == (1, 1, 0)
 
 
+def test_a_sequence_preempted_for_recompute_counts_nothing():
+    engine, (a, b) = _engine(0, 41)
+    run = BudgetRun("auto", blocks=10, output_tokens=0, seconds=0.0)
+    _classify(run, engine, {id(a): (300, 301), id(b): (40, 41)}, (0.1, 0.1), finished=0)  # a starts over
+    assert (run.decode_steps, run.decode_running_sum, run.prefill_tokens) == (1, 1, 0)
+
+
 def test_a_decode_step_counts_the_sequences_that_got_a_token_finished_ones_included():
     engine, (a, b) = _engine(100, 50)
     before = {id(a): (99, 100), id(b): (49, 50)}
