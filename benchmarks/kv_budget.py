@@ -28,6 +28,8 @@ import argparse
 import datetime
 import json
 import os
+import platform
+import sys
 import tempfile
 import time
 from collections.abc import Sequence
@@ -185,6 +187,12 @@ def _classify(
         run.decode_running_sum += decoded + finished
 
 
+def torch_version() -> str:
+    import torch
+
+    return torch.__version__
+
+
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks.kv_budget", description=__doc__, formatter_class=HelpFormatter
@@ -226,6 +234,8 @@ def main() -> None:
     ratios = {name: {k: run[k] / base[k] if base[k] else None for k in RATIO_KEYS} for name, run in runs.items()}
     result = {
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores, torch {torch_version()}, cpu",
+        "command": "python -m benchmarks.kv_budget " + " ".join(sys.argv[1:]),
         "load_avg_1m_at_end": os.getloadavg()[0],
         "args": vars(args),
         "runs": runs,
