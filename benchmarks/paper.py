@@ -10,6 +10,8 @@ One function, one PNG and one JSON per experiment, under ``benchmarks/results/pa
     fig17   chatbot: history truncated to the last 1024 tokens, paged vs reservations
     fig18   block size 1..256 vs normalized latency (Fig. 18b)
     fig19   recompute vs swap preemption by block size
+    fig12kv Fig. 12's latency vs rate, our paged engine with an 8-bit KV cache against its own
+            cache format at equal memory (needs --kv-cache-dtype)
 
 Method: every experiment fixes the KV cache to a number of blocks
 (``num_gpu_blocks_override``) small enough that memory, not compute, decides how many
@@ -24,8 +26,10 @@ From the repository root:
     python -m benchmarks.paper --all              # CPU scale, ~20 minutes on 2 cores
     python -m benchmarks.paper fig13 fig12
     python -m benchmarks.paper --gpu --all        # LLaMA-7B shape, random bf16 weights
+    python -m benchmarks.paper fig13 --dtype bfloat16 --kv-cache-dtype int8   # 8-bit cache vs 16-bit
 
-The experiments live in :mod:`benchmarks.paper_memory` and :mod:`benchmarks.paper_features`,
+The experiments live in :mod:`benchmarks.paper_memory`, :mod:`benchmarks.paper_features` and
+:mod:`benchmarks.paper_kv`,
 what they share (profiles, :class:`~benchmarks.paper_setting.Context`, saving) in
 :mod:`benchmarks.paper_setting`.
 """
@@ -33,15 +37,16 @@ what they share (profiles, :class:`~benchmarks.paper_setting.Context`, saving) i
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import tempfile
 
 import torch
 
-from benchmarks import paper_features, paper_memory
+from benchmarks import paper_features, paper_kv, paper_memory
 from benchmarks.common import HelpFormatter
 from benchmarks.paper_setting import CPU, GPU, Context, build_model
 
-EXPERIMENTS = {**paper_memory.EXPERIMENTS, **paper_features.EXPERIMENTS}
+EXPERIMENTS = {**paper_memory.EXPERIMENTS, **paper_features.EXPERIMENTS, **paper_kv.EXPERIMENTS}
 
 
 def main() -> None:
@@ -64,6 +69,9 @@ def main() -> None:
     parser.add_argument(
         "--kv-cache-dtype", default="auto", help="our KV cache's format (auto, fp8, fp8_e5m2, int8), at equal memory"
     )
+    parser.add_argument(
+        "--dtype", default=None, help="the model's dtype (default: the profile's); results are named cpu-<dtype>"
+    )
     args = parser.parse_args()
     names = sorted(table) if args.all else args.names
     unknown = sorted(set(names) - set(table))
@@ -71,6 +79,9 @@ def main() -> None:
         parser.error(f"name experiments from {sorted(table)} or pass --all (unknown: {unknown})")
     torch.set_num_threads(args.threads)
     profile = GPU if args.gpu else CPU
+    if args.dtype:
+        engine = {**profile.engine, "dtype": args.dtype}
+        profile = dataclasses.replace(profile, name=f"{profile.name}-{args.dtype}", engine=engine)
     with tempfile.TemporaryDirectory() as model_dir:
         vocab = build_model(profile, model_dir)
         clocks = tuple(args.clocks.split(",")) if args.clocks else profile.clocks

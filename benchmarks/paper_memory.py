@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Sequence
 
@@ -53,24 +54,54 @@ def serve(ctx: Context, workload: str, allocator: str, requests, arrivals, **kw)
 
 # -- Figs. 2 and 13 ---------------------------------------------------------------------
 def fig13(ctx: Context) -> dict:
-    """All requests at once: KV split and running requests over the steps where memory decided."""
-    result: dict = {"method": "all requests queued at t=0; averages over steps with requests waiting"}
+    """All requests at once: KV split and running requests over the steps where memory decided.
+
+    With an 8-bit cache every allocator gets the blocks the same memory holds and the load grows
+    as much (see :meth:`Context.memory_bound_requests`); the reference row ``paged-auto``, the
+    paged engine with the model's own cache format, serves the profile's load, drawn alike: both
+    queue the same number of cache-fulls of requests, so memory decides for as many turnovers.
+    """
+    result: dict = {"method": "all requests queued at t=0; averages over memory-bound steps (see sim.py)"}
+    quantized = ctx.kv_cache_dtype != "auto"
     for workload in ("sharegpt", "alpaca"):
-        requests = ctx.requests(workload)
+        requests = ctx.requests(workload, ctx.memory_bound_requests(workload))
         rows, tokens = {}, {}
         for allocator in tqdm(ALLOCATORS, desc=f"fig13 {workload}"):
             run = serve(ctx, workload, allocator, requests, [0.0] * len(requests), keep_tokens=True)
             rows[allocator] = {**run.mean_over_bound_steps(), "paper_waste_pct": PAPER_WASTE[allocator]}
             tokens[allocator] = run.tokens
+        if quantized:
+            rows["paged-auto"] = _auto_row(ctx, workload)
+        _warn_unbound(workload, rows)
         same = all(tokens[a] == tokens["paged"] for a in ALLOCATORS)
-        result[workload] = {"budget_blocks": ctx.profile.budget_blocks[workload], "allocators": rows}
-        result[workload]["identical_greedy_tokens"] = same
+        result[workload] = {
+            "budget_blocks": ctx.profile.budget_blocks[workload],
+            "kv_blocks": ctx.engine_config(workload).cache.num_gpu_blocks_override,
+            "num_requests": len(requests),
+            "allocators": rows,
+            "identical_greedy_tokens": same,
+        }
     fig, axes = plt.subplots(1, 4, figsize=(16, 3.6))
     for col, workload in enumerate(("sharegpt", "alpaca")):
         _waste_bars(axes[2 * col], result[workload]["allocators"], workload)
         _running_bars(axes[2 * col + 1], result[workload]["allocators"], workload)
     save("fig13", ctx, result, fig)
     return result
+
+
+def _auto_row(ctx: Context, workload: str) -> dict:
+    """The paged engine with the model's own cache format on the profile's load (see fig13)."""
+    auto = dataclasses.replace(ctx, kv_cache_dtype="auto")
+    requests = auto.requests(workload)
+    row = serve(auto, workload, "paged", requests, [0.0] * len(requests)).mean_over_bound_steps()
+    blocks = auto.engine_config(workload).cache.num_gpu_blocks_override
+    return row | {"num_requests": len(requests), "kv_blocks": blocks}
+
+
+def _warn_unbound(workload: str, rows: dict) -> None:
+    for name, row in rows.items():
+        if row["memory_bound_steps"] == 0:
+            print(f"fig13 {workload} {name}: memory never decided; its averages cover every step")
 
 
 def _waste_bars(ax, rows: dict, workload: str) -> None:
@@ -84,7 +115,8 @@ def _waste_bars(ax, rows: dict, workload: str) -> None:
 
 
 def _running_bars(ax, rows: dict, workload: str) -> None:
-    ax.bar(ALLOCATORS, [rows[a]["running"] for a in ALLOCATORS], color="tab:blue")
+    names = [a for a in (*ALLOCATORS, "paged-auto") if a in rows]
+    ax.bar(names, [rows[a]["running"] for a in names], color="tab:blue")
     ax.set_title(f"running requests, {workload}-like")
 
 

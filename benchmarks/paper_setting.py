@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import math
 import os
 import platform
 import sys
@@ -18,6 +19,7 @@ from benchmarks.workloads import Request, poisson_arrivals, sample_requests
 from pagedllm.kernels.kv_quant import cache_dtype, row_width
 from pagedllm.server.config import EngineConfig, choose_token_budget
 from pagedllm.server.engine.llm_engine import LLMEngine
+from pagedllm.server.worker.dtype_choice import choose_dtype
 from pagedllm.server.worker.model_runner import resolve_device
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "paper")
@@ -136,16 +138,29 @@ class Context:
         return EngineConfig.from_kwargs(**args)
 
     def kv_blocks_per_budget_block(self) -> float:
-        """How many of our blocks fit in the memory of one budget block (kept in the model's dtype):
-        1 for ``auto``; an 8-bit cache's ratio of row bytes (2x bfloat16's, less int8's row scales)."""
+        """How many of our blocks fit in the memory of one budget block, a block of the cache the
+        engine keeps in the model's dtype (the one ``auto`` runs): 1 for ``auto``; for an 8-bit
+        cache the ratio of row bytes (2x a 16-bit cache's, 4x float32's, less int8's row scales)."""
         if self.kv_cache_dtype == "auto":
             return 1.0
         with open(os.path.join(self.model_dir, "config.json")) as f:
             hf = json.load(f)
         head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
-        model_bytes = head_dim * getattr(torch, self.profile.engine.get("dtype", "float32")).itemsize
+        model_bytes = head_dim * self.model_dtype(hf).itemsize
         cache = cache_dtype(self.kv_cache_dtype, torch.float32)
         return model_bytes / (row_width(cache, head_dim) * cache.itemsize)
+
+    def model_dtype(self, hf_config: dict) -> torch.dtype:
+        """The dtype the engine runs the profile's model in (``auto`` resolved as the engine does)."""
+        name = self.profile.engine.get("dtype", "auto")
+        if name != "auto":
+            return getattr(torch, name)
+        return choose_dtype(name, hf_config, resolve_device(self.profile.engine.get("device", "auto"))).dtype
+
+    def memory_bound_requests(self, workload: str) -> int:
+        """Requests enough for memory to decide at this cache format: the profile's count grows
+        with the blocks an 8-bit cache gets, so the queue outlasts the larger budget as long."""
+        return math.ceil(self.profile.num_requests[workload] * self.kv_blocks_per_budget_block())
 
 
 def build_model(profile: Profile, path: str) -> int:

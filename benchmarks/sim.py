@@ -17,6 +17,11 @@ Per-step samples record the KV cache split the paper's Fig. 2 uses (token slots)
 
 waste = 1 - used / all slots.
 
+A step is memory-bound when a request waits and the block manager cannot admit the first
+one in line (its blocks, or its reservation, do not fit): the steps Figs. 2 and 13 average
+over. Requests that wait for another reason (the step's token budget, ``max_num_seqs``)
+do not make a step memory-bound.
+
 Two clocks. ``measured``: each step's wall time on this machine. ``roofline``: the time the
 same step (the engine's real schedule) would take for LLaMA-7B in fp16 on an A100-40GB,
 the larger of weights + KV read over memory bandwidth and 2 x params x tokens over peak
@@ -33,6 +38,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from pagedllm.server import SamplingParams
+from pagedllm.server.core.block_manager import AllocStatus
 from pagedllm.server.core.sequence import Sequence as Sequence_
 from pagedllm.server.core.sequence import SequenceStatus
 from pagedllm.server.engine.llm_engine import LLMEngine
@@ -48,6 +54,8 @@ class KVSample:
     free: int
     running: int
     waiting: int
+    memory_bound: bool = False
+    """A request waited because the cache could not take it (see the module docstring)."""
 
     @property
     def total(self) -> int:
@@ -71,8 +79,10 @@ class ReplayResult:
         return float(np.mean([self.latency[r] / max(1, self.output_len[r]) for r in self.latency]))
 
     def mean_over_bound_steps(self) -> dict[str, float]:
-        """Averages over steps where requests waited (memory decided who ran); all steps if none."""
-        bound = [s for s in self.samples if s.waiting > 0] or self.samples
+        """Averages over the memory-bound steps; over all steps, with ``memory_bound_steps`` 0,
+        when memory never decided (the budget held every request)."""
+        bound = [s for s in self.samples if s.memory_bound] or self.samples
+        num_bound = sum(s.memory_bound for s in self.samples)
         slots = sum(s.total for s in bound) or 1
         return {
             "used_pct": 100 * sum(s.used for s in bound) / slots,
@@ -81,7 +91,7 @@ class ReplayResult:
             "free_pct": 100 * sum(s.free for s in bound) / slots,
             "waste_pct": 100 - 100 * sum(s.used for s in bound) / slots,
             "running": float(np.mean([s.running for s in bound])) if bound else 0.0,
-            "memory_bound_steps": len(bound),
+            "memory_bound_steps": num_bound,
         }
 
 
@@ -100,9 +110,10 @@ def kv_sample(engine: LLMEngine, final_len: dict[str, int]) -> KVSample:
             reserved += max(0, will_use - seq.num_computed_tokens)
             internal += slots - will_use
             held_slots += slots
-    waiting = len(engine.scheduler.waiting)
+    waiting = engine.scheduler.waiting
     free = bm.gpu.num_blocks * bs - held_slots
-    return KVSample(used, reserved, internal, free, len(engine.scheduler.running), waiting)
+    bound = bool(waiting) and bm.can_allocate(waiting[0]) is not AllocStatus.OK
+    return KVSample(used, reserved, internal, free, len(engine.scheduler.running), len(waiting), bound)
 
 
 @dataclass(frozen=True)
