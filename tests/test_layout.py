@@ -20,7 +20,6 @@ MAX_CLASS_LINES = 300
 OVER_MODULES = {
     "server/engine/llm_engine.py": 511,
     "kernels/paged_decode_attention.py": 403,  # NOTE: kernel, launcher and reference stay in one file per op
-    "kernels/paged_decode_attention_cpu.py": 402,
 }
 """Modules over the bar today -> their line count now (the most they may have)."""
 OVER_CLASSES = {
