@@ -315,9 +315,12 @@ class PagedAttention(torch.nn.Module):
         key_cache, value_cache = kv_cache
         kv_scales = self.kv_scales
         ops.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping, kv_scales)
-        out = torch.empty_like(q)
         d = meta.num_decode_tokens
         window, softcap = self.sliding_window, self.logit_softcap
+        if not meta.num_prefills and d == q.shape[0]:  # NOTE: a decode-only step: no output to assemble
+            out = ops.decode(q, key_cache, value_cache, meta, self.scale, window, softcap, kv_scales)
+            return out.reshape(-1, self.num_heads * self.head_dim)
+        out = torch.empty_like(q)
         if d:
             out[:d] = ops.decode(q[:d], key_cache, value_cache, meta, self.scale, window, softcap, kv_scales)
         if meta.num_prefills:
