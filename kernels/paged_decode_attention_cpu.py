@@ -3,12 +3,15 @@
 The torch path has to gather a sequence's blocks into one contiguous tensor before SDPA
 can run: it reads every K/V byte, writes it again and reads the copy. This kernel walks
 the block table instead and reads each block where it lies. One work item is one
-sequence and a run of its KV heads; Numba spreads the items over the CPU threads::
+sequence and a run of its KV heads; the items are dealt to the threads longest first, each
+to the thread with the least work so far (kernels/_cpu_items.py)::
 
     item (seq s, kv heads h0..h1)
-      pass 1: for each block of s, each slot, each query head: score = q . k   (reads K once)
+      pass 1: for each block of s, each slot, each KV head: widen its key row once,
+              then score = q . k for each query head of the KV head's group (reads K once)
       soft-cap (if asked) and softmax over the scores of each query head
-      pass 2: for each block of s, each slot: out += p * v                     (reads V once)
+      pass 2: for each block of s, each slot, each KV head: widen its value row once,
+              then out += p * v for each query head of the group              (reads V once)
 
 A block's slots hold every KV head contiguously (``[block_size, num_kv_heads, head_dim]``),
 so an item that takes all the KV heads of its sequence streams whole blocks. With few
@@ -46,6 +49,8 @@ import numpy as np
 import torch
 
 from . import _cpu_widen
+from ._cpu_items import ITEMS_PER_THREAD, choose_kv_splits, thread_items
+from ._cpu_items import prefetch_block as _prefetch_block
 from ._cpu_widen import E4M3_FACTOR
 from ._fast_exp import exp
 from ._paged import check_block_tables, check_int_vector, check_kv_caches, check_query, check_window
@@ -53,21 +58,20 @@ from .paged_decode_attention import paged_decode_attention_reference
 
 try:
     import numba
-    from llvmlite import ir
-    from numba.core import cgutils
-    from numba.extending import intrinsic
 except ImportError:  # pragma: no cover - numba is a dependency; this keeps the package importable
     numba = None  # type: ignore[assignment]
 
 HAS_NUMBA = numba is not None
 _prange = numba.prange if HAS_NUMBA else range
 
-
-# NOTE: at least this many work items per thread keeps the threads evenly loaded when
-# context lengths differ; fewer sequences than that get their KV heads split.
-ITEMS_PER_THREAD = 4
-
-__all__ = ["CACHE_DTYPES", "HAS_NUMBA", "paged_decode_attention_cpu", "paged_decode_attention_reference"]
+__all__ = [
+    "CACHE_DTYPES",
+    "HAS_NUMBA",
+    "ITEMS_PER_THREAD",
+    "choose_kv_splits",
+    "paged_decode_attention_cpu",
+    "paged_decode_attention_reference",
+]
 
 # NOTE: the integer type of each 16-bit format is what tells the kernel how to widen it
 # (see _cpu_widen.widen): the two must never share one. fp8 formats share uint8 and get
@@ -75,6 +79,13 @@ __all__ = ["CACHE_DTYPES", "HAS_NUMBA", "paged_decode_attention_cpu", "paged_dec
 _KERNEL_VIEWS = {torch.float32: torch.float32, torch.bfloat16: torch.uint16, torch.float16: torch.int16}
 CACHE_DTYPES = tuple(_KERNEL_VIEWS)
 """The model dtypes the compiled kernel reads (as query and cache; any of them over an 8-bit cache)."""
+# NOTE: below this much work (table positions x query heads x head size) a call runs on
+# the calling thread. A parallel call waits for its slowest thread: where other processes hold
+# the cores, that is a scheduler time slice (milliseconds) per call, 24 times a step for a
+# 24-layer model. On a quiet 2-core machine two threads pay from small sizes on: batch 1 at a
+# context of 194 (14 heads of 64, 174K) takes 33 us per call on two threads, 40 us on one
+# (``python -m benchmarks.cpu_attention``), so only the smallest calls stay on one.
+PARALLEL_MIN_WORK = 1 << 16
 _FORMATS = {  # 8-bit cache dtype -> (view, widening, factor of the widened value)
     torch.float8_e4m3fn: (torch.uint8, "widen_e4m3", E4M3_FACTOR),
     torch.float8_e5m2: (torch.uint8, "widen_e5m2", 1.0),
@@ -85,52 +96,6 @@ _FORMATS = {  # 8-bit cache dtype -> (view, widening, factor of the widened valu
 def _device_function(fn):
     """A helper the kernel calls: compiled into it by Numba (inlined), plain Python without numba."""
     return numba.njit(inline="always", fastmath=True, boundscheck=False)(fn) if HAS_NUMBA else fn
-
-
-PAGE_BYTES = 4096
-"""Where the CPU's own prefetcher stops following a stream (a 4 KiB page)."""
-
-
-def _llvm_prefetch(typingctx, cache, block, offset):
-    """``llvm.prefetch`` (read, keep in every level) of the cache line ``offset`` bytes into
-    ``cache[block]``: no load and no wait, and the page's translation is looked up too.
-
-    A Numba intrinsic: :func:`_prefetch_block` calls it once per page of a block.
-    """
-    sig = numba.types.void(cache, numba.types.intp, numba.types.intp)
-
-    def codegen(context, builder, signature, args):
-        array = context.make_array(signature.args[0])(context, builder, args[0])
-        i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
-        fn = cgutils.get_or_insert_function(
-            builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]), "llvm.prefetch.p0"
-        )
-        stride = cgutils.unpack_tuple(builder, array.strides)[0]
-        start = builder.add(builder.mul(args[1], stride), args[2])
-        address = builder.gep(builder.bitcast(array.data, i8p), [start])
-        builder.call(fn, [address, ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
-        return context.get_dummy_value()
-
-    return sig, codegen
-
-
-def _no_prefetch(cache, block, offset) -> None:
-    """Without numba the kernel runs as Python, where a prefetch has nothing to do."""
-
-
-_prefetch: Callable[..., None] = intrinsic(_llvm_prefetch) if HAS_NUMBA else _no_prefetch
-
-
-@_device_function
-def _prefetch_block(cache, block):
-    """Start the reads of ``cache[block]``: the first line of each of its pages.
-
-    NOTE: a sequence's blocks lie anywhere in the cache, so each block starts a new stream;
-    within a page the CPU's prefetcher follows on its own once the first lines come in.
-    """
-    block_bytes = cache.strides[0]
-    for offset in range(0, block_bytes, PAGE_BYTES):
-        _prefetch(cache, block, offset)
 
 
 @_device_function
@@ -167,11 +132,15 @@ def _row_scale(block, slot, kv, head_dim):
 @_device_function
 def _scores(query, key_cache, block_table, start, end, kv0, group, scale):
     """Pass 1, ``[heads, end - start]``: each query head (``query`` is ``[heads, head_dim]``)
-    against the cached keys of positions ``start .. end - 1``; head i reads KV head ``kv0 + i // group``."""
+    against the cached keys of positions ``start .. end - 1``; head i reads KV head ``kv0 + i // group``.
+
+    NOTE: a key row is widened once, into ``row``, for all ``group`` query heads that share it.
+    """
     heads = query.shape[0]
     head_dim = HEAD_DIM or query.shape[1]
     block_size = key_cache.shape[1]
     scores = np.empty((heads, max(end - start, 0)), np.float32)
+    row = np.empty(head_dim, np.float32)
     first, last = _visible_blocks(start, end, block_size)
     for b in range(first, last):
         if b + 1 < last:
@@ -180,12 +149,15 @@ def _scores(query, key_cache, block_table, start, end, kv0, group, scale):
         base = b * block_size
         for slot in range(max(start - base, 0), min(end - base, block_size)):
             col = base + slot - start
-            for i in range(heads):
-                kv = kv0 + i // group
-                acc = np.float32(0.0)
+            for g in range(heads // group):
                 for d in range(head_dim):
-                    acc += query[i, d] * _widen(block[slot, kv, d])
-                scores[i, col] = acc * scale * _row_scale(block, slot, kv, head_dim)
+                    row[d] = _widen(block[slot, kv0 + g, d])
+                row_scale = scale * _row_scale(block, slot, kv0 + g, head_dim)
+                for i in range(g * group, g * group + group):
+                    acc = np.float32(0.0)
+                    for d in range(head_dim):
+                        acc += query[i, d] * row[d]
+                    scores[i, col] = acc * row_scale
     return scores
 
 
@@ -212,11 +184,12 @@ def _softmax_rows(scores):
 @_device_function
 def _weighted_values(probs, value_cache, block_table, start, end, kv0, group, out):
     """Pass 2: ``out[i] = sum_p probs[i, p - start] * v[p]`` over positions ``start .. end - 1``
-    (``out`` is ``[heads, head_dim]``)."""
+    (``out`` is ``[heads, head_dim]``); a value row is widened once for its ``group`` query heads."""
     heads = out.shape[0]
     head_dim = HEAD_DIM or out.shape[1]
     block_size = value_cache.shape[1]
     acc = np.zeros((heads, head_dim), np.float32)
+    row = np.empty(head_dim, np.float32)
     first, last = _visible_blocks(start, end, block_size)
     for b in range(first, last):
         if b + 1 < last:
@@ -225,11 +198,14 @@ def _weighted_values(probs, value_cache, block_table, start, end, kv0, group, ou
         base = b * block_size
         for slot in range(max(start - base, 0), min(end - base, block_size)):
             col = base + slot - start
-            for i in range(heads):
-                kv = kv0 + i // group
-                w = probs[i, col] * _row_scale(block, slot, kv, head_dim)
+            for g in range(heads // group):
                 for d in range(head_dim):
-                    acc[i, d] += w * _widen(block[slot, kv, d])
+                    row[d] = _widen(block[slot, kv0 + g, d])
+                row_scale = _row_scale(block, slot, kv0 + g, head_dim)
+                for i in range(g * group, g * group + group):
+                    w = probs[i, col] * row_scale
+                    for d in range(head_dim):
+                        acc[i, d] += w * row[d]
     out[:, :] = acc
 
 
@@ -243,6 +219,7 @@ def paged_decode_attention_cpu_kernel(
     window,  # sliding window in positions; 0: none
     softcap,  # logit soft-cap; 0: none
     kv_splits,  # items per sequence; divides num_kv_heads
+    threads,  # Numba's thread count: one prange iteration each
     out,  # [num_seqs, num_heads, head_dim] float32, written
 ):
     """The kernel's source (one work item = one sequence and a run of its heads);
@@ -250,33 +227,37 @@ def paged_decode_attention_cpu_kernel(
     num_seqs, num_heads, _ = query.shape
     group = num_heads // key_cache.shape[2]
     heads = num_heads // kv_splits  # query heads per item, a multiple of group
-    for item in _prange(num_seqs * kv_splits):
-        seq = item // kv_splits
-        h0 = (item - seq * kv_splits) * heads
-        end = context_lens[seq]
-        start = max(end - window, 0) if window > 0 else 0
-        table = block_tables[seq]
-        probs = _scores(query[seq, h0 : h0 + heads], key_cache, table, start, end, h0 // group, group, scale)
-        if softcap > 0:
-            _soft_cap(probs, softcap)
-        _softmax_rows(probs)
-        _weighted_values(probs, value_cache, table, start, end, h0 // group, group, out[seq, h0 : h0 + heads])
+    plan = thread_items(context_lens, window, kv_splits, threads)
+    for t in _prange(threads):
+        for n in range(plan[t, 0]):
+            item = plan[t, n + 1]
+            seq = item // kv_splits
+            h0 = (item - seq * kv_splits) * heads
+            end = context_lens[seq]
+            start = max(end - window, 0) if window > 0 else 0
+            table = block_tables[seq]
+            probs = _scores(query[seq, h0 : h0 + heads], key_cache, table, start, end, h0 // group, group, scale)
+            if softcap > 0:
+                _soft_cap(probs, softcap)
+            _softmax_rows(probs)
+            _weighted_values(probs, value_cache, table, start, end, h0 // group, group, out[seq, h0 : h0 + heads])
 
 
 @functools.cache
-def _compiled_kernel(head_dim: int, widening: str = "widen", row_scaled: bool = False):
-    """The kernel for heads of ``head_dim``, compiled by Numba on first use, its machine code
+def _compiled_kernel(head_dim: int, widening: str = "widen", row_scaled: bool = False, parallel: bool = True):
+    """The kernel for heads of ``head_dim`` (on Numba's pool, or on the calling thread where
+    not ``parallel``), compiled by Numba on first use, its machine code
     cached on disk when a cache directory is writable (else compiled once per process, a
     few seconds).
 
     NOTE: compiled lazily so that importing the kernels never needs numba's cache
     directory: a read-only image and an unwritable home still import and serve.
     """
-    kernel = _specialised(head_dim, widening, row_scaled)
+    kernel = _specialised(head_dim, widening, row_scaled, parallel)
     try:
-        return _jit(kernel, cache=True)
+        return _jit(kernel, cache=True, parallel=parallel)
     except RuntimeError:  # numba: "cannot cache function ... no locator available"
-        return _jit(kernel, cache=False)
+        return _jit(kernel, cache=False, parallel=parallel)
 
 
 HEAD_DIM = 0
@@ -284,7 +265,7 @@ HEAD_DIM = 0
 array's shape); a constant in each copy :func:`_specialised` makes."""
 
 
-def _specialised(head_dim: int, widening: str = "widen", row_scaled: bool = False) -> Callable:
+def _specialised(head_dim: int, widening: str = "widen", row_scaled: bool = False, parallel: bool = True) -> Callable:
     """A copy of the kernel whose passes see ``HEAD_DIM = head_dim`` as a compile-time constant.
 
     NOTE: Numba freezes a function's globals into its code. With the head size a constant,
@@ -293,10 +274,12 @@ def _specialised(head_dim: int, widening: str = "widen", row_scaled: bool = Fals
     and bfloat16, 8 heads of 64, 16 and 64 sequences: 7-15% less time per call, ``python -m
     benchmarks.cpu_attention``). Each copy has its own name, which is what Numba's disk cache
     knows it by. An 8-bit cache's copy also gets its ``widening`` (a name in _cpu_widen) and
-    whether rows carry a scale (``ROW_SCALED``) the same way.
+    whether rows carry a scale (``ROW_SCALED``) the same way. The serial build's name says so:
+    the disk cache does not tell builds apart by their compile options.
     """
     names = {"HEAD_DIM": head_dim, "ROW_SCALED": row_scaled, "_widen": getattr(_cpu_widen, widening)}
     tag = f"_d{head_dim}" + ("_int8" if row_scaled else "" if widening == "widen" else f"_{widening[6:]}")
+    tag += "" if parallel else "_serial"
     for fn in (_row_scale.py_func, _scores.py_func, _weighted_values.py_func):
         names[fn.__name__] = _device_function(_copy(fn, f"{fn.__name__}{tag}", names))
     return _copy(paged_decode_attention_cpu_kernel, f"paged_decode_attention_cpu_kernel{tag}", names)
@@ -309,19 +292,9 @@ def _copy(fn: Callable, name: str, names: dict) -> Callable:
     return copy
 
 
-def _jit(kernel: Callable, cache: bool):
-    jit = numba.njit(cache=cache, parallel=True, fastmath=True, nogil=True, boundscheck=False)
+def _jit(kernel: Callable, cache: bool, parallel: bool = True):
+    jit = numba.njit(cache=cache, parallel=parallel, fastmath=True, nogil=True, boundscheck=False)
     return jit(kernel)
-
-
-def choose_kv_splits(num_seqs: int, num_kv_heads: int, threads: int) -> int:
-    """Items per sequence: 1 (whole blocks streamed) unless there are too few sequences to
-    give each thread ``ITEMS_PER_THREAD`` items; then the smallest divisor of the KV heads that does."""
-    wanted = -(-ITEMS_PER_THREAD * threads // max(num_seqs, 1))
-    for splits in range(1, num_kv_heads + 1):
-        if num_kv_heads % splits == 0 and splits >= wanted:
-            return splits
-    return num_kv_heads
 
 
 def paged_decode_attention_cpu(
@@ -360,11 +333,14 @@ def paged_decode_attention_cpu(
     if query.shape[0] == 0:
         return out.to(query.dtype)
     cache_view, widening, factor = _FORMATS.get(key_cache.dtype) or (_KERNEL_VIEWS[key_cache.dtype], "widen", 1.0)
-    threads = torch.get_num_threads()
-    _use_threads(threads)
+    threads = _use_threads(torch.get_num_threads())
+    # NOTE: the tables' width bounds every context: no pass over the lengths needed
+    most = block_tables.shape[0] * block_tables.shape[1] * key_cache.shape[1] * query.shape[1] * query.shape[2]
+    parallel = threads > 1 and most >= PARALLEL_MIN_WORK
+    threads = threads if parallel else 1
     splits = choose_kv_splits(query.shape[0], key_cache.shape[2], threads)
     fp8 = widening != "widen"
-    _compiled_kernel(query.shape[2], widening, key_cache.dtype == torch.int8)(
+    _compiled_kernel(query.shape[2], widening, key_cache.dtype == torch.int8, parallel)(
         query.float().contiguous().numpy(),
         key_cache.view(cache_view).numpy(),
         value_cache.view(cache_view).numpy(),
@@ -374,17 +350,20 @@ def paged_decode_attention_cpu(
         sliding_window or 0,
         np.float32(logit_softcap or 0.0),
         splits,
+        threads,
         out.numpy(),
     )
     return (out.mul_(v_scale * factor) if fp8 else out).to(query.dtype)
 
 
-def _use_threads(threads: int) -> None:
-    """Numba's pool follows torch's thread count (the engine sets that from the CPU quota)."""
+def _use_threads(threads: int) -> int:
+    """Numba's pool follows torch's thread count (the engine sets that from the CPU quota),
+    within the threads it has; returns how many it now uses."""
     _launch_pool()
     threads = min(threads, numba.config.NUMBA_NUM_THREADS)  # type: ignore[attr-defined]
     if numba.get_num_threads() != threads:
         numba.set_num_threads(threads)
+    return threads
 
 
 @functools.cache

@@ -18,8 +18,7 @@ MAX_MODULE_LINES = 400
 MAX_CLASS_LINES = 300
 
 OVER_MODULES = {
-    "server/engine/llm_engine.py": 511,
-    "kernels/paged_decode_attention_cpu.py": 402,
+    "server/engine/llm_engine.py": 509,
 }
 """Modules over the bar today -> their line count now (the most they may have)."""
 OVER_CLASSES = {

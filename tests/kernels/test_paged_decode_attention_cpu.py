@@ -19,6 +19,7 @@ from kernel_factories import huge_cache, make_paged_kv, naive_attention
 
 import pagedllm.kernels.paged_decode_attention_cpu as cpu_kernel
 from pagedllm.kernels import paged_decode_attention_reference
+from pagedllm.kernels.kv_quant import quantize
 from pagedllm.kernels.paged_decode_attention_cpu import (
     ITEMS_PER_THREAD,
     choose_kv_splits,
@@ -200,12 +201,35 @@ def test_refuses_what_it_cannot_run():
         _run(paged_decode_attention_cpu, query, kv, 1.0, softcap=-1.0)
 
 
+@pytest.mark.parametrize("quantized", [False, True])
+def test_serial_and_parallel_builds_agree_exactly(monkeypatch, quantized):
+    """Small calls run on the calling thread, large ones on Numba's pool, each item dealt to a
+    thread by its length: the same items computed the same way, so the same bits."""
+    query, kv = _case([3, 70, 17, 45, 1, 33], 8, 2, 64, 16, dtype=torch.bfloat16)
+    if quantized:  # NOTE: int8 rows with their scales (kernels/kv_quant.py)
+        kv = dataclasses.replace(
+            kv, key_cache=quantize(kv.key_cache, torch.int8), value_cache=quantize(kv.value_cache, torch.int8)
+        )
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        outs = []
+        for least in (1 << 40, 0):  # NOTE: serial, then parallel
+            monkeypatch.setattr(cpu_kernel, "PARALLEL_MIN_WORK", least)
+            outs.append(_run(paged_decode_attention_cpu, query, kv, 0.125, None, 20.0))
+    finally:
+        torch.set_num_threads(previous)
+    assert torch.equal(outs[0], outs[1])
+    if not quantized:
+        _assert_matches(outs[0], _float32_reference(query, kv, 0.125, None, 20.0), torch.bfloat16)
+
+
 def test_compiles_without_a_writable_cache_directory(monkeypatch):
     """Where numba finds no writable cache directory (read-only image, no home), the
     kernel is compiled without the on-disk cache instead of failing."""
     asked = []
 
-    def jit(kernel, cache):
+    def jit(kernel, cache, parallel=True):
         asked.append(cache)
         if cache:
             raise RuntimeError("cannot cache function 'kernel': no locator available for file 'kernel.py'")

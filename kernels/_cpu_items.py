@@ -1,0 +1,114 @@
+"""Work items of the compiled CPU decode kernel (kernels/paged_decode_attention_cpu.py):
+how many per sequence, which thread runs which, and the prefetch of a sequence's next block.
+
+NOTE: Numba's disk cache keys the kernel on its own file: an edit here must also touch
+``paged_decode_attention_cpu.py`` (as for ``_fast_exp.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+
+try:
+    import numba
+    from llvmlite import ir
+    from numba.core import cgutils
+    from numba.extending import intrinsic
+except ImportError:  # pragma: no cover - numba is a dependency; this keeps the package importable
+    numba = None  # type: ignore[assignment]
+
+HAS_NUMBA = numba is not None
+
+# NOTE: at least this many work items per thread keeps the threads evenly loaded when
+# context lengths differ; fewer sequences than that get their KV heads split.
+ITEMS_PER_THREAD = 4
+
+
+def _device_function(fn):
+    """A helper the kernel calls: compiled into it by Numba (inlined), plain Python without numba."""
+    return numba.njit(inline="always", fastmath=True, boundscheck=False)(fn) if HAS_NUMBA else fn
+
+
+def choose_kv_splits(num_seqs: int, num_kv_heads: int, threads: int) -> int:
+    """Items per sequence: 1 (whole blocks streamed) unless there are too few sequences to
+    give each thread ``ITEMS_PER_THREAD`` items; then the smallest divisor of the KV heads that does."""
+    wanted = -(-ITEMS_PER_THREAD * threads // max(num_seqs, 1))
+    for splits in range(1, num_kv_heads + 1):
+        if num_kv_heads % splits == 0 and splits >= wanted:
+            return splits
+    return num_kv_heads
+
+
+@_device_function
+def thread_items(context_lens, window, kv_splits, threads):
+    """``[threads, items + 1]``: row t lists the work items thread t runs (count first), the
+    longest first, each given to the thread with the least work so far (visible positions).
+
+    NOTE: Numba splits a ``prange`` into equal runs of iterations, whatever each costs: 16
+    sequences of ShareGPT-like lengths gave one of two threads 35% more than half the work.
+    """
+    num_items = len(context_lens) * kv_splits
+    work = np.empty(num_items, np.int64)
+    for item in range(num_items):
+        end = context_lens[item // kv_splits]
+        work[item] = (min(end, window) if window > 0 else end) + 16  # NOTE: + an item's fixed cost
+    plan = np.zeros((threads, num_items + 1), np.int64)
+    if num_items <= threads:  # NOTE: one item each, no sort (batch 1: its KV heads)
+        for item in range(num_items):
+            plan[item, 0], plan[item, 1] = 1, item
+        return plan
+    load = np.zeros(threads, np.int64)
+    for item in np.argsort(-work, kind="mergesort"):
+        t = np.argmin(load)
+        load[t] += work[item]
+        plan[t, 0] += 1
+        plan[t, plan[t, 0]] = item
+    return plan
+
+
+PAGE_BYTES = 4096
+"""Where the CPU's own prefetcher stops following a stream (a 4 KiB page)."""
+
+
+def _llvm_prefetch(typingctx, cache, block, offset):
+    """``llvm.prefetch`` (read, keep in every level) of the cache line ``offset`` bytes into
+    ``cache[block]``: no load and no wait, and the page's translation is looked up too.
+
+    A Numba intrinsic: :func:`prefetch_block` calls it once per page of a block.
+    """
+    sig = numba.types.void(cache, numba.types.intp, numba.types.intp)
+
+    def codegen(context, builder, signature, args):
+        array = context.make_array(signature.args[0])(context, builder, args[0])
+        i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
+        fn = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]), "llvm.prefetch.p0"
+        )
+        stride = cgutils.unpack_tuple(builder, array.strides)[0]
+        start = builder.add(builder.mul(args[1], stride), args[2])
+        address = builder.gep(builder.bitcast(array.data, i8p), [start])
+        builder.call(fn, [address, ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+def _no_prefetch(cache, block, offset) -> None:
+    """Without numba the kernel runs as Python, where a prefetch has nothing to do."""
+
+
+_prefetch: Callable[..., None] = intrinsic(_llvm_prefetch) if HAS_NUMBA else _no_prefetch
+
+
+@_device_function
+def prefetch_block(cache, block):
+    """Start the reads of ``cache[block]``: the first line of each of its pages.
+
+    NOTE: a sequence's blocks lie anywhere in the cache, so each block starts a new stream;
+    within a page the CPU's prefetcher follows on its own once the first lines come in.
+    """
+    block_bytes = cache.strides[0]
+    for offset in range(0, block_bytes, PAGE_BYTES):
+        _prefetch(cache, block, offset)
