@@ -43,7 +43,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from pagedllm.kernels.kv_quant import UNIT_SCALES, KVScales, dequantize, is_quantized, raw, write_rows
+from pagedllm.kernels.kv_quant import UNIT_SCALES, KVScales, dequantize, is_quantized, raw
+from pagedllm.kernels.kv_write_cpu import write_kv_quantized_cpu
 from pagedllm.kernels.paged_decode_attention_cpu import paged_decode_attention_cpu
 
 # NOTE: measured on a 2-core CPU (benchmarks/cpu_attention.py): merging sequences whose
@@ -360,8 +361,7 @@ def write_kv(
 ) -> None:
     """``reshape_and_cache`` for the engine's own steps, whose slots are never negative."""
     if is_quantized(key_cache):
-        write_rows(key_cache, slot_mapping, key, scales.k_scale)
-        write_rows(value_cache, slot_mapping, value, scales.v_scale)
+        write_kv_quantized_cpu(key, value, key_cache, value_cache, slot_mapping, scales.k_scale, scales.v_scale)
         return
     key_cache.view(-1, *key_cache.shape[2:]).index_copy_(0, slot_mapping, key)
     value_cache.view(-1, *value_cache.shape[2:]).index_copy_(0, slot_mapping, value)
