@@ -8,6 +8,7 @@ import torch
 from pagedllm.kernels.kv_quant import QUANT_DTYPES, quantize, raw, row_width
 from pagedllm.kernels.kv_write_cpu import write_kv_quantized_cpu, write_kv_quantized_reference
 from pagedllm.kernels.paged_decode_attention_cpu import HAS_NUMBA
+from tests.kernels.kernel_factories import torch_threads
 
 pytestmark = pytest.mark.skipif(not HAS_NUMBA, reason="numba is not installed")
 
@@ -93,3 +94,17 @@ def test_other_dtypes_take_the_reference():
     write_kv_quantized_cpu(key, key, kc, vc, slots)
     write_kv_quantized_reference(key, key, want_k, want_v, slots)
     assert torch.equal(kc, want_k) and torch.equal(vc, want_v)
+
+
+@pytest.mark.parametrize("dtype", QDTYPES)
+def test_parallel_build_matches_reference(dtype):
+    """A prefill-sized write (past PARALLEL_MIN_ELEMENTS) spread over two threads."""
+    g = torch.Generator().manual_seed(3)
+    key, value = (_inputs(600, 2, 64, torch.bfloat16, g, strided=False) for _ in range(2))
+    slots = torch.randperm(40 * 16, generator=g)[:600]
+    slots[::7] = -1
+    (kc, vc), (want_k, want_v) = _poisoned_caches(dtype, 40, 16, 2, 64, g)
+    with torch_threads(2):
+        write_kv_quantized_cpu(key, value, kc, vc, slots, *SCALES[dtype])
+    write_kv_quantized_reference(key, value, want_k, want_v, slots, *SCALES[dtype])
+    assert torch.equal(_bytes(kc), _bytes(want_k)) and torch.equal(_bytes(vc), _bytes(want_v))
