@@ -108,3 +108,17 @@ def test_parallel_build_matches_reference(dtype):
         write_kv_quantized_cpu(key, value, kc, vc, slots, *SCALES[dtype])
     write_kv_quantized_reference(key, value, want_k, want_v, slots, *SCALES[dtype])
     assert torch.equal(_bytes(kc), _bytes(want_k)) and torch.equal(_bytes(vc), _bytes(want_v))
+
+
+def test_without_numba_the_reference_writes(monkeypatch):
+    import pagedllm.kernels.kv_write_cpu as module
+
+    monkeypatch.setattr(module, "HAS_NUMBA", False)
+    monkeypatch.setattr(module, "_compiled", None)  # any use of the kernel would fail
+    key = torch.randn(4, 2, 16)
+    kc = torch.full((2, 4, 2, 18), 5, dtype=torch.int8)
+    vc, want_k, want_v = kc.clone(), kc.clone(), kc.clone()
+    slots = torch.tensor([0, -1, 6, 2])
+    write_kv_quantized_cpu(key, key, kc, vc, slots)
+    write_kv_quantized_reference(key, key, want_k, want_v, slots)
+    assert torch.equal(kc, want_k) and torch.equal(vc, want_v)
