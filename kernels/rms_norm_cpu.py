@@ -91,23 +91,29 @@ def rms_norm_cpu(
 ) -> tuple[torch.Tensor, torch.Tensor]:  # (normalised, x + residual or x)
     """:func:`rms_norm_reference` in one compiled pass for float32 or bfloat16 CPU tensors of
     one dtype; the reference otherwise."""
-    plain = [x, weight] + ([residual] if residual is not None else [])
-    if not HAS_NUMBA or x.dtype not in KERNEL_DTYPES or x.dim() != 2:
+    # NOTE: a decode step calls this twice per layer on a row or a few, where the kernel takes
+    # well under a microsecond: the checks and conversions below are most of a call, so they
+    # are written out rather than looped over a list of the tensors.
+    dtype = x.dtype
+    if not HAS_NUMBA or dtype not in KERNEL_DTYPES or x.dim() != 2 or not (x.is_cpu and weight.is_cpu):
         return rms_norm_reference(x, weight, eps, residual)
-    if any(t.dtype != x.dtype or t.device.type != "cpu" for t in plain):
+    if weight.dtype != dtype or (residual is not None and (residual.dtype != dtype or not residual.is_cpu)):
         return rms_norm_reference(x, weight, eps, residual)
-    if torch.is_grad_enabled() and any(t.requires_grad for t in plain):
+    grad = x.requires_grad or weight.requires_grad or (residual is not None and residual.requires_grad)
+    if grad and torch.is_grad_enabled():
         return rms_norm_reference(x, weight, eps, residual)
     x = x.contiguous()
     out = torch.empty_like(x)
-    summed = torch.empty_like(x) if residual is not None else x
     xs = kernel_array(x)
-    launch(_compiled, x.numel())(
-        xs,
-        kernel_array(residual.contiguous()) if residual is not None else np.empty((0, 0), xs.dtype),
-        kernel_array(weight.detach()),
-        np.float32(eps),
-        kernel_array(out),
-        kernel_array(summed),
-    )
+    if residual is None:
+        summed, summed_array, residual_array = x, xs, _NO_RESIDUAL[xs.dtype]
+    else:
+        summed = torch.empty_like(x)
+        summed_array, residual_array = kernel_array(summed), kernel_array(residual.contiguous())
+    weights = kernel_array(weight.detach() if weight.requires_grad else weight)
+    launch(_compiled, x.numel())(xs, residual_array, weights, np.float32(eps), kernel_array(out), summed_array)
     return out, summed
+
+
+# The kernel's ``residual`` where there is none, by x's array dtype.
+_NO_RESIDUAL = {np.dtype(np.float32): np.empty((0, 0), np.float32), np.dtype(np.uint16): np.empty((0, 0), np.uint16)}
