@@ -91,9 +91,11 @@ def rotary_cpu_(
     """:func:`rotary_reference`, in place on a float32 or bfloat16 CPU ``x`` with unit-stride rows
     (a column slice of a fused projection's output is fine), returned, with float32 or bfloat16
     tables; a new tensor otherwise."""
+    # NOTE: called once per layer on a row or a few, where the kernel takes about a microsecond:
+    # the checks are written out rather than looped over the tensors.
     if not HAS_NUMBA or x.dtype not in KERNEL_DTYPES or cos.dtype not in KERNEL_DTYPES or sin.dtype != cos.dtype:
         return rotary_reference(x, cos, sin, positions, head_dim)
-    if any(t.device.type != "cpu" for t in (x, cos, sin, positions)) or x.dim() != 2 or x.stride(-1) != 1:
+    if not (x.is_cpu and cos.is_cpu and sin.is_cpu and positions.is_cpu) or x.dim() != 2 or x.stride(-1) != 1:
         return rotary_reference(x, cos, sin, positions, head_dim)
     if x.requires_grad and torch.is_grad_enabled():
         return rotary_reference(x, cos, sin, positions, head_dim)
@@ -101,5 +103,6 @@ def rotary_cpu_(
         return x
     flat, row_stride = flat_rows(x)  # NOTE: x's own memory: its columns are unit-stride (checked above)
     compiled = launch(_compiled, x.numel())
-    compiled(flat, row_stride, x.shape[1], kernel_array(cos), kernel_array(sin), positions.long().numpy(), head_dim)
+    where = (positions if positions.dtype == torch.int64 else positions.long()).numpy()
+    compiled(flat, row_stride, x.shape[1], kernel_array(cos), kernel_array(sin), where, head_dim)
     return x
