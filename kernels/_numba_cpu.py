@@ -44,7 +44,10 @@ if HAS_NUMBA:
 
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 """The dtypes these kernels compute in; others take the torch references."""
-_DTYPE_TOKENS = {torch.float32: np.empty((0,), np.float32), torch.bfloat16: np.empty((0,), np.uint16)}
+_DTYPE_TOKENS: dict[torch.dtype, np.ndarray] = {
+    torch.float32: np.empty((0,), np.float32),
+    torch.bfloat16: np.empty((0,), np.uint16),
+}
 
 
 def kernel_array(t: torch.Tensor) -> np.ndarray:
