@@ -2,7 +2,10 @@
 float32 and bfloat16 elements inside them, one kernel source for both.
 
 :func:`compile_kernel` builds a kernel on one thread or spread over Numba's pool;
-:func:`launch` picks the build for a call's size (see ``PARALLEL_MIN_ELEMENTS``).
+:func:`launch` picks the build for a call's size (see ``PARALLEL_MIN_ELEMENTS``). A kernel
+called at decode sizes may take its tensors by address (``tensor.data_ptr()``, viewed in the
+kernel with ``numba.carray(address_as(address, like), shape)``, ``like`` from
+:func:`dtype_token`): a tensor's NumPy array costs about a microsecond a call.
 
 NumPy has no bfloat16, so a bfloat16 tensor reaches a kernel as its bit patterns
 (``tensor.view(torch.uint16).numpy()``, see :func:`kernel_array`). Torch's CPU ops on
@@ -41,11 +44,21 @@ if HAS_NUMBA:
 
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 """The dtypes these kernels compute in; others take the torch references."""
+_DTYPE_TOKENS: dict[torch.dtype, np.ndarray] = {
+    torch.float32: np.empty((0,), np.float32),
+    torch.bfloat16: np.empty((0,), np.uint16),
+}
 
 
 def kernel_array(t: torch.Tensor) -> np.ndarray:
     """A CPU tensor as the array a kernel takes: float32 as it is, bfloat16 as its uint16 bits."""
     return (t.view(torch.uint16) if t.dtype == torch.bfloat16 else t).numpy()
+
+
+def dtype_token(dtype: torch.dtype) -> np.ndarray:
+    """An empty array of the kernel dtype for ``dtype``: what a kernel that takes tensors by
+    address (``address_as``) is compiled for, float32 or bfloat16 bits."""
+    return _DTYPE_TOKENS[dtype]
 
 
 def flat_rows(t: torch.Tensor) -> tuple[np.ndarray, int]:
@@ -155,7 +168,21 @@ def _store_like(typingctx, value, array):
     return _like(value, array, numba.types.uint16, codegen)
 
 
+def _address_as(typingctx, address, like):
+    """A pointer to elements of ``like``'s dtype at ``address`` (an integer, ``tensor.data_ptr()``)."""
+    types = numba.types
+    if not isinstance(like, types.Array) or not isinstance(address, types.Integer):
+        return None
+    pointer = types.CPointer(like.dtype)
+
+    def codegen(context, builder, signature, args):
+        return builder.inttoptr(args[0], context.get_value_type(pointer))
+
+    return pointer(address, like), codegen
+
+
 if HAS_NUMBA:
+    address_as: Callable = intrinsic(_address_as)
     load: Callable = intrinsic(_load)
     round_like: Callable = intrinsic(_round_like)
     store_like: Callable = intrinsic(_store_like)

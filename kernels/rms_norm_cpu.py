@@ -33,13 +33,13 @@ import functools
 import numpy as np
 import torch
 
-from ._numba_cpu import KERNEL_DTYPES, compile_kernel, kernel_array, launch
+from ._numba_cpu import KERNEL_DTYPES, compile_kernel, dtype_token, launch
 from .paged_decode_attention_cpu import HAS_NUMBA
 
 if HAS_NUMBA:
     import numba
 
-    from ._numba_cpu import load, round_like, store_like
+    from ._numba_cpu import address_as, load, round_like, store_like
 
 
 def rms_norm_reference(
@@ -55,13 +55,20 @@ def rms_norm_reference(
     return weight * normed.to(dtype), s
 
 
-def _kernel(x, residual, weight, eps, out, summed):  # pragma: no cover - compiled
-    # x, out: [tokens, hidden]; residual, summed: [tokens, hidden], or [0, 0] and x; weight: [hidden]
-    tokens, hidden = x.shape
+def _kernel(x_at, residual_at, weight_at, out_at, summed_at, tokens, hidden, eps, like):  # pragma: no cover
+    # *_at: addresses of C-contiguous tensors of like's dtype: x, out, summed [tokens, hidden],
+    # weight [hidden]; residual_at 0 where there is none (summed_at is then x_at)
+    # NOTE: by address, not as arrays: a tensor's array costs about 1 us, as much as a decode-size call's work
+    x = numba.carray(address_as(x_at, like), (tokens, hidden))
+    has_residual = residual_at != 0
+    residual = numba.carray(address_as(residual_at if has_residual else x_at, like), (tokens, hidden))
+    weight = numba.carray(address_as(weight_at, like), (hidden,))
+    out = numba.carray(address_as(out_at, like), (tokens, hidden))
+    summed = numba.carray(address_as(summed_at, like), (tokens, hidden))
     for t in numba.prange(tokens):
         acc = np.float32(0.0)
         for i in range(hidden):
-            if residual.shape[0]:
+            if has_residual:
                 s = round_like(load(x[t, i]) + load(residual[t, i]), x)
                 summed[t, i] = store_like(s, x)
             else:
@@ -91,23 +98,29 @@ def rms_norm_cpu(
 ) -> tuple[torch.Tensor, torch.Tensor]:  # (normalised, x + residual or x)
     """:func:`rms_norm_reference` in one compiled pass for float32 or bfloat16 CPU tensors of
     one dtype; the reference otherwise."""
-    plain = [x, weight] + ([residual] if residual is not None else [])
-    if not HAS_NUMBA or x.dtype not in KERNEL_DTYPES or x.dim() != 2:
+    # NOTE: a decode step calls this twice per layer on a row or a few, where the kernel takes
+    # well under a microsecond: the checks and conversions below are most of a call, so they
+    # are written out rather than looped over a list of the tensors.
+    dtype = x.dtype
+    if not HAS_NUMBA or dtype not in KERNEL_DTYPES or x.dim() != 2 or not (x.is_cpu and weight.is_cpu):
         return rms_norm_reference(x, weight, eps, residual)
-    if any(t.dtype != x.dtype or t.device.type != "cpu" for t in plain):
+    if weight.dtype != dtype or (residual is not None and (residual.dtype != dtype or not residual.is_cpu)):
         return rms_norm_reference(x, weight, eps, residual)
-    if torch.is_grad_enabled() and any(t.requires_grad for t in plain):
+    grad = x.requires_grad or weight.requires_grad or (residual is not None and residual.requires_grad)
+    if grad and torch.is_grad_enabled():
         return rms_norm_reference(x, weight, eps, residual)
-    x = x.contiguous()
+    if weight.shape != x.shape[1:] or (residual is not None and residual.shape != x.shape):
+        return rms_norm_reference(x, weight, eps, residual)
+    x, weight = x.contiguous(), weight.contiguous()
     out = torch.empty_like(x)
-    summed = torch.empty_like(x) if residual is not None else x
-    xs = kernel_array(x)
-    launch(_compiled, x.numel())(
-        xs,
-        kernel_array(residual.contiguous()) if residual is not None else np.empty((0, 0), xs.dtype),
-        kernel_array(weight.detach()),
-        np.float32(eps),
-        kernel_array(out),
-        kernel_array(summed),
-    )
+    if residual is None:
+        summed, residual_at = x, 0
+    else:
+        summed, residual = torch.empty_like(x), residual.contiguous()
+        residual_at = residual.data_ptr()
+    tokens, hidden = x.shape
+    launch(_compiled, tokens * hidden)(
+        x.data_ptr(), residual_at, weight.data_ptr(), out.data_ptr(), summed.data_ptr(), tokens, hidden,
+        np.float32(eps), dtype_token(dtype),
+    )  # fmt: skip
     return out, summed

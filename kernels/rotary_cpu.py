@@ -26,15 +26,16 @@ from __future__ import annotations
 
 import functools
 
+import numpy as np
 import torch
 
-from ._numba_cpu import KERNEL_DTYPES, compile_kernel, flat_rows, kernel_array, launch
+from ._numba_cpu import KERNEL_DTYPES, compile_kernel, dtype_token, launch
 from .paged_decode_attention_cpu import HAS_NUMBA
 
 if HAS_NUMBA:
     import numba
 
-    from ._numba_cpu import load, round_like, store_like
+    from ._numba_cpu import address_as, load, round_like, store_like
 
 
 def rotary_reference(
@@ -56,12 +57,19 @@ def rotary_reference(
     return out.reshape(shape)
 
 
-def _kernel(x, row_stride, width, cos, sin, positions, head_dim):  # pragma: no cover - compiled
-    # x: the rows' elements flat, row t's ``width`` columns from t * row_stride;
-    # cos, sin: [max_positions, rotary_dim]; positions: [tokens]
-    # NOTE: flat and contiguous (not a strided 2-D view) so the loads and stores vectorise
-    tokens = len(positions)
-    half = cos.shape[1] // 2
+def _kernel(
+    x_at, row_stride, tokens, width, cos_at, sin_at, table_rows, rotary_dim, positions_at, head_dim, like, table_like
+):  # pragma: no cover
+    # x_at: row t's ``width`` columns from x_at + t * row_stride elements (like's dtype);
+    # cos_at, sin_at: C-contiguous [table_rows, rotary_dim] (table_like's dtype);
+    # positions_at: [tokens] int64
+    # NOTE: by address, not as arrays: a tensor's array costs about 1 us, as much as a decode-size call's work;
+    # x flat and contiguous (not a strided 2-D view) so the loads and stores vectorise
+    x = numba.carray(address_as(x_at, like), ((tokens - 1) * row_stride + width,))
+    cos = numba.carray(address_as(cos_at, table_like), (table_rows, rotary_dim))
+    sin = numba.carray(address_as(sin_at, table_like), (table_rows, rotary_dim))
+    positions = numba.carray(address_as(positions_at, _POSITIONS), (tokens,))
+    half = rotary_dim // 2
     for t in numba.prange(tokens):
         cos_row, sin_row = cos[positions[t]], sin[positions[t]]
         for head in range(width // head_dim):
@@ -74,6 +82,9 @@ def _kernel(x, row_stride, width, cos, sin, positions, head_dim):  # pragma: no 
                 x1, x2 = load(first[i]), load(second[i])
                 first[i] = store_like(round_like(x1 * c, x) - round_like(x2 * s, x), x)
                 second[i] = store_like(round_like(x2 * c, x) + round_like(x1 * s, x), x)
+
+
+_POSITIONS = np.empty((0,), np.int64)
 
 
 @functools.cache
@@ -91,15 +102,23 @@ def rotary_cpu_(
     """:func:`rotary_reference`, in place on a float32 or bfloat16 CPU ``x`` with unit-stride rows
     (a column slice of a fused projection's output is fine), returned, with float32 or bfloat16
     tables; a new tensor otherwise."""
+    # NOTE: called once per layer on a row or a few, where the kernel takes about a microsecond:
+    # the checks are written out rather than looped over the tensors.
     if not HAS_NUMBA or x.dtype not in KERNEL_DTYPES or cos.dtype not in KERNEL_DTYPES or sin.dtype != cos.dtype:
         return rotary_reference(x, cos, sin, positions, head_dim)
-    if any(t.device.type != "cpu" for t in (x, cos, sin, positions)) or x.dim() != 2 or x.stride(-1) != 1:
+    if not (x.is_cpu and cos.is_cpu and sin.is_cpu and positions.is_cpu) or x.dim() != 2 or x.stride(-1) != 1:
         return rotary_reference(x, cos, sin, positions, head_dim)
     if x.requires_grad and torch.is_grad_enabled():
         return rotary_reference(x, cos, sin, positions, head_dim)
+    if sin.shape != cos.shape or cos.dim() != 2 or positions.shape != x.shape[:1]:
+        return rotary_reference(x, cos, sin, positions, head_dim)
     if x.shape[0] == 0:
         return x
-    flat, row_stride = flat_rows(x)  # NOTE: x's own memory: its columns are unit-stride (checked above)
-    compiled = launch(_compiled, x.numel())
-    compiled(flat, row_stride, x.shape[1], kernel_array(cos), kernel_array(sin), positions.long().numpy(), head_dim)
+    cos, sin = cos.contiguous(), sin.contiguous()
+    where = (positions if positions.dtype == torch.int64 else positions.long()).contiguous()
+    tokens, width = x.shape
+    launch(_compiled, tokens * width)(
+        x.data_ptr(), x.stride(0), tokens, width, cos.data_ptr(), sin.data_ptr(), cos.shape[0], cos.shape[1],
+        where.data_ptr(), head_dim, dtype_token(x.dtype), dtype_token(cos.dtype),
+    )  # fmt: skip
     return x

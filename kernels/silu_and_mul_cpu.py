@@ -30,6 +30,7 @@ so at decode sizes it is no faster than torch's two ops (benchmarks/cpu_ops.py, 
 2 threads: 16.4 µs against 12.7 in float32, 22.8 against 18.0 in bfloat16); from prefill
 sizes on it is ([512, 1376]: 154 against 181, 242 against 260), and it spares the
 temporary. It pays most behind a fused gate-up projection, whose halves it reads in place.
+Below ``KERNEL_MIN_ELEMENTS`` (decode batches) :func:`silu_and_mul_cpu` calls torch's ops.
 """
 
 from __future__ import annotations
@@ -81,18 +82,33 @@ def _compiled(parallel: bool):
 _FASTMATH = {"contract"}
 
 
+# NOTE: below this many elements torch's two ops are faster than the kernel called from torch:
+# its launcher's fixed cost (the arrays, the output, the checks, about 5 µs) outweighs the
+# pass it saves. Median µs per call, one thread, bfloat16, torch's two ops against the kernel
+# (in-process A/B, shared 2-core machine; ratios hold better than the absolute numbers)::
+#
+#     [rows, inner]    [1, 4864]    [4, 4864]    [16, 4864]    [32, 4864]    [32, 1376]
+#     torch / kernel   4.1 / 8.6   10.9 / 16.1   37.0 / 37.8   71.9 / 67.1   23.6 / 24.9
+#
+# (float32 crosses at the same sizes.) Decode batches therefore take torch's ops; prefill
+# chunks, and batches from about 16 rows of a 0.5B model's MLP, the kernel.
+KERNEL_MIN_ELEMENTS = 1 << 16
+
+
 def silu_and_mul_cpu(
     gate: torch.Tensor,  # [tokens, inner], columns contiguous, rows at any stride
     up: torch.Tensor,  # [tokens, inner], gate's dtype
 ) -> torch.Tensor:  # [tokens, inner], a new contiguous tensor
     """:func:`silu_and_mul_reference` in one compiled pass for float32 or bfloat16 CPU
-    tensors; the reference otherwise."""
+    tensors of at least ``KERNEL_MIN_ELEMENTS``; the reference otherwise."""
     if not HAS_NUMBA or gate.dtype not in KERNEL_DTYPES or up.dtype != gate.dtype or gate.dim() != 2:
         return silu_and_mul_reference(gate, up)
     if gate.shape != up.shape or gate.device.type != "cpu" or up.device.type != "cpu" or gate.numel() == 0:
         return silu_and_mul_reference(gate, up)
     if torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad):
         return silu_and_mul_reference(gate, up)
+    if gate.numel() < KERNEL_MIN_ELEMENTS:
+        return silu_and_mul_reference(gate, up).contiguous()
     out = torch.empty_like(gate, memory_format=torch.contiguous_format)
     (gate_flat, gate_stride), (up_flat, up_stride) = flat_rows(gate), flat_rows(up)
     launch(_compiled, out.numel())(gate_flat, gate_stride, up_flat, up_stride, kernel_array(out))

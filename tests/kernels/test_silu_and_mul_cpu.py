@@ -5,11 +5,20 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pagedllm.kernels import silu_and_mul_cpu as silu_and_mul_module
 from pagedllm.kernels.paged_decode_attention_cpu import HAS_NUMBA
 from pagedllm.kernels.silu_and_mul_cpu import silu_and_mul_cpu, silu_and_mul_reference
 from tests.kernels.kernel_factories import near_bf16_tie, torch_threads
 
 pytestmark = pytest.mark.skipif(not HAS_NUMBA, reason="numba is not installed")
+
+
+@pytest.fixture(autouse=True)
+def kernel_at_every_size(request, monkeypatch):
+    """The compiled kernel even where torch's ops would be faster, but in the test of that choice."""
+    if "torch_below" not in request.node.name:
+        monkeypatch.setattr(silu_and_mul_module, "KERNEL_MIN_ELEMENTS", 0)
+
 
 # [tokens, inner]: decode sizes on one thread, prefill sizes spread over two (_numba_cpu.launch)
 SHAPES = [(1, 8), (16, 1376), (37, 96), (512, 160)]
@@ -81,3 +90,14 @@ def test_other_dtypes_and_autograd_take_the_reference():
     out = silu_and_mul_cpu(gate32, torch.randn(4, 16))
     out.sum().backward()
     assert gate32.grad is not None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_torch_below_the_kernel_size_bitwise_and_contiguous(dtype, seed):
+    gate_up = (torch.randn(2, 2 * 4864) * 4).to(dtype)
+    gate, up = gate_up.chunk(2, dim=-1)
+    assert gate.numel() < silu_and_mul_module.KERNEL_MIN_ELEMENTS
+    got = silu_and_mul_cpu(gate, up)
+    assert got.is_contiguous() and torch.equal(got, silu_and_mul_reference(gate, up))
+    transposed = silu_and_mul_cpu(gate.t().contiguous().t(), up)
+    assert transposed.is_contiguous() and torch.equal(transposed, got)

@@ -336,6 +336,9 @@ class RotaryEmbedding(nn.Module):
     rest pass through.
     """
 
+    cos: torch.Tensor
+    sin: torch.Tensor
+
     def __init__(self, head_dim: int, max_positions: int, params: dict) -> None:
         super().__init__()
         self.head_dim = head_dim
@@ -347,7 +350,7 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         # positions: [num_tokens]; q: [num_tokens, heads * head_dim]; k: [num_tokens, kv_heads * head_dim]
         # NOTE: q and k are rotated in place where the compiled kernel runs: they are this layer's own projections.
-        cos, sin = self.get_buffer("cos"), self.get_buffer("sin")  # [max_positions, rotary_dim]
+        cos, sin = self.cos, self.sin  # [max_positions, rotary_dim]
         if runs_on_triton(q):
             return rotary_embedding(positions, q, k, cos, sin, self.head_dim)
         both, d = _side_by_side(q, k), self.head_dim
@@ -355,6 +358,8 @@ class RotaryEmbedding(nn.Module):
             return rotary_cpu_(q, cos, sin, positions, d), rotary_cpu_(k, cos, sin, positions, d)
         # NOTE: q and k are neighbouring columns of one fused projection's output: one call turns both
         turned = rotary_cpu_(both, cos, sin, positions, d)
+        if turned is both:  # in place: q and k are turned already
+            return q, k
         return turned[:, : q.shape[1]], turned[:, q.shape[1] :]
 
 
@@ -363,8 +368,11 @@ def _side_by_side(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
     the same rows of one tensor (the fused q/k/v projection's output); else None."""
     if q.dim() != 2 or k.dim() != 2 or q.dtype != k.dtype or q.stride() != k.stride() or q.stride(-1) != 1:
         return None
-    if q.shape[0] != k.shape[0] or q.untyped_storage().data_ptr() != k.untyped_storage().data_ptr():
+    if q.shape[0] != k.shape[0] or k.data_ptr() != q.data_ptr() + q.shape[1] * q.element_size():
         return None
-    if k.data_ptr() != q.data_ptr() + q.shape[1] * q.element_size():
+    try:
+        # NOTE: torch refuses a view past the end of q's storage, so one it makes holds k's
+        # columns in q's own memory (cheaper than comparing the two tensors' storages)
+        return q.as_strided((q.shape[0], q.shape[1] + k.shape[1]), q.stride())
+    except RuntimeError:
         return None
-    return q.as_strided((q.shape[0], q.shape[1] + k.shape[1]), q.stride())
