@@ -7,9 +7,11 @@ NOTE: Numba's disk cache keys the kernel on its own file: an edit here must also
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import numpy as np
+import torch
 
 try:
     import numba
@@ -112,3 +114,28 @@ def prefetch_block(cache, block):
     block_bytes = cache.strides[0]
     for offset in range(0, block_bytes, PAGE_BYTES):
         _prefetch(cache, block, offset)
+
+
+def _use_threads(threads: int) -> int:
+    """Numba's pool follows torch's thread count (the engine sets that from the CPU quota),
+    within the threads it has; returns how many it now uses."""
+    _launch_pool()
+    threads = min(threads, numba.config.NUMBA_NUM_THREADS)  # type: ignore[attr-defined]
+    if numba.get_num_threads() != threads:
+        numba.set_num_threads(threads)
+    return threads
+
+
+@functools.cache
+def _launch_pool() -> None:
+    """Start Numba's thread pool once, leaving torch's thread count as it was.
+
+    NOTE: with Numba's OpenMP layer both share one OpenMP runtime, and starting the pool
+    sets OpenMP's thread count to NUMBA_NUM_THREADS (every CPU of the host, not the
+    process's quota): torch would go on with that many threads, the oversubscription the
+    engine's thread choice exists to avoid.
+    """
+    threads = torch.get_num_threads()
+    numba.get_num_threads()  # starts the pool
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)

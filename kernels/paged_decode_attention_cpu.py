@@ -49,7 +49,7 @@ import numpy as np
 import torch
 
 from . import _cpu_widen
-from ._cpu_items import ITEMS_PER_THREAD, choose_kv_splits, thread_items
+from ._cpu_items import ITEMS_PER_THREAD, _use_threads, choose_kv_splits, thread_items
 from ._cpu_items import prefetch_block as _prefetch_block
 from ._cpu_widen import E4M3_FACTOR
 from ._fast_exp import exp
@@ -149,6 +149,14 @@ def _scores(query, key_cache, block_table, start, end, kv0, group, scale):
         base = b * block_size
         for slot in range(max(start - base, 0), min(end - base, block_size)):
             col = base + slot - start
+            if group == 1 or not WIDEN_ONCE:  # NOTE: read each element where it lies (float32, or no group)
+                for i in range(heads):
+                    kv = kv0 + i // group
+                    acc = np.float32(0.0)
+                    for d in range(head_dim):
+                        acc += query[i, d] * _widen(block[slot, kv, d])
+                    scores[i, col] = acc * scale * _row_scale(block, slot, kv, head_dim)
+                continue
             for g in range(heads // group):
                 for d in range(head_dim):
                     row[d] = _widen(block[slot, kv0 + g, d])
@@ -198,6 +206,13 @@ def _weighted_values(probs, value_cache, block_table, start, end, kv0, group, ou
         base = b * block_size
         for slot in range(max(start - base, 0), min(end - base, block_size)):
             col = base + slot - start
+            if group == 1 or not WIDEN_ONCE:
+                for i in range(heads):
+                    kv = kv0 + i // group
+                    w = probs[i, col] * _row_scale(block, slot, kv, head_dim)
+                    for d in range(head_dim):
+                        acc[i, d] += w * _widen(block[slot, kv, d])
+                continue
             for g in range(heads // group):
                 for d in range(head_dim):
                     row[d] = _widen(block[slot, kv0 + g, d])
@@ -244,7 +259,9 @@ def paged_decode_attention_cpu_kernel(
 
 
 @functools.cache
-def _compiled_kernel(head_dim: int, widening: str = "widen", row_scaled: bool = False, parallel: bool = True):
+def _compiled_kernel(
+    head_dim: int, widening: str = "widen", row_scaled: bool = False, parallel: bool = True, widen_once: bool = True
+):
     """The kernel for heads of ``head_dim`` (on Numba's pool, or on the calling thread where
     not ``parallel``), compiled by Numba on first use, its machine code
     cached on disk when a cache directory is writable (else compiled once per process, a
@@ -253,7 +270,7 @@ def _compiled_kernel(head_dim: int, widening: str = "widen", row_scaled: bool = 
     NOTE: compiled lazily so that importing the kernels never needs numba's cache
     directory: a read-only image and an unwritable home still import and serve.
     """
-    kernel = _specialised(head_dim, widening, row_scaled, parallel)
+    kernel = _specialised(head_dim, widening, row_scaled, parallel, widen_once)
     try:
         return _jit(kernel, cache=True, parallel=parallel)
     except RuntimeError:  # numba: "cannot cache function ... no locator available"
@@ -261,11 +278,18 @@ def _compiled_kernel(head_dim: int, widening: str = "widen", row_scaled: bool = 
 
 
 HEAD_DIM = 0
+WIDEN_ONCE = True
+"""Whether a cache row is widened once into a float32 row for its group's query heads: a
+constant in each specialised copy, off for a float32 cache (nothing to widen: each query head
+reads the row where it lies, from L1, without the copy) and for groups of one.
+"""
 """The head size the passes' inner loops run over: 0 here (each pass reads it from its
 array's shape); a constant in each copy :func:`_specialised` makes."""
 
 
-def _specialised(head_dim: int, widening: str = "widen", row_scaled: bool = False, parallel: bool = True) -> Callable:
+def _specialised(
+    head_dim: int, widening: str = "widen", row_scaled: bool = False, parallel: bool = True, widen_once: bool = True
+) -> Callable:
     """A copy of the kernel whose passes see ``HEAD_DIM = head_dim`` as a compile-time constant.
 
     NOTE: Numba freezes a function's globals into its code. With the head size a constant,
@@ -277,9 +301,14 @@ def _specialised(head_dim: int, widening: str = "widen", row_scaled: bool = Fals
     whether rows carry a scale (``ROW_SCALED``) the same way. The serial build's name says so:
     the disk cache does not tell builds apart by their compile options.
     """
-    names = {"HEAD_DIM": head_dim, "ROW_SCALED": row_scaled, "_widen": getattr(_cpu_widen, widening)}
+    names = {
+        "HEAD_DIM": head_dim,
+        "ROW_SCALED": row_scaled,
+        "WIDEN_ONCE": widen_once,
+        "_widen": getattr(_cpu_widen, widening),
+    }
     tag = f"_d{head_dim}" + ("_int8" if row_scaled else "" if widening == "widen" else f"_{widening[6:]}")
-    tag += "" if parallel else "_serial"
+    tag += ("" if parallel else "_serial") + ("" if widen_once else "_direct")
     for fn in (_row_scale.py_func, _scores.py_func, _weighted_values.py_func):
         names[fn.__name__] = _device_function(_copy(fn, f"{fn.__name__}{tag}", names))
     return _copy(paged_decode_attention_cpu_kernel, f"paged_decode_attention_cpu_kernel{tag}", names)
@@ -340,7 +369,8 @@ def paged_decode_attention_cpu(
     threads = threads if parallel else 1
     splits = choose_kv_splits(query.shape[0], key_cache.shape[2], threads)
     fp8 = widening != "widen"
-    _compiled_kernel(query.shape[2], widening, key_cache.dtype == torch.int8, parallel)(
+    widen_once = cache_view != torch.float32
+    _compiled_kernel(query.shape[2], widening, key_cache.dtype == torch.int8, parallel, widen_once)(
         query.float().contiguous().numpy(),
         key_cache.view(cache_view).numpy(),
         value_cache.view(cache_view).numpy(),
@@ -354,28 +384,3 @@ def paged_decode_attention_cpu(
         out.numpy(),
     )
     return (out.mul_(v_scale * factor) if fp8 else out).to(query.dtype)
-
-
-def _use_threads(threads: int) -> int:
-    """Numba's pool follows torch's thread count (the engine sets that from the CPU quota),
-    within the threads it has; returns how many it now uses."""
-    _launch_pool()
-    threads = min(threads, numba.config.NUMBA_NUM_THREADS)  # type: ignore[attr-defined]
-    if numba.get_num_threads() != threads:
-        numba.set_num_threads(threads)
-    return threads
-
-
-@functools.cache
-def _launch_pool() -> None:
-    """Start Numba's thread pool once, leaving torch's thread count as it was.
-
-    NOTE: with Numba's OpenMP layer both share one OpenMP runtime, and starting the pool
-    sets OpenMP's thread count to NUMBA_NUM_THREADS (every CPU of the host, not the
-    process's quota): torch would go on with that many threads, the oversubscription the
-    engine's thread choice exists to avoid.
-    """
-    threads = torch.get_num_threads()
-    numba.get_num_threads()  # starts the pool
-    if torch.get_num_threads() != threads:
-        torch.set_num_threads(threads)
