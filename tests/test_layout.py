@@ -17,13 +17,9 @@ PACKAGES = ("server", "kernels", "operator")
 MAX_MODULE_LINES = 400
 MAX_CLASS_LINES = 300
 
-OVER_MODULES = {
-    "server/engine/llm_engine.py": 509,
-}
+OVER_MODULES: dict[str, int] = {}
 """Modules over the bar today -> their line count now (the most they may have)."""
-OVER_CLASSES = {
-    "server/engine/llm_engine.py::LLMEngine": 401,
-}
+OVER_CLASSES: dict[str, int] = {}
 """Classes over the bar today -> their line count now (the most they may have)."""
 
 

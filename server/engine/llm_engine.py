@@ -27,12 +27,12 @@ import weakref
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
-from pagedllm.server.config import ConfigError, EngineConfig, choose_token_budget
+from pagedllm.server.config import ConfigError, EngineConfig
 from pagedllm.server.core.block_manager import BlockManager
-from pagedllm.server.core.kv_reservation import KVReservation
 from pagedllm.server.core.lora_slots import LoRASlots
 from pagedllm.server.core.scheduler import ScheduledStep, Scheduler
 from pagedllm.server.core.sequence import Sequence, SequenceGroup, SequenceStatus
+from pagedllm.server.engine import engine_setup as setup
 from pagedllm.server.engine.beam_search import BeamSearch, BeamState
 from pagedllm.server.engine.engine_stats import EngineStats
 from pagedllm.server.engine.faults import EngineFatalError, StepFailureWindow
@@ -74,7 +74,7 @@ class LLMEngine:
     """
 
     def __init__(self, config: EngineConfig) -> None:
-        config = _with_model_dir(config)
+        config = setup.with_model_dir(config)
         self.config = config
         assert config.model.model is not None
         hf_config = read_hf_config(config.model.model)
@@ -83,9 +83,10 @@ class LLMEngine:
         )
         info = read_model_info(config, hf_config, self.tokenizer)
         device_type = Executor.device_type(config.model.device)
-        config = _with_token_budget(config, device_type, info.max_model_len)
+        config = setup.with_token_budget(config, device_type, info.max_model_len)
         config = self.config = dataclasses.replace(config, cache=config.cache.with_block_size(device_type))
-        self._check_scheduler_fits(info.max_model_len)
+        setup.check_scheduler_fits(config, info.max_model_len)
+        setup.check_speculation(config)
         self.executor = Executor(config, hf_config, info.max_model_len)
         self.draft: DraftModel | None = None
         """The draft model of ``draft_model`` speculation (None otherwise)."""
@@ -96,7 +97,7 @@ class LLMEngine:
         # parts), or the engine sits in a cycle and its ranks and process group outlive it
         # until a garbage-collection pass: a second tensor-parallel engine could not start.
         self._closers: list[Callable[[], None]] = [self.executor.shutdown]
-        self._finalizer = weakref.finalize(self, _close_all, self._closers)
+        self._finalizer = weakref.finalize(self, setup.close_all, self._closers)
         try:
             spec = config.scheduler.speculative_config
             if spec is not None and spec.method == "draft_model":
@@ -108,7 +109,7 @@ class LLMEngine:
             raise
 
     def _build(self, config: EngineConfig, info: ModelInfo) -> None:
-        self.kv_event_publisher = _open_kv_event_publisher(config)
+        self.kv_event_publisher = setup.open_kv_event_publisher(config)
         if self.kv_event_publisher is not None:
             self._closers.insert(0, self.kv_event_publisher.close)
         self.block_manager = self._allocate_cache(info.max_model_len, info.kv_window)
@@ -131,7 +132,8 @@ class LLMEngine:
         self._num_steps = 0
         self.step_failures = StepFailureWindow()
         beam_search = BeamSearch(self.output_processor, self._next_seq_id)
-        self.spec_decoder = self._spec_decoder(config)
+        spec, bm = config.scheduler.speculative_config, self.block_manager
+        self.spec_decoder = SpecDecoder(spec, self.output_processor, bm, self._requests, self.draft) if spec else None
         structured = StructuredOutputs(self.tokenizer, info.vocab_size, info.eos_token_ids)
         self.sampling_rows = SamplingRows(self._requests, structured, info.eos_token_ids)
         """Describes each step's rows for the worker's sampler."""
@@ -144,20 +146,6 @@ class LLMEngine:
             self.spec_decoder,
         )
 
-    def _spec_decoder(self, config: EngineConfig) -> SpecDecoder | None:
-        spec = config.scheduler.speculative_config
-        if spec is None:
-            return None
-        if config.cache.kv_reservation != "paged":
-            raise ConfigError(
-                "speculative_config",
-                spec,
-                "use kv_reservation='paged' with speculative decoding",
-                problem=f"is not supported with kv_reservation={config.cache.kv_reservation!r}",
-                subject="{name}",
-            )
-        return SpecDecoder(spec, self.output_processor, self.block_manager, self._requests, self.draft)
-
     @property
     def runner(self) -> ModelRunner:
         """Rank 0's worker, in this process (its model, cache and sampler; tests and benchmarks read it)."""
@@ -166,43 +154,6 @@ class LLMEngine:
     @property
     def max_model_len(self) -> int:
         return self.model_info.max_model_len
-
-    def _check_scheduler_fits(self, max_model_len: int) -> None:
-        sched = self.config.scheduler
-        if not sched.enable_chunked_prefill and sched.token_budget < max_model_len:
-            raise ConfigError(
-                "max_num_batched_tokens",
-                sched.token_budget,
-                "raise it, leave it unset, or enable chunked prefill",
-                problem=f"is smaller than max_model_len={max_model_len}",
-            )
-
-    def _allocate_cache(self, max_model_len: int, kv_window: int | None) -> BlockManager:
-        config = self.config
-        useful = config.scheduler.max_num_seqs * -(-max_model_len // config.cache.tokens_per_block)
-        executor = self.executor
-        num_cpu_blocks = executor.num_host_blocks(useful)
-        if self.draft is None or config.cache.num_gpu_blocks_override is not None:
-            num_gpu_blocks = executor.num_device_blocks(useful)
-        else:  # NOTE: the draft's cache takes its share of the same memory, block for block
-            target, both = executor.block_bytes, executor.block_bytes + self.draft.block_bytes
-            num_gpu_blocks = max(1, executor.num_device_blocks(-(-useful * both // target)) * target // both)
-        executor.allocate_cache(num_gpu_blocks, num_cpu_blocks)
-        if self.draft is not None:
-            self.draft.allocate(num_gpu_blocks)
-        bm = BlockManager(
-            config.cache.tokens_per_block,
-            num_gpu_blocks,
-            num_cpu_blocks,
-            config.cache.enable_prefix_caching,
-            sliding_window=kv_window,
-            kv_events=self.kv_event_publisher is not None,
-        )
-        if config.cache.kv_reservation != "paged":
-            # NOTE: no reservation exceeds what the cache can hold, or Orca (Max) could admit nothing.
-            capacity = (bm.gpu.num_blocks - bm.watermark_blocks) * bm.block_size
-            bm.reservation = KVReservation(config.cache.kv_reservation, bm.block_size, min(max_model_len, capacity))
-        return bm
 
     # -- requests -----------------------------------------------------------------------
     def add_request(
@@ -230,7 +181,7 @@ class LLMEngine:
         # NOTE: an embedding request carries plain one-sequence sampling parameters, so the
         # scheduler treats it as any prompt; it never samples (see StepResults._pool).
         sampling = params if isinstance(params, SamplingParams) else SamplingParams(max_tokens=1)
-        self._expect_length(seq, sampling, pooling)
+        setup.expect_length(self.block_manager, seq, sampling, pooling, self.max_model_len)
         group = SequenceGroup(
             request_id,
             [seq],
@@ -261,23 +212,6 @@ class LLMEngine:
         if params.pooling_type is not None:
             return params
         return dataclasses.replace(params, pooling_type=self.model_info.pooling_type)
-
-    def _expect_length(self, seq: Sequence, params: SamplingParams, pooling: PoolingParams | None) -> None:
-        """Tell a reservation-based allocator (benchmarks) how long the request can grow."""
-        reservation = self.block_manager.reservation
-        if reservation is None:
-            return
-        if pooling is not None:
-            reservation.expect(seq.seq_id, len(seq))
-            return
-        if params.best_of > 1:
-            raise ConfigError(
-                "best_of",
-                params.best_of,
-                "use kv_reservation='paged' for parallel sampling and beam search",
-                problem=f"is not supported with kv_reservation={reservation.mode!r}",
-            )
-        reservation.expect(seq.seq_id, len(seq) + (params.max_tokens or self.max_model_len))
 
     def abort_request(self, request_id: str | Iterable[str]) -> None:
         """Stop the request(s) wherever they are; their blocks are freed at once. Unknown ids are ignored."""
@@ -414,24 +348,13 @@ class LLMEngine:
     def __exit__(self, *exc_info: object) -> None:
         self.shutdown()
 
+    def _allocate_cache(self, max_model_len: int, kv_window: int | None) -> BlockManager:
+        kv_events = self.kv_event_publisher is not None
+        return setup.allocate_cache(self.config, self.executor, self.draft, kv_events, max_model_len, kv_window)
+
     def describe(self, host: str | None = None, port: int | None = None) -> str:
         """The start-up summary a person reads: what runs where, and how much cache it has."""
-        runner, bm, config = self.runner, self.block_manager, self.config
-        lines = [
-            f"model            {config.model.model}" + (f" ({runner.quant_info})" if runner.quant_info else ""),
-            f"dtype / device   {str(runner.dtype).removeprefix('torch.')} on {runner.device}"
-            f" x {config.parallel.tensor_parallel_size} rank(s), {runner.threads.threads} CPU thread(s)",
-            f"attention        {runner.ops.name}",
-            f"KV cache blocks  {bm.gpu.num_blocks} device + {bm.cpu.num_blocks} host,"
-            f" {config.cache.tokens_per_block} tokens each of {str(runner.cache_dtype).removeprefix('torch.')}",
-            f"max model len    {self.max_model_len} tokens, max {config.scheduler.max_num_seqs} sequences"
-            f" and {config.scheduler.token_budget} tokens per step",
-        ]
-        if self.spec_decoder is not None:
-            lines.append(f"speculative      {self.spec_decoder.describe()}")
-        if host is not None:
-            lines.append(f"serving          http://{host}:{port}/v1 (docs at /docs)")
-        return "ready\n  " + "\n  ".join(lines)
+        return setup.describe(self, host, port)
 
     def warm_up(self, max_steps: int = 100) -> None:
         """Run one real request, so a caller knows the model has run (:func:`warm_up`)."""
@@ -439,71 +362,4 @@ class LLMEngine:
 
     # -- state ----------------------------------------------------------------------------
     def stats(self) -> EngineStats:
-        bm = self.block_manager
-        sharing = bm.sharing_stats()
-        return EngineStats(
-            num_running=sum(len(g.unfinished_seqs()) for g in self.scheduler.running),
-            num_running_requests=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting),
-            num_swapped=len(self.scheduler.swapped),
-            block_size=bm.block_size,
-            num_gpu_blocks=bm.gpu.num_blocks,
-            num_free_gpu_blocks=bm.gpu.num_free,
-            num_cpu_blocks=bm.cpu.num_blocks,
-            num_free_cpu_blocks=bm.cpu.num_free,
-            num_preemptions=self.scheduler.num_preemptions,
-            prefix_cache_hits=bm.prefix_cache_hits,
-            prefix_cache_queries=bm.prefix_cache_queries,
-            blocks_used=sharing.used,
-            blocks_unshared=sharing.unshared,
-            sharing_saving=sharing.saving,
-            num_copy_on_writes=bm.num_copy_on_writes,
-            num_window_frees=bm.num_window_frees,
-            kv_event_batches_dropped=self.kv_event_publisher.num_dropped if self.kv_event_publisher else 0,
-            spec_decode=self.spec_decoder.stats.snapshot() if self.spec_decoder else None,
-            **self.loras.stats(self.scheduler.waiting),
-        )
-
-
-def _close_all(closers: list[Callable[[], None]]) -> None:
-    for close in closers:
-        close()
-
-
-def _open_kv_event_publisher(config: EngineConfig) -> ZmqEventPublisher | None:
-    """The KV event publisher ``--kv-events-config`` asks for, or None when events are off.
-
-    NOTE: pyzmq and msgspec are imported only here, so an engine without events runs without them.
-    """
-    if not config.cache.kv_events_enabled:
-        return None
-    assert config.cache.kv_events_config is not None
-    try:
-        from pagedllm.server.engine.kv_event_publisher import ZmqEventPublisher
-    except ImportError as exc:
-        raise ConfigError(
-            "kv_events_config",
-            config.cache.kv_events_config,
-            f"install them (pip install pyzmq msgspec): {exc}",
-            problem="needs pyzmq and msgspec",
-            subject="{name}",
-        ) from exc
-    return ZmqEventPublisher(config.cache.kv_events_config)
-
-
-def _with_token_budget(config: EngineConfig, device_type: str, max_model_len: int) -> EngineConfig:
-    """``config`` with the per-iteration token budget resolved for the device it runs on."""
-    budget = choose_token_budget(config.scheduler, device_type, max_model_len)
-    logger.info("the scheduler batches up to %d tokens per step (%s)", budget.tokens, budget.reason)
-    if budget.prefill_while_decoding is not None:
-        logger.info("prompts take up to %d tokens of a step while more sequences decode", budget.prefill_while_decoding)
-    return dataclasses.replace(config, scheduler=config.scheduler.with_token_budget(budget))
-
-
-def _with_model_dir(config: EngineConfig) -> EngineConfig:
-    """``config`` with the embedded demo model filled in when no model was given."""
-    if config.model.model is not None:
-        return config
-    from pagedllm.server.demo import ensure_demo_model
-
-    return dataclasses.replace(config, model=dataclasses.replace(config.model, model=ensure_demo_model()))
+        return setup.engine_stats(self)
