@@ -27,7 +27,7 @@ import time
 import torch
 
 from benchmarks.common import HelpFormatter
-from benchmarks.model_shapes import LLAMA_7B
+from benchmarks.model_shapes import SHAPES
 
 
 def copy_bandwidth() -> float:
@@ -41,15 +41,20 @@ def copy_bandwidth() -> float:
     return 2 * n / (ms / 1e3)
 
 
-def weight_bytes() -> int:
-    h, i, v, n = (LLAMA_7B[k] for k in ("hidden_size", "intermediate_size", "vocab_size", "num_hidden_layers"))
-    per_layer = 4 * h * h + 3 * h * i + 2 * h
+def weight_bytes(shape: str = "llama-7b") -> int:
+    """Bytes of a LLaMA of ``shape``'s bf16 weights (untied embedding and LM head)."""
+    f = SHAPES[shape]
+    h, i, v, n = (f[k] for k in ("hidden_size", "intermediate_size", "vocab_size", "num_hidden_layers"))
+    kv = h * f.get("num_key_value_heads", f["num_attention_heads"]) // f["num_attention_heads"]
+    per_layer = 2 * h * h + 2 * h * kv + 3 * h * i + 2 * h
     return 2 * (n * per_layer + 2 * v * h + h)
 
 
-def kv_bytes(batch: int, context: int) -> int:
-    h, n = LLAMA_7B["hidden_size"], LLAMA_7B["num_hidden_layers"]
-    return 2 * 2 * n * h * batch * context  # K and V, bf16
+def kv_bytes(batch: int, context: int, shape: str = "llama-7b") -> int:
+    """Bytes of bf16 K and V that ``batch`` sequences of ``context`` tokens hold."""
+    f = SHAPES[shape]
+    kv = f["hidden_size"] * f.get("num_key_value_heads", f["num_attention_heads"]) // f["num_attention_heads"]
+    return 2 * 2 * f["num_hidden_layers"] * kv * batch * context
 
 
 def timed_generate(llm, batch: int, prompt_len: int, out_len: int) -> float:
@@ -89,6 +94,7 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(
         prog="python -m benchmarks.gpu_step_profile", description=__doc__, formatter_class=HelpFormatter
     )
+    p.add_argument("--shape", default="llama-7b", choices=("llama-7b", "llama-3-8b"), help="model shape (LLaMA)")
     p.add_argument("--batch-sizes", default="1,16,64,256", help="comma-separated batch sizes")
     p.add_argument("--prompt-len", type=int, default=512, help="prompt tokens per request")
     p.add_argument("--decode-steps", type=int, default=64, help="decode steps timed per batch size")
@@ -107,13 +113,14 @@ def main(argv: list[str] | None = None) -> None:
     result: dict = {
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "device": torch.cuda.get_device_name(0),
+        "shape": args.shape,
         "torch": torch.__version__,
         "copy_bandwidth_gbs": bw / 1e9,
         "command": "python -m benchmarks.gpu_step_profile " + " ".join(sys.argv[1:]),
         "cases": [],
     }
     with tempfile.TemporaryDirectory() as model_dir:
-        write_llama7b(model_dir)
+        write_llama7b(model_dir, shape=args.shape)
         engine_args = dict(load_format="dummy", dtype="bfloat16", max_num_seqs=max(batches), skip_tokenizer_init=True)
         llm = LLM(model=model_dir, **(engine_args | json.loads(args.engine_args)))
         timed_generate(llm, 2, 16, 4)  # warm-up: compiles the kernels
@@ -122,7 +129,7 @@ def main(argv: list[str] | None = None) -> None:
             full = timed_generate(llm, batch, args.prompt_len, 1 + args.decode_steps)
             step_ms = (full - one) / args.decode_steps * 1e3
             context = args.prompt_len + args.decode_steps // 2
-            floor_ms = (weight_bytes() + kv_bytes(batch, context)) / bw * 1e3
+            floor_ms = (weight_bytes(args.shape) + kv_bytes(batch, context, args.shape)) / bw * 1e3
             case = {
                 "batch": batch,
                 "prefill_plus_one_token_s": one,

@@ -16,19 +16,21 @@ from __future__ import annotations
 import argparse
 
 from benchmarks.common import HelpFormatter
-from benchmarks.model_shapes import LLAMA_7B
+from benchmarks.model_shapes import SHAPES
 
 
-def write_llama7b(path: str, weights: bool = False, device: str = "cuda") -> int:
-    """Write the model to ``path``; its parameter count (0 without ``weights``: config and tokenizer only)."""
+def write_llama7b(path: str, weights: bool = False, device: str = "cuda", shape: str = "llama-7b") -> int:
+    """Write the model (a LLaMA of ``shape``, LLaMA-7B by default) to ``path``; its parameter
+    count (0 without ``weights``: config and tokenizer only)."""
     from transformers import LlamaConfig
 
     from benchmarks.model_shapes import write_tokenizer
 
-    config = LlamaConfig(**LLAMA_7B, bos_token_id=0, eos_token_id=1, pad_token_id=2, dtype="bfloat16")
+    fields = SHAPES[shape]
+    config = LlamaConfig(**fields, bos_token_id=0, eos_token_id=1, pad_token_id=2, dtype="bfloat16")
     config.architectures = ["LlamaForCausalLM"]  # NOTE: a config saved without a model names none
     config.save_pretrained(path)
-    write_tokenizer(path, LLAMA_7B["vocab_size"], LLAMA_7B["max_position_embeddings"])
+    write_tokenizer(path, fields["vocab_size"], fields["max_position_embeddings"])
     if weights:
         import torch
         from transformers import LlamaForCausalLM

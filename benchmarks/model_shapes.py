@@ -75,6 +75,18 @@ LLAMA_7B = dict(
     max_position_embeddings=2048,
 )
 """The paper's LLaMA-7B (its GPU setting)."""
+LLAMA_3_8B = dict(
+    vocab_size=128256,
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    max_position_embeddings=8192,
+    rope_theta=500000.0,
+    rms_norm_eps=1e-5,
+)
+"""LLaMA-3-8B (GQA 32/8): the shape of the GPU summary (``benchmarks.gpu_quick``)."""
 SHAPES: dict[str, dict] = {
     "bench": BENCH_LLAMA,
     "qwen2.5-0.5b": QWEN2_5_0_5B,
@@ -82,6 +94,7 @@ SHAPES: dict[str, dict] = {
     "qwen2.5-7b": QWEN2_5_7B,
     "llama-3.2-1b": LLAMA_3_2_1B,
     "llama-7b": LLAMA_7B,
+    "llama-3-8b": LLAMA_3_8B,
 }
 """Shape name -> config fields (``architecture`` picks the ``transformers`` class; LLaMA by default)."""
 

@@ -252,7 +252,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument(
         "--shape",
         default="bench",
-        choices=sorted(s for s in SHAPES if s != "llama-7b"),
+        choices=sorted(s for s in SHAPES if s not in ("llama-7b", "llama-3-8b")),
         help="model shape (benchmarks/model_shapes.py)",
     )
     p.add_argument("--model", default=None, help="a local checkpoint to profile instead of a --shape")

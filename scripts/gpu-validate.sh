@@ -15,6 +15,10 @@
 #   engine-tests  tests/server on the GPU (device auto picks CUDA), ENGINE_TESTS selects
 #   throughput7b  python -m benchmarks.throughput --shape llama-7b (ours, transformers, ceiling)
 #   profile7b     python -m benchmarks.gpu_step_profile (PROFILE_ARGS): decode step time by batch size
+#   quick         setup, then python -m benchmarks.gpu_quick's sections (env engine kernels tests serve), each
+#                 under its own limit, and the summary: benchmarks/results/gpu/summary-DATE-DEVICE.{json,md}
+#                 for a LLaMA-3-8B shape; fits one 8-minute call. Brings back $OUT/run.log, $OUT/quick.tar
+#                 and the summary files
 #   quant-linear  python -m benchmarks.gpu_quant_linear (QUANT_LINEAR_ARGS, default --sweep-tiles): the
 #                 W4A16 kernel on 7B linear sizes at decode batches against the copy-bandwidth floor and
 #                 cuBLAS bf16, and the fastest of 18 tile sizes at one row
@@ -125,6 +129,23 @@ stage_quant-linear() {
         ${QUANT_LINEAR_ARGS:---sweep-tiles}
 }
 
+stage_quick() {
+    local res=/tmp/quick-res rc=0 section limit
+    mkdir -p $res
+    [ -n "${QUICK_NO_SETUP:-}" ] || stage_setup || return 1
+    for section in env:25 engine:170 kernels:30 tests:60 serve:175; do
+        limit=${section#*:}; section=${section%%:*}
+        echo "=== quick $section (limit ${limit} s) $(date -u +%FT%TZ)"
+        timeout -k 5 "$limit" $PY -m benchmarks.gpu_quick "$section" --out $res || { echo "=== quick $section rc=$?"; rc=1; }
+        tar -C /tmp -cf "$OUT/quick.tar" quick-res
+    done
+    $PY -m benchmarks.gpu_quick summary --out $res
+    mkdir -p benchmarks/results/gpu
+    cp $res/summary-* benchmarks/results/gpu/ && cp $res/summary-* "$OUT/"
+    tar -C /tmp -cf "$OUT/quick.tar" quick-res
+    return $rc
+}
+
 status=0
 for stage in "$@"; do
     echo "=== $stage $(date -u +%FT%TZ)"
@@ -133,6 +154,6 @@ for stage in "$@"; do
     rc=$?
     echo "=== $stage rc=$rc in $((SECONDS - start)) s"
     [ $rc = 0 ] || status=1
-    pack
+    [ "$stage" = quick ] || pack
 done
 exit $status
