@@ -34,7 +34,6 @@ from pathlib import Path
 SHAPE = "llama-3-8b"
 MODEL_DIR = "/tmp/llama-3-8b"
 BATCHES = (1, 16, 64, 256)
-SERVE_RUNS = (("4", 40), ("16", 100), ("inf", 150))  # (request rate, prompts)
 
 
 def _save(out: Path, section: str, data: dict) -> None:
@@ -92,24 +91,59 @@ def _kernels_per_layer(llm, layers: int) -> dict:
     return {"kernels_in_step": len(kernels), "launches_per_layer": round(len(kernels) / layers, 1)}
 
 
-def _step_profile(llm, bw: float, prompt_len: int = 512, steps: int = 48) -> list[dict]:
-    from benchmarks.gpu_step_profile import kv_bytes, profile, timed_generate, weight_bytes
+def _sync() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def decode_steps(llm, batch: int, prompt_len: int, steps: int, profiled: int) -> dict:
+    """Time ``steps`` engine steps once all ``batch`` prompts are in (decode-only steps), then
+    ``profiled`` more under torch.profiler: GPU kernel time over wall time. The requests are
+    aborted after, so their blocks are free again."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from pagedllm.server import SamplingParams
+
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0, max_tokens=steps + profiled + 4, ignore_eos=True)
+    ids = [f"d{batch}-{b}" for b in range(batch)]
+    for b, rid in enumerate(ids):
+        engine.add_request(rid, {"prompt_token_ids": [3 + (j * 7 + b) % 30000 for j in range(prompt_len)]}, params)
+    started: set[str] = set()
+    while len(started) < batch:  # the prompts' steps, some mixed with the first decodes
+        started |= {o.request_id for o in engine.step() if o.outputs[0].token_ids}
+    engine.step()
+    _sync()
+    start = time.perf_counter()
+    for _ in range(steps):
+        engine.step()  # NOTE: returns the sampled ids on the host: each step waits for the device
+    step_s = (time.perf_counter() - start) / steps
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        for _ in range(profiled):
+            engine.step()
+        _sync()
+        wall = time.perf_counter() - start
+    events = prof.key_averages()
+    top = sorted(events, key=lambda e: e.self_device_time_total, reverse=True)[:8]
+    engine.abort_request(ids)
+    return {
+        "step_ms": round(step_s * 1e3, 3),
+        "gpu_busy": round(sum(e.self_device_time_total for e in events) / 1e6 / wall, 3),
+        "top_gpu_ms": [(e.key, round(e.self_device_time_total / 1e3, 2), e.count) for e in top],
+    }
+
+
+def _step_profile(llm, bw: float, prompt_len: int = 512, steps: int = 32) -> list[dict]:
+    from benchmarks.gpu_step_profile import kv_bytes, weight_bytes
 
     cases = []
     for batch in BATCHES:
-        one = timed_generate(llm, batch, prompt_len, 1)
-        full = timed_generate(llm, batch, prompt_len, 1 + steps)
-        step_ms = (full - one) / steps * 1e3
-        floor_ms = (weight_bytes(SHAPE) + kv_bytes(batch, prompt_len + steps // 2, SHAPE)) / bw * 1e3
-        busy = profile(llm, batch, prompt_len, 8, 8)
-        case = {
-            "batch": batch,
-            "step_ms": round(step_ms, 3),
-            "floor_ms": round(floor_ms, 3),
-            "floor_over_step": round(floor_ms / step_ms, 3),
-            "gpu_busy": round(busy["gpu_busy_fraction"], 3),
-            "top_gpu_ms": busy["top_gpu_ms"],
-        }
+        case = {"batch": batch} | decode_steps(llm, batch, prompt_len, steps, 8)
+        case["floor_ms"] = round((weight_bytes(SHAPE) + kv_bytes(batch, prompt_len + steps, SHAPE)) / bw * 1e3, 3)
+        case["floor_over_step"] = round(case["floor_ms"] / case["step_ms"], 3)
         print(f"[engine] batch {batch}: {case['step_ms']} ms/step, floor {case['floor_ms']}, busy {case['gpu_busy']}")
         cases.append(case)
     return cases
@@ -169,7 +203,8 @@ def engine(args) -> dict:
     _save(args.out, "engine", result)
     result["steps"] = _step_profile(llm, bw)
     _save(args.out, "engine", result)
-    result["offline"] = _offline(llm, args.offline_prompts, args.offline_deadline_s, SHAPES[SHAPE]["vocab_size"])
+    if args.offline_prompts:
+        result["offline"] = _offline(llm, args.offline_prompts, args.offline_deadline_s, SHAPES[SHAPE]["vocab_size"])
     result["gpu_memory_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 1)
     llm.shutdown()
     return result
@@ -200,7 +235,8 @@ def serve(args) -> dict:
             return result
         result["startup_s"] = round(time.perf_counter() - start, 1)
         print(f"[serve] ready in {result['startup_s']} s")
-        for rate, prompts in SERVE_RUNS:
+        for run in args.serve_runs.split(","):
+            rate, prompts = run.split(":")
             name = f"quick-serve-rate{rate}"
             argv = ["--base-url", f"http://127.0.0.1:{port}", "--dataset", "sharegpt", "--num-prompts",
                     str(prompts), "--request-rate", rate, "--max-concurrency", "256", "--disable-tqdm",
@@ -321,8 +357,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     p.add_argument("section", choices=[*SECTIONS, "summary"], help="what to run")
     p.add_argument("--out", type=Path, default=Path("gpu-out/res"), help="where the section files go")
-    p.add_argument("--offline-prompts", type=int, default=1000, help="ShareGPT-like prompts of the offline run")
+    p.add_argument("--offline-prompts", type=int, default=1000, help="ShareGPT-like prompts offline (0: none)")
     p.add_argument("--offline-deadline-s", type=float, default=60.0, help="stop the offline run after this long")
+    p.add_argument("--serve-runs", default="4:40,16:100,inf:150", help="served runs, RATE:PROMPTS each")
     p.add_argument("--serve-run-timeout-s", type=float, default=45.0, help="limit of each served rate's run")
     args = p.parse_args(argv)
     # NOTE: a time limit's SIGTERM unwinds like Ctrl-C, so a launched server is stopped too
