@@ -18,7 +18,8 @@
 #   quick         setup, then python -m benchmarks.gpu_quick's sections (env engine kernels tests serve), each
 #                 under its own limit, and the summary: benchmarks/results/gpu/summary-DATE-DEVICE.{json,md}
 #                 for a LLaMA-3-8B shape; fits one 8-minute call. Brings back $OUT/run.log, $OUT/quick.tar
-#                 and the summary files
+#                 and the summary files (QUICK_SECTIONS="engine:150 serve:175" picks sections and limits,
+#                 QUICK_ARGS passes options: python -m benchmarks.gpu_quick --help)
 #   quant-linear  python -m benchmarks.gpu_quant_linear (QUANT_LINEAR_ARGS, default --sweep-tiles): the
 #                 W4A16 kernel on 7B linear sizes at decode batches against the copy-bandwidth floor and
 #                 cuBLAS bf16, and the fastest of 18 tile sizes at one row
@@ -133,10 +134,11 @@ stage_quick() {
     local res=/tmp/quick-res rc=0 section limit
     mkdir -p $res
     [ -n "${QUICK_NO_SETUP:-}" ] || stage_setup || return 1
-    for section in env:25 engine:170 kernels:30 tests:60 serve:175; do
+    for section in ${QUICK_SECTIONS:-env:25 engine:170 kernels:30 tests:60 serve:175}; do
         limit=${section#*:}; section=${section%%:*}
         echo "=== quick $section (limit ${limit} s) $(date -u +%FT%TZ)"
-        timeout -k 5 "$limit" $PY -m benchmarks.gpu_quick "$section" --out $res || { echo "=== quick $section rc=$?"; rc=1; }
+        # shellcheck disable=SC2086
+        timeout -k 5 "$limit" $PY -m benchmarks.gpu_quick "$section" --out $res ${QUICK_ARGS:-} || { echo "=== quick $section rc=$?"; rc=1; }
         tar -C /tmp -cf "$OUT/quick.tar" quick-res
     done
     $PY -m benchmarks.gpu_quick summary --out $res

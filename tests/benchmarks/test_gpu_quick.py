@@ -70,3 +70,10 @@ def test_the_summary_takes_what_the_sections_wrote_and_names_the_missing_ones(tm
     assert "| 1 | 5.0 | 3.7 | 0.74 | 0.9 |" in text and "not done in 45 s" in text
     gpu_quick.main(["summary", "--out", str(tmp_path)])
     assert json.loads((tmp_path / f"summary-{summary['date']}-nvidia-h200.json").read_text())["shape"] == "llama-3-8b"
+
+
+def test_decode_steps_time_decodes_only_and_free_their_blocks(tiny_llm):
+    stats = gpu_quick.decode_steps(tiny_llm, batch=3, prompt_len=40, steps=4, profiled=2)
+    assert stats["step_ms"] > 0 and 0 <= stats["gpu_busy"]  # no GPU here: no kernel time
+    assert not tiny_llm.llm_engine.has_unfinished_requests()
+    assert_all_blocks_free(tiny_llm)
