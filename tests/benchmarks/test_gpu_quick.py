@@ -58,6 +58,12 @@ def test_the_summary_takes_what_the_sections_wrote_and_names_the_missing_ones(tm
             "offline": {"offline_out_tok_s": 5000.0},
         },
         "serve": {"runs": {"4": {"prompts": 40, "error": "not done in 45 s"}}},
+        "kernels": {
+            "decode_vs_sdpa": [
+                {"batch": 1, "context_len": 512, "ratio_vs_sdpa": 1.2, "timer": "cudagraph"},
+                {"batch": 1, "context_len": 512, "ratio_vs_sdpa": 7.0, "timer": "do_bench"},
+            ]
+        },
     }
     for name, data in sections.items():
         (tmp_path / f"quick-{name}.json").write_text(json.dumps(data))
@@ -65,7 +71,8 @@ def test_the_summary_takes_what_the_sections_wrote_and_names_the_missing_ones(tm
     assert summary["device"] == "NVIDIA H200" and summary["copy_gbs"] == 4300.0
     assert summary["step_ms"] == {"1": 5.0} and summary["floor_ms"] == {"1": 3.7} and summary["gpu_busy"] == {"1": 0.9}
     assert summary["offline_out_tok_s"] == 5000.0 and summary["launches_per_layer"] == 11.2
-    assert summary["sections_missing"] == ["kernels", "tests"] and summary["kernel_tests_passed"] is None
+    assert summary["decode_vs_sdpa"] == {"b1_ctx512": 1.2, "b1_ctx512_do_bench": 7.0}
+    assert summary["sections_missing"] == ["tests"] and summary["kernel_tests_passed"] is None
     text = gpu_quick.markdown(summary)
     assert "| 1 | 5.0 | 3.7 | 0.74 | 0.9 |" in text and "not done in 45 s" in text
     gpu_quick.main(["summary", "--out", str(tmp_path)])
