@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -31,6 +32,11 @@ REQUEST_TIMEOUT_SECONDS = 30
 # How long an answer of API discovery is trusted: a CRD installed later (KEDA, the
 # Prometheus Operator) is noticed within this time, without a discovery call per apply.
 DISCOVERY_TTL_SECONDS = 60.0
+
+logger = logging.getLogger(__name__)
+# One warning of a ``Warning`` header (RFC 7234): code, agent, quoted text; the API server sends
+# code 299 for unknown fields it dropped and deprecated APIs.
+_WARNING = re.compile(r'\d{3} \S+ "((?:[^"\\]|\\.)*)"')
 
 # kind -> (API prefix, plural) of the kinds the handlers name without an apiVersion
 # (``get`` / ``patch_status``); any other kind is found through API discovery.
@@ -124,6 +130,15 @@ def load_configuration() -> kubernetes.client.Configuration:
     return config
 
 
+def api_warnings(values: list[str]) -> list[str]:
+    """The texts of ``Warning`` headers (``299 - "unknown field \\"spec.foo\\""`` -> ``unknown field "spec.foo"``)."""
+    found = []
+    for value in values:
+        for match in _WARNING.finditer(value):
+            found.append(json.loads(f'"{match.group(1)}"'))
+    return found
+
+
 def _status_message(data: bytes | None, reason: str | None) -> str:
     """The ``message`` of Kubernetes' Status answer, else whatever the body says."""
     text = (data or b"").decode("utf-8", errors="replace").strip()
@@ -179,6 +194,10 @@ class KubeClient:
             raise ApiUnreachable(repr(exc)) from exc
         except kubernetes.client.ApiException as exc:  # status 0: the request never got an answer
             raise ApiUnreachable(str(exc.reason)) from exc
+        # NOTE: the API server drops an unknown field the operator writes (fieldValidation=Warn, its
+        # default) and says so only here: a rendering bug, or a field this cluster's version lacks.
+        for text in api_warnings(response.headers.getlist("Warning")):
+            logger.warning("the API server warned about %s %s: %s", method, path, text)
         if not 200 <= response.status <= 299:
             raise ApiError(response.status, _status_message(response.data, response.reason))
         return json.loads(response.data) if response.data and response.data.strip() else None

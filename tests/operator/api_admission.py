@@ -8,6 +8,7 @@ keeps what it refused for the tests to look at.
 from __future__ import annotations
 
 import copy
+import json
 from typing import Any
 
 import aiohttp.web
@@ -25,6 +26,33 @@ UNCHECKED_HEADER = "X-Emulator-Unchecked"
 
 # The bearer token of the operator's kubeconfig: requests that carry it are the policy's to allow.
 OPERATOR_TOKEN = "operator-service-account"
+
+
+def field_validation(request: kmock.Request) -> str:
+    """The request's ``fieldValidation``: ``Warn`` where it names none, as the API server's default.
+
+    NOTE: kubectl asks for ``Strict``; the operator's client (the ``kubernetes`` package) asks for
+    nothing, so an unknown field it writes is dropped with a warning, not refused.
+    """
+    return request.params.get("fieldValidation") or "Warn"
+
+
+def warning_header(text: str) -> str:
+    """A ``Warning`` header's value as the API server writes it (RFC 7234: code 299, agent ``-``)."""
+    return "299 - " + json.dumps(text)
+
+
+def _remove(data: Any, path: tuple) -> None:
+    """Delete the field at ``path`` from a patch body, where the body has it."""
+    for part in path[:-1]:
+        if isinstance(data, dict) and part in data:
+            data = data[part]
+        elif isinstance(data, list) and isinstance(part, int) and part < len(data):
+            data = data[part]
+        else:
+            return
+    if isinstance(data, dict):
+        data.pop(path[-1], None)
 
 
 def merge_patch(old: Any, new: Any) -> Any:
@@ -82,52 +110,73 @@ class Admission(WatchServing):
         applies = request.subresource is None and self._content_type(request).startswith(APPLY_PATCH)
         return request.data if applies else None
 
-    def _default(self, request: kmock.Request, data: dict) -> None:
-        """``data`` (a create's object) pruned and defaulted in place, as it is stored."""
+    def _admit_create(self, request: kmock.Request) -> tuple[aiohttp.web.Response | None, tuple[str, ...]]:
+        """A create's object (``request.data``) made what is stored, in place, and its warnings; or a 422."""
         try:
-            admitted = self.schemas.admit(data, request.params.get("fieldValidation", "Strict"))
-        except SchemaError:  # admitted unchecked (_invalid decided): stored as given
-            return
-        if admitted is not data:
-            data.clear()
-            data.update(admitted)
+            admitted = self.schemas.admit(request.data, field_validation(request))
+        except SchemaError as exc:
+            return (None if self._unchecked(request) else self._refuse(request, request.data, exc)), ()
+        if admitted.obj is not request.data:
+            request.data.clear()
+            request.data.update(admitted.obj)
+        return None, admitted.warnings
 
-    def _default_patch(self, request: kmock.Request) -> None:
-        """A patch of ``spec`` made to leave the stored ``spec`` pruned and defaulted."""
-        key = (request.resource, request.namespace, request.name)
-        if request.subresource is not None or key not in self.objects or self.objects[key].deleted:
-            return
-        merged = kmock_dicts.patch_dict(copy.deepcopy(self.objects[key].raw), request.data)
+    def _admit_patch(self, request: kmock.Request) -> tuple[aiohttp.web.Response | None, tuple[str, ...]]:
+        """A 422 where the patch would leave an invalid object, else its warnings; the unknown fields
+        ``fieldValidation`` lets through are taken out of the patch."""
+        obj = self._prospective(request)
+        if obj is None:
+            return None, ()
         try:
-            admitted = self.schemas.admit(merged, request.params.get("fieldValidation", "Strict"))
-        except SchemaError:  # an error the stored object already had (ratcheting): left as it is
-            return
-        if admitted is not merged and "spec" in admitted:
-            request.data["spec"] = merge_patch(self.objects[key].raw.get("spec") or {}, admitted["spec"])
-
-    def _invalid(self, request: kmock.Request, obj: dict | None) -> aiohttp.web.Response | None:
-        """422 Invalid where ``obj`` breaks its kind's schema (unknown fields, wrong types, missing ones)."""
-        if obj is None or request.headers.get(UNCHECKED_HEADER) and request.headers.get("Authorization") is None:
-            return None
-        try:
-            self.schemas.admit(obj, request.params.get("fieldValidation", "Strict"))
+            admitted = self.schemas.admit(obj, field_validation(request), old=self._stored(request))
         except SchemaError as exc:
             if exc.args[0] == self._stored_error(request):
-                return None  # ratcheting: an error the stored object already had (an older schema admitted it)
-            kind, name = obj.get("kind", ""), (obj.get("metadata") or {}).get("name", request.name)
-            group = request.resource.group if request.resource is not None else ""
-            message = f"{kind}.{group}".rstrip(".") + f' "{name}" is invalid: {exc}'
-            self.invalid_writes.append(message)
-            status = {"kind": "Status", "apiVersion": "v1", "status": "Failure", "message": message}
-            return aiohttp.web.json_response({**status, "reason": "Invalid", "code": 422}, status=422)
-        return None
+                return None, ()  # ratcheting: an error the stored object already had (an older schema admitted it)
+            return self._refuse(request, obj, exc), ()
+        for path in admitted.dropped:
+            _remove(request.data, path)
+        return None, admitted.warnings
 
-    def _stored_error(self, request: kmock.Request) -> str | None:
+    def _default_patch(self, request: kmock.Request) -> dict:
+        """The object as the patch leaves it, defaulted; the patch made to leave exactly that."""
+        key = (request.resource, request.namespace, request.name)
+        stored = self.objects[key].raw
+        merged = kmock_dicts.patch_dict(copy.deepcopy(stored), request.data)
+        if request.subresource is not None:
+            return dict(merged)
+        try:
+            admitted = self.schemas.admit(dict(merged), field_validation(request), old=stored).obj
+        except SchemaError:  # an error the stored object already had (ratcheting): left as it is
+            return dict(merged)
+        request.data.clear()
+        request.data.update(merge_patch(stored, admitted))
+        return admitted
+
+    def _refuse(self, request: kmock.Request, obj: dict, exc: SchemaError) -> aiohttp.web.Response:
+        """422 Invalid, with the API server's message (``Kind.group "name" is invalid: field: why``)."""
+        kind, name = obj.get("kind", ""), (obj.get("metadata") or {}).get("name", request.name)
+        group = request.resource.group if request.resource is not None else ""
+        message = f"{kind}.{group}".rstrip(".") + f' "{name}" is invalid: {exc}'
+        self.invalid_writes.append(message)
+        status = {"kind": "Status", "apiVersion": "v1", "status": "Failure", "message": message}
+        return aiohttp.web.json_response({**status, "reason": "Invalid", "code": 422}, status=422)
+
+    @staticmethod
+    def _unchecked(request: kmock.Request) -> bool:
+        return bool(request.headers.get(UNCHECKED_HEADER)) and request.headers.get("Authorization") is None
+
+    def _stored(self, request: kmock.Request) -> dict | None:
         key = (request.resource, request.namespace, request.name)
         if key not in self.objects or self.objects[key].deleted:
             return None
+        return self.objects[key].raw
+
+    def _stored_error(self, request: kmock.Request) -> str | None:
+        stored = self._stored(request)
+        if stored is None:
+            return None
         try:
-            self.schemas.admit(self.objects[key].raw)
+            self.schemas.admit(stored)
         except SchemaError as exc:
             return exc.args[0]
         return None

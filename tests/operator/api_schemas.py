@@ -4,7 +4,7 @@
   ``-strict`` variant: an unknown field is an error, as with ``fieldValidation=Strict``), one
   validator per kind built once.
 - Kinds of CRDs: the ``openAPIV3Schema`` of a CRD created in the emulator (the PagedLLM
-  CRD), or of one the tests vendor (``schemas/``: LeaderWorkerSet and KEDA's
+  CRD, or any other a test creates), or of one the tests vendor (``schemas/``: LeaderWorkerSet and KEDA's
   HTTPScaledObject as published upstream), through :mod:`crd_jsonschema`; KEDA's
   ScaledObject, the InferencePool and the PodMonitor through the project's own JSON
   Schemas (:mod:`third_party_schemas`: no package registry ships those CRDs' YAML).
@@ -12,15 +12,23 @@
 :meth:`ApiSchemas.list_keys` gives the keys of every ``x-kubernetes-list-type: map`` list
 of a kind (``containers`` by ``name``, ``ports`` by ``containerPort`` and ``protocol``, ...),
 which server-side apply merges item by item.
+
+:meth:`ApiSchemas.admit` turns a write into what is stored: unknown fields dropped or
+refused (``fieldValidation``), defaults filled in, schema and CEL rules checked.
 """
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import functools
 import gzip
+import re
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import builtin_defaults
 import crd_jsonschema
 import jsonschema
 import yaml
@@ -75,21 +83,6 @@ def _vendored_crds() -> dict[tuple[str, str], dict]:
     return out
 
 
-def prune(schema: dict, value: Any) -> Any:
-    """``value`` without the fields a structural schema does not declare (the API server's pruning)."""
-    if schema.get("x-kubernetes-preserve-unknown-fields"):
-        return value
-    if isinstance(value, dict):
-        if "properties" in schema:
-            return {k: prune(schema["properties"][k], v) for k, v in value.items() if k in schema["properties"]}
-        if isinstance(schema.get("additionalProperties"), dict):
-            return {k: prune(schema["additionalProperties"], v) for k, v in value.items()}
-        return value
-    if isinstance(value, list) and isinstance(schema.get("items"), dict):
-        return [prune(schema["items"], item) for item in value]
-    return value
-
-
 def crd_versions(crd: dict) -> dict[tuple[str, str], dict]:
     """(apiVersion, kind) -> openAPIV3Schema of every version a CRD serves."""
     group, kind = crd["spec"]["group"], crd["spec"]["names"]["kind"]
@@ -98,6 +91,49 @@ def crd_versions(crd: dict) -> dict[tuple[str, str], dict]:
         for v in crd["spec"]["versions"]
         if v.get("served", True) and "schema" in v
     }
+
+
+@dataclasses.dataclass(frozen=True)
+class Admitted:
+    """An object as the API server stores it, and the warnings its answer carries."""
+
+    obj: dict
+    warnings: tuple[str, ...] = ()
+    dropped: tuple[tuple, ...] = ()
+    """Paths of the unknown fields left out (``("spec", "foo")``), for a patch to leave out too."""
+
+
+def drop_unknown(validator: jsonschema.Draft202012Validator, obj: dict) -> tuple[dict, list[tuple]]:
+    """``obj`` without the fields its schema does not declare, and their paths (``("spec", "foo")``)."""
+    obj = copy.deepcopy(obj)
+    dropped: list[tuple] = []
+    for _ in range(100):  # NOTE: a field inside a dropped one is never reported; each pass finds new ones
+        found = sorted(set(_unknown(validator.iter_errors(obj))))
+        if not found:
+            break
+        for path, name in found:
+            parent = _at(obj, path)
+            if isinstance(parent, dict) and name in parent:
+                del parent[name]
+                dropped.append((*path, name))
+    return obj, dropped
+
+
+def _unknown(errors) -> Iterator[tuple[tuple, str]]:
+    for error in errors:
+        if error.validator == "additionalProperties" and error.validator_value is False:
+            declared = error.schema.get("properties") or {}
+            patterns = error.schema.get("patternProperties") or {}
+            for name in error.instance if isinstance(error.instance, dict) else ():
+                if name not in declared and not any(re.search(p, name) for p in patterns):
+                    yield tuple(error.absolute_path), name
+        yield from _unknown(error.context or [])
+
+
+def _at(obj: Any, path: tuple) -> Any:
+    for part in path:
+        obj = obj[part]
+    return obj
 
 
 class ApiSchemas:
@@ -114,40 +150,49 @@ class ApiSchemas:
     def crd_schema(self, api_version: str, kind: str) -> dict | None:
         return self.crds.get((api_version, kind)) or _vendored_crds().get((api_version, kind))
 
-    def admit(self, obj: dict, field_validation: str = "Strict") -> dict:
-        """``obj`` as the API server stores it, or :class:`SchemaError`.
+    def admit(self, obj: dict, field_validation: str = "Strict", old: dict | None = None) -> Admitted:
+        """``obj`` as the API server stores it, with the warnings it answers, or :class:`SchemaError`.
 
-        For the kinds of CRDs created in the emulator (the PagedLLM CRD), as the API server
-        treats a structural schema: unknown fields pruned (``fieldValidation=Ignore|Warn``;
-        ``Strict``, the default here as with kubectl, refuses them), ``default`` values filled
-        in, then the schema and its ``x-kubernetes-validations`` CEL rules checked. Other kinds
-        are checked only.
+        As the API server does: unknown fields dropped (``fieldValidation=Ignore``; ``Warn``,
+        the API server's default, with a warning each; ``Strict`` refuses them), the CRD
+        schema's ``default`` values and the built-in kinds' defaults (:mod:`builtin_defaults`)
+        filled in, then the schema checked and, for the kinds of CRDs, their
+        ``x-kubernetes-validations`` CEL rules (transition rules against ``old``).
         """
-        crd = self.crds.get((obj.get("apiVersion", ""), obj.get("kind", "")))
+        key = (obj.get("apiVersion", ""), obj.get("kind", ""))
+        warnings: tuple[str, ...] = ()
+        dropped: list[tuple] = []
+        validator = self.validator(*key)
+        if field_validation in ("Ignore", "Warn") and validator is not None:
+            obj, dropped = drop_unknown(validator, obj)
+            if field_validation == "Warn":
+                warnings = tuple(f'unknown field "{_field(path)}"' for path in dropped)
+        crd = self.crd_schema(*key)
         if crd is not None:
-            if field_validation in ("Ignore", "Warn"):
-                obj = {**obj, **{k: prune(crd["properties"][k], v) for k, v in obj.items() if k in ("spec", "status")}}
             obj = crd_jsonschema.apply_defaults(crd, obj)
+        obj = builtin_defaults.default_object(obj)
         self.validate(obj)
+        failed = crd_jsonschema.cel_failures(crd, obj, old) if crd is not None else []
+        if failed:
+            field, message = failed[0]
+            raise SchemaError(f'{field}: Invalid value: "object": {message}')
+        return Admitted(obj, warnings, tuple(dropped))
+
+    def validator(self, api_version: str, kind: str) -> jsonschema.Draft202012Validator | None:
+        """The kind's validator; ``None`` for a kind without a schema (anything passes)."""
+        crd = self.crd_schema(api_version, kind)
         if crd is not None:
-            failed = crd_jsonschema.failed_cel_rules(crd, obj, required=False)
-            if failed:
-                raise SchemaError(f'<root>: Invalid value: "object": {failed[0]}')
-        return obj
+            return crd_jsonschema.resource_validator(crd)
+        if (api_version, kind) in THIRD_PARTY:
+            return third_party_validator(api_version, kind)
+        found = _builtin(api_version, kind)
+        return None if found is None else found[0]
 
     def validate(self, obj: dict) -> None:
         """Raise :class:`SchemaError` where ``obj`` breaks its kind's schema; a kind without one passes."""
-        key = (obj.get("apiVersion", ""), obj.get("kind", ""))
-        crd = self.crd_schema(*key)
-        if crd is not None:
-            validator = crd_jsonschema.resource_validator(crd)
-        elif key in THIRD_PARTY:
-            validator = third_party_validator(*key)
-        else:
-            found = _builtin(*key)
-            if found is None:
-                return
-            validator = found[0]
+        validator = self.validator(obj.get("apiVersion", ""), obj.get("kind", ""))
+        if validator is None:
+            return
         error = jsonschema.exceptions.best_match(validator.iter_errors(obj))
         if error is not None:
             raise SchemaError(f"{_field(error.absolute_path)}: {error.message[:300]}")
@@ -171,7 +216,10 @@ def _builtin_keys(api_version: str, kind: str) -> dict[Path_, tuple[str, ...]]:
     return _keys_of(validator.schema, defs.get("$defs", {}), ())
 
 
-def _keys_of(schema: Any, defs: dict, path: Path_, depth: int = 0) -> dict[Path_, tuple[str, ...]]:
+def _keys_of(
+    schema: Any, defs: dict, path: Path_, depth: int = 0, seen: frozenset = frozenset()
+) -> dict[Path_, tuple[str, ...]]:
+    """NOTE: a definition met again below itself (a CRD's JSONSchemaProps) is not walked again."""
     if not isinstance(schema, dict) or depth > 40:
         return {}
     ref = schema.get("$ref") or next(
@@ -180,9 +228,9 @@ def _keys_of(schema: Any, defs: dict, path: Path_, depth: int = 0) -> dict[Path_
     )
     if ref is not None:
         name = ref.rsplit("/", 1)[-1]
-        if name.endswith((".ObjectMeta", ".ManagedFieldsEntry")):
+        if name.endswith((".ObjectMeta", ".ManagedFieldsEntry")) or name in seen:
             return {}
-        return _keys_of(defs.get(name, {}), defs, path, depth + 1)
+        return _keys_of(defs.get(name, {}), defs, path, depth + 1, seen | {name})
     out: dict[Path_, tuple[str, ...]] = {}
     keys = schema.get("x-kubernetes-list-map-keys") or (
         [schema["x-kubernetes-patch-merge-key"]]
@@ -195,7 +243,7 @@ def _keys_of(schema: Any, defs: dict, path: Path_, depth: int = 0) -> dict[Path_
     for name, sub in (schema.get("properties") or {}).items():
         if path == () and name in ("metadata", "status"):
             continue
-        out.update(_keys_of(sub, defs, (*path, name), depth + 1))
+        out.update(_keys_of(sub, defs, (*path, name), depth + 1, seen))
     if isinstance(schema.get("items"), dict):
-        out.update(_keys_of(schema["items"], defs, (*path, "[]"), depth + 1))
+        out.update(_keys_of(schema["items"], defs, (*path, "[]"), depth + 1, seen))
     return out

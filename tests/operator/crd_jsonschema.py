@@ -7,7 +7,9 @@
 - :func:`apply_defaults`: the API server's defaulting (a ``default`` fills a missing
   field wherever its parent object exists).
 - :func:`cel_rules`: every ``x-kubernetes-validations`` rule with the path it applies at,
-  and :func:`failed_cel_rules`: the messages of those a resource breaks (``celpy``).
+  :func:`cel_failures`: the fields and messages of those a resource breaks, at every
+  field, list item and map value (``celpy``; transition rules against the stored object),
+  and :func:`failed_cel_rules`: their messages.
 - :func:`resource_validator`: a validator for whole resources, built once per schema.
 """
 
@@ -115,35 +117,56 @@ def resource_validator(crd_schema: dict) -> jsonschema.Draft202012Validator:
     return _VALIDATORS[key]
 
 
-def _resolve(obj, path: str):
-    node = obj
-    for part in path.split(".") if path else []:
-        if not isinstance(node, dict) or part not in node:
-            return _ABSENT
-        node = node[part]
-    return node
+def cel_failures(schema: dict, value: Any, old: Any = None, path: str = "") -> list[tuple[str, str]]:
+    """(field path, message) of every ``x-kubernetes-validations`` rule ``value`` breaks, as the API server
+    checks them: at each field present (list items and map values included), transition rules (those that
+    name ``oldSelf``) only where ``old``, the stored object, has the field too (list items have no old
+    value here)."""
+    failed = [(path or "<root>", message) for message in _broken(schema, value, old)]
+    if isinstance(value, dict):
+        for name, sub in (schema.get("properties") or {}).items():
+            if name in value:
+                before = old.get(name) if isinstance(old, dict) else None
+                failed += cel_failures(sub, value[name], before, f"{path}.{name}" if path else name)
+        extra = schema.get("additionalProperties")
+        if isinstance(extra, dict):
+            for name, sub_value in value.items():
+                before = old.get(name) if isinstance(old, dict) else None
+                failed += cel_failures(extra, sub_value, before, f"{path}[{name}]")
+    elif isinstance(value, list) and isinstance(schema.get("items"), dict):
+        for index, item in enumerate(value):
+            failed += cel_failures(schema["items"], item, None, f"{path}[{index}]")
+    return failed
 
 
-_ABSENT = object()
+def _broken(schema: dict, value: Any, old: Any) -> list[str]:
+    rules = schema.get("x-kubernetes-validations") or []
+    if not rules:
+        return []
+    celpy = _maybe_celpy()
+    if celpy is None:
+        return []
+    out = []
+    for rule in rules:
+        activation = {"self": celpy.json_to_cel(value)}
+        if "oldSelf" in rule["rule"]:
+            if old is None:
+                continue
+            activation["oldSelf"] = celpy.json_to_cel(old)
+        try:
+            result = _cel_program(rule["rule"]).evaluate(activation)
+        except celpy.CELEvalError:  # NOTE: the API server refuses a write whose rule cannot be evaluated
+            result = None
+        if not (isinstance(result, celpy.celtypes.BoolType) and bool(result)):
+            out.append(rule.get("message") or f"failed rule: {rule['rule']}")
+    return out
 
 
 def failed_cel_rules(crd_schema: dict, obj: dict, *, required: bool = True) -> list[str]:
     """Messages of the CEL rules ``obj`` (a defaulted resource) breaks."""
-    celpy = (
+    if required:
         pytest.importorskip("celpy", reason="cel-python evaluates the CRD's CEL rules offline")
-        if required
-        else _maybe_celpy()
-    )
-    if celpy is None:
-        return []
-    failed = []
-    for path, rule, message in cel_rules(crd_schema):
-        value = _resolve(obj, path)
-        if value is _ABSENT:
-            continue
-        if not _cel_program(rule).evaluate({"self": celpy.json_to_cel(value)}):
-            failed.append(message)
-    return failed
+    return [message for _, message in cel_failures(crd_schema, obj)]
 
 
 @functools.cache

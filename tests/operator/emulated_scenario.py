@@ -16,7 +16,8 @@ KIND = "PagedLLM"
 def emulated_cluster(policy: RbacPolicy):
     """A started emulated API server with the PagedLLM CRD that authorizes the operator by ``policy``.
 
-    Fails at the end if the operator was refused anything: the chart must grant what it does.
+    Fails at the end if the operator was refused anything (the chart must grant what it does) or
+    was warned of a field the API server dropped (a rendering the schema does not know).
     """
     emulated = EmulatedCluster(policy).start()
     status, body = Client(emulated.url).request(
@@ -29,9 +30,10 @@ def emulated_cluster(policy: RbacPolicy):
     try:
         yield emulated
     finally:
-        denials = emulated.denials()
+        denials, warnings = emulated.denials(), emulated.warnings()
         emulated.stop()
     assert not denials, "the chart's RBAC refused the operator:\n" + "\n".join(denials)
+    assert not warnings, "the API server dropped fields the operator wrote:\n" + "\n".join(warnings)
 
 
 def pagedllm(namespace: str, name: str = "llama", **spec) -> dict:

@@ -1,12 +1,16 @@
-"""Server-side apply's field ownership, for the emulated API server (``spec`` fields only).
+"""Server-side apply's field ownership, for the emulated API server.
 
-What the operator's replica hand-over depends on, as the API server does it:
+What the operator's replica hand-over and its labels depend on, as the API server does it:
 
-- each write records which ``spec`` leaf fields its field manager set, in
-  ``metadata.managedFields`` (``fieldsV1``), with operation ``Apply`` (server-side apply)
-  or ``Update`` (any other write, a ``/scale`` write among them);
-- a field a manager sets is taken from every other manager (an apply is always forced here,
-  as the operator's are; an update always takes the field);
+- each write records which leaf fields its field manager set, in ``metadata.managedFields``
+  (``fieldsV1``), with operation ``Apply`` (server-side apply) or ``Update`` (any other write,
+  a ``/scale`` write among them). Owned are the fields of :func:`tracked`: every top-level
+  field but ``status`` (``spec``, a ConfigMap's ``data``, a Role's ``rules``) and
+  ``metadata.labels`` / ``metadata.annotations``, each label or annotation on its own;
+- a field a manager sets is taken from every other manager. An update always takes it; an
+  apply with ``force`` too, and one without is refused where another manager owns a field it
+  sets to a different value (:func:`conflicts`, a 409 from the server); setting the same
+  value makes the two managers share the field;
 - a field that an ``Apply`` manager set before and no longer applies is removed from the
   object, unless another manager still owns it;
 - lists the schema marks ``x-kubernetes-list-type: map`` (containers, env, ports, volumes,
@@ -15,6 +19,7 @@ What the operator's replica hand-over depends on, as the API server does it:
   the list (:func:`merge_applied`) and removes only the items it dropped that nobody else
   owns a field of. Other lists are single fields (atomic), replaced by each write.
 
+Paths start at the object's root (``("spec", "replicas")``, ``("metadata", "labels", "team")``).
 ``keys`` maps a keyed list's path from the object's root (``("spec", "template", "spec",
 "containers")``, ``"[]"`` standing for the items of an outer list) to its key fields, as
 :meth:`api_schemas.ApiSchemas.list_keys` gives them.
@@ -29,6 +34,17 @@ from typing import Any
 Path = tuple[str, ...]
 Keys = dict[Path, tuple[str, ...]]
 ITEM = "."  # the entry that owns a keyed list item itself
+UNOWNED = ("apiVersion", "kind", "metadata", "status")
+OWNED_METADATA = ("labels", "annotations")
+
+
+def tracked(obj: dict) -> dict:
+    """The part of ``obj`` (a write's body) whose fields have owners."""
+    out = {k: v for k, v in obj.items() if k not in UNOWNED}
+    meta = {k: v for k, v in (obj.get("metadata") or {}).items() if k in OWNED_METADATA and isinstance(v, dict)}
+    if meta:
+        out["metadata"] = meta
+    return out
 
 
 def item_key(item: dict, keys: tuple[str, ...]) -> str:
@@ -42,7 +58,7 @@ def _keyed(value: Any, schema_path: Path, keys: Keys) -> tuple[str, ...] | None:
     return None
 
 
-def leaf_paths(value: Any, prefix: Path = (), keys: Keys | None = None, schema_path: Path = ("spec",)) -> set[Path]:
+def leaf_paths(value: Any, prefix: Path = (), keys: Keys | None = None, schema_path: Path = ()) -> set[Path]:
     """The leaf fields of a (nested) mapping; keyed list items are owned one by one, other lists are leaves."""
     keys = keys or {}
     if isinstance(value, dict) and value:
@@ -80,32 +96,32 @@ def from_fields_v1(tree: dict, prefix: Path = ()) -> set[Path]:
 
 
 def owned(entries: list[dict]) -> dict[tuple[str, str], set[Path]]:
-    """(manager, operation) -> the ``spec`` paths it owns, from ``managedFields``."""
+    """(manager, operation) -> the paths it owns, from ``managedFields``."""
     out: dict[tuple[str, str], set[Path]] = {}
     for entry in entries or []:
-        spec = (entry.get("fieldsV1") or {}).get("f:spec") or {}
-        out[(entry.get("manager", ""), entry.get("operation", "Update"))] = from_fields_v1(spec)
+        out[(entry.get("manager", ""), entry.get("operation", "Update"))] = from_fields_v1(entry.get("fieldsV1") or {})
     return out
 
 
 def record_write(
-    old: dict | None, written_spec: dict, manager: str, apply: bool, api_version: str, keys: Keys | None = None
+    old: dict | None, written_obj: dict, manager: str, apply: bool, api_version: str, keys: Keys | None = None
 ) -> tuple[list[dict], list[Path]]:
-    """The object's new ``managedFields`` after ``manager`` wrote ``written_spec``, and the spec paths to
-    remove from the object (an applier's dropped fields nobody else owns)."""
+    """The object's new ``managedFields`` after ``manager`` wrote ``written_obj`` (its :func:`tracked`
+    part), and the paths to remove from the object (an applier's dropped fields nobody else owns)."""
     before = owned(((old or {}).get("metadata") or {}).get("managedFields") or [])
-    written = leaf_paths(written_spec, keys=keys)
+    written_fields = tracked(written_obj)
+    written = leaf_paths(written_fields, keys=keys)
     key = (manager, "Apply" if apply else "Update")
     dropped = before.get(key, set()) - written if apply else set()
     # A scalar or atomic list takes what was under it; an empty mapping only itself.
-    taking = written - _empty_maps(written_spec)
+    taking = written - _empty_maps(written_fields)
     after = {
         k: {p for p in paths if not _covers(taking, p) and p not in written} for k, paths in before.items() if k != key
     }
     after[key] = written if apply else before.get(key, set()) | written
     still = set().union(*after.values()) if after else set()
     # Mappings owned as such (an applied ``{}``) hold nothing under them.
-    still_covering = still - _empty_maps(written_spec) - {q for q in still if _is_map((old or {}).get("spec"), q)}
+    still_covering = still - _empty_maps(written_fields) - {q for q in still if _is_map(old, q)}
     removed = [p for p in dropped if not _still_needed(p, still, still_covering)]
     entries = [
         {
@@ -113,7 +129,7 @@ def record_write(
             "operation": operation,
             "apiVersion": api_version,
             "fieldsType": "FieldsV1",
-            "fieldsV1": {"f:spec": to_fields_v1(paths)},
+            "fieldsV1": to_fields_v1(paths),
         }
         for (manager, operation), paths in after.items()
         if paths
@@ -129,8 +145,8 @@ def _empty_maps(value: Any, prefix: Path = ()) -> set[Path]:
     return set()
 
 
-def _is_map(spec: Any, path: Path) -> bool:
-    node = spec
+def _is_map(obj: Any, path: Path) -> bool:
+    node = obj
     for key in path:
         if isinstance(node, list) and key.startswith("k:"):
             index = _find(node, key)
@@ -155,13 +171,13 @@ def _covers(paths: set[Path], path: Path) -> bool:
 
 
 def without(obj: dict, paths: list[Path]) -> dict:
-    """``obj`` with the ``spec`` leaf ``paths`` removed (and mappings they leave empty)."""
+    """``obj`` with the leaf ``paths`` removed (and mappings they leave empty)."""
     obj = copy.deepcopy(obj)
     # Whole items first (what was inside them goes with them); an item's key fields go only with it.
     for path in sorted(paths, key=lambda p: (p[-1] != ITEM, -len(p))):
         if len(path) > 1 and path[-2].startswith("k:") and path[-1] in json.loads(path[-2][2:]):
             continue
-        _remove(obj.get("spec") or {}, path)
+        _remove(obj, path)
     return obj
 
 
@@ -195,7 +211,7 @@ def _remove(node: Any, path: Path) -> None:
         node.pop(head, None)
 
 
-def merge_applied(old: Any, applied: Any, keys: Keys, schema_path: Path = ("spec",)) -> Any:
+def merge_applied(old: Any, applied: Any, keys: Keys, schema_path: Path = ()) -> Any:
     """``applied`` merged into ``old`` as server-side apply does: mappings field by field, keyed lists item
     by item (items the apply leaves out stay, for :func:`record_write`'s removal to judge), other lists
     and scalars replaced."""
@@ -215,3 +231,43 @@ def merge_applied(old: Any, applied: Any, keys: Keys, schema_path: Path = ("spec
                 merged_items[index] = merge_applied(merged_items[index], item, keys, (*schema_path, "[]"))
         return merged_items
     return copy.deepcopy(applied)
+
+
+def value_at(obj: Any, path: Path) -> Any:
+    """The value at ``path`` (keyed items found by their keys); :data:`MISSING` where there is none."""
+    node = obj
+    for key in path:
+        if key == ITEM:
+            return node
+        if isinstance(node, list) and key.startswith("k:"):
+            index = _find(node, key)
+            if index is None:
+                return MISSING
+            node = node[index]
+        elif isinstance(node, dict) and key in node:
+            node = node[key]
+        else:
+            return MISSING
+    return node
+
+
+MISSING = object()
+
+
+def conflicts(old: dict, written_obj: dict, manager: str, keys: Keys | None = None) -> list[tuple[str, Path]]:
+    """(other manager, path) of each field an unforced apply of ``written_obj`` by ``manager`` would take:
+    one another manager owns, set to a value other than the live one. Sorted, for a stable message."""
+    written = tracked(written_obj)
+    found = []
+    for (other, _), paths in owned((old.get("metadata") or {}).get("managedFields") or []).items():
+        if other == manager:
+            continue
+        for path in leaf_paths(written, keys=keys) & paths:
+            if path[-1] != ITEM and value_at(written, path) != value_at(old, path):
+                found.append((other, path))
+    return sorted(found)
+
+
+def dotted(path: Path) -> str:
+    """``.spec.replicas``, ``.metadata.labels.team``, as the API server names a conflicting field."""
+    return "".join(f"[{p[2:]}]" if p.startswith("k:") else f".{p}" for p in path)

@@ -1,233 +1,70 @@
 """A Kubernetes API for the operator tests: kmock's ``KubernetesEmulator`` over real HTTP.
 
-kmock 0.8 stores objects as given and merges patches. The operator relies on a few
-things a real API server does and kmock does not, which :class:`ApiServer` adds:
+kmock 0.8 stores objects as given and merges patches. The operator relies on things a
+real API server does and kmock does not, which :class:`ApiServer` adds, layer by layer:
 
-- ``metadata.uid`` / ``creationTimestamp`` / ``resourceVersion`` / ``generation`` on
-  create (owner references need the owner's uid), and a name from ``generateName``;
-- ``generation`` bumped when ``spec`` changes (through the object or its ``/scale``);
-- a patch that carries a stale ``metadata.resourceVersion`` is refused (409 Conflict);
-- server-side apply (``application/apply-patch+yaml``) of a missing object creates it, and
-  every write of ``spec`` keeps its field managers' ownership in ``metadata.managedFields``:
-  a field an applier stops applying is removed unless another manager owns it, and lists
-  with keys (containers, env, ports, volumes, ... by the schemas' list-map keys) merge item
-  by item (:mod:`field_ownership`);
-- every write is checked against its kind's schema, the Kubernetes OpenAPI schemas of
-  ``kubernetes-validate`` or the CRD's, and refused with 422 Invalid (unknown fields, wrong
-  types, missing required fields: ``fieldValidation=Strict``); PagedLLMs are also pruned
-  (``fieldValidation=Ignore|Warn``), defaulted and checked against the CRD's CEL rules
-  (:mod:`api_schemas`). An update may keep an error the stored object already had
-  (validation ratcheting), and a test can store an object as an older schema admitted it
-  (``Client.create(..., unchecked=True)``);
-- RBAC: with a policy (:mod:`rbac_policy`, the chart's rendered roles), every request of
-  the operator (its kubeconfig's token) is authorized by verb, group, resource, namespace
-  and name, and answered 403 Forbidden where the roles do not allow it; an apply that
-  creates needs ``create`` too. Refusals are kept (:meth:`EmulatedCluster.denials`);
-- garbage collection: deleting an object deletes the objects whose owner references name
-  its uid (and theirs, in turn), as the API server's collector does in the background;
 - trouble on demand (:mod:`api_chaos`): 409/429/5xx answers to the operator's next
-  requests, watch streams cut, 410 Gone on a watch from an expired resourceVersion.
+  requests, watch streams cut, 410 Gone on a watch from an expired resourceVersion;
+- admission (:mod:`api_admission`): RBAC from the chart's rendered roles (403, refusals
+  kept: :meth:`EmulatedCluster.denials`); every write checked against its kind's schema
+  (:mod:`api_schemas`: ``kubernetes-validate``'s or a CRD's) and refused with 422 Invalid;
+  ``fieldValidation`` honoured (``Strict``: an unknown field is a 422; ``Warn``, the
+  default: dropped, with a ``Warning: 299 - "unknown field \\"spec.foo\\""`` header; ``Ignore``:
+  dropped); defaults filled in, the CRD schemas' and the built-in kinds'
+  (:mod:`builtin_defaults`: a Deployment's ``strategy``, a container's ``imagePullPolicy``,
+  a Service's ``clusterIP``); every CRD's ``x-kubernetes-validations`` CEL rules checked
+  (transition rules against the stored object). An update may keep an error the stored
+  object already had (validation ratcheting), and a test can store an object as an older
+  schema admitted it (``Client.create(..., unchecked=True)``);
+- writes (:mod:`api_writes`): ``uid`` / ``creationTimestamp`` / ``resourceVersion`` /
+  ``generation`` on create, a name from ``generateName``, ``generation`` bumped when ``spec``
+  changes, a patch with a stale ``resourceVersion`` refused (409); field ownership in
+  ``metadata.managedFields`` (:mod:`field_ownership`) for ``spec`` and every other
+  top-level field, labels and annotations: a field an applier stops applying is removed
+  unless another manager owns it, keyed lists merge item by item, an apply without
+  ``force`` that would take another manager's field is a 409; a server-side apply of a
+  missing object creates it; garbage collection of a deleted owner's dependents.
 
 Tests can also make it refuse calls (:meth:`EmulatedCluster.refuse`), as an admission
-webhook or an immutable field would.
+webhook or an immutable field would, and see the warnings the operator was answered
+(:meth:`EmulatedCluster.warnings`).
 
 The server runs on its own event loop in a thread, so the operator (a subprocess) and
-the synchronous tests both talk to it over HTTP. Known gaps: no admission beyond the
-schemas, no defaulting of built-in kinds, no ``fieldValidation=Warn`` warning header,
+the synchronous tests both talk to it over HTTP. Known gaps: no admission webhooks,
 KEDA's ScaledObject, the InferencePool and the PodMonitor are checked against the
-project's own JSON Schemas (no package registry ships their CRDs' YAML), and ownership
-is tracked for ``spec`` only.
+project's own JSON Schemas (no package registry ships their CRDs' YAML), and the
+built-in defaults are those of the kinds the operator writes.
 """
 
 from __future__ import annotations
 
 import asyncio
-import copy
-import datetime
-import json
 import threading
-import time
-import urllib.error
-import urllib.request
-import uuid
-from collections.abc import Callable
-from typing import Any
 
 import aiohttp.web
 import attrs
-import field_ownership
 import kmock
-from api_admission import OPERATOR_TOKEN, UNCHECKED_HEADER, Admission
-from kmock._internal import dicts as kmock_dicts
+from api_admission import OPERATOR_TOKEN, warning_header
+from api_client import CLIENT_AGENT, Client, wait_for
+from api_resources import OPTIONAL_RESOURCE_INFOS, RBAC_VERBS, RESOURCE_INFOS
+from api_writes import Writes
 from rbac_policy import RbacPolicy
 
-from pagedllm.operator.kube import APPLY_PATCH, RESOURCES
-
-RESOURCE_INFOS = {
-    "pagedllm.dev/v1alpha1/pagedllms": kmock.ResourceInfo(
-        kind="PagedLLM",
-        singular="pagedllm",
-        namespaced=True,
-        shortnames={"pllm"},
-        subresources={"status", "scale"},
-        verbs={"get", "list", "watch", "create", "patch", "update", "delete"},
-    ),
-    "apps/v1/deployments": kmock.ResourceInfo(
-        kind="Deployment",
-        singular="deployment",
-        namespaced=True,
-        subresources={"status", "scale"},
-        verbs={"get", "list", "watch", "create", "patch", "update", "delete"},
-    ),
-    "v1/services": kmock.ResourceInfo(
-        kind="Service",
-        singular="service",
-        namespaced=True,
-        subresources={"status"},
-        verbs={"get", "list", "watch", "create", "patch", "update", "delete"},
-    ),
-    "policy/v1/poddisruptionbudgets": kmock.ResourceInfo(
-        kind="PodDisruptionBudget",
-        singular="poddisruptionbudget",
-        namespaced=True,
-        subresources={"status"},
-        verbs={"get", "list", "watch", "create", "patch", "update", "delete"},
-    ),
-    "autoscaling/v2/horizontalpodautoscalers": kmock.ResourceInfo(
-        kind="HorizontalPodAutoscaler",
-        singular="horizontalpodautoscaler",
-        namespaced=True,
-        subresources={"status"},
-        verbs={"get", "list", "watch", "create", "patch", "update", "delete"},
-    ),
-    "v1/pods": kmock.ResourceInfo(
-        kind="Pod",
-        singular="pod",
-        namespaced=True,
-        subresources={"status"},
-        verbs={"get", "list", "watch", "create", "patch", "update", "delete"},
-    ),
-    "batch/v1/jobs": kmock.ResourceInfo(
-        kind="Job",
-        singular="job",
-        namespaced=True,
-        subresources={"status"},
-        verbs={"get", "list", "watch", "create", "patch", "update", "delete"},
-    ),
-    "discovery.k8s.io/v1/endpointslices": kmock.ResourceInfo(
-        kind="EndpointSlice",
-        singular="endpointslice",
-        namespaced=True,
-        verbs={"get", "list", "watch", "create", "patch", "update", "delete"},
-    ),
-    "v1/serviceaccounts": kmock.ResourceInfo(
-        kind="ServiceAccount",
-        singular="serviceaccount",
-        namespaced=True,
-        verbs={"get", "list", "watch", "create", "patch", "update", "delete"},
-    ),
-    "v1/secrets": kmock.ResourceInfo(
-        kind="Secret",
-        singular="secret",
-        namespaced=True,
-        verbs={"get", "list", "watch", "create", "patch", "update", "delete"},
-    ),
-    "v1/configmaps": kmock.ResourceInfo(
-        kind="ConfigMap",
-        singular="configmap",
-        namespaced=True,
-        verbs={"get", "list", "watch", "create", "patch", "update", "delete"},
-    ),
-    "rbac.authorization.k8s.io/v1/roles": kmock.ResourceInfo(
-        kind="Role",
-        singular="role",
-        namespaced=True,
-        verbs={"get", "list", "watch", "create", "patch", "update", "delete"},
-    ),
-    "rbac.authorization.k8s.io/v1/rolebindings": kmock.ResourceInfo(
-        kind="RoleBinding",
-        singular="rolebinding",
-        namespaced=True,
-        verbs={"get", "list", "watch", "create", "patch", "update", "delete"},
-    ),
-    "networking.k8s.io/v1/networkpolicies": kmock.ResourceInfo(
-        kind="NetworkPolicy",
-        singular="networkpolicy",
-        namespaced=True,
-        verbs={"get", "list", "watch", "create", "patch", "update", "delete"},
-    ),
-    "coordination.k8s.io/v1/leases": kmock.ResourceInfo(
-        kind="Lease",
-        singular="lease",
-        namespaced=True,
-        verbs={"get", "list", "watch", "create", "patch", "update", "delete"},
-    ),
-    "v1/persistentvolumeclaims": kmock.ResourceInfo(
-        kind="PersistentVolumeClaim",
-        singular="persistentvolumeclaim",
-        namespaced=True,
-        subresources={"status"},
-        verbs={"get", "list", "watch", "create", "patch", "update", "delete"},
-    ),
-    # NOTE: kopf waits to discover namespaces before it starts any watch, even cluster-wide
-    # (where it never lists them; listing them from kmock fails).
-    "v1/namespaces": kmock.ResourceInfo(
-        kind="Namespace", singular="namespace", namespaced=False, verbs={"get", "list", "watch"}
-    ),
-    "v1/events": kmock.ResourceInfo(
-        kind="Event", singular="event", namespaced=True, verbs={"get", "list", "watch", "create", "patch"}
-    ),
-    "apiextensions.k8s.io/v1/customresourcedefinitions": kmock.ResourceInfo(
-        kind="CustomResourceDefinition",
-        singular="customresourcedefinition",
-        namespaced=False,
-        verbs={"get", "list", "watch", "create", "patch", "update", "delete"},
-    ),
-}
-
-# Kinds of optional CRDs (KEDA, Gateway API Inference Extension, Prometheus Operator, LeaderWorkerSet): served
-# only by clusters that install them (:meth:`EmulatedCluster.install`).
-_OPTIONAL_KINDS = (
-    ("keda.sh/v1alpha1", "scaledobjects", "ScaledObject"),
-    ("inference.networking.k8s.io/v1", "inferencepools", "InferencePool"),
-    ("monitoring.coreos.com/v1", "podmonitors", "PodMonitor"),
-    ("leaderworkerset.x-k8s.io/v1", "leaderworkersets", "LeaderWorkerSet"),
-)
-OPTIONAL_RESOURCE_INFOS = {
-    f"{group_version}/{plural}": kmock.ResourceInfo(
-        kind=kind,
-        singular=plural[:-1],
-        namespaced=True,
-        subresources={"status"},
-        verbs={"get", "list", "watch", "create", "patch", "update", "delete"},
-    )
-    for group_version, plural, kind in _OPTIONAL_KINDS
-}
-
-# Where the tests' client finds the kinds the operator names only through discovery.
-_STEM = {
-    "Event": ("/api/v1", "events"),
-    "Job": ("/apis/batch/v1", "jobs"),
-    "EndpointSlice": ("/apis/discovery.k8s.io/v1", "endpointslices"),
-    "ServiceAccount": ("/api/v1", "serviceaccounts"),
-    "ConfigMap": ("/api/v1", "configmaps"),
-    "Secret": ("/api/v1", "secrets"),
-    "Role": ("/apis/rbac.authorization.k8s.io/v1", "roles"),
-    "RoleBinding": ("/apis/rbac.authorization.k8s.io/v1", "rolebindings"),
-    "NetworkPolicy": ("/apis/networking.k8s.io/v1", "networkpolicies"),
-    **{kind: (f"/apis/{gv}", plural) for gv, plural, kind in _OPTIONAL_KINDS},
-}
+__all__ = ["OPERATOR_TOKEN", "OPTIONAL_RESOURCE_INFOS", "ApiServer", "Client", "EmulatedCluster", "wait_for"]
 
 
 @attrs.define(kw_only=True)
-class ApiServer(Admission):
+class ApiServer(Writes):
     """The emulator plus the API-server behaviour listed in the module docstring."""
 
     # (METHOD, path prefix) -> (HTTP status, Status message), answered instead of serving.
     refusals: dict[tuple[str, str], tuple[int, str]] = attrs.field(factory=dict, init=False)
+    # The warnings the operator's requests were answered, as "METHOD PATH: warning".
+    warned: list[str] = attrs.field(factory=list, init=False)
 
     async def _handle(self, request: kmock.Request):
-        if request.headers.get("Authorization") == f"Bearer {OPERATOR_TOKEN}":
+        operator = request.headers.get("Authorization") == f"Bearer {OPERATOR_TOKEN}"
+        if operator:
             fault = self.chaos.fault_for(str(request.method.value), request.url.path)
             if fault is not None:
                 return fault
@@ -237,51 +74,41 @@ class ApiServer(Admission):
             status = {"kind": "Status", "apiVersion": "v1", "status": "Failure", "message": message, "code": code}
             status["reason"] = {403: "Forbidden", 409: "Conflict", 422: "Invalid"}.get(code, "")
             return aiohttp.web.json_response(status, status=code)
-        if request.resource is not None and isinstance(request.data, dict):
-            if request.action == kmock.action.CREATE:
-                self._stamp_new(request.data)
-                invalid = self._invalid(request, request.data)
-                if invalid is not None:
-                    return invalid
-                self._default(request, request.data)
-                if request.resource.plural == "customresourcedefinitions":
-                    self.schemas.learn_crd(request.data)
-            elif request.action == kmock.action.UPDATE and request.name is not None:
-                conflict = self._stale(request)
-                if conflict is not None:
-                    return aiohttp.web.json_response(conflict, status=409)
-                invalid = self._invalid(request, self._prospective(request))
-                if invalid is not None:
-                    return invalid
-                await self._before_patch(request)
-                self._default_patch(request)
+        refused, warnings = await self._admit_write(request)
+        if refused is not None:
+            return refused
         owner_uid = self._uid_being_deleted(request)
         response = await super()._handle(request)
         if owner_uid is not None and response.status == 200:
             await self._collect_garbage(owner_uid)
+        for warning in warnings:
+            response.headers.add("Warning", warning_header(warning))
+            if operator:
+                self.warned.append(f"{request.method.value} {request.url.path}: {warning}")
         return response
 
-    def _uid_being_deleted(self, request: kmock.Request) -> str | None:
-        if request.action != kmock.action.DELETE or request.resource is None or request.name is None:
-            return None
-        key = (request.resource, request.namespace, request.name)
-        if key not in self.objects or self.objects[key].deleted:
-            return None
-        return self.objects[key].raw.get("metadata", {}).get("uid")
-
-    async def _collect_garbage(self, owner_uid: str) -> None:
-        async with self._lock:
-            dependents = [
-                (key, obj.raw)
-                for key, obj in list(self.objects.items())
-                if not obj.deleted
-                and any(ref.get("uid") == owner_uid for ref in obj.raw.get("metadata", {}).get("ownerReferences") or [])
-            ]
-            for key, raw in dependents:
-                self.objects[key].delete()
-                await self._buses[key[0]].put({"type": "DELETED", "object": raw})
-        for _, raw in dependents:
-            await self._collect_garbage(raw["metadata"].get("uid"))
+    async def _admit_write(self, request: kmock.Request) -> tuple[aiohttp.web.Response | None, tuple[str, ...]]:
+        """Admission and bookkeeping of a create or a patch: a refusal, or the warnings to answer with."""
+        if request.resource is None or not isinstance(request.data, dict):
+            return None, ()
+        if request.action == kmock.action.CREATE:
+            self._stamp_new(request.data)
+            refused, warnings = self._admit_create(request)
+            if refused is None:
+                self._own_created(request)
+                if request.resource.plural == "customresourcedefinitions":
+                    self.schemas.learn_crd(request.data)
+            return refused, warnings
+        if request.action != kmock.action.UPDATE or request.name is None:
+            return None, ()
+        conflict = self._stale(request)
+        if conflict is not None:
+            return aiohttp.web.json_response(conflict, status=409), ()
+        refused, warnings = self._admit_patch(request)
+        refused = refused or self._apply_conflict(request)
+        if refused is None:
+            await self._before_patch(request)
+        return refused, warnings
 
     def _refusal(self, request: kmock.Request) -> tuple[int, str] | None:
         method, path = str(request.method.value if request.method else ""), request.url.path
@@ -289,73 +116,6 @@ class ApiServer(Admission):
             if method == refused_method and path.startswith(prefix):
                 return answer
         return None
-
-    def _stale(self, request: kmock.Request) -> dict | None:
-        """A 409 Status when the patch carries a resourceVersion that is no longer the object's."""
-        given = (request.data.get("metadata") or {}).get("resourceVersion")
-        key = (request.resource, request.namespace, request.name)
-        if given is None or key not in self.objects or self.objects[key].deleted:
-            return None
-        current = self.objects[key].raw.get("metadata", {}).get("resourceVersion")
-        if str(given) == str(current):
-            return None
-        message = f"Operation cannot be fulfilled on {request.name}: the object has been modified"
-        return {"kind": "Status", "apiVersion": "v1", "status": "Failure", "message": message, "code": 409}
-
-    def _stamp_new(self, data: dict) -> None:
-        meta = data.setdefault("metadata", {})
-        if not meta.get("name") and meta.get("generateName"):
-            meta["name"] = meta["generateName"] + uuid.uuid4().hex[:5]
-        meta.setdefault("uid", str(uuid.uuid4()))
-        now = datetime.datetime.now(datetime.timezone.utc)
-        meta.setdefault("creationTimestamp", now.strftime("%Y-%m-%dT%H:%M:%SZ"))
-        meta["generation"] = 1
-        meta["resourceVersion"] = self.next_version()
-
-    async def _before_patch(self, request: kmock.Request) -> None:
-        key = (request.resource, request.namespace, request.name)
-        exists = key in self.objects and not self.objects[key].deleted
-        if not exists:
-            content_type = {k.lower(): v for k, v in request.headers.items()}.get("content-type", "")
-            if content_type.startswith(APPLY_PATCH) and request.subresource is None:
-                await self._create_by_apply(key, request.data, request.url.query.get("fieldManager") or "kubectl")
-            return
-        old = self.objects[key].raw
-        kept = self._record_owners(request, key)
-        meta = request.data.setdefault("metadata", {})
-        meta["resourceVersion"] = self.next_version()
-        if request.subresource in (None, "scale"):
-            new = kmock_dicts.patch_dict(copy.deepcopy(kept), request.data)
-            if new.get("spec") != old.get("spec"):
-                meta["generation"] = old.get("metadata", {}).get("generation", 1) + 1
-
-    def _record_owners(self, request: kmock.Request, key: tuple) -> dict:
-        """Field ownership of a write of ``spec`` (or ``/scale``); the stored object, less what the write dropped."""
-        old = copy.deepcopy(self.objects[key].raw)
-        spec = request.data.get("spec")
-        if request.subresource not in (None, "scale") or not isinstance(spec, dict):
-            return old
-        applied = request.subresource is None and self._content_type(request).startswith(APPLY_PATCH)
-        manager = request.url.query.get("fieldManager") or ("kubectl" if applied else "kubectl-edit")
-        keys = self.schemas.list_keys(old.get("apiVersion", ""), old.get("kind", ""))
-        entries, removed = field_ownership.record_write(old, spec, manager, applied, old.get("apiVersion", ""), keys)
-        new = field_ownership.without(old, removed)
-        new.setdefault("metadata", {})["managedFields"] = entries
-        self.objects[key] = new
-        if applied:  # keyed lists merge with the items other managers own
-            request.data["spec"] = field_ownership.merge_applied(new.get("spec") or {}, spec, keys)
-        return new
-
-    async def _create_by_apply(self, key: tuple, data: dict, manager: str) -> None:
-        self._stamp_new(data)
-        if isinstance(data.get("spec"), dict):
-            api_version = data.get("apiVersion", "")
-            keys = self.schemas.list_keys(api_version, data.get("kind", ""))
-            entries, _ = field_ownership.record_write(None, data["spec"], manager, True, api_version, keys)
-            data["metadata"]["managedFields"] = entries
-        async with self._lock:
-            self.objects[key] = copy.deepcopy(data)
-            await self._buses[key[0]].put({"type": "ADDED", "object": self.objects[key].raw})
 
 
 class EmulatedCluster:
@@ -443,6 +203,11 @@ class EmulatedCluster:
             "contexts": [{"name": "emulator", "context": {"cluster": "emulator", "user": "operator"}}],
         }
 
+    def warnings(self) -> list[str]:
+        """The warnings the operator's requests were answered (unknown fields dropped), as "METHOD PATH: warning"."""
+        assert self.api is not None
+        return list(self.api.warned)
+
     def denials(self) -> list[str]:
         """The operator's requests the policy refused (403), as "METHOD PATH: message"."""
         assert self.api is not None
@@ -467,106 +232,3 @@ class EmulatedCluster:
             plural = f"{resource.plural}/{request.subresource}" if request.subresource else resource.plural
             calls.add((resource.group, plural, RBAC_VERBS[request.action.value.lower()]))
         return calls
-
-
-# kmock's action names -> the RBAC verbs they need.
-RBAC_VERBS = {
-    "list": "list",
-    "watch": "watch",
-    "fetch": "get",
-    "create": "create",
-    "update": "patch",
-    "delete": "delete",
-}
-
-
-CLIENT_AGENT = "pagedllm-tests"
-
-
-class Client:
-    """Synchronous HTTP calls from the tests to the emulated API."""
-
-    def __init__(self, url: str, token: str | None = None):
-        self.url, self.token = url, token
-
-    def request(
-        self,
-        method: str,
-        path: str,
-        body: Any = None,
-        content_type: str = "application/merge-patch+json",
-        headers: dict[str, str] | None = None,
-    ) -> tuple[int, Any]:
-        data = json.dumps(body).encode() if body is not None else None
-        req = urllib.request.Request(
-            self.url + path,
-            data=data,
-            method=method,
-            headers={"Content-Type": content_type, "User-Agent": CLIENT_AGENT}
-            | ({"Authorization": f"Bearer {self.token}"} if self.token else {})
-            | (headers or {}),
-        )
-        try:
-            with urllib.request.urlopen(req, timeout=10) as response:
-                return response.status, json.loads(response.read() or b"null")
-        except urllib.error.HTTPError as exc:
-            return exc.code, json.loads(exc.read() or b"null")
-
-    def path(self, kind: str, namespace: str, name: str | None = None, sub: str | None = None) -> str:
-        prefix, plural = {**RESOURCES, **_STEM}[kind]
-        path = f"{prefix}/namespaces/{namespace}/{plural}"
-        if name is None:
-            return path
-        return f"{path}/{name}/{sub}" if sub else f"{path}/{name}"
-
-    def create(self, obj: dict, *, unchecked: bool = False) -> dict:
-        """Create ``obj``; ``unchecked``: as an older schema admitted it (the emulator does not validate it)."""
-        meta = obj["metadata"]
-        headers = {UNCHECKED_HEADER: "1"} if unchecked else {}
-        path = self.path(obj["kind"], meta["namespace"])
-        status, body = self.request("POST", path, obj, "application/json", headers)
-        assert status in (200, 201), (status, body)
-        return body
-
-    def get(self, kind: str, namespace: str, name: str) -> dict | None:
-        status, body = self.request("GET", self.path(kind, namespace, name))
-        if status == 404:
-            return None
-        assert status == 200, (status, body)
-        return body
-
-    def patch(self, kind: str, namespace: str, name: str, body: dict, sub: str | None = None) -> dict:
-        status, result = self.request("PATCH", self.path(kind, namespace, name, sub), body)
-        assert status == 200, (status, result)
-        return result
-
-    def delete(self, kind: str, namespace: str, name: str) -> None:
-        status, result = self.request("DELETE", self.path(kind, namespace, name))
-        assert status == 200, (status, result)
-
-    def list(self, kind: str, namespace: str) -> list[dict]:
-        status, body = self.request("GET", self.path(kind, namespace))
-        assert status == 200, (status, body)
-        return body["items"]
-
-
-def wait_for(
-    probe: Callable[[], Any],
-    *,
-    timeout: float = 15,
-    what: str = "condition",
-    on_timeout: Callable[[], str] = lambda: "",
-) -> Any:
-    """Poll ``probe`` until it returns something truthy; fail after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    delay = 0.02
-    while True:
-        value = probe()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(
-                f"timed out after {timeout}s waiting for {what}; last value: {value!r}\n{on_timeout()}"
-            )
-        time.sleep(delay)
-        delay = min(delay * 2, 0.2)

@@ -3,6 +3,7 @@ and the NAME-http Service in front of the model's own, rendered only with minRep
 
 from __future__ import annotations
 
+import copy
 import functools
 import gzip
 from pathlib import Path
@@ -10,6 +11,7 @@ from pathlib import Path
 import jsonschema
 import pytest
 import yaml
+from api_schemas import ApiSchemas, SchemaError
 from crd_jsonschema import to_jsonschema
 from resource_factories import body
 
@@ -86,3 +88,12 @@ def test_a_bad_interceptor_address_is_refused(value):
         parse_interceptor(value)
     with pytest.raises(ValueError):
         RenderConfig(default_image="img", http_interceptor=value)
+
+
+def test_the_add_ons_cel_rule_holds_for_the_rendering_as_the_emulated_api_server_checks_it():
+    scaled = render(body(autoscaling=FROM_ZERO), KEDA_HTTP).fleet.autoscaler
+    ApiSchemas().admit(scaled)  # the vendored CRD's schema, defaults and x-kubernetes-validations
+    both = copy.deepcopy(scaled)
+    both["spec"]["scaleTargetRef"]["portName"] = "http"
+    with pytest.raises(SchemaError, match=r"spec.scaleTargetRef: .*must define either the 'portName' or the 'port'"):
+        ApiSchemas().admit(both)

@@ -23,7 +23,9 @@ def test_autoscaling_applies_an_hpa_and_leaves_replicas_to_it(scenario):
     budget = scenario.wait(lambda: scenario.get("PodDisruptionBudget"), "the PodDisruptionBudget")
     assert budget["spec"]["maxUnavailable"] == 1
     dep = scenario.wait_deployment()
-    assert "replicas" not in dep["spec"]  # the emulator, unlike an API server, does not default it
+    assert dep["spec"]["replicas"] == 1  # the API server's default: the operator does not set it
+    applied = [e for e in dep["metadata"]["managedFields"] if e["manager"] == "pagedllm-operator"]
+    assert applied and all("f:replicas" not in e["fieldsV1"]["f:spec"] for e in applied)
 
     # The autoscaler picks 3: the operator neither sets it back nor fights it, and reports it.
     scenario.api.patch("Deployment", scenario.ns, "llama", {"spec": {"replicas": 3}})
