@@ -209,6 +209,20 @@ def test_every_rounding_tie_matches_the_reference(qdtype):
             assert torch.equal(_bytes(g_), _bytes(w)), f"scale={scale}"
 
 
+def test_launcher_rejects_what_an_8bit_cache_cannot_hold():
+    key, slots = torch.randn(3, 2, 64), torch.zeros(3, dtype=torch.int64)
+    cache = torch.zeros(4, 8, 2, row_width(torch.int8, 64), dtype=torch.int8)
+    narrow = torch.zeros(4, 8, 2, 64, dtype=torch.int8)  # an int8 row is head_dim + 2 wide: this holds 62
+    with pytest.raises(ValueError, match=r"the cache holds \(num_kv_heads, head_dim\) = \(2, 62\)"):
+        reshape_and_cache(key, key, narrow, narrow.clone(), slots)
+    with pytest.raises(ValueError, match=r"the cache holds .* = \(2, 64\)"):
+        reshape_and_cache(torch.randn(3, 2, 66), torch.randn(3, 2, 66), cache, cache, slots)
+    with pytest.raises(TypeError, match="quantizes one of"):
+        reshape_and_cache(key.double(), key.double(), cache, cache, slots)
+    with pytest.raises(TypeError, match="pairs"):
+        reshape_and_cache(key, key.half(), cache, cache, slots)
+
+
 @pytest.mark.parametrize("qdtype", QDTYPES)
 @pytest.mark.parametrize("in_dtype", [torch.float16, torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("heads,head_dim,block_size", [(8, 128, 16), (2, 80, 128), (32, 64, 256)])
