@@ -24,8 +24,10 @@ instead of a float32's four keep the 64-wide heads of small models at 66 bytes a
 rounding (2^-11) is well under int8's own. The scale is rounded up before use, so ``|q|``
 never exceeds 127.
 
-Quantization happens once, when a token's K/V is written; attention kernels read the
-8-bit values and widen them as they go, so a step reads half the bytes of a 16-bit cache.
+Quantization happens once, when a token's K/V is written (one pass: kv_write_cpu.py on the
+CPU, reshape_and_cache.py's Triton kernel on CUDA, both bit for bit :func:`quantize` run on the
+CPU); attention kernels read the 8-bit values and widen them as they go, so a step reads
+half the bytes of a 16-bit cache.
 On the CPU every format widens exactly in a few instructions (kernels/_cpu_widen.py), and
 int8's row scale costs one multiply per row: ``python -m benchmarks.cpu_attention --threads 1
 --batch 64 --block-sizes 64 --dtype bfloat16 --variants kernel --layers 8 --kv-cache-dtype X``

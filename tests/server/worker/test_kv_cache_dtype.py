@@ -82,6 +82,21 @@ def test_preemption_keeps_outputs_close(tiny_llama, prompts, backend, kv_cache_d
     assert_all_blocks_free(llm)
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="a CPU prefill chunk attends over its own K/V unquantized (for accuracy), decode over the "
+    "cache's: a sequence recomputed after preemption prefills its generated tokens, which then see "
+    "other K/V than when they were decoded (e4m3 differs here at the third token)",
+)
+def test_recompute_preemption_gives_the_tokens_of_a_roomy_e4m3_cache(tiny_llama, prompts):
+    args = dict(kv_cache_dtype="fp8", attention_backend="numba")
+    _, roomy = generate(tiny_llama, prompts, num_gpu_blocks_override=512, **args)
+    llm, tight = generate(tiny_llama, prompts, num_gpu_blocks_override=16, preemption_mode="recompute", **args)
+    assert llm.llm_engine.stats().num_preemptions > 0
+    assert_all_blocks_free(llm)
+    assert [o.outputs[0].token_ids for o in tight] == [o.outputs[0].token_ids for o in roomy]
+
+
 @pytest.mark.parametrize("kv_cache_dtype", ["fp8", "int8"])
 def test_swapped_beams_come_back_bit_for_bit(tiny_llama, prompts, kv_cache_dtype):
     """A swap moves an 8-bit block (values and int8 scales) out and back unchanged: the beams

@@ -21,6 +21,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from pagedllm.kernels.kv_quant import quantize
 from pagedllm.server.worker.attention import AttentionMetadata, select_attention_ops
 from pagedllm.server.worker.models import decoder, rope
 from pagedllm.server.worker.models.decoder import DecoderForCausalLM
@@ -36,6 +37,7 @@ EXPECTED_TRITON = {  # launches of each Triton kernel in one layer; attention sp
     "act_and_mul_kernel": 1,
 }
 BLOCK_SIZE = 16
+KV_DTYPES = [None, torch.int8, torch.float8_e4m3fn, torch.float8_e5m2]  # None: the model's dtype
 aten = torch.ops.aten
 # NOTE: ops that only make a tensor's header (or leave its memory unwritten): no kernel on a GPU
 NO_KERNEL = {aten.empty.memory_format, aten.empty_like.default, aten.empty_strided.default, aten.t.default,
@@ -109,24 +111,27 @@ def _decode_step(batch: int, device: str = "cpu") -> tuple[AttentionMetadata, to
     return meta, (lens - 1).long().to(device)
 
 
-def _layer_inputs(model: DecoderForCausalLM, batch: int, device: str = "cpu", dtype: torch.dtype = torch.float32):
+def _layer_inputs(model, batch: int, device: str = "cpu", dtype=torch.float32, kv_dtype: torch.dtype | None = None):
     meta, positions = _decode_step(batch, device)
     _, kv_heads, head_dim = model.kv_shape
     blocks = int(meta.decode_block_tables.numel())
-    cache = tuple(torch.randn(blocks, BLOCK_SIZE, kv_heads, head_dim, device=device, dtype=dtype) for _ in range(2))
+    shape = (blocks, BLOCK_SIZE, kv_heads, head_dim)
+    cache = tuple(quantize(torch.randn(shape, device=device, dtype=dtype), kv_dtype or dtype) for _ in range(2))
     x = torch.randn(batch, 64, device=device, dtype=dtype)
     residual = torch.randn(batch, 64, device=device, dtype=dtype)
     return x, residual, positions, cache, meta
 
 
 @pytest.mark.parametrize("batch", [1, 5])
-def test_an_eager_cuda_decoder_layer_launches_at_most_12_kernels(batch, monkeypatch):
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+def test_an_eager_cuda_decoder_layer_launches_at_most_12_kernels(batch, kv_dtype, monkeypatch):
+    # NOTE: an 8-bit cache adds nothing: the KV write quantizes inside its one launch
     for module in (decoder, rope):
         monkeypatch.setattr(module, "runs_on_triton", lambda t: True)
     model = _llama()
     ops = select_attention_ops("triton", torch.device("cpu"))
     layer = model.model.layers[1]  # NOTE: not the first: it adds the previous layer's output to the stream
-    x, residual, positions, cache, meta = _layer_inputs(model, batch)
+    x, residual, positions, cache, meta = _layer_inputs(model, batch, kv_dtype=kv_dtype)
     counter = LaunchCounter()
     with torch.inference_mode():
         layer(x.clone(), residual.clone(), positions, cache, meta, ops)  # NOTE: steady state: buffers kept exist
@@ -143,13 +148,14 @@ def test_an_eager_cuda_decoder_layer_launches_at_most_12_kernels(batch, monkeypa
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("batch", [1, 5])
-def test_an_eager_cuda_decoder_layer_launches_at_most_12_kernels_on_a_gpu(batch):
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+def test_an_eager_cuda_decoder_layer_launches_at_most_12_kernels_on_a_gpu(batch, kv_dtype):
     from torch.profiler import ProfilerActivity, profile
 
     model = _llama("cuda").half()  # NOTE: serving's 16-bit GEMMs, not float32's (cuBLAS may split those)
     ops = select_attention_ops("triton", torch.device("cuda"))
     layer = model.model.layers[1]
-    inputs = _layer_inputs(model, batch, "cuda", torch.float16)
+    inputs = _layer_inputs(model, batch, "cuda", torch.float16, kv_dtype)
     with torch.inference_mode():
         layer(inputs[0].clone(), inputs[1].clone(), *inputs[2:], ops)  # compiles, allocates what is kept
         torch.cuda.synchronize()
