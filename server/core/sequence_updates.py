@@ -111,15 +111,16 @@ class SequenceUpdater:
                     seq.spec_token_ids = tokens
 
     # -- after the step -----------------------------------------------------------------
-    def mark_computed(self, out: ScheduledStep) -> None:
-        """Advance every scheduled sequence by its chunk and cache its completed blocks."""
+    def mark_computed(self, out: ScheduledStep, advanced: bool = False) -> None:
+        """Advance every scheduled sequence by its chunk (unless ``advanced``: done) and cache its full blocks."""
         for item in out.scheduled:
             for seq in item.group.seqs:
                 chunk = item.chunks.get(seq.seq_id)
                 if chunk:
                     # NOTE: a chunk with proposals computes one real token; the accepted proposals
                     # are counted when the step's verdicts are applied (SeqUpdate.num_accepted).
-                    seq.num_computed_tokens += min(chunk, len(seq.token_ids) - seq.num_computed_tokens)
+                    if not advanced:
+                        seq.num_computed_tokens += min(chunk, len(seq.token_ids) - seq.num_computed_tokens)
                     self.block_manager.mark_computed(seq)
 
     def apply(self, groups: dict[str, SequenceGroup], updates: StepUpdates, failed: dict[str, str]) -> None:

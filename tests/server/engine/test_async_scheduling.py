@@ -1,0 +1,176 @@
+"""Asynchronous scheduling gives the tokens of steps run in turn, and leaves no block behind.
+
+Each test runs the same requests through an engine with ``async_scheduling`` off and one with
+it on (the tiny random LLaMA on the CPU, where the step runs on the executor's thread) and
+compares every request's tokens, text and finish reason; then every block must be free.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+from engine_factories import make_prompts
+
+from pagedllm.server import SamplingParams
+from pagedllm.server.args import add_engine_args, engine_config_from_args
+from pagedllm.server.config import ConfigError, EngineConfig
+from pagedllm.server.engine.llm_engine import LLMEngine
+from tests.support import assert_all_blocks_free
+
+PROMPTS = make_prompts(10, min_len=3, max_len=40, seed=11)
+
+
+def engine(model: str, **kwargs) -> LLMEngine:
+    return LLMEngine(EngineConfig.from_kwargs(model=model, device="cpu", block_size=8, **kwargs))
+
+
+def run(e: LLMEngine, requests: dict[str, tuple[list[int], SamplingParams]]) -> dict[str, tuple]:
+    """Run ``requests`` (id -> prompt, params) to the end; id -> (token ids per sequence, texts, finish reasons)."""
+    for request_id, (prompt, params) in requests.items():
+        e.add_request(request_id, {"prompt_token_ids": prompt}, params)
+    done = {}
+    while e.has_unfinished_requests():
+        for output in e.step():
+            assert output.request_id not in done, "no output after a request finished"
+            if output.finished:
+                done[output.request_id] = _summary(output)
+    assert_all_blocks_free(e)
+    return done
+
+
+def _summary(output) -> tuple:
+    return tuple((tuple(c.token_ids), c.text, c.finish_reason) for c in output.outputs)
+
+
+def both(model: str, requests: dict, **kwargs) -> tuple[dict, dict, LLMEngine]:
+    """The outputs with async scheduling off and on, and the engine that ran with it on."""
+    off = run(engine(model, **kwargs), requests)
+    e = engine(model, async_scheduling=True, **kwargs)
+    on = run(e, requests)
+    assert set(on) == set(off) == set(requests)
+    return off, on, e
+
+
+def greedy(max_tokens: int, **kwargs) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kwargs)
+
+
+def test_greedy_tokens_are_those_of_steps_in_turn(tiny_llama):
+    requests = {f"r{i}": (p, greedy(3 + 5 * i)) for i, p in enumerate(PROMPTS)}
+    off, on, e = both(tiny_llama, requests, max_num_seqs=4)
+    assert on == off
+    assert e.pipeline is not None and e.pipeline.num_ahead > 10  # most steps were scheduled ahead
+    for i in range(len(PROMPTS)):
+        assert len(on[f"r{i}"][0][0]) == 3 + 5 * i
+
+
+def test_seeded_random_tokens_are_those_of_steps_in_turn(tiny_llama):
+    def params(i: int) -> SamplingParams:
+        return SamplingParams(temperature=0.9, top_p=0.9, top_k=50, seed=100 + i, max_tokens=12, ignore_eos=True)
+
+    requests = {f"r{i}": (p, params(i)) for i, p in enumerate(PROMPTS)}
+    off, on, e = both(tiny_llama, requests, max_num_seqs=4)
+    assert on == off and e.pipeline.num_ahead > 0
+
+
+def test_stop_tokens_and_stop_strings_end_the_request_with_nothing_after(tiny_llama):
+    plain = run(engine(tiny_llama), {"probe": (PROMPTS[0], greedy(20))})
+    tokens = plain["probe"][0][0]
+    text = plain["probe"][0][1]
+    requests = {
+        "stop-token": (PROMPTS[0], greedy(20, stop_token_ids=[tokens[6]])),
+        "stop-string": (PROMPTS[0], greedy(20, stop=[text[5:8]])),
+        "eos": (PROMPTS[1], SamplingParams(temperature=0.0, max_tokens=30)),
+        "other": (PROMPTS[2], greedy(25)),
+    }
+    off, on, _ = both(tiny_llama, requests)
+    assert on == off
+    assert on["stop-token"][0][2] == on["stop-string"][0][2] == "stop"
+    assert len(on["stop-token"][0][0]) <= 7 and len(on["other"][0][0]) == 25
+
+
+def test_abort_mid_generation_leaves_no_output_and_no_block(tiny_llama):
+    outputs = {}
+    for async_scheduling in (False, True):
+        e = engine(tiny_llama, async_scheduling=async_scheduling)
+        for i, prompt in enumerate(PROMPTS[:4]):
+            e.add_request(f"r{i}", {"prompt_token_ids": prompt}, greedy(30))
+        seen = {}
+        for _ in range(6):
+            for output in e.step():
+                seen[output.request_id] = output
+        e.abort_request(["r1", "r2"])
+        done = {}
+        while e.has_unfinished_requests():
+            for output in e.step():
+                assert output.request_id not in ("r1", "r2"), "an aborted request got an output"
+                if output.finished:
+                    done[output.request_id] = _summary(output)
+        assert set(done) == {"r0", "r3"}
+        assert_all_blocks_free(e)
+        outputs[async_scheduling] = done
+    assert outputs[True] == outputs[False]
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preemption_under_a_tiny_cache(tiny_llama, mode):
+    requests = {f"r{i}": (p, greedy(24)) for i, p in enumerate(PROMPTS[:6])}
+    off, on, e = both(tiny_llama, requests, num_gpu_blocks_override=14, preemption_mode=mode, swap_space=1)
+    assert on == off
+    assert e.scheduler.num_preemptions > 0  # preemptions happen in the steps scheduled in turn
+
+
+def test_prefix_caching_hits_and_tokens(tiny_llama):
+    shared = make_prompts(1, min_len=33, max_len=33, seed=5)[0]
+    requests = {f"r{i}": (shared + p[:5], greedy(10)) for i, p in enumerate(PROMPTS[:6])}
+    off, on, e = both(tiny_llama, requests, enable_prefix_caching=True, max_num_seqs=2)
+    assert on == off
+    assert e.block_manager.prefix_cache_hits > 0
+
+
+def test_parallel_samples_and_beams_run_in_turn(tiny_llama):
+    requests = {
+        "n2": (PROMPTS[0], SamplingParams(n=2, temperature=0.8, seed=3, max_tokens=9, ignore_eos=True)),
+        "best": (PROMPTS[1], SamplingParams(n=1, best_of=3, temperature=0.8, seed=4, max_tokens=7, ignore_eos=True)),
+        "beam": (PROMPTS[2], SamplingParams(n=2, use_beam_search=True, temperature=0.0, max_tokens=6, ignore_eos=True)),
+    }
+    off, on, e = both(tiny_llama, requests)
+    assert on == off
+    assert e.pipeline.num_ahead == 0  # none of these can be followed ahead
+
+
+def test_mixed_requests_fall_back_only_where_needed(tiny_llama):
+    requests = {
+        "plain": (PROMPTS[0], greedy(16)),
+        "penalty": (PROMPTS[1], greedy(16, repetition_penalty=1.3, presence_penalty=0.5)),
+        "min-tokens": (PROMPTS[2], SamplingParams(temperature=0.0, max_tokens=12, min_tokens=8)),
+        "logprobs": (PROMPTS[3], greedy(10, logprobs=2, prompt_logprobs=1)),
+        "bias": (PROMPTS[4], greedy(10, logit_bias={5: 3.0})),
+    }
+    off, on, _ = both(tiny_llama, requests, max_num_seqs=8)
+    assert on == off
+    only_plain = {"plain": requests["plain"], "bias": requests["bias"]}
+    off, on, e = both(tiny_llama, only_plain)
+    assert on == off and e.pipeline.num_ahead > 0
+
+
+def test_speculative_decoding_turns_it_off(tiny_llama):
+    spec = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}'
+    requests = {f"r{i}": (p, greedy(12)) for i, p in enumerate(PROMPTS[:3])}
+    off, on, e = both(tiny_llama, requests, speculative_config=spec)
+    assert on == off and e.pipeline is None
+
+
+def test_the_flag_parses_and_defaults_off():
+    parser = add_engine_args(argparse.ArgumentParser())
+    assert parser.parse_args([]).async_scheduling is False
+    assert engine_config_from_args(parser.parse_args(["--async-scheduling"])).scheduler.async_scheduling
+    assert not engine_config_from_args(parser.parse_args(["--no-async-scheduling"])).scheduler.async_scheduling
+    assert EngineConfig.from_kwargs(async_scheduling=True).scheduler.async_scheduling
+
+
+def test_more_than_one_rank_is_refused():
+    with pytest.raises(ValueError, match="tensor_parallel_size > 1") as info:
+        EngineConfig.from_kwargs(async_scheduling=True, tensor_parallel_size=2)
+    assert isinstance(info.value, ConfigError) and info.value.field == "async_scheduling"
