@@ -67,40 +67,22 @@ def surely_ends(group: SequenceGroup, seq: Sequence, max_model_len: int) -> bool
     return (max_tokens is not None and len(seq.output_token_ids) + 1 >= max_tokens) or len(seq) + 1 >= max_model_len
 
 
-def advance(step: ScheduledStep) -> None:
-    """Count every chunk of ``step`` (in flight) as computed, as processing it would.
-
-    NOTE: only the count: the blocks it completes are cached when the step is processed
-    (``Scheduler.update_from_output(..., advanced=True)``), once their K/V is written.
-    """
-    for item in step.scheduled:
-        if item.group.is_finished():
-            continue
-        for seq in item.group.seqs:
-            chunk = item.chunks.get(seq.seq_id)
-            if chunk:
-                seq.num_computed_tokens += min(chunk, len(seq.token_ids) - seq.num_computed_tokens)
-
-
 def schedule_ahead(
     scheduler: Scheduler, samplers: list[tuple[SequenceGroup, Sequence]], max_model_len: int
 ) -> tuple[ScheduledStep | None, list[Sequence]]:
-    """The next step, planned with a placeholder for each token of ``samplers`` (the sequences
-    that sample in the step in flight, already :func:`advance`-d), and the sequences given one.
+    """The next step, planned with a placeholder for each token of ``samplers`` (the sequences that
+    sample in the step in flight, already counted computed by ``SequenceUpdater.advance``), and
+    the sequences given one.
 
     None (and no placeholders left) when the cache might not hold every running sequence's
     next tokens: the engine processes the step in flight first, then schedules as usual.
     """
-    held = []
-    for group, seq in samplers:
-        if not group.is_finished() and not surely_ends(group, seq, max_model_len):
-            seq.append_placeholder(PLACEHOLDER_TOKEN_ID)
-            held.append(seq)
+    held = [seq for group, seq in samplers if not group.is_finished() and not surely_ends(group, seq, max_model_len)]
+    scheduler.updater.add_placeholders(held, PLACEHOLDER_TOKEN_ID)
     bm = scheduler.block_manager
     running = [seq for group in scheduler.running for seq in group.running_seqs()]
     if bm.blocks_to_append(running) > bm.num_available:
-        for seq in held:
-            seq.drop_placeholder()
+        scheduler.updater.drop_placeholders(held)
         return None, []
     out = scheduler.schedule()
     assert not out.preempted, "lookahead checked there is room for every running sequence"

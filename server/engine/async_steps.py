@@ -34,7 +34,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from pagedllm.server.core.lookahead import advance, can_follow, schedule_ahead
+from pagedllm.server.core.lookahead import can_follow, schedule_ahead
 from pagedllm.server.core.scheduler import ScheduledStep
 from pagedllm.server.core.sequence import Sequence
 from pagedllm.server.engine.faults import EngineFatalError
@@ -93,7 +93,7 @@ class AsyncSteps:
         out = None
         if prev is not None and prev.future is not None and can_follow(prev.out):
             samplers = [(row.group, row.seq) for row in prev.inputs.sample_rows] if prev.inputs else []
-            advance(prev.out)
+            engine.scheduler.updater.advance(prev.out)
             prev.advanced = True
             out, prev.placeholders = schedule_ahead(engine.scheduler, samplers, engine.max_model_len)
             self.num_ahead += out is not None
@@ -139,8 +139,7 @@ class AsyncSteps:
     def _finish(self, engine: LLMEngine, rec: InFlight, successor: InFlight | None = None) -> list[EngineOutput]:
         """Wait for ``rec``'s outputs and process them as a step run in turn would (its requests
         that finished meanwhile left out); a failure also fails ``successor``."""
-        for seq in rec.placeholders:
-            seq.drop_placeholder()
+        engine.scheduler.updater.drop_placeholders(rec.placeholders)
         out = _alive(rec.out)
         touched = {id(g): g for g in out.ignored}
         touched.update((id(item.group), item.group) for item in out.scheduled)
