@@ -59,7 +59,8 @@ class InFlight:
     future: Future[StepOutputs] | None = None
     """Its outputs (None: nothing was launched: an empty step, or its inputs failed)."""
     error: Exception | None = None
-    """Why it failed before or around its launch (its inputs, or the step before it)."""
+    """Why it failed: its inputs could not be built (then nothing was launched), or the step before
+    it failed (then it ran on what that step left, and fails without counting as a failure of its own)."""
     failed: dict[str, str] = field(default_factory=dict)
     """Requests whose sampling rows could not be described."""
     advanced: bool = False
@@ -91,7 +92,7 @@ class AsyncSteps:
         outputs, self._ready = self._ready, []
         prev, self.in_flight = self.in_flight, None
         out = None
-        if prev is not None and prev.future is not None and can_follow(prev.out):
+        if prev is not None and prev.future is not None and prev.error is None and can_follow(prev.out):
             samplers = [(row.group, row.seq) for row in prev.inputs.sample_rows] if prev.inputs else []
             engine.scheduler.updater.advance(prev.out)
             prev.advanced = True
@@ -154,8 +155,9 @@ class AsyncSteps:
             except WorkerDiedError as exc:
                 raise EngineFatalError(str(exc)) from exc
             except Exception as exc:
-                step_failed(engine, out, exc, failed, touched)
-                if successor is not None and successor.error is None:
+                poisoned = rec.future is not None and rec.error is not None
+                step_failed(engine, out, exc, failed, touched, record=not poisoned)
+                if successor is not None and successor.future is not None and successor.error is None:
                     successor.error = RuntimeError(f"the step before it failed: {exc!r}")
             else:
                 assert rec.inputs is not None and outputs is not None

@@ -18,9 +18,17 @@ logger = logging.getLogger("pagedllm.engine")
 
 
 def step_failed(
-    engine: LLMEngine, out: ScheduledStep, error: Exception, failed: dict[str, str], touched: dict[int, SequenceGroup]
+    engine: LLMEngine,
+    out: ScheduledStep,
+    error: Exception,
+    failed: dict[str, str],
+    touched: dict[int, SequenceGroup],
+    record: bool = True,
 ) -> None:
-    """A model step that raised: every request in it fails (in ``failed``), the workers are reset."""
+    """A model step that raised: every request in it fails (in ``failed``), the workers are reset.
+
+    ``record``: count it towards the failures that make the engine give up (a step that failed only
+    because the one before it did is not counted)."""
     logger.error("model step %d failed: %r", engine._num_steps, error, exc_info=error)
     engine.scheduler.worker_view.forget_all()  # NOTE: what the workers applied of the step is unknown
     for item in out.scheduled:
@@ -30,7 +38,8 @@ def step_failed(
         if any(seq.status == SequenceStatus.SWAPPED for seq in group.seqs):
             failed[group.request_id] = f"the model step that swapped it out failed: {error!r}"
             touched[id(group)] = group
-    engine.step_failures.record(error)
+    if record:
+        engine.step_failures.record(error)
 
 
 def collect_outputs(engine: LLMEngine, touched: dict[int, SequenceGroup], failed: dict[str, str]) -> list[EngineOutput]:

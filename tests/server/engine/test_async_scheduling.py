@@ -11,6 +11,7 @@ import argparse
 
 import pytest
 from engine_factories import make_prompts
+from fault_doubles import FAULTS_ENV, WORKER
 
 from pagedllm.server import SamplingParams
 from pagedllm.server.args import add_engine_args, engine_config_from_args
@@ -119,6 +120,7 @@ def test_preemption_under_a_tiny_cache(tiny_llama, mode):
     off, on, e = both(tiny_llama, requests, num_gpu_blocks_override=14, preemption_mode=mode, swap_space=1)
     assert on == off
     assert e.scheduler.num_preemptions > 0  # preemptions happen in the steps scheduled in turn
+    assert e.pipeline.num_ahead > 0
 
 
 def test_prefix_caching_hits_and_tokens(tiny_llama):
@@ -153,6 +155,30 @@ def test_mixed_requests_fall_back_only_where_needed(tiny_llama):
     only_plain = {"plain": requests["plain"], "bias": requests["bias"]}
     off, on, e = both(tiny_llama, only_plain)
     assert on == off and e.pipeline.num_ahead > 0
+
+
+@pytest.mark.parametrize("rules", ["step=4", "request=poison", "sampler=poison"])
+def test_a_fault_fails_its_requests_and_the_engine_goes_on(tiny_llama, monkeypatch, rules):
+    requests = {f"r{i}": (p, greedy(10)) for i, p in enumerate(PROMPTS[:6])}
+    reference = run(engine(tiny_llama), requests)
+    monkeypatch.setenv(FAULTS_ENV, rules)
+    e = engine(tiny_llama, async_scheduling=True, worker_cls=WORKER)
+    poisoned = dict(requests, **{"poison": (PROMPTS[7], greedy(10))})
+    for request_id, (prompt, params) in poisoned.items():
+        e.add_request(request_id, {"prompt_token_ids": prompt}, params)
+    done = {}
+    while e.has_unfinished_requests():
+        for output in e.step():
+            assert output.request_id not in done, "no output after a request finished"
+            if output.finished:
+                done[output.request_id] = output
+    assert set(done) == set(poisoned)
+    errors = {request_id for request_id, output in done.items() if output.error is not None}
+    assert errors == ({"poison"} if "poison" in rules else errors) and errors
+    for request_id in set(requests) - errors:
+        assert _summary(done[request_id]) == reference[request_id], request_id
+    assert_all_blocks_free(e)
+    assert run(e, {f"again-{k}": v for k, v in requests.items()}) == {f"again-{k}": v for k, v in reference.items()}
 
 
 def test_speculative_decoding_turns_it_off(tiny_llama):
