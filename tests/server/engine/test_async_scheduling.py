@@ -7,16 +7,15 @@ compares every request's tokens, text and finish reason; then every block must b
 
 from __future__ import annotations
 
-import argparse
-
 import pytest
 from engine_factories import make_prompts
 from fault_doubles import FAULTS_ENV, WORKER
 
-from pagedllm.server import SamplingParams
-from pagedllm.server.args import add_engine_args, engine_config_from_args
+from pagedllm.server import LLM, SamplingParams
+from pagedllm.server.args import engine_config_from_args
 from pagedllm.server.config import ConfigError, EngineConfig
 from pagedllm.server.engine.llm_engine import LLMEngine
+from pagedllm.server.entrypoints.cli import build_parser
 from tests.support import assert_all_blocks_free
 
 PROMPTS = make_prompts(10, min_len=3, max_len=40, seed=11)
@@ -189,11 +188,25 @@ def test_speculative_decoding_turns_it_off(tiny_llama):
 
 
 def test_the_flag_parses_and_defaults_off():
-    parser = add_engine_args(argparse.ArgumentParser())
-    assert parser.parse_args([]).async_scheduling is False
-    assert engine_config_from_args(parser.parse_args(["--async-scheduling"])).scheduler.async_scheduling
-    assert not engine_config_from_args(parser.parse_args(["--no-async-scheduling"])).scheduler.async_scheduling
+    def parsed(*flags: str) -> bool:
+        return engine_config_from_args(build_parser().parse_args(["serve", *flags])).scheduler.async_scheduling
+
+    assert parsed() is False
+    assert parsed("--async-scheduling") is True
+    assert parsed("--async-scheduling", "--no-async-scheduling") is False
     assert EngineConfig.from_kwargs(async_scheduling=True).scheduler.async_scheduling
+    assert EngineConfig.from_kwargs().scheduler.async_scheduling is False
+
+
+def test_llm_takes_the_keyword_and_generates_the_same(tiny_llama):
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS[:4]]
+    params = greedy(9)
+    off = LLM(model=tiny_llama, device="cpu").generate(prompts, params)
+    llm = LLM(model=tiny_llama, device="cpu", async_scheduling=True)
+    on = llm.generate(prompts, params)
+    assert [_summary(o) for o in on] == [_summary(o) for o in off]
+    assert llm.llm_engine.pipeline is not None
+    assert_all_blocks_free(llm)
 
 
 def test_more_than_one_rank_is_refused():
