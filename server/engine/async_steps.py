@@ -39,7 +39,7 @@ from pagedllm.server.core.scheduler import ScheduledStep
 from pagedllm.server.core.sequence import Sequence
 from pagedllm.server.engine.faults import EngineFatalError
 from pagedllm.server.engine.step_end import collect_outputs, step_failed
-from pagedllm.server.engine.step_inputs import StepInputs, StepResult
+from pagedllm.server.engine.step_inputs import PoolRow, SampleRow, SpecRow, StepInputs, StepResult
 from pagedllm.server.executor import WorkerDiedError
 from pagedllm.server.outputs import EngineOutput
 from pagedllm.server.worker.model_step import StepOutputs
@@ -185,7 +185,7 @@ def _alive_result(result: StepResult) -> StepResult:
     if len(keep) == len(rows):
         return result
     inputs = result.inputs
-    others = [*inputs.prompt_rows, *inputs.pool_rows, *inputs.spec_rows]
+    others: list[SampleRow | PoolRow | SpecRow] = [*inputs.prompt_rows, *inputs.pool_rows, *inputs.spec_rows]
     assert not any(row.group.is_finished() for row in others), "a request scheduled ahead only samples"
     kept_inputs = dataclasses.replace(inputs, sample_rows=[rows[i] for i in keep])
     sampled = result.sampled
