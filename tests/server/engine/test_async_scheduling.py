@@ -7,6 +7,8 @@ compares every request's tokens, text and finish reason; then every block must b
 
 from __future__ import annotations
 
+import random
+
 import pytest
 from engine_factories import make_prompts
 from fault_doubles import FAULTS_ENV, WORKER
@@ -154,6 +156,70 @@ def test_mixed_requests_fall_back_only_where_needed(tiny_llama):
     only_plain = {"plain": requests["plain"], "bias": requests["bias"]}
     off, on, e = both(tiny_llama, only_plain)
     assert on == off and e.pipeline.num_ahead > 0
+
+
+def _random_mix(seed: int) -> list[tuple[str, list[int], SamplingParams, int]]:
+    """(id, prompt, params, the step() call it arrives before): a seeded mix of what requests do."""
+    rng = random.Random(seed)
+    shared = make_prompts(1, min_len=20, max_len=20, seed=seed)[0]
+    mix = []
+    for i, prompt in enumerate(make_prompts(14, min_len=2, max_len=70, seed=seed + 1)):
+        prompt = shared + prompt[:10] if rng.random() < 0.4 else prompt
+        n = rng.randint(1, 30)
+        params = rng.choice(
+            [
+                SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True),
+                SamplingParams(temperature=1.0, top_k=20, seed=i, max_tokens=n, ignore_eos=True),
+                SamplingParams(temperature=0.7, seed=i, max_tokens=n, stop_token_ids=list(range(0, 256, 9))),
+                SamplingParams(n=2, temperature=0.8, seed=i, max_tokens=n, ignore_eos=True),
+                SamplingParams(temperature=0.0, max_tokens=n, repetition_penalty=1.2, ignore_eos=True),
+                SamplingParams(temperature=0.0, max_tokens=n, min_tokens=n // 2),
+                SamplingParams(temperature=0.0, max_tokens=n, stop=["a", "e"]),
+            ]
+        )
+        mix.append((f"r{i}", prompt, params, rng.randint(0, 12)))
+    return sorted(mix, key=lambda request: request[3])
+
+
+def _run_mix(e: LLMEngine, seed: int) -> dict[str, tuple]:
+    """Requests arriving over time and three aborts; the outputs of those not aborted."""
+    pending, done, added, aborted = _random_mix(seed), {}, set(), set()
+    rng = random.Random(seed + 99)
+    aborts = {rng.randint(1, 30): f"r{rng.randint(0, 13)}" for _ in range(3)}
+    calls = 0
+    while pending or e.has_unfinished_requests():
+        while pending and pending[0][3] <= calls:
+            request_id, prompt, params, _ = pending.pop(0)
+            e.add_request(request_id, {"prompt_token_ids": prompt}, params)
+            added.add(request_id)
+        calls += 1
+        if aborts.get(calls) in added:
+            e.abort_request(aborts[calls])
+            aborted.add(aborts[calls])
+        for output in e.step():
+            assert output.request_id not in done and output.request_id not in aborted
+            if output.finished:
+                done[output.request_id] = _summary(output)
+    assert_all_blocks_free(e)
+    return {request_id: out for request_id, out in done.items() if request_id not in aborts.values()}
+
+
+@pytest.mark.parametrize(("seed", "blocks", "mode"), [(1, 30, None), (3, 30, "recompute"), (7, 45, "swap")])
+def test_a_random_mix_arriving_over_time_with_aborts_and_a_small_cache(tiny_llama, seed, blocks, mode):
+    kwargs = dict(
+        block_size=4,
+        num_gpu_blocks_override=blocks,
+        preemption_mode=mode,
+        enable_prefix_caching=True,
+        max_model_len=80,
+        max_num_batched_tokens=48,
+        max_num_seqs=6,
+        swap_space=1,
+    )
+    off = _run_mix(LLMEngine(EngineConfig.from_kwargs(model=tiny_llama, device="cpu", **kwargs)), seed)
+    e = LLMEngine(EngineConfig.from_kwargs(model=tiny_llama, device="cpu", async_scheduling=True, **kwargs))
+    assert _run_mix(e, seed) == off
+    assert e.pipeline.num_ahead > 0
 
 
 @pytest.mark.parametrize("rules", ["step=4", "request=poison", "sampler=poison"])
