@@ -149,14 +149,12 @@ class AsyncSteps:
         updates = None
         if rec.future is not None or rec.error is not None:
             try:
-                outputs = rec.future.result() if rec.future is not None else None
-                if rec.error is not None:
-                    raise rec.error
+                outputs = _wait(rec)
             except WorkerDiedError as exc:
                 raise EngineFatalError(str(exc)) from exc
             except Exception as exc:
-                poisoned = rec.future is not None and rec.error is not None
-                step_failed(engine, out, exc, failed, touched, record=not poisoned)
+                followed_a_failure = rec.future is not None and rec.error is not None
+                step_failed(engine, out, exc, failed, touched, record=not followed_a_failure)
                 if successor is not None and successor.future is not None and successor.error is None:
                     successor.error = RuntimeError(f"the step before it failed: {exc!r}")
             else:
@@ -165,6 +163,18 @@ class AsyncSteps:
                 updates = engine.step_results.decide(result, failed)
         engine.scheduler.update_from_output(out, updates, failed, rec.advanced)
         return collect_outputs(engine, touched, failed)
+
+
+def _wait(rec: InFlight) -> StepOutputs | None:
+    """The step's outputs once it has run; its ``error`` if it has one (rather than what it raised)."""
+    try:
+        outputs = rec.future.result() if rec.future is not None else None
+    except Exception:
+        if rec.error is None:
+            raise
+    if rec.error is not None:
+        raise rec.error
+    return outputs
 
 
 def _alive(out: ScheduledStep) -> ScheduledStep:

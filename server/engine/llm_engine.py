@@ -8,6 +8,10 @@
              StepResults, BeamSearch, SpecDecoder, OutputProcessor decide (tokens, text, stop checks,
              forks) ─► Scheduler.update_from_output applies ─► [RequestOutput | EmbeddingRequestOutput]
 
+With ``async_scheduling`` the next step is scheduled and launched before the step in flight is
+processed (:mod:`pagedllm.server.engine.async_steps`); :meth:`LLMEngine.step` then returns the
+outputs of the step before the one it launched.
+
 The engine sends steps as ids, counts and diffs (no arrays, no torch); every worker keeps the
 batch and builds the arrays. The executor starts the workers, which load torch and the model
 (:mod:`pagedllm.server.executor`).
