@@ -84,7 +84,7 @@ def fill_placeholders(
 
 
 def _tensor(value: np.ndarray, device: torch.device, pinned: bool = False) -> torch.Tensor:
-    if pinned:
+    if pinned and value.size:
         # NOTE: a fresh page-locked copy per step: the caching host allocator keeps it until its
         # copy has run, so a step launched ahead never overwrites what the one before still reads.
         return torch.from_numpy(value).pin_memory().to(device, non_blocking=True)

@@ -10,7 +10,8 @@ from __future__ import annotations
 import random
 
 import pytest
-from engine_factories import make_prompts
+import torch
+from engine_factories import HFReference, assert_greedy_matches, make_prompts
 from fault_doubles import FAULTS_ENV, WORKER
 
 from pagedllm.server import LLM, SamplingParams
@@ -279,3 +280,17 @@ def test_more_than_one_rank_is_refused():
     with pytest.raises(ValueError, match="tensor_parallel_size > 1") as info:
         EngineConfig.from_kwargs(async_scheduling=True, tensor_parallel_size=2)
     assert isinstance(info.value, ConfigError) and info.value.field == "async_scheduling"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_greedy_tokens_match_transformers(tiny_llama):
+    """Pinned staging, non-blocking copies and placeholders filled on the device, against the oracle."""
+    e = LLMEngine(EngineConfig.from_kwargs(model=tiny_llama, device="cuda", dtype="float32", async_scheduling=True))
+    requests = {f"r{i}": (p, greedy(4 + 3 * i)) for i, p in enumerate(PROMPTS)}
+    done = run(e, requests)
+    assert e.pipeline.num_ahead > 0
+    ref = HFReference(tiny_llama)
+    for request_id, (prompt, params) in requests.items():
+        ours = list(done[request_id][0][0])
+        assert_greedy_matches(ref, prompt, ours, ref.greedy(prompt, params.max_tokens))
