@@ -7,6 +7,7 @@ compares every request's tokens, text and finish reason; then every block must b
 
 from __future__ import annotations
 
+import asyncio
 import random
 
 import pytest
@@ -17,6 +18,7 @@ from fault_doubles import FAULTS_ENV, WORKER
 from pagedllm.server import LLM, SamplingParams
 from pagedllm.server.args import engine_config_from_args
 from pagedllm.server.config import ConfigError, EngineConfig
+from pagedllm.server.engine.async_engine import AsyncLLMEngine
 from pagedllm.server.engine.llm_engine import LLMEngine
 from pagedllm.server.entrypoints.cli import build_parser
 from tests.support import assert_all_blocks_free
@@ -280,6 +282,44 @@ def test_more_than_one_rank_is_refused():
     with pytest.raises(ValueError, match="tensor_parallel_size > 1") as info:
         EngineConfig.from_kwargs(async_scheduling=True, tensor_parallel_size=2)
     assert isinstance(info.value, ConfigError) and info.value.field == "async_scheduling"
+
+
+def test_the_serving_engine_streams_the_same_and_closed_streams_abort(tiny_llama):
+    prompts = PROMPTS[:6]
+    expected = run(engine(tiny_llama), {f"r{i}": (p, greedy(12)) for i, p in enumerate(prompts)})
+
+    config = EngineConfig.from_kwargs(model=tiny_llama, device="cpu", block_size=8, async_scheduling=True)
+
+    async def main() -> tuple[dict, int]:
+        served = AsyncLLMEngine(config)
+        served.start()
+        await served.wait_until_ready(timeout=60)
+        try:
+
+            async def one(i: int):
+                last = None
+                stream = served.generate({"prompt_token_ids": prompts[i]}, greedy(12), f"r{i}")
+                async for output in stream:
+                    last = output
+                    if i % 3 == 1 and len(output.outputs[0].token_ids) >= 3:
+                        await stream.aclose()  # aborts the request
+                        return None
+                return last
+
+            finished = await asyncio.gather(*(one(i) for i in range(len(prompts))))
+            for _ in range(500):
+                if not await served.call(lambda e: e.has_unfinished_requests()):
+                    break
+                await asyncio.sleep(0.01)
+            await served.call(assert_all_blocks_free)
+            ahead = await served.call(lambda e: e.pipeline.num_ahead)
+            return {f"r{i}": _summary(o) for i, o in enumerate(finished) if o is not None}, ahead
+        finally:
+            await served.shutdown()
+
+    outputs, ahead = asyncio.run(asyncio.wait_for(main(), 120))
+    assert set(outputs) == {"r0", "r2", "r3", "r5"} and ahead > 0
+    assert outputs == {request_id: expected[request_id] for request_id in outputs}
 
 
 @pytest.mark.gpu
