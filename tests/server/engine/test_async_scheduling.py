@@ -21,6 +21,7 @@ from pagedllm.server.config import ConfigError, EngineConfig
 from pagedllm.server.engine.async_engine import AsyncLLMEngine
 from pagedllm.server.engine.llm_engine import LLMEngine
 from pagedllm.server.entrypoints.cli import build_parser
+from pagedllm.server.sampling_params import GuidedDecodingParams
 from tests.support import assert_all_blocks_free
 
 PROMPTS = make_prompts(10, min_len=3, max_len=40, seed=11)
@@ -135,8 +136,10 @@ def test_prefix_caching_hits_and_tokens(tiny_llama):
     assert e.block_manager.prefix_cache_hits > 0
 
 
-def test_parallel_samples_and_beams_run_in_turn(tiny_llama):
+def test_parallel_samples_beams_and_grammars_run_in_turn(tiny_llama):
+    choice = GuidedDecodingParams(regex="(yes|no|maybe) [a-z]{3,8}")
     requests = {
+        "grammar": (PROMPTS[3], SamplingParams(temperature=0.7, seed=5, max_tokens=12, guided_decoding=choice)),
         "n2": (PROMPTS[0], SamplingParams(n=2, temperature=0.8, seed=3, max_tokens=9, ignore_eos=True)),
         "best": (PROMPTS[1], SamplingParams(n=1, best_of=3, temperature=0.8, seed=4, max_tokens=7, ignore_eos=True)),
         "beam": (PROMPTS[2], SamplingParams(n=2, use_beam_search=True, temperature=0.0, max_tokens=6, ignore_eos=True)),
@@ -144,6 +147,7 @@ def test_parallel_samples_and_beams_run_in_turn(tiny_llama):
     off, on, e = both(tiny_llama, requests)
     assert on == off
     assert e.pipeline.num_ahead == 0  # none of these can be followed ahead
+    assert on["grammar"][0][1].split()[0] in ("yes", "no", "maybe")
 
 
 def test_mixed_requests_fall_back_only_where_needed(tiny_llama):
