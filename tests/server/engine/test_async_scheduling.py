@@ -14,8 +14,9 @@ import pytest
 import torch
 from engine_factories import HFReference, assert_greedy_matches, make_prompts
 from fault_doubles import FAULTS_ENV, WORKER
+from lora_factories import save_random_adapter
 
-from pagedllm.server import LLM, SamplingParams
+from pagedllm.server import LLM, LoRARequest, SamplingParams
 from pagedllm.server.args import engine_config_from_args
 from pagedllm.server.config import ConfigError, EngineConfig
 from pagedllm.server.engine.async_engine import AsyncLLMEngine
@@ -251,6 +252,34 @@ def test_a_fault_fails_its_requests_and_the_engine_goes_on(tiny_llama, monkeypat
         assert _summary(done[request_id]) == reference[request_id], request_id
     assert_all_blocks_free(e)
     assert run(e, {f"again-{k}": v for k, v in requests.items()}) == {f"again-{k}": v for k, v in reference.items()}
+
+
+def test_adapters_taking_turns_in_one_slot(tiny_llama, tmp_path):
+    """max_loras=1: an adapter's slot goes to the next one while a step scheduled ahead may still use it."""
+    adapters = [
+        LoRARequest(f"a{i}", i + 1, save_random_adapter(tiny_llama, str(tmp_path / f"a{i}"), seed=i)) for i in range(2)
+    ]
+    batch = [(p, adapters[i % 3] if i % 3 < 2 else None) for i, p in enumerate(PROMPTS[:6])]
+    outputs = {}
+    for async_scheduling in (False, True):
+        llm = LLM(
+            model=tiny_llama,
+            device="cpu",
+            block_size=8,
+            enable_lora=True,
+            max_loras=1,
+            async_scheduling=async_scheduling,
+        )
+        with llm:
+            results = llm.generate(
+                [{"prompt_token_ids": p} for p, _ in batch], greedy(8), lora_request=[a for _, a in batch]
+            )
+            assert_all_blocks_free(llm)
+            assert not async_scheduling or llm.llm_engine.pipeline.num_ahead > 0
+        outputs[async_scheduling] = [_summary(o) for o in results]
+    assert outputs[True] == outputs[False]
+    base = run(engine(tiny_llama), {f"r{i}": (p, greedy(8)) for i, (p, _) in enumerate(batch)})
+    assert sum(outputs[True][i] != base[f"r{i}"] for i, (_, a) in enumerate(batch) if a is not None) >= 3
 
 
 def test_speculative_decoding_turns_it_off(tiny_llama):
