@@ -26,6 +26,16 @@ class EngineConfig:
     parallel: ParallelConfig
     lora: LoRAConfig = field(default_factory=LoRAConfig)
 
+    def __post_init__(self) -> None:
+        if self.scheduler.async_scheduling and self.parallel.tensor_parallel_size > 1:
+            # NOTE: the other ranks would need the driver's sampled ids to fill in the scheduled-ahead tokens
+            raise ConfigError(
+                "async_scheduling",
+                True,
+                "off with tensor_parallel_size > 1 (only one rank is supported)",
+                problem="is not supported",
+            )
+
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
         """Route flat engine arguments (``block_size=16, ...``) to their sub-config."""

@@ -38,6 +38,14 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = field(
         default=True, metadata=field_help("Split long prompts over several iterations, batched with decodes.")
     )
+    async_scheduling: bool = field(
+        default=False,
+        metadata=field_help(
+            "Schedule and prepare the next step while the current one runs (decodes are scheduled one token"
+            " ahead, the worker fills in the token it sampled); steps that cannot run ahead run in turn."
+            " One rank only."
+        ),
+    )
     speculative_config: SpeculativeConfig | None = field(
         default=None,
         metadata=field_help(

@@ -330,15 +330,17 @@ class Scheduler:
         self.updater.set_proposals(self.running, proposals)
 
     def update_from_output(
-        self, out: ScheduledStep, updates: StepUpdates | None, failed: dict[str, str]
+        self, out: ScheduledStep, updates: StepUpdates | None, failed: dict[str, str], advanced: bool = False
     ) -> list[SequenceGroup]:
         """Apply a step: computed chunks, then ``updates`` (None: the model step did not run), then
         abort the requests in ``failed`` (apply failures join them); return the groups now done.
+        ``advanced``: the chunks were counted already, when the next step was scheduled ahead
+        (:mod:`~pagedllm.server.core.lookahead`); only their blocks are cached now.
 
         NOTE: the only place requests and sequences change after a step (see :mod:`sequence_updates`).
         """
         if updates is not None:
-            self.updater.mark_computed(out)
+            self.updater.mark_computed(out, advanced)
             self.updater.apply({item.group.request_id: item.group for item in out.scheduled}, updates, failed)
         if failed:
             self.abort(failed)

@@ -30,6 +30,11 @@ if TYPE_CHECKING:
 
 Pairs = tuple[tuple[int, int], ...]
 
+PLACEHOLDER_TOKEN_ID = -1
+"""A token the scheduler scheduled before it was known (``async_scheduling``): the one its sequence
+samples in the step before. It appears only as a sequence's last token; the worker fills it in
+from the ids it sampled in that step, on its device."""
+
 
 @dataclass(frozen=True, slots=True)
 class NewSeqData:

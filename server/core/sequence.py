@@ -112,6 +112,24 @@ class Sequence:
             self.output_logprobs.append(logprobs)
 
     @property
+    def has_placeholder(self) -> bool:
+        """Whether the last token is a placeholder for one the step in flight samples (``async_scheduling``)."""
+        return len(self._token_ids) > len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def append_placeholder(self, token_id: int) -> None:
+        """Stand ``token_id`` in for the token the step in flight samples, so the next step can compute it.
+
+        NOTE: part of ``token_ids`` only, never of ``output_token_ids``; dropped before that step's
+        real token is appended (:meth:`drop_placeholder`).
+        """
+        assert not self.has_placeholder, "one token ahead at most"
+        self._token_ids.append(token_id)
+
+    def drop_placeholder(self) -> None:
+        if self.has_placeholder:
+            self._token_ids.pop()
+
+    @property
     def ranking_logprob(self) -> float:
         """``cumulative_logprob`` of a sequence ranked against others (beams, ``best_of > n``).
 

@@ -110,16 +110,41 @@ class SequenceUpdater:
                 if tokens is not None:
                     seq.spec_token_ids = tokens
 
+    # -- one step ahead (async scheduling, see lookahead.py) ----------------------------
+    def advance(self, out: ScheduledStep) -> None:
+        """Count every chunk of ``out`` (in flight) as computed, as processing it will; finished groups aside.
+
+        NOTE: only the count: the blocks it completes are cached when the step is processed
+        (:meth:`mark_computed` with ``advanced``), after its K/V is written.
+        """
+        for item in out.scheduled:
+            if item.group.is_finished():
+                continue
+            for seq in item.group.seqs:
+                chunk = item.chunks.get(seq.seq_id)
+                if chunk:
+                    seq.num_computed_tokens += min(chunk, len(seq.token_ids) - seq.num_computed_tokens)
+
+    def add_placeholders(self, seqs: Iterable[Sequence], token_id: int) -> None:
+        for seq in seqs:
+            seq.append_placeholder(token_id)
+
+    def drop_placeholders(self, seqs: Iterable[Sequence]) -> None:
+        """Before the step that samples their tokens is applied: the placeholders go."""
+        for seq in seqs:
+            seq.drop_placeholder()
+
     # -- after the step -----------------------------------------------------------------
-    def mark_computed(self, out: ScheduledStep) -> None:
-        """Advance every scheduled sequence by its chunk and cache its completed blocks."""
+    def mark_computed(self, out: ScheduledStep, advanced: bool = False) -> None:
+        """Advance every scheduled sequence by its chunk (unless ``advanced``: done) and cache its full blocks."""
         for item in out.scheduled:
             for seq in item.group.seqs:
                 chunk = item.chunks.get(seq.seq_id)
                 if chunk:
                     # NOTE: a chunk with proposals computes one real token; the accepted proposals
                     # are counted when the step's verdicts are applied (SeqUpdate.num_accepted).
-                    seq.num_computed_tokens += min(chunk, len(seq.token_ids) - seq.num_computed_tokens)
+                    if not advanced:
+                        seq.num_computed_tokens += min(chunk, len(seq.token_ids) - seq.num_computed_tokens)
                     self.block_manager.mark_computed(seq)
 
     def apply(self, groups: dict[str, SequenceGroup], updates: StepUpdates, failed: dict[str, str]) -> None:

@@ -22,6 +22,7 @@ from pagedllm.server.pooling_params import PoolingParams
 from pagedllm.server.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from pagedllm.server.engine.async_steps import AsyncSteps
     from pagedllm.server.engine.kv_event_publisher import ZmqEventPublisher
     from pagedllm.server.engine.llm_engine import LLMEngine
     from pagedllm.server.engine.spec_decode.draft_model import DraftModel
@@ -72,6 +73,19 @@ def check_speculation(config: EngineConfig) -> None:
             problem=f"is not supported with kv_reservation={config.cache.kv_reservation!r}",
             subject="{name}",
         )
+
+
+def async_steps(config: EngineConfig) -> AsyncSteps | None:
+    """The engine's steps scheduled ahead with ``async_scheduling``; None: every step runs in turn
+    (the option is off, or speculative decoding, which plans each step from the one before, is on)."""
+    if not config.scheduler.async_scheduling:
+        return None
+    if config.scheduler.speculative_config is not None:
+        logger.info("async scheduling is off: speculative decoding runs every step in turn")
+        return None
+    from pagedllm.server.engine.async_steps import AsyncSteps
+
+    return AsyncSteps()
 
 
 def open_kv_event_publisher(config: EngineConfig) -> ZmqEventPublisher | None:

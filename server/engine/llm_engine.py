@@ -8,6 +8,10 @@
              StepResults, BeamSearch, SpecDecoder, OutputProcessor decide (tokens, text, stop checks,
              forks) ─► Scheduler.update_from_output applies ─► [RequestOutput | EmbeddingRequestOutput]
 
+With ``async_scheduling`` the next step is scheduled and launched before the step in flight is
+processed (:mod:`pagedllm.server.engine.async_steps`); :meth:`LLMEngine.step` then returns the
+outputs of the step before the one it launched.
+
 The engine sends steps as ids, counts and diffs (no arrays, no torch); every worker keeps the
 batch and builds the arrays. The executor starts the workers, which load torch and the model
 (:mod:`pagedllm.server.executor`).
@@ -30,8 +34,8 @@ from typing import TYPE_CHECKING, Any
 from pagedllm.server.config import ConfigError, EngineConfig
 from pagedllm.server.core.block_manager import BlockManager
 from pagedllm.server.core.lora_slots import LoRASlots
-from pagedllm.server.core.scheduler import ScheduledStep, Scheduler
-from pagedllm.server.core.sequence import Sequence, SequenceGroup, SequenceStatus
+from pagedllm.server.core.scheduler import Scheduler
+from pagedllm.server.core.sequence import Sequence, SequenceGroup
 from pagedllm.server.engine import engine_setup as setup
 from pagedllm.server.engine.beam_search import BeamSearch, BeamState
 from pagedllm.server.engine.engine_stats import EngineStats
@@ -43,6 +47,7 @@ from pagedllm.server.engine.output_processor import OutputProcessor
 from pagedllm.server.engine.sampling_rows import SamplingRows
 from pagedllm.server.engine.spec_decode.draft_model import DraftModel
 from pagedllm.server.engine.spec_decode.spec_decoder import SpecDecoder
+from pagedllm.server.engine.step_end import collect_outputs, step_failed
 from pagedllm.server.engine.step_inputs import StepBuilder, StepResult
 from pagedllm.server.engine.step_results import RequestState, StepResults
 from pagedllm.server.engine.structured_output import StructuredOutputs
@@ -145,6 +150,8 @@ class LLMEngine:
             structured,
             self.spec_decoder,
         )
+        self.pipeline = setup.async_steps(config)
+        """Steps scheduled ahead (``async_scheduling``); None: every step runs in turn."""
 
     @property
     def runner(self) -> ModelRunner:
@@ -216,11 +223,13 @@ class LLMEngine:
     def abort_request(self, request_id: str | Iterable[str]) -> None:
         """Stop the request(s) wherever they are; their blocks are freed at once. Unknown ids are ignored."""
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        if self.pipeline is not None:
+            self.pipeline.drain(self, ids)  # NOTE: never abort under a running step
         for group in self.scheduler.abort(ids):
             self._forget(group)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or (self.pipeline is not None and self.pipeline.busy)
 
     # -- the step -----------------------------------------------------------------------
     def step(self) -> list[EngineOutput]:
@@ -232,6 +241,8 @@ class LLMEngine:
         bookkeeping no longer adds up or steps keep failing (:class:`EngineFatalError`).
         """
         self._check_open()
+        if self.pipeline is not None:
+            return self.pipeline.step(self)
         if self.spec_decoder is not None:
             self.scheduler.set_proposals(self.spec_decoder.propose(self.scheduler.running, self.max_model_len))
         out = self.scheduler.schedule()
@@ -239,7 +250,7 @@ class LLMEngine:
         failed: dict[str, str] = {}
         updates = None
         if not out.is_empty:
-            self._num_steps += 1
+            self.count_step()
             touched.update((id(item.group), item.group) for item in out.scheduled)
             try:
                 if self.spec_decoder is not None:
@@ -251,21 +262,14 @@ class LLMEngine:
             except WorkerDiedError as exc:
                 raise EngineFatalError(str(exc)) from exc
             except Exception as exc:
-                self._model_step_failed(out, exc, failed, touched)
+                step_failed(self, out, exc, failed, touched)
             else:
                 updates = self.step_results.decide(result, failed)
         self.scheduler.update_from_output(out, updates, failed)  # NOTE: the one place sequences change
-        if failed:
-            self._check_invariants()
-        self._publish_kv_events()
-        outputs = []
-        for group in touched.values():
-            output = self._output(group)
-            output.error = failed.get(group.request_id)
-            if output.finished:
-                self._forget(group)
-            outputs.append(output)
-        return outputs
+        return collect_outputs(self, touched, failed)
+
+    def count_step(self) -> None:
+        self._num_steps += 1
 
     def _forget(self, group: SequenceGroup) -> None:
         """Drop a request that ended: its state here, and (next step) its generator on the worker."""
@@ -295,20 +299,6 @@ class LLMEngine:
         done = self.block_manager.reset_prefix_cache()
         self._publish_kv_events()
         return done
-
-    def _model_step_failed(
-        self, out: ScheduledStep, error: Exception, failed: dict[str, str], touched: dict[int, SequenceGroup]
-    ) -> None:
-        logger.error("model step %d failed: %r", self._num_steps, error, exc_info=error)
-        self.scheduler.worker_view.forget_all()  # NOTE: what the workers applied of the step is unknown
-        for item in out.scheduled:
-            failed[item.group.request_id] = f"the model step failed: {error!r}"
-        # NOTE: groups swapped out for this step may hold host blocks that were never filled.
-        for group in out.preempted:
-            if any(seq.status == SequenceStatus.SWAPPED for seq in group.seqs):
-                failed[group.request_id] = f"the model step that swapped it out failed: {error!r}"
-                touched[id(group)] = group
-        self.step_failures.record(error)
 
     def _check_invariants(self) -> None:
         problems = self.block_manager.check_invariants()

@@ -15,6 +15,7 @@ the executor starts its workers, so the engine's modules import without torch.
 
 from __future__ import annotations
 
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from pagedllm.server.config import EngineConfig, SpeculativeConfig
@@ -62,6 +63,8 @@ class Executor:
             raise
         self.workers: list[Any] = [self.local] if self.remote is None else [self.local, self.remote]
         """Every worker, rank 0 first; each gets every message (:meth:`_all`)."""
+        self._stepper: ThreadPoolExecutor | None = None
+        """The one thread that runs steps handed over by :meth:`submit` (made on first use)."""
 
     @staticmethod
     def device_type(name: str) -> str:
@@ -122,6 +125,18 @@ class Executor:
         finally:
             self.remote.step_ended()
 
+    def submit(self, step: SchedulerOutput) -> Future[StepOutputs]:
+        """Start one step and return at once (``async_scheduling``): its outputs come in the future.
+
+        NOTE: one thread runs the submitted steps, in order, so a step starts only once the one
+        before has returned its tokens: a step scheduled ahead finds them on the device. One rank
+        only (the engine config refuses ``async_scheduling`` with more).
+        """
+        assert self.remote is None, "steps are submitted on one rank only"
+        if self._stepper is None:
+            self._stepper = ThreadPoolExecutor(1, thread_name_prefix="pagedllm-step")
+        return self._stepper.submit(self._on_rank0, ("step", step))
+
     def start_draft(self, spec: SpeculativeConfig, target_vocab: int, max_model_len: int) -> DraftRunner:
         """The draft model of ``draft_model`` speculation, on rank 0's device, in the target's dtype."""
         from pagedllm.server.worker.draft_runner import DraftRunner
@@ -143,6 +158,9 @@ class Executor:
         if self._closed:
             return
         self._closed = True
+        stepper = getattr(self, "_stepper", None)
+        if stepper is not None:
+            stepper.shutdown(wait=True)  # NOTE: a step in flight ends before the cache it writes is freed
         local = getattr(self, "local", None)
         if local is not None:
             local.shutdown()

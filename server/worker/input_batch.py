@@ -19,6 +19,11 @@ Proposals being verified are written past a row's tokens, where the next accepte
 overwrites them.
 
 Every tensor-parallel rank applies the same outputs, so every rank's batch is the same.
+
+With ``lookahead`` (``async_scheduling``) a sequence's newest token may be
+:data:`~pagedllm.server.core.scheduler_output.PLACEHOLDER_TOKEN_ID`, the token it sampled in
+the step before, not known when this step was scheduled: the step lists where such tokens
+are and which of the previous step's sample rows holds each (``ModelStep.placeholders``).
 """
 
 from __future__ import annotations
@@ -38,8 +43,10 @@ INITIAL_TOKENS = 2048
 class InputBatch:
     """Sequences by id, their tokens and block tables in preallocated arrays, updated by diffs."""
 
-    def __init__(self, max_num_seqs: int, max_model_len: int, block_size: int) -> None:
+    def __init__(self, max_num_seqs: int, max_model_len: int, block_size: int, lookahead: bool = False) -> None:
         self.block_size = block_size
+        self.lookahead = lookahead
+        """Whether steps may hold placeholder tokens (scheduled ahead)."""
         rows, blocks = max(1, max_num_seqs), -(-max_model_len // block_size)
         # NOTE: int32 ids, and rows only as long as the longest sequence so far (they double as needed):
         # a long max_model_len costs memory only when sequences are that long.
@@ -53,6 +60,9 @@ class InputBatch:
         self._free: list[int] = list(range(rows - 1, -1, -1))
         self._cached_rows = _EMPTY
         """The rows of the last output's cached sequences (its step reuses them when they are all it runs)."""
+        self.sample_pos = np.full(rows, -1, dtype=np.int64)
+        """Per row: its sample row in the last step built (-1: none); kept only with ``lookahead``."""
+        self._sampled_rows = _EMPTY
 
     def __len__(self) -> int:
         return len(self.row_of)
@@ -71,6 +81,7 @@ class InputBatch:
         if out.reset:
             self.row_of.clear()
             self._free = list(range(self.tokens.shape[0] - 1, -1, -1))
+            self.sample_pos[:] = -1
         for seq_id in out.finished_seq_ids:
             row = self.row_of.pop(seq_id, None)
             if row is not None:
@@ -171,6 +182,8 @@ class InputBatch:
             prefill_context_lens=context_lens,
         )
         sample_index, prompt_index, pool_index, pool_lens = _row_indices(out, ends, plain)
+        input_ids = self.tokens[token_rows, positions].astype(np.int64)
+        placeholders = self._placeholders(out, input_ids, token_rows, rows) if self.lookahead else None
         lora = None
         if out.lora_adapters:
             lora = StepLoRA(np.repeat(self.lora_slot[rows], chunks), out.lora_adapters)
@@ -178,7 +191,7 @@ class InputBatch:
             list(out.swap_out),
             list(out.swap_in),
             list(out.copies),
-            self.tokens[token_rows, positions].astype(np.int64),
+            input_ids,
             positions,
             meta,
             sample_index,
@@ -187,7 +200,28 @@ class InputBatch:
             pool_lens,
             lora,
             out.sampling,
+            placeholders,
         )
+
+    def _placeholders(
+        self, out: SchedulerOutput, input_ids: np.ndarray, token_rows: np.ndarray, rows: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray] | None:
+        """Where the step's placeholder tokens are and the previous step's sample row of each; then
+        records this step's sample rows for the next."""
+        holes = np.flatnonzero(input_ids < 0)
+        found = None
+        if holes.size:
+            found = (holes, self.sample_pos[token_rows[holes]])
+            if (found[1] < 0).any():
+                raise RuntimeError("a placeholder token of a sequence that did not sample in the step before")
+        self.sample_pos[self._sampled_rows] = -1
+        if len(out.sample_seq_ids) == len(rows) and out.sample_seq_ids == out.scheduled_seq_ids:
+            sampled = rows
+        else:
+            sampled = np.fromiter(map(self.row_of.__getitem__, out.sample_seq_ids), np.int64, len(out.sample_seq_ids))
+        self.sample_pos[sampled] = np.arange(len(sampled), dtype=np.int64)
+        self._sampled_rows = sampled
+        return found
 
     def _prefills(
         self, rows: np.ndarray, starts: np.ndarray, chunks: np.ndarray
@@ -223,6 +257,7 @@ class InputBatch:
         self.block_table = np.concatenate((self.block_table, np.zeros_like(self.block_table)))
         for name in ("num_tokens", "num_blocks", "computed", "lora_slot"):
             setattr(self, name, np.concatenate((getattr(self, name), np.zeros(old, dtype=np.int64))))
+        self.sample_pos = np.concatenate((self.sample_pos, np.full(old, -1, dtype=np.int64)))
         self._free.extend(range(2 * old - 1, old - 1, -1))
 
 

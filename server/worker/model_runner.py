@@ -17,7 +17,7 @@ from pagedllm.server.core.scheduler_output import SchedulerOutput
 from pagedllm.server.worker.attention import AttentionMetadata, select_attention_ops
 from pagedllm.server.worker.cpu_threads import choose_threads
 from pagedllm.server.worker.cuda_graphs import DecodeGraphs, try_capture
-from pagedllm.server.worker.device_step import DeviceStep
+from pagedllm.server.worker.device_step import DeviceStep, fill_placeholders
 from pagedllm.server.worker.dtype_choice import choose_dtype
 from pagedllm.server.worker.input_batch import InputBatch
 from pagedllm.server.worker.kv_scales import apply_kv_scales, split_kv_scales
@@ -30,6 +30,7 @@ from pagedllm.server.worker.models.fused_linear import finish_linears
 from pagedllm.server.worker.models.tensor_parallel import TPGroup
 from pagedllm.server.worker.quantization.linear import finish_quantized_layers, quant_info
 from pagedllm.server.worker.sampler import Sampler
+from pagedllm.server.worker.sampling_batch import SamplerOutput
 from pagedllm.server.worker.triton_warmup import WarmupShapes, warm_up
 
 logger = logging.getLogger(__name__)
@@ -103,8 +104,12 @@ class ModelRunner:
         """Captured decode steps (CUDA, one rank, no LoRA, not ``enforce_eager``), once the cache exists."""
         self.sampler = Sampler(config.model.seed, self.device) if self.tp.rank == 0 else None
         """Turns the step's logits into tokens; the driver's alone (the other ranks never sample)."""
-        self.input_batch = InputBatch(config.scheduler.max_num_seqs, max_model_len, self.block_size)
+        self.lookahead = config.scheduler.async_scheduling
+        """Steps may be scheduled ahead, with placeholders for the ids the step before samples."""
+        self.input_batch = InputBatch(config.scheduler.max_num_seqs, max_model_len, self.block_size, self.lookahead)
         """Every sequence the scheduler told this rank about; builds each step's arrays from its diffs."""
+        self._sampled: torch.Tensor | None = None
+        """[sample rows] the ids the last step sampled, on the device (``lookahead`` only)."""
 
     def _load_model(self, hf_config: dict) -> CausalLM:
         cls = model_class(hf_config)
@@ -247,6 +252,11 @@ class ModelRunner:
                 else:
                     device_cache[dst.to(self.device)] = host_cache[src].to(self.device, non_blocking=True)
 
+    def _sampled_ids(self, sampled: SamplerOutput) -> torch.Tensor:
+        assert self.sampler is not None
+        last = self.sampler.last_tokens
+        return last if last is not None else _host_ids(sampled, self.device)
+
     def execute(self, out: SchedulerOutput) -> StepOutputs:
         """This rank's part of a step: its diffs into the batch, then the step (:meth:`run`)."""
         return self.run(self.input_batch.step(out))
@@ -254,7 +264,10 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, model_step: ModelStep) -> StepOutputs:
         """A step's arrays on this rank: block moves, the model, then (the driver) sampling."""
-        step = DeviceStep.of(model_step, self.device)
+        step = DeviceStep.of(model_step, self.device, pinned=self.lookahead)
+        previous, self._sampled = self._sampled, None
+        if model_step.placeholders is not None:
+            fill_placeholders(step.input_ids, model_step.placeholders, previous, self.lookahead)
         if step.sampling is not None and self.sampler is not None:
             self.sampler.forget(step.sampling.finished_request_ids)
         self._move_blocks(step.swap_out, to_host=True)
@@ -277,7 +290,15 @@ class ModelRunner:
         sampled = None
         if step.sampling is not None and self.sampler is not None:
             sampled = self.sampler(logits, prompt_logits, step.sampling)
+            if self.lookahead:
+                self._sampled = self._sampled_ids(sampled)
         return StepOutputs(sampled, _pool(hidden, step.pool_index, step.pool_lens))
+
+
+def _host_ids(sampled: SamplerOutput, device: torch.device) -> torch.Tensor:
+    """The first id of each sample row, from the host lists (where the sampler kept no device copy)."""
+    ids = [row.token_ids[0] if row is not None and row.token_ids else 0 for row in sampled.rows]
+    return torch.tensor(ids, dtype=torch.int64, device=device)
 
 
 def _pool(hidden: torch.Tensor, index: torch.Tensor | None, lens: torch.Tensor | None) -> np.ndarray | None:

@@ -90,3 +90,6 @@ class ModelStep:
     """Each token's LoRA slot and the adapters the step needs resident; None: the base model alone."""
     sampling: SamplingBatch | None = None
     """How the rows of ``sample_index`` and ``prompt_index`` become tokens; only the driver gets it."""
+    placeholders: tuple[np.ndarray, np.ndarray] | None = None
+    """(token indices, sample rows): ``input_ids`` at those indices are placeholders for the ids
+    the previous step sampled in those rows (``async_scheduling``); None: none."""

@@ -52,6 +52,9 @@ class Sampler:
         self._generators: dict[str, torch.Generator] = {}
         """request id -> a seeded request's generator."""
         self.verifier = SpecVerifier(self.generator_of)
+        self.last_tokens: torch.Tensor | None = None
+        """[sample rows] int64 on the device: the first id each sample row of the last call drew
+        (None: the batched draw did not cover every row). A step scheduled ahead reads it."""
 
     def generator_of(self, row: RowSampling) -> torch.Generator:
         """The generator ``row`` draws from: its request's own when seeded, made on first use."""
@@ -78,7 +81,10 @@ class Sampler:
         out = SamplerOutput([None] * batch.num_sample_rows, [None] * len(batch.verify), [None] * len(batch.prompts))
         logits = logits.float()  # NOTE: a no-op for the float32 LM heads; processors and draws run in float32
         rows, verify, prompts = batch.rows, batch.verify, batch.prompts
+        self.last_tokens = None
         _fill(out.rows, out.errors, lambda units: self._sample(logits, rows, units), lambda i: rows[i].request_id)
+        if self.last_tokens is not None and (out.errors or self.last_tokens.numel() != batch.num_sample_rows):
+            self.last_tokens = None
         _fill(
             out.verified,
             out.errors,
@@ -101,6 +107,7 @@ class Sampler:
         drawn = [k for k, row in enumerate(picked) if not row.num_beam_candidates]
         view = logits if len(units) == logits.shape[0] else logits[_index(units, logits.device)]
         tokens = self._draw(process(view, picked), picked, drawn)
+        self.last_tokens = tokens[:, 0]
         wanted = [k for k in drawn if picked[k].needs_logprobs or picked[k].num_logprobs is not None]
         pending = None
         if wanted:

@@ -10,6 +10,7 @@ batch, whose arrays must equal those :func:`prepare_inputs` builds from the live
 
 from __future__ import annotations
 
+import dataclasses
 import pickle
 import random
 from collections import Counter
@@ -275,3 +276,35 @@ def test_diffs_update_rows_in_place_and_freed_rows_are_reused():
     assert step.meta.prefill_block_tables.tolist() == [[4]] and step.sample_index.tolist() == [0, 1, 3]
     assert batch.step(SchedulerOutput(reset=True)).input_ids.size == 0
     assert len(batch) == 0
+
+
+def test_placeholders_point_at_the_previous_steps_sample_rows():
+    """With lookahead, a placeholder token names the sample row of the step before that holds its id."""
+    batch = InputBatch(4, 64, 4, lookahead=True)
+    first = SchedulerOutput(
+        new_seqs=(NewSeqData(7, (1, 2, 3), (0,), 0), NewSeqData(9, (4, 5), (1,), 0)),
+        scheduled_seq_ids=(7, 9),
+        num_scheduled_tokens=(3, 2),
+        sample_seq_ids=(7, 9),
+    )
+    assert batch.step(first).placeholders is None
+    placeholder = -1
+    second = SchedulerOutput(
+        cached_seqs=CachedSeqs((9, 7), ((placeholder,), (placeholder,)), ((), ()), (False, False), (2, 3)),
+        scheduled_seq_ids=(9, 7),
+        num_scheduled_tokens=(1, 1),
+        num_decodes=2,
+        sample_seq_ids=(9, 7),
+    )
+    step = batch.step(second)
+    holes, rows = step.placeholders
+    assert holes.tolist() == [0, 1] and rows.tolist() == [1, 0]  # seq 9 sampled in row 1, seq 7 in row 0
+    assert step.input_ids.tolist() == [-1, -1]
+    third = dataclasses.replace(second, cached_seqs=CachedSeqs((9,), ((placeholder,),), ((),), (False,), (3,)))
+    third = dataclasses.replace(third, scheduled_seq_ids=(9,), num_scheduled_tokens=(1,), num_decodes=1)
+    third = dataclasses.replace(third, sample_seq_ids=(9,))
+    assert batch.step(third).placeholders[1].tolist() == [0]  # row 0 of the second step
+    stray = dataclasses.replace(third, cached_seqs=CachedSeqs((7,), ((placeholder,),), ((),), (False,), (4,)))
+    stray = dataclasses.replace(stray, scheduled_seq_ids=(7,))
+    with pytest.raises(RuntimeError, match="did not sample"):
+        batch.step(stray)  # seq 7 did not sample in the third step
