@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import statistics
 import time
 
@@ -113,14 +114,20 @@ def variant_cases(shape: str) -> dict[str, tuple[tuple[int, int], int]]:
 
 
 def time_alternating(variants: dict[str, cv.Variant], x: torch.Tensor, repeats: int) -> dict[str, list[float]]:
-    """Each variant's seconds per call, ``repeats`` of them, the variants taking turns so that load hits all alike."""
+    """Each variant's seconds per call, ``repeats`` of them, the variants taking turns so that load hits all alike.
+
+    NOTE: each round runs them in a fresh random order (seeded): the one right after the floor
+    (or any other) is not always the same.
+    """
     for run in variants.values():
         run(x)
     times: dict[str, list[float]] = {name: [] for name in variants}
+    order, shuffle = list(variants), random.Random(0).shuffle
     for _ in range(repeats):
-        for name, run in variants.items():
+        shuffle(order)
+        for name in order:
             start = time.perf_counter()
-            run(x)
+            variants[name](x)
             times[name].append(time.perf_counter() - start)
     return times
 
@@ -174,8 +181,8 @@ def run_variants(args: argparse.Namespace) -> list[dict]:
             for rows in args.rows:
                 x = torch.randn(rows, in_features, dtype=dtype)
                 cv.reset_compiled()
-                compiled = names if rows in args.inductor_rows else ()
-                variants = {**static, **cv.compiled_variants(plain, x, compiled)}
+                made = names if rows in args.inductor_rows else tuple(n for n in names if n not in cv.INDUCTOR)
+                variants = {**static, **cv.row_variants(plain, x, made)}
                 row = variant_row(case, rows, threads, nbytes, time_alternating(variants, x, args.repeats))
                 results.append(row)
                 bar.write(format_variant_row(row))

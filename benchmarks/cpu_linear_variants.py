@@ -5,6 +5,8 @@ case (the copies a decode step reads: one per layer, or the single LM head) in t
 
   - ``engine``:  what the engine runs: :func:`linear` on :func:`pack_weight`'d weights, i.e.
     ``torch.ops.mkldnn._linear_pointwise`` on a ``torch.ops.mkldnn._reorder_linear_weight`` copy;
+  - ``packed-rows``: the same op on weights reordered for the case's row count
+    (``_reorder_linear_weight(w, rows)``, as inductor's freezing does); the engine packs once for all;
   - ``plain``:   ``F.linear`` on the plain bfloat16 weight (oneDNN matmul, weight re-blocked per call);
   - ``aten``:    ``F.linear`` on the plain weight with oneDNN switched off (aten's own gemv/gemm);
   - ``inductor``, ``inductor-autotune``, ``inductor-cpp``: ``torch.compile`` with weight freezing,
@@ -36,7 +38,7 @@ INDUCTOR = {
     "inductor-autotune": {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"},
     "inductor-cpp": {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP"},
 }
-ALL = ("floor", *EAGER, *INDUCTOR, "split-n")
+ALL = ("floor", *EAGER, "packed-rows", *INDUCTOR, "split-n")
 
 
 def floor_variant(plain: list[torch.Tensor]) -> Variant:
@@ -126,6 +128,11 @@ def static_variants(plain: list[torch.Tensor], threads: int, names: tuple[str, .
     return variants
 
 
-def compiled_variants(plain: list[torch.Tensor], x: torch.Tensor, names: tuple[str, ...]) -> dict[str, Variant]:
-    """The inductor variants in ``names``, compiled for ``x``'s shape at the current thread count."""
-    return {name: inductor_variant(plain, x, options) for name, options in INDUCTOR.items() if name in names}
+def row_variants(plain: list[torch.Tensor], x: torch.Tensor, names: tuple[str, ...]) -> dict[str, Variant]:
+    """The variants in ``names`` made for ``x``'s row count: ``packed-rows`` and inductor's, compiled now."""
+    variants: dict[str, Variant] = {}
+    if "packed-rows" in names:
+        packed = [torch.ops.mkldnn._reorder_linear_weight(w, x.shape[0]) for w in plain]
+        variants["packed-rows"] = lambda x: [linear(x, p) for p in packed]
+    variants.update({name: inductor_variant(plain, x, opts) for name, opts in INDUCTOR.items() if name in names})
+    return variants

@@ -33,8 +33,9 @@ def test_every_eager_variant_computes_the_product():
     plain = [(torch.randn(40, 32, generator=g) * 0.1).to(torch.bfloat16) for _ in range(2)]
     x = torch.randn(3, 32, generator=g).to(torch.bfloat16)
     variants = cv.static_variants(plain, threads=2, names=("engine", "plain", "aten", "split-n"))
-    assert list(variants) == ["floor", "engine", "plain", "aten", "split-n"]
-    for name in ("engine", "plain", "aten", "split-n"):
+    variants.update(cv.row_variants(plain, x, names=("packed-rows",)))
+    assert list(variants) == ["floor", "engine", "plain", "aten", "split-n", "packed-rows"]
+    for name in ("engine", "plain", "aten", "split-n", "packed-rows"):
         for got, w in zip(variants[name](x), plain):
             torch.testing.assert_close(got.float(), F.linear(x, w).float(), atol=2e-2, rtol=2e-2, msg=name)
     variants["split-n"].close()
@@ -49,8 +50,11 @@ def test_rows_are_fractions_of_the_floor_by_median_and_by_best():
     assert markdown_table([row]).splitlines()[-1] == "| o | 4 | 1 | 3.0 (6.0) | 0.50 (0.50) |"
 
 
-def test_variants_take_turns():
-    calls = []
-    variants = {"a": lambda x: calls.append("a"), "b": lambda x: calls.append("b")}
-    times = time_alternating(variants, torch.zeros(1), repeats=2)
-    assert calls == ["a", "b", "a", "b", "a", "b"] and [len(t) for t in times.values()] == [2, 2]
+def test_variants_take_turns_in_shuffled_order():
+    calls: list[str] = []
+    variants = {name: (lambda x, name=name: calls.append(name)) for name in "abc"}
+    times = time_alternating(variants, torch.zeros(1), repeats=20)
+    assert calls[:3] == ["a", "b", "c"]  # the warm-up call of each
+    rounds = [calls[i : i + 3] for i in range(3, len(calls), 3)]
+    assert all(sorted(r) == ["a", "b", "c"] for r in rounds) and len({tuple(r) for r in rounds}) > 1
+    assert [len(t) for t in times.values()] == [20, 20, 20]
