@@ -54,7 +54,8 @@ def pack_weight(weight: torch.Tensor) -> nn.Parameter:
     """``weight`` [out, in] reordered into oneDNN's blocked layout, as a frozen parameter.
 
     NOTE: no batch size is given: the layout must serve decode steps of any batch and
-    prefill chunks alike (measured: as fast as a layout packed for the batch at hand).
+    prefill chunks alike (measured: as fast as a layout packed for the batch at hand, within
+    5% at 1-16 rows on Qwen2.5-0.5B's shapes: ``python -m benchmarks.cpu_linear --variants``).
     """
     return nn.Parameter(torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None), requires_grad=False)
 
