@@ -86,7 +86,7 @@ def build_app(config: EngineConfig, settings: ServerSettings | None = None) -> F
         )
     names = settings.served_model_names or [default_model_name(config)]
     engine = make_engine(config, settings)
-    metrics = ServerMetrics(names[0], config, engine.stats)
+    metrics = ServerMetrics(names[0], config, engine.stats, lambda: engine.model_info and engine.model_info.weights)
     engine.observer = metrics.observe
     max_waiting = settings.max_queue_len or 4 * config.scheduler.max_num_seqs
     serving = OpenAIServing(

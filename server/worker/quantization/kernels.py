@@ -88,6 +88,9 @@ class Int4CpuKernel(nn.Module):
         self.register_buffer("scales_and_zeros", torch.stack([scales.T, offsets.T], dim=-1).to(dtype).contiguous())
         self.dense_rows = DENSE_ROWS_FLOAT32 if dtype == torch.float32 and self._unpacks(w.q) else None
         """From how many rows a call unpacks the weight and runs a dense GEMM (None: never)."""
+        unpacked = f"{self.name}-unpacked-{str(dtype).removeprefix('torch.')}"
+        self.label = self.name if self.dense_rows is None else unpacked
+        """What runs the product, for the banner and metrics: the packed matmul, or the unpacked weight's GEMM."""
 
     @staticmethod
     def fits(w: QuantizedWeight) -> bool:
