@@ -61,7 +61,7 @@ def kernels(shape: tuple[int, int], group: int, names: tuple[str, ...]) -> dict[
     plain = q4.dequantize(torch.bfloat16)
     builders: dict[str, Callable[[], Callable]] = {
         "int4": lambda: int4,
-        "int4-deq": lambda: lambda x: linear(x, int4.dense(x.dtype)),
+        "int4-deq": lambda: int4.unpacked_mm,
         "bf16": lambda: (lambda w: lambda x: linear(x, w))(pack_weight(plain)),
         "bf16-plain": lambda: lambda x: F.linear(x, plain),
         "int8": lambda: Int8CpuKernel(_int8(n, k), torch.bfloat16),

@@ -24,10 +24,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm.kernels.int4_unpack_cpu import int4_unpack_cpu
 from pagedllm.server.worker.quantization.base import QuantizedWeight, pack_int32
 from pagedllm.server.worker.quantization.fp8_kernels import choose_fp8_kernel
 
 INT4_CPU_GROUPS = (32, 64, 128, 256)
+TILE_ELEMENTS = 1 << 19
+"""Weights widened per tile of :meth:`Int4CpuKernel.unpacked_mm` (1 MiB of bfloat16: it stays in the cache)."""
 DENSE_ROWS_FLOAT32 = 1
 """Rows from which a float32 call unpacks the int4 weight and runs a dense GEMM: always, since torch's packed
 int4 matmul has no fast float32 path (measured on a 2-core AVX-512-BF16 EPYC, Qwen2.5-0.5B's 4864 x 896
@@ -107,18 +110,31 @@ class Int4CpuKernel(nn.Module):
         blocks = self.packed.view(n // 64, k, 32)
         return torch.cat([blocks & 15, blocks >> 4], dim=2).transpose(1, 2).reshape(n, k)
 
-    def dense(self, dtype: torch.dtype) -> torch.Tensor:
-        """The weight [N, K] in ``dtype``: ``(q - 8) * scale + zero_f`` as the packed matmul computes it."""
+    def dense_t(self, dtype: torch.dtype) -> torch.Tensor:
+        """The weight transposed, [K, N] in ``dtype``: ``(q - 8) * scale + zero_f`` as the packed matmul
+        computes it, in float32, rounded once."""
         n, k = self.dims
-        g = self.group_size
-        scales = self.scales_and_zeros[..., 0].T.unsqueeze(-1).to(dtype)  # [N, K / g, 1]
-        offsets = self.scales_and_zeros[..., 1].T.unsqueeze(-1).to(dtype)
-        q = self.unpack().view(n, k // g, g).to(dtype)
-        return q.sub_(8).mul_(scales).add_(offsets).view(n, k)
+        return int4_unpack_cpu(
+            self.packed, self.scales_and_zeros.to(dtype), self.group_size, torch.empty(k, n, dtype=dtype)
+        )
+
+    def unpacked_mm(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ W.T`` [rows, N] through dense GEMMs: the weight widened a tile of columns at a time
+        (:data:`TILE_ELEMENTS`) into one buffer the GEMM then reads from the cache."""
+        n, k = self.dims
+        width = min(n, max(64, TILE_ELEMENTS // k // 64 * 64))
+        tile = torch.empty(k, width, dtype=x.dtype)
+        parts = []
+        for first in range(0, n, width):
+            cols = tile if first + width <= n else tile[:, : n - first].contiguous()
+            int4_unpack_cpu(self.packed, self.scales_and_zeros, self.group_size, cols, first)
+            parts.append(torch.mm(x, cols))
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [rows, K] -> [rows, N]
         if self.dense_rows is not None and x.shape[0] >= self.dense_rows:
-            return F.linear(x, self.dense(x.dtype))
+            return self.unpacked_mm(x)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.group_size, self.scales_and_zeros)
 
 
