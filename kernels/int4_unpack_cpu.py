@@ -26,7 +26,7 @@ import functools
 import numpy as np
 import torch
 
-from ._numba_cpu import KERNEL_DTYPES, compile_kernel, kernel_array, launch
+from ._numba_cpu import KERNEL_DTYPES, compile_kernel, kernel_array
 from .paged_decode_attention_cpu import HAS_NUMBA
 
 if HAS_NUMBA:
@@ -102,5 +102,7 @@ def int4_unpack_cpu(
         dense = int4_unpack_reference(packed, scales_and_zeros, group, out.dtype)
         return out.copy_(dense[:, first : first + width])
     blocks = packed.view(n // 64, k, 32).numpy()
-    launch(_compiled, out.numel())(blocks, kernel_array(scales_and_zeros), group, first, kernel_array(out))
+    # NOTE: on the calling thread: a caller goes tile by tile, and a pass spread over threads would wait
+    # for its slowest thread at every tile (on a shared machine, a scheduler time slice now and then)
+    _compiled(False)(blocks, kernel_array(scales_and_zeros), group, first, kernel_array(out))
     return out

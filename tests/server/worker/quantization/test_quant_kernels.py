@@ -8,6 +8,7 @@ from quant_writers import AWQ_ORDER, pack_rows
 
 from pagedllm.server.worker.quantization.base import QuantizedWeight, pack_int32, sort_by_groups, unpack_int32
 from pagedllm.server.worker.quantization.kernels import (
+    DENSE_ROWS_BFLOAT16,
     DequantizeKernel,
     Int4CpuKernel,
     Int8CpuKernel,
@@ -133,7 +134,7 @@ def test_int4_cpu_in_float32_unpacks_exactly_what_it_packed():
     w = random_int4(64, seed=3)
     kernel = Int4CpuKernel(w, torch.float32)
     assert kernel.dense_rows == 1 and torch.equal(kernel.unpack(), w.q)
-    assert Int4CpuKernel(w, torch.bfloat16).dense_rows is None  # NOTE: bfloat16 always runs the packed matmul
+    assert Int4CpuKernel(w, torch.bfloat16).dense_rows == DENSE_ROWS_BFLOAT16  # NOTE: packed below it
     assert_close(kernel.dense_t(torch.float64).T.float() @ torch.eye(K), reference(w, torch.eye(K)).T, 1e-6)
 
 

@@ -21,7 +21,10 @@ def quant_config_info(url: str) -> dict[str, str]:
     return sample.labels
 
 
-@pytest.mark.parametrize(("dtype", "int4"), [("bfloat16", "int4-cpu"), ("float32", "int4-cpu-unpacked-float32")])
+@pytest.mark.parametrize(
+    ("dtype", "int4"),
+    [("bfloat16", "int4-cpu+unpacked-bfloat16-from-64-rows"), ("float32", "int4-cpu-unpacked-float32")],
+)
 def test_an_awq_server_exports_its_method_kernels_and_bytes(tmp_path, dtype, int4):
     qdir, _ = write_quantized(str(tmp_path), "awq", seed=3)
     with live_server(qdir, dtype=dtype) as server:
