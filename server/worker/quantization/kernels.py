@@ -31,10 +31,11 @@ from pagedllm.server.worker.quantization.base import QuantizedWeight, pack_int32
 from pagedllm.server.worker.quantization.fp8_kernels import choose_fp8_kernel
 
 INT4_CPU_GROUPS = (32, 64, 128, 256)
-TILE_ELEMENTS = 1 << 22
-"""Weights widened per tile of :meth:`Int4CpuKernel.unpacked_mm` (8 MiB of bfloat16). Few tiles, because each
-tile's GEMM is one parallel region that waits for its slowest thread: with 2 threads on a shared 2-core
-machine, 1 MiB tiles (17 per gate/up projection of Qwen2.5-0.5B) made a call 10-30x slower than one tile."""
+TILE_ELEMENTS = 1 << 24
+"""Weights widened per tile of :meth:`Int4CpuKernel.unpacked_mm` (32 MiB of bfloat16: every projection of a
+0.5B model in one tile, a 7B model's gate/up in six). Few tiles, because each tile's GEMM is a parallel
+region that waits for its slowest thread: with 2 threads on a shared 2-core machine, 17 tiles per
+Qwen2.5-0.5B gate/up projection made a call 10-30x slower than one, and 3 tiles still ~3x."""
 DENSE_ROWS_FLOAT32 = 1
 """Rows from which a float32 call unpacks the int4 weight and runs a dense GEMM: always, since torch's packed
 int4 matmul has no fast float32 path (measured on a 2-core AVX-512-BF16 EPYC, Qwen2.5-0.5B's 4864 x 896
@@ -42,8 +43,9 @@ projection: 15-23 ms per row, linear in rows)."""
 DENSE_ROWS_BFLOAT16 = 64
 """Rows from which a bfloat16 call does the same. The packed matmul's cost grows with every row (it widens
 each weight again per block of 4 rows and multiplies in float32), the unpacked weight's GEMM hardly does:
-per Qwen2.5-0.5B layer (the four projections), 1 thread, in-process A/B (``benchmarks/quant_linear.py``),
-the packed matmul wins up to 32 rows and loses from 48 on (64 rows: 35.6 ms against 24.8)."""
+per Qwen2.5-0.5B layer (the four projections), in-process A/B (``benchmarks/quant_linear.py``, a shared
+2-core AVX-512-BF16 EPYC), they are even at 32 rows and the widened weight wins at 64: 33.2 -> 24.2 ms
+on 1 thread, 39.4 -> 28.9 on 2."""
 
 
 class DequantizeKernel(nn.Module):
