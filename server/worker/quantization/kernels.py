@@ -31,11 +31,14 @@ from pagedllm.server.worker.quantization.base import QuantizedWeight, pack_int32
 from pagedllm.server.worker.quantization.fp8_kernels import choose_fp8_kernel
 
 INT4_CPU_GROUPS = (32, 64, 128, 256)
-TILE_ELEMENTS = 1 << 24
-"""Weights widened per tile of :meth:`Int4CpuKernel.unpacked_mm` (32 MiB of bfloat16: every projection of a
-0.5B model in one tile, a 7B model's gate/up in six). Few tiles, because each tile's GEMM is a parallel
-region that waits for its slowest thread: with 2 threads on a shared 2-core machine, 17 tiles per
-Qwen2.5-0.5B gate/up projection made a call 10-30x slower than one, and 3 tiles still ~3x."""
+TILE_ELEMENTS = 1 << 21
+"""Weights widened per tile of :meth:`Int4CpuKernel.unpacked_mm` on one thread (4 MiB of bfloat16: no fresh
+pages per call, and the GEMM reads the tile from the cache)."""
+TILE_ELEMENTS_THREADED = 1 << 24
+"""The same with several threads (32 MiB of bfloat16: every projection of a 0.5B model in one tile, a 7B
+model's gate/up in six): each tile's GEMM is a parallel region that waits for its slowest thread, which on a
+shared machine is a scheduler time slice now and then. Qwen2.5-0.5B's gate/up at 64 rows, 2 threads, shared
+2-core machine: 8.5 ms in one tile, 48 in three, 80 in five (packed matmul: 8.9); 1 thread: 4.4 / 4.0 / 4.0."""
 DENSE_ROWS_FLOAT32 = 1
 """Rows from which a float32 call unpacks the int4 weight and runs a dense GEMM: always, since torch's packed
 int4 matmul has no fast float32 path (measured on a 2-core AVX-512-BF16 EPYC, Qwen2.5-0.5B's 4864 x 896
@@ -127,19 +130,13 @@ class Int4CpuKernel(nn.Module):
         blocks = self.packed.view(n // 64, k, 32)
         return torch.cat([blocks & 15, blocks >> 4], dim=2).transpose(1, 2).reshape(n, k)
 
-    def dense_t(self, dtype: torch.dtype) -> torch.Tensor:
-        """The weight transposed, [K, N] in ``dtype``: ``(q - 8) * scale + zero_f`` as the packed matmul
-        computes it, in float32, rounded once."""
-        n, k = self.dims
-        return int4_unpack_cpu(
-            self.packed, self.scales_and_zeros.to(dtype), self.group_size, torch.empty(k, n, dtype=dtype)
-        )
-
     def unpacked_mm(self, x: torch.Tensor) -> torch.Tensor:
-        """``x @ W.T`` [rows, N] through dense GEMMs: the weight widened a tile of columns at a time
-        (:data:`TILE_ELEMENTS`) into one buffer the GEMM then reads from the cache."""
+        """``x @ W.T`` [rows, N] through dense GEMMs: the weight widened to ``x``'s dtype (``(q - 8) * scale +
+        zero_f`` in float32, rounded once) a tile of columns at a time (:data:`TILE_ELEMENTS`,
+        :data:`TILE_ELEMENTS_THREADED`), into one buffer reused for every tile."""
         n, k = self.dims
-        width = min(n, max(64, TILE_ELEMENTS // k // 64 * 64))
+        elements = TILE_ELEMENTS if torch.get_num_threads() == 1 else TILE_ELEMENTS_THREADED
+        width = min(n, max(64, elements // k // 64 * 64))
         tile = torch.empty(k, width, dtype=x.dtype)
         parts = []
         for first in range(0, n, width):

@@ -59,7 +59,9 @@ def test_int4_cpu_matches_float64(group, rows):
 def test_int4_cpu_unpacked_a_tile_at_a_time_matches_float64(dtype, monkeypatch):
     import pagedllm.server.worker.quantization.kernels as kernels
 
-    monkeypatch.setattr(kernels, "TILE_ELEMENTS", 64 * K)  # NOTE: three tiles of 64 output columns
+    # NOTE: three tiles of 64 output columns, on any number of threads
+    monkeypatch.setattr(kernels, "TILE_ELEMENTS", 64 * K)
+    monkeypatch.setattr(kernels, "TILE_ELEMENTS_THREADED", 64 * K)
     gen = torch.Generator().manual_seed(5)
     q = torch.randint(0, 16, (192, K), generator=gen).to(torch.uint8)
     scales, zeros = torch.rand(192, K // 32, generator=gen) * 0.1 + 0.01, torch.randint(0, 16, (192, K // 32))
@@ -135,7 +137,7 @@ def test_int4_cpu_in_float32_unpacks_exactly_what_it_packed():
     kernel = Int4CpuKernel(w, torch.float32)
     assert kernel.dense_rows == 1 and torch.equal(kernel.unpack(), w.q)
     assert Int4CpuKernel(w, torch.bfloat16).dense_rows == DENSE_ROWS_BFLOAT16  # NOTE: packed below it
-    assert_close(kernel.dense_t(torch.float64).T.float() @ torch.eye(K), reference(w, torch.eye(K)).T, 1e-6)
+    assert_close(kernel.unpacked_mm(torch.eye(K)), reference(w, torch.eye(K)), 1e-6)
 
 
 @pytest.mark.parametrize("rows", [1, 7, 16])
