@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from api_factories import live_server
+from api_factories import API_KEY, MODEL_NAME, live_server
 from prometheus_client.parser import text_string_to_metric_families
 from quant_writers import write_quantized
+
+from pagedllm.server.entrypoints.openai.api_server import ServerSettings
 
 pytestmark = pytest.mark.timeout(180)
 KINDS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
@@ -45,3 +47,13 @@ def test_a_plain_checkpoint_says_none(tmp_path):
         labels = quant_config_info(server.url)
     assert (labels["method"], labels["format"], labels["bits"], labels["group_size"]) == ("none", "none", "32", "-1")
     assert {labels[f"kernel_{kind}"] for kind in KINDS} == {"onednn-packed"}
+
+
+def test_an_engine_core_process_reports_its_weights_too(tmp_path):
+    """The summary is built where the weights are (the engine-core process) and reaches the API process."""
+    qdir, _ = write_quantized(str(tmp_path), "awq", seed=4)
+    settings = ServerSettings(served_model_names=[MODEL_NAME], api_key=API_KEY, engine_core="process")
+    with live_server(qdir, settings) as server:
+        labels = quant_config_info(server.url)
+    assert (labels["method"], labels["bits"], labels["group_size"]) == ("awq", "4", "32")
+    assert labels["kernel_gate_up_proj"] == "int4-cpu-unpacked-float32" and int(labels["weight_bytes"]) > 0
