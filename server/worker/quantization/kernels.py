@@ -32,13 +32,11 @@ from pagedllm.server.worker.quantization.fp8_kernels import choose_fp8_kernel
 
 INT4_CPU_GROUPS = (32, 64, 128, 256)
 TILE_ELEMENTS = 1 << 21
-"""Weights widened per tile of :meth:`Int4CpuKernel.unpacked_mm` on one thread (4 MiB of bfloat16: no fresh
-pages per call, and the GEMM reads the tile from the cache)."""
-TILE_ELEMENTS_THREADED = 1 << 24
-"""The same with several threads (32 MiB of bfloat16: every projection of a 0.5B model in one tile, a 7B
-model's gate/up in six): each tile's GEMM is a parallel region that waits for its slowest thread, which on a
-shared machine is a scheduler time slice now and then. Qwen2.5-0.5B's gate/up at 64 rows, 2 threads, shared
-2-core machine: 8.5 ms in one tile, 48 in three, 80 in five (packed matmul: 8.9); 1 thread: 4.4 / 4.0 / 4.0."""
+"""Weights widened per tile of :meth:`Int4CpuKernel.unpacked_mm` (4 MiB of bfloat16: no fresh pages per call,
+and the GEMM reads the tile back from the cache). Qwen2.5-0.5B's gate/up at 64 rows, quiet 2-core machine,
+1 / 2 threads: 4.0 / 2.7 ms in 4 MiB tiles, 9.0 / 7.6 in one 17 MiB tile (fresh pages each call), packed
+matmul 6.5 / 3.4. NOTE: each tile's GEMM is a parallel region that waits for its slowest thread; where
+other processes hold the cores (load average ~3 on 2 cores), 5 tiles took 80 ms against one tile's 8.5."""
 DENSE_ROWS_FLOAT32 = 1
 """Rows from which a float32 call unpacks the int4 weight and runs a dense GEMM: always, since torch's packed
 int4 matmul has no fast float32 path (measured on a 2-core AVX-512-BF16 EPYC, Qwen2.5-0.5B's 4864 x 896
@@ -132,11 +130,10 @@ class Int4CpuKernel(nn.Module):
 
     def unpacked_mm(self, x: torch.Tensor) -> torch.Tensor:
         """``x @ W.T`` [rows, N] through dense GEMMs: the weight widened to ``x``'s dtype (``(q - 8) * scale +
-        zero_f`` in float32, rounded once) a tile of columns at a time (:data:`TILE_ELEMENTS`,
-        :data:`TILE_ELEMENTS_THREADED`), into one buffer reused for every tile."""
+        zero_f`` in float32, rounded once) a tile of columns at a time (:data:`TILE_ELEMENTS`), into one
+        buffer reused for every tile."""
         n, k = self.dims
-        elements = TILE_ELEMENTS if torch.get_num_threads() == 1 else TILE_ELEMENTS_THREADED
-        width = min(n, max(64, elements // k // 64 * 64))
+        width = min(n, max(64, TILE_ELEMENTS // k // 64 * 64))
         tile = torch.empty(k, width, dtype=x.dtype)
         parts = []
         for first in range(0, n, width):

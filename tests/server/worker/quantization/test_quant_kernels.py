@@ -59,9 +59,7 @@ def test_int4_cpu_matches_float64(group, rows):
 def test_int4_cpu_unpacked_a_tile_at_a_time_matches_float64(dtype, monkeypatch):
     import pagedllm.server.worker.quantization.kernels as kernels
 
-    # NOTE: three tiles of 64 output columns, on any number of threads
-    monkeypatch.setattr(kernels, "TILE_ELEMENTS", 64 * K)
-    monkeypatch.setattr(kernels, "TILE_ELEMENTS_THREADED", 64 * K)
+    monkeypatch.setattr(kernels, "TILE_ELEMENTS", 64 * K)  # NOTE: three tiles of 64 output columns
     gen = torch.Generator().manual_seed(5)
     q = torch.randint(0, 16, (192, K), generator=gen).to(torch.uint8)
     scales, zeros = torch.rand(192, K // 32, generator=gen) * 0.1 + 0.01, torch.randint(0, 16, (192, K // 32))
