@@ -45,8 +45,8 @@ DENSE_ROWS_BFLOAT16 = 64
 """Rows from which a bfloat16 call does the same. The packed matmul's cost grows with every row (it widens
 each weight again per block of 4 rows and multiplies in float32), the unpacked weight's GEMM hardly does:
 per Qwen2.5-0.5B layer (the four projections), in-process A/B (``benchmarks/quant_linear.py``, a shared
-2-core AVX-512-BF16 EPYC), they are even at 32 rows and the widened weight wins at 64: 33.2 -> 24.2 ms
-on 1 thread, 39.4 -> 28.9 on 2."""
+2-core AVX-512-BF16 EPYC, quiet), they are about even at 32 rows and the widened weight wins at 64:
+11.1 -> 6.6 ms on 1 thread, 5.7 -> 4.5 on 2 (bf16 weights: 4.7 and 2.4)."""
 
 
 class DequantizeKernel(nn.Module):
