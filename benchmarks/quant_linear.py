@@ -1,40 +1,57 @@
-"""Quantized linear kernels at decode sizes on the CPU: which one the engine should run.
+"""Quantized linear kernels at decode sizes on the CPU: which one the engine should run, per row count.
 
 For a ``--shape``'s layer projections (fused q/k/v, o, fused gate/up, down; ``--layers``
 copies with their own weights, so a pass reads them from memory as a decode step does),
-random 4-bit weights with group 128 and zero points, and ``--rows`` 1, 4, 16 of bfloat16
-activations, the time of one pass through:
+random 4-bit weights with group 128 and zero points (AWQ's layout), and ``--rows`` of
+bfloat16 activations, the median time of one pass through each candidate:
 
-  - ``bf16``        the unquantized weights, oneDNN-packed (what an unquantized model runs);
-  - ``int4-cpu``    torch's packed int4 weight-only matmul (``_weight_int4pack_mm_for_cpu``);
-  - ``int8-cpu``    torch's int8 weight-only matmul, per channel (``_weight_int8pack_mm``);
-  - ``int8-w8a8``   activations quantized to int8 per token, an int32 GEMM (``torch._int_mm``);
-  - ``dequantize``  the weight dequantized per call, then one bf16 GEMM (the reference).
+  - ``int4``        torch's packed int4 matmul (``_weight_int4pack_mm_for_cpu``), the weight never widened;
+  - ``int4-deq``    the same packed weight widened to bfloat16 per call, a tile at a time
+                    (``pagedllm.kernels.int4_unpack_cpu``), each tile through oneDNN's GEMM;
+  - ``engine``      what the engine's ``int4-cpu`` layer runs: ``int4`` below ``DENSE_ROWS_BFLOAT16``
+                    rows, ``int4-deq`` from there;
+  - ``bf16``        the unquantized weight, oneDNN-packed (what a bfloat16 model runs: the peer);
+  - ``bf16-plain``  the unquantized weight through ``F.linear`` (no prepacking);
+  - ``int8``        torch's int8 weight-only matmul, per channel (``_weight_int8pack_mm``);
+  - ``w8a8``        activations quantized to int8 per token, an int32 GEMM (``torch._int_mm``).
 
-    OMP_NUM_THREADS=2 python -m benchmarks.quant_linear --threads 2 --shape qwen2.5-0.5b
+Each repeat runs every (threads, candidate) pair once, in turn, in this one process
+(``torch.set_num_threads`` switched between them), so a busy neighbour slows all of them
+alike; the table gives medians, ``bf16 / int4`` and ``bf16 / engine`` (above 1: faster than bfloat16)
+and the fastest of the 4-bit candidates. ``--kernels`` picks candidates (default: the first five)::
+
+    python -m benchmarks.quant_linear --shape qwen2.5-0.5b --threads 1 2 --rows 1 4 8 16 32 64
+
+``--out`` writes the rows as JSON. torch 2.13's other 4-bit CPU entry points do not serve:
+``_weight_int4pack_mm`` and ``_weight_int4pack_mm_with_scales_and_zeros`` have no CPU kernel,
+and ``_dyn_quant_matmul_4bit`` (int8 activations) runs a reference loop on x86 (27 ms for the
+gate/up projection at one row, 330 ms at 16).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
+import time
+from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 
-from benchmarks.common import HelpFormatter, set_threads
-from benchmarks.cpu_linear import layer_shapes, median_s
+from benchmarks.common import HelpFormatter
+from benchmarks.cpu_linear import layer_shapes
 from pagedllm.server.worker.models.cpu_linear import linear, pack_weight
 from pagedllm.server.worker.quantization.base import QuantizedWeight
-from pagedllm.server.worker.quantization.kernels import (
-    DequantizeKernel,
-    Int4CpuKernel,
-    Int8CpuKernel,
-    Int8W8A8CpuKernel,
-)
+from pagedllm.server.worker.quantization.kernels import Int4CpuKernel, Int8CpuKernel, Int8W8A8CpuKernel
+
+CANDIDATES = ("int4", "int4-deq", "engine", "bf16", "bf16-plain", "int8", "w8a8")
+QUANTIZED = ("int4", "int4-deq")
+"""The candidates that run from the 4-bit weight alone: the ones a 4-bit model may switch between."""
 
 
-def kernels(shape: tuple[int, int], group: int) -> dict:
-    """Every candidate for one random [out, in] weight, keyed by name."""
+def kernels(shape: tuple[int, int], group: int, names: tuple[str, ...]) -> dict[str, Callable]:
+    """Every candidate in ``names`` for one random [out, in] weight, keyed by name."""
     n, k = shape
     q4 = QuantizedWeight(
         torch.randint(0, 16, (n, k), dtype=torch.uint8),
@@ -43,52 +60,101 @@ def kernels(shape: tuple[int, int], group: int) -> dict:
         group,
         4,
     )
-    q8 = QuantizedWeight(
+    int4 = Int4CpuKernel(q4, torch.bfloat16)
+    plain = q4.dequantize(torch.bfloat16)
+    builders: dict[str, Callable[[], Callable]] = {
+        "int4": lambda: int4.packed_mm,
+        "int4-deq": lambda: int4.unpacked_mm,
+        "engine": lambda: int4,
+        "bf16": lambda: (lambda w: lambda x: linear(x, w))(pack_weight(plain)),
+        "bf16-plain": lambda: lambda x: F.linear(x, plain),
+        "int8": lambda: Int8CpuKernel(_int8(n, k), torch.bfloat16),
+        "w8a8": lambda: Int8W8A8CpuKernel(_int8(n, k)),
+    }
+    return {name: builders[name]() for name in names}
+
+
+def _int8(n: int, k: int) -> QuantizedWeight:
+    return QuantizedWeight(
         torch.randint(-127, 128, (n, k), dtype=torch.int8), torch.rand(n, 1) * 0.01, None, k, 8, None, True
     )
-    bf16 = pack_weight(q4.dequantize(torch.bfloat16))
-    return {
-        "bf16": lambda x: linear(x, bf16),
-        "int4-cpu": Int4CpuKernel(q4, torch.bfloat16),
-        "int8-cpu": Int8CpuKernel(q8, torch.bfloat16),
-        "int8-w8a8": Int8W8A8CpuKernel(q8),
-        "dequantize": DequantizeKernel(q4),
-    }
+
+
+def time_case(fns: dict[str, Callable[[], object]], threads: list[int], repeats: int) -> dict[tuple[int, str], float]:
+    """Median seconds of each (threads, candidate), every repeat running each pair once in a rotating order."""
+    pairs = [(t, name) for t in threads for name in fns]
+    times: dict[tuple[int, str], list[float]] = {pair: [] for pair in pairs}
+    for t, name in pairs:  # NOTE: warm-up: first-call allocations and oneDNN primitive creation
+        torch.set_num_threads(t)
+        fns[name]()
+    for repeat in range(repeats):
+        shift = repeat % len(pairs)
+        for t, name in pairs[shift:] + pairs[:shift]:
+            torch.set_num_threads(t)
+            start = time.perf_counter()
+            fns[name]()
+            times[(t, name)].append(time.perf_counter() - start)
+    return {pair: statistics.median(values) for pair, values in times.items()}
 
 
 def run(args: argparse.Namespace) -> list[dict]:
-    shapes = list(layer_shapes(args.shape).values()) * args.layers
-    layers = [kernels(shape, args.group) for shape in shapes]
+    """One result row per (projection, rows, threads), then one per (rows, threads) for the whole layer."""
+    shapes = layer_shapes(args.shape)
+    names = tuple(args.kernels)
     results = []
+    for proj, shape in shapes.items():
+        layers = [kernels(shape, args.group, names) for _ in range(args.layers)]
+        for rows in args.rows:
+            x = torch.randn(rows, shape[1], dtype=torch.bfloat16)
+            fns = {name: passes([layer[name] for layer in layers], x) for name in names}
+            medians = time_case(fns, args.threads, args.repeats)
+            for t in args.threads:
+                ms = {name: medians[(t, name)] / args.layers * 1e3 for name in names}
+                results.append({"proj": proj, "shape": list(shape), "rows": rows, "threads": t, "ms": ms})
+                print(format_row(results[-1]), flush=True)
     for rows in args.rows:
-        inputs = {k: torch.randn(rows, k, dtype=torch.bfloat16) for _, k in shapes}
-        row: dict = {"rows": rows}
-        for name in layers[0]:
-            fns = [(layer[name], inputs[k]) for layer, (_, k) in zip(layers, shapes)]
-            row[f"{name}_ms"] = median_s(lambda fns=fns: [fn(x) for fn, x in fns], args.repeats) * 1e3
-        results.append(row)
-        print(f"rows {rows:3d}: " + " | ".join(f"{k[:-3]} {v:7.2f} ms" for k, v in row.items() if k != "rows"))
+        for t in args.threads:
+            parts = [r for r in results if r["rows"] == rows and r["threads"] == t]
+            ms = {name: sum(r["ms"][name] for r in parts) for name in names}
+            results.append({"proj": "layer", "shape": None, "rows": rows, "threads": t, "ms": ms})
+            print(format_row(results[-1]), flush=True)
     return results
+
+
+def passes(fns: list[Callable], x: torch.Tensor) -> Callable[[], list]:
+    """One pass: each copy of a projection applied to ``x``."""
+    return lambda: [fn(x) for fn in fns]
+
+
+def format_row(row: dict) -> str:
+    ms = row["ms"]
+    cells = " | ".join(f"{name} {value:7.3f}" for name, value in ms.items())
+    ratio = "".join(
+        f" | bf16/{name} {ms['bf16'] / ms[name]:.2f}" for name in ("int4", "engine") if "bf16" in ms and name in ms
+    )
+    quantized = [name for name in QUANTIZED if name in ms]
+    fastest = f" | fastest 4-bit: {min(quantized, key=ms.__getitem__)}" if quantized else ""
+    return f"{row['proj']:>8s} rows {row['rows']:3d} threads {row['threads']}: {cells} ms{ratio}{fastest}"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks.quant_linear", description=__doc__, formatter_class=HelpFormatter
     )
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: the CPU quota)")
+    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2], help="torch threads, alternated")
     parser.add_argument("--shape", default="qwen2.5-0.5b", help="model shape (benchmarks/model_shapes.py)")
-    parser.add_argument("--layers", type=int, default=4, help="layers of their own weights per pass")
+    parser.add_argument("--layers", type=int, default=3, help="copies of each projection, own weights, per pass")
     parser.add_argument("--group", type=int, default=128, help="4-bit group size")
-    parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16], help="rows per pass (decode batch)")
-    parser.add_argument("--repeats", type=int, default=7, help="timed passes per case (median reported)")
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 16, 32, 64], help="rows per pass")
+    parser.add_argument("--kernels", nargs="+", default=list(CANDIDATES[:5]), choices=CANDIDATES, help="candidates")
+    parser.add_argument("--repeats", type=int, default=21, help="timed passes per case (median reported)")
     parser.add_argument("--out", default=None, help="write the rows as JSON to this file")
     args = parser.parse_args()
-    threads = set_threads(args.threads)
     with torch.inference_mode():
         results = run(args)
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"shape": args.shape, "threads": threads, "rows": results}, f, indent=2)
+            json.dump({"shape": args.shape, "group": args.group, "rows": results}, f, indent=2)
 
 
 if __name__ == "__main__":

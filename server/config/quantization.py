@@ -19,8 +19,6 @@ and what is allowed, never half-loaded::
 
 from __future__ import annotations
 
-import json
-import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -67,6 +65,44 @@ class QuantConfig:
         }
 
 
+@dataclass(frozen=True)
+class WeightsSummary:
+    """The loaded weights as they run: their format, the kernel of each kind of linear layer and their bytes.
+
+    Built by the worker once the weights are in; the start-up banner and ``quant_config_info`` show it.
+    """
+
+    quant: QuantConfig | None
+    """How the projections are quantized (None: plain weights)."""
+    dtype_bits: int
+    """Bits of the model's dtype (what plain weights and activations take)."""
+    kernels: tuple[tuple[str, str], ...]
+    """(linear kind, kernel) pairs, e.g. ``("qkv_proj", "int4-cpu")``; a kind run by several kernels lists them."""
+    weight_bytes: int
+    """Bytes the weights take as they run on this rank (packed levels, scales and zero points included)."""
+
+    def labels(self) -> dict[str, str]:
+        """The ``quant_config_info`` labels: method, format, bits, group size, one kernel label per kind, bytes."""
+        if self.quant is not None:
+            base = self.quant.describe()
+        else:
+            base = {"method": "none", "format": "none", "bits": str(self.dtype_bits), "group_size": "-1"}
+            base |= {"sym": "", "desc_act": ""}
+        kernels = {f"kernel_{kind}": kernel for kind, kernel in self.kernels}
+        return {**base, **kernels, "weight_bytes": str(self.weight_bytes)}
+
+    def banner(self) -> str:
+        """One line for the start-up banner, e.g. ``awq awq 4-bit group 128, kernels: qkv_proj int4-cpu, ...``."""
+        q = self.quant
+        if q is None:
+            head = f"none ({self.dtype_bits}-bit)"
+        else:
+            group = "per channel" if q.group_size < 0 else f"group {q.group_size}"
+            head = f"{q.method} {q.format} {q.bits}-bit {group}"
+        kernels = ", ".join(f"{kind} {kernel}" for kind, kernel in self.kernels)
+        return f"{head}, kernels: {kernels}, weights {self.weight_bytes / 2**20:.2f} MiB"
+
+
 def quant_config_from_hf(hf_config: dict) -> QuantConfig | None:
     """The checkpoint's :class:`QuantConfig`, or None for an unquantized model (refuses what is unsupported)."""
     qc = hf_config.get(_FIELD)
@@ -100,19 +136,6 @@ def with_quantization(hf_config: dict, quantization: str | None) -> dict:
         allowed = f"{own!r} (what the checkpoint holds)" if own else f"one of {sorted(ONLINE)} (quantized at load)"
         raise ConfigError("quantization", quantization, allowed, problem="does not match the checkpoint")
     return hf_config
-
-
-def model_quant_config(model_dir: str | None, quantization: str | None) -> QuantConfig | None:
-    """What a model directory's weights are (its ``config.json``) under ``--quantization``; torch-free.
-
-    NOTE: for those that only have the engine's configuration (the API server's metrics).
-    """
-    hf_config: dict = {}
-    path = os.path.join(model_dir, "config.json") if model_dir else None
-    if path is not None and os.path.isfile(path):
-        with open(path) as f:
-            hf_config = json.load(f)
-    return quant_config_from_hf(with_quantization(hf_config, quantization))
 
 
 def _awq(qc: dict) -> QuantConfig:

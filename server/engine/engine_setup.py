@@ -175,7 +175,8 @@ def describe(engine: LLMEngine, host: str | None = None, port: int | None = None
     """The start-up summary a person reads: what runs where, and how much cache it has."""
     runner, bm, config = engine.runner, engine.block_manager, engine.config
     lines = [
-        f"model            {config.model.model}" + (f" ({runner.quant_info})" if runner.quant_info else ""),
+        f"model            {config.model.model}",
+        f"weights          {runner.weights.banner()}",
         f"dtype / device   {str(runner.dtype).removeprefix('torch.')} on {runner.device}"
         f" x {config.parallel.tensor_parallel_size} rank(s), {runner.threads.threads} CPU thread(s)",
         f"attention        {runner.ops.name}",

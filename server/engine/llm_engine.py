@@ -121,7 +121,9 @@ class LLMEngine:
         # NOTE: a single sequence must always fit in the cache on its own, else it could never finish.
         bm = self.block_manager
         capacity = (bm.gpu.num_blocks - bm.watermark_blocks) * bm.block_size
-        self.model_info: ModelInfo = dataclasses.replace(info, max_model_len=min(info.max_model_len, capacity))
+        self.model_info: ModelInfo = dataclasses.replace(
+            info, max_model_len=min(info.max_model_len, capacity), weights=self.runner.weights
+        )
         limit = self.model_info.max_model_len
         self.lora_slots = LoRASlots(config.lora.max_loras) if config.lora.enable_lora else None
         self.loras = LoRARegistry(self.runner.lora, self.lora_slots)

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagedllm.server.config import ConfigError, EngineConfig
+from pagedllm.server.config.quantization import WeightsSummary
 
 SAMPLING_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
@@ -28,6 +29,8 @@ class ModelInfo:
     """Sampling defaults from the model's generation_config.json (temperature, top_p, ...)."""
     pooling_type: str = "last"
     """How embedding requests pool hidden states when they do not say (see :func:`pooling_type`)."""
+    weights: WeightsSummary | None = None
+    """The loaded weights: quantization, each linear kind's kernel, bytes (None until they are loaded)."""
 
 
 def read_model_info(config: EngineConfig, hf_config: dict[str, Any], tokenizer: Any) -> ModelInfo:

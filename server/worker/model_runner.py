@@ -28,7 +28,7 @@ from pagedllm.server.worker.models import model_class
 from pagedllm.server.worker.models.base import CausalLM
 from pagedllm.server.worker.models.fused_linear import finish_linears
 from pagedllm.server.worker.models.tensor_parallel import TPGroup
-from pagedllm.server.worker.quantization.linear import finish_quantized_layers, quant_info
+from pagedllm.server.worker.quantization.linear import finish_quantized_layers, weights_summary
 from pagedllm.server.worker.sampler import Sampler
 from pagedllm.server.worker.sampling_batch import SamplerOutput
 from pagedllm.server.worker.triton_warmup import WarmupShapes, warm_up
@@ -131,8 +131,8 @@ class ModelRunner:
         fused, packed = finish_linears(model, self.device, self.config.lora.enable_lora)  # type: ignore[arg-type]
         logger.info("%d layers' projections fused, %d linear weights packed for oneDNN", fused, packed)
         finish_quantized_layers(model, self.device, self.dtype)  # type: ignore[arg-type]
-        self.quant_info = quant_info(model)  # type: ignore[arg-type]
-        """The quantization and its kernels, for the banner (None: plain weights)."""
+        self.weights = weights_summary(model, self.dtype)  # type: ignore[arg-type]
+        """The weights' quantization (or none), each linear kind's kernel and the bytes: banner and metrics."""
         return model.eval()
 
     # -- KV cache -----------------------------------------------------------------------

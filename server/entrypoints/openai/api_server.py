@@ -20,6 +20,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagedllm.server.config import ConfigError, EngineConfig
+from pagedllm.server.config.quantization import WeightsSummary
 from pagedllm.server.engine.async_engine import AsyncLLMEngine
 from pagedllm.server.entrypoints.openai.errors import (
     APIError,
@@ -86,7 +87,7 @@ def build_app(config: EngineConfig, settings: ServerSettings | None = None) -> F
         )
     names = settings.served_model_names or [default_model_name(config)]
     engine = make_engine(config, settings)
-    metrics = ServerMetrics(names[0], config, engine.stats)
+    metrics = ServerMetrics(names[0], config, engine.stats, lambda: _loaded_weights(engine))
     engine.observer = metrics.observe
     max_waiting = settings.max_queue_len or 4 * config.scheduler.max_num_seqs
     serving = OpenAIServing(
@@ -123,6 +124,11 @@ def build_app(config: EngineConfig, settings: ServerSettings | None = None) -> F
     if settings.allow_runtime_lora_updating and config.lora.enable_lora:
         add_lora_routes(app, serving)
     return app
+
+
+def _loaded_weights(engine: AsyncLLMEngine) -> WeightsSummary | None:
+    """The engine's weights as they run (``quant_config_info``), once it has loaded them."""
+    return engine.model_info.weights if engine.model_info is not None else None
 
 
 def make_engine(config: EngineConfig, settings: ServerSettings) -> AsyncLLMEngine:

@@ -18,7 +18,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from pagedllm.server.config import EngineConfig
-from pagedllm.server.config.quantization import model_quant_config
+from pagedllm.server.config.quantization import WeightsSummary
 from pagedllm.server.engine.engine_stats import EngineStats
 from pagedllm.server.outputs import EmbeddingRequestOutput
 
@@ -95,7 +95,13 @@ REQUEST_BUCKETS = (
 class ServerMetrics:
     """The server's metrics in their own registry (so several servers can live in one process)."""
 
-    def __init__(self, model_name: str, config: EngineConfig, stats: Callable[[], EngineStats | None]) -> None:
+    def __init__(
+        self,
+        model_name: str,
+        config: EngineConfig,
+        stats: Callable[[], EngineStats | None],
+        weights: Callable[[], WeightsSummary | None] = lambda: None,
+    ) -> None:
         self.model_name = model_name
         # NOTE: a process-wide switch: no `*_created` sample beside every counter and histogram.
         disable_created_metrics()
@@ -150,7 +156,7 @@ class ServerMetrics:
             labels + ["lora_name"],
             registry=reg,
         )
-        reg.register(EngineStatsCollector(model_name, config, stats))
+        reg.register(EngineStatsCollector(model_name, config, stats, weights))
 
     def count_rejected(self, reason: str) -> None:
         self.requests_rejected.labels(self.model_name, reason).inc()
@@ -201,11 +207,18 @@ class ServerMetrics:
 class EngineStatsCollector(Collector):
     """Engine-owned numbers, read from the newest stats snapshot when Prometheus scrapes."""
 
-    def __init__(self, model_name: str, config: EngineConfig, stats: Callable[[], EngineStats | None]) -> None:
+    def __init__(
+        self,
+        model_name: str,
+        config: EngineConfig,
+        stats: Callable[[], EngineStats | None],
+        weights: Callable[[], WeightsSummary | None] = lambda: None,
+    ) -> None:
         self.model_name = model_name
         self.config = config
         self.stats = stats
-        self.quant = model_quant_config(config.model.model, config.model.quantization)
+        self.weights = weights
+        """The loaded weights' summary (None until the engine has loaded them)."""
 
     def collect(self) -> Iterator:
         stats = self.stats()
@@ -253,8 +266,9 @@ class EngineStatsCollector(Collector):
         if stats.max_lora:
             yield _lora_info(stats)
         yield self._cache_config_info(stats, "pagedllm:cache_config_info")
-        if self.quant is not None:
-            yield _quant_config_info(self.model_name, self.quant.describe())
+        weights = self.weights()
+        if weights is not None:
+            yield _quant_config_info(self.model_name, weights.labels())
         yield self._cache_config_info(stats, "vllm:cache_config_info")  # NOTE: prefix-aware routing reads it
 
     def _vllm_names(self, stats: EngineStats) -> Iterator:
@@ -312,7 +326,9 @@ class EngineStatsCollector(Collector):
 
 
 def _quant_config_info(model_name: str, quant: dict[str, str]) -> GaugeMetricFamily:
-    """The quantized weights' format and the kernels that run them, in the labels (like ``cache_config_info``)."""
+    """The weights' quantization (method ``none`` for plain weights), bits, group size, the kernel of each
+    linear kind on this device (``kernel_qkv_proj``, ...) and ``weight_bytes``, in the labels (like
+    ``cache_config_info``)."""
     info = {"model_name": model_name, **quant}
     gauge = GaugeMetricFamily(
         "pagedllm:quant_config_info", "Information of the weight quantization.", labels=list(info)

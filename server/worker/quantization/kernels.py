@@ -9,9 +9,11 @@
     fp8-triton    CUDA    float8 [N, K] + channel or block scales    other GPUs, block-wise scales
     dequantize    any     the integer / fp8 levels as loaded         everything else (the reference)
 
-``python -m benchmarks.quant_linear`` measures them at a real model's sizes (2 threads,
-Qwen2.5-0.5B's projections, 1..16 rows of bfloat16): the packed int4 matmul reads a quarter of
-the bytes of bfloat16 and beats dequantizing per call by far at decode sizes.
+``python -m benchmarks.quant_linear`` measures them at a real model's sizes (Qwen2.5-0.5B's
+projections, 1..64 rows of bfloat16, 1 and 2 threads): the packed int4 matmul reads a quarter of
+the bytes of bfloat16 and wins at decode sizes, but its cost grows with every row; from
+``dense_rows`` rows (:data:`DENSE_ROWS_BFLOAT16`; always in float32) ``int4-cpu`` widens the
+packed weight a tile at a time (``pagedllm.kernels.int4_unpack_cpu``) and runs oneDNN's GEMM.
 
 The torch int4 CPU matmul computes ``(q - 8) * scale + zero_f`` per group, so a zero level
 ``z`` becomes the float offset ``zero_f = (8 - z) * scale`` (exact in float32; rounded once to
@@ -24,15 +26,27 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm.kernels.int4_unpack_cpu import int4_unpack_cpu
 from pagedllm.server.worker.quantization.base import QuantizedWeight, pack_int32
 from pagedllm.server.worker.quantization.fp8_kernels import choose_fp8_kernel
 
 INT4_CPU_GROUPS = (32, 64, 128, 256)
+TILE_ELEMENTS = 1 << 21
+"""Weights widened per tile of :meth:`Int4CpuKernel.unpacked_mm` (4 MiB of bfloat16: no fresh pages per call,
+and the GEMM reads the tile back from the cache). Qwen2.5-0.5B's gate/up at 64 rows, quiet 2-core machine,
+1 / 2 threads: 4.0 / 2.7 ms in 4 MiB tiles, 9.0 / 7.6 in one 17 MiB tile (fresh pages each call), packed
+matmul 6.5 / 3.4. NOTE: each tile's GEMM is a parallel region that waits for its slowest thread; where
+other processes hold the cores (load average ~3 on 2 cores), 5 tiles took 80 ms against one tile's 8.5."""
 DENSE_ROWS_FLOAT32 = 1
 """Rows from which a float32 call unpacks the int4 weight and runs a dense GEMM: always, since torch's packed
 int4 matmul has no fast float32 path (measured on a 2-core AVX-512-BF16 EPYC, Qwen2.5-0.5B's 4864 x 896
-projection: 15-23 ms per row, linear in rows). In bfloat16 it stays packed: 0.07 / 0.39 / 1.7 ms at 1 / 16 /
-64 rows, while unpacking alone takes ~8 ms (best of 40 calls; a shared, loaded machine)."""
+projection: 15-23 ms per row, linear in rows)."""
+DENSE_ROWS_BFLOAT16 = 64
+"""Rows from which a bfloat16 call does the same. The packed matmul's cost grows with every row (it widens
+each weight again per block of 4 rows and multiplies in float32), the unpacked weight's GEMM hardly does:
+per Qwen2.5-0.5B layer (the four projections), in-process A/B (``benchmarks/quant_linear.py``, a shared
+2-core AVX-512-BF16 EPYC, quiet), they are about even at 32 rows and the widened weight wins at 64:
+11.1 -> 6.6 ms on 1 thread, 5.7 -> 4.5 on 2 (bf16 weights: 4.7 and 2.4)."""
 
 
 class DequantizeKernel(nn.Module):
@@ -86,8 +100,18 @@ class Int4CpuKernel(nn.Module):
         offsets = (8.0 - zeros) * scales
         # scales_and_zeros: [K / group, N, 2] in the activation dtype
         self.register_buffer("scales_and_zeros", torch.stack([scales.T, offsets.T], dim=-1).to(dtype).contiguous())
-        self.dense_rows = DENSE_ROWS_FLOAT32 if dtype == torch.float32 and self._unpacks(w.q) else None
+        dense_rows = {torch.float32: DENSE_ROWS_FLOAT32, torch.bfloat16: DENSE_ROWS_BFLOAT16}.get(dtype)
+        self.dense_rows = dense_rows if dense_rows is not None and self._unpacks(w.q) else None
         """From how many rows a call unpacks the weight and runs a dense GEMM (None: never)."""
+        self.label = self._label(str(dtype).removeprefix("torch."))
+        """What runs the product, for the banner and metrics: the packed matmul and/or the unpacked weight's GEMM."""
+
+    def _label(self, dtype: str) -> str:
+        if self.dense_rows is None:
+            return self.name
+        if self.dense_rows == 1:
+            return f"{self.name}-unpacked-{dtype}"
+        return f"{self.name}+unpacked-{dtype}-from-{self.dense_rows}-rows"
 
     @staticmethod
     def fits(w: QuantizedWeight) -> bool:
@@ -104,19 +128,29 @@ class Int4CpuKernel(nn.Module):
         blocks = self.packed.view(n // 64, k, 32)
         return torch.cat([blocks & 15, blocks >> 4], dim=2).transpose(1, 2).reshape(n, k)
 
-    def dense(self, dtype: torch.dtype) -> torch.Tensor:
-        """The weight [N, K] in ``dtype``: ``(q - 8) * scale + zero_f`` as the packed matmul computes it."""
+    def unpacked_mm(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ W.T`` [rows, N] through dense GEMMs: the weight widened to ``x``'s dtype (``(q - 8) * scale +
+        zero_f`` in float32, rounded once) a tile of columns at a time (:data:`TILE_ELEMENTS`), into one
+        buffer reused for every tile."""
         n, k = self.dims
-        g = self.group_size
-        scales = self.scales_and_zeros[..., 0].T.unsqueeze(-1).to(dtype)  # [N, K / g, 1]
-        offsets = self.scales_and_zeros[..., 1].T.unsqueeze(-1).to(dtype)
-        q = self.unpack().view(n, k // g, g).to(dtype)
-        return q.sub_(8).mul_(scales).add_(offsets).view(n, k)
+        width = min(n, max(64, TILE_ELEMENTS // k // 64 * 64))
+        tile = torch.empty(k, width, dtype=x.dtype)
+        parts = []
+        for first in range(0, n, width):
+            cols = tile if first + width <= n else tile[:, : n - first].contiguous()
+            int4_unpack_cpu(self.packed, self.scales_and_zeros, self.group_size, cols, first)
+            parts.append(torch.mm(x, cols))
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+
+    def packed_mm(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ W.T`` [rows, N] by torch's packed int4 matmul, the weight never widened."""
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.group_size, self.scales_and_zeros)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [rows, K] -> [rows, N]
         if self.dense_rows is not None and x.shape[0] >= self.dense_rows:
-            return F.linear(x, self.dense(x.dtype))
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.group_size, self.scales_and_zeros)
+            return self.unpacked_mm(x)
+        return self.packed_mm(x)
 
 
 class Int8CpuKernel(nn.Module):

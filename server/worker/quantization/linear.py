@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from pagedllm.server.config import ConfigError
-from pagedllm.server.config.quantization import QuantConfig
+from pagedllm.server.config.quantization import QuantConfig, WeightsSummary
 from pagedllm.server.worker.quantization import awq, compressed_tensors, fp8, gptq
 from pagedllm.server.worker.quantization.base import QuantizedWeight, TensorSpec, concat_weights
 from pagedllm.server.worker.quantization.kernels import choose_kernel
@@ -196,17 +196,44 @@ def finish_quantized_layers(model: nn.Module, device: torch.device, dtype: torch
     return len(layers)
 
 
-def quant_info(model: nn.Module) -> str | None:
-    """``model``'s quantized format, the kernels its layers run and its weights' bytes, for the banner;
-    None when it has none."""
+def weights_summary(model: nn.Module, dtype: torch.dtype) -> WeightsSummary:
+    """What ``model``'s weights are and which kernel runs each kind of linear layer, for the banner and
+    ``quant_config_info``; a model without quantized layers is method ``none``."""
     layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
-    if not layers:
-        return None
-    cfg = layers[0].cfg
-    kernels = ", ".join(sorted({getattr(layer.kernel, "name", "?") for layer in layers}))
-    group = "per channel" if cfg.group_size < 0 else f"group {cfg.group_size}"
-    weights = f"weights {weight_bytes(model) / 2**20:.2f} MiB"
-    return f"{cfg.method} {cfg.format} {cfg.bits}-bit {group}, kernels: {kernels}, {weights}"
+    return WeightsSummary(
+        quant=layers[0].cfg if layers else None,
+        dtype_bits=torch.finfo(dtype).bits,
+        kernels=linear_kernels(model),
+        weight_bytes=weight_bytes(model),
+    )
+
+
+def linear_kernels(model: nn.Module) -> tuple[tuple[str, str], ...]:
+    """(kind, kernel) of every kind of linear layer in ``model``: the layer's name without its position
+    (``qkv_proj``, ``experts_down_proj``, ``lm_head``), and what runs it on this device."""
+    found: dict[str, set[str]] = {}
+    for name, module in model.named_modules():
+        kernel = _kernel_label(module)
+        if kernel is None:
+            continue
+        parts = name.split(".")
+        kind = ("experts_" if "experts" in parts[:-1] else "") + parts[-1]
+        found.setdefault(kind, set()).add(kernel)
+    return tuple((kind, "+".join(sorted(kernels))) for kind, kernels in sorted(found.items()))
+
+
+def _kernel_label(module: nn.Module) -> str | None:
+    """What runs ``module``'s product, or None when it is no linear layer.
+
+    NOTE: imported here, not at the top, for the cycle :func:`mark_shard` explains.
+    """
+    from pagedllm.server.worker.models.cpu_linear import PackableLinear
+
+    if isinstance(module, QuantLinear):
+        return getattr(module.kernel, "label", getattr(module.kernel, "name", None))
+    if isinstance(module, PackableLinear) and isinstance(getattr(module, "weight", None), torch.Tensor):
+        return "onednn-packed" if module.weight.is_mkldnn else "torch-linear"
+    return None
 
 
 def weight_bytes(model: nn.Module) -> int:

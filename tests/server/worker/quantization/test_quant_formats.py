@@ -80,7 +80,7 @@ def test_online_quantization_matches_the_per_channel_twin(tmp_path, prompts, kin
     plain, twin = write_online(str(tmp_path), kind)
     llm = LLM(model=plain, quantization=kind, block_size=16, num_gpu_blocks_override=64)
     assert kernels(llm) == {kernel}
-    assert f"online-{kind} 8-bit per channel" in llm.llm_engine.runner.quant_info
+    assert f"online-{kind} 8-bit per channel" in llm.llm_engine.runner.weights.banner()
     check_greedy(llm, twin, prompts)
 
 
@@ -98,16 +98,24 @@ def test_preemption_and_prefix_caching_on_awq(tmp_path, prompts):
 def test_banner_and_metrics_name_the_quantization(tmp_path):
     from pagedllm.server.entrypoints.openai.metrics import EngineStatsCollector
 
-    qdir, _ = write_quantized(str(tmp_path), "gptq", seed=1)
+    qdir, twin = write_quantized(str(tmp_path), "gptq", seed=1)
     llm = LLM(model=qdir, block_size=16, num_gpu_blocks_override=16)
     mib = weight_bytes(llm.llm_engine.runner.model) / 2**20
-    banner = f"model            {qdir} (gptq gptq 4-bit group 32, kernels: int4-cpu, weights {mib:.2f} MiB)"
+    int4 = "int4-cpu-unpacked-float32"  # NOTE: a float32 model: the packed matmul has no fast float32 path
+    kernels = f"down_proj {int4}, gate_up_proj {int4}, lm_head onednn-packed, o_proj {int4}, qkv_proj {int4}"
+    banner = f"weights          gptq gptq 4-bit group 32, kernels: {kernels}, weights {mib:.2f} MiB"
     assert banner in llm.llm_engine.describe()
-    collector = EngineStatsCollector("tiny", llm.llm_engine.config, llm.llm_engine.stats)
+    weights = llm.llm_engine.model_info.weights
+    collector = EngineStatsCollector("tiny", llm.llm_engine.config, llm.llm_engine.stats, lambda: weights)
     [info] = [m for m in collector.collect() if m.name == "pagedllm:quant_config_info"]
     labels = info.samples[0].labels
     assert labels["method"] == "gptq" and labels["bits"] == "4" and labels["group_size"] == "32"
-    assert not [m for m in EngineStatsCollector("t", LLM_CONFIG, llm.llm_engine.stats).collect() if "quant" in m.name]
+    assert labels["kernel_down_proj"] == int4
+    assert labels["weight_bytes"] == str(weight_bytes(llm.llm_engine.runner.model))
+    plain = LLM(model=twin, block_size=16, num_gpu_blocks_override=16).llm_engine
+    assert plain.model_info.weights.labels()["method"] == "none"
+    plain_kernels = "kernels: down_proj onednn-packed, gate_up_proj onednn-packed"
+    assert f"weights          none (32-bit), {plain_kernels}" in plain.describe()
 
 
 def test_qwen2_biases_and_tied_embeddings_on_awq(tmp_path, prompts):
@@ -182,4 +190,4 @@ def test_the_weight_bytes_are_the_packed_bytes(tmp_path):
     projection_weights = sum(m.shape[0] * m.shape[1] for m in layers)
     want = weight_bytes(plain.llm_engine.runner.model) - 4 * projection_weights + projection_weights * (0.5 + 8 / 32)
     assert weight_bytes(quantized.llm_engine.runner.model) == want
-    assert f"weights {want / 2**20:.2f} MiB" in quantized.llm_engine.runner.quant_info
+    assert f"weights {want / 2**20:.2f} MiB" in quantized.llm_engine.runner.weights.banner()

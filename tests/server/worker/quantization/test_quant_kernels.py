@@ -8,6 +8,7 @@ from quant_writers import AWQ_ORDER, pack_rows
 
 from pagedllm.server.worker.quantization.base import QuantizedWeight, pack_int32, sort_by_groups, unpack_int32
 from pagedllm.server.worker.quantization.kernels import (
+    DENSE_ROWS_BFLOAT16,
     DequantizeKernel,
     Int4CpuKernel,
     Int8CpuKernel,
@@ -52,6 +53,19 @@ def test_int4_cpu_matches_float64(group, rows):
     assert_close(DequantizeKernel(w)(x), reference(w, x), 1e-5)
     bf16 = Int4CpuKernel(w, torch.bfloat16)
     assert_close(bf16(x.bfloat16()), reference(w, x.bfloat16()), 3e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int4_cpu_unpacked_a_tile_at_a_time_matches_float64(dtype, monkeypatch):
+    import pagedllm.server.worker.quantization.kernels as kernels
+
+    monkeypatch.setattr(kernels, "TILE_ELEMENTS", 64 * K)  # NOTE: three tiles of 64 output columns
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randint(0, 16, (192, K), generator=gen).to(torch.uint8)
+    scales, zeros = torch.rand(192, K // 32, generator=gen) * 0.1 + 0.01, torch.randint(0, 16, (192, K // 32))
+    w = QuantizedWeight(q, scales, zeros.float(), 32, 4)
+    x = torch.randn(40, K).to(dtype)
+    assert_close(Int4CpuKernel(w, dtype).unpacked_mm(x), reference(w, x), 1e-5 if dtype == torch.float32 else 3e-2)
 
 
 @pytest.mark.parametrize("rows", [1, 16])
@@ -120,8 +134,8 @@ def test_int4_cpu_in_float32_unpacks_exactly_what_it_packed():
     w = random_int4(64, seed=3)
     kernel = Int4CpuKernel(w, torch.float32)
     assert kernel.dense_rows == 1 and torch.equal(kernel.unpack(), w.q)
-    assert Int4CpuKernel(w, torch.bfloat16).dense_rows is None  # NOTE: bfloat16 always runs the packed matmul
-    assert_close(kernel.dense(torch.float64).float() @ torch.eye(K), reference(w, torch.eye(K)).T, 1e-6)
+    assert Int4CpuKernel(w, torch.bfloat16).dense_rows == DENSE_ROWS_BFLOAT16  # NOTE: packed below it
+    assert_close(kernel.unpacked_mm(torch.eye(K)), reference(w, torch.eye(K)), 1e-6)
 
 
 @pytest.mark.parametrize("rows", [1, 7, 16])
