@@ -4,10 +4,10 @@
   ``-strict`` variant: an unknown field is an error, as with ``fieldValidation=Strict``), one
   validator per kind built once.
 - Kinds of CRDs: the ``openAPIV3Schema`` of a CRD created in the emulator (the PagedLLM
-  CRD, or any other a test creates), or of one the tests vendor (``schemas/``: LeaderWorkerSet and KEDA's
-  HTTPScaledObject as published upstream), through :mod:`crd_jsonschema`; KEDA's
-  ScaledObject, the InferencePool and the PodMonitor through the project's own JSON
-  Schemas (:mod:`third_party_schemas`: no package registry ships those CRDs' YAML).
+  CRD, or any other a test creates), or of one the tests vendor as published upstream
+  (``schemas/``: LeaderWorkerSet, KEDA's ScaledObject and its HTTP add-on's HTTPScaledObject,
+  the Prometheus Operator's PodMonitor, the Gateway API Inference Extension's InferencePool),
+  through :mod:`crd_jsonschema`.
 
 :meth:`ApiSchemas.list_keys` gives the keys of every ``x-kubernetes-list-type: map`` list
 of a kind (``containers`` by ``name``, ``ports`` by ``containerPort`` and ``protocol``, ...),
@@ -34,11 +34,16 @@ import jsonschema
 import yaml
 from kubernetes_validate import utils as kv_utils
 from referencing import Registry, Resource
-from third_party_schemas import THIRD_PARTY, third_party_validator
 
 KUBERNETES_VERSION = "1.30"
 SCHEMAS = Path(__file__).parent / "schemas"
-VENDORED_CRDS = ("leaderworkerset.x-k8s.io_leaderworkersets.yaml.gz", "http.keda.sh_httpscaledobjects.yaml.gz")
+VENDORED_CRDS = (
+    "leaderworkerset.x-k8s.io_leaderworkersets.yaml.gz",
+    "http.keda.sh_httpscaledobjects.yaml.gz",
+    "keda.sh_scaledobjects.yaml.gz",
+    "monitoring.coreos.com_podmonitors.yaml.gz",
+    "inference.networking.k8s.io_inferencepools.yaml.gz",
+)
 
 Path_ = tuple[str, ...]  # field names, "[]" for a list's items
 
@@ -73,6 +78,11 @@ def _builtin(api_version: str, kind: str) -> tuple[jsonschema.Draft202012Validat
 def _definitions() -> dict:
     local = f"v{KUBERNETES_VERSION}.0-local-strict"
     return kv_utils.schema_contents(f"kubernetes-json-schema/{local}/_definitions.json", KUBERNETES_VERSION)
+
+
+def vendored_crd_schema(api_version: str, kind: str) -> dict | None:
+    """The ``openAPIV3Schema`` of a kind whose upstream CRD the tests vendor (``schemas/``), else ``None``."""
+    return _vendored_crds().get((api_version, kind))
 
 
 @functools.cache
@@ -183,8 +193,6 @@ class ApiSchemas:
         crd = self.crd_schema(api_version, kind)
         if crd is not None:
             return crd_jsonschema.resource_validator(crd)
-        if (api_version, kind) in THIRD_PARTY:
-            return third_party_validator(api_version, kind)
         found = _builtin(api_version, kind)
         return None if found is None else found[0]
 

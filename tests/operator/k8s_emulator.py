@@ -30,10 +30,8 @@ webhook or an immutable field would, and see the warnings the operator was answe
 (:meth:`EmulatedCluster.warnings`).
 
 The server runs on its own event loop in a thread, so the operator (a subprocess) and
-the synchronous tests both talk to it over HTTP. Known gaps: no admission webhooks,
-KEDA's ScaledObject, the InferencePool and the PodMonitor are checked against the
-project's own JSON Schemas (no package registry ships their CRDs' YAML), and the
-built-in defaults are those of the kinds the operator writes.
+the synchronous tests both talk to it over HTTP. Known gaps: no admission webhooks, and
+the built-in defaults are those of the kinds the operator writes.
 """
 
 from __future__ import annotations
