@@ -89,15 +89,24 @@ def picker_slice(namespace: str, service: str, ready: bool) -> dict:
     }
 
 
+SINCE = {"lastTransitionTime": "2026-01-01T00:00:00Z"}
+
+
 def accepted_by(gateway: str, accepted: str = "True", resolved: str = "True") -> dict:
     return {
         "status": {
             "parents": [
                 {
                     "parentRef": {"group": "gateway.networking.k8s.io", "kind": "Gateway", "name": gateway},
-                    "conditions": [
-                        {"type": "Accepted", "status": accepted, "reason": "Accepted", "message": ""},
-                        {"type": "ResolvedRefs", "status": resolved, "reason": "ResolvedRefs", "message": "refs"},
+                    "conditions": [  # metav1.Condition: the pool's CRD requires each field
+                        {"type": "Accepted", "status": accepted, "reason": "Accepted", "message": "", **SINCE},
+                        {
+                            "type": "ResolvedRefs",
+                            "status": resolved,
+                            "reason": "ResolvedRefs",
+                            "message": "refs",
+                            **SINCE,
+                        },
                     ],
                 }
             ]
