@@ -28,6 +28,7 @@ import kopf
 from pagedllm.operator.artifact_events import JOBS, on_job_event
 from pagedllm.operator.autoscaling import HPA, KEDA
 from pagedllm.operator.backoff import Backoff, RepairPacer
+from pagedllm.operator.kopf_session import session_login
 from pagedllm.operator.kube import ApiError, KubeClient, default_login
 from pagedllm.operator.leaderworkerset import LWS_RESOURCE
 from pagedllm.operator.manifests import GROUP, INSTANCE_LABEL, MANAGED_BY, PLURAL, VERSION, RenderConfig
@@ -115,9 +116,10 @@ def make_memo(
     )
 
 
-def login(settings: kopf.OperatorSettings, **_: Any) -> kopf.ConnectionInfo:
-    """kopf's credentials: the same ones :class:`KubeClient` uses."""
-    return default_login(settings)
+async def login(settings: kopf.OperatorSettings, **_: Any) -> kopf.AiohttpSession:
+    """kopf's credentials: the same ones :class:`KubeClient` uses, in a session that logs the API server's
+    warnings to kopf's own writes (status, progress, events); made here, on the operator's event loop."""
+    return session_login(default_login(settings))
 
 
 async def close_client(memo: kopf.Memo, **_: Any) -> None:
