@@ -191,3 +191,31 @@ def test_the_weight_bytes_are_the_packed_bytes(tmp_path):
     want = weight_bytes(plain.llm_engine.runner.model) - 4 * projection_weights + projection_weights * (0.5 + 8 / 32)
     assert weight_bytes(quantized.llm_engine.runner.model) == want
     assert f"weights {want / 2**20:.2f} MiB" in quantized.llm_engine.runner.weights.banner()
+
+
+def test_bfloat16_awq_prefill_through_the_widened_weight_matches_transformers_in_bfloat16(tmp_path, monkeypatch):
+    """Prompts of 64+ tokens run their prefill through the widened-weight GEMM (``dense_rows``), decodes
+    through the packed matmul: greedy tokens equal transformers in bfloat16 on the twin, by the bfloat16
+    tolerance of ``test_bfloat16_correctness``: at a first difference the reference's gap is under 0.5 nats
+    (a bfloat16 logit moves by 1/64 of its size). NOTE: no bound on how many sequences part: on this tiny
+    random model transformers in bfloat16 parts from itself in float32 on 4 of these 6 prompts."""
+    from pagedllm.server.worker.quantization.kernels import DENSE_ROWS_BFLOAT16, Int4CpuKernel
+
+    widened: list[int] = []
+    unpacked_mm = Int4CpuKernel.unpacked_mm
+
+    def spy(self, x):
+        widened.append(x.shape[0])
+        return unpacked_mm(self, x)
+
+    monkeypatch.setattr(Int4CpuKernel, "unpacked_mm", spy)
+    qdir, twin = write_quantized(str(tmp_path), "awq", seed=11)
+    llm = LLM(model=qdir, dtype="bfloat16", block_size=16, num_gpu_blocks_override=64, cpu_threads=1)
+    assert kernels(llm) == {"int4-cpu"}
+    long_prompts = make_prompts(6, min_len=DENSE_ROWS_BFLOAT16, max_len=120, seed=5)
+    ref = HFReference(twin, dtype=torch.bfloat16)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in long_prompts], GREEDY)
+    assert widened and min(widened) >= DENSE_ROWS_BFLOAT16
+    for prompt, out in zip(long_prompts, outputs):
+        assert_greedy_matches(ref, prompt, out.outputs[0].token_ids, ref.greedy(prompt, MAX_TOKENS), tol=0.5)
+    assert_all_blocks_free(llm)
