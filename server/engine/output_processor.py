@@ -9,7 +9,7 @@ import numpy as np
 
 from pagedllm.server.core.sequence import Logprobs, Sequence, SequenceGroup, SequenceStatus, StopReason
 from pagedllm.server.core.sequence_updates import SeqUpdate
-from pagedllm.server.engine.detokenizer import decode_new_text
+from pagedllm.server.engine.detokenizer import decode_new_text, text_decoder
 from pagedllm.server.outputs import CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
 from pagedllm.server.sampling_params import SamplingParams
 
@@ -24,6 +24,7 @@ class OutputProcessor:
 
     def __init__(self, tokenizer: Any, eos_token_ids: tuple[int, ...], max_model_len: int) -> None:
         self.tokenizer = tokenizer
+        self._decode = text_decoder(tokenizer) if tokenizer is not None else None
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
 
@@ -42,7 +43,7 @@ class OutputProcessor:
         ``logprobs`` and ``tops``: per token, its log-probability and the top alternatives (None: not
         asked for); the alternatives get their text here.
         """
-        tokenizer = self.tokenizer
+        decode = self._decode
         text, prefix, read = seq.output_text, seq.prefix_offset, seq.read_offset
         tail, start = seq.token_ids[prefix:], prefix  # NOTE: the detokenizer reads from prefix_offset on
         num_out = len(seq.output_token_ids)
@@ -52,12 +53,12 @@ class OutputProcessor:
         for token in token_ids:
             n += 1
             tail.append(token)
-            if tokenizer is not None:
+            if decode is not None:
                 top = tops[n - 1] if tops is not None else None
                 if top is not None:
                     for token_id, entry in top.items():
-                        entry.decoded_token = tokenizer.decode([token_id])
-                new, prefix, read = decode_new_text(tokenizer, tail, start, prefix, read, params.skip_special_tokens)
+                        entry.decoded_token = decode([token_id], False)
+                new, prefix, read = decode_new_text(decode, tail, start, prefix, read, params.skip_special_tokens)
                 text += new
             if check_stops:
                 finish, reason, text = self._stop(token, num_out + n, start + len(tail), text, params)
@@ -68,8 +69,8 @@ class OutputProcessor:
             tuple(token_ids[:n]),
             tuple(logprobs[:n]) if logprobs is not None else (None,) * n,
             tuple(tops[:n]) if tops is not None else (),
-            text if tokenizer is not None else None,
-            (prefix, read) if tokenizer is not None else None,
+            text if decode is not None else None,
+            (prefix, read) if decode is not None else None,
             finish,
             reason,
         )
