@@ -45,15 +45,17 @@ class OutputProcessor:
         """
         decode = self._decode
         text, prefix, read = seq.output_text, seq.prefix_offset, seq.read_offset
-        tail, start = seq.token_ids[prefix:], prefix  # NOTE: the detokenizer reads from prefix_offset on
+        length, start = len(seq.token_ids), prefix
+        # NOTE: the detokenizer reads from prefix_offset on; without one nothing is copied
+        tail = seq.token_ids[prefix:] if decode is not None else []
         num_out = len(seq.output_token_ids)
         finish: SequenceStatus | None = None
         reason: StopReason = None
         n = 0
         for token in token_ids:
             n += 1
-            tail.append(token)
             if decode is not None:
+                tail.append(token)
                 top = tops[n - 1] if tops is not None else None
                 if top is not None:
                     for token_id, entry in top.items():
@@ -61,7 +63,7 @@ class OutputProcessor:
                 new, prefix, read = decode_new_text(decode, tail, start, prefix, read, params.skip_special_tokens)
                 text += new
             if check_stops:
-                finish, reason, text = self._stop(token, num_out + n, start + len(tail), text, params)
+                finish, reason, text = self._stop(token, num_out + n, length + n, text, params)
                 if finish is not None:
                     break
         return SeqUpdate(
