@@ -170,6 +170,15 @@ class SequenceUpdater:
             if not group.prompt_logprobs:
                 group.prompt_logprobs = [None]  # the first prompt token has no logprob
             group.prompt_logprobs.extend(update.prompt_logprobs)
+        only = group.seqs[0] if len(group.seqs) == 1 else None
+        if only is not None and not group.hypotheses and not update.new_seqs and len(update.updates) == 1:
+            # NOTE: the usual decode: one sequence, one update (an unknown id raises KeyError, as below)
+            seq_update = update.updates[0]
+            if seq_update.seq_id != only.seq_id:
+                raise KeyError(seq_update.seq_id)
+            self._apply_seq(only, seq_update)
+            self._finish_group(group, update, {only.seq_id: only})
+            return
         seqs = {seq.seq_id: seq for seq in group.seqs}
         for hyp in group.hypotheses:
             seqs[hyp.seq_id] = hyp
@@ -180,6 +189,12 @@ class SequenceUpdater:
                 self.block_manager.fork(parent, child)  # NOTE: copied on write when a shared last block grows
         for seq_update in update.updates:
             self._apply_seq(seqs[seq_update.seq_id], seq_update)
+        self._finish_group(group, update, seqs)
+
+    def _finish_group(self, group: SequenceGroup, update: GroupUpdate, seqs: dict[int, Sequence]) -> None:
+        """The update's fields after its sequences' tokens: drops, hypotheses, the new order."""
+        if not update.drops and update.hypotheses is None and update.seqs is None:
+            return
         for seq_id in update.drops:
             self.block_manager.free(seqs[seq_id])
         if update.hypotheses is not None:

@@ -124,3 +124,22 @@ def test_tokens_without_logprobs_are_appended_all_the_same():
     scheduler, (group,), out = admitted([1, 2, 3])
     scheduler.update_from_output(out, StepUpdates((GroupUpdate("0", updates=(SeqUpdate(0, (4,)),)),)), {})
     assert group.seqs[0].output_token_ids == [4] and group.seqs[0].cumulative_logprob is None
+
+
+def test_a_single_sequence_update_naming_another_sequence_fails_that_request_alone():
+    scheduler, (group, other), out = admitted([1, 2, 3], [4, 5, 6])
+    bad = GroupUpdate("0", updates=(SeqUpdate(7, (9,)),))
+    good = GroupUpdate("1", updates=(SeqUpdate(1, (8,)),))
+    failed: dict[str, str] = {}
+    scheduler.update_from_output(out, StepUpdates((bad, good), (), 1.0), failed)
+    assert list(failed) == ["0"] and "KeyError(7)" in failed["0"]
+    assert group.seqs[0].output_token_ids == [] and other.seqs[0].output_token_ids == [8]
+
+
+def test_a_single_sequence_update_that_drops_its_sequence_frees_its_blocks():
+    scheduler, (group,), out = admitted([1, 2, 3, 4, 5])
+    bm = scheduler.block_manager
+    assert bm.tables
+    update = GroupUpdate("0", updates=(SeqUpdate(0, (9,)),), drops=(0,))
+    scheduler.update_from_output(out, StepUpdates((update,), (), 1.0), {})
+    assert group.seqs[0].token_ids == [1, 2, 3, 4, 5, 9] and bm.tables == {}
