@@ -31,17 +31,18 @@ TINY = dict(
 )
 
 
-def write_tiny_model(path: str) -> None:
-    """A random 2-layer, hidden-64 LLaMA in float32 with a tokenizer of its vocabulary."""
+def write_tiny_model(path: str, vocab: int = TINY["vocab_size"]) -> None:
+    """A random 2-layer, hidden-64 LLaMA in float32 with a tokenizer of its ``vocab`` tokens."""
     import torch
     import transformers
 
     from benchmarks.model_shapes import write_tokenizer
 
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(**TINY, bos_token_id=0, eos_token_id=1, pad_token_id=2)
+    fields = TINY | {"vocab_size": vocab}
+    config = transformers.LlamaConfig(**fields, bos_token_id=0, eos_token_id=1, pad_token_id=2)
     transformers.LlamaForCausalLM(config).save_pretrained(path, safe_serialization=True)
-    write_tokenizer(path, TINY["vocab_size"], TINY["max_position_embeddings"])
+    write_tokenizer(path, vocab, TINY["max_position_embeddings"])
 
 
 def decode_steps(llm, batch: int, prompt_len: int, steps: int, profile: cProfile.Profile | None) -> list[float]:
@@ -51,7 +52,7 @@ def decode_steps(llm, batch: int, prompt_len: int, steps: int, profile: cProfile
     engine = llm.llm_engine
     params = SamplingParams(temperature=0.0, max_tokens=steps + 2, ignore_eos=True)
     for i in range(batch):
-        prompt = [3 + (i * 7 + j) % (TINY["vocab_size"] - 3) for j in range(prompt_len)]
+        prompt = [3 + (i * 7 + j) % 1000 for j in range(prompt_len)]
         engine.add_request(f"r{batch}-{i}", {"prompt_token_ids": prompt}, params)
     times: list[float] = []
     while engine.has_unfinished_requests():
@@ -82,7 +83,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
     p.add_argument("--modes", nargs="+", default=["ids", "text"], choices=["ids", "text"])
     p.add_argument("--top", type=int, default=15, help="functions listed by own time (0: no profile)")
-    p.add_argument("--model", default=None, help="a directory from an earlier run (default: a fresh temp dir)")
+    p.add_argument("--vocab", type=int, default=TINY["vocab_size"], help="vocabulary of a new model")
+    p.add_argument("--model", default=None, help="a model directory: reused if it holds one, else written there")
     args = p.parse_args(argv)
 
     import torch
@@ -94,7 +96,7 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model or tmp
         if not os.path.exists(os.path.join(model, "config.json")):
-            write_tiny_model(model)
+            write_tiny_model(model, args.vocab)
         for mode in args.modes:
             llm = LLM(
                 model=model,
