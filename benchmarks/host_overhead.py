@@ -45,14 +45,17 @@ def write_tiny_model(path: str, vocab: int = TINY["vocab_size"]) -> None:
     write_tokenizer(path, vocab, TINY["max_position_embeddings"])
 
 
-def decode_steps(llm, batch: int, prompt_len: int, steps: int, profile: cProfile.Profile | None) -> list[float]:
-    """Seconds of each ``engine.step()`` once all ``batch`` sequences decode (prefill excluded)."""
+def decode_steps(
+    llm, batch: int, prompt_len: int, steps: int, profile: cProfile.Profile | None, vocab: int = 1003
+) -> list[float]:
+    """Seconds of each ``engine.step()`` once all ``batch`` sequences decode (prefill excluded);
+    prompt ids are drawn below ``vocab``."""
     from pagedllm.server import SamplingParams
 
     engine = llm.llm_engine
     params = SamplingParams(temperature=0.0, max_tokens=steps + 2, ignore_eos=True)
     for i in range(batch):
-        prompt = [3 + (i * 7 + j) % 1000 for j in range(prompt_len)]
+        prompt = [3 + (i * 7 + j) % (min(vocab, 1003) - 3) for j in range(prompt_len)]
         engine.add_request(f"r{batch}-{i}", {"prompt_token_ids": prompt}, params)
     times: list[float] = []
     while engine.has_unfinished_requests():
@@ -60,8 +63,11 @@ def decode_steps(llm, batch: int, prompt_len: int, steps: int, profile: cProfile
         if decoding and profile is not None:
             profile.enable()
         start = time.perf_counter()
-        engine.step()
+        outputs = engine.step()
         elapsed = time.perf_counter() - start
+        failed = [o.error for o in outputs if o.error is not None]
+        if failed:
+            raise RuntimeError(f"a request failed: {failed[0]}")
         if decoding:
             if profile is not None:
                 profile.disable()
@@ -91,6 +97,7 @@ def main(argv: list[str] | None = None) -> None:
 
     torch.set_num_threads(args.threads)
     print(f"torch threads: {torch.get_num_threads()}")
+    from benchmarks.model_shapes import model_vocab
     from pagedllm.server import LLM
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -107,10 +114,11 @@ def main(argv: list[str] | None = None) -> None:
                 cpu_threads=args.threads,
                 dtype="float32",
             )
-            decode_steps(llm, 4, args.prompt_len, 4, None)  # warm-up
+            vocab = model_vocab(model)
+            decode_steps(llm, 4, args.prompt_len, 4, None, vocab)  # warm-up
             for batch in args.batches:
                 profile = cProfile.Profile() if args.top else None
-                times = decode_steps(llm, batch, args.prompt_len, args.steps, profile)
+                times = decode_steps(llm, batch, args.prompt_len, args.steps, profile, vocab)
                 us = statistics.median(times) * 1e6
                 print(f"[{mode}] batch {batch}: {us:.0f} us per decode step (median of {len(times)})")
                 if profile is not None:
