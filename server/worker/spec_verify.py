@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 import torch
 
+from pagedllm.server.worker.greedy import greedy_ids
 from pagedllm.server.worker.logits_processors import filtered_probs, process
 from pagedllm.server.worker.logprobs import gather_logprobs, tokens_of
 from pagedllm.server.worker.rejection_sampler import greedy_accept, sample_accept
@@ -51,7 +52,7 @@ class SpecVerifier:
         if not chosen:
             return {}
         index = [r for g in chosen for r in range(*spans[g])]
-        best = processed[torch.tensor(index, dtype=torch.int64, device=processed.device)].argmax(dim=-1).tolist()
+        best = greedy_ids(processed[torch.tensor(index, dtype=torch.int64, device=processed.device)]).tolist()
         emitted, at = {}, 0
         for g in chosen:
             n = spans[g][1] - spans[g][0]
