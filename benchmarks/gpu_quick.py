@@ -92,53 +92,8 @@ def _kernels_per_layer(llm, layers: int) -> dict:
     return {"kernels_in_step": len(kernels), "launches_per_layer": round(len(kernels) / layers, 1)}
 
 
-def _sync() -> None:
-    import torch
-
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def decode_steps(llm, batch: int, prompt_len: int, steps: int, profiled: int) -> dict:
-    """Time ``steps`` engine steps once all ``batch`` prompts are in (decode-only steps), then
-    ``profiled`` more under torch.profiler: GPU kernel time over wall time. The requests are
-    aborted after, so their blocks are free again."""
-    from torch.profiler import ProfilerActivity, profile
-
-    from pagedllm.server import SamplingParams
-
-    engine = llm.llm_engine
-    params = SamplingParams(temperature=0, max_tokens=steps + profiled + 4, ignore_eos=True)
-    ids = [f"d{batch}-{b}" for b in range(batch)]
-    for b, rid in enumerate(ids):
-        engine.add_request(rid, {"prompt_token_ids": [3 + (j * 7 + b) % 30000 for j in range(prompt_len)]}, params)
-    started: set[str] = set()
-    while len(started) < batch:  # the prompts' steps, some mixed with the first decodes
-        started |= {o.request_id for o in engine.step() if o.outputs[0].token_ids}
-    engine.step()
-    _sync()
-    start = time.perf_counter()
-    for _ in range(steps):
-        engine.step()  # NOTE: returns the sampled ids on the host: each step waits for the device
-    step_s = (time.perf_counter() - start) / steps
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        start = time.perf_counter()
-        for _ in range(profiled):
-            engine.step()
-        _sync()
-        wall = time.perf_counter() - start
-    events = prof.key_averages()
-    top = sorted(events, key=lambda e: e.self_device_time_total, reverse=True)[:8]
-    engine.abort_request(ids)
-    return {
-        "step_ms": round(step_s * 1e3, 3),
-        "gpu_busy": round(sum(e.self_device_time_total for e in events) / 1e6 / wall, 3),
-        "top_gpu_ms": [(e.key, round(e.self_device_time_total / 1e3, 2), e.count) for e in top],
-    }
-
-
 def _step_profile(llm, bw: float, prompt_len: int = 512, steps: int = 32) -> list[dict]:
-    from benchmarks.gpu_step_profile import kv_bytes, weight_bytes
+    from benchmarks.gpu_step_profile import decode_steps, kv_bytes, weight_bytes
 
     cases = []
     for batch in BATCHES:
@@ -269,9 +224,10 @@ def kernels(args) -> dict:
     decode step runs them) and by do_bench (each call's host-side launch inside its event window)."""
     import torch
 
-    from benchmarks.kernels import Config, bench_config, measure_copy_bandwidth, timer
+    from benchmarks.gpu_step_profile import copy_bandwidth
+    from benchmarks.kernels import Config, bench_config, timer
 
-    bw = measure_copy_bandwidth(timer("do_bench", 100), "cuda")
+    bw = copy_bandwidth()
     rows = []
     for kind in ("cudagraph", "do_bench"):
         bench = timer(kind, 100)

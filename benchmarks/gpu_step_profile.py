@@ -1,9 +1,9 @@
-"""Decode-step time of our engine on a GPU, LLaMA-7B's shape in bf16 (random weights), at
-several batch sizes, against the hardware's floor for the same step.
+"""Decode-step time of our engine on a GPU, a LLaMA shape in bf16 (LLaMA-7B by default, dummy
+weights), at several batch sizes, against the hardware's floor for the same step.
 
 Per batch size B:
-  ms_per_decode_step  (wall of B requests generating 1 + N tokens - wall of 1 token) / N:
-                      the prompt's prefill cancels out, what is left is N decode steps
+  ms_per_decode_step  wall time of N engine steps once all B prompts are in (decode-only
+                      steps, each waiting for its sampled ids) / N
   floor_ms            (weight bytes + KV bytes the step reads) / measured copy bandwidth
                       (read + write counted, as benchmarks.kernels does)
   gpu_busy_fraction   sum of the GPU kernels' time / wall time, under torch.profiler, over
@@ -70,21 +70,49 @@ def timed_generate(llm, batch: int, prompt_len: int, out_len: int) -> float:
     return time.perf_counter() - start
 
 
-def profile(llm, batch: int, prompt_len: int, steps: int, top: int) -> dict:
-    """torch.profiler over a generate whose steps after the first are decodes."""
-    from torch.profiler import ProfilerActivity
-    from torch.profiler import profile as torch_profile
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
 
-    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        wall = timed_generate(llm, batch, prompt_len, steps)
+
+def decode_steps(llm, batch: int, prompt_len: int, steps: int, profiled: int, top: int = 8) -> dict:
+    """Time ``steps`` engine steps once all ``batch`` prompts are in (decode-only steps), then
+    ``profiled`` more under torch.profiler: GPU kernel time over wall time, and the ``top``
+    operators by GPU and by host time. The requests are aborted after, so their blocks are free again.
+
+    NOTE: timed step by step: subtracting a 1-token generate from an N-token one gave negative
+    step times at batch 64 and 256 (the prompts' chunks interleave differently in the two)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from pagedllm.server import SamplingParams
+
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0, max_tokens=steps + profiled + 4, ignore_eos=True)
+    ids = [f"d{batch}-{b}" for b in range(batch)]
+    for b, rid in enumerate(ids):
+        engine.add_request(rid, {"prompt_token_ids": [3 + (j * 7 + b) % 30000 for j in range(prompt_len)]}, params)
+    started: set[str] = set()
+    while len(started) < batch:  # the prompts' steps, some mixed with the first decodes
+        started |= {o.request_id for o in engine.step() if o.outputs[0].token_ids}
+    engine.step()
+    _sync()
+    start = time.perf_counter()
+    for _ in range(steps):
+        engine.step()  # NOTE: returns the sampled ids on the host: each step waits for the device
+    step_s = (time.perf_counter() - start) / steps
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        for _ in range(profiled):
+            engine.step()
+        _sync()
+        wall = time.perf_counter() - start
     events = prof.key_averages()
-    gpu_us = sum(e.self_device_time_total for e in events)
     by_gpu = sorted(events, key=lambda e: e.self_device_time_total, reverse=True)[:top]
     by_cpu = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:top]
+    engine.abort_request(ids)
     return {
-        "profiled_wall_s": wall,
-        "gpu_kernel_s": gpu_us / 1e6,
-        "gpu_busy_fraction": gpu_us / 1e6 / wall,
+        "step_ms": round(step_s * 1e3, 3),
+        "gpu_busy": round(sum(e.self_device_time_total for e in events) / 1e6 / wall, 3),
         "top_gpu_ms": [(e.key, round(e.self_device_time_total / 1e3, 2), e.count) for e in by_gpu],
         "top_host_ms": [(e.key, round(e.self_cpu_time_total / 1e3, 2), e.count) for e in by_cpu],
     }
@@ -125,23 +153,22 @@ def main(argv: list[str] | None = None) -> None:
         llm = LLM(model=model_dir, **(engine_args | json.loads(args.engine_args)))
         timed_generate(llm, 2, 16, 4)  # warm-up: compiles the kernels
         for batch in batches:
-            one = timed_generate(llm, batch, args.prompt_len, 1)
-            full = timed_generate(llm, batch, args.prompt_len, 1 + args.decode_steps)
-            step_ms = (full - one) / args.decode_steps * 1e3
-            context = args.prompt_len + args.decode_steps // 2
+            context = args.prompt_len + args.decode_steps
             floor_ms = (weight_bytes(args.shape) + kv_bytes(batch, context, args.shape)) / bw * 1e3
+            stats = decode_steps(llm, batch, args.prompt_len, args.decode_steps, args.profile_steps, args.top)
             case = {
                 "batch": batch,
-                "prefill_plus_one_token_s": one,
-                "ms_per_decode_step": step_ms,
-                "tokens_per_s": batch / step_ms * 1e3,
+                "ms_per_decode_step": stats["step_ms"],
+                "tokens_per_s": batch / stats["step_ms"] * 1e3,
                 "floor_ms": floor_ms,
-                "floor_over_measured": floor_ms / step_ms,
+                "floor_over_measured": floor_ms / stats["step_ms"],
+                "gpu_busy_fraction": stats["gpu_busy"],
+                "top_gpu_ms": stats["top_gpu_ms"],
+                "top_host_ms": stats["top_host_ms"],
             }
-            case |= profile(llm, batch, args.prompt_len, args.profile_steps, args.top)
             result["cases"].append(case)
             print(
-                f"batch {batch:4d}: {step_ms:7.2f} ms/step ({case['tokens_per_s']:8.0f} tok/s), "
+                f"batch {batch:4d}: {case['ms_per_decode_step']:7.2f} ms/step ({case['tokens_per_s']:8.0f} tok/s), "
                 f"floor {floor_ms:6.2f} ms ({case['floor_over_measured']:.2f} of it), "
                 f"GPU busy {case['gpu_busy_fraction']:.2f} while profiled"
             )

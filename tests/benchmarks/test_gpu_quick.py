@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from benchmarks import gpu_quick
-from benchmarks.gpu_step_profile import kv_bytes, weight_bytes
+from benchmarks.gpu_step_profile import decode_steps, kv_bytes, weight_bytes
 from benchmarks.model_shapes import SHAPES, shape_config, write_random_model
 from tests.support import assert_all_blocks_free
 
@@ -80,7 +80,7 @@ def test_the_summary_takes_what_the_sections_wrote_and_names_the_missing_ones(tm
 
 
 def test_decode_steps_time_decodes_only_and_free_their_blocks(tiny_llm):
-    stats = gpu_quick.decode_steps(tiny_llm, batch=3, prompt_len=40, steps=4, profiled=2)
+    stats = decode_steps(tiny_llm, batch=3, prompt_len=40, steps=4, profiled=2)
     assert stats["step_ms"] > 0 and 0 <= stats["gpu_busy"]  # no GPU here: no kernel time
     assert not tiny_llm.llm_engine.has_unfinished_requests()
     assert_all_blocks_free(tiny_llm)
