@@ -4,7 +4,9 @@ Each variant is a callable ``run(x)`` that multiplies ``x`` [rows, in] by every 
 case (the copies a decode step reads: one per layer, or the single LM head) in turn:
 
   - ``engine``:  what the engine runs: :func:`linear` on :func:`pack_weight`'d weights, i.e.
-    ``torch.ops.mkldnn._linear_pointwise`` on a ``torch.ops.mkldnn._reorder_linear_weight`` copy;
+    the bfloat16 kernel (kernels/bf16_gemm_cpu.py) where the CPU has AVX-512-BF16, else ``onednn``;
+  - ``onednn``:  ``torch.ops.mkldnn._linear_pointwise`` on a ``torch.ops.mkldnn._reorder_linear_weight``
+    copy (packed once for any row count);
   - ``packed-rows``: the same op on weights reordered for the case's row count
     (``_reorder_linear_weight(w, rows)``, as inductor's freezing does); the engine packs once for all;
   - ``plain``:   ``F.linear`` on the plain bfloat16 weight (oneDNN matmul, weight re-blocked per call);
@@ -32,7 +34,7 @@ from pagedllm.server.worker.models.cpu_linear import linear, pack_weight
 
 Variant = Callable[[torch.Tensor], object]
 
-EAGER = ("engine", "plain", "aten")
+EAGER = ("engine", "onednn", "plain", "aten")
 INDUCTOR = {
     "inductor": {"freezing": True},
     "inductor-autotune": {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"},
@@ -48,8 +50,9 @@ def floor_variant(plain: list[torch.Tensor]) -> Variant:
 
 
 def eager_variants(plain: list[torch.Tensor]) -> dict[str, Variant]:
-    """The engine's packed path, ``F.linear`` on the plain weight, and aten without oneDNN."""
+    """The engine's packed path, oneDNN's packed path, ``F.linear`` on the plain weight, and aten without oneDNN."""
     packed = [pack_weight(w) for w in plain]
+    onednn = [torch.ops.mkldnn._reorder_linear_weight(w, None) for w in plain]
 
     def aten(x: torch.Tensor) -> object:
         with torch.backends.mkldnn.flags(enabled=False):
@@ -57,6 +60,7 @@ def eager_variants(plain: list[torch.Tensor]) -> dict[str, Variant]:
 
     return {
         "engine": lambda x: [linear(x, p) for p in packed],
+        "onednn": lambda x: [linear(x, p) for p in onednn],
         "plain": lambda x: [F.linear(x, w) for w in plain],
         "aten": aten,
     }

@@ -30,12 +30,12 @@ def test_variant_cases_are_every_layers_projections_and_the_lm_head():
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
 def test_every_eager_variant_computes_the_product():
     g = torch.Generator().manual_seed(0)
-    plain = [(torch.randn(40, 32, generator=g) * 0.1).to(torch.bfloat16) for _ in range(2)]
+    plain = [(torch.randn(48, 32, generator=g) * 0.1).to(torch.bfloat16) for _ in range(2)]
     x = torch.randn(3, 32, generator=g).to(torch.bfloat16)
-    variants = cv.static_variants(plain, threads=2, names=("engine", "plain", "aten", "split-n"))
+    variants = cv.static_variants(plain, threads=2, names=("engine", "onednn", "plain", "aten", "split-n"))
     variants.update(cv.row_variants(plain, x, names=("packed-rows",)))
-    assert list(variants) == ["floor", "engine", "plain", "aten", "split-n", "packed-rows"]
-    for name in ("engine", "plain", "aten", "split-n", "packed-rows"):
+    assert list(variants) == ["floor", "engine", "onednn", "plain", "aten", "split-n", "packed-rows"]
+    for name in ("engine", "onednn", "plain", "aten", "split-n", "packed-rows"):
         for got, w in zip(variants[name](x), plain):
             torch.testing.assert_close(got.float(), F.linear(x, w).float(), atol=2e-2, rtol=2e-2, msg=name)
     variants["split-n"].close()

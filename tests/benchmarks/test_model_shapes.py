@@ -24,6 +24,7 @@ def test_real_shapes_have_the_published_parameter_counts(shape, millions):
 
 def test_a_written_model_is_read_back_by_our_engine_with_its_vocabulary(tmp_path, monkeypatch):
     from pagedllm.server import LLM, SamplingParams
+    from pagedllm.server.worker.models.cpu_linear import is_packed
 
     tiny = dict(SHAPES["qwen2.5-0.5b"], hidden_size=64, intermediate_size=96, num_hidden_layers=2)
     tiny |= dict(num_attention_heads=4, num_key_value_heads=2, vocab_size=512)
@@ -33,7 +34,7 @@ def test_a_written_model_is_read_back_by_our_engine_with_its_vocabulary(tmp_path
     llm = LLM(model=str(tmp_path), skip_tokenizer_init=True, block_size=16, num_gpu_blocks_override=16)
     out = llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
     assert len(out[0].outputs[0].token_ids) == 3
-    assert llm.llm_engine.runner.model.lm_head.weight.is_mkldnn  # the tied head packed its own copy
+    assert is_packed(llm.llm_engine.runner.model.lm_head.weight)  # the tied head packed its own copy
     llm.shutdown()
 
 

@@ -1,4 +1,4 @@
-"""Linear layers on the CPU: oneDNN GEMMs on weights reordered once, after loading.
+"""Linear layers on the CPU: GEMMs on weights reordered once, after loading.
 
 ``F.linear`` on the CPU hands its plain ``[out, in]`` weight to the BLAS on every call,
 which re-blocks it each time. oneDNN can instead keep the weight in the blocked layout its
@@ -7,6 +7,11 @@ uses) and run the product on it directly (``torch.ops.mkldnn._linear_pointwise``
 
     load:  weight [out, in] (plain) ──reorder once──► weight [out, in] (mkldnn layout)
     step:  linear(x, weight, bias)  ──► oneDNN GEMM on the blocked weight (no per-call reorder)
+
+On a CPU with AVX-512-BF16, a bfloat16 weight is packed for the engine's own kernel
+instead (kernels/bf16_gemm_cpu.py): it streams the weight while it multiplies, as oneDNN does
+at 1-4 rows but not at the 8-16 rows of a batch's decode step, and matches oneDNN on prefill
+chunks. Its packed tensor is a plain one marked with :data:`TILED` (``[out, in]`` in shape only).
 
 The packed tensor replaces the parameter (same name, shape and dtype; its memory is the
 blocked copy only), so a weight is never held twice. :func:`linear` is the one call every
@@ -25,6 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm.kernels import bf16_gemm_cpu
+
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 """Weight dtypes oneDNN runs from the blocked layout on x86 CPUs (bfloat16 fast with AVX-512-BF16 or AMX)."""
 
@@ -36,7 +43,25 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """
     if weight.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    if getattr(weight, TILED, False):
+        return bf16_gemm_cpu.gemm(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+TILED = "bf16_tiles"
+"""The attribute that marks a weight packed for kernels/bf16_gemm_cpu.py."""
+
+
+def is_packed(weight: torch.Tensor) -> bool:
+    """Whether ``weight`` was packed by :func:`pack_weight` (either layout): it can only be multiplied."""
+    return weight.is_mkldnn or getattr(weight, TILED, False)
+
+
+def packed_kernel(weight: torch.Tensor) -> str:
+    """Which GEMM multiplies ``weight``: ``bf16-tiles``, ``onednn-packed`` or ``torch-linear``."""
+    if getattr(weight, TILED, False):
+        return "bf16-tiles"
+    return "onednn-packed" if weight.is_mkldnn else "torch-linear"
 
 
 def can_pack(weight: torch.Tensor) -> bool:
@@ -46,17 +71,22 @@ def can_pack(weight: torch.Tensor) -> bool:
         and weight.device.type == "cpu"
         and weight.dtype in PACKED_DTYPES
         and weight.dim() == 2
-        and not weight.is_mkldnn
+        and not is_packed(weight)
     )
 
 
 def pack_weight(weight: torch.Tensor) -> nn.Parameter:
-    """``weight`` [out, in] reordered into oneDNN's blocked layout, as a frozen parameter.
+    """``weight`` [out, in] reordered for the fastest GEMM here, as a frozen parameter: for
+    kernels/bf16_gemm_cpu.py where it runs (bfloat16, AVX-512-BF16), else oneDNN's blocked layout.
 
     NOTE: no batch size is given: the layout must serve decode steps of any batch and
     prefill chunks alike (measured: as fast as a layout packed for the batch at hand, within
     5% at 1-16 rows on Qwen2.5-0.5B's shapes: ``python -m benchmarks.cpu_linear --variants``).
     """
+    if weight.dtype == torch.bfloat16 and bf16_gemm_cpu.can_pack(weight) and bf16_gemm_cpu.available():
+        tiled = nn.Parameter(bf16_gemm_cpu.pack(weight), requires_grad=False)
+        setattr(tiled, TILED, True)
+        return tiled
     return nn.Parameter(torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None), requires_grad=False)
 
 

@@ -227,12 +227,12 @@ def _kernel_label(module: nn.Module) -> str | None:
 
     NOTE: imported here, not at the top, for the cycle :func:`mark_shard` explains.
     """
-    from pagedllm.server.worker.models.cpu_linear import PackableLinear
+    from pagedllm.server.worker.models.cpu_linear import PackableLinear, packed_kernel
 
     if isinstance(module, QuantLinear):
         return getattr(module.kernel, "label", getattr(module.kernel, "name", None))
     if isinstance(module, PackableLinear) and isinstance(getattr(module, "weight", None), torch.Tensor):
-        return "onednn-packed" if module.weight.is_mkldnn else "torch-linear"
+        return packed_kernel(module.weight)
     return None
 
 

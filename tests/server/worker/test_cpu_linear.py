@@ -1,4 +1,5 @@
-"""Linear layers on weights packed for oneDNN: same products as ``F.linear``, packed once, never twice in memory."""
+"""Linear layers on packed weights (oneDNN's layout, or the bf16 kernel's): same products as
+``F.linear``, packed once, never twice in memory."""
 
 from __future__ import annotations
 
@@ -6,8 +7,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from pagedllm.kernels import bf16_gemm_cpu
 from pagedllm.server.worker.attention import AttentionMetadata, select_attention_ops
-from pagedllm.server.worker.models.cpu_linear import can_pack, linear, pack_weight, prepack_linears
+from pagedllm.server.worker.models.cpu_linear import (
+    can_pack,
+    is_packed,
+    linear,
+    pack_weight,
+    packed_kernel,
+    prepack_linears,
+)
 from pagedllm.server.worker.models.decoder import DecoderForCausalLM
 from pagedllm.server.worker.models.fused_linear import FusedLinear, fuse_projections
 from pagedllm.server.worker.models.tensor_parallel import (
@@ -29,7 +38,7 @@ def test_packed_linear_matches_f_linear(dtype, rows, bias):
     w = (torch.randn(72, 96, generator=g) * 0.1).to(dtype)
     b = torch.randn(72, generator=g).to(dtype) if bias else None
     packed = pack_weight(w)
-    assert packed.is_mkldnn and packed.shape == w.shape and packed.dtype == dtype
+    assert packed.is_mkldnn and packed.shape == w.shape and packed.dtype == dtype  # NOTE: 72 rows: no 16-column blocks
     got, want = linear(x, packed, b), F.linear(x, w, b)
     assert got.dtype == dtype and got.shape == want.shape
     tol = 1e-5 if dtype == torch.float32 else 2e-2
@@ -78,11 +87,11 @@ def test_prepack_packs_every_projection_once_and_keeps_names(tie):
     if tie:  # NOTE: the head's packed copy is a parameter of its own now, of the table's shape
         names["lm_head.weight"] = names["model.embed_tokens.weight"]
     assert {n: p.shape for n, p in model.named_parameters()} == names
-    assert all(m.weight.is_mkldnn for m in linears)
+    assert all(is_packed(m.weight) for m in linears)
     head = next(m for m in model.modules() if isinstance(m, ParallelLMHead))
     # NOTE: a tied head packs a copy of its own; lookups index the embedding's plain table.
-    assert head.weight.is_mkldnn
-    assert not model.model.embed_tokens.weight.is_mkldnn
+    assert is_packed(head.weight)
+    assert not is_packed(model.model.embed_tokens.weight)
     assert prepack_linears(model) == 0  # packed weights are not packed again
 
 
@@ -93,7 +102,7 @@ def test_prepack_keeps_the_shard_rule_loading_marked():
     rule = lambda full: full.narrow(0, 0, 8)  # noqa: E731
     mark_shard(q_proj.weight, rule)
     prepack_linears(model)
-    assert q_proj.weight.is_mkldnn and q_proj.weight.shard is rule
+    assert is_packed(q_proj.weight) and q_proj.weight.shard is rule
 
 
 def _logits(model: DecoderForCausalLM) -> torch.Tensor:
@@ -102,7 +111,8 @@ def _logits(model: DecoderForCausalLM) -> torch.Tensor:
     num_layers, kv_heads, head_dim = model.kv_shape
     tokens = 12
     shape = (2, 8, kv_heads, head_dim)
-    caches = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(num_layers)]
+    dtype = model.model.embed_tokens.weight.dtype
+    caches = [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)) for _ in range(num_layers)]
     meta = AttentionMetadata(
         slot_mapping=torch.arange(tokens),
         num_decode_tokens=0,
@@ -115,6 +125,31 @@ def _logits(model: DecoderForCausalLM) -> torch.Tensor:
     with torch.inference_mode():
         hidden = model(torch.arange(tokens) % 50, torch.arange(tokens), caches, ops.prepare(meta, 8), ops)
         return model.compute_logits(hidden)
+
+
+@pytest.mark.skipif(not bf16_gemm_cpu.available(), reason="needs AVX-512-BF16, numba and a C compiler")
+@pytest.mark.parametrize("rows", [1, 16, 300])
+@pytest.mark.parametrize("bias", [False, True])
+def test_bf16_weights_with_16_column_blocks_take_the_bf16_kernel(rows, bias):
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 96, generator=g).to(torch.bfloat16)
+    w = (torch.randn(80, 96, generator=g) * 0.1).to(torch.bfloat16)
+    b = torch.randn(80, generator=g).to(torch.bfloat16) if bias else None
+    packed = pack_weight(w)
+    assert packed_kernel(packed) == "bf16-tiles" and is_packed(packed) and not packed.is_mkldnn
+    assert packed.shape == w.shape and not can_pack(packed)
+    torch.testing.assert_close(linear(x, packed, b).float(), F.linear(x, w, b).float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.skipif(not bf16_gemm_cpu.available(), reason="needs AVX-512-BF16, numba and a C compiler")
+def test_a_bf16_decoder_runs_on_the_bf16_kernel_with_the_same_logits():
+    model = _tiny_decoder(tie=False, qkv_bias=True).to(torch.bfloat16)
+    before = _logits(model)
+    prepack_linears(model)
+    linears = [m for m in model.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))]
+    assert {packed_kernel(m.weight) for m in linears} == {"bf16-tiles"}
+    after = _logits(model)
+    torch.testing.assert_close(after.float(), before.float(), atol=3e-2, rtol=3e-2)
 
 
 @pytest.mark.parametrize("tie", [False, True])

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pagedllm.server.worker.models.cpu_linear import is_packed
 from pagedllm.server.worker.models.decoder import DecoderForCausalLM
 from pagedllm.server.worker.models.fused_linear import FusedLinear, finish_linears
 from pagedllm.server.worker.models.tensor_parallel import TPGroup
@@ -52,7 +53,7 @@ def test_the_cuda_path_fuses_without_packing():
     for layer, want in zip(model.model.layers, before):
         assert isinstance(layer.self_attn.qkv_proj, FusedLinear) and isinstance(layer.mlp.gate_up_proj, FusedLinear)
         assert not hasattr(layer.self_attn, "q_proj") and not hasattr(layer.mlp, "up_proj")
-        assert not layer.self_attn.qkv_proj.weight.is_mkldnn  # NOTE: oneDNN's layout is the CPU's alone
+        assert not is_packed(layer.self_attn.qkv_proj.weight)  # NOTE: packed layouts are the CPU's alone
         for got, ref in zip(_projections(layer), want):
             torch.testing.assert_close(got, ref, atol=1e-6, rtol=1e-6)
 

@@ -1,0 +1,232 @@
+"""A bfloat16 GEMM for CPUs with AVX-512-BF16 (kernels/bf16_gemm_cpu.c), for the linear layers.
+
+At decode sizes (1-16 rows) a linear layer has to stream its weight at the memory's speed
+while it multiplies. oneDNN's bfloat16 GEMM does at 1-4 rows; at 16 it reads the weight and
+multiplies in turn (measured on a 2-core AVX-512-BF16 CPU, Qwen2.5-0.5B's gate/up weight
+of 9728 x 896: 34 GB/s of a 47 GB/s read). The kernel here keeps its own weight layout and
+prefetches the next tile of columns while it computes the current one (the C file says how),
+which streams the same weight at 43 GB/s at 16 rows and matches oneDNN from 1 row to
+prefill chunks of hundreds (``python -m benchmarks.cpu_linear --variants``).
+
+::
+
+    load:   weight [n, k] bf16 ──pack──► [n, k]-shaped tensor holding [n/16, k/2, 16, 2]
+    call:   gemm(x [.., k], packed, bias) ──► Numba splits the 16-column blocks over the
+            threads torch uses; each runs the C kernel on its blocks (no Python per block)
+
+The C source is compiled on first use with the system's C compiler (``cc``, gcc or clang)
+into the cache directory (``$PAGEDLLM_CACHE`` or ``~/.cache/pagedllm``, under ``kernels/``;
+a temporary one where that cannot be written), keyed by the source's and flags' hash. :func:`available` is false, and
+callers keep oneDNN, where the CPU lacks AVX-512-BF16, no compiler is found, Numba is
+missing, or ``PAGEDLLM_CPU_GEMM=0``. :func:`gemm_reference` is the oracle.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+try:
+    import llvmlite.binding
+    import numba
+    from numba import types
+except ImportError:  # pragma: no cover - numba is a dependency; this keeps the package importable
+    numba = None  # type: ignore[assignment]
+
+from ._cpu_items import _use_threads
+
+__all__ = ["BLOCK", "available", "can_pack", "gemm", "gemm_reference", "pack", "unpack"]
+
+BLOCK = 16
+"""Output columns per packed block: the weight's rows must be a multiple of it."""
+SOURCE = Path(__file__).with_suffix(".c")
+SYMBOL = "pagedllm_gemm_bf16"
+PARALLEL_MIN_WORK = 1 << 17
+"""Below this many multiply-adds a call runs on the calling thread: starting the pool costs
+more than the product (Qwen2.5-0.5B's smallest projection at one row is 800K)."""
+CFLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-shared", "-fPIC")
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+@functools.cache
+def available() -> bool:
+    """Whether :func:`gemm` runs here: x86-64 with AVX-512-BF16, Numba, a C compiler that
+    built the kernel, and ``PAGEDLLM_CPU_GEMM`` not ``0``."""
+    if os.environ.get("PAGEDLLM_CPU_GEMM", "1") == "0" or numba is None:
+        return False
+    if platform.machine() not in ("x86_64", "AMD64") or not {"avx512f", "avx512_bf16"} <= _cpu_flags():
+        return False
+    return _library() is not None
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("PAGEDLLM_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "pagedllm")
+    return Path(root) / "kernels"
+
+
+@functools.cache
+def _library() -> Path | None:
+    """The compiled kernel's path (built now if not cached), loaded for Numba; None if it cannot be built."""
+    compiler = next((c for c in (os.environ.get("CC"), "cc", "gcc", "clang") if c and shutil.which(c)), None)
+    try:
+        source = SOURCE.read_bytes()
+    except OSError:  # an install without the package's data files
+        return None
+    tag = hashlib.sha256(source + " ".join(CFLAGS).encode()).hexdigest()[:16]
+    for directory in (_cache_dir(), Path(tempfile.gettempdir()) / f"pagedllm-{os.getuid()}"):
+        path = directory / f"bf16_gemm_cpu-{tag}.so"
+        if not path.exists() and (compiler is None or not _build(compiler, directory, path)):
+            continue
+        try:
+            ctypes.CDLL(str(path))  # NOTE: a damaged file fails here, not inside a compiled caller
+            llvmlite.binding.load_library_permanently(str(path))
+        except OSError:
+            continue
+        return path
+    return None
+
+
+def _build(compiler: str, directory: Path, path: Path) -> bool:
+    """Compile into a temporary name, then move it in place (two processes may build at once)."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=directory, suffix=".so", delete=False) as tmp:
+            partial = Path(tmp.name)
+        done = subprocess.run([compiler, *CFLAGS, "-o", str(partial), str(SOURCE)], capture_output=True, timeout=120)
+        if done.returncode != 0:
+            partial.unlink(missing_ok=True)
+            return False
+        os.replace(partial, path)
+        return True
+    except (OSError, subprocess.SubprocessError):
+        return False
+
+
+def can_pack(weight: torch.Tensor) -> bool:
+    """Whether :func:`pack` takes ``weight``: 2-D bfloat16 on the CPU, rows a multiple of
+    :data:`BLOCK`, an even number of columns."""
+    return (
+        weight.device.type == "cpu"
+        and weight.dtype == torch.bfloat16
+        and weight.dim() == 2
+        and weight.shape[0] % BLOCK == 0
+        and weight.shape[1] % 2 == 0
+    )
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` [n, k] in the kernel's layout, as a tensor of the same shape and dtype (64-byte aligned).
+
+    NOTE: its elements are not ``weight``'s at the same indices: only :func:`gemm` and
+    :func:`unpack` may read it.
+    """
+    if not can_pack(weight):
+        raise ValueError(
+            f"the CPU bf16 GEMM packs 2-D bfloat16 CPU weights with rows a multiple of {BLOCK} and an even "
+            f"number of columns, got {tuple(weight.shape)} {weight.dtype} on {weight.device}"
+        )
+    n, k = weight.shape
+    tiles = weight.detach().reshape(n // BLOCK, BLOCK, k // 2, 2).permute(0, 2, 1, 3)
+    out = _aligned_empty(n * k)
+    out.view(n // BLOCK, k // 2, BLOCK, 2).copy_(tiles)
+    return out.view(n, k)
+
+
+def unpack(packed: torch.Tensor) -> torch.Tensor:
+    """The plain ``[n, k]`` weight that :func:`pack` packed."""
+    n, k = packed.shape
+    return packed.reshape(n // BLOCK, k // 2, BLOCK, 2).permute(0, 2, 1, 3).reshape(n, k)
+
+
+def _aligned_empty(numel: int) -> torch.Tensor:
+    """A bfloat16 vector of ``numel`` elements whose data starts on a 64-byte boundary."""
+    raw = torch.empty(numel + 32, dtype=torch.bfloat16)
+    skip = (-raw.data_ptr() % 64) // 2
+    return raw[skip : skip + numel]
+
+
+def gemm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ w.T + bias`` for ``packed = pack(w)``, on as many threads as torch uses.
+
+    x: [..., k] bfloat16; packed: [n, k]; bias: [n] bfloat16 or None -> [..., n] bfloat16.
+    Sums are float32 (from the bias on), rounded to bfloat16 once.
+    """
+    n, k = packed.shape
+    if x.dtype != torch.bfloat16 or x.shape[-1] != k:
+        raise ValueError(f"x must be bfloat16 [..., {k}], got {x.dtype} {tuple(x.shape)}")
+    if bias is not None and (bias.dtype != torch.bfloat16 or bias.shape != (n,)):
+        raise ValueError(f"bias must be bfloat16 [{n}], got {bias.dtype} {tuple(bias.shape)}")
+    rows = x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, k).contiguous()
+    m = rows.shape[0]
+    out = torch.empty(m, n, dtype=torch.bfloat16)
+    if m > 0 and n > 0:
+        blocks = n // BLOCK
+        threads = min(_use_threads(torch.get_num_threads()), blocks) if m * n * k >= PARALLEL_MIN_WORK else 1
+        bias_addr = 0 if bias is None else bias.contiguous().data_ptr()
+        args = (rows.data_ptr(), m, k, packed.data_ptr(), bias_addr, n, blocks, out.data_ptr())
+        if threads > 1:
+            _parallel()(*args, threads)
+        else:
+            _serial()(*args)
+    return out if rows is x else out.view(*x.shape[:-1], n)
+
+
+def _external():
+    _library()
+    i64, ptr = types.int64, types.intp
+    return types.ExternalFunction(SYMBOL, types.void(ptr, i64, i64, ptr, ptr, i64, i64, i64, ptr))
+
+
+@functools.cache
+def _serial():
+    """The C function called on the calling thread, through ctypes (no Numba region to start)."""
+    path = _library()
+    assert path is not None
+    fn = getattr(ctypes.CDLL(str(path)), SYMBOL)
+    fn.restype = None
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    fn.argtypes = [ptr, i64, i64, ptr, ptr, i64, i64, i64, ptr]
+
+    def call(x, m, k, w, bias, n, blocks, y):
+        fn(x, m, k, w, bias or None, n, 0, blocks, y)
+
+    return call
+
+
+@functools.cache
+def _parallel():
+    """A Numba function that deals the column blocks out over ``parts`` threads, an even share each."""
+    kernel = _external()
+
+    def run(x, m, k, w, bias, n, blocks, y, parts):
+        for t in numba.prange(parts):
+            kernel(x, m, k, w, bias, n, blocks * t // parts, blocks * (t + 1) // parts, y)
+
+    return numba.njit(parallel=True, nogil=True, cache=False)(run)
+
+
+def gemm_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The oracle: ``x @ weight.T + bias`` (plain ``weight``) in float64, rounded to bfloat16 once."""
+    out = x.double() @ weight.double().T
+    if bias is not None:
+        out = out + bias.double()
+    return out.to(torch.bfloat16)
