@@ -15,6 +15,7 @@ from pagedllm.server.config import ConfigError, EngineConfig, GiB
 from pagedllm.server.config.quantization import with_quantization
 from pagedllm.server.core.scheduler_output import SchedulerOutput
 from pagedllm.server.worker.attention import AttentionMetadata, select_attention_ops
+from pagedllm.server.worker.cpu_malloc import keep_freed_memory
 from pagedllm.server.worker.cpu_threads import choose_threads
 from pagedllm.server.worker.cuda_graphs import DecodeGraphs, try_capture
 from pagedllm.server.worker.device_step import DeviceStep, fill_placeholders
@@ -81,6 +82,8 @@ class ModelRunner:
         self.threads = choose_threads(config.parallel.cpu_threads, ranks=config.parallel.ranks_per_node)
         torch.set_num_threads(self.threads.threads)
         logger.info("torch uses %d CPU threads (%s)", self.threads.threads, self.threads.reason)
+        if self.device.type == "cpu":
+            keep_freed_memory()
         dtype = choose_dtype(config.model.dtype, hf_config, self.device)
         self.dtype = dtype.dtype
         logger.info("the model computes in %s (%s)", str(self.dtype).removeprefix("torch."), dtype.reason)
