@@ -16,6 +16,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 try:
@@ -91,7 +92,7 @@ def _build(compiler: str, source: Path, cflags: tuple[str, ...], path: Path) -> 
 
 
 @functools.cache
-def load_symbol(path: Path, symbol: str, argtypes: tuple) -> ctypes._CFuncPtr:
+def load_symbol(path: Path, symbol: str, argtypes: tuple) -> Callable[..., None]:
     """``symbol`` of the library at ``path`` as a ctypes function (no result) taking ``argtypes``."""
     fn = getattr(ctypes.CDLL(str(path)), symbol)
     fn.restype = None
