@@ -1,11 +1,13 @@
 """The 4-bit weight-only CPU kernel for bfloat16 activations: ``pagedllm.kernels.w4_gemm_cpu``'s tiles.
 
 It reads the weight as 4-bit pairs and widens them in registers (no widened copy of the weight is
-ever written), for every row count: in one in-process comparison on a shared 2-core AVX-512-BF16
-EPYC (1 thread, Qwen2.5-0.5B's gate/up projection, 9728 x 896, group 128) it took 0.12 / 0.61 /
-2.4 / 9.6 ms at 1 / 16 / 64 / 256 rows against ``int4-cpu``'s 0.22 / 1.6 / 3.8 / 10.4 (its packed
-matmul below 64 rows, the widened weight's GEMM from 64). ``python -m benchmarks.quant_linear
---kernels engine w4-tiles`` compares them.
+ever written), for every row count: in one quick in-process comparison on a shared 2-core
+AVX-512-BF16 EPYC (Qwen2.5-0.5B's gate/up projection, 9728 x 896, group 128; one weight, called
+again and again, so it may have stayed in the L3 cache) it took 0.12 / 0.61 / 2.4 / 9.6 ms at
+1 / 16 / 64 / 256 rows on 1 thread against ``int4-cpu``'s 0.22 / 1.6 / 3.8 / 10.4 (its packed
+matmul below 64 rows, the widened weight's GEMM from 64), and 0.10 / 0.18 / 1.3 ms at 1 / 8 / 64
+rows on 2 threads against 0.15 / 0.46 / 2.7. ``python -m benchmarks.quant_linear --kernels engine
+w4-tiles bf16`` compares them on weights read from memory.
 """
 
 from __future__ import annotations
