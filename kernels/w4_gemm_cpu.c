@@ -48,7 +48,8 @@ static inline __attribute__((always_inline)) void tile_rows(const uint32_t *x, i
     for (int64_t p = g * group_pairs; p < (g + 1) * group_pairs; p++) {
       __m512bh wv[TILE];
       for (int j = 0; j < blocks; j++) wv[j] = widen(w + (j * pairs + p) * 16);
-      /* NOTE: a pair is 16 bytes: every fourth pair fetches per_step lines of the next tile */
+      /* NOTE: a pair is 16 bytes of a block: every fourth pair fetches the next per_step lines of
+       * this row group's per_step blocks of the next tile (one run of bytes), all of it in one pass */
       if ((p & 3) == 0)
         for (int q = 0; q < per_step; q++) _mm_prefetch(prefetch + (p * per_step * 16 + q * 64), _MM_HINT_T1);
       for (int r = 0; r < rows; r++) {
@@ -98,7 +99,8 @@ void pagedllm_gemm_w4(intptr_t x_addr, int64_t m, int64_t k, intptr_t w_addr, in
     const uint8_t *w = w0 + block * pairs * 16;
     const float *meta = meta0 + block * groups * 32;
     const int64_t next = block1 - (block + blocks) < TILE ? block1 - (block + blocks) : TILE;
-    /* the next tile's next blocks, spread of them over each of the first row groups' passes */
+    /* the next tile's next blocks, spread of them over each of the first row groups' passes:
+     * per_step is how many this row group fetches */
     const int spread = (int)((next + row_groups - 1) / (row_groups ? row_groups : 1));
     for (int64_t rg = 0; rg < row_groups; rg++) {
       const int64_t row = rg * ROWS;

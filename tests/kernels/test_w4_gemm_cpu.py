@@ -54,8 +54,8 @@ def test_pack_lays_pairs_of_levels_into_bytes():
 
 @pytest.mark.parametrize(
     ("n", "k"),
-    [(16, 512), (48, 512), (80, 512), (64 * 3 + 16 * 3, 256)],
-    ids=["one-block", "three-blocks", "five-blocks", "tail-of-three"],
+    [(16, 512), (48, 512), (80, 512), (96, 512), (64 * 3 + 16 * 3, 256)],
+    ids=["one-block", "three-blocks", "tail-of-one", "tail-of-two", "tail-of-three"],
 )
 @pytest.mark.parametrize("group", GROUPS)
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 16, 37])
