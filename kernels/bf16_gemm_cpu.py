@@ -14,9 +14,8 @@ prefill chunks of hundreds (``python -m benchmarks.cpu_linear --variants``).
     call:   gemm(x [.., k], packed, bias) ──► Numba splits the 16-column blocks over the
             threads torch uses; each runs the C kernel on its blocks (no Python per block)
 
-The C source is compiled on first use with the system's C compiler (``cc``, gcc or clang)
-into the cache directory (``$PAGEDLLM_CACHE`` or ``~/.cache/pagedllm``, under ``kernels/``;
-a temporary one where that cannot be written), keyed by the source's and flags' hash. :func:`available` is false, and
+The C source is compiled on first use (kernels/_cpu_compile.py: the system's C compiler,
+a cache directory keyed by the source's and flags' hash). :func:`available` is false, and
 callers keep oneDNN, where the CPU lacks AVX-512-BF16, no compiler is found, Numba is
 missing, or ``PAGEDLLM_CPU_GEMM=0``. :func:`gemm_reference` is the oracle.
 """
@@ -25,23 +24,17 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
 
 try:
-    import llvmlite.binding
     import numba
     from numba import types
 except ImportError:  # pragma: no cover - numba is a dependency; this keeps the package importable
     numba = None  # type: ignore[assignment]
 
+from ._cpu_compile import AVX512_BF16_CFLAGS, build_library, cpu_has_avx512_bf16, load_symbol
 from ._cpu_items import _use_threads
 
 __all__ = ["BLOCK", "available", "can_pack", "gemm", "gemm_reference", "pack", "unpack"]
@@ -53,72 +46,20 @@ SYMBOL = "pagedllm_gemm_bf16"
 PARALLEL_MIN_WORK = 1 << 17
 """Below this many multiply-adds a call runs on the calling thread: starting the pool costs
 more than the product (Qwen2.5-0.5B's smallest projection at one row is 800K)."""
-CFLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-shared", "-fPIC")
-
-
-def _cpu_flags() -> set[str]:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            return set(line.split(":", 1)[1].split())
-    return set()
+CFLAGS = AVX512_BF16_CFLAGS
 
 
 @functools.cache
 def available() -> bool:
     """Whether :func:`gemm` runs here: x86-64 with AVX-512-BF16, Numba, a C compiler that
     built the kernel, and ``PAGEDLLM_CPU_GEMM`` not ``0``."""
-    if os.environ.get("PAGEDLLM_CPU_GEMM", "1") == "0" or numba is None:
-        return False
-    if platform.machine() not in ("x86_64", "AMD64") or not {"avx512f", "avx512_bf16"} <= _cpu_flags():
-        return False
-    return _library() is not None
-
-
-def _cache_dir() -> Path:
-    root = os.environ.get("PAGEDLLM_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "pagedllm")
-    return Path(root) / "kernels"
+    return cpu_has_avx512_bf16() and _library() is not None
 
 
 @functools.cache
 def _library() -> Path | None:
     """The compiled kernel's path (built now if not cached), loaded for Numba; None if it cannot be built."""
-    compiler = next((c for c in (os.environ.get("CC"), "cc", "gcc", "clang") if c and shutil.which(c)), None)
-    try:
-        source = SOURCE.read_bytes()
-    except OSError:  # an install without the package's data files
-        return None
-    tag = hashlib.sha256(source + " ".join(CFLAGS).encode()).hexdigest()[:16]
-    for directory in (_cache_dir(), Path(tempfile.gettempdir()) / f"pagedllm-{os.getuid()}"):
-        path = directory / f"bf16_gemm_cpu-{tag}.so"
-        if not path.exists() and (compiler is None or not _build(compiler, directory, path)):
-            continue
-        try:
-            ctypes.CDLL(str(path))  # NOTE: a damaged file fails here, not inside a compiled caller
-            llvmlite.binding.load_library_permanently(str(path))
-        except OSError:
-            continue
-        return path
-    return None
-
-
-def _build(compiler: str, directory: Path, path: Path) -> bool:
-    """Compile into a temporary name, then move it in place (two processes may build at once)."""
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=directory, suffix=".so", delete=False) as tmp:
-            partial = Path(tmp.name)
-        done = subprocess.run([compiler, *CFLAGS, "-o", str(partial), str(SOURCE)], capture_output=True, timeout=120)
-        if done.returncode != 0:
-            partial.unlink(missing_ok=True)
-            return False
-        os.replace(partial, path)
-        return True
-    except (OSError, subprocess.SubprocessError):
-        return False
+    return build_library(SOURCE, CFLAGS)
 
 
 def can_pack(weight: torch.Tensor) -> bool:
@@ -201,10 +142,8 @@ def _serial():
     """The C function called on the calling thread, through ctypes (no Numba region to start)."""
     path = _library()
     assert path is not None
-    fn = getattr(ctypes.CDLL(str(path)), SYMBOL)
-    fn.restype = None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    fn.argtypes = [ptr, i64, i64, ptr, ptr, i64, i64, i64, ptr]
+    fn = load_symbol(path, SYMBOL, (ptr, i64, i64, ptr, ptr, i64, i64, i64, ptr))
 
     def call(x, m, k, w, bias, n, blocks, y):
         fn(x, m, k, w, bias or None, n, 0, blocks, y)

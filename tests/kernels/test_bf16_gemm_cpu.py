@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import tempfile
+
 import pytest
 import torch
 
@@ -109,7 +111,7 @@ def test_a_missing_compiler_leaves_it_unavailable(monkeypatch, tmp_path):
     monkeypatch.setenv("PATH", str(tmp_path))
     monkeypatch.delenv("CC", raising=False)
     monkeypatch.setenv("PAGEDLLM_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(bf16_gemm_cpu.tempfile, "tempdir", str(tmp_path / "tmp"))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
     bf16_gemm_cpu._library.cache_clear()
     try:
         assert bf16_gemm_cpu._library() is None

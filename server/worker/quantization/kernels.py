@@ -1,6 +1,8 @@
 """The matmuls a quantized layer runs, chosen once per layer from its :class:`QuantizedWeight`.
 
     kernel        device  weights kept as                           when
+    w4a16-tiles   CPU     4-bit pairs [N/16, K/2, 16] + float32      as int4-cpu, bfloat16 activations, an
+                          (scale, 128 + zero) per group             AVX-512-BF16 CPU (w4a16_cpu.py)
     int4-cpu      CPU     oneDNN-free packed int4 [N, K / 2] + (scale, zero) per group   4-bit, group 32..256
     int8-cpu      CPU     int8 [N, K] + one scale per channel        8-bit symmetric per channel
     int8-w8a8-cpu CPU     int8 [N, K]; activations int8 per token    compressed-tensors int8 W8A8 (int32 GEMM)
@@ -14,6 +16,9 @@ projections, 1..64 rows of bfloat16, 1 and 2 threads): the packed int4 matmul re
 the bytes of bfloat16 and wins at decode sizes, but its cost grows with every row; from
 ``dense_rows`` rows (:data:`DENSE_ROWS_BFLOAT16`; always in float32) ``int4-cpu`` widens the
 packed weight a tile at a time (``pagedllm.kernels.int4_unpack_cpu``) and runs oneDNN's GEMM.
+With bfloat16 activations on an AVX-512-BF16 CPU ``w4a16-tiles`` runs instead, at every row count
+(faster than both at 1 to 256 rows in one comparison, w4a16_cpu.py); ``int4-cpu`` stays for float32
+activations and where ``w4a16-tiles`` cannot run.
 
 The torch int4 CPU matmul computes ``(q - 8) * scale + zero_f`` per group, so a zero level
 ``z`` becomes the float offset ``zero_f = (8 - z) * scale`` (exact in float32; rounded once to
@@ -29,6 +34,7 @@ from torch import nn
 from pagedllm.kernels.int4_unpack_cpu import int4_unpack_cpu
 from pagedllm.server.worker.quantization.base import QuantizedWeight, pack_int32
 from pagedllm.server.worker.quantization.fp8_kernels import choose_fp8_kernel
+from pagedllm.server.worker.quantization.w4a16_cpu import W4A16TilesKernel
 
 INT4_CPU_GROUPS = (32, 64, 128, 256)
 TILE_ELEMENTS = 1 << 21
@@ -236,6 +242,8 @@ class TritonW4A16Kernel(nn.Module):
 def choose_kernel(w: QuantizedWeight, device: torch.device, dtype: torch.dtype) -> nn.Module:
     """The fastest kernel that runs ``w`` exactly on ``device`` for activations of ``dtype``."""
     if device.type == "cpu" and dtype in (torch.float32, torch.bfloat16, torch.float16):
+        if dtype == torch.bfloat16 and W4A16TilesKernel.fits(w):
+            return W4A16TilesKernel(w)
         if Int4CpuKernel.fits(w):
             return Int4CpuKernel(w, dtype)
         if Int8W8A8CpuKernel.fits(w):

@@ -7,6 +7,7 @@ import torch
 from engine_factories import HFReference, assert_greedy_matches, make_prompts
 from quant_writers import write_online, write_quantized
 
+from pagedllm.kernels import w4_gemm_cpu
 from pagedllm.server import LLM, SamplingParams
 from pagedllm.server.config import EngineConfig
 from pagedllm.server.worker.quantization.linear import QuantLinear, weight_bytes
@@ -16,7 +17,8 @@ MAX_TOKENS = 10
 LLM_CONFIG = EngineConfig.from_kwargs()
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
-# (writer format, its options, the CPU kernel every layer must run)
+# (writer format, its options, the CPU kernel every layer must run; these models are float32: bfloat16 4-bit
+# runs w4a16-tiles, tested at the end)
 CASES = {
     "awq-g32": ("awq", {"group": 32}, "int4-cpu"),
     "awq-g64": ("awq", {"group": 64}, "int4-cpu"),
@@ -194,12 +196,14 @@ def test_the_weight_bytes_are_the_packed_bytes(tmp_path):
 
 
 def test_bfloat16_awq_prefill_through_the_widened_weight_matches_transformers_in_bfloat16(tmp_path, monkeypatch):
-    """Prompts of 64+ tokens run their prefill through the widened-weight GEMM (``dense_rows``), decodes
-    through the packed matmul: greedy tokens equal transformers in bfloat16 on the twin, by the bfloat16
-    tolerance of ``test_bfloat16_correctness``: at a first difference the reference's gap is under 0.5 nats
-    (a bfloat16 logit moves by 1/64 of its size). NOTE: no bound on how many sequences part: on this tiny
-    random model transformers in bfloat16 parts from itself in float32 on 4 of these 6 prompts."""
+    """Where the tiled kernel cannot run (here: told it cannot), bfloat16 stays on ``int4-cpu``: prompts of
+    64+ tokens run their prefill through the widened-weight GEMM (``dense_rows``), decodes through the packed
+    matmul: greedy tokens equal transformers in bfloat16 on the twin, by the bfloat16 tolerance of
+    ``test_bfloat16_correctness``: at a first difference the reference's gap is under 0.5 nats (a bfloat16
+    logit moves by 1/64 of its size). NOTE: no bound on how many sequences part: on this tiny random model
+    transformers in bfloat16 parts from itself in float32 on 4 of these 6 prompts."""
     from pagedllm.server.worker.quantization.kernels import DENSE_ROWS_BFLOAT16, Int4CpuKernel
+    from pagedllm.server.worker.quantization.w4a16_cpu import W4A16TilesKernel
 
     widened: list[int] = []
     unpacked_mm = Int4CpuKernel.unpacked_mm
@@ -209,6 +213,7 @@ def test_bfloat16_awq_prefill_through_the_widened_weight_matches_transformers_in
         return unpacked_mm(self, x)
 
     monkeypatch.setattr(Int4CpuKernel, "unpacked_mm", spy)
+    monkeypatch.setattr(W4A16TilesKernel, "fits", staticmethod(lambda w: False))
     qdir, twin = write_quantized(str(tmp_path), "awq", seed=11)
     llm = LLM(model=qdir, dtype="bfloat16", block_size=16, num_gpu_blocks_override=64, cpu_threads=1)
     assert kernels(llm) == {"int4-cpu"}
@@ -217,5 +222,23 @@ def test_bfloat16_awq_prefill_through_the_widened_weight_matches_transformers_in
     outputs = llm.generate([{"prompt_token_ids": p} for p in long_prompts], GREEDY)
     assert widened and min(widened) >= DENSE_ROWS_BFLOAT16
     for prompt, out in zip(long_prompts, outputs):
+        assert_greedy_matches(ref, prompt, out.outputs[0].token_ids, ref.greedy(prompt, MAX_TOKENS), tol=0.5)
+    assert_all_blocks_free(llm)
+
+
+@pytest.mark.skipif(not w4_gemm_cpu.available(), reason="needs an x86-64 CPU with AVX-512-BF16, numba and a C compiler")
+@pytest.mark.parametrize("case", ["awq-g32", "gptq-4bit-act-order-asym", "ct-w4a16-asym-channel"])
+def test_bfloat16_w4a16_runs_the_tiled_kernel_and_matches_transformers_in_bfloat16(tmp_path, case):
+    """A bfloat16 4-bit model runs ``w4a16-tiles`` in every projection, for prefills of short and 64+
+    token prompts and for decodes: greedy tokens equal transformers in bfloat16 on the twin, by the
+    tolerance of the test above (0.5 nats at a first difference)."""
+    fmt, options, _ = CASES[case]
+    qdir, twin = write_quantized(str(tmp_path), fmt, seed=len(case), **options)
+    llm = LLM(model=qdir, dtype="bfloat16", block_size=16, num_gpu_blocks_override=64, cpu_threads=1)
+    assert kernels(llm) == {"w4a16-tiles"}
+    batch = make_prompts(3, min_len=1, max_len=20, seed=6) + make_prompts(3, min_len=64, max_len=120, seed=7)
+    ref = HFReference(twin, dtype=torch.bfloat16)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in batch], GREEDY)
+    for prompt, out in zip(batch, outputs):
         assert_greedy_matches(ref, prompt, out.outputs[0].token_ids, ref.greedy(prompt, MAX_TOKENS), tol=0.5)
     assert_all_blocks_free(llm)

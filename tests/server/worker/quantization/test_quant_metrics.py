@@ -8,10 +8,13 @@ from api_factories import API_KEY, MODEL_NAME, live_server
 from prometheus_client.parser import text_string_to_metric_families
 from quant_writers import write_quantized
 
+from pagedllm.kernels import w4_gemm_cpu
 from pagedllm.server.entrypoints.openai.api_server import ServerSettings
 
 pytestmark = pytest.mark.timeout(180)
 KINDS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+BFLOAT16_INT4 = "w4a16-tiles" if w4_gemm_cpu.available() else "int4-cpu+unpacked-bfloat16-from-64-rows"
+"""What runs a bfloat16 4-bit projection here: the tiled kernel where the CPU has AVX-512-BF16."""
 
 
 def quant_config_info(url: str) -> dict[str, str]:
@@ -25,7 +28,7 @@ def quant_config_info(url: str) -> dict[str, str]:
 
 @pytest.mark.parametrize(
     ("dtype", "int4"),
-    [("bfloat16", "int4-cpu+unpacked-bfloat16-from-64-rows"), ("float32", "int4-cpu-unpacked-float32")],
+    [("bfloat16", BFLOAT16_INT4), ("float32", "int4-cpu-unpacked-float32")],
 )
 def test_an_awq_server_exports_its_method_kernels_and_bytes(tmp_path, dtype, int4):
     qdir, _ = write_quantized(str(tmp_path), "awq", seed=3)

@@ -1,0 +1,119 @@
+/* A 4-bit weight-only GEMM (W4A16) for x86-64 CPUs with AVX-512-BF16:
+ *
+ *     y[m, n] = sum_k x[m, k] * scale[g, n] * (q[n, k] - zero[g, n]),   g = k / group
+ *
+ * with x and y bfloat16 and q, zero 4-bit levels. The weight is packed once (w4_gemm_cpu.py,
+ * pack) into blocks of 16 output columns; for each pair of inputs (2p, 2p + 1), 16 bytes hold
+ * the block's 16 columns, the even input in the low nibble:
+ *
+ *     packed[b, p, c] = q[16 b + c, 2 p] | q[16 b + c, 2 p + 1] << 4      [n / 16, k / 2, 16]
+ *
+ * Each byte widens to a 32-bit lane holding two bfloat16 values, 128 + q (exact: 0x4300 | q),
+ * low half the even input: the pair layout VDPBF16PS multiplies a broadcast pair of x by.
+ * Per group the kernel sums S = sum_k x[k] (128 + q[k]) in float32 and then folds it in:
+ *
+ *     acc += scale[g] * (S - (128 + zero[g]) * xsum[g]),    xsum[g] = sum over the group's k of x[k]
+ *
+ * Per block and group, meta holds scale then 128 + zero, 16 columns each, float32:
+ * meta[b, g, 0 | 1, c]. Tiles (four blocks, rows four at a time) and the next tile's prefetch
+ * into L2 follow bf16_gemm_cpu.c. Each output is rounded to bfloat16 once (nearest even).
+ * All arguments are integers (pointers as addresses), so any caller can bind it.
+ */
+#include <immintrin.h>
+#include <stdint.h>
+
+#define TILE 4 /* blocks of 16 columns per tile */
+#define ROWS 4 /* rows per pass over a tile */
+
+/* Two bfloat16 lanes 128 + lo, 128 + hi from the 16 packed bytes of a block's pair. */
+static inline __attribute__((always_inline)) __m512bh widen(const uint8_t *w) {
+  __m512i v = _mm512_cvtepu8_epi32(_mm_load_si128((const __m128i *)w));
+  v = _mm512_or_si512(v, _mm512_slli_epi32(v, 12)); /* the high nibble to bits 16..19 */
+  /* (v & 0x000F000F) | 0x43004300 */
+  return (__m512bh)_mm512_ternarylogic_epi32(v, _mm512_set1_epi32(0x000F000F), _mm512_set1_epi32(0x43004300), 0xEA);
+}
+
+static inline __attribute__((always_inline)) void tile_rows(const uint32_t *x, int64_t pairs, const int rows,
+                                                           const int blocks, const uint8_t *w, const float *meta,
+                                                           int64_t groups, int64_t group_pairs, const float *xsum,
+                                                           uint16_t *y, int64_t ldy, const char *prefetch,
+                                                           const int per_step, const char *prefetch_meta) {
+  float acc[ROWS][TILE][16] __attribute__((aligned(64)));
+  for (int r = 0; r < rows; r++)
+    for (int j = 0; j < blocks; j++) _mm512_store_ps(acc[r][j], _mm512_setzero_ps());
+  for (int64_t g = 0; g < groups; g++) {
+    __m512 s[ROWS][TILE];
+    for (int r = 0; r < rows; r++)
+      for (int j = 0; j < blocks; j++) s[r][j] = _mm512_setzero_ps();
+    for (int64_t p = g * group_pairs; p < (g + 1) * group_pairs; p++) {
+      __m512bh wv[TILE];
+      for (int j = 0; j < blocks; j++) wv[j] = widen(w + (j * pairs + p) * 16);
+      /* NOTE: a pair is 16 bytes of a block: every fourth pair fetches the next per_step lines of
+       * this row group's per_step blocks of the next tile (one run of bytes), all of it in one pass */
+      if ((p & 3) == 0)
+        for (int q = 0; q < per_step; q++) _mm_prefetch(prefetch + (p * per_step * 16 + q * 64), _MM_HINT_T1);
+      for (int r = 0; r < rows; r++) {
+        __m512bh xb = (__m512bh)_mm512_set1_epi32((int)x[r * pairs + p]);
+        for (int j = 0; j < blocks; j++) s[r][j] = _mm512_dpbf16_ps(s[r][j], xb, wv[j]);
+      }
+    }
+    if (prefetch_meta)
+      for (int j = 0; j < per_step; j++) {
+        _mm_prefetch(prefetch_meta + (j * groups + g) * 128, _MM_HINT_T1);
+        _mm_prefetch(prefetch_meta + (j * groups + g) * 128 + 64, _MM_HINT_T1);
+      }
+    for (int j = 0; j < blocks; j++) {
+      const float *m = meta + (j * groups + g) * 32;
+      const __m512 scale = _mm512_load_ps(m), offset = _mm512_load_ps(m + 16);
+      for (int r = 0; r < rows; r++) {
+        __m512 folded = _mm512_fnmadd_ps(offset, _mm512_set1_ps(xsum[r * groups + g]), s[r][j]);
+        _mm512_store_ps(acc[r][j], _mm512_fmadd_ps(scale, folded, _mm512_load_ps(acc[r][j])));
+      }
+    }
+  }
+  for (int r = 0; r < rows; r++)
+    for (int j = 0; j < blocks; j++)
+      _mm256_storeu_si256((__m256i *)(y + r * ldy + 16 * j), (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(acc[r][j])));
+}
+
+#define CASE(R, B)                                                                                                \
+  case (R) * 8 + (B):                                                                                             \
+    tile_rows(x0 + row * pairs, pairs, R, B, w, meta, groups, group_pairs, xsum0 + row * groups, y + row * n + 16 * block, \
+              n, prefetch, per_step, prefetch_meta);                                                             \
+    break;
+
+/* Columns of blocks [block0, block1) of y for all m rows. x: [m, k] contiguous bf16 (k even);
+ * w: packed as above, meta: [n / 16, k / group, 2, 16] float32 (both 64-byte aligned);
+ * xsum: [m, k / group] float32; group: even, dividing k; y: [m, n] contiguous bf16. */
+void pagedllm_gemm_w4(intptr_t x_addr, int64_t m, int64_t k, intptr_t w_addr, intptr_t meta_addr, intptr_t xsum_addr,
+                      int64_t group, int64_t n, int64_t block0, int64_t block1, intptr_t y_addr) {
+  const uint32_t *x0 = (const uint32_t *)x_addr;
+  const uint8_t *w0 = (const uint8_t *)w_addr;
+  const float *meta0 = (const float *)meta_addr;
+  const float *xsum0 = (const float *)xsum_addr;
+  uint16_t *y = (uint16_t *)y_addr;
+  const int64_t pairs = k / 2, groups = k / group, group_pairs = group / 2;
+  const int64_t row_groups = (m + ROWS - 1) / ROWS;
+  for (int64_t block = block0; block < block1; block += TILE) {
+    const int blocks = (int)(block1 - block < TILE ? block1 - block : TILE);
+    const uint8_t *w = w0 + block * pairs * 16;
+    const float *meta = meta0 + block * groups * 32;
+    const int64_t next = block1 - (block + blocks) < TILE ? block1 - (block + blocks) : TILE;
+    /* the next tile's next blocks, spread of them over each of the first row groups' passes:
+     * per_step is how many this row group fetches */
+    const int spread = (int)((next + row_groups - 1) / (row_groups ? row_groups : 1));
+    for (int64_t rg = 0; rg < row_groups; rg++) {
+      const int64_t row = rg * ROWS;
+      const int rows = (int)(m - row < ROWS ? m - row : ROWS);
+      const int per_step = rg * spread < next ? (int)(next - rg * spread < spread ? next - rg * spread : spread) : 0;
+      const char *prefetch = (const char *)(w + (blocks + rg * spread) * pairs * 16);
+      const char *prefetch_meta = per_step ? (const char *)(meta + (blocks + rg * spread) * groups * 32) : 0;
+      switch (rows * 8 + blocks) {
+        CASE(1, 1) CASE(1, 2) CASE(1, 3) CASE(1, 4)
+        CASE(2, 1) CASE(2, 2) CASE(2, 3) CASE(2, 4)
+        CASE(3, 1) CASE(3, 2) CASE(3, 3) CASE(3, 4)
+        CASE(4, 1) CASE(4, 2) CASE(4, 3) CASE(4, 4)
+      }
+    }
+  }
+}

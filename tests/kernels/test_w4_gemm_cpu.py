@@ -1,0 +1,143 @@
+"""The CPU 4-bit weight-only GEMM (kernels/w4_gemm_cpu.c) against a float64 reference on the dequantized weight."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedllm.kernels import w4_gemm_cpu
+
+needs_kernel = pytest.mark.skipif(
+    not w4_gemm_cpu.available(), reason="needs an x86-64 CPU with AVX-512-BF16, numba and a C compiler"
+)
+GROUPS = [32, 64, 128, 256, "channel"]
+
+
+def random_weight(n: int, k: int, group: int, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (n, k), generator=gen).to(torch.uint8)
+    scales = torch.rand(n, k // group, generator=gen) * 0.1 + 0.01
+    zeros = torch.randint(0, 16, (n, k // group), generator=gen).float()
+    return q, scales, zeros
+
+
+def close_to_reference(out: torch.Tensor, x, q, scales, zeros, group: int) -> None:
+    """Each output is the float64 product rounded once to bfloat16, give or take the float32 sums'
+    rounding. Per group the kernel sums S = x . (128 + q) and xsum = sum x in float32 (each within
+    ``group`` roundings of 143 |x| summed, as 128 + q and 128 + zero are at most 143), forms
+    S - (128 + zero) xsum and adds ``scale`` times it into the output (one rounding each, one more
+    per group for the running sum). NOTE: the 128 cancels, so the float32 error scales with
+    143 * scale * |x| summed, not with the product itself: bound it by
+    (2 group + 2 groups + 4) roundings of 2^-24 times 143 * (|x| @ scale^T), plus half a bfloat16
+    step of the result (2^-8 relative, as in test_bf16_gemm_cpu.py)."""
+    w = (q.double() - zeros.double().repeat_interleave(group, 1)) * scales.double().repeat_interleave(group, 1)
+    exact = x.double() @ w.T
+    magnitude = 143 * (x.double().abs() @ scales.double().repeat_interleave(group, 1).T)
+    groups = x.shape[-1] // group
+    error = (out.double() - exact).abs()
+    bound = exact.abs() * 2**-8 + magnitude * (2 * group + 2 * groups + 4) * 2**-24 + 1e-30
+    assert (error <= bound).all(), (error - bound).max()
+
+
+def test_pack_lays_pairs_of_levels_into_bytes():
+    q, scales, zeros = random_weight(48, 64, 32, seed=0)
+    packed = w4_gemm_cpu.pack(q, scales, zeros, 32)
+    assert packed.weight.shape == (3, 32, 16) and packed.weight.dtype == torch.uint8
+    assert packed.meta.shape == (3, 2, 2, 16) and packed.meta.dtype == torch.float32
+    assert packed.weight.data_ptr() % 64 == 0 and packed.meta.data_ptr() % 64 == 0
+    # block b, pair p, column c holds q[16 b + c, 2 p] | q[16 b + c, 2 p + 1] << 4
+    assert packed.weight[2, 5, 7] == q[39, 10] | (q[39, 11] << 4)
+    assert packed.meta[1, 1, 0, 3] == scales[19, 1] and packed.meta[1, 1, 1, 3] == 128 + zeros[19, 1]
+    unpacked = w4_gemm_cpu.unpack(packed)
+    assert all(torch.equal(a, b) for a, b in zip(unpacked, (q, scales, zeros)))
+
+
+@pytest.mark.parametrize(
+    ("n", "k"),
+    [(16, 512), (48, 512), (80, 512), (96, 512), (64 * 3 + 16 * 3, 256)],
+    ids=["one-block", "three-blocks", "tail-of-one", "tail-of-two", "tail-of-three"],
+)
+@pytest.mark.parametrize("group", GROUPS)
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 16, 37])
+@needs_kernel
+def test_gemm_matches_the_reference(n, k, group, rows):
+    group = k if group == "channel" else group
+    q, scales, zeros = random_weight(n, k, group, seed=rows * 1000 + n + group)
+    x = torch.randn(rows, k).to(torch.bfloat16)
+    out = w4_gemm_cpu.gemm(x, w4_gemm_cpu.pack(q, scales, zeros, group))
+    assert out.shape == (rows, n) and out.dtype == torch.bfloat16
+    close_to_reference(out, x, q, scales, zeros, group)
+
+
+@pytest.mark.parametrize("rows", [1, 16, 37])
+@needs_kernel
+def test_a_real_projection_shape(rows):
+    """Qwen2.5-0.5B's fused q/k/v projection (1152 x 896) in AWQ's group of 128."""
+    q, scales, zeros = random_weight(1152, 896, 128, seed=rows)
+    x = torch.randn(rows, 896).to(torch.bfloat16)
+    out = w4_gemm_cpu.gemm(x, w4_gemm_cpu.pack(q, scales, zeros, 128))
+    close_to_reference(out, x, q, scales, zeros, 128)
+    torch.testing.assert_close(out, w4_gemm_cpu.w4_gemm_reference(x, q, scales, zeros, 128), rtol=2**-7, atol=0.05)
+
+
+@needs_kernel
+def test_levels_as_far_from_their_zero_as_they_go():
+    """q = 15 against zero 0 and q = 0 against zero 15 (all in one weight): the widest (q - zero)."""
+    even = torch.arange(64)[:, None] % 2 == 0  # [64, 1]: even columns q = 0, zero 15; odd ones q = 15, zero 0
+    q = torch.where(even, 0, 15).expand(64, 128).to(torch.uint8).contiguous()
+    zeros = torch.where(even, 15.0, 0.0).expand(64, 2).contiguous()
+    scales = torch.full((64, 2), 0.5)
+    x = torch.randn(3, 128).to(torch.bfloat16)
+    out = w4_gemm_cpu.gemm(x, w4_gemm_cpu.pack(q, scales, zeros, 64))
+    close_to_reference(out, x, q, scales, zeros, 64)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@needs_kernel
+def test_every_thread_count_writes_every_column(threads):
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        q, scales, zeros = random_weight(16 * 7, 512, 64, seed=threads)
+        x = torch.randn(5, 512).to(torch.bfloat16)
+        assert 5 * 16 * 7 * 512 >= w4_gemm_cpu.PARALLEL_MIN_WORK  # NOTE: large enough to go parallel
+        out = w4_gemm_cpu.gemm(x, w4_gemm_cpu.pack(q, scales, zeros, 64))
+        close_to_reference(out, x, q, scales, zeros, 64)
+    finally:
+        torch.set_num_threads(previous)
+
+
+@needs_kernel
+def test_leading_dims_views_and_empty_inputs():
+    q, scales, zeros = random_weight(32, 64, 32, seed=1)
+    packed = w4_gemm_cpu.pack(q, scales, zeros, 32)
+    x = torch.randn(2, 3, 80).to(torch.bfloat16)[..., 8:72]  # not contiguous
+    out = w4_gemm_cpu.gemm(x, packed)
+    assert out.shape == (2, 3, 32)
+    close_to_reference(out.reshape(6, 32), x.reshape(6, 64), q, scales, zeros, 32)
+    assert w4_gemm_cpu.gemm(torch.empty(0, 64, dtype=torch.bfloat16), packed).shape == (0, 32)
+
+
+def test_bad_inputs_are_named():
+    q, scales, zeros = random_weight(16, 64, 32, seed=2)
+    with pytest.raises(ValueError, match=r"n a multiple of 16.*\(40, 64\)"):
+        w4_gemm_cpu.pack(torch.zeros(40, 64, dtype=torch.uint8), scales, zeros, 32)
+    with pytest.raises(ValueError, match="group 48"):
+        w4_gemm_cpu.pack(q, scales, zeros, 48)
+    with pytest.raises(ValueError, match=r"scales and zeros must be \[16, 2\]"):
+        w4_gemm_cpu.pack(q, scales[:, :1], zeros, 32)
+    packed = w4_gemm_cpu.pack(q, scales, zeros, 32)
+    with pytest.raises(ValueError, match=r"x must be bfloat16 \[\.\.\., 64\], got torch.float32"):
+        w4_gemm_cpu.gemm(torch.zeros(2, 64), packed)
+    with pytest.raises(ValueError, match="meta must be float32"):
+        w4_gemm_cpu.gemm(torch.zeros(2, 64, dtype=torch.bfloat16), packed._replace(meta=packed.meta.bfloat16()))
+
+
+def test_switched_off_by_the_environment(monkeypatch):
+    monkeypatch.setenv("PAGEDLLM_CPU_GEMM", "0")
+    w4_gemm_cpu.available.cache_clear()
+    try:
+        assert not w4_gemm_cpu.available()
+    finally:
+        monkeypatch.delenv("PAGEDLLM_CPU_GEMM")
+        w4_gemm_cpu.available.cache_clear()

@@ -1,0 +1,92 @@
+"""The tiled 4-bit CPU kernel as a quantized layer's kernel: when it is chosen and what it computes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedllm.kernels import w4_gemm_cpu
+from pagedllm.server.worker.quantization.base import QuantizedWeight, sort_by_groups
+from pagedllm.server.worker.quantization.kernels import DequantizeKernel, Int4CpuKernel, choose_kernel
+from pagedllm.server.worker.quantization.w4a16_cpu import W4A16TilesKernel
+
+N, K = 64, 256
+CPU = torch.device("cpu")
+needs_kernel = pytest.mark.skipif(
+    not w4_gemm_cpu.available(), reason="needs an x86-64 CPU with AVX-512-BF16, numba and a C compiler"
+)
+
+
+def random_int4(n: int, k: int, group: int, seed: int) -> QuantizedWeight:
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (n, k), generator=gen).to(torch.uint8)
+    scales = torch.rand(n, k // group, generator=gen) * 0.1 + 0.01
+    zeros = torch.randint(0, 16, (n, k // group), generator=gen).float()
+    return QuantizedWeight(q, scales, zeros, group, 4)
+
+
+def assert_matches(got: torch.Tensor, w: QuantizedWeight, x: torch.Tensor) -> None:
+    """Within 2^-7 of the output's magnitude of the float64 product on the dequantized weight (bfloat16 out)."""
+    want = x.double() @ w.dequantize(torch.float64).T
+    err = (got.double() - want).abs().max().item()
+    assert err <= 2**-7 * want.abs().max().item(), f"max error {err:.3e} vs {want.abs().max().item():.3e}"
+
+
+@pytest.mark.parametrize("group", [32, 64, 128, 256, K])
+@pytest.mark.parametrize("rows", [1, 5, 16, 64, 100])
+@needs_kernel
+def test_chosen_for_bfloat16_at_every_row_count(group, rows):
+    w = random_int4(N, K, group, seed=group + rows)
+    kernel = choose_kernel(w, CPU, torch.bfloat16)
+    assert isinstance(kernel, W4A16TilesKernel) and kernel.label == "w4a16-tiles"
+    x = torch.randn(rows, K).to(torch.bfloat16)
+    out = kernel(x)
+    assert out.dtype == torch.bfloat16
+    assert_matches(out, w, x)
+
+
+@needs_kernel
+def test_a_per_channel_weight_runs_in_groups_of_128():
+    w = random_int4(N, 512, 512, seed=1)
+    kernel = choose_kernel(w, CPU, torch.bfloat16)
+    assert isinstance(kernel, W4A16TilesKernel) and kernel.group_size == 128
+    assert kernel.meta.shape == (N // 16, 4, 2, 16)
+    x = torch.randn(3, 512).to(torch.bfloat16)
+    assert_matches(kernel(x), w, x)
+
+
+@needs_kernel
+def test_act_order_runs_on_the_sorted_weight():
+    gen = torch.Generator().manual_seed(0)
+    g_idx = torch.empty(K, dtype=torch.long)
+    g_idx[torch.randperm(K, generator=gen)] = torch.arange(K) // 32
+    q = torch.randint(0, 16, (N, K), generator=gen).to(torch.uint8)
+    scales, zeros = torch.rand(N, K // 32, generator=gen) + 0.1, torch.randint(0, 16, (N, K // 32)).float()
+    w = sort_by_groups(q, scales, zeros, g_idx, 4)
+    kernel = choose_kernel(w, CPU, torch.bfloat16)
+    assert isinstance(kernel, W4A16TilesKernel)
+    x = torch.randn(4, K).to(torch.bfloat16)
+    original = (q.double() - zeros.double()[:, g_idx]) * scales.double()[:, g_idx]
+    want = x.double() @ original.T
+    err = (kernel(x[:, w.perm]).double() - want).abs().max().item()
+    assert err <= 2**-7 * want.abs().max().item()
+
+
+def test_what_it_does_not_take_keeps_the_other_kernels():
+    w = random_int4(N, K, 32, seed=3)
+    assert isinstance(choose_kernel(w, CPU, torch.float32), Int4CpuKernel)  # NOTE: float32 activations
+    no_zeros = QuantizedWeight(w.q, w.scales, None, 32, 4)
+    assert not W4A16TilesKernel.fits(no_zeros)
+    assert not W4A16TilesKernel.fits(random_int4(N + 8, K, 32, seed=4))  # N not a multiple of 16
+    assert not W4A16TilesKernel.fits(QuantizedWeight(w.q, w.scales.repeat_interleave(32, 1), None, 1, 4))
+    uneven = QuantizedWeight(w.q, w.scales.repeat_interleave(2, 1), w.zeros.repeat_interleave(2, 1), 16, 4)  # type: ignore[union-attr]
+    assert not W4A16TilesKernel.fits(uneven)  # NOTE: group 16 is not among the packed groups
+    assert isinstance(choose_kernel(uneven, CPU, torch.bfloat16), DequantizeKernel)
+
+
+def test_unavailable_leaves_bfloat16_on_int4_cpu(monkeypatch):
+    monkeypatch.setattr(w4_gemm_cpu, "available", lambda: False)
+    w = random_int4(N, K, 64, seed=5)
+    kernel = choose_kernel(w, CPU, torch.bfloat16)
+    assert isinstance(kernel, Int4CpuKernel)
+    assert kernel.label == "int4-cpu+unpacked-bfloat16-from-64-rows"
