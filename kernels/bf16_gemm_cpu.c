@@ -40,7 +40,7 @@ static inline __attribute__((always_inline)) void tile_rows(const uint32_t *x, i
   }
   for (int64_t p = 0; p < pairs; p++) {
     __m512bh wv[TILE];
-    for (int j = 0; j < blocks; j++) wv[j] = (__m512bh)_mm512_load_si512(w + j * pairs + p);
+    for (int j = 0; j < blocks; j++) wv[j] = (__m512bh)_mm512_loadu_si512(w + j * pairs + p);
     for (int q = 0; q < per_step; q++) _mm_prefetch(prefetch + (p * per_step + q) * 64, _MM_HINT_T1);
     for (int r = 0; r < rows; r++) {
       __m512bh xb = (__m512bh)_mm512_set1_epi32((int)x[r * pairs + p]);
@@ -64,7 +64,8 @@ static inline __attribute__((always_inline)) void tile_rows(const uint32_t *x, i
   CASE(4, 3, PF) CASE(4, 4, PF)
 
 /* Columns of blocks [block0, block1) of y for all m rows. x: [m, k] contiguous bf16 (k even);
- * w: packed as above (64-byte aligned); bias: [n] bf16 or 0; y: [m, n] contiguous bf16. */
+ * w: packed as above (pack aligns it to 64 bytes; any alignment works); bias: [n] bf16 or 0;
+ * y: [m, n] contiguous bf16. */
 void pagedllm_gemm_bf16(intptr_t x_addr, int64_t m, int64_t k, intptr_t w_addr, intptr_t bias_addr, int64_t n,
                         int64_t block0, int64_t block1, intptr_t y_addr) {
   const uint32_t *x0 = (const uint32_t *)x_addr;
