@@ -23,7 +23,7 @@ from pagedllm.server.worker.cpu_malloc import keep_freed_memory
 print(keep_freed_memory())
 def step():  # NOTE: a 64 MB tensor freed each step, as a layer's temporaries are
     x = torch.empty(16 << 20); x.fill_(1); small = torch.empty(1000); del x
-for _ in range(5):  # the heap settles
+for _ in range(20):  # NOTE: the heap settles within about ten steps (its layout varies run to run)
     step()
 before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 for _ in range(5):
