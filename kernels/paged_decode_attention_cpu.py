@@ -29,6 +29,10 @@ has to discover page by page; while a pass reads block b it prefetches the first
 each page of block b + 1 (`python -m benchmarks.cpu_attention --threads 2 --batch 16 64
 --layers 8`: 5-10% off a call in float32, 9-12% in bfloat16).
 
+With a bfloat16 query and cache (head sizes a multiple of 32, blocks of 16 slots or a
+multiple), pass 1 runs in C on AVX-512-BF16 CPUs (kernels/decode_scores_cpu.py): sixteen key
+rows transposed in registers, sixteen positions scored per instruction.
+
 Caches may be float32, bfloat16, float16 or 8-bit (fp8 e4m3 / e5m2, int8 rows with their
 scale: kernels/kv_quant.py); scores, softmax and the weighted sum are float32 whatever the
 cache holds, and the output is rounded to the query's dtype once at the end. Each element
@@ -48,12 +52,13 @@ from types import FunctionType
 import numpy as np
 import torch
 
-from . import _cpu_widen
+from . import _cpu_widen, decode_scores_cpu
 from ._cpu_items import ITEMS_PER_THREAD, _use_threads, choose_kv_splits, thread_items
 from ._cpu_items import prefetch_block as _prefetch_block
 from ._cpu_widen import E4M3_FACTOR
 from ._fast_exp import exp
 from ._paged import check_block_tables, check_int_vector, check_kv_caches, check_query, check_window
+from .decode_scores_cpu import applies
 from .paged_decode_attention import paged_decode_attention_reference
 
 try:
@@ -259,9 +264,7 @@ def paged_decode_attention_cpu_kernel(
 
 
 @functools.cache
-def _compiled_kernel(
-    head_dim: int, widening: str = "widen", row_scaled: bool = False, parallel: bool = True, widen_once: bool = True
-):
+def _compiled_kernel(head_dim: int, widening="widen", row_scaled=False, parallel=True, widen_once=True, c_scores=False):
     """The kernel for heads of ``head_dim`` (on Numba's pool, or on the calling thread where
     not ``parallel``), compiled by Numba on first use, its machine code
     cached on disk when a cache directory is writable (else compiled once per process, a
@@ -270,7 +273,9 @@ def _compiled_kernel(
     NOTE: compiled lazily so that importing the kernels never needs numba's cache
     directory: a read-only image and an unwritable home still import and serve.
     """
-    kernel = _specialised(head_dim, widening, row_scaled, parallel, widen_once)
+    # NOTE: the C pass's library is loaded before the kernel that calls it is compiled or read from disk
+    c_scores = c_scores and decode_scores_cpu.available()
+    kernel = _specialised(head_dim, widening, row_scaled, parallel, widen_once, c_scores)
     try:
         return _jit(kernel, cache=True, parallel=parallel)
     except RuntimeError:  # numba: "cannot cache function ... no locator available"
@@ -288,7 +293,7 @@ array's shape); a constant in each copy :func:`_specialised` makes."""
 
 
 def _specialised(
-    head_dim: int, widening: str = "widen", row_scaled: bool = False, parallel: bool = True, widen_once: bool = True
+    head_dim: int, widening="widen", row_scaled=False, parallel=True, widen_once=True, c_scores=False
 ) -> Callable:
     """A copy of the kernel whose passes see ``HEAD_DIM = head_dim`` as a compile-time constant.
 
@@ -308,9 +313,11 @@ def _specialised(
         "_widen": getattr(_cpu_widen, widening),
     }
     tag = f"_d{head_dim}" + ("_int8" if row_scaled else "" if widening == "widen" else f"_{widening[6:]}")
-    tag += ("" if parallel else "_serial") + ("" if widen_once else "_direct")
+    tag += ("" if parallel else "_serial") + ("" if widen_once else "_direct") + ("_cscores" if c_scores else "")
     for fn in (_row_scale.py_func, _scores.py_func, _weighted_values.py_func):
         names[fn.__name__] = _device_function(_copy(fn, f"{fn.__name__}{tag}", names))
+    if c_scores:  # NOTE: pass 1 in C (kernels/decode_scores_cpu.c), same signature
+        names["_scores"] = decode_scores_cpu.scores
     return _copy(paged_decode_attention_cpu_kernel, f"paged_decode_attention_cpu_kernel{tag}", names)
 
 
@@ -370,7 +377,10 @@ def paged_decode_attention_cpu(
     splits = choose_kv_splits(query.shape[0], key_cache.shape[2], threads)
     fp8 = widening != "widen"
     widen_once = cache_view != torch.float32
-    _compiled_kernel(query.shape[2], widening, key_cache.dtype == torch.int8, parallel, widen_once)(
+    group = query.shape[1] // key_cache.shape[2]
+    c_scores = key_cache.dtype == query.dtype == torch.bfloat16 and key_cache[0, 0].is_contiguous()
+    c_scores = c_scores and applies(query.shape[2], key_cache.shape[1], group)
+    _compiled_kernel(query.shape[2], widening, key_cache.dtype == torch.int8, parallel, widen_once, c_scores)(
         query.float().contiguous().numpy(),
         key_cache.view(cache_view).numpy(),
         value_cache.view(cache_view).numpy(),
