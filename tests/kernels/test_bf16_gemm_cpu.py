@@ -97,16 +97,6 @@ def test_bad_inputs_are_named():
         bf16_gemm_cpu.gemm(torch.zeros(2, 8, dtype=torch.bfloat16), packed, torch.zeros(8, dtype=torch.bfloat16))
 
 
-def test_switched_off_by_the_environment(monkeypatch):
-    monkeypatch.setenv("PAGEDLLM_CPU_GEMM", "0")
-    bf16_gemm_cpu.available.cache_clear()
-    try:
-        assert not bf16_gemm_cpu.available()
-    finally:
-        monkeypatch.delenv("PAGEDLLM_CPU_GEMM")
-        bf16_gemm_cpu.available.cache_clear()
-
-
 def test_a_missing_compiler_leaves_it_unavailable(monkeypatch, tmp_path):
     monkeypatch.setenv("PATH", str(tmp_path))
     monkeypatch.delenv("CC", raising=False)

@@ -131,13 +131,3 @@ def test_bad_inputs_are_named():
         w4_gemm_cpu.gemm(torch.zeros(2, 64), packed)
     with pytest.raises(ValueError, match="meta must be float32"):
         w4_gemm_cpu.gemm(torch.zeros(2, 64, dtype=torch.bfloat16), packed._replace(meta=packed.meta.bfloat16()))
-
-
-def test_switched_off_by_the_environment(monkeypatch):
-    monkeypatch.setenv("PAGEDLLM_CPU_GEMM", "0")
-    w4_gemm_cpu.available.cache_clear()
-    try:
-        assert not w4_gemm_cpu.available()
-    finally:
-        monkeypatch.delenv("PAGEDLLM_CPU_GEMM")
-        w4_gemm_cpu.available.cache_clear()

@@ -1,0 +1,18 @@
+"""What every C kernel shares (kernels/_cpu_compile.py): one switch keeps them all off."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagedllm.kernels import bf16_gemm_cpu, decode_scores_cpu, w4_gemm_cpu
+
+
+@pytest.mark.parametrize("kernel", [bf16_gemm_cpu, w4_gemm_cpu, decode_scores_cpu], ids=lambda m: m.__name__)
+def test_switched_off_by_the_environment(monkeypatch, kernel):
+    monkeypatch.setenv("PAGEDLLM_CPU_GEMM", "0")
+    kernel.available.cache_clear()
+    try:
+        assert not kernel.available()
+    finally:
+        monkeypatch.delenv("PAGEDLLM_CPU_GEMM")
+        kernel.available.cache_clear()
