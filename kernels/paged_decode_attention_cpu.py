@@ -378,7 +378,7 @@ def paged_decode_attention_cpu(
     fp8 = widening != "widen"
     widen_once = cache_view != torch.float32
     group = query.shape[1] // key_cache.shape[2]
-    c_scores = key_cache.dtype == query.dtype == torch.bfloat16 and key_cache[0, 0].is_contiguous()
+    c_scores = key_cache.dtype == query.dtype == torch.bfloat16 and key_cache.stride()[2:] == (query.shape[2], 1)
     c_scores = c_scores and applies(query.shape[2], key_cache.shape[1], group)
     _compiled_kernel(query.shape[2], widening, key_cache.dtype == torch.int8, parallel, widen_once, c_scores)(
         query.float().contiguous().numpy(),

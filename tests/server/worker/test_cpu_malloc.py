@@ -7,8 +7,6 @@ import sys
 
 import pytest
 
-from pagedllm.server.worker import cpu_malloc
-
 
 def _in_a_fresh_process(code: str, env: dict[str, str]) -> str:
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
@@ -54,8 +52,3 @@ def test_a_cpu_engine_keeps_freed_memory(monkeypatch, tiny_llama):
     llm = LLM(model=tiny_llama, skip_tokenizer_init=True, num_gpu_blocks_override=8, device="cpu")
     llm.shutdown()
     assert calls == [1]
-
-
-def test_set_once_per_process():
-    assert cpu_malloc.keep_freed_memory() is cpu_malloc.keep_freed_memory()
-    assert cpu_malloc.keep_freed_memory.cache_info().hits >= 1
