@@ -36,6 +36,7 @@ except ImportError:  # pragma: no cover - numba is a dependency; this keeps the 
 
 from ._cpu_compile import AVX512_BF16_CFLAGS, build_library, cpu_has_avx512_bf16, load_symbol
 from ._cpu_items import _use_threads
+from ._cpu_memory import aligned_empty
 
 __all__ = ["BLOCK", "available", "can_pack", "gemm", "gemm_reference", "pack", "unpack"]
 
@@ -75,7 +76,8 @@ def can_pack(weight: torch.Tensor) -> bool:
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
-    """``weight`` [n, k] in the kernel's layout, as a tensor of the same shape and dtype (64-byte aligned).
+    """``weight`` [n, k] in the kernel's layout, as a tensor of the same shape and dtype (64-byte aligned;
+    a large one on huge pages: kernels/_cpu_memory.py).
 
     NOTE: its elements are not ``weight``'s at the same indices: only :func:`gemm` and
     :func:`unpack` may read it.
@@ -87,7 +89,7 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
         )
     n, k = weight.shape
     tiles = weight.detach().reshape(n // BLOCK, BLOCK, k // 2, 2).permute(0, 2, 1, 3)
-    out = _aligned_empty(n * k)
+    out = aligned_empty(n * k, torch.bfloat16)
     out.view(n // BLOCK, k // 2, BLOCK, 2).copy_(tiles)
     return out.view(n, k)
 
@@ -96,13 +98,6 @@ def unpack(packed: torch.Tensor) -> torch.Tensor:
     """The plain ``[n, k]`` weight that :func:`pack` packed."""
     n, k = packed.shape
     return packed.reshape(n // BLOCK, k // 2, BLOCK, 2).permute(0, 2, 1, 3).reshape(n, k)
-
-
-def _aligned_empty(numel: int) -> torch.Tensor:
-    """A bfloat16 vector of ``numel`` elements whose data starts on a 64-byte boundary."""
-    raw = torch.empty(numel + 32, dtype=torch.bfloat16)
-    skip = (-raw.data_ptr() % 64) // 2
-    return raw[skip : skip + numel]
 
 
 def gemm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

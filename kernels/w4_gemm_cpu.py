@@ -34,6 +34,7 @@ except ImportError:  # pragma: no cover - numba is a dependency; this keeps the 
 
 from ._cpu_compile import AVX512_BF16_CFLAGS, build_library, cpu_has_avx512_bf16, load_symbol
 from ._cpu_items import _use_threads
+from ._cpu_memory import aligned_empty
 
 __all__ = ["BLOCK", "W4Packed", "available", "can_pack", "gemm", "pack", "unpack", "w4_gemm_reference"]
 
@@ -46,7 +47,7 @@ PARALLEL_MIN_WORK = 1 << 18
 
 
 class W4Packed(NamedTuple):
-    """A 4-bit weight in the kernel's layout (both tensors 64-byte aligned)."""
+    """A 4-bit weight in the kernel's layout (both tensors 64-byte aligned, large ones on huge pages)."""
 
     weight: torch.Tensor
     """[n / 16, k / 2, 16] uint8: byte c of pair p of block b holds q[16 b + c, 2 p] | q[16 b + c, 2 p + 1] << 4."""
@@ -88,11 +89,11 @@ def pack(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int)
         got = f"{tuple(scales.shape)}, {tuple(zeros.shape)}"
         raise ValueError(f"scales and zeros must be [{n}, {k // group}], got {got}")
     pairs = q.reshape(n // BLOCK, BLOCK, k // 2, 2).permute(0, 2, 1, 3)
-    weight = _aligned_empty(n * k // 2, torch.uint8).view(n // BLOCK, k // 2, BLOCK)
+    weight = aligned_empty(n * k // 2, torch.uint8).view(n // BLOCK, k // 2, BLOCK)
     weight.copy_(pairs[..., 0] | (pairs[..., 1] << 4))
     # meta: [n/16, groups, 2, 16]; each [n, groups] tensor -> [n/16, groups, 16]
     per_block = [t.float().reshape(n // BLOCK, BLOCK, -1).transpose(1, 2) for t in (scales, 128.0 + zeros.float())]
-    meta = _aligned_empty(n * (k // group) * 2, torch.float32).view(n // BLOCK, k // group, 2, BLOCK)
+    meta = aligned_empty(n * (k // group) * 2, torch.float32).view(n // BLOCK, k // group, 2, BLOCK)
     meta.copy_(torch.stack(per_block, dim=2))
     return W4Packed(weight, meta, group)
 
@@ -104,14 +105,6 @@ def unpack(packed: W4Packed) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     q = levels.permute(0, 2, 1, 3).reshape(blocks * BLOCK, pairs * 2)
     scales, offsets = (packed.meta[:, :, i].transpose(1, 2).reshape(blocks * BLOCK, -1) for i in (0, 1))
     return q, scales, offsets - 128.0
-
-
-def _aligned_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
-    """A vector of ``numel`` elements whose data starts on a 64-byte boundary."""
-    size = torch.empty(0, dtype=dtype).element_size()
-    raw = torch.empty(numel + 64 // size, dtype=dtype)
-    skip = (-raw.data_ptr() % 64) // size
-    return raw[skip : skip + numel]
 
 
 def gemm(x: torch.Tensor, packed: W4Packed) -> torch.Tensor:
