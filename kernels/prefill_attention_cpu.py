@@ -80,10 +80,11 @@ def prefill_attention_cpu(
     chunks: Sequence[tuple[int, int, int]],  # (first row, end row, context_len) per chunk
     scale: float,
     sliding_window: int | None = None,
+    out: torch.Tensor | None = None,  # [total_q, num_heads, head_dim] bfloat16, rows of a token contiguous
 ) -> torch.Tensor:  # [total_q, num_heads, head_dim] bfloat16
     """Each chunk's rows ``start:end`` of ``query`` (positions ``context_len - (end - start)`` on)
     over its context, read from the cache through its block table; causal, within the window.
-    Rows outside every chunk are left unset."""
+    Written into ``out`` (a new tensor if None); rows outside every chunk are left as they were."""
     total_q, num_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[2]
     if not applies(query, key_cache) or value_cache.dtype != torch.bfloat16:
@@ -98,7 +99,10 @@ def prefill_attention_cpu(
     q = query if query.stride(2) == 1 and query.stride(1) == head_dim else query.contiguous()
     kc, vc = (c if c.stride(3) == 1 and c.stride(2) == head_dim else c.contiguous() for c in (key_cache, value_cache))
     tables = block_tables.to(torch.int32).contiguous()
-    out = torch.empty(total_q, num_heads, head_dim, dtype=torch.bfloat16)
+    if out is None:
+        out = torch.empty(total_q, num_heads, head_dim, dtype=torch.bfloat16)
+    elif out.shape != query.shape or out.dtype != torch.bfloat16 or out.stride(2) != 1 or out.stride(1) != head_dim:
+        raise ValueError(f"out must be bfloat16 {tuple(query.shape)} with each token's heads contiguous")
     threads = _use_threads(torch.get_num_threads())
     items = _work_items(chunks, num_kv_heads, num_heads // num_kv_heads, threads)
     if len(items) == 0:
