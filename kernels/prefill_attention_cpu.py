@@ -93,6 +93,8 @@ def prefill_attention_cpu(
             f"{MAX_HEAD_DIM}, blocks a multiple of 16: got {query.dtype} {tuple(query.shape)}, "
             f"{key_cache.dtype} {tuple(key_cache.shape)}, value cache {value_cache.dtype}"
         )
+    if not scale > 0:
+        raise ValueError(f"the C prefill attention takes a positive scale, got {scale}")
     for s, (start, end, length) in enumerate(chunks):
         if not 0 <= start <= end <= total_q or end - start > length:
             raise ValueError(f"chunk {s}: rows {start}:{end} of {total_q} with context_len {length}")

@@ -305,7 +305,7 @@ def prefill_attention(
 ) -> torch.Tensor:  # [total_q, num_heads, head_dim]
     """Causal attention of each chunk's new tokens over its context (within the window): the
     C kernel for bfloat16 (it reads the cache, already holding the new K/V), SDPA otherwise."""
-    if plan.prefills and compiled_prefill_applies(query, key_cache, logit_softcap):
+    if plan.prefills and scale > 0 and compiled_prefill_applies(query, key_cache, logit_softcap):
         tables = torch.stack([c.block_table for c in plan.prefills])
         chunks = [(c.start, c.end, c.context_len) for c in plan.prefills]
         return prefill_attention_cpu(query, key_cache, value_cache, tables, chunks, scale, sliding_window)

@@ -115,6 +115,8 @@ def test_applies_to_bfloat16_shapes_it_handles_only():
     assert not applies(q, cache[:, :8])  # blocks of 8
     with pytest.raises(ValueError, match="bfloat16"):
         prefill_attention_cpu(q.float(), cache.float(), cache.float(), torch.zeros(1, 1, dtype=torch.int32), [], 1.0)
+    with pytest.raises(ValueError, match="positive scale"):
+        prefill_attention_cpu(q, cache, cache, torch.zeros(1, 4, dtype=torch.int32), [(0, 3, 3)], -1.0)
     with pytest.raises(ValueError, match="chunk 0"):
         prefill_attention_cpu(q, cache, cache, torch.zeros(1, 4, dtype=torch.int32), [(0, 3, 2)], 1.0)
 
