@@ -112,7 +112,7 @@ def prefill_attention_cpu(
     window = 0 if sliding_window is None else sliding_window
     failed = _run()(
         items,
-        _deal(items, threads),
+        _deal(items, threads, window),
         q.data_ptr(),
         q.stride(0),
         out.data_ptr(),
@@ -138,27 +138,37 @@ def _work_items(chunks: Sequence[tuple[int, int, int]], kv_heads: int, group: in
     tokens = max(1, ITEM_ROWS // group)
     while tokens > 4 and kv_heads * -(-total // tokens) < ITEMS_PER_THREAD * threads:
         tokens //= 2
-    rows = []
+    parts = []
     for c, (start, end, length) in enumerate(chunks):
-        for t0 in range(0, end - start, tokens):
-            t1 = min(t0 + tokens, end - start)
-            rows.extend((c, start, length - (end - start), t0, t1, kv) for kv in range(kv_heads))
-    return np.array(rows, np.int64).reshape(-1, 6)
+        t0 = np.repeat(np.arange(0, end - start, tokens, dtype=np.int64), kv_heads)
+        part = np.empty((len(t0), 6), np.int64)
+        part[:, :3] = (c, start, length - (end - start))
+        part[:, 3], part[:, 4] = t0, np.minimum(t0 + tokens, end - start)
+        part[:, 5] = np.tile(np.arange(kv_heads), len(t0) // kv_heads)
+        parts.append(part)
+    return np.concatenate(parts) if parts else np.zeros((0, 6), np.int64)
 
 
-def _deal(items: np.ndarray, threads: int) -> np.ndarray:
+def _deal(items: np.ndarray, threads: int, window: int) -> np.ndarray:
     """``[threads, n + 1]``: thread t runs items ``plan[t, 1 : 1 + plan[t, 0]]``, the costliest
     dealt first, each to the thread with the least work so far (NOTE: causal items differ in
-    cost by their last position; Numba's ``prange`` alone splits them into equal runs)."""
-    cost = (items[:, 4] - items[:, 3]) * (items[:, 2] + (items[:, 3] + items[:, 4]) // 2 + 16)
+    cost by how many positions they see; Numba's ``prange`` alone splits them into equal runs)."""
+    seen = items[:, 2] + (items[:, 3] + items[:, 4]) // 2 + 1  # positions the item's middle token sees
+    if window > 0:
+        seen = np.minimum(seen, window)
+    cost = (items[:, 4] - items[:, 3]) * (seen + 16)  # NOTE: + an item's fixed cost
     plan = np.zeros((threads, len(items) + 1), np.int64)
     load = np.zeros(threads, np.int64)
-    for i in np.argsort(-cost, kind="stable"):
-        t = int(np.argmin(load))
+    for i in np.argsort(-cost, kind="mergesort"):
+        t = np.argmin(load)
         load[t] += cost[i]
         plan[t, 0] += 1
         plan[t, plan[t, 0]] = i
     return plan
+
+
+if numba is not None:
+    _deal = numba.njit(cache=True, boundscheck=False)(_deal)
 
 
 @functools.cache

@@ -140,9 +140,9 @@ def test_items_are_dealt_once_each_and_evenly():
     assert set(items[:, 5].tolist()) == {0, 1} and (items[:, 4] > items[:, 3]).all()
     covered = sorted((int(c), int(t)) for c, _, _, t0, t1, _ in items for t in range(t0, t1))
     assert covered == sorted([(0, t) for t in range(300)] * 2 + [(1, t) for t in range(17)] * 2)
-    plan = kernel._deal(items, 2)
+    plan = kernel._deal(items, 2, 0)
     dealt = sorted(plan[0, 1 : 1 + plan[0, 0]].tolist() + plan[1, 1 : 1 + plan[1, 0]].tolist())
     assert dealt == list(range(len(items)))
-    cost = (items[:, 4] - items[:, 3]) * (items[:, 2] + (items[:, 3] + items[:, 4]) // 2 + 16)
+    cost = (items[:, 4] - items[:, 3]) * (items[:, 2] + (items[:, 3] + items[:, 4]) // 2 + 17)
     loads = [cost[plan[t, 1 : 1 + plan[t, 0]]].sum() for t in range(2)]
     assert max(loads) <= 1.1 * min(loads)
