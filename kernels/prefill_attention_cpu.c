@@ -30,7 +30,8 @@
 #define DV 4       /* float32 vectors of 16 output columns per PV pass (64 columns) */
 #define LOG2E 1.4426950408889634f
 
-/* rows r[0..15] (16 lanes each) -> columns c[0..15]: c[i] lane s = r[s] lane i */
+/* rows r[0..15] (16 lanes each) -> columns c[0..15]: c[i] lane s = r[s] lane i
+ * NOTE: the same transpose as decode_scores_cpu.c's: each C file is built alone, cached by its own text. */
 static inline __attribute__((always_inline)) void transpose16(__m512i *r) {
   __m512i t[16], u[16];
   for (int i = 0; i < 8; i++) {
