@@ -21,10 +21,11 @@ window a row gathers only its visible blocks, from the block of ``len - window``
 The ``numba`` backend skips all of that for decode: its compiled kernel
 (kernels/paged_decode_attention_cpu.py) reads the blocks in place through the tables.
 
-Prefill chunks with no cached prefix attend to their own new K/V directly (causal SDPA);
-others read their context from the cache, from the block of the first new token's
-first visible position on. Logit soft-capping (which SDPA cannot do) runs the same
-steps with explicit scores.
+Prefill chunks in bfloat16 go to a C flash-attention kernel that reads the cache through the
+block tables (kernels/prefill_attention_cpu.py). Otherwise chunks with no cached prefix
+attend to their own new K/V directly (causal SDPA); others read their context from the
+cache, from the block of the first new token's first visible position on. Logit
+soft-capping (which SDPA cannot do) runs the same steps with explicit scores.
 
 An 8-bit cache (kernels/kv_quant.py) is written quantized and read back in the query's
 dtype as blocks are gathered; a prefill chunk without a cached prefix attends to its own
@@ -46,6 +47,8 @@ import torch.nn.functional as F
 from pagedllm.kernels.kv_quant import UNIT_SCALES, KVScales, dequantize, is_quantized, raw
 from pagedllm.kernels.kv_write_cpu import write_kv_quantized_cpu
 from pagedllm.kernels.paged_decode_attention_cpu import paged_decode_attention_cpu
+from pagedllm.kernels.prefill_attention_cpu import applies as compiled_prefill_applies
+from pagedllm.kernels.prefill_attention_cpu import prefill_attention_cpu
 
 # NOTE: measured on a 2-core CPU (benchmarks/cpu_attention.py): merging sequences whose
 # lengths differ by up to this many tokens (or 1/8 of the shorter) costs less padding work
@@ -300,7 +303,12 @@ def prefill_attention(
     logit_softcap: float | None = None,
     scales: KVScales = UNIT_SCALES,
 ) -> torch.Tensor:  # [total_q, num_heads, head_dim]
-    """Causal attention of each chunk's new tokens over its context (within the window)."""
+    """Causal attention of each chunk's new tokens over its context (within the window): the
+    C kernel for bfloat16 (it reads the cache, already holding the new K/V), SDPA otherwise."""
+    if plan.prefills and scale > 0 and compiled_prefill_applies(query, key_cache, logit_softcap):
+        tables = torch.stack([c.block_table for c in plan.prefills])
+        chunks = [(c.start, c.end, c.context_len) for c in plan.prefills]
+        return prefill_attention_cpu(query, key_cache, value_cache, tables, chunks, scale, sliding_window)
     out = torch.zeros_like(query)
     block_size = key_cache.shape[1]
     for chunk in plan.prefills:

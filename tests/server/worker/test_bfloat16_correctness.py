@@ -19,8 +19,10 @@ import torch
 from engine_factories import TINY_SHAPES, HFReference, assert_greedy_matches, make_prompts
 from family_factories import WINDOW, save_tiny_family
 
+from pagedllm.kernels import prefill_attention_cpu
 from pagedllm.server import LLM, SamplingParams
-from pagedllm.server.worker import dtype_choice
+from pagedllm.server.demo import save_tiny_llama
+from pagedllm.server.worker import cpu_attention, dtype_choice
 
 BF16_TOLERANCE = 0.5
 MAX_TOKENS = 12
@@ -72,6 +74,25 @@ def test_families_in_bfloat16_match_transformers_in_bfloat16(family_dirs, name, 
     prompts = make_prompts(6, min_len=3, max_len=7 * WINDOW, seed=2)
     ours = run_bf16_greedy(family_dirs[name], prompts, backend, block_size=8)
     check_bf16(HFReference(family_dirs[name], dtype=torch.bfloat16, attn_implementation="eager"), prompts, ours)
+
+
+@pytest.mark.skipif(not prefill_attention_cpu.available(), reason="needs the C prefill attention (AVX-512-BF16)")
+@pytest.mark.parametrize("backend", ["numba", "torch"])
+def test_c_prefill_attention_in_the_engine_matches_transformers(tmp_path_factory, monkeypatch, backend):
+    """A head_dim of 64 (7 query heads per KV head) takes the C prefill kernel: whole prompts,
+    chunks of 48 tokens and cached prefixes, as greedy as transformers in bfloat16."""
+    shape = dict(num_attention_heads=14, num_key_value_heads=2, hidden_size=896, intermediate_size=256)
+    model = save_tiny_llama(str(tmp_path_factory.mktemp("bf16-head-dim-64")), seed=4, initializer_range=0.05, **shape)
+    calls = []
+    kernel = prefill_attention_cpu.prefill_attention_cpu
+    monkeypatch.setattr(cpu_attention, "prefill_attention_cpu", lambda *a: calls.append(1) or kernel(*a))
+    shared = make_prompts(1, min_len=70, max_len=70, seed=5)[0]
+    prompts = make_prompts(6, min_len=1, max_len=150, seed=6)
+    prompts += [shared + p for p in prompts[:3]]
+    args = dict(block_size=16, max_num_batched_tokens=48, enable_chunked_prefill=True, enable_prefix_caching=True)
+    ours = run_bf16_greedy(model, prompts, backend, **args)
+    assert calls
+    check_bf16(HFReference(model, dtype=torch.bfloat16), prompts, ours)
 
 
 def save_as(src: str, dst: str, dtype: torch.dtype) -> str:

@@ -10,6 +10,8 @@ from pagedllm.kernels import (
     paged_prefill_attention_reference,
     reshape_and_cache_reference,
 )
+from pagedllm.kernels import prefill_attention_cpu as c_prefill
+from pagedllm.server.worker import cpu_attention
 from pagedllm.server.worker.attention import select_attention_ops
 from pagedllm.server.worker.cpu_attention import (
     _group_bounds,
@@ -285,3 +287,41 @@ def test_16_bit_attention_matches_the_float32_reference(dtype, window, softcap):
     for name, (out, ref, tolerance) in outputs.items():
         assert out.dtype == dtype, name
         torch.testing.assert_close(out.float(), ref, **tolerance[dtype], msg=lambda m, name=name: f"{name}: {m}")
+
+
+@pytest.mark.skipif(not c_prefill.available(), reason="needs the C prefill attention (AVX-512-BF16)")
+@pytest.mark.parametrize("window,softcap", [(None, None), (20, None), (None, 30.0)])
+def test_bfloat16_prefill_takes_the_c_kernel_where_it_applies(monkeypatch, window, softcap):
+    """bfloat16 chunks with and without a cached prefix: the C kernel reads them from the cache
+    (soft-capped ones stay on SDPA), within one bfloat16 rounding of the float32 reference."""
+    gen = torch.Generator().manual_seed(12)
+    block_size, num_heads, kv_heads, head_dim = 16, 14, 2, 64
+    chunks = [(0, 37), (50, 21), (0, 1)]  # (cached prefix, new tokens)
+    lens = [p + q for p, q in chunks]
+    num_blocks = sum(-(-n // block_size) for n in lens) + 2
+    key_cache, value_cache = (c.bfloat16() for c in random_cache(num_blocks, block_size, kv_heads, head_dim, gen))
+    tables = random_tables(lens, block_size, num_blocks, gen, garbage=False)
+    cu = torch.tensor([0, *torch.tensor([q for _, q in chunks]).cumsum(0).tolist()], dtype=torch.int32)
+    query = torch.randn(int(cu[-1]), num_heads, head_dim, generator=gen).bfloat16()
+    key, value = (torch.randn(int(cu[-1]), kv_heads, head_dim, generator=gen).bfloat16() for _ in range(2))
+    slots = [
+        int(tables[s, p // block_size]) * block_size + p % block_size
+        for s, (c, q) in enumerate(chunks)
+        for p in range(c, c + q)
+    ]
+    write_kv(key, value, key_cache, value_cache, torch.tensor(slots))
+    context = torch.tensor(lens, dtype=torch.int32)
+    no_decodes = torch.zeros(0, 1, dtype=torch.int32), torch.zeros(0, dtype=torch.int32)
+    plan = plan_attention(*no_decodes, tables, cu, context, block_size)
+    calls = []
+    kernel = c_prefill.prefill_attention_cpu
+    monkeypatch.setattr(cpu_attention, "prefill_attention_cpu", lambda *a: calls.append(1) or kernel(*a))
+    scale = head_dim**-0.5
+    out = prefill_attention(query, key, value, key_cache, value_cache, plan, scale, window, softcap)
+    assert len(calls) == (softcap is None)
+    ref = paged_prefill_attention_reference(
+        query.float(), key.float(), value.float(), key_cache.float(), value_cache.float(),
+        tables, cu, context, scale, window, softcap,
+    )  # fmt: skip
+    tolerance = KERNEL_16_BIT if softcap is None else TORCH_16_BIT
+    torch.testing.assert_close(out.float(), ref, **tolerance[torch.bfloat16])
