@@ -1,5 +1,5 @@
-/* Causal prefill attention over a bfloat16 paged cache, for x86-64 CPUs with AVX-512-BF16:
- * one work item = one KV head and a run of query tokens [t0, t1) of one chunk, flash-attention
+/* Causal prefill attention of bfloat16 queries over a paged cache of bfloat16 or 8-bit K/V
+ * (kernels/kv_quant.py), for x86-64 CPUs with AVX-512-BF16: one work item = one KV head and a run of query tokens [t0, t1) of one chunk, flash-attention
  * style (kernels/prefill_attention_cpu.py deals the items out over the threads).
  *
  * The item's rows are its tokens times the query heads of the KV head (GQA: they share every
@@ -13,6 +13,14 @@
  *
  * Scores are exact products of bf16 values summed in float32; probabilities stay float32 and
  * V is widened exactly, so the only rounding to bf16 is the output's (once, nearest even).
+ *
+ * 8-bit caches: every int8, e4m3 and e5m2 value is exact in bf16, so K is widened to bf16 as it
+ * is loaded and the scores are computed as above. An int8 row's float16 scale multiplies the 16
+ * scores of its chunk lane by lane before the softmax, and its V row as it is widened to float32
+ * (int8 x float16 is exact in float32). fp8's per-tensor scales are the caller's: k_scale in
+ * `scale`, v_scale in `v_scale` (the output's factor). e4m3 widens through float16 to its value
+ * / 256 (kernels/_cpu_widen.py), which the caller folds into both. Each format is its own
+ * compiled copy of the kernel (the format a constant), so the loops hold no format branch.
  * A position is visible to a row at position `pos` when first <= position <= pos, first being
  * pos - window + 1 with a sliding window and 0 without. Rows of a tile that see none of it
  * skip it; positions past the item's last token are zero-filled, never read from the cache.
@@ -70,45 +78,90 @@ static inline __attribute__((always_inline)) __m512 exp2_ps(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
+enum { BF16, INT8, E4M3, E5M2 }; /* cache formats: the `fmt` constant of each copy */
+#define ALWAYS static inline __attribute__((always_inline))
+
 typedef struct {
-  const uint16_t *k, *v;
+  const uint8_t *k, *v;
   const int32_t *table;
-  int64_t k_block, k_row, v_block, v_row, block_size, head_dim, kv;
+  int64_t k_block, k_row, v_block, v_row, head; /* strides in bytes; head: one (token, head) row */
+  int64_t block_size, head_dim, kv;
 } Cache;
 
-static inline const uint16_t *slot(const uint16_t *base, const Cache *c, int64_t block, int64_t row, int64_t pos) {
-  return base + (int64_t)c->table[pos / c->block_size] * block + pos % c->block_size * row + c->kv * c->head_dim;
+ALWAYS const uint8_t *slot(const uint8_t *base, const Cache *c, int64_t block, int64_t row, int64_t pos) {
+  return base + (int64_t)c->table[pos / c->block_size] * block + pos % c->block_size * row + c->kv * c->head;
 }
 
-/* kt[chunk][pair][16]: pairs of positions p0 + 16 chunk + lane; positions >= end are zeros */
-static void load_keys(const Cache *c, int64_t p0, int64_t end, uint32_t *kt) {
+/* 16 8-bit values -> float32, exactly (e4m3: value / 256, its bits moved into a float16's) */
+ALWAYS __m512 widen16(const uint8_t *p, const int fmt) {
+  const __m128i b = _mm_loadu_si128((const __m128i *)p);
+  if (fmt == INT8) return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
+  __m256i h = _mm256_cvtepu8_epi16(b);
+  if (fmt == E4M3)
+    h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(h, _mm256_set1_epi16(0x80)), 8),
+                        _mm256_slli_epi16(_mm256_and_si256(h, _mm256_set1_epi16(0x7F)), 7));
+  else
+    h = _mm256_slli_epi16(h, 8); /* e5m2: the high byte of a float16 */
+  return _mm512_cvtph_ps(h);
+}
+
+/* an int8 row's float16 scale (the 2 bytes after its head_dim values), in every lane */
+ALWAYS __m512 row_scale(const uint8_t *row, int64_t head_dim) {
+  uint16_t bits;
+  memcpy(&bits, row + head_dim, 2);
+  return _mm512_cvtph_ps(_mm256_set1_epi16((short)bits));
+}
+
+/* 32 values from element e of a row as 16 bf16 pairs (the order the cache holds them) */
+ALWAYS __m512i load_pairs(const uint8_t *row, int64_t e, const int fmt) {
+  if (fmt == BF16) return _mm512_loadu_si512(row + 2 * e);
+  return (__m512i)_mm512_cvtne2ps_pbh(widen16(row + e + 16, fmt), widen16(row + e, fmt));
+}
+
+/* kt[chunk][pair][16]: pairs of positions p0 + 16 chunk + lane; positions >= end are zeros.
+ * int8: ks[position - p0] the rows' scales (0 past end). */
+ALWAYS void load_keys(const Cache *c, int64_t p0, int64_t end, uint32_t *kt, float *ks, const int fmt) {
   const int64_t pairs = c->head_dim / 2;
   for (int ch = 0; ch < CHUNKS; ch++) {
     const int64_t pos = p0 + 16 * ch;
     uint32_t *dst = kt + ch * pairs * 16;
     if (pos >= end) {
       memset(dst, 0, pairs * 16 * sizeof(uint32_t));
+      if (fmt == INT8) _mm512_store_ps(ks + 16 * ch, _mm512_setzero_ps());
       continue;
     }
-    const uint16_t *rows = slot(c->k, c, c->k_block, c->k_row, pos);
+    const uint8_t *rows = slot(c->k, c, c->k_block, c->k_row, pos);
     const int64_t valid = end - pos < 16 ? end - pos : 16;
     for (int64_t j0 = 0; j0 < pairs; j0 += 16) {
       __m512i col[16];
       for (int s = 0; s < 16; s++)
-        col[s] = s < valid ? _mm512_loadu_si512(rows + s * c->k_row + 2 * j0) : _mm512_setzero_si512();
+        col[s] = s < valid ? load_pairs(rows + s * c->k_row, 2 * j0, fmt) : _mm512_setzero_si512();
       transpose16(col);
       for (int j = 0; j < 16; j++) _mm512_storeu_si512(dst + (j0 + j) * 16, col[j]);
+    }
+    if (fmt == INT8) {
+      uint16_t bits[16] = {0};
+      for (int s = 0; s < valid; s++) memcpy(bits + s, rows + s * c->k_row + c->head_dim, 2);
+      _mm512_store_ps(ks + 16 * ch, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)bits)));
     }
   }
 }
 
-/* vf[position - p0][head_dim] float32 for positions p0 .. p0 + n - 1 */
-static void load_values(const Cache *c, int64_t p0, int64_t n, float *vf) {
+/* vf[position - p0][head_dim] float32 for positions p0 .. p0 + n - 1 (int8: times the row's scale) */
+ALWAYS void load_values(const Cache *c, int64_t p0, int64_t n, float *vf, const int fmt) {
   for (int64_t s = 0; s < n; s++) {
-    const uint16_t *row = slot(c->v, c, c->v_block, c->v_row, p0 + s);
+    const uint8_t *row = slot(c->v, c, c->v_block, c->v_row, p0 + s);
+    const __m512 r = fmt == INT8 ? row_scale(row, c->head_dim) : _mm512_set1_ps(1.0f);
     for (int64_t d = 0; d < c->head_dim; d += 16) {
-      __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(row + d)));
-      _mm512_storeu_ps(vf + s * c->head_dim + d, _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16)));
+      __m512 x;
+      if (fmt == BF16) {
+        const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(row + 2 * d)));
+        x = _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+      } else {
+        x = widen16(row + d, fmt);
+        if (fmt == INT8) x = _mm512_mul_ps(x, r);
+      }
+      _mm512_storeu_ps(vf + s * c->head_dim + d, x);
     }
   }
 }
@@ -121,8 +174,8 @@ typedef struct {
 } Rows;
 
 /* Scores, online softmax and PV of rows r0 .. r0 + RB - 1 over the tile at p0 (n positions). */
-static void row_block(const Rows *R, int64_t r0, const uint32_t *kt, const float *vf, int64_t p0, int64_t n,
-                      int64_t pairs, int64_t head_dim, float scale2) {
+ALWAYS void row_block(const Rows *R, int64_t r0, const uint32_t *kt, const float *ks, const float *vf, int64_t p0,
+                      int64_t n, int64_t pairs, int64_t head_dim, float scale2, const int fmt) {
   __m512 acc[RB][CHUNKS];
   for (int r = 0; r < RB; r++)
     for (int ch = 0; ch < CHUNKS; ch++) acc[r][ch] = _mm512_setzero_ps();
@@ -135,6 +188,11 @@ static void row_block(const Rows *R, int64_t r0, const uint32_t *kt, const float
       for (int ch = 0; ch < CHUNKS; ch++) acc[r][ch] = _mm512_dpbf16_ps(acc[r][ch], qb, kv[ch]);
     }
   }
+  if (fmt == INT8) /* each position's K row scale, lane by lane */
+    for (int ch = 0; ch < CHUNKS; ch++) {
+      const __m512 k = _mm512_load_ps(ks + 16 * ch);
+      for (int r = 0; r < RB; r++) acc[r][ch] = _mm512_mul_ps(acc[r][ch], k);
+    }
   float p[RB][KT] __attribute__((aligned(64)));
   const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
   int64_t last = -1; /* the last position any of the rows sees in the tile */
@@ -189,24 +247,27 @@ static void row_block(const Rows *R, int64_t r0, const uint32_t *kt, const float
 
 /* One work item. q, out: [tokens, num_heads, head_dim] bf16 (as uint16), a token every
  * q_stride / out_stride elements, pointing at the chunk's first token; the item's heads are
- * kv * group .. kv * group + group - 1. Caches: [*, block_size, kv_heads, head_dim] bf16, a
- * block every *_block and a slot every *_row elements; table: the chunk's int32 block ids.
+ * kv * group .. kv * group + group - 1. Caches: [*, block_size, kv_heads, row] of the copy's
+ * format (row: head_dim values, an int8 row then its float16 scale), a block every *_block, a
+ * slot every *_row and a head every `head` bytes; table: the chunk's int32 block ids.
  * first_pos: the chunk's first token's position (context_len - q_len). head_dim a multiple of
- * 64 (at most 256), block_size a multiple of 16, scale > 0. window 0: none. Returns 0, or 1 when out of memory. */
-int pagedllm_prefill_attention_bf16(intptr_t q_addr, int64_t q_stride, intptr_t out_addr, int64_t out_stride,
-                                    intptr_t k_addr, int64_t k_block, int64_t k_row, intptr_t v_addr, int64_t v_block,
-                                    int64_t v_row, intptr_t table_addr, int64_t block_size, int64_t head_dim,
-                                    int64_t kv, int64_t group, int64_t first_pos, int64_t t0, int64_t t1,
-                                    int64_t window, float scale) {
-  const Cache cache = {(const uint16_t *)k_addr, (const uint16_t *)v_addr, (const int32_t *)table_addr, k_block, k_row,
-                       v_block, v_row, block_size, head_dim, kv};
+ * 64 (at most 256), block_size a multiple of 16, scale > 0 (K's per-tensor scale in it),
+ * v_scale: the output's factor. window 0: none. Returns 0, or 1 when out of memory. */
+ALWAYS int attend(const int fmt, intptr_t q_addr, int64_t q_stride, intptr_t out_addr, int64_t out_stride,
+                  intptr_t k_addr, int64_t k_block, int64_t k_row, intptr_t v_addr, int64_t v_block, int64_t v_row,
+                  int64_t head, intptr_t table_addr, int64_t block_size, int64_t head_dim, int64_t kv, int64_t group,
+                  int64_t first_pos, int64_t t0, int64_t t1, int64_t window, float scale, float v_scale) {
+  const Cache cache = {(const uint8_t *)k_addr, (const uint8_t *)v_addr, (const int32_t *)table_addr, k_block, k_row,
+                       v_block, v_row, head, block_size, head_dim, kv};
   const int64_t pairs = head_dim / 2, rows = (t1 - t0) * group, padded = (rows + RB - 1) / RB * RB;
-  const size_t bytes = padded * (pairs * 4 + head_dim * 4 + 4 + 4 + 8 + 8) + CHUNKS * pairs * 64 + KT * head_dim * 4;
+  const size_t bytes =
+      padded * (pairs * 4 + head_dim * 4 + 4 + 4 + 8 + 8) + CHUNKS * pairs * 64 + KT * head_dim * 4 + KT * 4;
   char *buf = aligned_alloc(64, (bytes + 63) / 64 * 64);
   if (!buf) return 1;
   uint32_t *kt = (uint32_t *)buf;
   float *vf = (float *)(kt + CHUNKS * pairs * 16);
-  uint32_t *qp = (uint32_t *)(vf + KT * head_dim);
+  float *ks = vf + KT * head_dim;
+  uint32_t *qp = (uint32_t *)(ks + KT);
   float *o = (float *)(qp + padded * pairs);
   float *m = o + padded * head_dim, *l = m + padded;
   int64_t *pos = (int64_t *)(l + padded), *first = pos + padded;
@@ -235,8 +296,8 @@ int pagedllm_prefill_attention_bf16(intptr_t q_addr, int64_t q_stride, intptr_t 
   const Rows R = {qp, o, m, l, pos, first};
   for (int64_t p0 = start; p0 < end; p0 += KT) {
     const int64_t n = end - p0 < KT ? end - p0 : KT;
-    load_keys(&cache, p0, end, kt);
-    load_values(&cache, p0, n, vf);
+    load_keys(&cache, p0, end, kt, ks, fmt);
+    load_values(&cache, p0, n, vf, fmt);
     for (int64_t r0 = 0; r0 < padded; r0 += RB) {
       int64_t hi = -1, lo = INT64_MAX;
       for (int r = 0; r < RB; r++) {
@@ -244,13 +305,13 @@ int pagedllm_prefill_attention_bf16(intptr_t q_addr, int64_t q_stride, intptr_t 
         if (pos[r0 + r] >= 0 && first[r0 + r] < lo) lo = first[r0 + r];
       }
       if (hi < p0 || lo >= p0 + n) continue; /* none of the rows sees the tile */
-      row_block(&R, r0, kt, vf, p0, n, pairs, head_dim, scale2);
+      row_block(&R, r0, kt, ks, vf, p0, n, pairs, head_dim, scale2, fmt);
     }
   }
   uint16_t *out0 = (uint16_t *)out_addr;
   for (int64_t r = 0; r < rows; r++) {
     const int64_t t = t0 + r / group, h = kv * group + r % group;
-    const __m512 inv = _mm512_set1_ps(1.0f / l[r]);
+    const __m512 inv = _mm512_set1_ps(v_scale / l[r]);
     uint16_t *dst = out0 + t * out_stride + h * head_dim;
     for (int64_t d = 0; d < head_dim; d += 16)
       _mm256_storeu_si256((__m256i *)(dst + d), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(o + r * head_dim + d), inv)));
@@ -258,3 +319,18 @@ int pagedllm_prefill_attention_bf16(intptr_t q_addr, int64_t q_stride, intptr_t 
   free(buf);
   return 0;
 }
+
+#define PARAMS                                                                                                     \
+  intptr_t q, int64_t q_stride, intptr_t out, int64_t out_stride, intptr_t k, int64_t k_block, int64_t k_row,     \
+      intptr_t v, int64_t v_block, int64_t v_row, int64_t head, intptr_t table, int64_t block_size,                \
+      int64_t head_dim, int64_t kv, int64_t group, int64_t first_pos, int64_t t0, int64_t t1, int64_t window,     \
+      float scale, float v_scale
+#define ARGS                                                                                                       \
+  q, q_stride, out, out_stride, k, k_block, k_row, v, v_block, v_row, head, table, block_size, head_dim, kv, group, \
+      first_pos, t0, t1, window, scale, v_scale
+
+/* the exported copies, one per cache format */
+int pagedllm_prefill_attention_bf16(PARAMS) { return attend(BF16, ARGS); }
+int pagedllm_prefill_attention_int8(PARAMS) { return attend(INT8, ARGS); }
+int pagedllm_prefill_attention_e4m3(PARAMS) { return attend(E4M3, ARGS); }
+int pagedllm_prefill_attention_e5m2(PARAMS) { return attend(E5M2, ARGS); }

@@ -1,11 +1,16 @@
-"""Causal prefill attention over a bfloat16 paged cache in C (kernels/prefill_attention_cpu.c).
+"""Causal prefill attention over a bfloat16 or 8-bit paged cache in C (kernels/prefill_attention_cpu.c).
 
 Each prompt chunk's new query rows attend to its context read through the block table (the
 model writes the new K/V into the cache first), flash-attention style: K/V tiles of 64
 positions, online softmax in float32, scores by VDPBF16PS with the query heads of a KV head
 sharing each tile (GQA), and P·V as float32 FMAs on V widened exactly from bfloat16 (the
-probabilities are not rounded to bfloat16). Optional sliding window; soft-capped scores and
-8-bit caches stay on the torch path (:func:`applies`).
+probabilities are not rounded to bfloat16). Optional sliding window; soft-capped scores stay
+on the torch path (:func:`applies`).
+
+8-bit caches (kernels/kv_quant.py) are read in place: K widened exactly to bfloat16 for the
+same scores, an int8 row's scale applied to its scores and its V row, an fp8 cache's
+per-tensor scales folded into the score scale and the output. Each cache format has its own
+compiled copy of the kernel (and its own Numba caller).
 
 ::
 
@@ -35,11 +40,19 @@ except ImportError:  # pragma: no cover - numba is a dependency; this keeps the 
 
 from ._cpu_compile import AVX512_BF16_CFLAGS, build_library, cpu_has_avx512_bf16
 from ._cpu_items import _use_threads
+from ._cpu_widen import E4M3_FACTOR
+from .kv_quant import FP8_DTYPES, dequantize, head_dim_of, raw, row_width
 
 __all__ = ["applies", "available", "prefill_attention_cpu", "prefill_attention_cpu_reference"]
 
 SOURCE = Path(__file__).with_suffix(".c")
-SYMBOL = "pagedllm_prefill_attention_bf16"
+SYMBOLS = {
+    torch.bfloat16: "pagedllm_prefill_attention_bf16",
+    torch.int8: "pagedllm_prefill_attention_int8",
+    torch.float8_e4m3fn: "pagedllm_prefill_attention_e4m3",
+    torch.float8_e5m2: "pagedllm_prefill_attention_e5m2",
+}
+"""The kernel's copy for each cache dtype."""
 MAX_HEAD_DIM = 256
 ITEM_ROWS = 112
 """Query rows (tokens x query heads of a KV head) per work item: each K/V tile is transposed
@@ -56,14 +69,15 @@ def available() -> bool:
 
 
 def applies(query: torch.Tensor, key_cache: torch.Tensor, logit_softcap: float | None = None) -> bool:
-    """Whether :func:`prefill_attention_cpu` takes these: bfloat16 query and (16-bit) cache on
-    the CPU, head_dim a multiple of 64 up to 256, blocks of a multiple of 16, no soft-cap."""
+    """Whether :func:`prefill_attention_cpu` takes these: bfloat16 query, bfloat16 or 8-bit
+    cache on the CPU, head_dim a multiple of 64 up to 256, blocks of a multiple of 16, no soft-cap."""
     head_dim = query.shape[-1]
     return (
         logit_softcap is None
         and query.device.type == "cpu"
         and query.dtype == torch.bfloat16
-        and key_cache.dtype == torch.bfloat16
+        and key_cache.dtype in SYMBOLS
+        and head_dim_of(key_cache) == head_dim
         and head_dim % 64 == 0
         and head_dim <= MAX_HEAD_DIM
         and key_cache.shape[1] % 16 == 0
@@ -74,32 +88,41 @@ def applies(query: torch.Tensor, key_cache: torch.Tensor, logit_softcap: float |
 
 def prefill_attention_cpu(
     query: torch.Tensor,  # [total_q, num_heads, head_dim] bfloat16
-    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim] bfloat16
-    value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim] bfloat16
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, row] bfloat16 or 8-bit
+    value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, row] key_cache's dtype
     block_tables: torch.Tensor,  # [num_chunks, max_blocks] int32
     chunks: Sequence[tuple[int, int, int]],  # (first row, end row, context_len) per chunk
     scale: float,
     sliding_window: int | None = None,
     out: torch.Tensor | None = None,  # [total_q, num_heads, head_dim] bfloat16, rows of a token contiguous
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:  # [total_q, num_heads, head_dim] bfloat16
     """Each chunk's rows ``start:end`` of ``query`` (positions ``context_len - (end - start)`` on)
     over its context, read from the cache through its block table; causal, within the window.
-    Written into ``out`` (a new tensor if None); rows outside every chunk are left as they were."""
+    ``k_scale``/``v_scale``: an fp8 cache's per-tensor scales (unused by other formats; a
+    cache's ``row`` is ``kv_quant.row_width``). Written into ``out`` (a new tensor if None);
+    rows outside every chunk are left as they were."""
     total_q, num_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[2]
-    if not applies(query, key_cache) or value_cache.dtype != torch.bfloat16:
+    if not applies(query, key_cache) or value_cache.dtype != key_cache.dtype:
         raise ValueError(
-            f"the C prefill attention takes bfloat16 query and caches, head_dim a multiple of 64 up to "
-            f"{MAX_HEAD_DIM}, blocks a multiple of 16: got {query.dtype} {tuple(query.shape)}, "
+            f"the C prefill attention takes a bfloat16 query over bfloat16 or 8-bit caches, head_dim a multiple "
+            f"of 64 up to {MAX_HEAD_DIM}, blocks a multiple of 16: got {query.dtype} {tuple(query.shape)}, "
             f"{key_cache.dtype} {tuple(key_cache.shape)}, value cache {value_cache.dtype}"
         )
-    if not scale > 0:
-        raise ValueError(f"the C prefill attention takes a positive scale, got {scale}")
+    fp8 = key_cache.dtype in FP8_DTYPES
+    factor = E4M3_FACTOR if key_cache.dtype == torch.float8_e4m3fn else 1.0
+    score_scale, out_scale = (scale * k_scale * factor, v_scale * factor) if fp8 else (scale, 1.0)
+    if not score_scale > 0:
+        raise ValueError(f"the C prefill attention takes a positive scale, got {scale} (k_scale {k_scale})")
     for s, (start, end, length) in enumerate(chunks):
         if not 0 <= start <= end <= total_q or end - start > length:
             raise ValueError(f"chunk {s}: rows {start}:{end} of {total_q} with context_len {length}")
     q = query if query.stride(2) == 1 and query.stride(1) == head_dim else query.contiguous()
-    kc, vc = (c if c.stride(3) == 1 and c.stride(2) == head_dim else c.contiguous() for c in (key_cache, value_cache))
+    width = row_width(key_cache.dtype, head_dim)
+    kc, vc = (raw(c) for c in (key_cache, value_cache))  # NOTE: torch copies float8 tensors as bytes only
+    kc, vc = (c if c.stride(3) == 1 and c.stride(2) == width else c.contiguous() for c in (kc, vc))
     tables = block_tables.to(torch.int32).contiguous()
     if out is None:
         out = torch.empty(total_q, num_heads, head_dim, dtype=torch.bfloat16)
@@ -110,21 +133,25 @@ def prefill_attention_cpu(
     if len(items) == 0:
         return out
     window = 0 if sliding_window is None else sliding_window
-    failed = _run()(
+    size = kc.element_size()
+    caches = [kc.data_ptr(), kc.stride(0) * size, kc.stride(1) * size, vc.data_ptr(), vc.stride(0) * size]
+    caches += [vc.stride(1) * size, width * size]
+    failed = _run(SYMBOLS[key_cache.dtype])(
         items,
         _deal(items, threads, window),
         q.data_ptr(),
         q.stride(0),
         out.data_ptr(),
         out.stride(0),
-        np.array([kc.data_ptr(), kc.stride(0), kc.stride(1), vc.data_ptr(), vc.stride(0), vc.stride(1)], np.int64),
+        np.array(caches, np.int64),
         tables.data_ptr(),
         tables.stride(0),
         key_cache.shape[1],
         head_dim,
         num_heads // num_kv_heads,
         window,
-        np.float32(scale),
+        np.float32(score_scale),
+        np.float32(out_scale),
     )
     if failed:
         raise MemoryError("the C prefill attention could not allocate its work buffers")
@@ -172,23 +199,25 @@ if numba is not None:
 
 
 @functools.cache
-def _run():
-    """The Numba function that runs each thread's items through the C kernel; returns how many failed."""
-    i64, ptr = types.int64, types.intp
+def _run(symbol: str):
+    """The Numba function that runs each thread's items through the C kernel's copy ``symbol``;
+    returns how many failed."""
+    i64, ptr, f32 = types.int64, types.intp, types.float32
     kernel = types.ExternalFunction(
-        SYMBOL, types.int32(ptr, i64, ptr, i64, ptr, i64, i64, ptr, i64, i64, ptr, *[i64] * 8, types.float32)
+        symbol, types.int32(ptr, i64, ptr, i64, ptr, i64, i64, ptr, i64, i64, i64, ptr, *[i64] * 8, f32, f32)
     )
 
     def run(items, plan, q, q_stride, out, out_stride, caches, tables, table_stride, block_size, head_dim, group,
-            window, scale):  # fmt: skip
+            window, scale, v_scale):  # fmt: skip
         failed = np.zeros(plan.shape[0], np.int64)
         for t in numba.prange(plan.shape[0]):
             for n in range(plan[t, 0]):
                 c, row, first, t0, t1, kv = items[plan[t, n + 1]]
                 failed[t] += kernel(
                     q + row * q_stride * 2, q_stride, out + row * out_stride * 2, out_stride,
-                    caches[0], caches[1], caches[2], caches[3], caches[4], caches[5],
+                    caches[0], caches[1], caches[2], caches[3], caches[4], caches[5], caches[6],
                     tables + c * table_stride * 4, block_size, head_dim, kv, group, first, t0, t1, window, scale,
+                    v_scale,
                 )  # fmt: skip
         return failed.sum()
 
@@ -203,9 +232,11 @@ def prefill_attention_cpu_reference(
     chunks: Sequence[tuple[int, int, int]],
     scale: float,
     sliding_window: int | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:  # [total_q, num_heads, head_dim] float64
-    """The oracle: the same attention in float64, each chunk's context gathered whole (rows
-    outside every chunk are zeros)."""
+    """The oracle: the same attention in float64, each chunk's context gathered whole and (an
+    8-bit cache) dequantized with ``kv_quant.dequantize`` (rows outside every chunk are zeros)."""
     out = torch.zeros(query.shape, dtype=torch.float64)
     block_size, kv_heads = key_cache.shape[1], key_cache.shape[2]
     group = query.shape[1] // kv_heads
@@ -215,8 +246,10 @@ def prefill_attention_cpu_reference(
         blocks = block_tables[c, first_block : -(-length // block_size)].long()  # NOTE: earlier ones may be freed
         offset = first_block * block_size
         span = length - offset
-        keys = key_cache[blocks].flatten(0, 1)[:span].double().repeat_interleave(group, 1)  # [span, heads, d]
-        values = value_cache[blocks].flatten(0, 1)[:span].double().repeat_interleave(group, 1)
+        keys, values = (
+            dequantize(raw(c)[blocks].view(c.dtype), torch.float64, s).flatten(0, 1)[:span].repeat_interleave(group, 1)
+            for c, s in ((key_cache, k_scale), (value_cache, v_scale))
+        )  # [span, heads, d]
         scores = torch.einsum("qhd,khd->hqk", query[start:end].double(), keys) * scale
         q_pos = torch.arange(first, length)[:, None]
         k_pos = torch.arange(offset, length)[None, :]

@@ -1,5 +1,6 @@
-"""The C prefill attention over a bfloat16 paged cache (kernels/prefill_attention_cpu.py)
-against its float64 reference, on fresh random caches with junk wherever it must not be read."""
+"""The C prefill attention over a bfloat16 or 8-bit paged cache (kernels/prefill_attention_cpu.py)
+against its float64 reference (on the dequantized cache), on fresh random caches with junk
+wherever it must not be read."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import pytest
 import torch
 
 from pagedllm.kernels import prefill_attention_cpu as kernel
+from pagedllm.kernels.kv_quant import quantize, raw
 from pagedllm.kernels.prefill_attention_cpu import (
     applies,
     prefill_attention_cpu,
@@ -22,17 +24,36 @@ needs_kernel = pytest.mark.skipif(
 BF16_ROUNDING = dict(atol=2e-5, rtol=2**-8 + 1e-4)
 JUNK_BLOCK = 0
 """A cache block of NaNs: table entries the kernel must not follow (freed, before the window) point to it."""
+JUNK_BYTE = 0x7F
+"""What 8-bit junk rows hold: NaN in e5m2 and in an int8 row's float16 scale (0x7F7F), e4m3's
+NaN pattern (which the kernel would read as 480, far outside the values)."""
+EIGHT_BIT = {  # cache dtype -> (k_scale, v_scale): fp8's per-tensor scales away from 1 to check their folding
+    torch.int8: (1.0, 1.0),
+    torch.float8_e4m3fn: (0.5, 2.0),
+    torch.float8_e5m2: (2.0, 0.25),
+}
 
 
-def make_step(chunks, kv_heads, group, head_dim, block_size, window, seed):
-    """Caches, tables and query for ``chunks`` of (cached prefix, new tokens): every position of
-    a context holds random values, positions past it NaN, blocks before the window the junk block."""
+def as_cache(values, dtype, scale):
+    """float32 cache ``values`` as a ``dtype`` cache (rows quantized); NaN rows become junk."""
+    if dtype == torch.bfloat16:
+        return values.to(torch.bfloat16)
+    junk = values.isnan().any(-1)
+    rows = quantize(values.nan_to_num(), dtype, scale)
+    raw(rows)[junk] = JUNK_BYTE
+    return rows
+
+
+def make_step(chunks, kv_heads, group, head_dim, block_size, window, seed, dtype=torch.bfloat16, scales=(1.0, 1.0)):
+    """Caches of ``dtype``, tables and query for ``chunks`` of (cached prefix, new tokens): every
+    position of a context holds random values, positions past it junk (NaN), blocks before the
+    window the junk block."""
     gen = torch.Generator().manual_seed(seed)
     lens = [p + q for p, q in chunks]
     widths = [-(-n // block_size) for n in lens]
     num_blocks = 1 + sum(widths) + 3
     shape = (num_blocks, block_size, kv_heads, head_dim)
-    caches = [torch.full(shape, float("nan"), dtype=torch.bfloat16) for _ in range(2)]
+    caches = [torch.full(shape, float("nan")) for _ in range(2)]
     tables = torch.full((len(chunks), max(widths) + 2), JUNK_BLOCK, dtype=torch.int32)
     free = (1 + torch.randperm(num_blocks - 1, generator=gen)).tolist()
     for s, n in enumerate(lens):
@@ -40,7 +61,7 @@ def make_step(chunks, kv_heads, group, head_dim, block_size, window, seed):
             tables[s, b] = block = free.pop()
             used = min(block_size, n - b * block_size)
             for cache in caches:
-                cache[block, :used] = torch.randn(used, kv_heads, head_dim, generator=gen).to(torch.bfloat16)
+                cache[block, :used] = torch.randn(used, kv_heads, head_dim, generator=gen)
         if window is not None:  # blocks wholly before the first new token's window are gone
             first = max(0, n - chunks[s][1] - window + 1)
             tables[s, : first // block_size] = JUNK_BLOCK
@@ -49,18 +70,20 @@ def make_step(chunks, kv_heads, group, head_dim, block_size, window, seed):
         rows.append(rows[-1] + q)
     spans = [(rows[s], rows[s + 1], n) for s, n in enumerate(lens)]
     query = torch.randn(rows[-1], kv_heads * group, head_dim, generator=gen).to(torch.bfloat16)
-    return query, caches[0], caches[1], tables, spans
+    key_cache, value_cache = (as_cache(c, dtype, s) for c, s in zip(caches, scales))
+    return query, key_cache, value_cache, tables, spans
 
 
-def check(chunks, kv_heads, group, head_dim, block_size, window, seed=0):
+def check(chunks, kv_heads, group, head_dim, block_size, window, seed=0, dtype=torch.bfloat16):
+    k_scale, v_scale = EIGHT_BIT.get(dtype, (1.0, 1.0))
     query, key_cache, value_cache, tables, spans = make_step(
-        chunks, kv_heads, group, head_dim, block_size, window, seed
+        chunks, kv_heads, group, head_dim, block_size, window, seed, dtype, (k_scale, v_scale)
     )
-    scale = head_dim**-0.5
+    scale, scales = head_dim**-0.5, dict(k_scale=k_scale, v_scale=v_scale)
     out = torch.full_like(query, float("nan"))  # NOTE: poisoned: every row must be written
-    got = prefill_attention_cpu(query, key_cache, value_cache, tables, spans, scale, window, out=out)
+    got = prefill_attention_cpu(query, key_cache, value_cache, tables, spans, scale, window, out=out, **scales)
     assert got is out and not got.isnan().any()
-    want = prefill_attention_cpu_reference(query, key_cache, value_cache, tables, spans, scale, window)
+    want = prefill_attention_cpu_reference(query, key_cache, value_cache, tables, spans, scale, window, **scales)
     torch.testing.assert_close(got.double(), want, **BF16_ROUNDING)
 
 
@@ -88,6 +111,25 @@ def test_several_chunks_in_one_call(window):
 
 
 @needs_kernel
+@pytest.mark.parametrize("dtype", list(EIGHT_BIT))
+@pytest.mark.parametrize("q_len,prefix", [(1, 45), (17, 0), (64, 70), (300, 45)])
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("group,head_dim", [(1, 64), (7, 64), (2, 128)])
+def test_8bit_caches_match_float64_reference(dtype, q_len, prefix, block_size, group, head_dim):
+    """K widened to bfloat16, int8 row scales on scores and V, fp8 scales folded: within one
+    bfloat16 rounding of the float64 attention over the dequantized cache."""
+    check([(prefix, q_len)], 2, group, head_dim, block_size, None, seed=q_len + group, dtype=dtype)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", list(EIGHT_BIT))
+@pytest.mark.parametrize("window", [1, 40])
+def test_8bit_caches_with_a_window_and_several_chunks(dtype, window):
+    check([(100, 1), (17, 130), (0, 33)], 2, 7, 64, 16, window, seed=window, dtype=dtype)
+    check([(50, 70), (0, 200)], 1, 2, 256, 32, None, seed=6, dtype=dtype)
+
+
+@needs_kernel
 def test_rows_outside_the_chunks_and_strided_queries():
     query, key_cache, value_cache, tables, spans = make_step([(10, 20), (0, 9)], 2, 4, 64, 16, None, 3)
     wide = torch.randn(query.shape[0] + 2, 3 * query.shape[1], 64).to(torch.bfloat16)  # q of a fused qkv
@@ -109,7 +151,9 @@ def test_applies_to_bfloat16_shapes_it_handles_only():
     assert applies(q, cache)
     assert not applies(q, cache, logit_softcap=30.0)
     assert not applies(q.float(), cache.float()) and not applies(q.half(), cache.half())
-    assert not applies(q, cache.view(torch.int16).to(torch.int8))  # an 8-bit cache
+    int8 = torch.zeros(4, 16, 2, 66, dtype=torch.int8)  # rows of 64 values and their scale
+    assert applies(q, int8) and applies(q, cache.to(torch.float8_e4m3fn)) and applies(q, cache.to(torch.float8_e5m2))
+    assert not applies(q, int8[..., :64]) and not applies(q.float(), int8)  # a row without its scale; float32 q
     for head_dim in (32, 96, 320):
         assert not applies(q.new_zeros(3, 14, head_dim), cache.new_zeros(4, 16, 2, head_dim))
     assert not applies(q, cache[:, :8])  # blocks of 8
