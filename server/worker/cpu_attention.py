@@ -21,15 +21,18 @@ window a row gathers only its visible blocks, from the block of ``len - window``
 The ``numba`` backend skips all of that for decode: its compiled kernel
 (kernels/paged_decode_attention_cpu.py) reads the blocks in place through the tables.
 
-Prefill chunks in bfloat16 go to a C flash-attention kernel that reads the cache through the
-block tables (kernels/prefill_attention_cpu.py). Otherwise chunks with no cached prefix
-attend to their own new K/V directly (causal SDPA); others read their context from the
-cache, from the block of the first new token's first visible position on. Logit
-soft-capping (which SDPA cannot do) runs the same steps with explicit scores.
+Prefill chunks with a bfloat16 query, over a bfloat16 or 8-bit cache, go to a C
+flash-attention kernel that reads the cache through the block tables
+(kernels/prefill_attention_cpu.py). Otherwise chunks with no cached prefix attend to their
+own new K/V directly (causal SDPA); others read their context from the cache, from the
+block of the first new token's first visible position on. Logit soft-capping (which SDPA
+cannot do) runs the same steps with explicit scores.
 
-An 8-bit cache (kernels/kv_quant.py) is written quantized and read back in the query's
-dtype as blocks are gathered; a prefill chunk without a cached prefix attends to its own
-K/V as computed, before quantization (as vLLM's FP8 cache does).
+An 8-bit cache (kernels/kv_quant.py) is written quantized and read back as it is used: the C
+kernel widens it in place; SDPA gets the blocks gathered and dequantized to the query's dtype.
+NOTE: on SDPA a chunk without a cached prefix attends to its own K/V as computed, before
+quantization (as vLLM's FP8 cache did before its V1 engine); the C kernel reads every chunk's
+K/V from the cache, as decode and later chunks see it (as vLLM V1's FlashAttention does).
 
 NOTE: positions past a context inside a gathered block are masked, not zeroed. Their
 probabilities are exactly 0, which is enough because the cache only ever holds finite
@@ -304,11 +307,16 @@ def prefill_attention(
     scales: KVScales = UNIT_SCALES,
 ) -> torch.Tensor:  # [total_q, num_heads, head_dim]
     """Causal attention of each chunk's new tokens over its context (within the window): the
-    C kernel for bfloat16 (it reads the cache, already holding the new K/V), SDPA otherwise."""
-    if plan.prefills and scale > 0 and compiled_prefill_applies(query, key_cache, logit_softcap):
+    C kernel for a bfloat16 query over a bfloat16 or 8-bit cache (it reads the cache, already
+    holding the new K/V), SDPA otherwise."""
+    positive = scale > 0 and scales.k_scale > 0
+    if plan.prefills and positive and compiled_prefill_applies(query, key_cache, logit_softcap):
         tables = torch.stack([c.block_table for c in plan.prefills])
         chunks = [(c.start, c.end, c.context_len) for c in plan.prefills]
-        return prefill_attention_cpu(query, key_cache, value_cache, tables, chunks, scale, sliding_window)
+        k_scale, v_scale = scales.k_scale, scales.v_scale
+        return prefill_attention_cpu(
+            query, key_cache, value_cache, tables, chunks, scale, sliding_window, None, k_scale, v_scale
+        )
     out = torch.zeros_like(query)
     block_size = key_cache.shape[1]
     for chunk in plan.prefills:

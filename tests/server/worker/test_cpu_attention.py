@@ -11,6 +11,7 @@ from pagedllm.kernels import (
     reshape_and_cache_reference,
 )
 from pagedllm.kernels import prefill_attention_cpu as c_prefill
+from pagedllm.kernels.kv_quant import KVScales
 from pagedllm.server.worker import cpu_attention
 from pagedllm.server.worker.attention import select_attention_ops
 from pagedllm.server.worker.cpu_attention import (
@@ -325,3 +326,51 @@ def test_bfloat16_prefill_takes_the_c_kernel_where_it_applies(monkeypatch, windo
     )  # fmt: skip
     tolerance = KERNEL_16_BIT if softcap is None else TORCH_16_BIT
     torch.testing.assert_close(out.float(), ref, **tolerance[torch.bfloat16])
+
+
+@pytest.mark.skipif(not c_prefill.available(), reason="needs the C prefill attention (AVX-512-BF16)")
+@pytest.mark.parametrize("cache_dtype", [torch.int8, torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("window", [None, 20])
+def test_bfloat16_prefill_over_an_8bit_cache_takes_the_c_kernel(monkeypatch, cache_dtype, window):
+    """Chunks with and without a cached prefix, K/V written quantized: the C kernel reads every
+    chunk from the cache (fp8 scales passed on), within one bfloat16 rounding of the float32
+    reference over the cache; a soft-capped or float32 query stays on SDPA."""
+    gen = torch.Generator().manual_seed(13)
+    block_size, num_heads, kv_heads, head_dim = 16, 14, 2, 64
+    chunks = [(0, 37), (50, 21), (0, 1)]  # (cached prefix, new tokens)
+    lens = [p + q for p, q in chunks]
+    num_blocks = sum(-(-n // block_size) for n in lens) + 2
+    width = head_dim + 2 if cache_dtype == torch.int8 else head_dim
+    key_cache, value_cache = (torch.zeros(num_blocks, block_size, kv_heads, width, dtype=cache_dtype) for _ in "kv")
+    tables = random_tables(lens, block_size, num_blocks, gen, garbage=False)
+    cu = torch.tensor([0, *torch.tensor([q for _, q in chunks]).cumsum(0).tolist()], dtype=torch.int32)
+    query = torch.randn(int(cu[-1]), num_heads, head_dim, generator=gen).bfloat16()
+    scales = KVScales(0.5, 2.0) if cache_dtype != torch.int8 else KVScales()
+    prefix = sum(([int(tables[s, p // block_size]) * block_size + p % block_size] for s, (c, _) in enumerate(chunks)
+                  for p in range(c)), [])  # fmt: skip
+    write_kv(*(torch.randn(len(prefix), kv_heads, head_dim, generator=gen) for _ in "kv"),
+             key_cache, value_cache, torch.tensor(prefix, dtype=torch.int64), scales)  # fmt: skip
+    slots = [
+        int(tables[s, p // block_size]) * block_size + p % block_size
+        for s, (c, q) in enumerate(chunks)
+        for p in range(c, c + q)
+    ]
+    key, value = (torch.randn(int(cu[-1]), kv_heads, head_dim, generator=gen).bfloat16() for _ in range(2))
+    write_kv(key, value, key_cache, value_cache, torch.tensor(slots), scales)
+    context = torch.tensor(lens, dtype=torch.int32)
+    no_decodes = torch.zeros(0, 1, dtype=torch.int32), torch.zeros(0, dtype=torch.int32)
+    plan = plan_attention(*no_decodes, tables, cu, context, block_size)
+    calls = []
+    kernel = c_prefill.prefill_attention_cpu
+    monkeypatch.setattr(cpu_attention, "prefill_attention_cpu", lambda *a: calls.append(1) or kernel(*a))
+    scale = head_dim**-0.5
+    out = prefill_attention(query, key, value, key_cache, value_cache, plan, scale, window, None, scales)
+    assert len(calls) == 1 and out.dtype == torch.bfloat16
+    ref = paged_prefill_attention_reference(
+        query.float(), None, None, key_cache, value_cache, tables, cu, context, scale, window, None,
+        scales.k_scale, scales.v_scale,
+    )  # fmt: skip
+    torch.testing.assert_close(out.float(), ref, **KERNEL_16_BIT[torch.bfloat16])
+    prefill_attention(query, key, value, key_cache, value_cache, plan, scale, window, 30.0, scales)
+    prefill_attention(query.float(), key.float(), value.float(), key_cache, value_cache, plan, scale, window)
+    assert len(calls) == 1
