@@ -1,6 +1,7 @@
 /* Causal prefill attention of bfloat16 queries over a paged cache of bfloat16 or 8-bit K/V
- * (kernels/kv_quant.py), for x86-64 CPUs with AVX-512-BF16: one work item = one KV head and a run of query tokens [t0, t1) of one chunk, flash-attention
- * style (kernels/prefill_attention_cpu.py deals the items out over the threads).
+ * (kernels/kv_quant.py), for x86-64 CPUs with AVX-512-BF16: one work item = one KV head and a
+ * run of query tokens [t0, t1) of one chunk, flash-attention style
+ * (kernels/prefill_attention_cpu.py deals the items out over the threads).
  *
  * The item's rows are its tokens times the query heads of the KV head (GQA: they share every
  * K/V tile). Keys and values are read through the block table, KT positions at a time:
@@ -13,6 +14,9 @@
  *
  * Scores are exact products of bf16 values summed in float32; probabilities stay float32 and
  * V is widened exactly, so the only rounding to bf16 is the output's (once, nearest even).
+ * A position is visible to a row at position `pos` when first <= position <= pos, first being
+ * pos - window + 1 with a sliding window and 0 without. Rows of a tile that see none of it
+ * skip it; positions past the item's last token are zero-filled, never read from the cache.
  *
  * 8-bit caches: every int8, e4m3 and e5m2 value is exact in bf16, so K is widened to bf16 as it
  * is loaded and the scores are computed as above. An int8 row's float16 scale multiplies the 16
@@ -21,9 +25,7 @@
  * `scale`, v_scale in `v_scale` (the output's factor). e4m3 widens through float16 to its value
  * / 256 (kernels/_cpu_widen.py), which the caller folds into both. Each format is its own
  * compiled copy of the kernel (the format a constant), so the loops hold no format branch.
- * A position is visible to a row at position `pos` when first <= position <= pos, first being
- * pos - window + 1 with a sliding window and 0 without. Rows of a tile that see none of it
- * skip it; positions past the item's last token are zero-filled, never read from the cache.
+ *
  * All arguments are integers (pointers as addresses) or a float, so any caller can bind it.
  */
 #include <immintrin.h>

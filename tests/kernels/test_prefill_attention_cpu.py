@@ -161,13 +161,19 @@ def test_applies_to_bfloat16_shapes_it_handles_only():
         prefill_attention_cpu(q.float(), cache.float(), cache.float(), torch.zeros(1, 1, dtype=torch.int32), [], 1.0)
     with pytest.raises(ValueError, match="positive scale"):
         prefill_attention_cpu(q, cache, cache, torch.zeros(1, 4, dtype=torch.int32), [(0, 3, 3)], -1.0)
+    fp8 = cache.to(torch.float8_e5m2)
+    with pytest.raises(ValueError, match="positive scale"):  # an fp8 cache's k_scale is in the score scale
+        prefill_attention_cpu(q, fp8, fp8, torch.zeros(1, 4, dtype=torch.int32), [(0, 3, 3)], 1.0, k_scale=0.0)
+    with pytest.raises(ValueError, match="value cache torch.float8_e4m3fn"):  # K and V of one format
+        prefill_attention_cpu(q, fp8, cache.to(torch.float8_e4m3fn), torch.zeros(1, 4, dtype=torch.int32), [], 1.0)
     with pytest.raises(ValueError, match="chunk 0"):
         prefill_attention_cpu(q, cache, cache, torch.zeros(1, 4, dtype=torch.int32), [(0, 3, 2)], 1.0)
 
 
 @needs_kernel
-def test_two_threads_share_the_items_and_agree_with_one():
-    query, key_cache, value_cache, tables, spans = make_step([(0, 150), (40, 30)], 2, 7, 64, 16, None, 8)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.int8, torch.float8_e4m3fn])
+def test_two_threads_share_the_items_and_agree_with_one(dtype):
+    query, key_cache, value_cache, tables, spans = make_step([(0, 150), (40, 30)], 2, 7, 64, 16, None, 8, dtype)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
