@@ -6,7 +6,6 @@ import numpy as np
 import pytest
 import torch
 
-import pagedllm.kernels.paged_decode_attention_cpu as cpu_kernel
 from pagedllm.kernels import decode_scores_cpu
 from pagedllm.kernels.paged_decode_attention_cpu import paged_decode_attention_cpu
 
@@ -53,7 +52,7 @@ def test_bf16_caches_of_fitting_shapes_take_it_and_agree_with_the_numba_pass(mon
     tables = torch.randperm(blocks)[:32].view(4, 8).to(torch.int32)
     lens = torch.tensor([1, 40, 128, 77], dtype=torch.int32)
     with_c = paged_decode_attention_cpu(q, kc, vc, tables, lens, 0.125)
-    monkeypatch.setattr(cpu_kernel, "applies", lambda *a: False)
+    monkeypatch.setattr(decode_scores_cpu, "applies", lambda *a: False)
     numba_only = paged_decode_attention_cpu(q, kc, vc, tables, lens, 0.125)
     # NOTE: the same float32 sums in another order, each output rounded once to bfloat16
     torch.testing.assert_close(with_c.float(), numba_only.float(), rtol=2**-7, atol=1e-5)
@@ -70,6 +69,6 @@ def test_a_cache_whose_blocks_are_strided_reads_each_block_where_it_lies(monkeyp
     tables = torch.randperm(blocks)[:12].view(3, 4).to(torch.int32)
     lens = torch.tensor([5, 64, 120], dtype=torch.int32)
     with_c = paged_decode_attention_cpu(q, kc, vc, tables, lens, 0.125)
-    monkeypatch.setattr(cpu_kernel, "applies", lambda *a: False)
+    monkeypatch.setattr(decode_scores_cpu, "applies", lambda *a: False)
     numba_only = paged_decode_attention_cpu(q, kc, vc, tables, lens, 0.125)
     torch.testing.assert_close(with_c.float(), numba_only.float(), rtol=2**-7, atol=1e-5)
