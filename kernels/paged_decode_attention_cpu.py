@@ -51,7 +51,7 @@ import numpy as np
 import torch
 
 from . import _cpu_widen, decode_scores_cpu
-from ._cpu_items import ITEMS_PER_THREAD, _use_threads, choose_kv_splits, thread_items
+from ._cpu_items import ITEMS_PER_THREAD, PRANGE_ONLY, _use_threads, choose_kv_splits, thread_items
 from ._cpu_items import prefetch_block as _prefetch_block
 from ._cpu_widen import E4M3_FACTOR
 from ._fast_exp import exp
@@ -334,7 +334,8 @@ def _copy(fn: Callable, name: str, names: dict) -> Callable:
 
 
 def _jit(kernel: Callable, cache: bool, parallel: bool = True):
-    jit = numba.njit(cache=cache, parallel=parallel, fastmath=True, nogil=True, boundscheck=False)
+    options = PRANGE_ONLY if parallel else False
+    jit = numba.njit(cache=cache, parallel=options, fastmath=True, nogil=True, boundscheck=False)
     return jit(kernel)
 
 
