@@ -13,13 +13,6 @@ allocations come from the heap and freed ones stay there for the next. The proce
 resident memory then stays at its high-water mark, as under the tcmalloc or jemalloc that
 CPU inference servers commonly preload. It does nothing off Linux/glibc or with
 ``PAGEDLLM_CPU_MALLOC=0``.
-
-:func:`zeros_on_huge_pages` allocates the CPU KV cache where the kernel may back it with 2 MiB
-pages (``madvise(MADV_HUGEPAGE)``, for transparent huge pages in ``madvise`` mode). A sequence's
-blocks lie anywhere in a layer's cache of hundreds of MB: with 4 KiB pages nearly every block
-read misses the TLB. Decode attention at the Qwen2.5-0.5B shape (bfloat16, batch 16, contexts
-of 100-300, 16-token blocks, 4,096 blocks a layer) took 7-12% less time a call on huge pages
-(in-process A/B on a 2-core AVX-512-BF16 CPU, 1 and 2 threads).
 """
 
 from __future__ import annotations
@@ -31,16 +24,12 @@ import logging
 import os
 import sys
 
-import torch
-
 logger = logging.getLogger(__name__)
 
 M_TRIM_THRESHOLD = -1
 M_MMAP_THRESHOLD = -3
 THRESHOLD = 1 << 30
 """Bytes below which allocations come from the heap, and free memory at its top that it keeps."""
-MADV_HUGEPAGE = 14
-HUGE_PAGE = 2 << 20
 
 
 @functools.cache
@@ -57,33 +46,3 @@ def keep_freed_memory() -> bool:
     if ok:
         logger.info("the C heap keeps freed memory for reuse (PAGEDLLM_CPU_MALLOC=0: glibc's default)")
     return ok
-
-
-def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """``torch.zeros(shape, dtype=dtype)`` on the CPU, its whole 2 MiB pages marked for huge pages
-    before they are first touched (Linux; elsewhere, or with ``PAGEDLLM_CPU_MALLOC=0``, plain zeros).
-
-    NOTE: the tensor is a view into a slightly larger buffer that starts on a 2 MiB boundary.
-    """
-    numel = 1
-    for size in shape:
-        numel *= size
-    element = torch.empty((), dtype=dtype).element_size()
-    if sys.platform != "linux" or os.environ.get("PAGEDLLM_CPU_MALLOC", "1") == "0" or numel * element < HUGE_PAGE:
-        return torch.zeros(shape, dtype=dtype)
-    raw = torch.empty(numel * element + HUGE_PAGE, dtype=torch.uint8)
-    skip = -raw.data_ptr() % HUGE_PAGE
-    span = (numel * element) // HUGE_PAGE * HUGE_PAGE
-    if span and _madvise(raw.data_ptr() + skip, span, MADV_HUGEPAGE) != 0:
-        logger.debug("madvise(MADV_HUGEPAGE) failed: the KV cache stays on 4 KiB pages")
-    return raw[skip : skip + numel * element].view(dtype).view(shape).zero_()
-
-
-def _madvise(address: int, length: int, advice: int) -> int:
-    """libc's ``madvise``; -1 where it cannot be called."""
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-    except OSError:
-        return -1
-    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    return int(libc.madvise(address, length, advice))

@@ -15,7 +15,7 @@ from pagedllm.server.config import ConfigError, EngineConfig, GiB
 from pagedllm.server.config.quantization import with_quantization
 from pagedllm.server.core.scheduler_output import SchedulerOutput
 from pagedllm.server.worker.attention import AttentionMetadata, select_attention_ops
-from pagedllm.server.worker.cpu_malloc import keep_freed_memory, zeros_on_huge_pages
+from pagedllm.server.worker.cpu_malloc import keep_freed_memory
 from pagedllm.server.worker.cpu_threads import choose_threads
 from pagedllm.server.worker.cuda_graphs import DecodeGraphs, try_capture
 from pagedllm.server.worker.device_step import DeviceStep, fill_placeholders
@@ -226,11 +226,11 @@ class ModelRunner:
         # Each layer: key and value caches [num_blocks, block_size, num_kv_heads, head_dim].
         shape = (self.block_size, self.num_kv_heads, row_width(self.cache_dtype, self.head_dim))
         pin, dtype = self.device.type == "cuda", self.cache_dtype
-        # NOTE: a CPU cache on huge pages: attention reads its blocks from anywhere (cpu_malloc.py)
-        on_cpu = self.device.type == "cpu"
-        zeros = zeros_on_huge_pages if on_cpu else lambda s, d: torch.zeros(s, dtype=d, device=self.device)
         self.kv_caches = [
-            (zeros((num_device_blocks, *shape), dtype), zeros((num_device_blocks, *shape), dtype))
+            (
+                torch.zeros((num_device_blocks, *shape), dtype=dtype, device=self.device),
+                torch.zeros((num_device_blocks, *shape), dtype=dtype, device=self.device),
+            )
             for _ in range(self.num_layers)
         ]
         # NOTE: host blocks are only ever read after being written by a swap-out.

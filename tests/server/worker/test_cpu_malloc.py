@@ -6,9 +6,6 @@ import subprocess
 import sys
 
 import pytest
-import torch
-
-from pagedllm.server.worker.cpu_malloc import HUGE_PAGE, zeros_on_huge_pages
 
 
 def _in_a_fresh_process(code: str, env: dict[str, str]) -> str:
@@ -55,19 +52,3 @@ def test_a_cpu_engine_keeps_freed_memory(monkeypatch, tiny_llama):
     llm = LLM(model=tiny_llama, skip_tokenizer_init=True, num_gpu_blocks_override=8, device="cpu")
     llm.shutdown()
     assert calls == [1]
-
-
-@pytest.mark.parametrize("shape,dtype", [((300, 16, 2, 64), torch.bfloat16), ((5, 3), torch.float32)])
-def test_zeros_on_huge_pages_are_zeros_of_the_shape_asked_for(shape, dtype):
-    out = zeros_on_huge_pages(shape, dtype)
-    assert out.shape == shape and out.dtype == dtype and out.is_contiguous() and not out.any()
-    out.fill_(1)  # NOTE: writable, every element of it
-    assert out.all()
-    if out.numel() * out.element_size() >= HUGE_PAGE and sys.platform == "linux":
-        assert out.data_ptr() % HUGE_PAGE == 0  # NOTE: the huge pages start where the tensor does
-
-
-def test_without_the_switch_they_are_plain_zeros(monkeypatch):
-    monkeypatch.setenv("PAGEDLLM_CPU_MALLOC", "0")
-    out = zeros_on_huge_pages((1024, 1024, 4), torch.float32)
-    assert out.shape == (1024, 1024, 4) and not out.any() and out.untyped_storage().nbytes() == out.numel() * 4
