@@ -77,14 +77,19 @@ static inline __attribute__((always_inline)) void chunk_scores(const int G, cons
  * block every block_stride and a slot every row_stride elements, each slot's heads contiguous;
  * table: int32 block ids; scores: [group, ld] float32, columns 0 .. end - start - 1 written.
  * head_dim a multiple of 32 (at most 256), block_size a multiple of 16, group 1 to 16. */
-static void scores_kv(const float *q, int64_t group, const uint16_t *cache, const int32_t *table, int64_t start,
-                      int64_t end, int64_t kv, int64_t block_stride, int64_t row_stride, int64_t head_dim,
-                      int64_t block_size, float scale, float *scores, int64_t ld) {
+static void scores_kv(const float *q, const uint16_t *q16, int64_t group, const uint16_t *cache,
+                      const int32_t *table, int64_t start, int64_t end, int64_t kv, int64_t block_stride,
+                      int64_t row_stride, int64_t head_dim, int64_t block_size, float scale, float *scores,
+                      int64_t ld) {
   const int64_t pairs = head_dim / 2;
   uint32_t qp[MAX_GROUP][MAX_PAIRS];
   for (int64_t h = 0; h < group; h++)
     for (int64_t j = 0; j < pairs; j++) {
       uint32_t lo, hi;
+      if (q16) { /* the query's own bfloat16 bits (q unused) */
+        qp[h][j] = (uint32_t)q16[h * head_dim + 2 * j] | (uint32_t)q16[h * head_dim + 2 * j + 1] << 16;
+        continue;
+      }
       __builtin_memcpy(&lo, q + h * head_dim + 2 * j, 4);
       __builtin_memcpy(&hi, q + h * head_dim + 2 * j + 1, 4);
       qp[h][j] = (lo >> 16) | (hi & 0xFFFF0000u);
@@ -113,7 +118,7 @@ static void scores_kv(const float *q, int64_t group, const uint16_t *cache, cons
 void pagedllm_decode_scores_bf16(intptr_t q_addr, int64_t group, intptr_t cache_addr, intptr_t table_addr,
                                  int64_t start, int64_t end, int64_t kv, int64_t block_stride, int64_t row_stride,
                                  int64_t head_dim, int64_t block_size, float scale, intptr_t scores_addr, int64_t ld) {
-  scores_kv((const float *)q_addr, group, (const uint16_t *)cache_addr, (const int32_t *)table_addr, start, end, kv,
+  scores_kv((const float *)q_addr, 0, group, (const uint16_t *)cache_addr, (const int32_t *)table_addr, start, end, kv,
             block_stride, row_stride, head_dim, block_size, scale, (float *)scores_addr, ld);
 }
 
@@ -235,29 +240,41 @@ static void values_kv(int64_t group, const float *probs, int64_t ld, const uint1
   }
 }
 
+/* float32 -> bfloat16 bits, rounded to nearest even as torch rounds (NaN -> 0x7FC0) */
+static void round_to_bf16(const float *x, uint16_t *out, int64_t n) {
+  for (int64_t i = 0; i < n; i += 16) {
+    const __m512i bits = _mm512_castps_si512(_mm512_loadu_ps(x + i));
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
+    const __mmask16 nan = _mm512_cmp_ps_mask(_mm512_castsi512_ps(bits), _mm512_castsi512_ps(bits), _CMP_UNORD_Q);
+    r = _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7FC0));
+    _mm256_storeu_si256((__m256i *)(out + i), _mm512_cvtepi32_epi16(r));
+  }
+}
+
 /* One work item of decode attention over a bfloat16 cache: for each of its KV heads kv0, kv0 + 1, ...
  * the scores of its group of query heads (as pagedllm_decode_scores_bf16), their softmax, and the
- * weighted sum of the value rows, for positions start .. end - 1.
- * q: [heads, head_dim] float32 holding bfloat16 values; k/v caches as in pagedllm_decode_scores_bf16,
- * each with its own strides; scratch: group * (end - start) float32; out: [heads, head_dim] float32.
- * heads a multiple of group; an empty range gives zeros. */
+ * weighted sum of the value rows, for positions start .. end - 1, rounded to bfloat16 once.
+ * q, out: [heads, head_dim] bfloat16 (as uint16); k/v caches as in pagedllm_decode_scores_bf16, each
+ * with its own strides; scratch: group * (end - start) float32. heads a multiple of group; an empty
+ * range gives zeros. */
 void pagedllm_decode_attention_bf16(intptr_t q_addr, int64_t heads, int64_t group, intptr_t k_addr, intptr_t v_addr,
                                     intptr_t table_addr, int64_t start, int64_t end, int64_t kv0,
                                     int64_t k_block_stride, int64_t k_row_stride, int64_t v_block_stride,
                                     int64_t v_row_stride, int64_t head_dim, int64_t block_size, float scale,
                                     intptr_t scratch_addr, intptr_t out_addr) {
-  const float *q = (const float *)q_addr;
-  const uint16_t *k = (const uint16_t *)k_addr, *v = (const uint16_t *)v_addr;
+  const uint16_t *q = (const uint16_t *)q_addr, *k = (const uint16_t *)k_addr, *v = (const uint16_t *)v_addr;
   const int32_t *table = (const int32_t *)table_addr;
-  float *scratch = (float *)scratch_addr, *out = (float *)out_addr;
+  float *scratch = (float *)scratch_addr, sums[MAX_GROUP * 2 * MAX_PAIRS];
+  uint16_t *out = (uint16_t *)out_addr;
   const int64_t ld = end - start;
   if (ld <= 0) {
-    for (int64_t i = 0; i < heads * head_dim; i++) out[i] = 0.0f;
+    for (int64_t i = 0; i < heads * head_dim; i++) out[i] = 0;
     return;
   }
   for (int64_t g = 0; g < heads / group; g++) {
     const int64_t kv = kv0 + g;
-    scores_kv(q + g * group * head_dim, group, k, table, start, end, kv, k_block_stride, k_row_stride, head_dim,
+    scores_kv(0, q + g * group * head_dim, group, k, table, start, end, kv, k_block_stride, k_row_stride, head_dim,
               block_size, scale, scratch, ld);
     /* the first value chunks come in while the softmax runs */
     for (int a = 0; a < AHEAD; a++)
@@ -265,6 +282,7 @@ void pagedllm_decode_attention_bf16(intptr_t q_addr, int64_t heads, int64_t grou
                      block_size);
     for (int64_t h = 0; h < group; h++) softmax_row(scratch + h * ld, ld);
     values_kv(group, scratch, ld, v, table, start, end, kv * head_dim, v_block_stride, v_row_stride, head_dim,
-              block_size, out + g * group * head_dim);
+              block_size, sums);
+    round_to_bf16(sums, out + g * group * head_dim, group * head_dim);
   }
 }

@@ -117,9 +117,10 @@ if numba is not None:
 
 def attend(query, key_cache, value_cache, block_table, start, end, kv0, group, scale, softcap, out):
     """A whole work item in one C call, like the kernel's Numba ``_attend``: ``out``
-    (``[heads, head_dim]`` float32, contiguous rows) = softmax(scores) @ values over positions
-    ``start .. end - 1``, query and caches as for :func:`scores`. ``softcap`` is not applied:
-    the kernel takes this path only without one."""
+    (``[heads, head_dim]``) = softmax(scores) @ values over positions ``start .. end - 1``, caches
+    as for :func:`scores`; ``query`` and ``out`` hold bfloat16 bits (uint16, contiguous rows): the
+    sums are float32, rounded once. ``softcap`` is not applied: the kernel takes this path only
+    without one."""
     heads, head_dim = query.shape
     scratch = np.empty(group * max(end - start, 1), np.float32)  # NOTE: one KV head's scores at a time
     _decode_attention(  # type: ignore[call-overload]

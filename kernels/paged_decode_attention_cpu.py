@@ -193,8 +193,7 @@ def _softmax_rows(scores):
 
 @_device_function
 def _attend(query, key_cache, value_cache, block_table, start, end, kv0, group, scale, softcap, out):
-    """One work item: ``out`` (``[heads, head_dim]``) = attention of ``query``'s heads over positions
-    ``start .. end - 1``, head i reading KV head ``kv0 + i // group``."""
+    """One item: ``out`` = attention of ``query`` over ``start .. end - 1``, head i on KV head ``kv0 + i // group``."""
     probs = _scores(query, key_cache, block_table, start, end, kv0, group, scale)
     if softcap > 0:
         _soft_cap(probs, softcap)
@@ -250,8 +249,7 @@ def paged_decode_attention_cpu_kernel(
     threads,  # Numba's thread count: one prange iteration each
     out,  # [num_seqs, num_heads, head_dim] float32, written
 ):
-    """The kernel's source (one work item = one sequence and a run of its heads);
-    :func:`_compiled_kernel` is what runs."""
+    """The kernel's source (one work item = one sequence and a run of its heads); :func:`_compiled_kernel` runs."""
     num_seqs, num_heads, _ = query.shape
     group = num_heads // key_cache.shape[2]
     heads = num_heads // kv_splits  # query heads per item, a multiple of group
@@ -287,8 +285,7 @@ def _compiled_kernel(head_dim: int, widening="widen", row_scaled=False, parallel
 
 
 HEAD_DIM = 0
-"""The head size the passes' inner loops run over: 0 here (each pass reads it from its
-array's shape); a constant in each copy :func:`_specialised` makes."""
+"""The head size the passes' loops run over: 0 here (read from the arrays), a constant in each copy."""
 WIDEN_ONCE = True
 """Whether a cache row is widened once into a float32 row for its group's query heads (a
 constant in each copy): off for a float32 cache (each query head reads the row where it lies,
@@ -384,8 +381,11 @@ def paged_decode_attention_cpu(
     fp8 = widening != "widen"
     widen_once = cache_view != torch.float32
     c_path = decode_scores_cpu.c_path(query, key_cache, value_cache, logit_softcap)
+    if c_path == 2:  # NOTE: the C item reads the query's bfloat16 bits and writes the output's
+        out = torch.empty(query.shape, dtype=query.dtype)
+    q = query.contiguous().view(cache_view) if c_path == 2 else query.float().contiguous()
     _compiled_kernel(query.shape[2], widening, key_cache.dtype == torch.int8, parallel, widen_once, c_path)(
-        query.float().contiguous().numpy(),
+        q.numpy(),
         key_cache.view(cache_view).numpy(),
         value_cache.view(cache_view).numpy(),
         block_tables.numpy(),
@@ -395,6 +395,6 @@ def paged_decode_attention_cpu(
         np.float32(logit_softcap or 0.0),
         splits,
         threads,
-        out.numpy(),
+        (out.view(cache_view) if c_path == 2 else out).numpy(),
     )
     return (out.mul_(v_scale * factor) if fp8 else out).to(query.dtype)
