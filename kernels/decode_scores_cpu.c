@@ -21,6 +21,22 @@
 #ifndef AHEAD
 #define AHEAD 2 /* chunks of 16 positions prefetched ahead */
 #endif
+#ifndef FAR
+#define FAR 6 /* chunks ahead whose first row is prefetched alone, to bring its page's translation in */
+#endif
+
+/* Blocks lie anywhere in a cache of hundreds of MB, each in pages of its own: the first read of a
+ * block misses the TLB, and a prefetch that waits for the page walk comes late. One line of the
+ * chunk FAR chunks on starts that walk early (Qwen2.5-0.5B shape, bfloat16, 2 threads, five
+ * alternating pairs of runs: 6-16% less time a call at batch 16 and contexts ~1000, 0-20% at ~200). */
+static inline void prefetch_far(const uint16_t *cache, const int32_t *table, int64_t pos, int64_t end, int64_t off,
+                                int64_t block_stride, int64_t row_stride, int64_t block_size) {
+  const int64_t far = pos + FAR * 16;
+  if (far < end)
+    _mm_prefetch((const char *)(cache + (int64_t)table[far / block_size] * block_stride + far % block_size * row_stride +
+                                off),
+                 _MM_HINT_T0);
+}
 
 /* rows r[0..15] (16 lanes each) -> columns c[0..15]: c[i] lane s = r[s] lane i */
 static inline __attribute__((always_inline)) void transpose16(__m512i *r) {
@@ -100,6 +116,7 @@ static void scores_kv(const float *q, const uint16_t *q16, int64_t group, const 
                            kv * head_dim;
     /* the rows of the chunk AHEAD chunks on, line by line: blocks lie anywhere in the cache, so
      * each one starts a stream the hardware prefetcher has yet to find */
+    prefetch_far(cache, table, pos, end, kv * head_dim, block_stride, row_stride, block_size);
     const int64_t ahead = pos + AHEAD * 16;
     if (ahead < end) {
       const char *next = (const char *)(cache + (int64_t)table[ahead / block_size] * block_stride +
@@ -192,7 +209,10 @@ static inline __attribute__((always_inline)) void values_tile(const int G, const
     for (int t = 0; t < T; t++) acc[h][t] = _mm512_setzero_ps();
   for (int64_t pos = start - start % 16; pos < end; pos += 16) {
     const uint16_t *rows = cache + (int64_t)table[pos / block_size] * block_stride + pos % block_size * row_stride + off;
-    if (d0 == 0) prefetch_chunk(cache, table, pos + AHEAD * 16, end, off, block_stride, row_stride, head_dim, block_size);
+    if (d0 == 0) {
+      prefetch_far(cache, table, pos, end, off, block_stride, row_stride, block_size);
+      prefetch_chunk(cache, table, pos + AHEAD * 16, end, off, block_stride, row_stride, head_dim, block_size);
+    }
     const int64_t first = pos < start ? start - pos : 0, last = end - pos < 16 ? end - pos : 16;
     const float *p = probs + (pos - start);
     for (int64_t s = first; s < last; s++) {
