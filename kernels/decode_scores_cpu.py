@@ -1,4 +1,5 @@
-"""The first pass of CPU decode attention over a bfloat16 cache in C (kernels/decode_scores_cpu.c).
+"""CPU decode attention over a bfloat16 cache in C (kernels/decode_scores_cpu.c): the scores
+pass, and a whole work item (scores, softmax, weighted values).
 
 The compiled decode kernel (kernels/paged_decode_attention_cpu.py) scores each cached key
 against the query heads of its KV head: in Numba a dot product of ``head_dim`` per query head
@@ -8,12 +9,17 @@ seven heads of 64 when the block is cached), and prefetches the rows two chunks 
 Qwen2.5-0.5B-shaped call (14 query heads over 2 KV heads of 64, batch 16, contexts of
 100-250, 24 layers' caches of 4,096 blocks each, 2 threads) the kernel took 15% less time
 with it in four in-process A/B pairs (0.225-0.283 against 0.265-0.378 ms a call; the VM's
-speed drifted between pairs). Most of what is left is waiting for blocks that lie anywhere
-in memory, not arithmetic.
+speed drifted between pairs).
 
-:func:`scores` is a Numba device function with ``_scores``'s signature, which the kernel's
-specialised copies take in its place where :func:`applies`; the C source is built like the
-bf16 GEMM's (kernels/_cpu_compile.py).
+Softmax and the Numba weighted sum then took about two thirds of such a call. The C item
+(:func:`attend`) runs them too: softmax in float32 vectors (the exp of kernels/_fast_exp.py),
+the weighted sum with float32 accumulators in registers over value rows widened exactly, the
+probabilities never rounded, the output rounded to bfloat16 once. Without a soft-cap the
+kernel runs each work item in one call to it (:func:`c_path`); with one, only :func:`scores`.
+
+:func:`scores` and :func:`attend` are Numba device functions with the signatures of the
+kernel's ``_scores`` and ``_attend``, which its specialised copies take in their place; the C
+source is built like the bf16 GEMM's (kernels/_cpu_compile.py).
 
 NOTE: Numba's disk cache keys the decode kernel on its own file: an edit here must also touch
 ``paged_decode_attention_cpu.py``.

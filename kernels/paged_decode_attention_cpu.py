@@ -332,7 +332,7 @@ def _copy(fn: Callable, name: str, names: dict) -> Callable:
 
 def _jit(kernel: Callable, cache: bool, parallel: bool = True):
     options = PRANGE_ONLY if parallel else False
-    jit = numba.njit(cache=cache, parallel=options, fastmath=True, nogil=True, boundscheck=False)
+    jit = numba.njit(cache=cache, parallel=options, fastmath=True, nogil=True, boundscheck=False)  # type: ignore[arg-type]
     return jit(kernel)
 
 
