@@ -1,4 +1,5 @@
-"""The first pass of CPU decode attention over a bfloat16 cache in C (kernels/decode_scores_cpu.c).
+"""CPU decode attention over a bfloat16 cache in C (kernels/decode_scores_cpu.c): the scores
+pass, and a whole work item (scores, softmax, weighted values).
 
 The compiled decode kernel (kernels/paged_decode_attention_cpu.py) scores each cached key
 against the query heads of its KV head: in Numba a dot product of ``head_dim`` per query head
@@ -8,12 +9,17 @@ seven heads of 64 when the block is cached), and prefetches the rows two chunks 
 Qwen2.5-0.5B-shaped call (14 query heads over 2 KV heads of 64, batch 16, contexts of
 100-250, 24 layers' caches of 4,096 blocks each, 2 threads) the kernel took 15% less time
 with it in four in-process A/B pairs (0.225-0.283 against 0.265-0.378 ms a call; the VM's
-speed drifted between pairs). Most of what is left is waiting for blocks that lie anywhere
-in memory, not arithmetic.
+speed drifted between pairs).
 
-:func:`scores` is a Numba device function with ``_scores``'s signature, which the kernel's
-specialised copies take in its place where :func:`applies`; the C source is built like the
-bf16 GEMM's (kernels/_cpu_compile.py).
+Softmax and the Numba weighted sum then took about two thirds of such a call. The C item
+(:func:`attend`) runs them too: softmax in float32 vectors (the exp of kernels/_fast_exp.py),
+the weighted sum with float32 accumulators in registers over value rows widened exactly, the
+probabilities never rounded, the output rounded to bfloat16 once. Without a soft-cap the
+kernel runs each work item in one call to it (:func:`c_path`); with one, only :func:`scores`.
+
+:func:`scores` and :func:`attend` are Numba device functions with the signatures of the
+kernel's ``_scores`` and ``_attend``, which its specialised copies take in their place; the C
+source is built like the bf16 GEMM's (kernels/_cpu_compile.py).
 
 NOTE: Numba's disk cache keys the decode kernel on its own file: an edit here must also touch
 ``paged_decode_attention_cpu.py``.
@@ -25,6 +31,7 @@ import functools
 from pathlib import Path
 
 import numpy as np
+import torch
 
 try:
     import numba
@@ -34,10 +41,11 @@ except ImportError:  # pragma: no cover - numba is a dependency; this keeps the 
 
 from ._cpu_compile import AVX512_BF16_CFLAGS, build_library, cpu_has_avx512_bf16
 
-__all__ = ["MAX_GROUP", "applies", "available", "scores"]
+__all__ = ["MAX_GROUP", "applies", "attend", "available", "c_path", "scores"]
 
 SOURCE = Path(__file__).with_suffix(".c")
 SYMBOL = "pagedllm_decode_scores_bf16"
+ITEM_SYMBOL = "pagedllm_decode_attention_bf16"
 MAX_GROUP = 16
 """Query heads per KV head the C pass takes (its stack holds their query pairs)."""
 MAX_HEAD_DIM = 256
@@ -55,10 +63,25 @@ def applies(head_dim: int, block_size: int, group: int) -> bool:
     return shaped and available()
 
 
+def c_path(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, softcap: float | None) -> int:
+    """What of the decode kernel runs in C for these tensors: 0 nothing, 1 pass 1 (the scores),
+    2 the whole work item (a bfloat16 query and cache of fitting sizes whose slots hold each
+    head's row contiguously, no soft-cap)."""
+    head_dim, group = query.shape[2], query.shape[1] // key_cache.shape[2]
+    rows = key_cache.stride()[2:] == value_cache.stride()[2:] == (head_dim, 1)
+    bf16 = key_cache.dtype == query.dtype == torch.bfloat16
+    if not (bf16 and rows and applies(head_dim, key_cache.shape[1], group)):
+        return 0
+    return 1 if softcap else 2
+
+
 if numba is not None:
     _i64, _ptr = types.int64, types.intp
     _decode_scores = types.ExternalFunction(
         SYMBOL, types.void(_ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _i64, _i64, types.float32, _ptr, _i64)
+    )
+    _decode_attention = types.ExternalFunction(
+        ITEM_SYMBOL, types.void(_ptr, _i64, _i64, _ptr, _ptr, _ptr, *[_i64] * 9, types.float32, _ptr, _ptr)
     )
 
 
@@ -96,3 +119,37 @@ def scores(query, key_cache, block_table, start, end, kv0, group, scale):
 
 if numba is not None:
     scores = numba.njit(inline="always", boundscheck=False)(scores)
+
+
+def attend(query, key_cache, value_cache, block_table, start, end, kv0, group, scale, softcap, out):
+    """A whole work item in one C call, like the kernel's Numba ``_attend``: ``out``
+    (``[heads, head_dim]``) = softmax(scores) @ values over positions ``start .. end - 1``, caches
+    as for :func:`scores`; ``query`` and ``out`` hold bfloat16 bits (uint16, contiguous rows): the
+    sums are float32, rounded once. ``softcap`` is not applied: the kernel takes this path only
+    without one."""
+    heads, head_dim = query.shape
+    scratch = np.empty(group * max(end - start, 1), np.float32)  # NOTE: one KV head's scores at a time
+    _decode_attention(  # type: ignore[call-overload]
+        query.ctypes.data,
+        heads,
+        group,
+        key_cache.ctypes.data,
+        value_cache.ctypes.data,
+        block_table.ctypes.data,
+        start,
+        end,
+        kv0,
+        key_cache.strides[0] // 2,
+        key_cache.strides[1] // 2,
+        value_cache.strides[0] // 2,
+        value_cache.strides[1] // 2,
+        head_dim,
+        key_cache.shape[1],
+        np.float32(scale),
+        scratch.ctypes.data,
+        out.ctypes.data,
+    )
+
+
+if numba is not None:
+    attend = numba.njit(inline="always", boundscheck=False)(attend)

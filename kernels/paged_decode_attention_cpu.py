@@ -19,19 +19,17 @@ sequences the heads are split over more items so every thread has work. With a s
 window the passes walk only the visible positions ``[context_len - window, context_len)``.
 
 Each pass walks the visible blocks in order and indexes each block's own view
-(``key_cache[block]``), so the compiled inner loops read unit-stride rows. Measured on a 2-core
-AVX-512 CPU (float32, 8 layers of 8 heads of 64, 16-token blocks), each pass streams
-at about 23 GB/s, 80% of what a plain read of the same blocks reaches (28 GB/s);
-batch 64 at context 226 takes 22 ms per step against 29 ms for a version that
-gathered block and slot indices per position and prefetched a block ahead.
-Blocks lie anywhere in the cache, so each one starts a new stream the CPU's prefetcher
-has to discover page by page; while a pass reads block b it prefetches the first line of
-each page of block b + 1 (`python -m benchmarks.cpu_attention --threads 2 --batch 16 64
---layers 8`: 5-10% off a call in float32, 9-12% in bfloat16).
+(``key_cache[block]``): unit-stride rows, each pass streaming ~23 GB/s of a plain read's 28
+(2-core AVX-512 CPU, float32, 8 layers of 8 heads of 64, 16-token blocks; batch 64 at context
+226: 22 ms a step against 29 for gathering indices per position). Blocks lie anywhere, so each
+starts a stream the CPU's prefetcher finds page by page: while a pass reads block b it
+prefetches the first line of each page of block b + 1 (``python -m benchmarks.cpu_attention
+--threads 2 --batch 16 64 --layers 8``: 5-10% off a call in float32, 9-12% in bfloat16).
 
 With a bfloat16 query and cache (head sizes a multiple of 32, blocks of 16 slots or a
-multiple), pass 1 runs in C on AVX-512-BF16 CPUs (kernels/decode_scores_cpu.py): sixteen key
-rows transposed in registers, sixteen positions scored per instruction.
+multiple) on AVX-512-BF16 CPUs, a work item runs in one C call (kernels/decode_scores_cpu.py):
+pass 1 scores sixteen positions per instruction, softmax and pass 2 run in float32 vectors;
+with a soft-cap only pass 1 does.
 
 Caches may be float32, bfloat16, float16 or 8-bit (fp8 e4m3 / e5m2, int8 rows with their
 scale: kernels/kv_quant.py); scores, softmax and the weighted sum are float32 whatever the
@@ -53,12 +51,11 @@ import numpy as np
 import torch
 
 from . import _cpu_widen, decode_scores_cpu
-from ._cpu_items import ITEMS_PER_THREAD, _use_threads, choose_kv_splits, thread_items
+from ._cpu_items import ITEMS_PER_THREAD, PRANGE_ONLY, _use_threads, choose_kv_splits, thread_items
 from ._cpu_items import prefetch_block as _prefetch_block
 from ._cpu_widen import E4M3_FACTOR
 from ._fast_exp import exp
 from ._paged import check_block_tables, check_int_vector, check_kv_caches, check_query, check_window
-from .decode_scores_cpu import applies
 from .paged_decode_attention import paged_decode_attention_reference
 
 try:
@@ -195,6 +192,16 @@ def _softmax_rows(scores):
 
 
 @_device_function
+def _attend(query, key_cache, value_cache, block_table, start, end, kv0, group, scale, softcap, out):
+    """One item: ``out`` = attention of ``query`` over ``start .. end - 1``, head i on KV head ``kv0 + i // group``."""
+    probs = _scores(query, key_cache, block_table, start, end, kv0, group, scale)
+    if softcap > 0:
+        _soft_cap(probs, softcap)
+    _softmax_rows(probs)
+    _weighted_values(probs, value_cache, block_table, start, end, kv0, group, out)
+
+
+@_device_function
 def _weighted_values(probs, value_cache, block_table, start, end, kv0, group, out):
     """Pass 2: ``out[i] = sum_p probs[i, p - start] * v[p]`` over positions ``start .. end - 1``
     (``out`` is ``[heads, head_dim]``); a value row is widened once for its ``group`` query heads."""
@@ -242,8 +249,7 @@ def paged_decode_attention_cpu_kernel(
     threads,  # Numba's thread count: one prange iteration each
     out,  # [num_seqs, num_heads, head_dim] float32, written
 ):
-    """The kernel's source (one work item = one sequence and a run of its heads);
-    :func:`_compiled_kernel` is what runs."""
+    """The kernel's source (one work item = one sequence and a run of its heads); :func:`_compiled_kernel` runs."""
     num_seqs, num_heads, _ = query.shape
     group = num_heads // key_cache.shape[2]
     heads = num_heads // kv_splits  # query heads per item, a multiple of group
@@ -255,16 +261,12 @@ def paged_decode_attention_cpu_kernel(
             h0 = (item - seq * kv_splits) * heads
             end = context_lens[seq]
             start = max(end - window, 0) if window > 0 else 0
-            table = block_tables[seq]
-            probs = _scores(query[seq, h0 : h0 + heads], key_cache, table, start, end, h0 // group, group, scale)
-            if softcap > 0:
-                _soft_cap(probs, softcap)
-            _softmax_rows(probs)
-            _weighted_values(probs, value_cache, table, start, end, h0 // group, group, out[seq, h0 : h0 + heads])
+            q, o = query[seq, h0 : h0 + heads], out[seq, h0 : h0 + heads]
+            _attend(q, key_cache, value_cache, block_tables[seq], start, end, h0 // group, group, scale, softcap, o)
 
 
 @functools.cache
-def _compiled_kernel(head_dim: int, widening="widen", row_scaled=False, parallel=True, widen_once=True, c_scores=False):
+def _compiled_kernel(head_dim: int, widening="widen", row_scaled=False, parallel=True, widen_once=True, c_path=0):
     """The kernel for heads of ``head_dim`` (on Numba's pool, or on the calling thread where
     not ``parallel``), compiled by Numba on first use, its machine code
     cached on disk when a cache directory is writable (else compiled once per process, a
@@ -274,8 +276,8 @@ def _compiled_kernel(head_dim: int, widening="widen", row_scaled=False, parallel
     directory: a read-only image and an unwritable home still import and serve.
     """
     # NOTE: the C pass's library is loaded before the kernel that calls it is compiled or read from disk
-    c_scores = c_scores and decode_scores_cpu.available()
-    kernel = _specialised(head_dim, widening, row_scaled, parallel, widen_once, c_scores)
+    c_path = c_path if decode_scores_cpu.available() else 0
+    kernel = _specialised(head_dim, widening, row_scaled, parallel, widen_once, c_path)
     try:
         return _jit(kernel, cache=True, parallel=parallel)
     except RuntimeError:  # numba: "cannot cache function ... no locator available"
@@ -283,17 +285,15 @@ def _compiled_kernel(head_dim: int, widening="widen", row_scaled=False, parallel
 
 
 HEAD_DIM = 0
+"""The head size the passes' loops run over: 0 here (read from the arrays), a constant in each copy."""
 WIDEN_ONCE = True
-"""Whether a cache row is widened once into a float32 row for its group's query heads: a
-constant in each specialised copy, off for a float32 cache (nothing to widen: each query head
-reads the row where it lies, from L1, without the copy) and for groups of one.
-"""
-"""The head size the passes' inner loops run over: 0 here (each pass reads it from its
-array's shape); a constant in each copy :func:`_specialised` makes."""
+"""Whether a cache row is widened once into a float32 row for its group's query heads (a
+constant in each copy): off for a float32 cache (each query head reads the row where it lies,
+from L1) and for groups of one."""
 
 
 def _specialised(
-    head_dim: int, widening="widen", row_scaled=False, parallel=True, widen_once=True, c_scores=False
+    head_dim: int, widening="widen", row_scaled=False, parallel=True, widen_once=True, c_path=0
 ) -> Callable:
     """A copy of the kernel whose passes see ``HEAD_DIM = head_dim`` as a compile-time constant.
 
@@ -313,11 +313,13 @@ def _specialised(
         "_widen": getattr(_cpu_widen, widening),
     }
     tag = f"_d{head_dim}" + ("_int8" if row_scaled else "" if widening == "widen" else f"_{widening[6:]}")
-    tag += ("" if parallel else "_serial") + ("" if widen_once else "_direct") + ("_cscores" if c_scores else "")
+    tag += ("" if parallel else "_serial") + ("" if widen_once else "_direct") + ("", "_cscores", "_citem")[c_path]
     for fn in (_row_scale.py_func, _scores.py_func, _weighted_values.py_func):
         names[fn.__name__] = _device_function(_copy(fn, f"{fn.__name__}{tag}", names))
-    if c_scores:  # NOTE: pass 1 in C (kernels/decode_scores_cpu.c), same signature
+    if c_path:  # NOTE: pass 1 (1) or the whole item (2) in C (kernels/decode_scores_cpu.c), same signatures
         names["_scores"] = decode_scores_cpu.scores
+    attend = _device_function(_copy(_attend.py_func, f"_attend{tag}", names))
+    names["_attend"] = decode_scores_cpu.attend if c_path == 2 else attend
     return _copy(paged_decode_attention_cpu_kernel, f"paged_decode_attention_cpu_kernel{tag}", names)
 
 
@@ -329,7 +331,8 @@ def _copy(fn: Callable, name: str, names: dict) -> Callable:
 
 
 def _jit(kernel: Callable, cache: bool, parallel: bool = True):
-    jit = numba.njit(cache=cache, parallel=parallel, fastmath=True, nogil=True, boundscheck=False)
+    options = PRANGE_ONLY if parallel else False
+    jit = numba.njit(cache=cache, parallel=options, fastmath=True, nogil=True, boundscheck=False)  # type: ignore[arg-type]
     return jit(kernel)
 
 
@@ -377,11 +380,12 @@ def paged_decode_attention_cpu(
     splits = choose_kv_splits(query.shape[0], key_cache.shape[2], threads)
     fp8 = widening != "widen"
     widen_once = cache_view != torch.float32
-    group = query.shape[1] // key_cache.shape[2]
-    c_scores = key_cache.dtype == query.dtype == torch.bfloat16 and key_cache.stride()[2:] == (query.shape[2], 1)
-    c_scores = c_scores and applies(query.shape[2], key_cache.shape[1], group)
-    _compiled_kernel(query.shape[2], widening, key_cache.dtype == torch.int8, parallel, widen_once, c_scores)(
-        query.float().contiguous().numpy(),
+    c_path = decode_scores_cpu.c_path(query, key_cache, value_cache, logit_softcap)
+    if c_path == 2:  # NOTE: the C item reads the query's bfloat16 bits and writes the output's
+        out = torch.empty(query.shape, dtype=query.dtype)
+    q = query.contiguous().view(cache_view) if c_path == 2 else query.float().contiguous()
+    _compiled_kernel(query.shape[2], widening, key_cache.dtype == torch.int8, parallel, widen_once, c_path)(
+        q.numpy(),
         key_cache.view(cache_view).numpy(),
         value_cache.view(cache_view).numpy(),
         block_tables.numpy(),
@@ -391,6 +395,6 @@ def paged_decode_attention_cpu(
         np.float32(logit_softcap or 0.0),
         splits,
         threads,
-        out.numpy(),
+        (out.view(cache_view) if c_path == 2 else out).numpy(),
     )
     return (out.mul_(v_scale * factor) if fp8 else out).to(query.dtype)

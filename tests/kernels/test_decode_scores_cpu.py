@@ -5,9 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from kernel_factories import make_paged_kv, naive_attention
 
 import pagedllm.kernels.paged_decode_attention_cpu as cpu_kernel
-from pagedllm.kernels import decode_scores_cpu
+from pagedllm.kernels import decode_scores_cpu, paged_decode_attention_reference
 from pagedllm.kernels.paged_decode_attention_cpu import paged_decode_attention_cpu
 
 needs_kernel = pytest.mark.skipif(
@@ -53,7 +54,7 @@ def test_bf16_caches_of_fitting_shapes_take_it_and_agree_with_the_numba_pass(mon
     tables = torch.randperm(blocks)[:32].view(4, 8).to(torch.int32)
     lens = torch.tensor([1, 40, 128, 77], dtype=torch.int32)
     with_c = paged_decode_attention_cpu(q, kc, vc, tables, lens, 0.125)
-    monkeypatch.setattr(cpu_kernel, "applies", lambda *a: False)
+    monkeypatch.setattr(decode_scores_cpu, "applies", lambda *a: False)
     numba_only = paged_decode_attention_cpu(q, kc, vc, tables, lens, 0.125)
     # NOTE: the same float32 sums in another order, each output rounded once to bfloat16
     torch.testing.assert_close(with_c.float(), numba_only.float(), rtol=2**-7, atol=1e-5)
@@ -70,6 +71,101 @@ def test_a_cache_whose_blocks_are_strided_reads_each_block_where_it_lies(monkeyp
     tables = torch.randperm(blocks)[:12].view(3, 4).to(torch.int32)
     lens = torch.tensor([5, 64, 120], dtype=torch.int32)
     with_c = paged_decode_attention_cpu(q, kc, vc, tables, lens, 0.125)
-    monkeypatch.setattr(cpu_kernel, "applies", lambda *a: False)
+    monkeypatch.setattr(decode_scores_cpu, "applies", lambda *a: False)
     numba_only = paged_decode_attention_cpu(q, kc, vc, tables, lens, 0.125)
     torch.testing.assert_close(with_c.float(), numba_only.float(), rtol=2**-7, atol=1e-5)
+
+
+def _float64_oracle(query, kv, scale):
+    """Each sequence's attention in float64 over its own contiguous K/V (the cache's bfloat16 values)."""
+    pairs = enumerate(zip(kv.keys, kv.values))
+    return torch.stack([naive_attention(query[s : s + 1], k, v, scale)[0] for s, (k, v) in pairs])
+
+
+@pytest.fixture
+def poisoned_outputs(monkeypatch):
+    """Every float tensor ``torch.empty`` makes starts as NaN: an output element the kernel leaves unwritten shows."""
+    real = torch.empty
+
+    def empty(*args, **kwargs):
+        out = real(*args, **kwargs)
+        return out.fill_(float("nan")) if out.is_floating_point() else out
+
+    monkeypatch.setattr(torch, "empty", empty)
+
+
+def _with_threads(threads, fn, *args):
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return fn(*args)
+    finally:
+        torch.set_num_threads(previous)
+
+
+GQA = [(2, 1), (2, 2), (2, 7), (1, 8)]  # (kv_heads, group)
+LENGTHS = {1: [[1], [37]], 16: [[1, 15, 16, 17, 33, 64, 100, 131, 7, 250, 2, 48, 49, 95, 160, 31]]}
+
+
+@needs_kernel
+@pytest.mark.parametrize("kv_heads,group", GQA)
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("lens", LENGTHS[1] + LENGTHS[16], ids=lambda lens: f"batch{len(lens)}-{lens[-1]}")
+def test_the_c_item_matches_float64(poisoned_outputs, monkeypatch, kv_heads, group, head_dim, block_size, lens):
+    """Fresh random bfloat16 inputs, NaN in unused slots and junk table entries (make_paged_kv),
+    contexts ending mid-block and of one token, batch 1 (KV heads split over items) and 16."""
+    torch.manual_seed(len(lens) * 1000 + lens[-1] + head_dim + block_size + group)
+    kv = make_paged_kv(lens, kv_heads, head_dim, block_size, torch.bfloat16, device="cpu")
+    query = torch.randn(len(lens), kv_heads * group, head_dim).to(torch.bfloat16)
+    paths = []
+    real = decode_scores_cpu.c_path
+    monkeypatch.setattr(decode_scores_cpu, "c_path", lambda *a: paths.append(real(*a)) or paths[-1])
+    scale = head_dim**-0.5
+    args = (query, kv.key_cache, kv.value_cache, kv.block_tables, kv.context_lens, scale)
+    out = _with_threads(2, paged_decode_attention_cpu, *args)
+    assert paths == [2] and out.dtype == torch.bfloat16
+    # NOTE: float32 sums, the output rounded once to bfloat16 (half a unit in its last place)
+    torch.testing.assert_close(out.double(), _float64_oracle(query, kv, scale), atol=2e-5, rtol=2**-8 + 1e-4)
+    reference = paged_decode_attention_reference(*args)
+    torch.testing.assert_close(out.float(), reference.float(), atol=2e-5, rtol=2**-7 + 1e-4)
+
+
+@needs_kernel
+@pytest.mark.parametrize("start,end", [(0, 1), (0, 37), (5, 70), (16, 48), (47, 83), (9, 9)])
+def test_one_item_writes_every_output_element(start, end):
+    """The C item on its own (bfloat16 bits in and out): out starts as NaN; an empty range gives zeros."""
+    torch.manual_seed(start + end)
+    blocks, block_size, kv_heads, group, head_dim = 8, 16, 2, 7, 64
+    kc = torch.randn(blocks, block_size, kv_heads, head_dim).to(torch.bfloat16)
+    vc = torch.randn(blocks, block_size, kv_heads, head_dim).to(torch.bfloat16)
+    table = torch.randperm(blocks).to(torch.int32)
+    q = torch.randn(kv_heads * group, head_dim).to(torch.bfloat16)
+    out = torch.full((kv_heads * group, head_dim), float("nan"), dtype=torch.bfloat16)
+    k16, v16, q16 = (t.view(torch.uint16).numpy() for t in (kc, vc, q))
+    decode_scores_cpu.attend(
+        q16, k16, v16, table.numpy(), start, end, 0, group, 0.125, 0.0, out.view(torch.uint16).numpy()
+    )
+    pos = torch.arange(start, end)
+    slots = (table[pos // block_size].long(), pos % block_size)
+    keys, values = kc[slots].double(), vc[slots].double()  # [positions, kv_heads, head_dim]
+    want = torch.zeros(kv_heads * group, head_dim, dtype=torch.float64)
+    for h in range(kv_heads * group):
+        if end > start:
+            probs = torch.softmax(keys[:, h // group] @ q[h].double() * 0.125, dim=0)
+            want[h] = probs @ values[:, h // group]
+    torch.testing.assert_close(out.double(), want, rtol=2**-8 + 1e-5, atol=1e-6)  # NOTE: rounded once
+
+
+@needs_kernel
+def test_the_c_path_is_taken_where_it_applies():
+    q, kc = torch.zeros(2, 14, 64, dtype=torch.bfloat16), torch.zeros(8, 16, 2, 64, dtype=torch.bfloat16)
+    assert decode_scores_cpu.c_path(q, kc, kc, None) == 2
+    assert decode_scores_cpu.c_path(q, kc, kc, 30.0) == 1  # NOTE: a soft-cap: only the scores in C
+    assert decode_scores_cpu.c_path(q.float(), kc.float(), kc.float(), None) == 0
+    assert decode_scores_cpu.c_path(q, kc[:, :8], kc[:, :8], None) == 0  # blocks of 8 slots
+    assert decode_scores_cpu.c_path(q[..., :48], kc[..., :48], kc[..., :48], None) == 0  # rows not contiguous
+    kernel = cpu_kernel._compiled_kernel(64, "widen", False, True, True, 2)
+    assert kernel.py_func.__globals__["_attend"] is decode_scores_cpu.attend
+    numba_only = cpu_kernel._compiled_kernel(64, "widen", False, True, True, 1)
+    assert numba_only.py_func.__globals__["_attend"] is not decode_scores_cpu.attend

@@ -19,7 +19,7 @@ import torch
 from engine_factories import TINY_SHAPES, HFReference, assert_greedy_matches, make_prompts
 from family_factories import WINDOW, save_tiny_family
 
-from pagedllm.kernels import prefill_attention_cpu
+from pagedllm.kernels import decode_scores_cpu, prefill_attention_cpu
 from pagedllm.server import LLM, SamplingParams
 from pagedllm.server.demo import save_tiny_llama
 from pagedllm.server.worker import cpu_attention, dtype_choice
@@ -132,3 +132,15 @@ def test_auto_dtype_on_cpu_is_chosen_from_checkpoint_and_cpu_and_logged(
     assert f"the model computes in {str(expected).removeprefix('torch.')} (" in caplog.text
     out = llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 3
+
+
+@pytest.mark.skipif(not decode_scores_cpu.available(), reason="needs an x86-64 CPU with AVX-512-BF16 and a C compiler")
+def test_qwen3_in_bfloat16_decodes_through_the_c_attention_item(family_dirs, monkeypatch):
+    """Heads of 32 over 16-slot blocks: the decode kernel runs each work item in C (decode_scores_cpu.c)."""
+    paths = []
+    real = decode_scores_cpu.c_path
+    monkeypatch.setattr(decode_scores_cpu, "c_path", lambda *a: paths.append(real(*a)) or paths[-1])
+    prompts = make_prompts(6, min_len=3, max_len=7 * WINDOW, seed=2)
+    ours = run_bf16_greedy(family_dirs["qwen3"], prompts, "numba", block_size=16)
+    assert paths and set(paths) == {2}
+    check_bf16(HFReference(family_dirs["qwen3"], dtype=torch.bfloat16, attn_implementation="eager"), prompts, ours)
