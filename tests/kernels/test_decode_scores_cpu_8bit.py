@@ -19,11 +19,15 @@ DTYPES = [pytest.param(d, id=str(d).split(".")[1]) for d in SCALES]
 
 
 def _quantized(lens, kv_heads, head_dim, block_size, dtype):
-    """A paged case whose caches hold ``dtype``: slots past each context hold what NaN quantizes
-    to (NaN int8 scales, NaN or junk fp8 bytes) and table entries past it are huge ids."""
+    """A paged case whose caches hold ``dtype``: slots past each context hold random bytes (huge,
+    NaN or infinite values and scales) and table entries past it are huge ids."""
     kv = make_paged_kv(lens, kv_heads, head_dim, block_size, torch.float32, device="cpu")
     k_scale, v_scale = SCALES[dtype]
     key_cache, value_cache = quantize(kv.key_cache, dtype, k_scale), quantize(kv.value_cache, dtype, v_scale)
+    unused = kv.key_cache.isnan().all(-1).all(-1)  # [blocks, slots]: make_paged_kv's NaN slots
+    for cache in (key_cache, value_cache):
+        junk = torch.randint(0, 256, cache[unused].shape, dtype=torch.uint8)
+        cache.view(torch.uint8)[unused] = junk
     keys = [dequantize(quantize(k, dtype, k_scale), torch.float64, k_scale) for k in kv.keys]
     values = [dequantize(quantize(v, dtype, v_scale), torch.float64, v_scale) for v in kv.values]
     return kv, key_cache, value_cache, keys, values
