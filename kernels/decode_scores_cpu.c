@@ -11,10 +11,19 @@
  *
  * The query arrives in float32 holding bfloat16 values (the model's dtype), so taking its high
  * 16 bits is exact; products are exact in float32 and summed in float32.
+ * The whole work item (pagedllm_decode_attention_*) also reads 8-bit caches (kernels/kv_quant.py),
+ * as kernels/prefill_attention_cpu.c does: every int8, e4m3 and e5m2 value is exact in bfloat16,
+ * so K is widened to bfloat16 pairs as it is loaded and scored as above; an int8 row's float16
+ * scale multiplies its lane of the chunk's sixteen scores, and its V row as it is widened to
+ * float32 (exact). fp8's per-tensor k_scale is the caller's, in `scale`, and its v_scale in
+ * `out_scale` (e4m3 widens to its value / 256, which the caller folds into both). Each format is
+ * its own copy (the format a constant): the loops hold no format branch.
  * All arguments are integers (pointers as addresses) or a float, so any caller can bind it.
  */
 #include <immintrin.h>
 #include <stdint.h>
+
+#include <string.h>
 
 #define MAX_GROUP 16
 #define MAX_PAIRS 128 /* head_dim up to 256 */
@@ -29,13 +38,48 @@
  * block misses the TLB, and a prefetch that waits for the page walk comes late. One line of the
  * chunk FAR chunks on starts that walk early (Qwen2.5-0.5B shape, bfloat16, 2 threads, five
  * alternating pairs of runs: 6-16% less time a call at batch 16 and contexts ~1000, 0-20% at ~200). */
-static inline void prefetch_far(const uint16_t *cache, const int32_t *table, int64_t pos, int64_t end, int64_t off,
+static inline void prefetch_far(const uint8_t *cache, const int32_t *table, int64_t pos, int64_t end, int64_t off,
                                 int64_t block_stride, int64_t row_stride, int64_t block_size) {
   const int64_t far = pos + FAR * 16;
   if (far < end)
     _mm_prefetch((const char *)(cache + (int64_t)table[far / block_size] * block_stride + far % block_size * row_stride +
                                 off),
                  _MM_HINT_T0);
+}
+
+enum { BF16, INT8, E4M3, E5M2 }; /* cache formats: the `fmt` constant of each copy */
+#define ALWAYS static inline __attribute__((always_inline))
+
+/* bytes of one (slot, head) row: int8 rows end with their float16 scale */
+ALWAYS int64_t row_bytes(int64_t head_dim, const int fmt) {
+  return fmt == BF16 ? 2 * head_dim : fmt == INT8 ? head_dim + 2 : head_dim;
+}
+
+/* 16 8-bit values -> float32, exactly (e4m3: value / 256, its bits moved into a float16's)
+ * NOTE: the same widening as prefill_attention_cpu.c's: each C file is built alone. */
+ALWAYS __m512 widen16(const uint8_t *p, const int fmt) {
+  const __m128i b = _mm_loadu_si128((const __m128i *)p);
+  if (fmt == INT8) return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
+  __m256i h = _mm256_cvtepu8_epi16(b);
+  if (fmt == E4M3)
+    h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(h, _mm256_set1_epi16(0x80)), 8),
+                        _mm256_slli_epi16(_mm256_and_si256(h, _mm256_set1_epi16(0x7F)), 7));
+  else
+    h = _mm256_slli_epi16(h, 8); /* e5m2: the high byte of a float16 */
+  return _mm512_cvtph_ps(h);
+}
+
+/* 32 values from element e of a row as 16 bfloat16 pairs (the order a bfloat16 row holds them) */
+ALWAYS __m512i load_pairs(const uint8_t *row, int64_t e, const int fmt) {
+  if (fmt == BF16) return _mm512_loadu_si512(row + 2 * e);
+  return (__m512i)_mm512_cvtne2ps_pbh(widen16(row + e + 16, fmt), widen16(row + e, fmt));
+}
+
+/* an int8 row's float16 scale (the 2 bytes after its head_dim values), in every lane */
+ALWAYS __m512 row_scale(const uint8_t *row, int64_t head_dim) {
+  uint16_t bits;
+  memcpy(&bits, row + head_dim, 2);
+  return _mm512_cvtph_ps(_mm256_set1_epi16((short)bits));
 }
 
 /* rows r[0..15] (16 lanes each) -> columns c[0..15]: c[i] lane s = r[s] lane i */
@@ -65,14 +109,14 @@ static inline __attribute__((always_inline)) void transpose16(__m512i *r) {
 /* Scores of the sixteen positions from pos (one block's slots) for G query heads, stored where
  * they fall in [start, end). G is a constant in each copy: the accumulators stay in registers. */
 static inline __attribute__((always_inline)) void chunk_scores(const int G, const uint32_t (*qp)[MAX_PAIRS],
-                                                              const uint16_t *rows, int64_t row_stride, int64_t pairs,
+                                                              const uint8_t *rows, int64_t row_stride, int64_t pairs,
                                                               int64_t pos, int64_t start, int64_t end, __m512 scale,
-                                                              float *scores, int64_t ld) {
+                                                              float *scores, int64_t ld, const int fmt) {
   __m512 acc[MAX_GROUP];
   for (int h = 0; h < G; h++) acc[h] = _mm512_setzero_ps();
   for (int64_t j0 = 0; j0 < pairs; j0 += 16) {
     __m512i col[16];
-    for (int s = 0; s < 16; s++) col[s] = _mm512_loadu_si512(rows + s * row_stride + 2 * j0);
+    for (int s = 0; s < 16; s++) col[s] = load_pairs(rows + s * row_stride, 2 * j0, fmt);
     transpose16(col);
     for (int j = 0; j < 16; j++)
       for (int h = 0; h < G; h++)
@@ -81,23 +125,27 @@ static inline __attribute__((always_inline)) void chunk_scores(const int G, cons
   /* lanes of positions in [start, end) only */
   const int64_t first = pos < start ? start - pos : 0, last = end - pos < 16 ? end - pos : 16;
   const __mmask16 keep = (__mmask16)(((1u << last) - 1) & ~((1u << first) - 1));
+  if (fmt == INT8) { /* each position's row scale, lane by lane (slots outside the range: masked out) */
+    uint16_t bits[16];
+    for (int s = 0; s < 16; s++) memcpy(bits + s, rows + s * row_stride + 2 * pairs, 2);
+    scale = _mm512_mul_ps(scale, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)bits)));
+  }
   for (int h = 0; h < G; h++) _mm512_mask_storeu_ps(scores + h * ld + (pos - start), keep, _mm512_mul_ps(acc[h], scale));
 }
 
 #define GROUP_CASE(G)                                                                                        \
   case G:                                                                                                    \
-    chunk_scores(G, qp, rows, row_stride, pairs, pos, start, end, vscale, scores, ld);                       \
+    chunk_scores(G, qp, rows, row_stride, pairs, pos, start, end, vscale, scores, ld, fmt);                  \
     break;
 
-/* q: [group, head_dim] float32; cache: [*, block_size, kv_heads, head_dim] bfloat16 (as uint16), a
- * block every block_stride and a slot every row_stride elements, each slot's heads contiguous;
+/* q: [group, head_dim] float32; cache: [*, block_size, kv_heads, row] of format fmt, a block every
+ * block_stride and a slot every row_stride bytes, each slot's heads contiguous (row_bytes each);
  * table: int32 block ids; scores: [group, ld] float32, columns 0 .. end - start - 1 written.
  * head_dim a multiple of 32 (at most 256), block_size a multiple of 16, group 1 to 16. */
-static void scores_kv(const float *q, const uint16_t *q16, int64_t group, const uint16_t *cache,
-                      const int32_t *table, int64_t start, int64_t end, int64_t kv, int64_t block_stride,
-                      int64_t row_stride, int64_t head_dim, int64_t block_size, float scale, float *scores,
-                      int64_t ld) {
-  const int64_t pairs = head_dim / 2;
+ALWAYS void scores_kv(const float *q, const uint16_t *q16, int64_t group, const uint8_t *cache, const int32_t *table,
+                      int64_t start, int64_t end, int64_t kv, int64_t block_stride, int64_t row_stride,
+                      int64_t head_dim, int64_t block_size, float scale, float *scores, int64_t ld, const int fmt) {
+  const int64_t pairs = head_dim / 2, head = row_bytes(head_dim, fmt);
   uint32_t qp[MAX_GROUP][MAX_PAIRS];
   for (int64_t h = 0; h < group; h++)
     for (int64_t j = 0; j < pairs; j++) {
@@ -112,17 +160,17 @@ static void scores_kv(const float *q, const uint16_t *q16, int64_t group, const 
     }
   const __m512 vscale = _mm512_set1_ps(scale);
   for (int64_t pos = start - start % 16; pos < end; pos += 16) {
-    const uint16_t *rows = cache + (int64_t)table[pos / block_size] * block_stride + pos % block_size * row_stride +
-                           kv * head_dim;
+    const uint8_t *rows = cache + (int64_t)table[pos / block_size] * block_stride + pos % block_size * row_stride +
+                          kv * head;
     /* the rows of the chunk AHEAD chunks on, line by line: blocks lie anywhere in the cache, so
      * each one starts a stream the hardware prefetcher has yet to find */
-    prefetch_far(cache, table, pos, end, kv * head_dim, block_stride, row_stride, block_size);
+    prefetch_far(cache, table, pos, end, kv * head, block_stride, row_stride, block_size);
     const int64_t ahead = pos + AHEAD * 16;
     if (ahead < end) {
       const char *next = (const char *)(cache + (int64_t)table[ahead / block_size] * block_stride +
-                                        ahead % block_size * row_stride + kv * head_dim);
+                                        ahead % block_size * row_stride + kv * head);
       for (int s = 0; s < 16; s++)
-        for (int64_t line = 0; line < head_dim * 2; line += 64) _mm_prefetch(next + s * row_stride * 2 + line, _MM_HINT_T0);
+        for (int64_t line = 0; line < head; line += 64) _mm_prefetch(next + s * row_stride + line, _MM_HINT_T0);
     }
     switch (group) {
       GROUP_CASE(1) GROUP_CASE(2) GROUP_CASE(3) GROUP_CASE(4) GROUP_CASE(5) GROUP_CASE(6) GROUP_CASE(7) GROUP_CASE(8)
@@ -132,11 +180,12 @@ static void scores_kv(const float *q, const uint16_t *q16, int64_t group, const 
   }
 }
 
+/* the scores pass over a bfloat16 cache: strides in elements */
 void pagedllm_decode_scores_bf16(intptr_t q_addr, int64_t group, intptr_t cache_addr, intptr_t table_addr,
                                  int64_t start, int64_t end, int64_t kv, int64_t block_stride, int64_t row_stride,
                                  int64_t head_dim, int64_t block_size, float scale, intptr_t scores_addr, int64_t ld) {
-  scores_kv((const float *)q_addr, 0, group, (const uint16_t *)cache_addr, (const int32_t *)table_addr, start, end, kv,
-            block_stride, row_stride, head_dim, block_size, scale, (float *)scores_addr, ld);
+  scores_kv((const float *)q_addr, 0, group, (const uint8_t *)cache_addr, (const int32_t *)table_addr, start, end, kv,
+            2 * block_stride, 2 * row_stride, head_dim, block_size, scale, (float *)scores_addr, ld, BF16);
 }
 
 /* ---- the rest of a work item: softmax, then the weighted sum of the value rows ---- */
@@ -186,20 +235,20 @@ static void softmax_row(float *row, int64_t n) {
   }
 }
 
-/* start the reads of the sixteen rows (one KV head's) of the chunk at pos, if it holds a position before end */
-static inline void prefetch_chunk(const uint16_t *cache, const int32_t *table, int64_t pos, int64_t end, int64_t off,
-                                  int64_t block_stride, int64_t row_stride, int64_t head_dim, int64_t block_size) {
+/* start the reads of the sixteen rows (one KV head's, head bytes each) of the chunk at pos, if it holds a position before end */
+static inline void prefetch_chunk(const uint8_t *cache, const int32_t *table, int64_t pos, int64_t end, int64_t off,
+                                  int64_t block_stride, int64_t row_stride, int64_t head, int64_t block_size) {
   if (pos >= end) return;
   const char *rows = (const char *)(cache + (int64_t)table[pos / block_size] * block_stride + pos % block_size * row_stride + off);
   for (int s = 0; s < 16; s++)
-    for (int64_t line = 0; line < head_dim * 2; line += 64) _mm_prefetch(rows + s * row_stride * 2 + line, _MM_HINT_T0);
+    for (int64_t line = 0; line < head; line += 64) _mm_prefetch(rows + s * row_stride + line, _MM_HINT_T0);
 }
 
-/* the first line of each chunk of positions start .. end - 1 (one KV head's rows, off elements into a
+/* the first line of each chunk of positions start .. end - 1 (one KV head's rows, off bytes into a
  * slot): every page walk of the range starts at once and overlaps the work, where the prefetches
  * ahead would each wait for its own (Qwen2.5-0.5B shape, bfloat16, 2 threads, three alternating
  * pairs of runs: 13-14% less time a call at batch 16 and contexts ~1000, 1-10% at ~200) */
-static void prefetch_first_lines(const uint16_t *cache, const int32_t *table, int64_t start, int64_t end, int64_t off,
+static void prefetch_first_lines(const uint8_t *cache, const int32_t *table, int64_t start, int64_t end, int64_t off,
                                  int64_t block_stride, int64_t row_stride, int64_t block_size) {
   for (int64_t pos = start - start % 16; pos < end; pos += 16)
     _mm_prefetch((const char *)(cache + (int64_t)table[pos / block_size] * block_stride + pos % block_size * row_stride +
@@ -208,30 +257,37 @@ static void prefetch_first_lines(const uint16_t *cache, const int32_t *table, in
 }
 
 /* out[h, d0 .. d0 + 16 T - 1] = sum over positions p in [start, end) of probs[h, p - start] * v[p, d]
- * for the G query heads of one KV head (whose row starts off elements into a slot). A value row is
- * widened exactly (bfloat16 bits shifted left 16) and the sums are float32: G x T accumulators
- * stay in registers, each probability is broadcast from memory. G and T are constants in each copy. */
-static inline __attribute__((always_inline)) void values_tile(const int G, const int T, const float *probs, int64_t ld,
-                                                             const uint16_t *cache, const int32_t *table, int64_t start,
-                                                             int64_t end, int64_t off, int64_t d0, int64_t block_stride,
-                                                             int64_t row_stride, int64_t head_dim, int64_t block_size,
-                                                             float *out) {
+ * for the G query heads of one KV head (whose row starts off bytes into a slot). A value row is
+ * widened exactly (bfloat16 bits shifted left 16; 8-bit values as widen16, an int8 row times its
+ * scale) and the sums are float32: G x T accumulators stay in registers, each probability is
+ * broadcast from memory. G, T and the format are constants in each copy. */
+ALWAYS void values_tile(const int G, const int T, const float *probs, int64_t ld, const uint8_t *cache,
+                        const int32_t *table, int64_t start, int64_t end, int64_t off, int64_t d0, int64_t block_stride,
+                        int64_t row_stride, int64_t head_dim, int64_t block_size, float *out, const int fmt) {
   __m512 acc[MAX_GROUP][16];
   for (int h = 0; h < G; h++)
     for (int t = 0; t < T; t++) acc[h][t] = _mm512_setzero_ps();
   for (int64_t pos = start - start % 16; pos < end; pos += 16) {
-    const uint16_t *rows = cache + (int64_t)table[pos / block_size] * block_stride + pos % block_size * row_stride + off;
+    const uint8_t *rows = cache + (int64_t)table[pos / block_size] * block_stride + pos % block_size * row_stride + off;
     if (d0 == 0) {
       prefetch_far(cache, table, pos, end, off, block_stride, row_stride, block_size);
-      prefetch_chunk(cache, table, pos + AHEAD * 16, end, off, block_stride, row_stride, head_dim, block_size);
+      prefetch_chunk(cache, table, pos + AHEAD * 16, end, off, block_stride, row_stride, row_bytes(head_dim, fmt),
+                     block_size);
     }
     const int64_t first = pos < start ? start - pos : 0, last = end - pos < 16 ? end - pos : 16;
     const float *p = probs + (pos - start);
     for (int64_t s = first; s < last; s++) {
-      const uint16_t *row = rows + s * row_stride + d0;
+      const uint8_t *row = rows + s * row_stride;
+      const __m512 r = fmt == INT8 ? row_scale(row, head_dim) : _mm512_set1_ps(1.0f);
       for (int t = 0; t < T; t++) {
-        const __m256i raw = _mm256_loadu_si256((const __m256i *)(row + 16 * t));
-        const __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+        __m512 v;
+        if (fmt == BF16) {
+          const __m256i raw = _mm256_loadu_si256((const __m256i *)(row + 2 * (d0 + 16 * t)));
+          v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+        } else {
+          v = widen16(row + d0 + 16 * t, fmt);
+          if (fmt == INT8) v = _mm512_mul_ps(v, r); /* int8 x float16: exact in float32 */
+        }
         for (int h = 0; h < G; h++) acc[h][t] = _mm512_fmadd_ps(_mm512_set1_ps(p[h * ld + s]), v, acc[h][t]);
       }
     }
@@ -245,7 +301,7 @@ static inline __attribute__((always_inline)) void values_tile(const int G, const
   case T:                                                                                                           \
     for (int64_t d0 = 0; d0 < head_dim; d0 += 16 * T)                                                               \
       values_tile(G, T, probs, ld, cache, table, start, end, off, d0, block_stride, row_stride, head_dim, block_size, \
-                  out);                                                                                             \
+                  out, fmt);                                                                                        \
     break;
 #define TILES_1(G) TILE(G, 1)
 #define TILES_2(G) TILES_1(G) TILE(G, 2)
@@ -258,9 +314,9 @@ static inline __attribute__((always_inline)) void values_tile(const int G, const
     break;
 
 /* the weighted sum for one KV head's group of query heads, in tiles of head_dim that fit the registers */
-static void values_kv(int64_t group, const float *probs, int64_t ld, const uint16_t *cache, const int32_t *table,
+ALWAYS void values_kv(int64_t group, const float *probs, int64_t ld, const uint8_t *cache, const int32_t *table,
                       int64_t start, int64_t end, int64_t off, int64_t block_stride, int64_t row_stride,
-                      int64_t head_dim, int64_t block_size, float *out) {
+                      int64_t head_dim, int64_t block_size, float *out, const int fmt) {
   const int64_t vectors = head_dim / 16;
   int64_t tile = 1; /* the widest power-of-two tile that divides the row and fits MAX_ACC accumulators */
   while (vectors % (2 * tile) == 0 && group * 2 * tile <= MAX_ACC) tile *= 2;
@@ -272,10 +328,10 @@ static void values_kv(int64_t group, const float *probs, int64_t ld, const uint1
   }
 }
 
-/* float32 -> bfloat16 bits, rounded to nearest even as torch rounds (NaN -> 0x7FC0) */
-static void round_to_bf16(const float *x, uint16_t *out, int64_t n) {
+/* float32 times factor -> bfloat16 bits, rounded to nearest even as torch rounds (NaN -> 0x7FC0) */
+static void round_to_bf16(const float *x, float factor, uint16_t *out, int64_t n) {
   for (int64_t i = 0; i < n; i += 16) {
-    const __m512i bits = _mm512_castps_si512(_mm512_loadu_ps(x + i));
+    const __m512i bits = _mm512_castps_si512(_mm512_mul_ps(_mm512_loadu_ps(x + i), _mm512_set1_ps(factor)));
     const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
     __m512i r = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
     const __mmask16 nan = _mm512_cmp_ps_mask(_mm512_castsi512_ps(bits), _mm512_castsi512_ps(bits), _CMP_UNORD_Q);
@@ -284,39 +340,53 @@ static void round_to_bf16(const float *x, uint16_t *out, int64_t n) {
   }
 }
 
-/* One work item of decode attention over a bfloat16 cache: for each of its KV heads kv0, kv0 + 1, ...
- * the scores of its group of query heads (as pagedllm_decode_scores_bf16), their softmax, and the
- * weighted sum of the value rows, for positions start .. end - 1, rounded to bfloat16 once.
- * q, out: [heads, head_dim] bfloat16 (as uint16); k/v caches as in pagedllm_decode_scores_bf16, each
- * with its own strides; scratch: group * (end - start) float32. heads a multiple of group; an empty
- * range gives zeros. */
-void pagedllm_decode_attention_bf16(intptr_t q_addr, int64_t heads, int64_t group, intptr_t k_addr, intptr_t v_addr,
-                                    intptr_t table_addr, int64_t start, int64_t end, int64_t kv0,
-                                    int64_t k_block_stride, int64_t k_row_stride, int64_t v_block_stride,
-                                    int64_t v_row_stride, int64_t head_dim, int64_t block_size, float scale,
-                                    intptr_t scratch_addr, intptr_t out_addr) {
-  const uint16_t *q = (const uint16_t *)q_addr, *k = (const uint16_t *)k_addr, *v = (const uint16_t *)v_addr;
+/* One work item of decode attention over a cache of format fmt: for each of its KV heads kv0, kv0 + 1, ...
+ * the scores of its group of query heads (as scores_kv), their softmax, and the weighted sum of the
+ * value rows, for positions start .. end - 1, times out_scale, rounded to bfloat16 once.
+ * q, out: [heads, head_dim] bfloat16 (as uint16); k/v caches as in scores_kv (strides in bytes),
+ * each with its own strides; scratch: group * (end - start) float32. heads a multiple of group; an
+ * empty range gives zeros. */
+ALWAYS void attention_item(intptr_t q_addr, int64_t heads, int64_t group, intptr_t k_addr, intptr_t v_addr,
+                           intptr_t table_addr, int64_t start, int64_t end, int64_t kv0, int64_t k_block_stride,
+                           int64_t k_row_stride, int64_t v_block_stride, int64_t v_row_stride, int64_t head_dim,
+                           int64_t block_size, float scale, float out_scale, intptr_t scratch_addr, intptr_t out_addr,
+                           const int fmt) {
+  const uint16_t *q = (const uint16_t *)q_addr;
+  const uint8_t *k = (const uint8_t *)k_addr, *v = (const uint8_t *)v_addr;
   const int32_t *table = (const int32_t *)table_addr;
   float *scratch = (float *)scratch_addr, sums[MAX_GROUP * 2 * MAX_PAIRS];
   uint16_t *out = (uint16_t *)out_addr;
-  const int64_t ld = end - start;
+  const int64_t ld = end - start, head = row_bytes(head_dim, fmt);
   if (ld <= 0) {
     for (int64_t i = 0; i < heads * head_dim; i++) out[i] = 0;
     return;
   }
   for (int64_t g = 0; g < heads / group; g++) {
     const int64_t kv = kv0 + g;
-    prefetch_first_lines(k, table, start, end, kv * head_dim, k_block_stride, k_row_stride, block_size);
-    prefetch_first_lines(v, table, start, end, kv * head_dim, v_block_stride, v_row_stride, block_size);
+    prefetch_first_lines(k, table, start, end, kv * head, k_block_stride, k_row_stride, block_size);
+    prefetch_first_lines(v, table, start, end, kv * head, v_block_stride, v_row_stride, block_size);
     scores_kv(0, q + g * group * head_dim, group, k, table, start, end, kv, k_block_stride, k_row_stride, head_dim,
-              block_size, scale, scratch, ld);
+              block_size, scale, scratch, ld, fmt);
     /* the first value chunks come in while the softmax runs */
     for (int a = 0; a < AHEAD; a++)
-      prefetch_chunk(v, table, start - start % 16 + 16 * a, end, kv * head_dim, v_block_stride, v_row_stride, head_dim,
+      prefetch_chunk(v, table, start - start % 16 + 16 * a, end, kv * head, v_block_stride, v_row_stride, head,
                      block_size);
     for (int64_t h = 0; h < group; h++) softmax_row(scratch + h * ld, ld);
-    values_kv(group, scratch, ld, v, table, start, end, kv * head_dim, v_block_stride, v_row_stride, head_dim,
-              block_size, sums);
-    round_to_bf16(sums, out + g * group * head_dim, group * head_dim);
+    values_kv(group, scratch, ld, v, table, start, end, kv * head, v_block_stride, v_row_stride, head_dim, block_size,
+              sums, fmt);
+    round_to_bf16(sums, out_scale, out + g * group * head_dim, group * head_dim);
   }
 }
+
+/* the exported copies, one per cache format: the arguments of attention_item, without fmt */
+#define ITEM(name, fmt)                                                                                             \
+  void name(intptr_t q, int64_t heads, int64_t group, intptr_t k, intptr_t v, intptr_t table, int64_t start,        \
+            int64_t end, int64_t kv0, int64_t kbs, int64_t krs, int64_t vbs, int64_t vrs, int64_t head_dim,         \
+            int64_t block_size, float scale, float out_scale, intptr_t scratch, intptr_t out) {                     \
+    attention_item(q, heads, group, k, v, table, start, end, kv0, kbs, krs, vbs, vrs, head_dim, block_size, scale,  \
+                   out_scale, scratch, out, fmt);                                                                   \
+  }
+ITEM(pagedllm_decode_attention_bf16, BF16)
+ITEM(pagedllm_decode_attention_int8, INT8)
+ITEM(pagedllm_decode_attention_e4m3, E4M3)
+ITEM(pagedllm_decode_attention_e5m2, E5M2)

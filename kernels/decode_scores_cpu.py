@@ -17,6 +17,15 @@ the weighted sum with float32 accumulators in registers over value rows widened 
 probabilities never rounded, the output rounded to bfloat16 once. Without a soft-cap the
 kernel runs each work item in one call to it (:func:`c_path`); with one, only :func:`scores`.
 
+8-bit caches (kernels/kv_quant.py) take the C item too, under a bfloat16 query, each format in
+its own compiled copy (:func:`attend_for`): K is widened exactly to bfloat16 pairs and scored
+the same way, an int8 row's float16 scale multiplies its position's scores and its V row, and
+an fp8 cache's per-tensor scales are the caller's (the score scale and ``out_scale``). At the
+Qwen2.5-0.5B shape (batch 16, 24 layers' caches of 4,096 blocks of 16, 2 threads, in-process,
+three alternating runs each) a call took, in ms, at contexts ~200: bfloat16 0.16-0.17, int8
+0.09-0.10 (Numba 0.19), e4m3 0.12-0.14 (Numba 0.22); at ~1000: bfloat16 0.75, int8 0.46-0.58
+(Numba 1.01-1.04), e4m3 0.62-0.63 (Numba 1.09-1.10).
+
 :func:`scores` and :func:`attend` are Numba device functions with the signatures of the
 kernel's ``_scores`` and ``_attend``, which its specialised copies take in their place; the C
 source is built like the bf16 GEMM's (kernels/_cpu_compile.py).
@@ -29,6 +38,7 @@ from __future__ import annotations
 
 import functools
 from pathlib import Path
+from types import FunctionType
 
 import numpy as np
 import torch
@@ -41,11 +51,17 @@ except ImportError:  # pragma: no cover - numba is a dependency; this keeps the 
 
 from ._cpu_compile import AVX512_BF16_CFLAGS, build_library, cpu_has_avx512_bf16
 
-__all__ = ["MAX_GROUP", "applies", "attend", "available", "c_path", "scores"]
+__all__ = ["MAX_GROUP", "applies", "attend_for", "available", "c_path", "scores"]
 
 SOURCE = Path(__file__).with_suffix(".c")
 SYMBOL = "pagedllm_decode_scores_bf16"
-ITEM_SYMBOL = "pagedllm_decode_attention_bf16"
+ITEM_SYMBOLS = {
+    torch.bfloat16: "pagedllm_decode_attention_bf16",
+    torch.int8: "pagedllm_decode_attention_int8",
+    torch.float8_e4m3fn: "pagedllm_decode_attention_e4m3",
+    torch.float8_e5m2: "pagedllm_decode_attention_e5m2",
+}
+"""The C item of each cache dtype it reads (under a bfloat16 query)."""
 MAX_GROUP = 16
 """Query heads per KV head the C pass takes (its stack holds their query pairs)."""
 MAX_HEAD_DIM = 256
@@ -65,14 +81,17 @@ def applies(head_dim: int, block_size: int, group: int) -> bool:
 
 def c_path(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, softcap: float | None) -> int:
     """What of the decode kernel runs in C for these tensors: 0 nothing, 1 pass 1 (the scores),
-    2 the whole work item (a bfloat16 query and cache of fitting sizes whose slots hold each
-    head's row contiguously, no soft-cap)."""
+    2 the whole work item (a bfloat16 query over a bfloat16 or 8-bit cache of fitting sizes
+    whose slots hold each head's row contiguously, no soft-cap; with one, a bfloat16 cache's
+    scores only)."""
     head_dim, group = query.shape[2], query.shape[1] // key_cache.shape[2]
-    rows = key_cache.stride()[2:] == value_cache.stride()[2:] == (head_dim, 1)
-    bf16 = key_cache.dtype == query.dtype == torch.bfloat16
-    if not (bf16 and rows and applies(head_dim, key_cache.shape[1], group)):
+    rows = key_cache.stride()[2:] == value_cache.stride()[2:] == (key_cache.shape[3], 1)
+    read = query.dtype == torch.bfloat16 and key_cache.dtype in ITEM_SYMBOLS
+    if not (read and rows and applies(head_dim, key_cache.shape[1], group)):
         return 0
-    return 1 if softcap else 2
+    if softcap:
+        return 1 if key_cache.dtype == torch.bfloat16 else 0
+    return 2
 
 
 if numba is not None:
@@ -80,8 +99,8 @@ if numba is not None:
     _decode_scores = types.ExternalFunction(
         SYMBOL, types.void(_ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _i64, _i64, types.float32, _ptr, _i64)
     )
-    _decode_attention = types.ExternalFunction(
-        ITEM_SYMBOL, types.void(_ptr, _i64, _i64, _ptr, _ptr, _ptr, *[_i64] * 9, types.float32, _ptr, _ptr)
+    _item_signature = types.void(
+        _ptr, _i64, _i64, _ptr, _ptr, _ptr, *[_i64] * 9, types.float32, types.float32, _ptr, _ptr
     )
 
 
@@ -121,15 +140,16 @@ if numba is not None:
     scores = numba.njit(inline="always", boundscheck=False)(scores)
 
 
-def attend(query, key_cache, value_cache, block_table, start, end, kv0, group, scale, softcap, out):
+def _attend(query, key_cache, value_cache, block_table, start, end, kv0, group, scale, softcap, out_scale, out):
     """A whole work item in one C call, like the kernel's Numba ``_attend``: ``out``
-    (``[heads, head_dim]``) = softmax(scores) @ values over positions ``start .. end - 1``, caches
-    as for :func:`scores`; ``query`` and ``out`` hold bfloat16 bits (uint16, contiguous rows): the
+    (``[heads, head_dim]``) = softmax(scores) @ values * ``out_scale`` over positions
+    ``start .. end - 1``, caches as for :func:`scores` (an 8-bit cache as its bytes, int8 rows
+    with their scale); ``query`` and ``out`` hold bfloat16 bits (uint16, contiguous rows): the
     sums are float32, rounded once. ``softcap`` is not applied: the kernel takes this path only
-    without one."""
+    without one. ``_decode_attention`` is the format's C item, bound in each copy."""
     heads, head_dim = query.shape
     scratch = np.empty(group * max(end - start, 1), np.float32)  # NOTE: one KV head's scores at a time
-    _decode_attention(  # type: ignore[call-overload]
+    _decode_attention(  # type: ignore[name-defined]  # noqa: F821
         query.ctypes.data,
         heads,
         group,
@@ -139,17 +159,25 @@ def attend(query, key_cache, value_cache, block_table, start, end, kv0, group, s
         start,
         end,
         kv0,
-        key_cache.strides[0] // 2,
-        key_cache.strides[1] // 2,
-        value_cache.strides[0] // 2,
-        value_cache.strides[1] // 2,
+        key_cache.strides[0],
+        key_cache.strides[1],
+        value_cache.strides[0],
+        value_cache.strides[1],
         head_dim,
         key_cache.shape[1],
         np.float32(scale),
+        np.float32(out_scale),
         scratch.ctypes.data,
         out.ctypes.data,
     )
 
 
-if numba is not None:
-    attend = numba.njit(inline="always", boundscheck=False)(attend)
+@functools.cache
+def attend_for(cache_dtype: torch.dtype):
+    """The Numba device function running :func:`_attend` with the C item of ``cache_dtype``
+    (a key of :data:`ITEM_SYMBOLS`): what the decode kernel's copies take as ``_attend``."""
+    symbol = ITEM_SYMBOLS[cache_dtype]
+    item = types.ExternalFunction(symbol, _item_signature)
+    fn = FunctionType(_attend.__code__, _attend.__globals__ | {"_decode_attention": item}, f"attend_{symbol}")
+    fn.__qualname__ = fn.__name__
+    return numba.njit(inline="always", boundscheck=False)(fn)

@@ -26,10 +26,10 @@ starts a stream the CPU's prefetcher finds page by page: while a pass reads bloc
 prefetches the first line of each page of block b + 1 (``python -m benchmarks.cpu_attention
 --threads 2 --batch 16 64 --layers 8``: 5-10% off a call in float32, 9-12% in bfloat16).
 
-With a bfloat16 query and cache (head sizes a multiple of 32, blocks of 16 slots or a
-multiple) on AVX-512-BF16 CPUs, a work item runs in one C call (kernels/decode_scores_cpu.py):
-pass 1 scores sixteen positions per instruction, softmax and pass 2 run in float32 vectors;
-with a soft-cap only pass 1 does.
+With a bfloat16 query over a bfloat16 or 8-bit cache (head sizes a multiple of 32, blocks of
+16 slots or a multiple) on AVX-512-BF16 CPUs, a work item runs in one C call
+(kernels/decode_scores_cpu.py): pass 1 scores sixteen positions per instruction, softmax and
+pass 2 run in float32 vectors; with a soft-cap only a bfloat16 cache's pass 1 does.
 
 Caches may be float32, bfloat16, float16 or 8-bit (fp8 e4m3 / e5m2, int8 rows with their
 scale: kernels/kv_quant.py); scores, softmax and the weighted sum are float32 whatever the
@@ -88,6 +88,7 @@ CACHE_DTYPES = tuple(_KERNEL_VIEWS)
 # context of 194 (14 heads of 64, 174K) takes 33 us per call on two threads, 40 us on one
 # (``python -m benchmarks.cpu_attention``), so only the smallest calls stay on one.
 PARALLEL_MIN_WORK = 1 << 16
+_ITEM_DTYPES = {"widen": torch.bfloat16, "widen_e4m3": torch.float8_e4m3fn, "widen_e5m2": torch.float8_e5m2}
 _FORMATS = {  # 8-bit cache dtype -> (view, widening, factor of the widened value)
     torch.float8_e4m3fn: (torch.uint8, "widen_e4m3", E4M3_FACTOR),
     torch.float8_e5m2: (torch.uint8, "widen_e5m2", 1.0),
@@ -192,17 +193,17 @@ def _softmax_rows(scores):
 
 
 @_device_function
-def _attend(query, key_cache, value_cache, block_table, start, end, kv0, group, scale, softcap, out):
-    """One item: ``out`` = attention of ``query`` over ``start .. end - 1``, head i on KV head ``kv0 + i // group``."""
+def _attend(query, key_cache, value_cache, block_table, start, end, kv0, group, scale, softcap, out_scale, out):
+    """One item: ``out`` = out_scale x attention over ``start .. end - 1``, head i on KV head ``kv0 + i // group``."""
     probs = _scores(query, key_cache, block_table, start, end, kv0, group, scale)
     if softcap > 0:
         _soft_cap(probs, softcap)
     _softmax_rows(probs)
-    _weighted_values(probs, value_cache, block_table, start, end, kv0, group, out)
+    _weighted_values(probs, value_cache, block_table, start, end, kv0, group, out_scale, out)
 
 
 @_device_function
-def _weighted_values(probs, value_cache, block_table, start, end, kv0, group, out):
+def _weighted_values(probs, value_cache, block_table, start, end, kv0, group, out_scale, out):
     """Pass 2: ``out[i] = sum_p probs[i, p - start] * v[p]`` over positions ``start .. end - 1``
     (``out`` is ``[heads, head_dim]``); a value row is widened once for its ``group`` query heads."""
     heads = out.shape[0]
@@ -233,6 +234,7 @@ def _weighted_values(probs, value_cache, block_table, start, end, kv0, group, ou
                     w = probs[i, col] * row_scale
                     for d in range(head_dim):
                         acc[i, d] += w * row[d]
+    acc *= out_scale
     out[:, :] = acc
 
 
@@ -245,6 +247,7 @@ def paged_decode_attention_cpu_kernel(
     scale,
     window,  # sliding window in positions; 0: none
     softcap,  # logit soft-cap; 0: none
+    out_scale,  # the output's factor (an fp8 cache's v_scale)
     kv_splits,  # items per sequence; divides num_kv_heads
     threads,  # Numba's thread count: one prange iteration each
     out,  # [num_seqs, num_heads, head_dim] float32, written
@@ -262,7 +265,8 @@ def paged_decode_attention_cpu_kernel(
             end = context_lens[seq]
             start = max(end - window, 0) if window > 0 else 0
             q, o = query[seq, h0 : h0 + heads], out[seq, h0 : h0 + heads]
-            _attend(q, key_cache, value_cache, block_tables[seq], start, end, h0 // group, group, scale, softcap, o)
+            table = block_tables[seq]
+            _attend(q, key_cache, value_cache, table, start, end, h0 // group, group, scale, softcap, out_scale, o)
 
 
 @functools.cache
@@ -306,12 +310,7 @@ def _specialised(
     whether rows carry a scale (``ROW_SCALED``) the same way. The serial build's name says so:
     the disk cache does not tell builds apart by their compile options.
     """
-    names = {
-        "HEAD_DIM": head_dim,
-        "ROW_SCALED": row_scaled,
-        "WIDEN_ONCE": widen_once,
-        "_widen": getattr(_cpu_widen, widening),
-    }
+    names = dict(HEAD_DIM=head_dim, ROW_SCALED=row_scaled, WIDEN_ONCE=widen_once, _widen=getattr(_cpu_widen, widening))
     tag = f"_d{head_dim}" + ("_int8" if row_scaled else "" if widening == "widen" else f"_{widening[6:]}")
     tag += ("" if parallel else "_serial") + ("" if widen_once else "_direct") + ("", "_cscores", "_citem")[c_path]
     for fn in (_row_scale.py_func, _scores.py_func, _weighted_values.py_func):
@@ -319,7 +318,8 @@ def _specialised(
     if c_path:  # NOTE: pass 1 (1) or the whole item (2) in C (kernels/decode_scores_cpu.c), same signatures
         names["_scores"] = decode_scores_cpu.scores
     attend = _device_function(_copy(_attend.py_func, f"_attend{tag}", names))
-    names["_attend"] = decode_scores_cpu.attend if c_path == 2 else attend
+    c_item = c_path == 2 and decode_scores_cpu.attend_for(torch.int8 if row_scaled else _ITEM_DTYPES[widening])
+    names["_attend"] = c_item or attend
     return _copy(paged_decode_attention_cpu_kernel, f"paged_decode_attention_cpu_kernel{tag}", names)
 
 
@@ -378,12 +378,11 @@ def paged_decode_attention_cpu(
     parallel = threads > 1 and most >= PARALLEL_MIN_WORK
     threads = threads if parallel else 1
     splits = choose_kv_splits(query.shape[0], key_cache.shape[2], threads)
-    fp8 = widening != "widen"
-    widen_once = cache_view != torch.float32
+    fp8, widen_once = widening != "widen", cache_view != torch.float32
     c_path = decode_scores_cpu.c_path(query, key_cache, value_cache, logit_softcap)
     if c_path == 2:  # NOTE: the C item reads the query's bfloat16 bits and writes the output's
         out = torch.empty(query.shape, dtype=query.dtype)
-    q = query.contiguous().view(cache_view) if c_path == 2 else query.float().contiguous()
+    q = query.contiguous().view(torch.uint16) if c_path == 2 else query.float().contiguous()
     _compiled_kernel(query.shape[2], widening, key_cache.dtype == torch.int8, parallel, widen_once, c_path)(
         q.numpy(),
         key_cache.view(cache_view).numpy(),
@@ -393,8 +392,9 @@ def paged_decode_attention_cpu(
         np.float32(scale * (k_scale * factor if fp8 else 1.0)),
         sliding_window or 0,
         np.float32(logit_softcap or 0.0),
+        np.float32(v_scale * factor if fp8 else 1.0),
         splits,
         threads,
-        (out.view(cache_view) if c_path == 2 else out).numpy(),
+        (out.view(torch.uint16) if c_path == 2 else out).numpy(),
     )
-    return (out.mul_(v_scale * factor) if fp8 else out).to(query.dtype)
+    return out.to(query.dtype)

@@ -1,4 +1,5 @@
-"""The C scores pass of CPU decode attention over a bfloat16 cache (kernels/decode_scores_cpu.c)."""
+"""The C scores pass and work item of CPU decode attention (kernels/decode_scores_cpu.c); 8-bit caches' whole
+kernel runs: test_decode_scores_cpu_8bit.py."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from kernel_factories import make_paged_kv, naive_attention
 
 import pagedllm.kernels.paged_decode_attention_cpu as cpu_kernel
 from pagedllm.kernels import decode_scores_cpu, paged_decode_attention_reference
+from pagedllm.kernels.kv_quant import dequantize, quantize
 from pagedllm.kernels.paged_decode_attention_cpu import paged_decode_attention_cpu
 
 needs_kernel = pytest.mark.skipif(
@@ -131,30 +133,41 @@ def test_the_c_item_matches_float64(poisoned_outputs, monkeypatch, kv_heads, gro
     torch.testing.assert_close(out.float(), reference.float(), atol=2e-5, rtol=2**-7 + 1e-4)
 
 
+FORMATS = {  # cache dtype -> (numpy view, k_scale, v_scale, e4m3's widening factor)
+    torch.bfloat16: (torch.uint16, 1.0, 1.0, 1.0),
+    torch.int8: (torch.int8, 1.0, 1.0, 1.0),
+    torch.float8_e4m3fn: (torch.uint8, 0.37, 2.5, 256.0),
+    torch.float8_e5m2: (torch.uint8, 3.0, 0.45, 1.0),
+}
+
+
 @needs_kernel
+@pytest.mark.parametrize("dtype", list(FORMATS), ids=str)
 @pytest.mark.parametrize("start,end", [(0, 1), (0, 37), (5, 70), (16, 48), (47, 83), (9, 9)])
-def test_one_item_writes_every_output_element(start, end):
-    """The C item on its own (bfloat16 bits in and out): out starts as NaN; an empty range gives zeros."""
+def test_one_item_writes_every_output_element(dtype, start, end):
+    """The C item of each cache format on its own (bfloat16 bits in and out), fp8 scales away from
+    1 passed as the caller folds them: out starts as NaN; an empty range gives zeros."""
     torch.manual_seed(start + end)
     blocks, block_size, kv_heads, group, head_dim = 8, 16, 2, 7, 64
-    kc = torch.randn(blocks, block_size, kv_heads, head_dim).to(torch.bfloat16)
-    vc = torch.randn(blocks, block_size, kv_heads, head_dim).to(torch.bfloat16)
+    view, k_scale, v_scale, factor = FORMATS[dtype]
+    kc, vc = (quantize(torch.randn(blocks, block_size, kv_heads, head_dim), dtype, s) for s in (k_scale, v_scale))
     table = torch.randperm(blocks).to(torch.int32)
     q = torch.randn(kv_heads * group, head_dim).to(torch.bfloat16)
     out = torch.full((kv_heads * group, head_dim), float("nan"), dtype=torch.bfloat16)
-    k16, v16, q16 = (t.view(torch.uint16).numpy() for t in (kc, vc, q))
-    decode_scores_cpu.attend(
-        q16, k16, v16, table.numpy(), start, end, 0, group, 0.125, 0.0, out.view(torch.uint16).numpy()
-    )
+    kn, vn, q16 = kc.view(view).numpy(), vc.view(view).numpy(), q.view(torch.uint16).numpy()
+    scale, out_scale = 0.125 * k_scale * factor, v_scale * factor
+    attend = decode_scores_cpu.attend_for(dtype)
+    attend(q16, kn, vn, table.numpy(), start, end, 0, group, scale, 0.0, out_scale, out.view(torch.uint16).numpy())
     pos = torch.arange(start, end)
     slots = (table[pos // block_size].long(), pos % block_size)
-    keys, values = kc[slots].double(), vc[slots].double()  # [positions, kv_heads, head_dim]
+    keys = dequantize(kc[slots], torch.float64, k_scale)  # [positions, kv_heads, head_dim]
+    values = dequantize(vc[slots], torch.float64, v_scale)
     want = torch.zeros(kv_heads * group, head_dim, dtype=torch.float64)
     for h in range(kv_heads * group):
         if end > start:
             probs = torch.softmax(keys[:, h // group] @ q[h].double() * 0.125, dim=0)
             want[h] = probs @ values[:, h // group]
-    torch.testing.assert_close(out.double(), want, rtol=2**-8 + 1e-5, atol=1e-6)  # NOTE: rounded once
+    torch.testing.assert_close(out.double(), want, rtol=2**-8 + 1e-5, atol=1e-5)  # NOTE: rounded once
 
 
 @needs_kernel
@@ -166,6 +179,6 @@ def test_the_c_path_is_taken_where_it_applies():
     assert decode_scores_cpu.c_path(q, kc[:, :8], kc[:, :8], None) == 0  # blocks of 8 slots
     assert decode_scores_cpu.c_path(q[..., :48], kc[..., :48], kc[..., :48], None) == 0  # rows not contiguous
     kernel = cpu_kernel._compiled_kernel(64, "widen", False, True, True, 2)
-    assert kernel.py_func.__globals__["_attend"] is decode_scores_cpu.attend
+    assert kernel.py_func.__globals__["_attend"] is decode_scores_cpu.attend_for(torch.bfloat16)
     numba_only = cpu_kernel._compiled_kernel(64, "widen", False, True, True, 1)
-    assert numba_only.py_func.__globals__["_attend"] is not decode_scores_cpu.attend
+    assert numba_only.py_func.__globals__["_attend"] is not decode_scores_cpu.attend_for(torch.bfloat16)
