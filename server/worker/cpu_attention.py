@@ -31,8 +31,8 @@ cannot do) runs the same steps with explicit scores.
 An 8-bit cache (kernels/kv_quant.py) is written quantized and read back as it is used: the C
 kernel widens it in place; SDPA gets the blocks gathered and dequantized to the query's dtype.
 NOTE: on SDPA a chunk without a cached prefix attends to its own K/V as computed, before
-quantization (as vLLM's FP8 cache did before its V1 engine); the C kernel reads every chunk's
-K/V from the cache, as decode and later chunks see it (as vLLM V1's FlashAttention does).
+quantization; the C kernel reads every chunk's K/V from the cache, as decode and later
+chunks see it (as the Triton kernels do on CUDA).
 
 NOTE: positions past a context inside a gathered block are masked, not zeroed. Their
 probabilities are exactly 0, which is enough because the cache only ever holds finite
