@@ -1,9 +1,9 @@
-"""Building and loading the CPU kernels written in C (bf16_gemm_cpu.c, w4_gemm_cpu.c).
+"""Building and loading the CPU kernels written in C (bf16_gemm_cpu.c, w4_gemm_cpu.c, ...).
 
 A kernel's C source is compiled on first use with the system's C compiler (``$CC``, ``cc``,
 gcc or clang) into the cache directory (``$PAGEDLLM_CACHE`` or ``~/.cache/pagedllm``, under
-``kernels/``; a temporary one where that cannot be written), keyed by the source's and flags'
-hash, then loaded into the process so Numba can call its symbols.
+``kernels/``; a temporary one where that cannot be written), keyed by the hash of the source,
+the headers it includes from beside it and the flags, then loaded into the process so Numba can call its symbols.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import functools
 import hashlib
 import os
 import platform
+import re
 import shutil
 import subprocess
 import tempfile
@@ -54,14 +55,20 @@ def _cache_dir() -> Path:
     return Path(root) / "kernels"
 
 
+_LOCAL_INCLUDE = re.compile(rb'^#include "([^"/]+)"', re.MULTILINE)
+"""``#include "name"`` of a header beside the source (the compiler finds it there too)."""
+
+
 def build_library(source_path: Path, cflags: tuple[str, ...]) -> Path | None:
     """The compiled ``source_path`` (built now if not cached), loaded for Numba; None if it cannot be built."""
     compiler = next((c for c in (os.environ.get("CC"), "cc", "gcc", "clang") if c and shutil.which(c)), None)
     try:
         source = source_path.read_bytes()
+        # NOTE: the headers it includes from its own directory are part of what it builds from
+        headers = [(source_path.parent / name.decode()).read_bytes() for name in _LOCAL_INCLUDE.findall(source)]
     except OSError:  # an install without the package's data files
         return None
-    tag = hashlib.sha256(source + " ".join(cflags).encode()).hexdigest()[:16]
+    tag = hashlib.sha256(b"".join([source, *headers]) + " ".join(cflags).encode()).hexdigest()[:16]
     for directory in (_cache_dir(), Path(tempfile.gettempdir()) / f"pagedllm-{os.getuid()}"):
         path = directory / f"{source_path.stem}-{tag}.so"
         if not path.exists() and (compiler is None or not _build(compiler, source_path, cflags, path)):

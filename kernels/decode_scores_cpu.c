@@ -25,6 +25,8 @@
 
 #include <string.h>
 
+#include "_cpu_attention.h" /* formats, widening, transpose16 */
+
 #define MAX_GROUP 16
 #define MAX_PAIRS 128 /* head_dim up to 256 */
 #ifndef AHEAD
@@ -47,63 +49,10 @@ static inline void prefetch_far(const uint8_t *cache, const int32_t *table, int6
                  _MM_HINT_T0);
 }
 
-enum { BF16, INT8, E4M3, E5M2 }; /* cache formats: the `fmt` constant of each copy */
-#define ALWAYS static inline __attribute__((always_inline))
 
 /* bytes of one (slot, head) row: int8 rows end with their float16 scale */
 ALWAYS int64_t row_bytes(int64_t head_dim, const int fmt) {
   return fmt == BF16 ? 2 * head_dim : fmt == INT8 ? head_dim + 2 : head_dim;
-}
-
-/* 16 8-bit values -> float32, exactly (e4m3: value / 256, its bits moved into a float16's)
- * NOTE: the same widening as prefill_attention_cpu.c's: each C file is built alone. */
-ALWAYS __m512 widen16(const uint8_t *p, const int fmt) {
-  const __m128i b = _mm_loadu_si128((const __m128i *)p);
-  if (fmt == INT8) return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
-  __m256i h = _mm256_cvtepu8_epi16(b);
-  if (fmt == E4M3)
-    h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(h, _mm256_set1_epi16(0x80)), 8),
-                        _mm256_slli_epi16(_mm256_and_si256(h, _mm256_set1_epi16(0x7F)), 7));
-  else
-    h = _mm256_slli_epi16(h, 8); /* e5m2: the high byte of a float16 */
-  return _mm512_cvtph_ps(h);
-}
-
-/* 32 values from element e of a row as 16 bfloat16 pairs (the order a bfloat16 row holds them) */
-ALWAYS __m512i load_pairs(const uint8_t *row, int64_t e, const int fmt) {
-  if (fmt == BF16) return _mm512_loadu_si512(row + 2 * e);
-  return (__m512i)_mm512_cvtne2ps_pbh(widen16(row + e + 16, fmt), widen16(row + e, fmt));
-}
-
-/* an int8 row's float16 scale (the 2 bytes after its head_dim values), in every lane */
-ALWAYS __m512 row_scale(const uint8_t *row, int64_t head_dim) {
-  uint16_t bits;
-  memcpy(&bits, row + head_dim, 2);
-  return _mm512_cvtph_ps(_mm256_set1_epi16((short)bits));
-}
-
-/* rows r[0..15] (16 lanes each) -> columns c[0..15]: c[i] lane s = r[s] lane i */
-static inline __attribute__((always_inline)) void transpose16(__m512i *r) {
-  __m512i t[16], u[16];
-  for (int i = 0; i < 8; i++) {
-    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
-  }
-  for (int i = 0; i < 4; i++) {
-    u[4 * i + 0] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
-    u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
-    u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
-    u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
-  }
-  /* u[4 i + c], 128-bit lane L: column 4 L + c of rows 4 i .. 4 i + 3 */
-  for (int c = 0; c < 4; c++) {
-    __m512i v0 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x44), v1 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xEE);
-    __m512i w0 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x44), w1 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xEE);
-    r[c] = _mm512_shuffle_i32x4(v0, w0, 0x88);
-    r[4 + c] = _mm512_shuffle_i32x4(v0, w0, 0xDD);
-    r[8 + c] = _mm512_shuffle_i32x4(v1, w1, 0x88);
-    r[12 + c] = _mm512_shuffle_i32x4(v1, w1, 0xDD);
-  }
 }
 
 /* Scores of the sixteen positions from pos (one block's slots) for G query heads, stored where

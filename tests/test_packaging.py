@@ -71,10 +71,11 @@ def test_every_module_is_in_the_wheel_at_its_mapped_path(wheel):
 def test_every_data_file_is_in_the_wheel_and_nothing_else(wheel):
     data = package_data_files()
     demo_model = set(source_files("server/demo/model"))
-    c_kernels = {p for p in source_files("kernels") if p.suffix == ".c"}  # NOTE: compiled where they run
+    # NOTE: compiled where they run, with the headers they include
+    c_kernels = {p for p in source_files("kernels") if p.suffix in (".c", ".h")}
     assert demo_model and c_kernels, "an empty walk cannot pass"
     assert data == demo_model | c_kernels, (
-        "package-data should be the demo model's files and the C kernels, all of them"
+        "package-data should be the demo model's files and the C kernels and headers, all of them"
     )
     shipped = {name for name in packaged(wheel) if not name.endswith(".py")}
     assert shipped == {wheel_path(p) for p in data}
