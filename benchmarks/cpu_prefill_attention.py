@@ -18,24 +18,14 @@ from __future__ import annotations
 
 import argparse
 import functools
-import time
 
 import torch
 
 from benchmarks.common import HelpFormatter, set_threads
+from benchmarks.cpu_attention import median_ms
 from pagedllm.kernels.kv_quant import CACHE_DTYPE_OF, cache_dtype, row_width, write_rows
 from pagedllm.kernels.prefill_attention_cpu import applies, prefill_attention_cpu
 from pagedllm.server.worker import cpu_attention
-
-
-def median_ms(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2] * 1e3
 
 
 def causal_flops(tokens: int, heads: int, head_dim: int) -> float:

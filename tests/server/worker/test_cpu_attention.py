@@ -290,6 +290,29 @@ def test_16_bit_attention_matches_the_float32_reference(dtype, window, softcap):
         torch.testing.assert_close(out.float(), ref, **tolerance[dtype], msg=lambda m, name=name: f"{name}: {m}")
 
 
+def _new_token_slots(tables: torch.Tensor, chunks: list[tuple[int, int]], block_size: int) -> torch.Tensor:
+    """The cache slots of each chunk's new tokens (chunks: (cached prefix, new tokens))."""
+    return torch.tensor([
+        int(tables[s, p // block_size]) * block_size + p % block_size
+        for s, (c, q) in enumerate(chunks)
+        for p in range(c, c + q)
+    ])  # fmt: skip
+
+
+def _prefill_plan(tables, cu, context, block_size):
+    """The attention plan of a prompt-only step."""
+    no_decodes = torch.zeros(0, 1, dtype=torch.int32), torch.zeros(0, dtype=torch.int32)
+    return plan_attention(*no_decodes, tables, cu, context, block_size)
+
+
+def _count_c_prefill_calls(monkeypatch) -> list:
+    """A list that grows by one each time cpu_attention calls the C prefill kernel."""
+    calls: list[int] = []
+    kernel = c_prefill.prefill_attention_cpu
+    monkeypatch.setattr(cpu_attention, "prefill_attention_cpu", lambda *a: calls.append(1) or kernel(*a))
+    return calls
+
+
 @pytest.mark.skipif(not c_prefill.available(), reason="needs the C prefill attention (AVX-512-BF16)")
 @pytest.mark.parametrize("window,softcap", [(None, None), (20, None), (None, 30.0)])
 def test_bfloat16_prefill_takes_the_c_kernel_where_it_applies(monkeypatch, window, softcap):
@@ -305,18 +328,11 @@ def test_bfloat16_prefill_takes_the_c_kernel_where_it_applies(monkeypatch, windo
     cu = torch.tensor([0, *torch.tensor([q for _, q in chunks]).cumsum(0).tolist()], dtype=torch.int32)
     query = torch.randn(int(cu[-1]), num_heads, head_dim, generator=gen).bfloat16()
     key, value = (torch.randn(int(cu[-1]), kv_heads, head_dim, generator=gen).bfloat16() for _ in range(2))
-    slots = [
-        int(tables[s, p // block_size]) * block_size + p % block_size
-        for s, (c, q) in enumerate(chunks)
-        for p in range(c, c + q)
-    ]
-    write_kv(key, value, key_cache, value_cache, torch.tensor(slots))
+    slots = _new_token_slots(tables, chunks, block_size)
+    write_kv(key, value, key_cache, value_cache, slots)
     context = torch.tensor(lens, dtype=torch.int32)
-    no_decodes = torch.zeros(0, 1, dtype=torch.int32), torch.zeros(0, dtype=torch.int32)
-    plan = plan_attention(*no_decodes, tables, cu, context, block_size)
-    calls = []
-    kernel = c_prefill.prefill_attention_cpu
-    monkeypatch.setattr(cpu_attention, "prefill_attention_cpu", lambda *a: calls.append(1) or kernel(*a))
+    plan = _prefill_plan(tables, cu, context, block_size)
+    calls = _count_c_prefill_calls(monkeypatch)
     scale = head_dim**-0.5
     out = prefill_attention(query, key, value, key_cache, value_cache, plan, scale, window, softcap)
     assert len(calls) == (softcap is None)
@@ -350,19 +366,12 @@ def test_bfloat16_prefill_over_an_8bit_cache_takes_the_c_kernel(monkeypatch, cac
                   for p in range(c)), [])  # fmt: skip
     write_kv(*(torch.randn(len(prefix), kv_heads, head_dim, generator=gen) for _ in "kv"),
              key_cache, value_cache, torch.tensor(prefix, dtype=torch.int64), scales)  # fmt: skip
-    slots = [
-        int(tables[s, p // block_size]) * block_size + p % block_size
-        for s, (c, q) in enumerate(chunks)
-        for p in range(c, c + q)
-    ]
+    slots = _new_token_slots(tables, chunks, block_size)
     key, value = (torch.randn(int(cu[-1]), kv_heads, head_dim, generator=gen).bfloat16() for _ in range(2))
-    write_kv(key, value, key_cache, value_cache, torch.tensor(slots), scales)
+    write_kv(key, value, key_cache, value_cache, slots, scales)
     context = torch.tensor(lens, dtype=torch.int32)
-    no_decodes = torch.zeros(0, 1, dtype=torch.int32), torch.zeros(0, dtype=torch.int32)
-    plan = plan_attention(*no_decodes, tables, cu, context, block_size)
-    calls = []
-    kernel = c_prefill.prefill_attention_cpu
-    monkeypatch.setattr(cpu_attention, "prefill_attention_cpu", lambda *a: calls.append(1) or kernel(*a))
+    plan = _prefill_plan(tables, cu, context, block_size)
+    calls = _count_c_prefill_calls(monkeypatch)
     scale = head_dim**-0.5
     out = prefill_attention(query, key, value, key_cache, value_cache, plan, scale, window, None, scales)
     assert len(calls) == 1 and out.dtype == torch.bfloat16
