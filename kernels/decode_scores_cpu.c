@@ -27,6 +27,16 @@
 
 #include "_cpu_attention.h" /* formats, widening, transpose16 */
 
+/* A library exports the work items its build asks for (-DITEM_BF16, -DITEM_INT8, ...; all of them
+ * when none is named; the scores pass goes with bfloat16's): each copy's tiles take seconds to
+ * compile, and a process needs only its cache's. */
+#if !defined(ITEM_BF16) && !defined(ITEM_INT8) && !defined(ITEM_E4M3) && !defined(ITEM_E5M2)
+#define ITEM_BF16
+#define ITEM_INT8
+#define ITEM_E4M3
+#define ITEM_E5M2
+#endif
+
 #define MAX_GROUP 16
 #define MAX_PAIRS 128 /* head_dim up to 256 */
 #ifndef AHEAD
@@ -130,12 +140,14 @@ ALWAYS void scores_kv(const float *q, const uint16_t *q16, int64_t group, const 
 }
 
 /* the scores pass over a bfloat16 cache: strides in elements */
+#ifdef ITEM_BF16
 void pagedllm_decode_scores_bf16(intptr_t q_addr, int64_t group, intptr_t cache_addr, intptr_t table_addr,
                                  int64_t start, int64_t end, int64_t kv, int64_t block_stride, int64_t row_stride,
                                  int64_t head_dim, int64_t block_size, float scale, intptr_t scores_addr, int64_t ld) {
   scores_kv((const float *)q_addr, 0, group, (const uint8_t *)cache_addr, (const int32_t *)table_addr, start, end, kv,
             2 * block_stride, 2 * row_stride, head_dim, block_size, scale, (float *)scores_addr, ld, BF16);
 }
+#endif
 
 /* ---- the rest of a work item: softmax, then the weighted sum of the value rows ---- */
 
@@ -335,7 +347,15 @@ ALWAYS void attention_item(intptr_t q_addr, int64_t heads, int64_t group, intptr
     attention_item(q, heads, group, k, v, table, start, end, kv0, kbs, krs, vbs, vrs, head_dim, block_size, scale,  \
                    out_scale, scratch, out, fmt);                                                                   \
   }
+#ifdef ITEM_BF16
 ITEM(pagedllm_decode_attention_bf16, BF16)
+#endif
+#ifdef ITEM_INT8
 ITEM(pagedllm_decode_attention_int8, INT8)
+#endif
+#ifdef ITEM_E4M3
 ITEM(pagedllm_decode_attention_e4m3, E4M3)
+#endif
+#ifdef ITEM_E5M2
 ITEM(pagedllm_decode_attention_e5m2, E5M2)
+#endif

@@ -69,8 +69,18 @@ MAX_HEAD_DIM = 256
 
 @functools.cache
 def available() -> bool:
-    """Whether the C pass runs here (AVX-512-BF16, Numba, a C compiler); loads it for Numba."""
-    return cpu_has_avx512_bf16() and build_library(SOURCE, AVX512_BF16_CFLAGS) is not None
+    """Whether the C pass runs here (AVX-512-BF16, Numba, a C compiler); loads the bfloat16 cache's
+    library (its work item and the scores pass) for Numba."""
+    return cpu_has_avx512_bf16() and format_available(torch.bfloat16)
+
+
+@functools.cache
+def format_available(cache_dtype: torch.dtype) -> bool:
+    """Whether the C work item over ``cache_dtype`` (a key of :data:`ITEM_SYMBOLS`) is built and
+    loaded for Numba. Each format is a library of its own (``-DITEM_<FORMAT>``), built the first
+    time a cache of it is read: compiling one takes seconds, all four several times that."""
+    flag = "-DITEM_" + ITEM_SYMBOLS[cache_dtype].rsplit("_", 1)[1].upper()
+    return cpu_has_avx512_bf16() and build_library(SOURCE, (*AVX512_BF16_CFLAGS, flag)) is not None
 
 
 def applies(head_dim: int, block_size: int, group: int) -> bool:
@@ -87,7 +97,7 @@ def c_path(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tens
     head_dim, group = query.shape[2], query.shape[1] // key_cache.shape[2]
     rows = key_cache.stride()[2:] == value_cache.stride()[2:] == (key_cache.shape[3], 1)
     read = query.dtype == torch.bfloat16 and key_cache.dtype in ITEM_SYMBOLS
-    if not (read and rows and applies(head_dim, key_cache.shape[1], group)):
+    if not (read and rows and applies(head_dim, key_cache.shape[1], group) and format_available(key_cache.dtype)):
         return 0
     if softcap:
         return 1 if key_cache.dtype == torch.bfloat16 else 0
@@ -177,6 +187,8 @@ def attend_for(cache_dtype: torch.dtype):
     """The Numba device function running :func:`_attend` with the C item of ``cache_dtype``
     (a key of :data:`ITEM_SYMBOLS`): what the decode kernel's copies take as ``_attend``."""
     symbol = ITEM_SYMBOLS[cache_dtype]
+    if not format_available(cache_dtype):  # NOTE: a symbol never loaded would be called at address 0
+        raise RuntimeError(f"the C decode item over a {cache_dtype} cache could not be built here")
     item = types.ExternalFunction(symbol, _item_signature)
     fn = FunctionType(_attend.__code__, _attend.__globals__ | {"_decode_attention": item}, f"attend_{symbol}")
     fn.__qualname__ = fn.__name__
