@@ -74,15 +74,23 @@ def thread_items(context_lens, window, kv_splits, threads):
     for item in range(num_items):
         end = context_lens[item // kv_splits]
         work[item] = (min(end, window) if window > 0 else end) + 16  # NOTE: + an item's fixed cost
+    if num_items > threads:
+        return deal_by_cost(work, threads)
     plan = np.zeros((threads, num_items + 1), np.int64)
-    if num_items <= threads:  # NOTE: one item each, no sort (batch 1: its KV heads)
-        for item in range(num_items):
-            plan[item, 0], plan[item, 1] = 1, item
-        return plan
+    for item in range(num_items):  # NOTE: one item each, no sort (batch 1: its KV heads)
+        plan[item, 0], plan[item, 1] = 1, item
+    return plan
+
+
+@_own_function
+def deal_by_cost(cost, threads):
+    """``[threads, items + 1]``: row t lists the items thread t runs (count first), the costliest
+    dealt first, each to the thread with the least ``cost`` so far."""
+    plan = np.zeros((threads, len(cost) + 1), np.int64)
     load = np.zeros(threads, np.int64)
-    for item in np.argsort(-work, kind="mergesort"):
+    for item in np.argsort(-cost, kind="mergesort"):
         t = np.argmin(load)
-        load[t] += work[item]
+        load[t] += cost[item]
         plan[t, 0] += 1
         plan[t, plan[t, 0]] = item
     return plan

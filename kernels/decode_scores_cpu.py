@@ -50,17 +50,13 @@ except ImportError:  # pragma: no cover - numba is a dependency; this keeps the 
     numba = None  # type: ignore[assignment]
 
 from ._cpu_compile import AVX512_BF16_CFLAGS, build_library, cpu_has_avx512_bf16
+from .kv_quant import C_FORMAT_NAMES
 
 __all__ = ["MAX_GROUP", "applies", "attend_for", "available", "c_path", "scores"]
 
 SOURCE = Path(__file__).with_suffix(".c")
 SYMBOL = "pagedllm_decode_scores_bf16"
-ITEM_SYMBOLS = {
-    torch.bfloat16: "pagedllm_decode_attention_bf16",
-    torch.int8: "pagedllm_decode_attention_int8",
-    torch.float8_e4m3fn: "pagedllm_decode_attention_e4m3",
-    torch.float8_e5m2: "pagedllm_decode_attention_e5m2",
-}
+ITEM_SYMBOLS = {dtype: f"pagedllm_decode_attention_{name}" for dtype, name in C_FORMAT_NAMES.items()}
 """The C item of each cache dtype it reads (under a bfloat16 query)."""
 MAX_GROUP = 16
 """Query heads per KV head the C pass takes (its stack holds their query pairs)."""
@@ -79,7 +75,7 @@ def format_available(cache_dtype: torch.dtype) -> bool:
     """Whether the C work item over ``cache_dtype`` (a key of :data:`ITEM_SYMBOLS`) is built and
     loaded for Numba. Each format is a library of its own (``-DITEM_<FORMAT>``), built the first
     time a cache of it is read: compiling one takes seconds, all four several times that."""
-    flag = "-DITEM_" + ITEM_SYMBOLS[cache_dtype].rsplit("_", 1)[1].upper()
+    flag = "-DITEM_" + C_FORMAT_NAMES[cache_dtype].upper()
     return cpu_has_avx512_bf16() and build_library(SOURCE, (*AVX512_BF16_CFLAGS, flag)) is not None
 
 

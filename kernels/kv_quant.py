@@ -48,6 +48,15 @@ INT8_SCALE_BYTES = 2
 """Bytes of the float16 scale that ends every int8 row."""
 _INT8_MAX = 127.0
 
+C_FORMAT_NAMES = {
+    torch.bfloat16: "bf16",
+    torch.int8: "int8",
+    torch.float8_e4m3fn: "e4m3",
+    torch.float8_e5m2: "e5m2",
+}
+"""The cache dtypes the C attention kernels read under a bfloat16 query (the formats of
+kernels/_cpu_attention.h), by the name that ends each exported copy's symbol."""
+
 CACHE_DTYPE_OF = {
     "fp8": torch.float8_e4m3fn,
     "fp8_e4m3": torch.float8_e4m3fn,

@@ -39,26 +39,19 @@ except ImportError:  # pragma: no cover - numba is a dependency; this keeps the 
     numba = None  # type: ignore[assignment]
 
 from ._cpu_compile import AVX512_BF16_CFLAGS, build_library, cpu_has_avx512_bf16
-from ._cpu_items import _use_threads
+from ._cpu_items import ITEMS_PER_THREAD, _use_threads, deal_by_cost
 from ._cpu_widen import E4M3_FACTOR
-from .kv_quant import FP8_DTYPES, dequantize, head_dim_of, raw, row_width
+from .kv_quant import C_FORMAT_NAMES, FP8_DTYPES, dequantize, head_dim_of, raw, row_width
 
 __all__ = ["applies", "available", "prefill_attention_cpu", "prefill_attention_cpu_reference"]
 
 SOURCE = Path(__file__).with_suffix(".c")
-SYMBOLS = {
-    torch.bfloat16: "pagedllm_prefill_attention_bf16",
-    torch.int8: "pagedllm_prefill_attention_int8",
-    torch.float8_e4m3fn: "pagedllm_prefill_attention_e4m3",
-    torch.float8_e5m2: "pagedllm_prefill_attention_e5m2",
-}
+SYMBOLS = {dtype: f"pagedllm_prefill_attention_{name}" for dtype, name in C_FORMAT_NAMES.items()}
 """The kernel's copy for each cache dtype."""
 MAX_HEAD_DIM = 256
 ITEM_ROWS = 112
 """Query rows (tokens x query heads of a KV head) per work item: each K/V tile is transposed
 and widened once for this many rows."""
-ITEMS_PER_THREAD = 4
-"""Short chunks are split finer until each thread has at least this many items."""
 
 
 @functools.cache
@@ -183,19 +176,7 @@ def _deal(items: np.ndarray, threads: int, window: int) -> np.ndarray:
     seen = items[:, 2] + (items[:, 3] + items[:, 4]) // 2 + 1  # positions the item's middle token sees
     if window > 0:
         seen = np.minimum(seen, window)
-    cost = (items[:, 4] - items[:, 3]) * (seen + 16)  # NOTE: + an item's fixed cost
-    plan = np.zeros((threads, len(items) + 1), np.int64)
-    load = np.zeros(threads, np.int64)
-    for i in np.argsort(-cost, kind="mergesort"):
-        t = np.argmin(load)
-        load[t] += cost[i]
-        plan[t, 0] += 1
-        plan[t, plan[t, 0]] = i
-    return plan
-
-
-if numba is not None:
-    _deal = numba.njit(cache=True, boundscheck=False)(_deal)
+    return deal_by_cost((items[:, 4] - items[:, 3]) * (seen + 16), threads)  # NOTE: + an item's fixed cost
 
 
 @functools.cache
