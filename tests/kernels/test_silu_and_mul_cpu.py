@@ -50,7 +50,7 @@ def test_bfloat16_bitwise_but_at_near_ties(tokens, inner, threads, seed):
     # the float32 SiLU is within a few ulps of a bf16 rounding tie may the exp's last bit show
     tie = near_bf16_tie(torch.nn.functional.silu(gate.float()))
     assert torch.equal(got[~tie], want[~tie])
-    assert tie.float().mean() < 0.01
+    assert int(tie.sum()) <= max(1, 0.01 * tie.numel())  # NOTE: one near-tie is 12.5% of the 8-element shape
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
