@@ -56,9 +56,11 @@ def test_only_the_lease_holder_reconciles_and_the_standby_takes_over(cluster, tm
         wait_for(lambda: reconciled(first, "one"), what="the leader's reconcile", on_timeout=first.log)
         assert not reconciled(standby, "one") and holder(api) == "operator-a"
         assert "waiting to lead" in standby.log_path.read_text()
+        # NOTE: the pass is counted when its handler returns, a moment after the log line above.
+        counted = ("pagedllm_operator_reconciles_total", (("result", "ok"), ("trigger", "spec")))
+        wait_for(lambda: metrics(port_a).get(counted, 0) >= 1, what="the leader's pass counted", on_timeout=first.log)
         leading, waiting = metrics(port_a), metrics(port_b)
         assert leading[("pagedllm_operator_leader", ())] == 1 and waiting[("pagedllm_operator_leader", ())] == 0
-        assert leading[("pagedllm_operator_reconciles_total", (("result", "ok"), ("trigger", "spec")))] >= 1
         assert leading[("pagedllm_operator_managed_resources", (("phase", "Pending"),))] == 1
         assert not any(name == "pagedllm_operator_reconciles_total" for name, _ in waiting)
 
