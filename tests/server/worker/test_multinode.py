@@ -74,22 +74,36 @@ def stop(proc: subprocess.Popen) -> str:
 def two_nodes(
     model: str, env: dict[str, str] | None = None
 ) -> Iterator[tuple[subprocess.Popen, subprocess.Popen, str]]:
-    """Leader (node 0, HTTP on a free port) and headless node 1, ready; both killed afterwards."""
-    master = free_port(consecutive=2)  # NOTE: the control channel takes P, torch.distributed's store P+1
-    http = free_port()
-    leader_cmd = [*serve_command(model, http), "--served-model-name", "tiny", "--log-level", "warning", *ENGINE]
-    leader_cmd += node_flags(master, 0)
-    worker_cmd = [*serve_command(model, 0)[:-4], "--log-level", "info", *ENGINE, "--headless", *node_flags(master, 1)]
-    leader = start(leader_cmd, env)
-    worker = start(worker_cmd, env)
-    try:
-        wait_ready(f"http://127.0.0.1:{http}", timeout=240, proc=leader)
-        yield leader, worker, f"http://127.0.0.1:{http}"
-    finally:
-        for proc in (worker, leader):
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate(timeout=30)
+    """Leader (node 0, HTTP on a free port) and headless node 1, ready; both killed afterwards.
+
+    NOTE: the ports are free when picked, not reserved: where another process binds one first
+    (the leader then exits naming EADDRINUSE), both nodes start again on fresh ports, up to three times.
+    """
+    for attempt in range(3):
+        master = free_port(consecutive=2)  # NOTE: the control channel takes P, torch.distributed's store P+1
+        http = free_port()
+        while http in (master, master + 1):
+            http = free_port()
+        leader_cmd = [*serve_command(model, http), "--served-model-name", "tiny", "--log-level", "warning", *ENGINE]
+        leader_cmd += node_flags(master, 0)
+        worker_cmd = [*serve_command(model, 0)[:-4], "--log-level", "info", *ENGINE, "--headless"]
+        worker_cmd += node_flags(master, 1)
+        leader = start(leader_cmd, env)
+        worker = start(worker_cmd, env)
+        try:
+            try:
+                wait_ready(f"http://127.0.0.1:{http}", timeout=240, proc=leader)
+            except RuntimeError as error:
+                if "EADDRINUSE" in str(error) and attempt < 2:
+                    continue  # the finally below stops both nodes
+                raise
+            yield leader, worker, f"http://127.0.0.1:{http}"
+            return
+        finally:
+            for proc in (worker, leader):
+                if proc.poll() is None:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.communicate(timeout=30)
 
 
 def complete(url: str) -> dict:
