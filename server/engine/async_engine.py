@@ -24,7 +24,18 @@ from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
 from pagedllm.server.config import ConfigError, EngineConfig
-from pagedllm.server.engine.commands import AbortRequests, AddRequest, CallEngine, Command, Wake, execute, reject_all
+from pagedllm.server.engine.commands import (
+    ARRIVAL_GAP_S,
+    ARRIVAL_WINDOW_S,
+    AbortRequests,
+    AddRequest,
+    CallEngine,
+    Command,
+    Wake,
+    execute,
+    expected_arrivals,
+    reject_all,
+)
 from pagedllm.server.engine.engine_stats import EngineStats
 from pagedllm.server.engine.input_processor import PromptType
 from pagedllm.server.engine.model_info import ModelInfo, load_tokenizer
@@ -81,6 +92,8 @@ class AsyncLLMEngine:
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopping = threading.Event()
+        self._finished = 0
+        """Requests the engine thread's last step finished (see ``commands.expected_arrivals``)."""
         self._ready = threading.Event()
         self._loaded: asyncio.Future[None] | None = None
         self.error: BaseException | None = None
@@ -262,20 +275,32 @@ class AsyncLLMEngine:
                 start = time.monotonic()
                 outputs = engine.step()
                 times = StepTimes(start, time.monotonic())
+                self._finished = sum(1 for output in outputs if output.finished)
                 if outputs and self._loop is not None:
                     self._loop.call_soon_threadsafe(self._dispatch, outputs, times)
             self._stats.take(engine, force=not engine.has_unfinished_requests())
             engine.check_health()
 
     def _drain_commands(self, engine: LLMEngine, block: bool) -> None:
+        """Run the commands queued; when ``block`` (the engine is idle), wait for the first, and
+        after a step that finished several requests, for as many (``commands.ARRIVAL_GAP_S``)."""
         try:
             command = self._commands.get(timeout=0.5) if block else self._commands.get_nowait()
         except queue.Empty:
+            self._finished = 0  # NOTE: idled a while: what arrives next is not that step's clients
             return
+        expect = expected_arrivals(self._finished) if block else 0
+        self._finished = 0
+        deadline = time.monotonic() + ARRIVAL_WINDOW_S
         while True:
             execute(engine, command)
+            expect -= isinstance(command, AddRequest)
             try:
-                command = self._commands.get_nowait()
+                left = deadline - time.monotonic()
+                if expect > 0 and left > 0:
+                    command = self._commands.get(timeout=min(ARRIVAL_GAP_S, left))
+                else:
+                    command = self._commands.get_nowait()
             except queue.Empty:
                 return
 
