@@ -82,15 +82,47 @@ static inline __attribute__((always_inline)) void tile_rows(const uint32_t *x, i
               n, prefetch, per_step, prefetch_meta);                                                             \
     break;
 
+/* xsum[r, g] = sum of x[r, k] over group g's k, float32: bfloat16 widens exactly, 16 lanes at a
+ * time, the tail of a group not a multiple of 16 one by one. */
+static void group_sums(const uint16_t *x, int64_t m, int64_t k, int64_t group, float *xsum) {
+  const int64_t groups = k / group;
+  for (int64_t r = 0; r < m; r++)
+    for (int64_t g = 0; g < groups; g++) {
+      const uint16_t *v = x + r * k + g * group;
+      __m512 acc = _mm512_setzero_ps();
+      int64_t i = 0;
+      for (; i + 16 <= group; i += 16)
+        acc = _mm512_add_ps(acc, _mm512_castsi512_ps(_mm512_slli_epi32(
+                                     _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(v + i))), 16)));
+      float sum = _mm512_reduce_add_ps(acc);
+      for (; i < group; i++) {
+        uint32_t bits = (uint32_t)v[i] << 16;
+        float f;
+        __builtin_memcpy(&f, &bits, 4);
+        sum += f;
+      }
+      xsum[r * groups + g] = sum;
+    }
+}
+
+#define LOCAL_SUMS 1024 /* the most group sums a call computes itself (xsum_addr 0), on its stack */
+
 /* Columns of blocks [block0, block1) of y for all m rows. x: [m, k] contiguous bf16 (k even);
  * w: packed as above, meta: [n / 16, k / group, 2, 16] float32 (both 64-byte aligned);
- * xsum: [m, k / group] float32; group: even, dividing k; y: [m, n] contiguous bf16. */
+ * xsum: [m, k / group] float32, or 0 where m * (k / group) <= LOCAL_SUMS: each call then sums
+ * the groups of x itself (a few hundred adds at decode sizes, less than a separate pass costs to
+ * start); group: even, dividing k; y: [m, n] contiguous bf16. */
 void pagedllm_gemm_w4(intptr_t x_addr, int64_t m, int64_t k, intptr_t w_addr, intptr_t meta_addr, intptr_t xsum_addr,
                       int64_t group, int64_t n, int64_t block0, int64_t block1, intptr_t y_addr) {
   const uint32_t *x0 = (const uint32_t *)x_addr;
   const uint8_t *w0 = (const uint8_t *)w_addr;
   const float *meta0 = (const float *)meta_addr;
+  float local[LOCAL_SUMS];
   const float *xsum0 = (const float *)xsum_addr;
+  if (!xsum0) {
+    group_sums((const uint16_t *)x_addr, m, k, group, local);
+    xsum0 = local;
+  }
   uint16_t *y = (uint16_t *)y_addr;
   const int64_t pairs = k / 2, groups = k / group, group_pairs = group / 2;
   const int64_t row_groups = (m + ROWS - 1) / ROWS;

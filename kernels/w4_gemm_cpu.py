@@ -9,8 +9,9 @@ decode step reads a quarter of bfloat16's bytes and never writes a widened weigh
 
     load:   q [n, k] levels, scales / zeros [n, k / group] ──pack──► W4Packed: weight
             [n/16, k/2, 16] uint8, meta [n/16, k/group, 2, 16] float32 (scale, 128 + zero)
-    call:   gemm(x [.., k], packed) ──► xsum [rows, k/group] (float32), then Numba splits the
-            16-column blocks over the threads torch uses; each runs the C kernel on its blocks
+    call:   gemm(x [.., k], packed) ──► Numba splits the 16-column blocks over the threads torch
+            uses; each runs the C kernel on its blocks, which sums x's groups first (xsum
+            [rows, k/group] float32; from torch, handed in, past LOCAL_SUMS of them)
 
 Compiled and loaded as bf16_gemm_cpu's kernel is (kernels/_cpu_compile.py). :func:`available`
 is false where that kernel's is (no AVX-512-BF16, compiler or Numba, ``PAGEDLLM_CPU_GEMM=0``).
@@ -44,6 +45,9 @@ SOURCE = Path(__file__).with_suffix(".c")
 SYMBOL = "pagedllm_gemm_w4"
 PARALLEL_MIN_WORK = 1 << 18
 """Below this many multiply-adds a call runs on the calling thread: starting the pool costs more than the product."""
+LOCAL_SUMS = 1024
+"""The most group sums (rows x groups) the kernel computes itself, on its stack (``LOCAL_SUMS`` in
+the C file); past that, :func:`gemm` sums them with torch and hands them in."""
 
 
 class W4Packed(NamedTuple):
@@ -122,10 +126,12 @@ def gemm(x: torch.Tensor, packed: W4Packed) -> torch.Tensor:
     m = rows.shape[0]
     out = torch.empty(m, n, dtype=torch.bfloat16)
     if m > 0 and n > 0:
-        xsum = rows.view(m, k // group, group).sum(-1, dtype=torch.float32)  # [m, groups]
+        # NOTE: at decode sizes the kernel sums x's groups itself (0): a torch sum costs ~3 us a call
+        xsum = 0 if m * (k // group) <= LOCAL_SUMS else rows.view(m, k // group, group).sum(-1, dtype=torch.float32)
         threads = min(_use_threads(torch.get_num_threads()), blocks) if m * n * k >= PARALLEL_MIN_WORK else 1
         w, meta = packed.weight.data_ptr(), packed.meta.data_ptr()
-        args = (rows.data_ptr(), m, k, w, meta, xsum.data_ptr(), group, n, blocks, out.data_ptr())
+        xsum_at = 0 if isinstance(xsum, int) else xsum.data_ptr()  # [m, groups] float32
+        args = (rows.data_ptr(), m, k, w, meta, xsum_at, group, n, blocks, out.data_ptr())
         if threads > 1:
             _parallel()(*args, threads)
         else:

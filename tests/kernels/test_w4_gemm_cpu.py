@@ -69,6 +69,22 @@ def test_gemm_matches_the_reference(n, k, group, rows):
     close_to_reference(out, x, q, scales, zeros, group)
 
 
+@pytest.mark.parametrize(
+    ("rows", "k", "group"),
+    [(16, 2048, 32), (17, 2048, 32), (1, 4864, 4864), (3, 40, 40), (64, 40, 40)],
+    ids=["sums-in-kernel-up-to-the-limit", "sums-from-torch-past-it", "one-long-group", "tail-group", "tail-rows"],
+)
+@needs_kernel
+def test_group_sums_either_side_of_the_kernels_own(rows, k, group):
+    """The kernel sums x's groups itself up to LOCAL_SUMS of them (16 rows x 64 groups here),
+    torch past that; groups not a multiple of 16 inputs end in a scalar tail."""
+    assert (rows * (k // group) <= w4_gemm_cpu.LOCAL_SUMS) == (rows != 17)
+    q, scales, zeros = random_weight(32, k, group, seed=rows + k)
+    x = torch.randn(rows, k).to(torch.bfloat16)
+    out = w4_gemm_cpu.gemm(x, w4_gemm_cpu.pack(q, scales, zeros, group))
+    close_to_reference(out, x, q, scales, zeros, group)
+
+
 @pytest.mark.parametrize("rows", [1, 16, 37])
 @needs_kernel
 def test_a_real_projection_shape(rows):
