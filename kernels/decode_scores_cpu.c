@@ -23,8 +23,6 @@
 #include <immintrin.h>
 #include <stdint.h>
 
-#include <string.h>
-
 #include "_cpu_attention.h" /* formats, widening, transpose16 */
 
 /* A library exports the work items its build asks for (-DITEM_BF16, -DITEM_INT8, ...; all of them

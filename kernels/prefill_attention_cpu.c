@@ -58,7 +58,6 @@ static inline __attribute__((always_inline)) __m512 exp2_ps(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
-
 typedef struct {
   const uint8_t *k, *v;
   const int32_t *table;

@@ -25,15 +25,13 @@ from typing import TYPE_CHECKING, Any
 
 from pagedllm.server.config import ConfigError, EngineConfig
 from pagedllm.server.engine.commands import (
-    ARRIVAL_GAP_S,
-    ARRIVAL_WINDOW_S,
     AbortRequests,
     AddRequest,
+    ArrivalWave,
     CallEngine,
     Command,
     Wake,
     execute,
-    expected_arrivals,
     reject_all,
 )
 from pagedllm.server.engine.engine_stats import EngineStats
@@ -92,8 +90,7 @@ class AsyncLLMEngine:
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopping = threading.Event()
-        self._finished = 0
-        """Requests the engine thread's last step finished (see ``commands.expected_arrivals``)."""
+        self._wave = ArrivalWave()
         self._ready = threading.Event()
         self._loaded: asyncio.Future[None] | None = None
         self.error: BaseException | None = None
@@ -275,7 +272,7 @@ class AsyncLLMEngine:
                 start = time.monotonic()
                 outputs = engine.step()
                 times = StepTimes(start, time.monotonic())
-                self._finished = sum(1 for output in outputs if output.finished)
+                self._wave.finished = sum(1 for output in outputs if output.finished)
                 if outputs and self._loop is not None:
                     self._loop.call_soon_threadsafe(self._dispatch, outputs, times)
             self._stats.take(engine, force=not engine.has_unfinished_requests())
@@ -283,24 +280,19 @@ class AsyncLLMEngine:
 
     def _drain_commands(self, engine: LLMEngine, block: bool) -> None:
         """Run the commands queued; when ``block`` (the engine is idle), wait for the first, and
-        after a step that finished several requests, for as many (``commands.ARRIVAL_GAP_S``)."""
+        after a step that finished several requests, for as many (``commands.ArrivalWave``)."""
         try:
             command = self._commands.get(timeout=0.5) if block else self._commands.get_nowait()
         except queue.Empty:
-            self._finished = 0  # NOTE: idled a while: what arrives next is not that step's clients
+            self._wave.idled()
             return
-        expect = expected_arrivals(self._finished) if block else 0
-        self._finished = 0
-        deadline = time.monotonic() + ARRIVAL_WINDOW_S
+        self._wave.begin(idle=block)
         while True:
             execute(engine, command)
-            expect -= isinstance(command, AddRequest)
+            self._wave.took(isinstance(command, AddRequest))
+            wait = self._wave.wait_s()
             try:
-                left = deadline - time.monotonic()
-                if expect > 0 and left > 0:
-                    command = self._commands.get(timeout=min(ARRIVAL_GAP_S, left))
-                else:
-                    command = self._commands.get_nowait()
+                command = self._commands.get(timeout=wait) if wait > 0 else self._commands.get_nowait()
             except queue.Empty:
                 return
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import queue
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -71,6 +72,36 @@ def expected_arrivals(finished: int) -> int:
     """How many requests an engine that just went idle waits for (see :data:`ARRIVAL_GAP_S`),
     given how many its last step finished: none after a lone one."""
     return finished if finished > 1 else 0
+
+
+class ArrivalWave:
+    """An engine loop's side of :data:`ARRIVAL_GAP_S`, whatever carries its commands: the loop
+    sets :attr:`finished` after each step, calls :meth:`begin` when a drain starts, :meth:`took`
+    for each command, and waits :meth:`wait_s` for the next one (0: it does not wait)."""
+
+    def __init__(self) -> None:
+        self.finished = 0
+        """Requests the last step finished."""
+        self._expect = 0
+        self._deadline = 0.0
+
+    def idled(self) -> None:
+        """The engine waited for work and none came: what arrives next is not that step's clients."""
+        self.finished = 0
+
+    def begin(self, idle: bool) -> None:
+        """A drain starts; ``idle``: the engine has nothing to run (only then does it wait)."""
+        self._expect = expected_arrivals(self.finished) if idle else 0
+        self.finished = 0
+        self._deadline = time.monotonic() + ARRIVAL_WINDOW_S
+
+    def took(self, request: bool) -> None:
+        """One command was run; ``request``: it added a request."""
+        self._expect -= request
+
+    def wait_s(self) -> float:
+        """How long to wait for the next command: 0 once the wave is in or the window has closed."""
+        return max(0.0, min(ARRIVAL_GAP_S, self._deadline - time.monotonic())) if self._expect > 0 else 0.0
 
 
 def execute(engine: LLMEngine, command: Command) -> None:

@@ -25,7 +25,7 @@ import zmq
 
 from pagedllm.server.config import EngineConfig
 from pagedllm.server.engine import core_messages as msg
-from pagedllm.server.engine.commands import ARRIVAL_GAP_S, ARRIVAL_WINDOW_S, expected_arrivals
+from pagedllm.server.engine.commands import ArrivalWave
 from pagedllm.server.engine.output_deltas import DeltaMaker, RequestDelta
 
 if TYPE_CHECKING:
@@ -103,8 +103,7 @@ class EngineCore:
         engine.request_output = self.deltas
         self._stats_time = 0.0
         self._running = True
-        self._finished = 0
-        """Requests the last step finished (see ``commands.expected_arrivals``)."""
+        self._wave = ArrivalWave()
 
     def run(self) -> None:
         self.outputs.send_multipart([msg.READY, msg.dumps((self.engine.model_info, self.engine.stats()))])
@@ -124,7 +123,7 @@ class EngineCore:
         if not results:
             return
         deltas = [r for r in results if isinstance(r, RequestDelta)]
-        self._finished = sum(1 for d in deltas if d.finished)
+        self._wave.finished = sum(1 for d in deltas if d.finished)
         others = [r for r in results if not isinstance(r, RequestDelta)]
         body = msg.StepOutputs(start, end, deltas, msg.dumps(others) if others else None)
         self.outputs.send_multipart([msg.OUTPUTS, msg.encode(body)], copy=False)
@@ -138,22 +137,20 @@ class EngineCore:
     # -- commands --------------------------------------------------------------------------
     def _drain(self, block: bool) -> None:
         """Run the commands waiting; when ``block`` (the engine is idle), wait for the first, and
-        after a step that finished several requests, for as many (``commands.ARRIVAL_GAP_S``)."""
+        after a step that finished several requests, for as many (``commands.ArrivalWave``)."""
         if block and not self.inputs.poll(IDLE_POLL_MS):
-            self._finished = 0  # NOTE: idled a while: what arrives next is not that step's clients
+            self._wave.idled()
             return
-        expect = expected_arrivals(self._finished) if block else 0
-        self._finished = 0
-        deadline = time.monotonic() + ARRIVAL_WINDOW_S
+        self._wave.begin(idle=block)
         while True:
             try:
                 tag, body = self.inputs.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
-                left = deadline - time.monotonic()
-                if expect <= 0 or left <= 0 or not self.inputs.poll(max(1, round(1000 * min(ARRIVAL_GAP_S, left)))):
+                wait = self._wave.wait_s()
+                if wait <= 0 or not self.inputs.poll(max(1, round(1000 * wait))):
                     return
                 continue
-            expect -= tag == msg.ADD
+            self._wave.took(tag == msg.ADD)
             self._execute(tag, body)
 
     def _execute(self, tag: bytes, body: bytes) -> None:

@@ -15,7 +15,7 @@ import pytest
 import zmq
 
 from pagedllm.server import SamplingParams
-from pagedllm.server.engine import async_engine, core_process
+from pagedllm.server.engine import async_engine, commands, core_process
 from pagedllm.server.engine import core_messages as msg
 from pagedllm.server.engine.commands import AddRequest, expected_arrivals
 
@@ -33,9 +33,8 @@ class RecordingEngine:
 
 @pytest.fixture(autouse=True)
 def slow_clock(monkeypatch):
-    for module in (core_process, async_engine):
-        monkeypatch.setattr(module, "ARRIVAL_GAP_S", GAP_S)
-        monkeypatch.setattr(module, "ARRIVAL_WINDOW_S", WINDOW_S)
+    monkeypatch.setattr(commands, "ARRIVAL_GAP_S", GAP_S)
+    monkeypatch.setattr(commands, "ARRIVAL_WINDOW_S", WINDOW_S)
 
 
 def test_only_a_step_that_finished_several_requests_makes_the_engine_wait():
@@ -65,7 +64,7 @@ class CoreLoop:
             self.push.send_multipart([msg.ADD, msg.dumps((0, request))])
 
     def drain(self, finished: int) -> float:
-        self.core._finished = finished
+        self.core._wave.finished = finished
         start = time.monotonic()
         self.core._drain(block=True)
         return time.monotonic() - start
@@ -88,7 +87,7 @@ class ThreadLoop:
         self.loop._commands.put(AddRequest(request_id, {"prompt_token_ids": [1, 2]}, SamplingParams(), 0.0, done))
 
     def drain(self, finished: int) -> float:
-        self.loop._finished = finished
+        self.loop._wave.finished = finished
         start = time.monotonic()
         self.loop._drain_commands(self.engine, block=True)  # type: ignore[arg-type]
         return time.monotonic() - start
@@ -137,8 +136,7 @@ def test_a_wave_that_does_not_come_back_whole_costs_one_gap(loop):
 
 
 def test_the_wait_ends_at_the_window(loop, monkeypatch):
-    for module in (core_process, async_engine):
-        monkeypatch.setattr(module, "ARRIVAL_WINDOW_S", 0.5)
+    monkeypatch.setattr(commands, "ARRIVAL_WINDOW_S", 0.5)
     loop.send("a")
     threads = [send_later(loop, f"r{i}", 0.15 * i) for i in range(1, 8)]  # each within the gap of the last
     took = loop.drain(finished=8)
