@@ -10,8 +10,11 @@ bfloat16 activations, the median time of one pass through each candidate:
                     (``pagedllm.kernels.int4_unpack_cpu``), each tile through oneDNN's GEMM;
   - ``engine``      what an ``int4-cpu`` layer runs: ``int4`` below ``DENSE_ROWS_BFLOAT16`` rows,
                     ``int4-deq`` from there (the engine's 4-bit layer where ``w4-tiles`` cannot run);
-  - ``w4-tiles``    the tiled 4-bit kernel (``pagedllm.kernels.w4_gemm_cpu``, layer ``w4a16-tiles``): what
-                    the engine's bfloat16 4-bit layer runs on an AVX-512-BF16 CPU, at every row count;
+  - ``w4-tiles``    the tiled 4-bit kernel (``pagedllm.kernels.w4_gemm_cpu``, layer ``w4a16-tiles``) on
+                    bfloat16 activations: what the engine's bfloat16 4-bit layer runs on an AVX-512-BF16
+                    CPU without VNNI and VBMI (or with ``PAGEDLLM_W4A8=0``), at every row count;
+  - ``w4a8-tiles``  the same weight times x rounded to int8 per row and group (``gemm_int8``): what that
+                    layer runs where the CPU has them;
   - ``bf16``        the unquantized weight, oneDNN-packed (what a bfloat16 model runs: the peer);
   - ``bf16-plain``  the unquantized weight through ``F.linear`` (no prepacking);
   - ``int8``        torch's int8 weight-only matmul, per channel (``_weight_int8pack_mm``);
@@ -19,9 +22,9 @@ bfloat16 activations, the median time of one pass through each candidate:
 
 Each repeat runs every (threads, candidate) pair once, in turn, in this one process
 (``torch.set_num_threads`` switched between them), so a busy neighbour slows all of them
-alike; the table gives medians, ``bf16 / int4``, ``bf16 / engine`` and ``bf16 / w4-tiles`` (above 1:
-faster than bfloat16) and the fastest of the 4-bit candidates. ``--kernels`` picks candidates (default:
-the first six, less ``w4-tiles`` where it cannot run)::
+alike; the table gives medians, ``bf16 / int4``, ``bf16 / engine``, ``bf16 / w4-tiles`` and
+``bf16 / w4a8-tiles`` (above 1: faster than bfloat16) and the fastest of the 4-bit candidates.
+``--kernels`` picks candidates (default: the first seven, less the tiled ones where they cannot run)::
 
     python -m benchmarks.quant_linear --shape qwen2.5-0.5b --threads 1 2 --rows 1 4 8 16 32 64
 
@@ -50,8 +53,8 @@ from pagedllm.server.worker.quantization.base import QuantizedWeight
 from pagedllm.server.worker.quantization.kernels import Int4CpuKernel, Int8CpuKernel, Int8W8A8CpuKernel
 from pagedllm.server.worker.quantization.w4a16_cpu import W4A16TilesKernel
 
-CANDIDATES = ("int4", "int4-deq", "engine", "w4-tiles", "bf16", "bf16-plain", "int8", "w8a8")
-QUANTIZED = ("int4", "int4-deq", "w4-tiles")
+CANDIDATES = ("int4", "int4-deq", "engine", "w4-tiles", "w4a8-tiles", "bf16", "bf16-plain", "int8", "w8a8")
+QUANTIZED = ("int4", "int4-deq", "w4-tiles", "w4a8-tiles")
 """The candidates that run from the 4-bit weight alone: the ones a 4-bit model may switch between."""
 
 
@@ -71,7 +74,8 @@ def kernels(shape: tuple[int, int], group: int, names: tuple[str, ...]) -> dict[
         "int4": lambda: int4.packed_mm,
         "int4-deq": lambda: int4.unpacked_mm,
         "engine": lambda: int4,
-        "w4-tiles": lambda: W4A16TilesKernel(q4),
+        "w4-tiles": lambda: W4A16TilesKernel(q4, int8=False),
+        "w4a8-tiles": lambda: W4A16TilesKernel(q4, int8=True),
         "bf16": lambda: (lambda w: lambda x: linear(x, w))(pack_weight(plain)),
         "bf16-plain": lambda: lambda x: F.linear(x, plain),
         "int8": lambda: Int8CpuKernel(_int8(n, k), torch.bfloat16),
@@ -137,7 +141,7 @@ def format_row(row: dict) -> str:
     cells = " | ".join(f"{name} {value:7.3f}" for name, value in ms.items())
     ratio = "".join(
         f" | bf16/{name} {ms['bf16'] / ms[name]:.2f}"
-        for name in ("int4", "engine", "w4-tiles")
+        for name in ("int4", "engine", "w4-tiles", "w4a8-tiles")
         if "bf16" in ms and name in ms
     )
     quantized = [name for name in QUANTIZED if name in ms]
@@ -154,7 +158,8 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=3, help="copies of each projection, own weights, per pass")
     parser.add_argument("--group", type=int, default=128, help="4-bit group size")
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 16, 32, 64], help="rows per pass")
-    default = [c for c in CANDIDATES[:6] if c != "w4-tiles" or w4_gemm_cpu.available()]
+    runs = {"w4-tiles": w4_gemm_cpu.available(), "w4a8-tiles": w4_gemm_cpu.int8_available()}
+    default = [c for c in CANDIDATES[:7] if runs.get(c, True)]
     parser.add_argument("--kernels", nargs="+", default=default, choices=CANDIDATES, help="candidates")
     parser.add_argument("--repeats", type=int, default=21, help="timed passes per case (median reported)")
     parser.add_argument("--out", default=None, help="write the rows as JSON to this file")

@@ -26,7 +26,7 @@ try:
 except ImportError:  # pragma: no cover - numba is a dependency; this keeps the package importable
     numba = None  # type: ignore[assignment]
 
-__all__ = ["AVX512_BF16_CFLAGS", "build_library", "cpu_has_avx512_bf16", "load_symbol"]
+__all__ = ["AVX512_BF16_CFLAGS", "build_library", "cpu_has_avx512_bf16", "cpu_has_flags", "load_symbol"]
 
 AVX512_BF16_CFLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-shared", "-fPIC")
 
@@ -40,6 +40,11 @@ def _cpu_flags() -> set[str]:
         if line.startswith("flags"):
             return set(line.split(":", 1)[1].split())
     return set()
+
+
+def cpu_has_flags(*flags: str) -> bool:
+    """Whether ``/proc/cpuinfo`` lists every one of ``flags`` (``avx512_vnni``, ``avx512vbmi``, ...)."""
+    return set(flags) <= _cpu_flags()
 
 
 def cpu_has_avx512_bf16() -> bool:

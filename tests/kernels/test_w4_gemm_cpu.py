@@ -147,3 +147,131 @@ def test_bad_inputs_are_named():
         w4_gemm_cpu.gemm(torch.zeros(2, 64), packed)
     with pytest.raises(ValueError, match="meta must be float32"):
         w4_gemm_cpu.gemm(torch.zeros(2, 64, dtype=torch.bfloat16), packed._replace(meta=packed.meta.bfloat16()))
+
+
+needs_int8 = pytest.mark.skipif(
+    not w4_gemm_cpu.int8_available(), reason="needs AVX-512-BF16, VNNI and VBMI, numba and a C compiler"
+)
+
+
+def rounded_rows(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [m, k] as the int8 product rounds it, in torch: levels [m, groups, group] and scales [m, groups, 1]."""
+    m, k = x.shape
+    grouped = x.float().view(m, k // group, group)
+    top = grouped.abs().amax(-1, keepdim=True)
+    inverse = torch.where(top > 0, torch.tensor(127.0) / top, torch.zeros_like(top))
+    return torch.round(grouped * inverse), top / 127.0
+
+
+def close_to_int8_reference(out: torch.Tensor, x, q, scales, zeros, group: int) -> None:
+    """Per group the kernel's int32 sum of (128 + q) times the int8 levels is exact, and so is
+    S - (128 + zero) * (sum of levels) for integer zeros; each group then adds scale * sx times it
+    (two roundings: the product of the scales, the fused multiply-add into the running sum). Bound
+    by (2 groups + 4) roundings of 2^-24 times the groups' terms summed in size, plus half a
+    bfloat16 step of the result (2^-8 relative)."""
+    levels, sx = rounded_rows(x, group)  # [m, G, group], [m, G, 1]
+    n, k = q.shape
+    centred = (q.double() - zeros.double().repeat_interleave(group, 1)).view(n, k // group, group)  # [n, G, group]
+    folded = torch.einsum("mgi,ngi->mng", levels.double(), centred)  # [m, n, G]: exact integers
+    terms = folded * sx.double().squeeze(-1)[:, None, :] * scales.double()[None]  # [m, n, G]
+    exact, magnitude = terms.sum(-1), terms.abs().sum(-1)
+    groups = k // group
+    error = (out.double() - exact).abs()
+    bound = exact.abs() * 2**-8 + magnitude * (2 * groups + 4) * 2**-24 + 1e-30
+    assert (error <= bound).all(), (error - bound).max()
+
+
+@pytest.mark.parametrize("group", [32, 64, 128, 256, 80])
+@needs_int8
+def test_rows_round_to_int8_as_the_reference_does(group):
+    """Levels round x * (127 / max |x|) to nearest even per row and group; the stats hold max / 127 and
+    the sum of the levels; a group of zeros has scale 0 and zero levels."""
+    k = group * 4
+    x = (torch.randn(5, k) * torch.logspace(-3, 3, 5)[:, None]).to(torch.bfloat16)
+    x[2, group : 2 * group] = 0
+    levels, stats = w4_gemm_cpu.quantize_rows(x, group)
+    want, sx = rounded_rows(x, group)
+    assert torch.equal(levels.float().view_as(want), want)
+    assert levels.abs().max() == 127
+    assert torch.equal(stats[..., 0], sx.squeeze(-1)) and torch.equal(stats[..., 1], want.sum(-1))
+    assert stats[2, 1, 0] == 0 and (levels[2, group : 2 * group] == 0).all()
+
+
+@pytest.mark.parametrize(
+    ("n", "k"),
+    [(16, 512), (48, 512), (80, 512), (96, 512), (64 * 3 + 16 * 3, 256)],
+    ids=["one-block", "three-blocks", "tail-of-one", "tail-of-two", "tail-of-three"],
+)
+@pytest.mark.parametrize("group", [32, 64, 128, 256, "channel"])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 16, 37, 70])
+@needs_int8
+def test_int8_gemm_matches_its_reference(n, k, group, rows):
+    """Every tile shape (rows 1-4 of a pass, blocks 1-4 of a tile), every group, and from 64 rows x
+    quantized a share of rows per thread."""
+    group = k if group == "channel" else group
+    q, scales, zeros = random_weight(n, k, group, seed=rows * 1000 + n + group)
+    x = torch.randn(rows, k).to(torch.bfloat16)
+    out = w4_gemm_cpu.gemm_int8(x, w4_gemm_cpu.pack(q, scales, zeros, group))
+    assert out.shape == (rows, n) and out.dtype == torch.bfloat16
+    close_to_int8_reference(out, x, q, scales, zeros, group)
+    torch.testing.assert_close(out, w4_gemm_cpu.w4a8_reference(x, q, scales, zeros, group), rtol=2**-7, atol=0.05)
+
+
+@pytest.mark.parametrize("rows", [1, 16, 100])
+@needs_int8
+def test_int8_gemm_is_within_the_rounding_of_x_of_the_exact_product(rows):
+    """Against the bfloat16 x's own product: each input moves by at most half its group's step
+    (max / 254), so an output by at most that times the weights' sizes summed, plus bfloat16's rounding."""
+    q, scales, zeros = random_weight(1152, 896, 128, seed=rows)
+    x = torch.randn(rows, 896).to(torch.bfloat16)
+    out = w4_gemm_cpu.gemm_int8(x, w4_gemm_cpu.pack(q, scales, zeros, 128))
+    w = (q.double() - zeros.double().repeat_interleave(128, 1)) * scales.double().repeat_interleave(128, 1)
+    exact = x.double() @ w.T
+    step = x.double().view(rows, 7, 128).abs().amax(-1).repeat_interleave(128, 1) / 254  # [rows, k]
+    bound = step @ w.abs().T + exact.abs() * 2**-8 + 1e-6
+    assert ((out.double() - exact).abs() <= bound).all()
+    # and well inside it: normally distributed x moves a product by ~0.7% of its size, not the bound
+    assert (out.double() - exact).norm() < 0.02 * exact.norm()
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("rows", [5, 70])
+@needs_int8
+def test_int8_every_thread_count_writes_every_column(threads, rows):
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        q, scales, zeros = random_weight(16 * 7, 512, 64, seed=threads)
+        x = torch.randn(rows, 512).to(torch.bfloat16)
+        assert 5 * 16 * 7 * 512 >= w4_gemm_cpu.PARALLEL_MIN_WORK  # NOTE: large enough to go parallel
+        assert (rows >= w4_gemm_cpu.PARALLEL_QUANTIZE_ROWS) == (rows == 70)
+        out = w4_gemm_cpu.gemm_int8(x, w4_gemm_cpu.pack(q, scales, zeros, 64))
+        close_to_int8_reference(out, x, q, scales, zeros, 64)
+    finally:
+        torch.set_num_threads(previous)
+
+
+@needs_int8
+def test_int8_leading_dims_views_empty_inputs_and_bad_groups():
+    q, scales, zeros = random_weight(32, 64, 32, seed=1)
+    packed = w4_gemm_cpu.pack(q, scales, zeros, 32)
+    x = torch.randn(2, 3, 80).to(torch.bfloat16)[..., 8:72]  # not contiguous
+    out = w4_gemm_cpu.gemm_int8(x, packed)
+    assert out.shape == (2, 3, 32)
+    close_to_int8_reference(out.reshape(6, 32), x.reshape(6, 64), q, scales, zeros, 32)
+    assert w4_gemm_cpu.gemm_int8(torch.empty(0, 64, dtype=torch.bfloat16), packed).shape == (0, 32)
+    q, scales, zeros = random_weight(16, 80, 40, seed=2)
+    with pytest.raises(ValueError, match="groups of a multiple of 16 inputs, got 40"):
+        w4_gemm_cpu.gemm_int8(torch.zeros(1, 80, dtype=torch.bfloat16), w4_gemm_cpu.pack(q, scales, zeros, 40))
+    with pytest.raises(ValueError, match=r"x must be bfloat16 \[\.\.\., 64\], got torch.float32"):
+        w4_gemm_cpu.gemm_int8(torch.zeros(2, 64), packed)
+
+
+def test_w4a8_switch_keeps_bfloat16_activations(monkeypatch):
+    monkeypatch.setenv("PAGEDLLM_W4A8", "0")
+    w4_gemm_cpu.int8_available.cache_clear()
+    try:
+        assert not w4_gemm_cpu.int8_available()
+    finally:
+        monkeypatch.undo()
+        w4_gemm_cpu.int8_available.cache_clear()

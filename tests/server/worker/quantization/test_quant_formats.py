@@ -44,17 +44,28 @@ def kernels(llm) -> set[str]:
     return {m.kernel.name for m in model.modules() if isinstance(m, QuantLinear)}
 
 
-def int8_activations(ref: HFReference) -> HFReference:
-    """The reference with every projection's input quantized to int8 per token and back (what W8A8 computes)."""
+def int8_activations(ref: HFReference, group: int | None = None) -> HFReference:
+    """The reference with every projection's input quantized to int8 per token and back (what W8A8
+    computes), or per ``group`` inputs of a token as ``w4a8-tiles`` rounds them (scale max / 127 in
+    float32, levels x * (127 / max) rounded to nearest even)."""
 
     def fake_quant(module, args):
         x = args[0]
         scale = (x.abs().amax(dim=-1, keepdim=True) / 127.0).clamp(min=1e-12)
         return (torch.round(x / scale) * scale,)
 
+    def fake_quant_groups(module, args):
+        x = args[0]
+        grouped = x.float().unflatten(-1, (-1, min(group, x.shape[-1])))
+        top = grouped.abs().amax(-1, keepdim=True)
+        inverse = torch.where(top > 0, torch.tensor(127.0) / top, torch.zeros_like(top))
+        return ((torch.round(grouped * inverse) * (top / 127.0)).flatten(-2).to(x.dtype),)
+
+    hook = fake_quant if group is None else fake_quant_groups
+
     for name, module in ref.model.named_modules():
         if isinstance(module, torch.nn.Linear) and not name.endswith("lm_head"):
-            module.register_forward_pre_hook(fake_quant)
+            module.register_forward_pre_hook(hook)
     return ref
 
 
@@ -226,18 +237,45 @@ def test_bfloat16_awq_prefill_through_the_widened_weight_matches_transformers_in
     assert_all_blocks_free(llm)
 
 
+def labels(llm) -> set[str]:
+    model = llm.llm_engine.runner.model
+    return {m.kernel.label for m in model.modules() if isinstance(m, QuantLinear)}
+
+
 @pytest.mark.skipif(not w4_gemm_cpu.available(), reason="needs an x86-64 CPU with AVX-512-BF16, numba and a C compiler")
 @pytest.mark.parametrize("case", ["awq-g32", "gptq-4bit-act-order-asym", "ct-w4a16-asym-channel"])
-def test_bfloat16_w4a16_runs_the_tiled_kernel_and_matches_transformers_in_bfloat16(tmp_path, case):
-    """A bfloat16 4-bit model runs ``w4a16-tiles`` in every projection, for prefills of short and 64+
-    token prompts and for decodes: greedy tokens equal transformers in bfloat16 on the twin, by the
-    tolerance of the test above (0.5 nats at a first difference)."""
+def test_bfloat16_w4a16_runs_the_tiled_kernel_and_matches_transformers_in_bfloat16(tmp_path, case, monkeypatch):
+    """A bfloat16 4-bit model runs ``w4a16-tiles`` in every projection (bfloat16 activations: the
+    int8 ones switched off), for prefills of short and 64+ token prompts and for decodes: greedy
+    tokens equal transformers in bfloat16 on the twin, by the tolerance of the test above (0.5 nats
+    at a first difference)."""
+    monkeypatch.setattr(w4_gemm_cpu, "int8_available", lambda: False)
     fmt, options, _ = CASES[case]
     qdir, twin = write_quantized(str(tmp_path), fmt, seed=len(case), **options)
     llm = LLM(model=qdir, dtype="bfloat16", block_size=16, num_gpu_blocks_override=64, cpu_threads=1)
-    assert kernels(llm) == {"w4a16-tiles"}
+    assert kernels(llm) == {"w4a16-tiles"} and labels(llm) == {"w4a16-tiles"}
     batch = make_prompts(3, min_len=1, max_len=20, seed=6) + make_prompts(3, min_len=64, max_len=120, seed=7)
     ref = HFReference(twin, dtype=torch.bfloat16)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in batch], GREEDY)
+    for prompt, out in zip(batch, outputs):
+        assert_greedy_matches(ref, prompt, out.outputs[0].token_ids, ref.greedy(prompt, MAX_TOKENS), tol=0.5)
+    assert_all_blocks_free(llm)
+
+
+@pytest.mark.skipif(not w4_gemm_cpu.int8_available(), reason="needs AVX-512-BF16, VNNI and VBMI, numba and a C")
+@pytest.mark.parametrize(("case", "group"), [("awq-g32", 32), ("ct-w4a16-asym-channel", None)])
+def test_bfloat16_w4a8_matches_transformers_with_the_same_int8_inputs(tmp_path, case, group):
+    """Where the CPU multiplies int8 (``w4a8-tiles``, the default there), every projection's input is
+    rounded to int8 per group of the weight: greedy tokens equal transformers in bfloat16 on the twin
+    with each projection's input rounded the same way, by the tolerance above. Groups are the
+    checkpoint's (32) or, per channel, all of K (64 or 128 on this model). A GPTQ act-order weight's
+    groups are its sorted inputs' (``test_w4a16_cpu.py`` checks that layer)."""
+    fmt, options, _ = CASES[case]
+    qdir, twin = write_quantized(str(tmp_path), fmt, seed=len(case), **options)
+    llm = LLM(model=qdir, dtype="bfloat16", block_size=16, num_gpu_blocks_override=64, cpu_threads=1)
+    assert labels(llm) == {"w4a8-tiles"}
+    batch = make_prompts(3, min_len=1, max_len=20, seed=6) + make_prompts(3, min_len=64, max_len=120, seed=7)
+    ref = int8_activations(HFReference(twin, dtype=torch.bfloat16), group=group or 1 << 30)
     outputs = llm.generate([{"prompt_token_ids": p} for p in batch], GREEDY)
     for prompt, out in zip(batch, outputs):
         assert_greedy_matches(ref, prompt, out.outputs[0].token_ids, ref.greedy(prompt, MAX_TOKENS), tol=0.5)

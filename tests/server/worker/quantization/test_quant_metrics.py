@@ -13,8 +13,15 @@ from pagedllm.server.entrypoints.openai.api_server import ServerSettings
 
 pytestmark = pytest.mark.timeout(180)
 KINDS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
-BFLOAT16_INT4 = "w4a16-tiles" if w4_gemm_cpu.available() else "int4-cpu+unpacked-bfloat16-from-64-rows"
-"""What runs a bfloat16 4-bit projection here: the tiled kernel where the CPU has AVX-512-BF16."""
+BFLOAT16_INT4 = (
+    "w4a8-tiles"
+    if w4_gemm_cpu.int8_available()
+    else "w4a16-tiles"
+    if w4_gemm_cpu.available()
+    else "int4-cpu+unpacked-bfloat16-from-64-rows"
+)
+"""What runs a bfloat16 4-bit projection here: the tiled kernel where the CPU has AVX-512-BF16, on int8
+activations where it also has VNNI and VBMI."""
 
 
 def quant_config_info(url: str) -> dict[str, str]:

@@ -25,6 +25,16 @@ def random_int4(n: int, k: int, group: int, seed: int) -> QuantizedWeight:
     return QuantizedWeight(q, scales, zeros, group, 4)
 
 
+def as_rounded(kernel: W4A16TilesKernel, x: torch.Tensor) -> torch.Tensor:
+    """x as the kernel multiplies it: rounded to int8 per row and group of the packed weight, and back
+    (float64), where it runs on int8 activations; else x itself."""
+    if not kernel.int8:
+        return x
+    levels, stats = w4_gemm_cpu.quantize_rows(x, kernel.group_size)
+    rows, k = x.shape
+    return (levels.double().view(rows, -1, kernel.group_size) * stats[..., :1].double()).view(rows, k)
+
+
 def assert_matches(got: torch.Tensor, w: QuantizedWeight, x: torch.Tensor) -> None:
     """Within 2^-7 of the output's magnitude of the float64 product on the dequantized weight (bfloat16 out)."""
     want = x.double() @ w.dequantize(torch.float64).T
@@ -38,11 +48,12 @@ def assert_matches(got: torch.Tensor, w: QuantizedWeight, x: torch.Tensor) -> No
 def test_chosen_for_bfloat16_at_every_row_count(group, rows):
     w = random_int4(N, K, group, seed=group + rows)
     kernel = choose_kernel(w, CPU, torch.bfloat16)
-    assert isinstance(kernel, W4A16TilesKernel) and kernel.label == "w4a16-tiles"
+    assert isinstance(kernel, W4A16TilesKernel)
+    assert kernel.label == ("w4a8-tiles" if w4_gemm_cpu.int8_available() else "w4a16-tiles")
     x = torch.randn(rows, K).to(torch.bfloat16)
     out = kernel(x)
     assert out.dtype == torch.bfloat16
-    assert_matches(out, w, x)
+    assert_matches(out, w, as_rounded(kernel, x))
 
 
 @needs_kernel
@@ -52,7 +63,7 @@ def test_a_per_channel_weight_runs_in_groups_of_128():
     assert isinstance(kernel, W4A16TilesKernel) and kernel.group_size == 128
     assert kernel.meta.shape == (N // 16, 4, 2, 16)
     x = torch.randn(3, 512).to(torch.bfloat16)
-    assert_matches(kernel(x), w, x)
+    assert_matches(kernel(x), w, as_rounded(kernel, x))
 
 
 @needs_kernel
@@ -67,7 +78,8 @@ def test_act_order_runs_on_the_sorted_weight():
     assert isinstance(kernel, W4A16TilesKernel)
     x = torch.randn(4, K).to(torch.bfloat16)
     original = (q.double() - zeros.double()[:, g_idx]) * scales.double()[:, g_idx]
-    want = x.double() @ original.T
+    # NOTE: int8 groups are the sorted inputs' groups, which act order's g_idx makes of scattered columns
+    want = as_rounded(kernel, x[:, w.perm])[:, torch.argsort(w.perm)].double() @ original.T
     err = (kernel(x[:, w.perm]).double() - want).abs().max().item()
     assert err <= 2**-7 * want.abs().max().item()
 
@@ -90,3 +102,20 @@ def test_unavailable_leaves_bfloat16_on_int4_cpu(monkeypatch):
     kernel = choose_kernel(w, CPU, torch.bfloat16)
     assert isinstance(kernel, Int4CpuKernel)
     assert kernel.label == "int4-cpu+unpacked-bfloat16-from-64-rows"
+
+
+@needs_kernel
+def test_int8_activations_only_where_they_run(monkeypatch):
+    """A group not a multiple of 16 inputs (a per-channel weight of K = 40), or ``PAGEDLLM_W4A8=0``
+    (``int8_available`` false), keeps the same packed weight on bfloat16 activations."""
+    w = random_int4(N, 40, 40, seed=6)
+    kernel = choose_kernel(w, CPU, torch.bfloat16)
+    assert isinstance(kernel, W4A16TilesKernel) and kernel.label == "w4a16-tiles"
+    x = torch.randn(5, 40).to(torch.bfloat16)
+    assert_matches(kernel(x), w, x)
+    monkeypatch.setattr(w4_gemm_cpu, "int8_available", lambda: False)
+    w = random_int4(N, K, 128, seed=7)
+    kernel = choose_kernel(w, CPU, torch.bfloat16)
+    assert kernel.label == "w4a16-tiles"
+    x = torch.randn(16, K).to(torch.bfloat16)
+    torch.testing.assert_close(kernel(x), w4_gemm_cpu.gemm(x, w4_gemm_cpu.W4Packed(kernel.weight, kernel.meta, 128)))
