@@ -2,7 +2,9 @@
 
     kernel        device  weights kept as                           when
     w4a16-tiles   CPU     4-bit pairs [N/16, K/2, 16] + float32      as int4-cpu, bfloat16 activations, an
-                          (scale, 128 + zero) per group             AVX-512-BF16 CPU (w4a16_cpu.py)
+                          (scale, 128 + zero) per group             AVX-512-BF16 CPU (w4a16_cpu.py); labelled
+                                                                    w4a8-tiles where it rounds x to int8
+                                                                    (VNNI and VBMI too, groups of 16k)
     int4-cpu      CPU     oneDNN-free packed int4 [N, K / 2] + (scale, zero) per group   4-bit, group 32..256
     int8-cpu      CPU     int8 [N, K] + one scale per channel        8-bit symmetric per channel
     int8-w8a8-cpu CPU     int8 [N, K]; activations int8 per token    compressed-tensors int8 W8A8 (int32 GEMM)
@@ -240,7 +242,8 @@ class TritonW4A16Kernel(nn.Module):
 
 
 def choose_kernel(w: QuantizedWeight, device: torch.device, dtype: torch.dtype) -> nn.Module:
-    """The fastest kernel that runs ``w`` exactly on ``device`` for activations of ``dtype``."""
+    """The fastest kernel that runs ``w`` exactly on ``device`` for activations of ``dtype`` (exactly but
+    for activations rounded to int8 where the format says so, W8A8, or where ``w4a8-tiles`` runs)."""
     if device.type == "cpu" and dtype in (torch.float32, torch.bfloat16, torch.float16):
         if dtype == torch.bfloat16 and W4A16TilesKernel.fits(w):
             return W4A16TilesKernel(w)
