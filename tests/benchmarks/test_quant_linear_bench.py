@@ -13,6 +13,7 @@ from pagedllm.kernels import w4_gemm_cpu
 def test_every_candidate_computes_the_same_product():
     with torch.inference_mode():
         tiles = ("w4-tiles",) if w4_gemm_cpu.available() else ()
+        tiles += ("w4a8-tiles",) if w4_gemm_cpu.int8_available() else ()
         fns = kernels((128, 256), 128, ("int4", "int4-deq", *tiles, "bf16", "bf16-plain"))
         x = torch.randn(3, 256, dtype=torch.bfloat16)
         want = fns["bf16-plain"](x).float()
