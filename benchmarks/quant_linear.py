@@ -18,6 +18,8 @@ bfloat16 activations, the median time of one pass through each candidate:
   - ``bf16``        the unquantized weight, oneDNN-packed (what a bfloat16 model runs: the peer);
   - ``bf16-plain``  the unquantized weight through ``F.linear`` (no prepacking);
   - ``int8``        torch's int8 weight-only matmul, per channel (``_weight_int8pack_mm``);
+  - ``w8a8-tiles``  the same int8 weight on the tiled kernel's 8-bit packing, x rounded to int8 per row
+                    and group of 128 (what a bfloat16 8-bit layer runs where the CPU has VNNI and VBMI);
   - ``w8a8``        activations quantized to int8 per token, an int32 GEMM (``torch._int_mm``).
 
 Each repeat runs every (threads, candidate) pair once, in turn, in this one process
@@ -51,9 +53,20 @@ from pagedllm.kernels import w4_gemm_cpu
 from pagedllm.server.worker.models.cpu_linear import linear, pack_weight
 from pagedllm.server.worker.quantization.base import QuantizedWeight
 from pagedllm.server.worker.quantization.kernels import Int4CpuKernel, Int8CpuKernel, Int8W8A8CpuKernel
-from pagedllm.server.worker.quantization.w4a16_cpu import W4A16TilesKernel
+from pagedllm.server.worker.quantization.w4a16_cpu import W4A16TilesKernel, W8A8TilesKernel
 
-CANDIDATES = ("int4", "int4-deq", "engine", "w4-tiles", "w4a8-tiles", "bf16", "bf16-plain", "int8", "w8a8")
+CANDIDATES = (
+    "int4",
+    "int4-deq",
+    "engine",
+    "w4-tiles",
+    "w4a8-tiles",
+    "bf16",
+    "bf16-plain",
+    "int8",
+    "w8a8-tiles",
+    "w8a8",
+)
 QUANTIZED = ("int4", "int4-deq", "w4-tiles", "w4a8-tiles")
 """The candidates that run from the 4-bit weight alone: the ones a 4-bit model may switch between."""
 
@@ -79,6 +92,7 @@ def kernels(shape: tuple[int, int], group: int, names: tuple[str, ...]) -> dict[
         "bf16": lambda: (lambda w: lambda x: linear(x, w))(pack_weight(plain)),
         "bf16-plain": lambda: lambda x: F.linear(x, plain),
         "int8": lambda: Int8CpuKernel(_int8(n, k), torch.bfloat16),
+        "w8a8-tiles": lambda: W8A8TilesKernel(_int8(n, k)),
         "w8a8": lambda: Int8W8A8CpuKernel(_int8(n, k)),
     }
     return {name: builders[name]() for name in names}

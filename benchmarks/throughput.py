@@ -24,6 +24,8 @@ overhead per step (scheduler + block manager, no model) with many running sequen
 
 ``--quantization awq`` writes the shape as an AWQ checkpoint (4-bit, group 128:
 :mod:`benchmarks.quant_checkpoint`) that both engines load; run it with ``--systems ours,vllm``.
+``--quantization int8`` has ours quantize the plain checkpoint per channel at load (``LLM(quantization=
+"int8")``), with ``--systems ours`` only.
 
 ``--shape`` picks the model (:mod:`benchmarks.model_shapes`): the small LLaMA by default, a
 real size people serve on CPUs (``qwen2.5-0.5b``, ``qwen2.5-1.5b``, ``llama-3.2-1b``: random
@@ -211,7 +213,12 @@ def parse_args() -> argparse.Namespace:
         "--shape", default="bench", choices=sorted(SHAPES), help="model shape (benchmarks/model_shapes.py)"
     )
     parser.add_argument("--model", default=None, help="a local checkpoint to run instead of a --shape")
-    parser.add_argument("--quantization", default=None, choices=("awq",), help="write and run an AWQ checkpoint")
+    parser.add_argument(
+        "--quantization",
+        default=None,
+        choices=("awq", "int8"),
+        help="awq: write and run an AWQ checkpoint; int8: ours quantizes the plain checkpoint per channel at load",
+    )
     parser.add_argument("--dtype", default="float32", choices=DTYPES, help="weights and activations, every system")
     parser.add_argument("--repeats", type=int, default=1, help="runs of every system per case, in turn")
     parser.add_argument("--kv-cache-dtype", default=None, help="our KV cache's format: auto, fp8, fp8_e5m2, int8")
@@ -230,6 +237,8 @@ def parse_args() -> argparse.Namespace:
     )
     args = parser.parse_args()
     args.systems = _systems(parser, args)
+    if args.quantization == "int8" and any(s != "ours" for s in args.systems):
+        parser.error("--quantization int8 quantizes at load, which only ours does: run it with --systems ours")
     if args.repeats < 1:
         parser.error(f"--repeats={args.repeats} is out of range: must be >= 1")
     return args

@@ -191,9 +191,10 @@ S8_TARGET static inline __attribute__((always_inline)) __m512i dot_u8s8(__m512i 
 #define EACH_B(X) X(0) X(1) X(2) X(3)
 
 S8_TARGET static inline __attribute__((always_inline)) void tile_rows_s8(
-    const int8_t *xq, int64_t k, const int rows, const int blocks, const uint8_t *w, int64_t pairs, const float *meta,
-    int64_t groups, int64_t group_quads, const float *xs, uint16_t *y, int64_t ldy, const char *prefetch,
-    const int per_step, const char *prefetch_meta, const __m512i index) {
+    const int8_t *xq, int64_t k, const int rows, const int blocks, const uint8_t *w, int64_t block_bytes,
+    const float *meta, int64_t groups, int64_t group_quads, const float *xs, uint16_t *y, int64_t ldy,
+    const char *prefetch, const int per_step, const char *prefetch_meta, const __m512i index, const int wide) {
+  const int64_t quad_bytes = wide ? 64 : 32; /* a block's 16 columns x 4 inputs: levels as bytes, or nibbles */
 #define DECLARE(r, b) __m512 acc##r##b = _mm512_setzero_ps(); __m512i s##r##b = _mm512_setzero_si512();
   EACH_RB(DECLARE)
   for (int64_t g = 0; g < groups; g++) {
@@ -202,11 +203,15 @@ S8_TARGET static inline __attribute__((always_inline)) void tile_rows_s8(
 #define START(r, b) s##r##b = bias##r;
     EACH_RB(START)
     for (int64_t t = g * group_quads; t < (g + 1) * group_quads; t++) {
-#define WIDEN(b) const __m512i w##b = b < blocks ? widen_quad(w + (b * pairs + 2 * t) * 16, index) : _mm512_setzero_si512();
+#define WIDEN(b)                                                                                  \
+  const __m512i w##b = b >= blocks ? _mm512_setzero_si512()                                        \
+                       : wide      ? _mm512_loadu_si512((const void *)(w + b * block_bytes + 64 * t)) \
+                                   : widen_quad(w + b * block_bytes + 32 * t, index);
       EACH_B(WIDEN)
-      /* as in tile_rows: every fourth pair (every other quad) fetches the next tile's next lines */
-      if ((t & 1) == 0)
-        for (int q = 0; q < per_step; q++) _mm_prefetch(prefetch + (2 * t * per_step * 16 + q * 64), _MM_HINT_T1);
+      /* as in tile_rows: every 64 bytes of a block (a quad of 8-bit levels, two of 4-bit ones) fetch
+       * per_step lines of the next tile's next blocks */
+      if (wide || (t & 1) == 0)
+        for (int q = 0; q < per_step; q++) _mm_prefetch(prefetch + (t * per_step * quad_bytes + q * 64), _MM_HINT_T1);
 #define ROW(r)                                                                               \
   if (r < rows) {                                                                            \
     const __m512i xb = _mm512_broadcastd_epi32(_mm_loadu_si32(xq + r * k + 4 * t));         \
@@ -268,23 +273,26 @@ S8_TARGET void pagedllm_quantize_s8(intptr_t x_addr, int64_t m, int64_t k, int64
 
 #define CASE_S8(R, B)                                                                                              \
   case (R) * 8 + (B):                                                                                              \
-    tile_rows_s8(xq0 + row * k, k, R, B, w, pairs, meta, groups, group_quads, xs0 + row * groups * 2,              \
-                 y + row * n + 16 * block, n, prefetch, per_step, prefetch_meta, index);                           \
+    tile_rows_s8(xq0 + row * k, k, R, B, w, block_bytes, meta, groups, group_quads, xs0 + row * groups * 2,        \
+                 y + row * n + 16 * block, n, prefetch, per_step, prefetch_meta, index, wide);                     \
     break;
 
 /* Columns of blocks [block0, block1) of y for all m rows, from xq and xs as pagedllm_quantize_s8
- * writes them; w, meta, n, y as for pagedllm_gemm_w4; group a multiple of 16 dividing k. */
-S8_TARGET void pagedllm_gemm_w4a8(intptr_t xq_addr, intptr_t xs_addr, int64_t m, int64_t k, intptr_t w_addr,
-                                  intptr_t meta_addr, int64_t group, int64_t n, int64_t block0, int64_t block1,
-                                  intptr_t y_addr) {
+ * writes them; meta, n, y as for pagedllm_gemm_w4; group a multiple of 16 dividing k. The weight is
+ * w4_gemm_cpu.py's 4-bit packing (wide 0) or its 8-bit one (wide 1): [n / 16, k / 4, 16, 4] bytes,
+ * lane c of quad t holding q[16 b + c, 4t .. 4t + 3], which VPDPBUSD takes as it is. */
+S8_TARGET static inline __attribute__((always_inline)) void gemm_s8(intptr_t xq_addr, intptr_t xs_addr, int64_t m,
+                                                                   int64_t k, intptr_t w_addr, intptr_t meta_addr,
+                                                                   int64_t group, int64_t n, int64_t block0,
+                                                                   int64_t block1, intptr_t y_addr, const int wide) {
   const int8_t *xq0 = (const int8_t *)xq_addr;
   const float *xs0 = (const float *)xs_addr;
   const uint8_t *w0 = (const uint8_t *)w_addr;
   const float *meta0 = (const float *)meta_addr;
   uint16_t *y = (uint16_t *)y_addr;
-  const int64_t pairs = k / 2, groups = k / group, group_quads = group / 4;
+  const int64_t block_bytes = wide ? 16 * k : 8 * k, groups = k / group, group_quads = group / 4;
   const int64_t row_groups = (m + ROWS - 1) / ROWS;
-  /* lane c's byte 0 from byte c (pair 2t), byte 2 from byte 16 + c (pair 2t + 1) */
+  /* 4-bit: lane c's byte 0 from byte c (pair 2t), byte 2 from byte 16 + c (pair 2t + 1) */
   uint8_t order[64] __attribute__((aligned(64)));
   for (int c = 0; c < 16; c++) {
     order[4 * c] = (uint8_t)c;
@@ -295,7 +303,7 @@ S8_TARGET void pagedllm_gemm_w4a8(intptr_t xq_addr, intptr_t xs_addr, int64_t m,
   const __m512i index = _mm512_load_si512((const void *)order);
   for (int64_t block = block0; block < block1; block += TILE) {
     const int blocks = (int)(block1 - block < TILE ? block1 - block : TILE);
-    const uint8_t *w = w0 + block * pairs * 16;
+    const uint8_t *w = w0 + block * block_bytes;
     const float *meta = meta0 + block * groups * 32;
     const int64_t next = block1 - (block + blocks) < TILE ? block1 - (block + blocks) : TILE;
     const int spread = (int)((next + row_groups - 1) / (row_groups ? row_groups : 1));
@@ -303,7 +311,7 @@ S8_TARGET void pagedllm_gemm_w4a8(intptr_t xq_addr, intptr_t xs_addr, int64_t m,
       const int64_t row = rg * ROWS;
       const int rows = (int)(m - row < ROWS ? m - row : ROWS);
       const int per_step = rg * spread < next ? (int)(next - rg * spread < spread ? next - rg * spread : spread) : 0;
-      const char *prefetch = (const char *)(w + (blocks + rg * spread) * pairs * 16);
+      const char *prefetch = (const char *)(w + (blocks + rg * spread) * block_bytes);
       const char *prefetch_meta = per_step ? (const char *)(meta + (blocks + rg * spread) * groups * 32) : 0;
       switch (rows * 8 + blocks) {
         CASE_S8(1, 1) CASE_S8(1, 2) CASE_S8(1, 3) CASE_S8(1, 4)
@@ -313,4 +321,17 @@ S8_TARGET void pagedllm_gemm_w4a8(intptr_t xq_addr, intptr_t xs_addr, int64_t m,
       }
     }
   }
+}
+
+/* the two exported copies: 4-bit levels (pagedllm_gemm_w4's packing) and 8-bit ones */
+S8_TARGET void pagedllm_gemm_w4a8(intptr_t xq_addr, intptr_t xs_addr, int64_t m, int64_t k, intptr_t w_addr,
+                                  intptr_t meta_addr, int64_t group, int64_t n, int64_t block0, int64_t block1,
+                                  intptr_t y_addr) {
+  gemm_s8(xq_addr, xs_addr, m, k, w_addr, meta_addr, group, n, block0, block1, y_addr, 0);
+}
+
+S8_TARGET void pagedllm_gemm_w8a8(intptr_t xq_addr, intptr_t xs_addr, int64_t m, int64_t k, intptr_t w_addr,
+                                  intptr_t meta_addr, int64_t group, int64_t n, int64_t block0, int64_t block1,
+                                  intptr_t y_addr) {
+  gemm_s8(xq_addr, xs_addr, m, k, w_addr, meta_addr, group, n, block0, block1, y_addr, 1);
 }

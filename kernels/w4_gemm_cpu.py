@@ -57,6 +57,7 @@ __all__ = [
     "gemm_int8",
     "int8_available",
     "pack",
+    "pack8",
     "quantize_rows",
     "unpack",
     "w4_gemm_reference",
@@ -70,6 +71,7 @@ SYMBOL = "pagedllm_gemm_w4"
 PARALLEL_MIN_WORK = 1 << 18
 """Below this many multiply-adds a call runs on the calling thread: starting the pool costs more than the product."""
 INT8_SYMBOL = "pagedllm_gemm_w4a8"
+W8_SYMBOL = "pagedllm_gemm_w8a8"
 QUANTIZE_SYMBOL = "pagedllm_quantize_s8"
 INT8_GROUP_MULTIPLE = 16
 """:func:`gemm_int8` takes groups of a multiple of this many inputs (x is quantized 16 at a time)."""
@@ -85,7 +87,9 @@ class W4Packed(NamedTuple):
     """A 4-bit weight in the kernel's layout (both tensors 64-byte aligned, large ones on huge pages)."""
 
     weight: torch.Tensor
-    """[n / 16, k / 2, 16] uint8: byte c of pair p of block b holds q[16 b + c, 2 p] | q[16 b + c, 2 p + 1] << 4."""
+    """4-bit (:func:`pack`): [n / 16, k / 2, 16] uint8, byte c of pair p of block b holding
+    q[16 b + c, 2 p] | q[16 b + c, 2 p + 1] << 4; 8-bit (:func:`pack8`, :func:`gemm_int8` only):
+    [n / 16, k / 4, 64] uint8, byte 4 c + i of quad t holding q[16 b + c, 4 t + i]."""
     meta: torch.Tensor
     """[n / 16, k / group, 2, 16] float32: per block and group, the 16 columns' scales, then 128 + their zeros."""
     group: int
@@ -135,11 +139,34 @@ def pack(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int)
     pairs = q.reshape(n // BLOCK, BLOCK, k // 2, 2).permute(0, 2, 1, 3)
     weight = aligned_empty(n * k // 2, torch.uint8).view(n // BLOCK, k // 2, BLOCK)
     weight.copy_(pairs[..., 0] | (pairs[..., 1] << 4))
-    # meta: [n/16, groups, 2, 16]; each [n, groups] tensor -> [n/16, groups, 16]
+    return W4Packed(weight, _meta(scales, zeros, group), group)
+
+
+def pack8(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int) -> W4Packed:
+    """8-bit levels ``q`` [n, k] (uint8, 0..255), ``scales`` and ``zeros`` [n, k / group] in the layout
+    :func:`gemm_int8` multiplies as it is: weight [n / 16, k / 4, 64], quad t of block b holding
+    ``q[16 b + c, 4 t + i]`` at byte 4 c + i; meta as :func:`pack`'s. k a multiple of 4."""
+    if not can_pack(q, group) or q.shape[1] % 4:
+        raise ValueError(
+            f"the CPU W8 GEMM packs uint8 CPU levels [n, k] with n a multiple of {BLOCK}, k of 4 and an even "
+            f"group dividing k, got {tuple(q.shape)} {q.dtype} on {q.device}, group {group}"
+        )
+    n, k = q.shape
+    if scales.shape != (n, k // group) or zeros.shape != (n, k // group):
+        got = f"{tuple(scales.shape)}, {tuple(zeros.shape)}"
+        raise ValueError(f"scales and zeros must be [{n}, {k // group}], got {got}")
+    weight = aligned_empty(n * k, torch.uint8).view(n // BLOCK, k // 4, 4 * BLOCK)
+    weight.view(n // BLOCK, k // 4, BLOCK, 4).copy_(q.reshape(n // BLOCK, BLOCK, k // 4, 4).permute(0, 2, 1, 3))
+    return W4Packed(weight, _meta(scales, zeros, group), group)
+
+
+def _meta(scales: torch.Tensor, zeros: torch.Tensor, group: int) -> torch.Tensor:
+    """[n / 16, groups, 2, 16] float32: per block and group the 16 columns' scales, then 128 + their zeros."""
+    n, groups = scales.shape
     per_block = [t.float().reshape(n // BLOCK, BLOCK, -1).transpose(1, 2) for t in (scales, 128.0 + zeros.float())]
-    meta = aligned_empty(n * (k // group) * 2, torch.float32).view(n // BLOCK, k // group, 2, BLOCK)
+    meta = aligned_empty(n * groups * 2, torch.float32).view(n // BLOCK, groups, 2, BLOCK)
     meta.copy_(torch.stack(per_block, dim=2))
-    return W4Packed(weight, meta, group)
+    return meta
 
 
 def unpack(packed: W4Packed) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -156,6 +183,8 @@ def gemm(x: torch.Tensor, packed: W4Packed) -> torch.Tensor:
 
     x: [..., k] bfloat16 -> [..., n] bfloat16. Sums are float32, rounded to bfloat16 once.
     """
+    if packed.weight.shape[-1] != BLOCK:
+        raise ValueError("gemm takes 4-bit packing (pack); an 8-bit weight (pack8) runs on gemm_int8")
     rows, n, k, group = _checked(x, packed)
     blocks, m = n // BLOCK, rows.shape[0]
     out = torch.empty(m, n, dtype=torch.bfloat16)
@@ -175,8 +204,8 @@ def gemm(x: torch.Tensor, packed: W4Packed) -> torch.Tensor:
 
 def _checked(x: torch.Tensor, packed: W4Packed) -> tuple[torch.Tensor, int, int, int]:
     """x as contiguous rows [m, k], and n, k, group, or a ValueError naming what does not fit."""
-    blocks, pairs, _ = packed.weight.shape
-    n, k, group = blocks * BLOCK, pairs * 2, packed.group
+    blocks, runs, width = packed.weight.shape
+    n, k, group = blocks * BLOCK, runs * (4 if width == 4 * BLOCK else 2), packed.group
     if x.dtype != torch.bfloat16 or x.shape[-1] != k:
         raise ValueError(f"x must be bfloat16 [..., {k}], got {x.dtype} {tuple(x.shape)}")
     if packed.meta.dtype != torch.float32 or packed.meta.shape != (blocks, k // group, 2, BLOCK):
@@ -214,13 +243,14 @@ def gemm_int8(x: torch.Tensor, packed: W4Packed) -> torch.Tensor:
         stats = torch.empty(m, k // group, 2, dtype=torch.float32)  # per row and group: scale, sum of levels
         threads = min(_use_threads(torch.get_num_threads()), blocks) if m * n * k >= PARALLEL_MIN_WORK else 1
         w, meta = packed.weight.data_ptr(), packed.meta.data_ptr()
+        symbol = W8_SYMBOL if packed.weight.shape[-1] == 4 * BLOCK else INT8_SYMBOL
         args = (rows.data_ptr(), m, k, group, levels.data_ptr(), stats.data_ptr(), w, meta, n, blocks, out.data_ptr())
         if threads > 1:
-            _parallel_int8()(*args, threads)
+            _parallel_int8(symbol)(*args, threads)
         else:
             x_at, _, _, _, levels_at, stats_at, *_ = args
             _quantize_serial()(x_at, m, k, group, levels_at, stats_at)
-            _int8_serial()(levels_at, stats_at, m, k, w, meta, group, n, 0, blocks, out.data_ptr())
+            _int8_serial(symbol)(levels_at, stats_at, m, k, w, meta, group, n, 0, blocks, out.data_ptr())
     return out if rows is x else out.view(*x.shape[:-1], n)
 
 
@@ -259,7 +289,8 @@ def _parallel():
 _QUANTIZE_ARGS = ("ptr", "i64", "i64", "i64", "ptr", "ptr")
 """pagedllm_quantize_s8's arguments: x, m, k, group, levels, stats."""
 _INT8_ARGS = ("ptr", "ptr", "i64", "i64", "ptr", "ptr", "i64", "i64", "i64", "i64", "ptr")
-"""pagedllm_gemm_w4a8's arguments: levels, stats, m, k, weight, meta, group, n, block0, block1, y."""
+"""pagedllm_gemm_w4a8's and pagedllm_gemm_w8a8's arguments: levels, stats, m, k, weight, meta, group, n,
+block0, block1, y."""
 
 
 @functools.cache
@@ -271,21 +302,21 @@ def _quantize_serial():
 
 
 @functools.cache
-def _int8_serial():
+def _int8_serial(symbol: str):
     path = _library()
     assert path is not None
     kinds = {"ptr": ctypes.c_void_p, "i64": ctypes.c_int64}
-    return load_symbol(path, INT8_SYMBOL, tuple(kinds[a] for a in _INT8_ARGS))
+    return load_symbol(path, symbol, tuple(kinds[a] for a in _INT8_ARGS))
 
 
 @functools.cache
-def _parallel_int8():
+def _parallel_int8(symbol: str):
     """A Numba function that quantizes x (on the calling thread, or a share of rows per thread from
     :data:`PARALLEL_QUANTIZE_ROWS` rows), then deals the column blocks out over ``parts`` threads."""
     _library()
     kinds = {"ptr": types.intp, "i64": types.int64}
     quantize = types.ExternalFunction(QUANTIZE_SYMBOL, types.void(*(kinds[a] for a in _QUANTIZE_ARGS)))
-    kernel = types.ExternalFunction(INT8_SYMBOL, types.void(*(kinds[a] for a in _INT8_ARGS)))
+    kernel = types.ExternalFunction(symbol, types.void(*(kinds[a] for a in _INT8_ARGS)))
     parallel_rows = PARALLEL_QUANTIZE_ROWS
 
     def run(x, m, k, group, levels, stats, w, meta, n, blocks, y, parts):

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from benchmarks.throughput import greedy_check, ratios, run_ratios, table
+import pytest
+
+from benchmarks.throughput import greedy_check, parse_args, ratios, run_ratios, table
 
 
 def test_greedy_check_counts_requests_that_differ_and_where_they_first_diverge():
@@ -38,3 +40,12 @@ def test_table_shows_medians_ours_over_vllm_with_each_runs_ratio_and_cpu_per_tok
 
 def test_run_ratios_need_both_engines_in_the_runs():
     assert run_ratios([{"tokens_per_s": {"ours": 1.0, "ceiling": 2.0}}]) == {}
+
+
+def test_online_int8_runs_ours_alone(monkeypatch, capsys):
+    monkeypatch.setattr("sys.argv", ["throughput", "--quantization", "int8", "--systems", "ours,hf_static"])
+    with pytest.raises(SystemExit):
+        parse_args()
+    assert "only ours does: run it with --systems ours" in capsys.readouterr().err
+    monkeypatch.setattr("sys.argv", ["throughput", "--quantization", "int8", "--systems", "ours"])
+    assert parse_args().quantization == "int8"

@@ -275,3 +275,57 @@ def test_w4a8_switch_keeps_bfloat16_activations(monkeypatch):
     finally:
         monkeypatch.undo()
         w4_gemm_cpu.int8_available.cache_clear()
+
+
+def random_weight8(n: int, k: int, group: int, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 256, (n, k), generator=gen).to(torch.uint8)
+    scales = torch.rand(n, k // group, generator=gen) * 0.01 + 0.001
+    zeros = torch.randint(0, 256, (n, k // group), generator=gen).float()
+    return q, scales, zeros
+
+
+def test_pack8_lays_quads_of_levels_into_lanes():
+    q, scales, zeros = random_weight8(48, 64, 32, seed=0)
+    packed = w4_gemm_cpu.pack8(q, scales, zeros, 32)
+    assert packed.weight.shape == (3, 16, 64) and packed.weight.dtype == torch.uint8
+    assert packed.weight.data_ptr() % 64 == 0 and packed.meta.data_ptr() % 64 == 0
+    # block b, quad t, column c, input i: q[16 b + c, 4 t + i] at byte 4 c + i
+    assert packed.weight[2, 5, 4 * 7 + 3] == q[39, 23]
+    assert torch.equal(packed.meta, w4_gemm_cpu.pack(q & 15, scales, zeros, 32).meta)
+    with pytest.raises(ValueError, match=r"k of 4.*\(16, 66\)"):
+        w4_gemm_cpu.pack8(torch.zeros(16, 66, dtype=torch.uint8), torch.ones(16, 1), torch.zeros(16, 1), 66)
+    with pytest.raises(ValueError, match="an 8-bit weight"):
+        w4_gemm_cpu.gemm(torch.zeros(1, 64, dtype=torch.bfloat16), packed)
+
+
+@pytest.mark.parametrize(
+    ("n", "k"),
+    [(16, 512), (48, 512), (80, 512), (96, 512), (64 * 3 + 16 * 3, 256)],
+    ids=["one-block", "three-blocks", "tail-of-one", "tail-of-two", "tail-of-three"],
+)
+@pytest.mark.parametrize("group", [32, 128, "channel"])
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 16, 70])
+@needs_int8
+def test_int8_gemm_of_8bit_levels_matches_its_reference(n, k, group, rows):
+    """8-bit levels 0..255 against zero points 0..255, every tile shape, x rounded as for 4-bit weights:
+    the same bound (the 128 + q and 128 + zero sums are exact in int32 and float32 alike)."""
+    group = k if group == "channel" else group
+    q, scales, zeros = random_weight8(n, k, group, seed=rows * 1000 + n + group)
+    x = torch.randn(rows, k).to(torch.bfloat16)
+    out = w4_gemm_cpu.gemm_int8(x, w4_gemm_cpu.pack8(q, scales, zeros, group))
+    assert out.shape == (rows, n) and out.dtype == torch.bfloat16
+    close_to_int8_reference(out, x, q, scales, zeros, group)
+    torch.testing.assert_close(out, w4_gemm_cpu.w4a8_reference(x, q, scales, zeros, group), rtol=2**-7, atol=0.05)
+
+
+@needs_int8
+def test_int8_gemm_of_8bit_levels_as_far_from_their_zero_as_they_go():
+    """q = 255 against zero 0 and q = 0 against zero 255, x at +-max: the largest int32 sums."""
+    even = torch.arange(32)[:, None] % 2 == 0
+    q = torch.where(even, 0, 255).expand(32, 256).to(torch.uint8).contiguous()
+    zeros = torch.where(even, 255.0, 0.0).expand(32, 1).contiguous()
+    scales = torch.full((32, 1), 0.01)
+    x = torch.where(torch.arange(256) % 3 == 0, 4.0, -4.0).expand(3, 256).to(torch.bfloat16).contiguous()
+    out = w4_gemm_cpu.gemm_int8(x, w4_gemm_cpu.pack8(q, scales, zeros, 256))
+    close_to_int8_reference(out, x, q, scales, zeros, 256)

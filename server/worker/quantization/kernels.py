@@ -5,6 +5,8 @@
                           (scale, 128 + zero) per group             AVX-512-BF16 CPU (w4a16_cpu.py); labelled
                                                                     w4a8-tiles where it rounds x to int8
                                                                     (VNNI and VBMI too, groups of 16k)
+    w8a8-tiles    CPU     8-bit quads [N/16, K/4, 64] + float32      8-bit, bfloat16 activations rounded to
+                          (scale, 128 + zero) per group             int8 per group, VNNI and VBMI (w4a16_cpu.py)
     int4-cpu      CPU     oneDNN-free packed int4 [N, K / 2] + (scale, zero) per group   4-bit, group 32..256
     int8-cpu      CPU     int8 [N, K] + one scale per channel        8-bit symmetric per channel
     int8-w8a8-cpu CPU     int8 [N, K]; activations int8 per token    compressed-tensors int8 W8A8 (int32 GEMM)
@@ -36,7 +38,7 @@ from torch import nn
 from pagedllm.kernels.int4_unpack_cpu import int4_unpack_cpu
 from pagedllm.server.worker.quantization.base import QuantizedWeight, pack_int32
 from pagedllm.server.worker.quantization.fp8_kernels import choose_fp8_kernel
-from pagedllm.server.worker.quantization.w4a16_cpu import W4A16TilesKernel
+from pagedllm.server.worker.quantization.w4a16_cpu import W4A16TilesKernel, W8A8TilesKernel
 
 INT4_CPU_GROUPS = (32, 64, 128, 256)
 TILE_ELEMENTS = 1 << 21
@@ -247,6 +249,8 @@ def choose_kernel(w: QuantizedWeight, device: torch.device, dtype: torch.dtype) 
     if device.type == "cpu" and dtype in (torch.float32, torch.bfloat16, torch.float16):
         if dtype == torch.bfloat16 and W4A16TilesKernel.fits(w):
             return W4A16TilesKernel(w)
+        if dtype == torch.bfloat16 and W8A8TilesKernel.fits(w):
+            return W8A8TilesKernel(w)
         if Int4CpuKernel.fits(w):
             return Int4CpuKernel(w, dtype)
         if Int8W8A8CpuKernel.fits(w):

@@ -74,3 +74,49 @@ class W4A16TilesKernel(nn.Module):
         # x: [rows, K] bfloat16 -> [rows, N]
         packed = w4_gemm_cpu.W4Packed(self.weight, self.meta, self.group_size)
         return w4_gemm_cpu.gemm_int8(x, packed) if self.int8 else w4_gemm_cpu.gemm(x, packed)
+
+
+class W8A8TilesKernel(nn.Module):
+    """``x @ W.T`` for an 8-bit weight (GPTQ, compressed-tensors W8A16, ``--quantization int8``) with
+    bfloat16 activations rounded to int8 per row and group, on the tiled CPU kernel's 8-bit packing
+    (``w4_gemm_cpu.pack8``): VPDPBUSD multiplies the stored levels as they are, nothing widened."""
+
+    name = "w8a8-tiles"
+    label = name
+    """What runs the product, for the banner and metrics (one kernel for every row count)."""
+    weight: torch.Tensor
+    meta: torch.Tensor
+
+    def __init__(self, w: QuantizedWeight) -> None:
+        super().__init__()
+        q, scales, group = w.q, w.scales, w.group_size
+        k = w.shape[1]
+        if w.zeros is None:  # NOTE: signed levels, zero 0: the same values as unsigned ones around 128
+            q, zeros = (q.to(torch.int16) + 128).to(torch.uint8), torch.full_like(scales, 128.0)
+        else:
+            zeros = w.zeros
+        if group == k and k % CHANNEL_SPLIT == 0 and k > CHANNEL_SPLIT:
+            repeat, group = k // CHANNEL_SPLIT, CHANNEL_SPLIT
+            scales, zeros = scales.repeat_interleave(repeat, 1), zeros.repeat_interleave(repeat, 1)
+        packed = w4_gemm_cpu.pack8(q, scales, zeros, group)
+        # weight: [N / 16, K / 4, 64] uint8; meta: [N / 16, K / group, 2, 16] float32 (scale, 128 + zero)
+        self.register_buffer("weight", packed.weight)
+        self.register_buffer("meta", packed.meta)
+        self.group_size = group
+
+    @staticmethod
+    def fits(w: QuantizedWeight) -> bool:
+        """8-bit levels, unsigned with zero points or signed without, N a multiple of 16 and K of 4, groups
+        of a multiple of 16 inputs dividing K (or one per channel, split in 128s where K allows), not a
+        format that fixes its own activation rounding (W8A8), on a CPU where ``gemm_int8`` runs."""
+        n, k = w.shape
+        signed = w.q.dtype == torch.int8 and w.zeros is None
+        levels = (w.q.dtype == torch.uint8 and w.zeros is not None) or signed
+        group = CHANNEL_SPLIT if w.group_size == k and k % CHANNEL_SPLIT == 0 else w.group_size
+        grouped = group % w4_gemm_cpu.INT8_GROUP_MULTIPLE == 0 and k % group == 0
+        shaped = w.bits == 8 and levels and not w.int8_activations and n % 16 == 0 and k % 4 == 0 and grouped
+        return shaped and w4_gemm_cpu.int8_available()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [rows, K] bfloat16 -> [rows, N]
+        return w4_gemm_cpu.gemm_int8(x, w4_gemm_cpu.W4Packed(self.weight, self.meta, self.group_size))

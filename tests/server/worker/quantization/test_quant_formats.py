@@ -263,17 +263,25 @@ def test_bfloat16_w4a16_runs_the_tiled_kernel_and_matches_transformers_in_bfloat
 
 
 @pytest.mark.skipif(not w4_gemm_cpu.int8_available(), reason="needs AVX-512-BF16, VNNI and VBMI, numba and a C")
-@pytest.mark.parametrize(("case", "group"), [("awq-g32", 32), ("ct-w4a16-asym-channel", None)])
-def test_bfloat16_w4a8_matches_transformers_with_the_same_int8_inputs(tmp_path, case, group):
-    """Where the CPU multiplies int8 (``w4a8-tiles``, the default there), every projection's input is
-    rounded to int8 per group of the weight: greedy tokens equal transformers in bfloat16 on the twin
-    with each projection's input rounded the same way, by the tolerance above. Groups are the
-    checkpoint's (32) or, per channel, all of K (64 or 128 on this model). A GPTQ act-order weight's
-    groups are its sorted inputs' (``test_w4a16_cpu.py`` checks that layer)."""
+@pytest.mark.parametrize(
+    ("case", "group", "label"),
+    [
+        ("awq-g32", 32, "w4a8-tiles"),
+        ("ct-w4a16-asym-channel", None, "w4a8-tiles"),
+        ("gptq-8bit-g32-asym", 32, "w8a8-tiles"),
+        ("gptq-8bit-channel", None, "w8a8-tiles"),
+    ],
+)
+def test_bfloat16_int8_activations_match_transformers_with_the_same_int8_inputs(tmp_path, case, group, label):
+    """Where the CPU multiplies int8 (``w4a8-tiles`` and ``w8a8-tiles``, the default there for 4- and
+    8-bit weights), every projection's input is rounded to int8 per group of the weight: greedy tokens
+    equal transformers in bfloat16 on the twin with each projection's input rounded the same way, by
+    the tolerance above. Groups are the checkpoint's (32) or, per channel, all of K (64 or 128 on this
+    model). A GPTQ act-order weight's groups are its sorted inputs' (``test_w4a16_cpu.py`` checks that layer)."""
     fmt, options, _ = CASES[case]
     qdir, twin = write_quantized(str(tmp_path), fmt, seed=len(case), **options)
     llm = LLM(model=qdir, dtype="bfloat16", block_size=16, num_gpu_blocks_override=64, cpu_threads=1)
-    assert labels(llm) == {"w4a8-tiles"}
+    assert labels(llm) == {label}
     batch = make_prompts(3, min_len=1, max_len=20, seed=6) + make_prompts(3, min_len=64, max_len=120, seed=7)
     ref = int8_activations(HFReference(twin, dtype=torch.bfloat16), group=group or 1 << 30)
     outputs = llm.generate([{"prompt_token_ids": p} for p in batch], GREEDY)

@@ -7,8 +7,14 @@ import torch
 
 from pagedllm.kernels import w4_gemm_cpu
 from pagedllm.server.worker.quantization.base import QuantizedWeight, sort_by_groups
-from pagedllm.server.worker.quantization.kernels import DequantizeKernel, Int4CpuKernel, choose_kernel
-from pagedllm.server.worker.quantization.w4a16_cpu import W4A16TilesKernel
+from pagedllm.server.worker.quantization.kernels import (
+    DequantizeKernel,
+    Int4CpuKernel,
+    Int8CpuKernel,
+    Int8W8A8CpuKernel,
+    choose_kernel,
+)
+from pagedllm.server.worker.quantization.w4a16_cpu import W4A16TilesKernel, W8A8TilesKernel
 
 N, K = 64, 256
 CPU = torch.device("cpu")
@@ -25,10 +31,10 @@ def random_int4(n: int, k: int, group: int, seed: int) -> QuantizedWeight:
     return QuantizedWeight(q, scales, zeros, group, 4)
 
 
-def as_rounded(kernel: W4A16TilesKernel, x: torch.Tensor) -> torch.Tensor:
+def as_rounded(kernel: W4A16TilesKernel | W8A8TilesKernel, x: torch.Tensor) -> torch.Tensor:
     """x as the kernel multiplies it: rounded to int8 per row and group of the packed weight, and back
     (float64), where it runs on int8 activations; else x itself."""
-    if not kernel.int8:
+    if not getattr(kernel, "int8", True):
         return x
     levels, stats = w4_gemm_cpu.quantize_rows(x, kernel.group_size)
     rows, k = x.shape
@@ -119,3 +125,50 @@ def test_int8_activations_only_where_they_run(monkeypatch):
     assert kernel.label == "w4a16-tiles"
     x = torch.randn(16, K).to(torch.bfloat16)
     torch.testing.assert_close(kernel(x), w4_gemm_cpu.gemm(x, w4_gemm_cpu.W4Packed(kernel.weight, kernel.meta, 128)))
+
+
+needs_int8 = pytest.mark.skipif(
+    not w4_gemm_cpu.int8_available(), reason="needs AVX-512-BF16, VNNI and VBMI, numba and a C compiler"
+)
+
+
+def random_int8(n: int, k: int, group: int, seed: int, signed: bool = False) -> QuantizedWeight:
+    gen = torch.Generator().manual_seed(seed)
+    scales = torch.rand(n, k // group, generator=gen) * 0.01 + 0.001
+    if signed:
+        return QuantizedWeight(torch.randint(-128, 128, (n, k), generator=gen).to(torch.int8), scales, None, group, 8)
+    zeros = torch.randint(0, 256, (n, k // group), generator=gen).float()
+    return QuantizedWeight(torch.randint(0, 256, (n, k), generator=gen).to(torch.uint8), scales, zeros, group, 8)
+
+
+@pytest.mark.parametrize(
+    ("desc", "group", "signed", "kernel_group"),
+    [
+        ("gptq-g32-asym", 32, False, 32),
+        ("gptq-g128", 128, False, 128),
+        ("channel", 512, False, 128),
+        ("signed-channel", 512, True, 128),
+        ("signed-g64", 64, True, 64),
+    ],
+)
+@pytest.mark.parametrize("rows", [1, 5, 16, 64])
+@needs_int8
+def test_8bit_weights_run_w8a8_tiles_for_bfloat16(desc, group, signed, kernel_group, rows):
+    """GPTQ / compressed-tensors 8-bit levels (unsigned with zeros, or signed: zero 0) in groups or per
+    channel (kept in groups of 128): x rounded to int8 per row and group, then exact up to float32 sums."""
+    w = random_int8(N, 512, group, seed=rows + group, signed=signed)
+    kernel = choose_kernel(w, CPU, torch.bfloat16)
+    assert isinstance(kernel, W8A8TilesKernel) and kernel.label == "w8a8-tiles"
+    assert kernel.group_size == kernel_group
+    x = torch.randn(rows, 512).to(torch.bfloat16)
+    assert_matches(kernel(x), w, as_rounded(kernel, x))
+
+
+@needs_int8
+def test_8bit_weights_it_does_not_take_keep_their_kernels():
+    w = random_int8(N, 512, 512, seed=1, signed=True)
+    assert isinstance(choose_kernel(w, CPU, torch.float32), Int8CpuKernel)  # NOTE: float32 activations
+    w8a8 = QuantizedWeight(w.q, w.scales, None, 512, 8, None, True)  # the format rounds x per token itself
+    assert isinstance(choose_kernel(w8a8, CPU, torch.bfloat16), Int8W8A8CpuKernel)
+    odd = random_int8(N, 40, 40, seed=2)  # NOTE: a per-channel K of 40: no group of a multiple of 16
+    assert not W8A8TilesKernel.fits(odd) and isinstance(choose_kernel(odd, CPU, torch.bfloat16), DequantizeKernel)
