@@ -20,7 +20,8 @@ bfloat16 pair took four, so a call bound by its multiply-adds (from a few rows o
 the time. Qwen2.5-0.5B's gate/up (9728 x 896, group 128) on one thread of an AVX-512 EPYC:
 0.33 / 1.25 ms at 16 / 64 rows against :func:`gemm`'s 0.61 / 2.3, 0.08 ms against 0.11 at one row.
 The cost is x's rounding to 8 bits, about 0.7% of a product's size for normally distributed x
-(:func:`gemm` rounds only its result to bfloat16).
+(:func:`gemm` rounds only its result to bfloat16). 8-bit weights (:func:`pack8`) run on the same
+product, their levels laid out so that VPDPBUSD takes them as they are.
 
 Compiled and loaded as bf16_gemm_cpu's kernel is (kernels/_cpu_compile.py). :func:`available`
 is false where that kernel's is (no AVX-512-BF16, compiler or Numba, ``PAGEDLLM_CPU_GEMM=0``);
@@ -105,7 +106,7 @@ def available() -> bool:
 @functools.cache
 def int8_available() -> bool:
     """Whether :func:`gemm_int8` runs here: :func:`available`, AVX-512-VNNI and VBMI, and
-    ``PAGEDLLM_W4A8`` not ``0`` (the switch that keeps 4-bit layers on bfloat16 activations)."""
+    ``PAGEDLLM_W4A8`` not ``0`` (the switch that keeps 4- and 8-bit layers on bfloat16 activations)."""
     if os.environ.get("PAGEDLLM_W4A8", "1") == "0":
         return False
     return available() and cpu_has_flags("avx512_vnni", "avx512vbmi")
