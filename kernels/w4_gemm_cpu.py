@@ -134,9 +134,7 @@ def pack(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int)
             f"dividing k, got {tuple(q.shape)} {q.dtype} on {q.device}, group {group}"
         )
     n, k = q.shape
-    if scales.shape != (n, k // group) or zeros.shape != (n, k // group):
-        got = f"{tuple(scales.shape)}, {tuple(zeros.shape)}"
-        raise ValueError(f"scales and zeros must be [{n}, {k // group}], got {got}")
+    _check_scales(scales, zeros, n, k // group)
     pairs = q.reshape(n // BLOCK, BLOCK, k // 2, 2).permute(0, 2, 1, 3)
     weight = aligned_empty(n * k // 2, torch.uint8).view(n // BLOCK, k // 2, BLOCK)
     weight.copy_(pairs[..., 0] | (pairs[..., 1] << 4))
@@ -153,12 +151,16 @@ def pack8(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int
             f"group dividing k, got {tuple(q.shape)} {q.dtype} on {q.device}, group {group}"
         )
     n, k = q.shape
-    if scales.shape != (n, k // group) or zeros.shape != (n, k // group):
-        got = f"{tuple(scales.shape)}, {tuple(zeros.shape)}"
-        raise ValueError(f"scales and zeros must be [{n}, {k // group}], got {got}")
+    _check_scales(scales, zeros, n, k // group)
     weight = aligned_empty(n * k, torch.uint8).view(n // BLOCK, k // 4, 4 * BLOCK)
     weight.view(n // BLOCK, k // 4, BLOCK, 4).copy_(q.reshape(n // BLOCK, BLOCK, k // 4, 4).permute(0, 2, 1, 3))
     return W4Packed(weight, _meta(scales, zeros, group), group)
+
+
+def _check_scales(scales: torch.Tensor, zeros: torch.Tensor, n: int, groups: int) -> None:
+    if scales.shape != (n, groups) or zeros.shape != (n, groups):
+        got = f"{tuple(scales.shape)}, {tuple(zeros.shape)}"
+        raise ValueError(f"scales and zeros must be [{n}, {groups}], got {got}")
 
 
 def _meta(scales: torch.Tensor, zeros: torch.Tensor, group: int) -> torch.Tensor:
@@ -226,7 +228,8 @@ def quantize_rows(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tens
     levels = torch.empty(m, k, dtype=torch.int8)
     stats = torch.empty(m, k // group, 2, dtype=torch.float32)
     if m > 0:
-        _quantize_serial()(x.contiguous().data_ptr(), m, k, group, levels.data_ptr(), stats.data_ptr())
+        quantize = _c_function(QUANTIZE_SYMBOL, _QUANTIZE_ARGS)
+        quantize(x.contiguous().data_ptr(), m, k, group, levels.data_ptr(), stats.data_ptr())
     return levels, stats
 
 
@@ -243,15 +246,14 @@ def gemm_int8(x: torch.Tensor, packed: W4Packed) -> torch.Tensor:
         levels = torch.empty(m, k, dtype=torch.int8)
         stats = torch.empty(m, k // group, 2, dtype=torch.float32)  # per row and group: scale, sum of levels
         threads = min(_use_threads(torch.get_num_threads()), blocks) if m * n * k >= PARALLEL_MIN_WORK else 1
-        w, meta = packed.weight.data_ptr(), packed.meta.data_ptr()
+        w, meta, y = packed.weight.data_ptr(), packed.meta.data_ptr(), out.data_ptr()
+        x_at, levels_at, stats_at = rows.data_ptr(), levels.data_ptr(), stats.data_ptr()
         symbol = W8_SYMBOL if packed.weight.shape[-1] == 4 * BLOCK else INT8_SYMBOL
-        args = (rows.data_ptr(), m, k, group, levels.data_ptr(), stats.data_ptr(), w, meta, n, blocks, out.data_ptr())
         if threads > 1:
-            _parallel_int8(symbol)(*args, threads)
+            _parallel_int8(symbol)(x_at, m, k, group, levels_at, stats_at, w, meta, n, blocks, y, threads)
         else:
-            x_at, _, _, _, levels_at, stats_at, *_ = args
-            _quantize_serial()(x_at, m, k, group, levels_at, stats_at)
-            _int8_serial(symbol)(levels_at, stats_at, m, k, w, meta, group, n, 0, blocks, out.data_ptr())
+            _c_function(QUANTIZE_SYMBOL, _QUANTIZE_ARGS)(x_at, m, k, group, levels_at, stats_at)
+            _c_function(symbol, _INT8_ARGS)(levels_at, stats_at, m, k, w, meta, group, n, 0, blocks, y)
     return out if rows is x else out.view(*x.shape[:-1], n)
 
 
@@ -260,12 +262,18 @@ _ARGS = ("ptr", "i64", "i64", "ptr", "ptr", "ptr", "i64", "i64", "i64", "i64", "
 
 
 @functools.cache
-def _serial():
-    """The C function called on the calling thread, through ctypes (no Numba region to start)."""
+def _c_function(symbol: str, args: tuple[str, ...]):
+    """The library's ``symbol`` through ctypes, called on the calling thread (no Numba region to start)."""
     path = _library()
     assert path is not None
     kinds = {"ptr": ctypes.c_void_p, "i64": ctypes.c_int64}
-    fn = load_symbol(path, SYMBOL, tuple(kinds[a] for a in _ARGS))
+    return load_symbol(path, symbol, tuple(kinds[a] for a in args))
+
+
+@functools.cache
+def _serial():
+    """The C function called on the calling thread, through ctypes (no Numba region to start)."""
+    fn = _c_function(SYMBOL, _ARGS)
 
     def call(x, m, k, w, meta, xsum, group, n, blocks, y):
         fn(x, m, k, w, meta, xsum, group, n, 0, blocks, y)
@@ -292,22 +300,6 @@ _QUANTIZE_ARGS = ("ptr", "i64", "i64", "i64", "ptr", "ptr")
 _INT8_ARGS = ("ptr", "ptr", "i64", "i64", "ptr", "ptr", "i64", "i64", "i64", "i64", "ptr")
 """pagedllm_gemm_w4a8's and pagedllm_gemm_w8a8's arguments: levels, stats, m, k, weight, meta, group, n,
 block0, block1, y."""
-
-
-@functools.cache
-def _quantize_serial():
-    path = _library()
-    assert path is not None
-    kinds = {"ptr": ctypes.c_void_p, "i64": ctypes.c_int64}
-    return load_symbol(path, QUANTIZE_SYMBOL, tuple(kinds[a] for a in _QUANTIZE_ARGS))
-
-
-@functools.cache
-def _int8_serial(symbol: str):
-    path = _library()
-    assert path is not None
-    kinds = {"ptr": ctypes.c_void_p, "i64": ctypes.c_int64}
-    return load_symbol(path, symbol, tuple(kinds[a] for a in _INT8_ARGS))
 
 
 @functools.cache

@@ -34,6 +34,17 @@ CHANNEL_SPLIT = 128
 repeated: each float32 sum then runs over 128 inputs, not all of K (the cost: 8 bytes per 128 weights)."""
 
 
+def split_channels(
+    scales: torch.Tensor, zeros: torch.Tensor, group: int, k: int
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """A per-channel weight's scales and zeros repeated for groups of :data:`CHANNEL_SPLIT` inputs where K
+    divides into more than one; other weights' as they are."""
+    if group == k and k % CHANNEL_SPLIT == 0 and k > CHANNEL_SPLIT:
+        repeat = k // CHANNEL_SPLIT
+        return scales.repeat_interleave(repeat, 1), zeros.repeat_interleave(repeat, 1), CHANNEL_SPLIT
+    return scales, zeros, group
+
+
 class W4A16TilesKernel(nn.Module):
     """``x @ W.T`` for a 4-bit weight with zero points and bfloat16 activations, on the tiled CPU kernel
     (x rounded to int8 per row and group where ``int8``)."""
@@ -50,11 +61,7 @@ class W4A16TilesKernel(nn.Module):
         group, a multiple of 16, allow it)."""
         super().__init__()
         assert w.zeros is not None
-        scales, zeros, group = w.scales, w.zeros, w.group_size
-        k = w.shape[1]
-        if group == k and k % CHANNEL_SPLIT == 0 and k > CHANNEL_SPLIT:
-            repeat, group = k // CHANNEL_SPLIT, CHANNEL_SPLIT
-            scales, zeros = scales.repeat_interleave(repeat, 1), zeros.repeat_interleave(repeat, 1)
+        scales, zeros, group = split_channels(w.scales, w.zeros, w.group_size, w.shape[1])
         packed = w4_gemm_cpu.pack(w.q, scales, zeros, group)
         # weight: [N / 16, K / 2, 16] uint8; meta: [N / 16, K / group, 2, 16] float32 (scale, 128 + zero)
         self.register_buffer("weight", packed.weight)
@@ -94,15 +101,10 @@ class W8A8TilesKernel(nn.Module):
 
     def __init__(self, w: QuantizedWeight) -> None:
         super().__init__()
-        q, scales, group = w.q, w.scales, w.group_size
-        k = w.shape[1]
-        if w.zeros is None:  # NOTE: signed levels, zero 0: the same values as unsigned ones around 128
-            q, zeros = (q.to(torch.int16) + 128).to(torch.uint8), torch.full_like(scales, 128.0)
-        else:
-            zeros = w.zeros
-        if group == k and k % CHANNEL_SPLIT == 0 and k > CHANNEL_SPLIT:
-            repeat, group = k // CHANNEL_SPLIT, CHANNEL_SPLIT
-            scales, zeros = scales.repeat_interleave(repeat, 1), zeros.repeat_interleave(repeat, 1)
+        q, zeros = w.q, w.zeros
+        if zeros is None:  # NOTE: signed levels, zero 0: the same values as unsigned ones around 128
+            q, zeros = (q.to(torch.int16) + 128).to(torch.uint8), torch.full_like(w.scales, 128.0)
+        scales, zeros, group = split_channels(w.scales, zeros, w.group_size, w.shape[1])
         packed = w4_gemm_cpu.pack8(q, scales, zeros, group)
         # weight: [N / 16, K / 4, 64] uint8; meta: [N / 16, K / group, 2, 16] float32 (scale, 128 + zero)
         self.register_buffer("weight", packed.weight)
