@@ -76,6 +76,31 @@ static inline __attribute__((always_inline)) void tile_rows(const uint32_t *x, i
       _mm256_storeu_si256((__m256i *)(y + r * ldy + 16 * j), (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(acc[r][j])));
 }
 
+/* Each tile of TILE blocks in [block0, block1) (w and meta at its first block, a block BLOCK_BYTES of
+ * weight), and each pass of up to ROWS rows over it (row, rows); per_step blocks of the next tile are
+ * prefetched by that pass, from prefetch and prefetch_meta: the next tile's blocks spread over the
+ * first row groups' passes. BODY runs the pass. Needs m, groups, w0, meta0, block0 and block1. */
+#define EACH_TILE_PASS(BLOCK_BYTES, BODY)                                                                        \
+  do {                                                                                                           \
+    const int64_t row_groups = (m + ROWS - 1) / ROWS;                                                            \
+    for (int64_t block = block0; block < block1; block += TILE) {                                                \
+      const int blocks = (int)(block1 - block < TILE ? block1 - block : TILE);                                   \
+      const uint8_t *w = w0 + block * (BLOCK_BYTES);                                                             \
+      const float *meta = meta0 + block * groups * 32;                                                           \
+      const int64_t next = block1 - (block + blocks) < TILE ? block1 - (block + blocks) : TILE;                  \
+      const int spread = (int)((next + row_groups - 1) / (row_groups ? row_groups : 1));                         \
+      for (int64_t rg = 0; rg < row_groups; rg++) {                                                              \
+        const int64_t row = rg * ROWS;                                                                           \
+        const int rows = (int)(m - row < ROWS ? m - row : ROWS);                                                 \
+        const int per_step =                                                                                     \
+            rg * spread < next ? (int)(next - rg * spread < spread ? next - rg * spread : spread) : 0;           \
+        const char *prefetch = (const char *)(w + (blocks + rg * spread) * (BLOCK_BYTES));                       \
+        const char *prefetch_meta = per_step ? (const char *)(meta + (blocks + rg * spread) * groups * 32) : 0;  \
+        BODY                                                                                                     \
+      }                                                                                                          \
+    }                                                                                                            \
+  } while (0)
+
 #define CASE(R, B)                                                                                                \
   case (R) * 8 + (B):                                                                                             \
     tile_rows(x0 + row * pairs, pairs, R, B, w, meta, groups, group_pairs, xsum0 + row * groups, y + row * n + 16 * block, \
@@ -125,29 +150,12 @@ void pagedllm_gemm_w4(intptr_t x_addr, int64_t m, int64_t k, intptr_t w_addr, in
   }
   uint16_t *y = (uint16_t *)y_addr;
   const int64_t pairs = k / 2, groups = k / group, group_pairs = group / 2;
-  const int64_t row_groups = (m + ROWS - 1) / ROWS;
-  for (int64_t block = block0; block < block1; block += TILE) {
-    const int blocks = (int)(block1 - block < TILE ? block1 - block : TILE);
-    const uint8_t *w = w0 + block * pairs * 16;
-    const float *meta = meta0 + block * groups * 32;
-    const int64_t next = block1 - (block + blocks) < TILE ? block1 - (block + blocks) : TILE;
-    /* the next tile's next blocks, spread of them over each of the first row groups' passes:
-     * per_step is how many this row group fetches */
-    const int spread = (int)((next + row_groups - 1) / (row_groups ? row_groups : 1));
-    for (int64_t rg = 0; rg < row_groups; rg++) {
-      const int64_t row = rg * ROWS;
-      const int rows = (int)(m - row < ROWS ? m - row : ROWS);
-      const int per_step = rg * spread < next ? (int)(next - rg * spread < spread ? next - rg * spread : spread) : 0;
-      const char *prefetch = (const char *)(w + (blocks + rg * spread) * pairs * 16);
-      const char *prefetch_meta = per_step ? (const char *)(meta + (blocks + rg * spread) * groups * 32) : 0;
-      switch (rows * 8 + blocks) {
-        CASE(1, 1) CASE(1, 2) CASE(1, 3) CASE(1, 4)
-        CASE(2, 1) CASE(2, 2) CASE(2, 3) CASE(2, 4)
-        CASE(3, 1) CASE(3, 2) CASE(3, 3) CASE(3, 4)
-        CASE(4, 1) CASE(4, 2) CASE(4, 3) CASE(4, 4)
-      }
-    }
-  }
+  EACH_TILE_PASS(pairs * 16, switch (rows * 8 + blocks) {
+    CASE(1, 1) CASE(1, 2) CASE(1, 3) CASE(1, 4)
+    CASE(2, 1) CASE(2, 2) CASE(2, 3) CASE(2, 4)
+    CASE(3, 1) CASE(3, 2) CASE(3, 3) CASE(3, 4)
+    CASE(4, 1) CASE(4, 2) CASE(4, 3) CASE(4, 4)
+  });
 }
 
 /* ---- W4A8: the same packed weight times int8 activations (AVX-512-VNNI and VBMI) ----
@@ -291,7 +299,6 @@ S8_TARGET static inline __attribute__((always_inline)) void gemm_s8(intptr_t xq_
   const float *meta0 = (const float *)meta_addr;
   uint16_t *y = (uint16_t *)y_addr;
   const int64_t block_bytes = wide ? 16 * k : 8 * k, groups = k / group, group_quads = group / 4;
-  const int64_t row_groups = (m + ROWS - 1) / ROWS;
   /* 4-bit: lane c's byte 0 from byte c (pair 2t), byte 2 from byte 16 + c (pair 2t + 1) */
   uint8_t order[64] __attribute__((aligned(64)));
   for (int c = 0; c < 16; c++) {
@@ -301,26 +308,12 @@ S8_TARGET static inline __attribute__((always_inline)) void gemm_s8(intptr_t xq_
     order[4 * c + 3] = 0;
   }
   const __m512i index = _mm512_load_si512((const void *)order);
-  for (int64_t block = block0; block < block1; block += TILE) {
-    const int blocks = (int)(block1 - block < TILE ? block1 - block : TILE);
-    const uint8_t *w = w0 + block * block_bytes;
-    const float *meta = meta0 + block * groups * 32;
-    const int64_t next = block1 - (block + blocks) < TILE ? block1 - (block + blocks) : TILE;
-    const int spread = (int)((next + row_groups - 1) / (row_groups ? row_groups : 1));
-    for (int64_t rg = 0; rg < row_groups; rg++) {
-      const int64_t row = rg * ROWS;
-      const int rows = (int)(m - row < ROWS ? m - row : ROWS);
-      const int per_step = rg * spread < next ? (int)(next - rg * spread < spread ? next - rg * spread : spread) : 0;
-      const char *prefetch = (const char *)(w + (blocks + rg * spread) * block_bytes);
-      const char *prefetch_meta = per_step ? (const char *)(meta + (blocks + rg * spread) * groups * 32) : 0;
-      switch (rows * 8 + blocks) {
-        CASE_S8(1, 1) CASE_S8(1, 2) CASE_S8(1, 3) CASE_S8(1, 4)
-        CASE_S8(2, 1) CASE_S8(2, 2) CASE_S8(2, 3) CASE_S8(2, 4)
-        CASE_S8(3, 1) CASE_S8(3, 2) CASE_S8(3, 3) CASE_S8(3, 4)
-        CASE_S8(4, 1) CASE_S8(4, 2) CASE_S8(4, 3) CASE_S8(4, 4)
-      }
-    }
-  }
+  EACH_TILE_PASS(block_bytes, switch (rows * 8 + blocks) {
+    CASE_S8(1, 1) CASE_S8(1, 2) CASE_S8(1, 3) CASE_S8(1, 4)
+    CASE_S8(2, 1) CASE_S8(2, 2) CASE_S8(2, 3) CASE_S8(2, 4)
+    CASE_S8(3, 1) CASE_S8(3, 2) CASE_S8(3, 3) CASE_S8(3, 4)
+    CASE_S8(4, 1) CASE_S8(4, 2) CASE_S8(4, 3) CASE_S8(4, 4)
+  });
 }
 
 /* the two exported copies: 4-bit levels (pagedllm_gemm_w4's packing) and 8-bit ones */

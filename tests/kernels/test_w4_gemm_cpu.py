@@ -13,11 +13,13 @@ needs_kernel = pytest.mark.skipif(
 GROUPS = [32, 64, 128, 256, "channel"]
 
 
-def random_weight(n: int, k: int, group: int, seed: int):
+def random_weight(n: int, k: int, group: int, seed: int, bits: int = 4):
+    """Levels 0 .. 2^bits - 1, zeros likewise, scales shrunk with the levels' range."""
     gen = torch.Generator().manual_seed(seed)
-    q = torch.randint(0, 16, (n, k), generator=gen).to(torch.uint8)
-    scales = torch.rand(n, k // group, generator=gen) * 0.1 + 0.01
-    zeros = torch.randint(0, 16, (n, k // group), generator=gen).float()
+    top, shrink = 1 << bits, 16 / (1 << bits)
+    q = torch.randint(0, top, (n, k), generator=gen).to(torch.uint8)
+    scales = (torch.rand(n, k // group, generator=gen) * 0.1 + 0.01) * shrink
+    zeros = torch.randint(0, top, (n, k // group), generator=gen).float()
     return q, scales, zeros
 
 
@@ -108,32 +110,6 @@ def test_levels_as_far_from_their_zero_as_they_go():
     close_to_reference(out, x, q, scales, zeros, 64)
 
 
-@pytest.mark.parametrize("threads", [1, 2, 3])
-@needs_kernel
-def test_every_thread_count_writes_every_column(threads):
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        q, scales, zeros = random_weight(16 * 7, 512, 64, seed=threads)
-        x = torch.randn(5, 512).to(torch.bfloat16)
-        assert 5 * 16 * 7 * 512 >= w4_gemm_cpu.PARALLEL_MIN_WORK  # NOTE: large enough to go parallel
-        out = w4_gemm_cpu.gemm(x, w4_gemm_cpu.pack(q, scales, zeros, 64))
-        close_to_reference(out, x, q, scales, zeros, 64)
-    finally:
-        torch.set_num_threads(previous)
-
-
-@needs_kernel
-def test_leading_dims_views_and_empty_inputs():
-    q, scales, zeros = random_weight(32, 64, 32, seed=1)
-    packed = w4_gemm_cpu.pack(q, scales, zeros, 32)
-    x = torch.randn(2, 3, 80).to(torch.bfloat16)[..., 8:72]  # not contiguous
-    out = w4_gemm_cpu.gemm(x, packed)
-    assert out.shape == (2, 3, 32)
-    close_to_reference(out.reshape(6, 32), x.reshape(6, 64), q, scales, zeros, 32)
-    assert w4_gemm_cpu.gemm(torch.empty(0, 64, dtype=torch.bfloat16), packed).shape == (0, 32)
-
-
 def test_bad_inputs_are_named():
     q, scales, zeros = random_weight(16, 64, 32, seed=2)
     with pytest.raises(ValueError, match=r"n a multiple of 16.*\(40, 64\)"):
@@ -204,14 +180,17 @@ def test_rows_round_to_int8_as_the_reference_does(group):
 )
 @pytest.mark.parametrize("group", [32, 64, 128, 256, "channel"])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 16, 37, 70])
+@pytest.mark.parametrize("bits", [4, 8])
 @needs_int8
-def test_int8_gemm_matches_its_reference(n, k, group, rows):
+def test_int8_gemm_matches_its_reference(n, k, group, rows, bits):
     """Every tile shape (rows 1-4 of a pass, blocks 1-4 of a tile), every group, and from 64 rows x
-    quantized a share of rows per thread."""
+    quantized a share of rows per thread; 8-bit levels 0..255 against zeros 0..255 take the same bound
+    (the 128 + q and 128 + zero sums are exact in int32 and float32 alike)."""
     group = k if group == "channel" else group
-    q, scales, zeros = random_weight(n, k, group, seed=rows * 1000 + n + group)
+    pack = w4_gemm_cpu.pack if bits == 4 else w4_gemm_cpu.pack8
+    q, scales, zeros = random_weight(n, k, group, seed=rows * 1000 + n + group, bits=bits)
     x = torch.randn(rows, k).to(torch.bfloat16)
-    out = w4_gemm_cpu.gemm_int8(x, w4_gemm_cpu.pack(q, scales, zeros, group))
+    out = w4_gemm_cpu.gemm_int8(x, pack(q, scales, zeros, group))
     assert out.shape == (rows, n) and out.dtype == torch.bfloat16
     close_to_int8_reference(out, x, q, scales, zeros, group)
     torch.testing.assert_close(out, w4_gemm_cpu.w4a8_reference(x, q, scales, zeros, group), rtol=2**-7, atol=0.05)
@@ -234,10 +213,19 @@ def test_int8_gemm_is_within_the_rounding_of_x_of_the_exact_product(rows):
     assert (out.double() - exact).norm() < 0.02 * exact.norm()
 
 
+PRODUCTS = [
+    pytest.param((w4_gemm_cpu.gemm, close_to_reference), id="bf16-x", marks=needs_kernel),
+    pytest.param((w4_gemm_cpu.gemm_int8, close_to_int8_reference), id="int8-x", marks=needs_int8),
+]
+"""The two products of a 4-bit packing and the bound each is checked by."""
+
+
+@pytest.mark.parametrize("product", PRODUCTS)
 @pytest.mark.parametrize("threads", [1, 2, 3])
 @pytest.mark.parametrize("rows", [5, 70])
-@needs_int8
-def test_int8_every_thread_count_writes_every_column(threads, rows):
+def test_every_thread_count_writes_every_column(product, threads, rows):
+    """From 64 rows the int8 product's threads also quantize x a share of rows each."""
+    gemm, check = product
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -245,26 +233,33 @@ def test_int8_every_thread_count_writes_every_column(threads, rows):
         x = torch.randn(rows, 512).to(torch.bfloat16)
         assert 5 * 16 * 7 * 512 >= w4_gemm_cpu.PARALLEL_MIN_WORK  # NOTE: large enough to go parallel
         assert (rows >= w4_gemm_cpu.PARALLEL_QUANTIZE_ROWS) == (rows == 70)
-        out = w4_gemm_cpu.gemm_int8(x, w4_gemm_cpu.pack(q, scales, zeros, 64))
-        close_to_int8_reference(out, x, q, scales, zeros, 64)
+        check(gemm(x, w4_gemm_cpu.pack(q, scales, zeros, 64)), x, q, scales, zeros, 64)
     finally:
         torch.set_num_threads(previous)
 
 
-@needs_int8
-def test_int8_leading_dims_views_empty_inputs_and_bad_groups():
+@pytest.mark.parametrize("product", PRODUCTS)
+def test_leading_dims_views_and_empty_inputs(product):
+    gemm, check = product
     q, scales, zeros = random_weight(32, 64, 32, seed=1)
     packed = w4_gemm_cpu.pack(q, scales, zeros, 32)
     x = torch.randn(2, 3, 80).to(torch.bfloat16)[..., 8:72]  # not contiguous
-    out = w4_gemm_cpu.gemm_int8(x, packed)
+    out = gemm(x, packed)
     assert out.shape == (2, 3, 32)
-    close_to_int8_reference(out.reshape(6, 32), x.reshape(6, 64), q, scales, zeros, 32)
-    assert w4_gemm_cpu.gemm_int8(torch.empty(0, 64, dtype=torch.bfloat16), packed).shape == (0, 32)
+    check(out.reshape(6, 32), x.reshape(6, 64), q, scales, zeros, 32)
+    assert gemm(torch.empty(0, 64, dtype=torch.bfloat16), packed).shape == (0, 32)
+
+
+@needs_int8
+def test_int8_product_names_what_it_refuses():
     q, scales, zeros = random_weight(16, 80, 40, seed=2)
     with pytest.raises(ValueError, match="groups of a multiple of 16 inputs, got 40"):
         w4_gemm_cpu.gemm_int8(torch.zeros(1, 80, dtype=torch.bfloat16), w4_gemm_cpu.pack(q, scales, zeros, 40))
+    packed = w4_gemm_cpu.pack(*random_weight(32, 64, 32, seed=1), 32)
     with pytest.raises(ValueError, match=r"x must be bfloat16 \[\.\.\., 64\], got torch.float32"):
         w4_gemm_cpu.gemm_int8(torch.zeros(2, 64), packed)
+    with pytest.raises(ValueError, match="group 40"):
+        w4_gemm_cpu.quantize_rows(torch.zeros(1, 80, dtype=torch.bfloat16), 40)
 
 
 def test_w4a8_switch_keeps_bfloat16_activations(monkeypatch):
@@ -277,16 +272,8 @@ def test_w4a8_switch_keeps_bfloat16_activations(monkeypatch):
         w4_gemm_cpu.int8_available.cache_clear()
 
 
-def random_weight8(n: int, k: int, group: int, seed: int):
-    gen = torch.Generator().manual_seed(seed)
-    q = torch.randint(0, 256, (n, k), generator=gen).to(torch.uint8)
-    scales = torch.rand(n, k // group, generator=gen) * 0.01 + 0.001
-    zeros = torch.randint(0, 256, (n, k // group), generator=gen).float()
-    return q, scales, zeros
-
-
 def test_pack8_lays_quads_of_levels_into_lanes():
-    q, scales, zeros = random_weight8(48, 64, 32, seed=0)
+    q, scales, zeros = random_weight(48, 64, 32, seed=0, bits=8)
     packed = w4_gemm_cpu.pack8(q, scales, zeros, 32)
     assert packed.weight.shape == (3, 16, 64) and packed.weight.dtype == torch.uint8
     assert packed.weight.data_ptr() % 64 == 0 and packed.meta.data_ptr() % 64 == 0
@@ -297,26 +284,6 @@ def test_pack8_lays_quads_of_levels_into_lanes():
         w4_gemm_cpu.pack8(torch.zeros(16, 66, dtype=torch.uint8), torch.ones(16, 1), torch.zeros(16, 1), 66)
     with pytest.raises(ValueError, match="an 8-bit weight"):
         w4_gemm_cpu.gemm(torch.zeros(1, 64, dtype=torch.bfloat16), packed)
-
-
-@pytest.mark.parametrize(
-    ("n", "k"),
-    [(16, 512), (48, 512), (80, 512), (96, 512), (64 * 3 + 16 * 3, 256)],
-    ids=["one-block", "three-blocks", "tail-of-one", "tail-of-two", "tail-of-three"],
-)
-@pytest.mark.parametrize("group", [32, 128, "channel"])
-@pytest.mark.parametrize("rows", [1, 3, 4, 5, 16, 70])
-@needs_int8
-def test_int8_gemm_of_8bit_levels_matches_its_reference(n, k, group, rows):
-    """8-bit levels 0..255 against zero points 0..255, every tile shape, x rounded as for 4-bit weights:
-    the same bound (the 128 + q and 128 + zero sums are exact in int32 and float32 alike)."""
-    group = k if group == "channel" else group
-    q, scales, zeros = random_weight8(n, k, group, seed=rows * 1000 + n + group)
-    x = torch.randn(rows, k).to(torch.bfloat16)
-    out = w4_gemm_cpu.gemm_int8(x, w4_gemm_cpu.pack8(q, scales, zeros, group))
-    assert out.shape == (rows, n) and out.dtype == torch.bfloat16
-    close_to_int8_reference(out, x, q, scales, zeros, group)
-    torch.testing.assert_close(out, w4_gemm_cpu.w4a8_reference(x, q, scales, zeros, group), rtol=2**-7, atol=0.05)
 
 
 @needs_int8
