@@ -245,7 +245,8 @@ class TritonW4A16Kernel(nn.Module):
 
 def choose_kernel(w: QuantizedWeight, device: torch.device, dtype: torch.dtype) -> nn.Module:
     """The fastest kernel that runs ``w`` exactly on ``device`` for activations of ``dtype`` (exactly but
-    for activations rounded to int8 where the format says so, W8A8, or where ``w4a8-tiles`` runs)."""
+    for activations rounded to int8 where the format says so, W8A8, or where ``w4a8-tiles`` and
+    ``w8a8-tiles`` run)."""
     if device.type == "cpu" and dtype in (torch.float32, torch.bfloat16, torch.float16):
         if dtype == torch.bfloat16 and W4A16TilesKernel.fits(w):
             return W4A16TilesKernel(w)
