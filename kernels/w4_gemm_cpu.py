@@ -15,9 +15,9 @@ decode step reads a quarter of bfloat16's bytes and never writes a widened weigh
 
 Where the CPU also has AVX-512-VNNI and VBMI, :func:`gemm_int8` runs the same packed weight against
 x quantized to int8 per row and group (W4A8, the C file says how): VPDPBUSD multiplies twice the
-pairs per instruction of VDPBF16PS, and one byte widens to a level in three operations where a
-bfloat16 pair took four, so a call bound by its multiply-adds (from a few rows on) takes about half
-the time. Qwen2.5-0.5B's gate/up (9728 x 896, group 128) on one thread of an AVX-512 EPYC:
+pairs per instruction of VDPBF16PS, and three operations widen 64 levels where they widened 32 into
+bfloat16 pairs, so a call bound by its multiply-adds (from a few rows on) takes about half the time.
+Qwen2.5-0.5B's gate/up (9728 x 896, group 128) on one thread of an AVX-512 EPYC:
 0.33 / 1.25 ms at 16 / 64 rows against :func:`gemm`'s 0.61 / 2.3, 0.08 ms against 0.11 at one row.
 The cost is x's rounding to 8 bits, about 0.7% of a product's size for normally distributed x
 (:func:`gemm` rounds only its result to bfloat16). 8-bit weights (:func:`pack8`) run on the same

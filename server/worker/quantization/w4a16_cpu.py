@@ -34,15 +34,20 @@ CHANNEL_SPLIT = 128
 repeated: each float32 sum then runs over 128 inputs, not all of K (the cost: 8 bytes per 128 weights)."""
 
 
+def kept_group(group: int, k: int) -> int:
+    """The group a tiled layer keeps: :data:`CHANNEL_SPLIT` for a per-channel weight whose K divides into
+    more than one, else the weight's own."""
+    return CHANNEL_SPLIT if group == k and k % CHANNEL_SPLIT == 0 and k > CHANNEL_SPLIT else group
+
+
 def split_channels(
     scales: torch.Tensor, zeros: torch.Tensor, group: int, k: int
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """A per-channel weight's scales and zeros repeated for groups of :data:`CHANNEL_SPLIT` inputs where K
-    divides into more than one; other weights' as they are."""
-    if group == k and k % CHANNEL_SPLIT == 0 and k > CHANNEL_SPLIT:
-        repeat = k // CHANNEL_SPLIT
-        return scales.repeat_interleave(repeat, 1), zeros.repeat_interleave(repeat, 1), CHANNEL_SPLIT
-    return scales, zeros, group
+    """Scales and zeros repeated for the groups of :func:`kept_group` (a per-channel weight's split)."""
+    kept = kept_group(group, k)
+    if kept == group:
+        return scales, zeros, group
+    return scales.repeat_interleave(group // kept, 1), zeros.repeat_interleave(group // kept, 1), kept
 
 
 class W4A16TilesKernel(nn.Module):
@@ -96,6 +101,8 @@ class W8A8TilesKernel(nn.Module):
     name = "w8a8-tiles"
     label = name
     """What runs the product, for the banner and metrics (one kernel for every row count)."""
+    int8 = True
+    """x is rounded to int8 (always, as :attr:`W4A16TilesKernel.int8` where that is set)."""
     weight: torch.Tensor
     meta: torch.Tensor
 
@@ -119,7 +126,7 @@ class W8A8TilesKernel(nn.Module):
         n, k = w.shape
         signed = w.q.dtype == torch.int8 and w.zeros is None
         levels = (w.q.dtype == torch.uint8 and w.zeros is not None) or signed
-        group = CHANNEL_SPLIT if w.group_size == k and k % CHANNEL_SPLIT == 0 else w.group_size
+        group = kept_group(w.group_size, k)
         grouped = group % w4_gemm_cpu.INT8_GROUP_MULTIPLE == 0 and k % group == 0
         shaped = w.bits == 8 and levels and not w.int8_activations and n % 16 == 0 and k % 4 == 0 and grouped
         return shaped and w4_gemm_cpu.int8_available()

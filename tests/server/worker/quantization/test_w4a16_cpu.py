@@ -34,7 +34,7 @@ def random_int4(n: int, k: int, group: int, seed: int) -> QuantizedWeight:
 def as_rounded(kernel: W4A16TilesKernel | W8A8TilesKernel, x: torch.Tensor) -> torch.Tensor:
     """x as the kernel multiplies it: rounded to int8 per row and group of the packed weight, and back
     (float64), where it runs on int8 activations; else x itself."""
-    if not getattr(kernel, "int8", True):
+    if not kernel.int8:
         return x
     levels, stats = w4_gemm_cpu.quantize_rows(x, kernel.group_size)
     rows, k = x.shape
