@@ -134,7 +134,7 @@ stage_quick() {
     local res=/tmp/quick-res rc=0 section limit
     mkdir -p $res
     [ -n "${QUICK_NO_SETUP:-}" ] || stage_setup || return 1
-    for section in ${QUICK_SECTIONS:-env:25 engine:170 kernels:30 tests:60 serve:175}; do
+    for section in ${QUICK_SECTIONS:-env:25 engine:170 kernels:30 tests:120 serve:175}; do
         limit=${section#*:}; section=${section%%:*}
         echo "=== quick $section (limit ${limit} s) $(date -u +%FT%TZ)"
         # shellcheck disable=SC2086
