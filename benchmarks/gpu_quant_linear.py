@@ -17,13 +17,14 @@ weights to span ``--working-set-mb`` (4x the L2 by default), and one timed pass 
 copy in turn; the time per call is the pass's over the copies.
 
     python -m benchmarks.gpu_quant_linear                       # llama-7b and qwen2.5-7b, rows 1 4 16
-    python -m benchmarks.gpu_quant_linear --sweep-tiles         # + 18 other tile sizes at one row
+    python -m benchmarks.gpu_quant_linear --sweep-tiles         # + up to 33 tile sizes, split-K among them, at one row
     python -m benchmarks.gpu_quant_linear --list                # the cases and their bytes (no GPU)
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import sys
@@ -108,21 +109,32 @@ def _per_call_us(bench, call, items: list) -> float:
     return bench(lambda: [call(item) for item in items]) * 1e3 / len(items)
 
 
-def sweep_tiles(rows: int) -> list:
-    """The tile sizes ``--sweep-tiles`` tries at ``rows`` rows: column and K tiles, warps, stages."""
+# (block_n, block_k) swept: 4 to 16 KB of packed 4-bit words a loop trip, against the 2 KB of
+# the 16x32 tile before split-K; each with every split of K in SWEEP_SPLITS
+SWEEP_BLOCKS = ((32, 256), (64, 128), (64, 256), (64, 512), (128, 128), (128, 256))
+SWEEP_SPLITS = (1, 2, 4, 8)
+
+
+def sweep_tiles(rows: int, k: int, group_size: int) -> list:
+    """The tile sizes ``--sweep-tiles`` tries at ``rows`` rows of a ``k``-deep product: each of
+    SWEEP_BLOCKS with each split of K, at the warps that hold the dequantized tile at 64 values a
+    thread (4 to 8) and 4 stages; 32x256 and 64x256 also at the other warp count and 3 stages;
+    and the 16x32 tile before split-K, to compare in the same run. A split
+    that does not cut K into slices of whole K tiles and whole groups is left out."""
     from pagedllm.kernels.quant_matmul import Tiles
 
     block_m = max(16, 1 << (rows - 1).bit_length())
-    return [
-        Tiles(block_m, bn, bk, warps, stages)
-        for bn in (32, 64, 128)
-        for bk in (128, 256)
-        for warps, stages in ((4, 3), (4, 4), (8, 3))
-    ]
+    tiles = [Tiles(block_m, 32, 128, 4, 4)]
+    for (bn, bk), split in itertools.product(SWEEP_BLOCKS, SWEEP_SPLITS):
+        warps = 4 if bn * bk <= 4 * 32 * 64 else 8
+        tiles.append(Tiles(block_m, bn, bk, warps, 4, split_k=split))
+        if (bn, bk) in ((32, 256), (64, 256)):
+            tiles.append(Tiles(block_m, bn, bk, 8 if warps == 4 else 4, 3, split_k=split))
+    return [t for t in tiles if k % (t.split_k * math.lcm(t.block_k, group_size)) == 0]
 
 
 def tiles_name(t) -> str:
-    return f"m{t.block_m}-n{t.block_n}-k{t.block_k}-w{t.num_warps}-s{t.num_stages}"
+    return f"m{t.block_m}-n{t.block_n}-k{t.block_k}-split{t.split_k}-w{t.num_warps}-s{t.num_stages}"
 
 
 def _swept_us(bench, call, items: list) -> float:
@@ -206,7 +218,7 @@ def main(argv: list[str] | None = None) -> None:
     meta = {"device": torch.cuda.get_device_name(), "copy_gbs": round(copy_gbs, 1), "timer": args.timer}
     rows = []
     for c in todo:
-        sweep = sweep_tiles(c.rows) if args.sweep_tiles and c.rows == 1 else ()
+        sweep = sweep_tiles(c.rows, c.k, c.group_size) if args.sweep_tiles and c.rows == 1 else ()
         w4a16_us, bf16_us, swept = measure(c, bench, args.working_set_mb, sweep=sweep)
         rows.append(result_row(c, w4a16_us, bf16_us, copy_gbs, swept))
         _report(rows[-1])

@@ -11,19 +11,34 @@ element k at bits ``(k % pack) * bits`` upward::
     w[k, n] = (q[k, n] - zeros[g, n]) * scales[g, n]
     g = g_idx[k]  (GPTQ act-order)  or  k // group_size
 
-Tiles. Decode (M <= 64) reads each weight byte once and is bound by memory bandwidth:
-the row tile is the smallest ``tl.dot`` takes (16, or M rounded up to a power of two),
-the column tile is narrow (32) so a 4096-wide layer still gives 128 programs for the 132
-SMs of an H100, and the K tile is long (128, or the group when smaller) so each program
-streams long runs of packed words with few loop trips. Prefill (M > 64) is bound by
-arithmetic: 64x128 or 128x128 output tiles reuse each dequantized weight tile over many
-rows, K tile 64. When no ``g_idx`` is given and the group is a multiple of the K tile, a
-tile lies inside one group and loads one row of scales and zeros; otherwise (act-order)
-each of the tile's rows gathers its own group's. Each packed word is loaded once per tile and
-repeated in registers for its rows: loading it once per row instead pipelined a tile 8x the
-size through shared memory (compiled for sm90: 61 KB against 18 KB at the decode tiles, and
-the larger swept tiles did not fit at all). These are choices by reasoning and compiler
-output, not yet by measurement: ``benchmarks/gpu_quant_linear.py --sweep-tiles`` measures them.
+Tiles. Decode (M <= 64) reads each weight byte once, so the tiles aim at keeping the memory
+busy: a 16x32 output tile with a K tile of 128, one program per 32 columns streaming all of K,
+left Llama-3-8B's projections on an H200 at 7-13% of the bandwidth floor whatever the rows, with
+2 KB of packed weight per loop trip and about 1.5 programs per SM. The decode tiles split K
+across programs for more of them::
+
+    K:  |<-- slice 0 -->|<-- slice 1 -->| ... |<-- slice S-1 -->|    S = split_k, each slice
+        program (i, j, s) sums slice s into partials[s, tile i, tile j]   whole K tiles (float32)
+    y[tile i, tile j] = partials[0] + ... + partials[S-1]   (one small launch, x's dtype)
+
+They are the fastest of 33 tile sizes swept at one row on an H200 for those projections
+(``benchmarks/gpu_quant_linear.py --sweep-tiles``): a 16x64 output tile, K tile 128 (4 KB of
+packed words a trip), 4 warps, 4 stages, K split in two until a slice would hold fewer than 8
+K tiles (4 splits at K 4096, 8 at 14336). Against the 16x32 tile in the same run: q/k/v 39.1 ->
+26.2 us, o 31.7 -> 19.7, gate/up 111.2 -> 102.3, down 104.6 -> 56.4, still 11-14% of the
+floor. Every swept tile stayed under 15%, 256- and 512-deep K tiles and 8 warps among them, so
+the time is not set by the bytes in flight alone. As rows grow the split is capped so the
+float32 partial sums move at most an eighth of the weight's bytes (unmeasured above one row).
+Prefill (M > 64) is bound by arithmetic: 64x128 or 128x128 output tiles reuse each dequantized
+weight tile over many rows, K tile 64, no split; chosen by reasoning, not yet measured.
+
+When no ``g_idx`` is given and a K tile lies inside one group or holds whole groups (both
+powers of two), the tile loads one row of scales and zeros per group and repeats it in
+registers for the group's rows; otherwise (act-order) each of the tile's rows gathers its own
+group's. Each packed word is loaded once per tile and repeated in registers for its rows:
+loading it once per row instead pipelined a tile 8x the size through shared memory (compiled
+for sm90: 61 KB against 18 KB at the 16x32 tile, and the larger swept tiles did not fit at
+all).
 """
 
 from __future__ import annotations
@@ -37,6 +52,9 @@ from ._triton import check_can_launch, next_pow2, tl, triton
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _BITS = (4, 8)
 DECODE_MAX_ROWS = 64
+_SUM_BLOCK = 1024  # outputs per program of the split-K sum
+DECODE_MIN_TRIPS = 8
+"""K tiles each split of K keeps at decode: 4-tile slices ran up to 6% slower in the sweep."""
 
 
 @dataclass(frozen=True)
@@ -44,10 +62,22 @@ class Tiles:
     """One launch's tile sizes and Triton launch options."""
 
     block_m: int
+    """Rows of x (and y) per program."""
     block_n: int
+    """Columns of the weight (and y) per program."""
     block_k: int
+    """Rows of K per loop trip; a multiple of the rows one int32 word packs."""
     num_warps: int
     num_stages: int
+    split_k: int = 1
+    """Programs sharing one output tile, each over a contiguous slice of whole K tiles."""
+
+
+@triton.jit
+def _repeat_rows(t, REPEATS: tl.constexpr):  # [R, C] -> [R * REPEATS, C], row r at r*REPEATS .. +REPEATS-1
+    rows_in: tl.constexpr = t.shape[0]
+    cols: tl.constexpr = t.shape[1]
+    return tl.reshape(tl.broadcast_to(t[:, None, :], (rows_in, REPEATS, cols)), (rows_in * REPEATS, cols))
 
 
 @triton.jit
@@ -57,11 +87,12 @@ def quant_matmul_kernel(
     scales_ptr,  # [groups, N] float
     zeros_ptr,  # [groups, N] float
     g_idx_ptr,  # [K] int32 (read only if HAS_G_IDX)
-    y_ptr,  # [M, N], x's dtype
+    y_ptr,  # [M, N] in x's dtype, or [SPLIT_K, M, N] float32 partial sums when SPLIT_K > 1
     M,
     N,
     K,
     group_size,
+    k_per_split,  # a multiple of BLOCK_K (read only if SPLIT_K > 1)
     stride_xm,
     stride_xk,
     stride_qk,
@@ -70,22 +101,30 @@ def quant_matmul_kernel(
     stride_sn,
     stride_zg,
     stride_zn,
+    stride_ys,
     stride_ym,
     stride_yn,
     BITS: tl.constexpr,
     HAS_G_IDX: tl.constexpr,
-    TILE_IN_ONE_GROUP: tl.constexpr,
+    GROUPS_PER_TILE: tl.constexpr,  # whole groups a K tile holds (1: inside one group); 0: gather per row
     PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
 ):
     PACK: tl.constexpr = 32 // BITS
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok, col_ok = rows < M, cols < N
+    k_start, k_end = 0, K
+    if SPLIT_K > 1:
+        # NOTE: slices are whole K tiles, so every tile starts where it would unsplit (group alignment holds)
+        k_start = tl.program_id(2) * k_per_split
+        k_end = tl.minimum(K, k_start + k_per_split)
+        y_ptr += tl.program_id(2).to(tl.int64) * stride_ys
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(k_start, k_end, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K).to(tl.int64)
         k_ok = ks < K
         x = tl.load(
@@ -100,14 +139,21 @@ def quant_matmul_kernel(
             mask=(word_rows < K // PACK)[:, None] & col_ok[None, :],
             other=0,
         )  # [BLOCK_K // PACK, BLOCK_N] int32
-        words = tl.reshape(tl.broadcast_to(packed[:, None, :], (BLOCK_K // PACK, PACK, BLOCK_N)), (BLOCK_K, BLOCK_N))
+        words = _repeat_rows(packed, PACK)  # [BLOCK_K, BLOCK_N]
         shifts = ((ks % PACK) * BITS).to(tl.int32)
         q = ((words >> shifts[:, None]) & ((1 << BITS) - 1)).to(tl.float32)
-        if TILE_IN_ONE_GROUP:
+        if GROUPS_PER_TILE == 1:
             g = k0 // group_size
             s = tl.load(scales_ptr + g * stride_sg + cols * stride_sn, mask=col_ok, other=0.0).to(tl.float32)
             z = tl.load(zeros_ptr + g * stride_zg + cols * stride_zn, mask=col_ok, other=0.0).to(tl.float32)
             w = (q - z[None, :]) * s[None, :]
+        elif GROUPS_PER_TILE > 1:
+            g = k0 // group_size + tl.arange(0, GROUPS_PER_TILE).to(tl.int64)
+            both = (g * group_size < K)[:, None] & col_ok[None, :]  # a last tile may run past K's last group
+            s = tl.load(scales_ptr + g[:, None] * stride_sg + cols[None, :] * stride_sn, mask=both, other=0.0)
+            z = tl.load(zeros_ptr + g[:, None] * stride_zg + cols[None, :] * stride_zn, mask=both, other=0.0)
+            rows_per_group: tl.constexpr = BLOCK_K // GROUPS_PER_TILE
+            w = (q - _repeat_rows(z.to(tl.float32), rows_per_group)) * _repeat_rows(s.to(tl.float32), rows_per_group)
         else:
             if HAS_G_IDX:
                 g = tl.load(g_idx_ptr + ks, mask=k_ok, other=0).to(tl.int64)
@@ -122,18 +168,64 @@ def quant_matmul_kernel(
     tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
-def choose_tiles(m: int, group_size: int, has_g_idx: bool) -> Tiles:
-    """Tile sizes for ``m`` rows (see the module docstring for why these)."""
+@triton.jit
+def split_k_sum_kernel(
+    partials_ptr,  # [SPLIT_K, numel] float32, contiguous
+    y_ptr,  # [numel] contiguous, the output's dtype
+    numel,
+    SPLIT_K: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < numel
+    acc = tl.load(partials_ptr + offs, mask=ok, other=0.0)
+    for s in tl.static_range(1, SPLIT_K):  # NOTE: a fixed order, so the sum is the same every run
+        acc += tl.load(partials_ptr + s * numel + offs, mask=ok, other=0.0)
+    tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=ok)
+
+
+def choose_tiles(m: int, k: int, group_size: int, has_g_idx: bool) -> Tiles:
+    """Tile sizes for ``x [m, k] @ W [k, n]`` (see the module docstring for why these).
+
+    The decode tiles are the fastest of one sweep at one row on an H200, where the best tiles
+    did not depend on ``n`` (4096 to 28672); the prefill tiles are chosen by reasoning, not yet
+    measured. ``group_size`` and ``has_g_idx`` do not change them: the kernel loads a tile's
+    scales once per whole group it holds, and act-order gathers per row at any tile size.
+    """
     if m <= DECODE_MAX_ROWS:
-        tiles = Tiles(max(16, next_pow2(m)), 32, 128, num_warps=4, num_stages=4)
-    elif m <= 128:
-        tiles = Tiles(64, 128, 64, num_warps=4, num_stages=3)
-    else:
-        tiles = Tiles(128, 128, 64, num_warps=8, num_stages=3)
-    if not has_g_idx and 16 <= group_size < tiles.block_k and group_size == next_pow2(group_size):
-        # NOTE: a K tile no longer than a power-of-two group keeps the one-row scale load
-        tiles = Tiles(tiles.block_m, tiles.block_n, group_size, tiles.num_warps, tiles.num_stages)
-    return tiles
+        return _decode_tiles(m, k)
+    if m <= 128:
+        return Tiles(64, 128, 64, num_warps=4, num_stages=3)
+    return Tiles(128, 128, 64, num_warps=8, num_stages=3)
+
+
+def _decode_tiles(m: int, k: int) -> Tiles:
+    """16x64 output tiles, K tile 128, 4 warps, 4 stages, and K split in two until a slice would
+    hold fewer than ``DECODE_MIN_TRIPS`` K tiles or the float32 partial sums (written, then read)
+    would move more than an eighth of the 4-bit weight's bytes."""
+    block_m, block_k, split = max(16, next_pow2(m)), 128, 1
+    # per column: partial sums 4 B written + 4 B read per split and row; weight k / 2 B
+    while k >= 2 * split * block_k * DECODE_MIN_TRIPS and 8 * (2 * split) * m <= k / 2 / 8:
+        split *= 2
+    return Tiles(block_m, 64, block_k, num_warps=4, num_stages=4, split_k=split)
+
+
+def _groups_per_tile(group_size: int, block_k: int, has_g_idx: bool) -> int:
+    """Whole groups one K tile holds (1: it lies inside one group), or 0 where its rows gather their own."""
+    if has_g_idx:
+        return 0
+    if group_size % block_k == 0:
+        return 1
+    if block_k % group_size == 0 and group_size == next_pow2(group_size):
+        return block_k // group_size
+    return 0
+
+
+def _check_tiles(tiles: Tiles, bits: int) -> None:
+    if min(tiles.block_m, tiles.block_n, tiles.block_k) < 16 or tiles.block_k % (32 // bits) or tiles.split_k < 1:
+        raise ValueError(
+            f"tiles must be at least 16 a side with block_k a multiple of {32 // bits} and split_k >= 1, got {tiles}"
+        )
 
 
 def _check_args(x, qweight, scales, zeros, group_size, g_idx, bits) -> int:
@@ -185,27 +277,36 @@ def w4a16_matmul(
         return y
     if k == 0:
         return y.zero_()
-    tiles = tiles or choose_tiles(m, group_size, g_idx is not None)
-    if min(tiles.block_m, tiles.block_n, tiles.block_k) < 16 or tiles.block_k % (32 // bits):
-        raise ValueError(f"tiles must be at least 16 a side with block_k a multiple of {32 // bits}, got {tiles}")
-    one_group = g_idx is None and group_size % tiles.block_k == 0
-    grid = (triton.cdiv(m, tiles.block_m), triton.cdiv(n, tiles.block_n))
+    tiles = tiles or choose_tiles(m, k, group_size, g_idx is not None)
+    _check_tiles(tiles, bits)
+    split = tiles.split_k
+    # NOTE: split-K partial sums go to a float32 [split, M, N] buffer that one more small kernel
+    # adds up in a fixed order and casts: one extra launch and no memset. Atomic adds into a
+    # zeroed float32 buffer would take two (the zeroing and the cast), atomic adds into y itself
+    # one (the zeroing) but round every partial to x's dtype; and both make the sum's order,
+    # so its last bits, change from run to run.
+    out = y if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=x.device)
+    k_per_split = triton.cdiv(triton.cdiv(k, split), tiles.block_k) * tiles.block_k
+    grid = (triton.cdiv(m, tiles.block_m), triton.cdiv(n, tiles.block_n), split)
     quant_matmul_kernel[grid](
-        x, qweight, scales, zeros, g_idx if g_idx is not None else qweight, y,
-        m, n, k, group_size,
+        x, qweight, scales, zeros, g_idx if g_idx is not None else qweight, out,
+        m, n, k, group_size, k_per_split,
         x.stride(0), x.stride(1), qweight.stride(0), qweight.stride(1),
         scales.stride(0), scales.stride(1), zeros.stride(0), zeros.stride(1),
-        y.stride(0), y.stride(1),
+        out.stride(0) if split > 1 else 0, out.stride(-2), out.stride(-1),
         BITS=bits,
         HAS_G_IDX=g_idx is not None,
-        TILE_IN_ONE_GROUP=one_group,
+        GROUPS_PER_TILE=_groups_per_tile(group_size, tiles.block_k, g_idx is not None),
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         BLOCK_M=tiles.block_m,
         BLOCK_N=tiles.block_n,
         BLOCK_K=tiles.block_k,
+        SPLIT_K=split,
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )  # fmt: skip
+    if split > 1:
+        split_k_sum_kernel[(triton.cdiv(m * n, _SUM_BLOCK),)](out, y, m * n, SPLIT_K=split, BLOCK=_SUM_BLOCK)
     return y
 
 

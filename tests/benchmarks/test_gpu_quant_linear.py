@@ -58,41 +58,63 @@ def test_list_needs_no_gpu(capsys):
 
 def test_measure_runs_every_copy_once_per_pass():
     # NOTE: on CPU through Triton's interpreter (tests/conftest.py), float32: the pass, not the speed
-    c = Case("tiny", "o", rows=1, k=64, n=32, group_size=32)
+    c = Case("tiny", "o", rows=1, k=512, n=32, group_size=128)
     passes = []
 
     def bench(fn):
         passes.append(len(fn()))  # the number of calls one pass made
         return 2.0  # ms
 
-    sweep = sweep_tiles(1)[:2]
-    w4a16_us, bf16_us, swept = measure(c, bench, working_set_mb=0.005, device="cpu", dtype=torch.float32, sweep=sweep)
-    w4a16_copies, bf16_copies = copies_for(c.w4a16_bytes(), 0.005), copies_for(c.bf16_bytes(), 0.005)
+    sweep = [t for t in sweep_tiles(1, c.k, c.group_size) if t.split_k == 2][:2]
+    w4a16_us, bf16_us, swept = measure(c, bench, working_set_mb=0.05, device="cpu", dtype=torch.float32, sweep=sweep)
+    w4a16_copies, bf16_copies = copies_for(c.w4a16_bytes(), 0.05), copies_for(c.bf16_bytes(), 0.05)
     assert passes == [w4a16_copies] * 3 + [bf16_copies] and w4a16_copies > 1  # default tiles, two swept, bf16
     assert w4a16_us == 2000.0 / w4a16_copies and bf16_us == 2000.0 / bf16_copies
     assert list(swept) == [tiles_name(t) for t in sweep]
 
 
 def test_a_swept_tile_size_that_cannot_run_is_never_the_best(capsys):
-    c = Case("tiny", "o", rows=1, k=64, n=32, group_size=32)
+    c = Case("tiny", "o", rows=1, k=512, n=32, group_size=128)
 
     def bench(fn):
         fn()
         return 1.0
 
     too_small = Tiles(16, 16, 8, 4, 2)  # refused by the launcher, as an oversized tile is by the GPU
-    _, _, swept = measure(c, bench, 0.001, device="cpu", dtype=torch.float32, sweep=[too_small, sweep_tiles(1)[0]])
+    runs = sweep_tiles(1, c.k, c.group_size)[0]
+    _, _, swept = measure(c, bench, 0.001, device="cpu", dtype=torch.float32, sweep=[too_small, runs])
     assert swept[tiles_name(too_small)] == float("inf") and "failed: ValueError" in capsys.readouterr().out
-    assert result_row(c, 1.0, 1.0, 1.0, swept)["best_tiles"] == tiles_name(sweep_tiles(1)[0])
+    assert result_row(c, 1.0, 1.0, 1.0, swept)["best_tiles"] == tiles_name(runs)
 
 
 def test_sweep_reports_the_fastest_tiles():
     c = Case("llama-7b", "o", rows=1, k=4096, n=4096, group_size=128)
     row = result_row(c, 4.0, 12.0, c.w4a16_bytes() / 3e3, swept={"a": 5.0, "b": 3.75, "c": 4.0})
     assert row["best_tiles"] == "b" and row["best_us"] == 3.75 and row["best_of_floor"] == 0.8
-    tiles = sweep_tiles(1)
-    assert len(tiles) == 18 and len({tiles_name(t) for t in tiles}) == 18
-    assert all(t.block_m == 16 for t in tiles) and sweep_tiles(33)[0].block_m == 64
+
+
+def test_sweep_tries_split_k_and_long_k_tiles_within_budget():
+    tiles = sweep_tiles(1, 4096, 128)
+    assert len(tiles) == 33 and len({tiles_name(t) for t in tiles}) == 33  # each ~1 s to compile
+    assert {t.split_k for t in tiles} == {1, 2, 4, 8} and {t.block_k for t in tiles} == {128, 256, 512}
+    assert {t.block_n for t in tiles} == {32, 64, 128} and {(t.num_warps, t.num_stages) for t in tiles} > {(4, 4)}
+    assert Tiles(16, 32, 128, 4, 4) in tiles  # the tiles before split-K, timed in the same run
+    assert all(t.block_m == 16 for t in tiles) and sweep_tiles(33, 4096, 128)[0].block_m == 64
+    assert "split4" in tiles_name(Tiles(16, 64, 256, 8, 4, split_k=4))
+
+
+@pytest.mark.parametrize("k", [4096, 14336, 3584, 11008])
+def test_swept_splits_cut_k_into_whole_tiles_and_groups(k):
+    tiles = sweep_tiles(1, k, 128)
+    for t in tiles:
+        slice_k = k // t.split_k
+        assert k % t.split_k == 0 and slice_k % t.block_k == 0 and slice_k % 128 == 0, tiles_name(t)
+
+
+def test_sweep_leaves_out_splits_that_cut_a_k_tile():
+    tiles = sweep_tiles(1, 14336, 128)
+    assert Tiles(16, 64, 512, 8, 4, split_k=8) not in tiles and len(tiles) == 32  # 14336 / 8 = 1792, not 512s
+    assert Tiles(16, 64, 128, 4, 4, split_k=8) in tiles
 
 
 def test_report_names_the_best_tiles_when_swept(capsys):

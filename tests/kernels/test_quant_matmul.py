@@ -112,12 +112,103 @@ def test_explicit_tiles_give_the_same_product(seed, tiles):
     torch.testing.assert_close(y.cpu().double(), expected, **TOL[torch.float32], msg=lambda e: f"seed={seed}: {e}")
 
 
+@pytest.fixture
+def poisoned_empty(monkeypatch):
+    """``torch.empty`` that fills float tensors with NaN: an output element (or a split-K partial
+    sum) the kernel never writes then fails the comparison."""
+    empty = torch.empty
+
+    def nan_empty(*args, **kwargs):
+        t = empty(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch, "empty", nan_empty)
+
+
+# (bits, group_size, act_order): a tile inside one group (block_k 128) or holding two (256),
+# one group for all of K, and act-order's per-row gather
+SPLIT_K_QUANT = [(4, 128, False), (4, -1, False), (4, 128, True), (8, 128, False), (8, -1, False), (8, 128, True)]
+
+
+@pytest.mark.parametrize("bits,group_size,act_order", SPLIT_K_QUANT)
+@pytest.mark.parametrize("m", [1, 3, 16])
+@pytest.mark.parametrize("block_k", [128, 256])
+@pytest.mark.parametrize("split_k", [2, 4])
+def test_split_k_matches_reference(seed, poisoned_empty, split_k, block_k, m, bits, group_size, act_order):
+    k, n = 1024, 40  # 40 columns: a partial second column tile
+    gs = k if group_size == -1 else group_size
+    x, qw, s, z, g_idx, _ = _random_case(m, k, n, bits, gs, act_order, torch.float32)
+    y = w4a16_matmul(x, qw, s, z, group_size, g_idx, bits, tiles=Tiles(16, 32, block_k, 4, 2, split_k=split_k))
+    assert y.dtype == torch.float32 and y.shape == (m, n) and y.is_contiguous()
+    expected = w4a16_matmul_reference(x, qw, s, z, group_size, g_idx, bits)
+    torch.testing.assert_close(y, expected, **TOL[torch.float32], msg=lambda e: f"seed={seed}: {e}")
+
+
+@pytest.mark.parametrize(
+    "k,group_size,split_k",
+    [
+        (512, 128, 4),  # slices of one 256 tile: the last two splits are empty and must add zeros
+        (992, 32, 4),  # K not a tile multiple: the last slice stops at K, its last tile past K's last group
+        (1024, 64, 3),  # a split that does not divide K's tiles evenly
+    ],
+)
+def test_split_k_uneven_slices(seed, poisoned_empty, k, group_size, split_k):
+    x, qw, s, z, _, q = _random_case(5, k, 24, 4, group_size, False, torch.float16)
+    y = w4a16_matmul(x, qw, s, z, group_size, tiles=Tiles(16, 16, 256, 4, 2, split_k=split_k))
+    assert y.dtype == torch.float16
+    expected = _oracle(x, q, s, z, group_size, None)
+    torch.testing.assert_close(y.cpu().double(), expected, **TOL[torch.float16], msg=lambda e: f"seed={seed}: {e}")
+
+
+def test_default_decode_tiles_split_k(seed, poisoned_empty):
+    x, qw, s, z, _, q = _random_case(2, 2048, 40, 4, 128, False, torch.float32)
+    assert choose_tiles(2, 2048, 128, False).split_k == 2  # 16 K tiles: two slices of 8
+    y = w4a16_matmul(x, qw, s, z, 128)
+    torch.testing.assert_close(y.cpu().double(), _oracle(x, q, s, z, 128, None), **TOL[torch.float32])
+
+
+@pytest.mark.parametrize("block_k", [256, 512])
+def test_long_k_tiles(seed, poisoned_empty, block_k):
+    x, qw, s, z, _, q = _random_case(3, 1024, 48, 4, 128, False, torch.float32)
+    y = w4a16_matmul(x, qw, s, z, 128, tiles=Tiles(16, 64, block_k, 8, 4))
+    expected = _oracle(x, q, s, z, 128, None)
+    torch.testing.assert_close(y.cpu().double(), expected, **TOL[torch.float32], msg=lambda e: f"seed={seed}: {e}")
+
+
 def test_tiles_for_decode_and_prefill():
-    assert choose_tiles(1, 128, False).block_m == 16
-    assert choose_tiles(33, 128, False).block_m == 64
-    assert choose_tiles(1, 32, False).block_k == 32  # the tile stays inside one group
-    assert choose_tiles(1, 32, True).block_k == 128  # act-order gathers per row anyway
-    assert choose_tiles(512, 128, False).block_m == 128
+    assert choose_tiles(1, 4096, 128, False) == Tiles(16, 64, 128, 4, 4, split_k=4)  # the swept fastest
+    assert choose_tiles(33, 4096, 128, False).block_m == 64
+    assert choose_tiles(1, 4096, 32, False).block_k == 128  # four whole groups, one scale row each
+    assert choose_tiles(1, 4096, 32, True) == choose_tiles(1, 4096, 32, False)
+    assert choose_tiles(512, 4096, 128, False).block_m == 128
+    assert choose_tiles(512, 14336, 128, False).split_k == 1  # prefill has programs enough
+    assert choose_tiles(1, 1024, 128, False).split_k == 1  # two slices would hold 4 K tiles each
+
+
+@pytest.mark.parametrize("m,split_k", [(1, 4), (4, 4), (8, 4), (16, 2), (32, 1), (64, 1)])
+def test_decode_split_shrinks_as_partial_sums_grow(m, split_k):
+    t = choose_tiles(m, 4096, 128, False)
+    assert t.split_k == split_k
+    partial_bytes, weight_bytes = 2 * t.split_k * m * 4, 4096 // 2  # a column's, written and read / packed
+    assert t.split_k == 1 or partial_bytes <= weight_bytes / 8
+
+
+# Llama-3-8B's projections as the engine runs them (fused q/k/v and gate/up): (N, K), and the
+# split the H200 sweep found fastest (or within 3% of it) at one row
+LLAMA_3_8B = {"qkv": (6144, 4096, 4), "o": (4096, 4096, 4), "gate_up": (28672, 4096, 4), "down": (4096, 14336, 8)}
+
+
+@pytest.mark.parametrize("proj", sorted(LLAMA_3_8B))
+def test_decode_tiles_for_llama_3_8b(proj):
+    n, k, swept_split = LLAMA_3_8B[proj]
+    t = choose_tiles(1, k, 128, False)
+    assert t.split_k == swept_split
+    programs = -(-n // t.block_n) * t.split_k
+    assert programs >= 256, f"{t}: {programs} programs"  # about two per SM of 132 or more
+    slice_k = k // t.split_k
+    assert k % t.split_k == 0 and slice_k % t.block_k == 0 and slice_k % 128 == 0  # whole tiles, whole groups
+    assert slice_k // t.block_k >= 8, f"{t}: {slice_k // t.block_k} trips a slice"
+    assert t.block_k // 8 * t.block_n * 4 == 4096  # packed bytes a trip, twice the 16x32 tile's
 
 
 def test_launcher_rejects_bad_arguments():
@@ -132,6 +223,8 @@ def test_launcher_rejects_bad_arguments():
         w4a16_matmul(x, qw, s[:1], s, 32)
     with pytest.raises(ValueError, match="tiles must be"):
         w4a16_matmul(x, qw, s, s, 32, tiles=Tiles(16, 16, 8, 4, 2))
+    with pytest.raises(ValueError, match="split_k >= 1"):
+        w4a16_matmul(x, qw, s, s, 32, tiles=Tiles(16, 16, 64, 4, 2, split_k=0))
     with pytest.raises(ValueError, match="g_idx must be int32"):
         w4a16_matmul(x, qw, s, s, 32, g_idx=torch.zeros(64, dtype=torch.int64))
 
