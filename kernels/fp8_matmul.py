@@ -28,12 +28,18 @@ from __future__ import annotations
 
 import torch
 
-from ._triton import check_can_launch, next_pow2, tl, triton
+from ._triton import check_can_launch, next_pow2, runs_on_triton, tl, triton
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 FP8_MAX = 448.0
 """Largest finite float8_e4m3fn value."""
 PER_TENSOR, PER_CHANNEL, BLOCKWISE = 0, 1, 2
+SWAP_AB_MAX_ROWS = 64
+"""Up to this many tokens :func:`fp8_scaled_mm` multiplies ``weight @ x.T``. For a 64-token
+``x @ weight.T`` on an H200, cuBLAS's fp8 GEMM with row-wise scales ran a kernel of 128 x 128
+tiles (half of each tile's rows idle) and took as long as the bf16 GEMMs of the same LLaMA-3-8B
+decode step. The swapped product puts the weight's N on the long side. It was not timed on a
+GPU yet: ``benchmarks/gpu_fp8_linear.py`` times both forms, to set this bound by measurement."""
 
 
 @triton.jit
@@ -144,32 +150,118 @@ def _can_use_scaled_mm(x: torch.Tensor, weight: torch.Tensor, mode: int) -> bool
     return torch.cuda.get_device_capability(x.device) >= (8, 9) and n % 16 == 0 and k % 16 == 0
 
 
-def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # ([M, K] fp8, [M, 1] float32)
-    """Each row of ``x`` scaled so its absolute max is 448, as float8_e4m3fn, and the row scales."""
+@triton.jit
+def round_to_e4m3(v):
+    """float32 ``v`` (|v| <= 448) rounded to the nearest e4m3 value, ties to even, still float32.
+
+    NOTE: adding and taking away ``c = 2**(e + 20)`` (``2**e`` the power of two at or below
+    |v|) leaves float32 three mantissa bits below it: e4m3's step, with float32's own rounding.
+    Exponents below -6 round as -6 (e4m3's subnormals keep the step 2**-9). The cast to e4m3
+    that follows is then exact: Triton's interpreter rounds some values wrongly across a power
+    of two (124.3 to 64, not 128).
+    """
+    a = tl.abs(v)
+    top = tl.maximum(a.to(tl.int32, bitcast=True) & 0x7F800000, (127 - 6) << 23)
+    c = (top + (20 << 23)).to(tl.float32, bitcast=True)
+    r = (a + c) - c
+    return tl.where(v.to(tl.int32, bitcast=True) < 0, -r, r)  # the sign bit: -0.0 stays -0.0
+
+
+@triton.jit
+def quantize_per_token_kernel(
+    x_ptr,  # [M, K] float
+    q_ptr,  # [rows, K] float8_e4m3fn, rows >= M: the rows past M are written as zeros
+    scale_ptr,  # [rows] float32
+    M,
+    K,
+    stride_xm,
+    stride_qm,
+    BLOCK_K: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    live = tl.where(row < M, K, 0)  # the padding rows read nothing: zeros, scale 1e-12
+    amax = tl.zeros([BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + row * stride_xm + ks, mask=ks < live, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.abs(x))
+    scale = tl.maximum(tl.max(amax, axis=0) / 448.0, 1e-12)
+    inverse = tl.div_rn(1.0, scale)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + row * stride_xm + ks, mask=ks < live, other=0.0).to(tl.float32)
+        q = round_to_e4m3(tl.minimum(tl.maximum(x * inverse, -448.0), 448.0))
+        tl.store(q_ptr + row * stride_qm + ks, q.to(q_ptr.dtype.element_ty), mask=ks < K)
+    tl.store(scale_ptr + row, scale)
+
+
+def quantize_per_token(x: torch.Tensor, rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row of ``x`` [M, K] scaled so its absolute max is 448, as float8_e4m3fn, and the row
+    scales [rows, 1] float32; ``rows`` (>= M, M by default) pads both with zero rows.
+
+    :func:`quantize_per_token_triton` on CUDA (one launch where torch's ops take nine), else
+    :func:`quantize_per_token_reference`: the same bytes either way.
+    """
+    rows = x.shape[0] if rows is None else rows
+    if runs_on_triton(x):
+        return quantize_per_token_triton(x, rows)
+    return quantize_per_token_reference(torch.nn.functional.pad(x, (0, 0, 0, rows - x.shape[0])))
+
+
+def quantize_per_token_triton(x: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`quantize_per_token` as one Triton launch: a pass over each row for its max, a pass to
+    scale and round it."""
+    check_can_launch(quantize_per_token_kernel, x)
+    m, k = x.shape
+    if rows < m:
+        raise ValueError(f"rows must be at least x's {m} rows, got {rows}")
+    x = x if x.stride(1) == 1 else x.contiguous()
+    q = torch.empty(rows, k, dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty(rows, 1, dtype=torch.float32, device=x.device)
+    if rows:
+        block_k = min(1024, next_pow2(max(k, 16)))
+        quantize_per_token_kernel[(rows,)](x, q, scale, m, k, x.stride(0), q.stride(0), BLOCK_K=block_k,
+                                           num_warps=4)  # fmt: skip
+    return q, scale
+
+
+def quantize_per_token_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain-torch twin of :func:`quantize_per_token` (the same operations in the same order)."""
     scale = (x.abs().amax(dim=-1, keepdim=True).float() / FP8_MAX).clamp(min=1e-12)
-    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
+    return (x.float() * (1.0 / scale)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
 
 
-def fp8_scaled_mm(x, weight, weight_scale, input_scale=None) -> torch.Tensor:
+def fp8_scaled_mm(x, weight, weight_scale, input_scale=None, *, swap_ab: bool | None = None) -> torch.Tensor:
     """The ``torch._scaled_mm`` path of :func:`fp8_linear` (per-tensor or per-channel scales): the
     activations quantized to e4m3 too, per token or by the static ``input_scale``.
+
+    Up to :data:`SWAP_AB_MAX_ROWS` tokens with per-token scales, the product is taken as
+    ``(weight @ x_q.T).T``: the weight's N fills the GEMM's long side and the few tokens its short
+    one, padded to the 16 the fp8 GEMM requires (see the constant); ``swap_ab`` overrides that
+    choice (benchmarks time both).
 
     NOTE: torch's CPU build runs ``_scaled_mm`` as well, which is how the tests check this path.
     """
     mode = _check_args(x, weight, weight_scale, None, input_scale)
-    n = weight.shape[0]
+    m, n = x.shape[0], weight.shape[0]
     w_scale = weight_scale.float().reshape(-1)
     if input_scale is not None and mode == PER_TENSOR:
         a_scale = input_scale.float().reshape(())
         x_q = (x.float() / a_scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
         return torch._scaled_mm(x_q, weight.t(), scale_a=a_scale, scale_b=w_scale.reshape(()), out_dtype=x.dtype)
+    w_scale = w_scale.expand(n).contiguous() if mode == PER_TENSOR else w_scale  # [N], one per output channel
+    swap_ab = 0 < m <= SWAP_AB_MAX_ROWS if swap_ab is None else swap_ab
+    if input_scale is None and swap_ab:
+        x_q, a_scale = quantize_per_token(x, rows=-(-m // 16) * 16)
+        y_t = torch._scaled_mm(weight, x_q.t(), scale_a=w_scale.reshape(n, 1), scale_b=a_scale.reshape(1, -1),
+                               out_dtype=torch.bfloat16)  # fmt: skip
+        return y_t[:, :m].t().contiguous().to(x.dtype)
     if input_scale is not None:
         a_scale = input_scale.float().reshape(1, 1).expand(x.shape[0], 1).contiguous()
         x_q = (x.float() / a_scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     else:
         x_q, a_scale = quantize_per_token(x)
-    b_scale = w_scale.expand(n).reshape(1, n).contiguous()
-    y = torch._scaled_mm(x_q, weight.t(), scale_a=a_scale, scale_b=b_scale, out_dtype=torch.bfloat16)
+    y = torch._scaled_mm(x_q, weight.t(), scale_a=a_scale, scale_b=w_scale.reshape(1, n), out_dtype=torch.bfloat16)
     return y.to(x.dtype)
 
 

@@ -22,7 +22,10 @@
 #                 QUICK_ARGS passes options: python -m benchmarks.gpu_quick --help)
 #   quant-linear  python -m benchmarks.gpu_quant_linear (QUANT_LINEAR_ARGS, default --sweep-tiles): the
 #                 W4A16 kernel on 7B linear sizes at decode batches against the copy-bandwidth floor and
-#                 cuBLAS bf16, and the fastest of 18 tile sizes at one row
+#                 cuBLAS bf16, and the fastest of ~33 swept tile sizes (split-K among them) at one row
+#   quant         the quantized paths on a LLaMA-3-8B shape in one short call (QUANT_TIMEOUT, default 300 s):
+#                 their GPU kernel tests, benchmarks.gpu_fp8_linear (rows 1 16 64 256), benchmarks.gpu_quant_linear
+#                 --sweep-tiles (rows 1 4 16), and a decode step at batch 64 with bf16 and with fp8 weights
 #
 # Everything is logged to $OUT/run.log (OUT defaults to ./gpu-out); result files are packed
 # into $OUT/results.tar after each stage.
@@ -128,6 +131,22 @@ stage_quant-linear() {
     # shellcheck disable=SC2086
     timeout "${QUANT_LINEAR_TIMEOUT:-300}" $PY -m benchmarks.gpu_quant_linear --out "$OUT/res/quant-linear.json" \
         ${QUANT_LINEAR_ARGS:---sweep-tiles}
+}
+
+stage_quant() {
+    local end=$((SECONDS + ${QUANT_TIMEOUT:-300})) rc=0 engine
+    left() { echo $((end - SECONDS > 5 ? end - SECONDS : 5)); }
+    timeout "$(left)" $PY -m pytest -m gpu tests/kernels/test_fp8_matmul.py tests/kernels/test_quant_matmul.py \
+        tests/server/worker/quantization -q -p no:cacheprovider -rfE --junitxml "$OUT/res/quant-tests.xml" || rc=1
+    timeout "$(left)" $PY -m benchmarks.gpu_fp8_linear --shapes llama-3-8b --out "$OUT/res/fp8-linear.json" || rc=1
+    timeout "$(left)" $PY -m benchmarks.gpu_quant_linear --shapes llama-3-8b --sweep-tiles \
+        --out "$OUT/res/quant-linear.json" || rc=1
+    for engine in 'bf16|{}' 'fp8|{"quantization": "fp8"}'; do
+        mkdir -p "$OUT/res/step-${engine%%|*}"
+        timeout "$(left)" $PY -m benchmarks.gpu_step_profile --shape llama-3-8b --batch-sizes 64 --decode-steps 32 \
+            --profile-steps 4 --engine-args "${engine#*|}" --out "$OUT/res/step-${engine%%|*}" || rc=1
+    done
+    return $rc
 }
 
 stage_quick() {

@@ -6,12 +6,15 @@ import torch
 from kernel_factories import DEVICE, gpu_test
 
 from pagedllm.kernels.fp8_matmul import (
+    SWAP_AB_MAX_ROWS,
     dequantize_fp8_reference,
     fp8_linear,
     fp8_linear_reference,
     fp8_matmul_triton,
     fp8_scaled_mm,
     quantize_per_token,
+    quantize_per_token_reference,
+    quantize_per_token_triton,
 )
 
 TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.float16: dict(atol=1e-2, rtol=1e-2)}
@@ -97,11 +100,12 @@ def test_fp8_linear_takes_the_triton_path_off_cuda(seed):
 
 def _emulated_scaled_mm(x, weight, weight_scale, input_scale):
     """What the tensor cores compute: the e4m3-rounded activations times the dequantized weight, float64."""
-    if input_scale is None:
+    if input_scale is None:  # NOTE: times the reciprocal, as the per-token quantization does
         a_scale = x.float().abs().amax(-1, keepdim=True).clamp(min=1e-12 * 448) / 448
+        x_q = (x.float() * (1.0 / a_scale)).clamp(-448, 448).to(torch.float8_e4m3fn)
     else:
         a_scale = input_scale.float().reshape(1, 1)
-    x_q = (x.float() / a_scale).clamp(-448, 448).to(torch.float8_e4m3fn)
+        x_q = (x.float() / a_scale).clamp(-448, 448).to(torch.float8_e4m3fn)
     w = (
         weight.double() * weight_scale.double().reshape(-1, 1)
         if weight_scale.numel() > 1
@@ -112,16 +116,17 @@ def _emulated_scaled_mm(x, weight, weight_scale, input_scale):
 
 @pytest.mark.parametrize("mode", ["tensor", "channel"])
 @pytest.mark.parametrize("static", [False, True])
-def test_scaled_mm_path_equals_its_emulation(seed, mode, static):
+@pytest.mark.parametrize("m", [1, 5, SWAP_AB_MAX_ROWS, SWAP_AB_MAX_ROWS + 3])
+def test_scaled_mm_path_equals_its_emulation(seed, mode, static, m):
     # NOTE: torch runs _scaled_mm on the CPU too; on CUDA sm89+ the same call goes to cuBLAS/CUTLASS.
     # The bound (0.5% of the largest output) is the bf16 output's rounding; leaving the activations
-    # unquantized would be 2-4% off.
+    # unquantized would be 2-4% off. Up to SWAP_AB_MAX_ROWS dynamic rows take the swapped product.
     weight = _random_weight(48, 64, device="cpu")
     scale = _scale(mode, 48, 64, None)
-    x = (torch.randn(5, 64) * 3).bfloat16()
+    x = (torch.randn(m, 64) * 3).bfloat16()
     input_scale = torch.tensor(0.05) if static else None
     y = fp8_scaled_mm(x, weight, scale, input_scale)
-    assert y.dtype == torch.bfloat16 and y.shape == (5, 48)
+    assert y.dtype == torch.bfloat16 and y.shape == (m, 48) and y.is_contiguous()
     expected = _emulated_scaled_mm(x, weight, scale, input_scale)
     torch.testing.assert_close(y.double(), expected, atol=5e-3 * expected.abs().max().item(), rtol=0,
                                msg=lambda e: f"seed={seed}: {e}")  # fmt: skip
@@ -133,6 +138,44 @@ def test_per_token_quantization_maps_each_row_max_to_448():
     assert q.dtype == torch.float8_e4m3fn and scale.shape == (2, 1)
     assert q.float()[0].tolist() == [224.0, -448.0, 112.0]
     assert q.float()[1].tolist() == [0.0, 0.0, 0.0]  # an all-zero row stays zero, no division by zero
+
+
+def _e4m3_grid_row():
+    """One row whose max is 448 (scale 1): every finite e4m3 value, every midpoint between two
+    neighbours (ties to even) and the float32 values just either side of each midpoint."""
+    values = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float()
+    values = values[values.isfinite()].sort().values
+    mids = (values[1:] + values[:-1]) / 2
+    above, below = mids.nextafter(torch.tensor(1e9)), mids.nextafter(torch.tensor(-1e9))
+    return torch.cat([torch.tensor([448.0, -0.0]), values, mids, above, below])[None]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("m,k,rows", [(1, 64, 16), (5, 1000, 16), (3, 2500, 3), (17, 48, 32)])
+def test_triton_per_token_quantization_is_the_reference(seed, dtype, m, k, rows):
+    # rows of very different sizes, a zero row, K over one 1024-wide pass, and zero padding rows
+    x = torch.randn(m, k) * torch.exp2(torch.randint(-8, 8, (m, 1)).float())
+    x[-1] = 0.0
+    x = x.to(dtype).to(DEVICE)
+    q, scale = quantize_per_token_triton(x, rows)
+    expected_q, expected_scale = quantize_per_token_reference(torch.nn.functional.pad(x.cpu(), (0, 0, 0, rows - m)))
+    assert q.shape == (rows, k) and scale.shape == (rows, 1)
+    assert torch.equal(q.cpu().view(torch.uint8), expected_q.view(torch.uint8)), f"seed={seed}"
+    assert torch.equal(scale.cpu(), expected_scale), f"seed={seed}"
+
+
+def test_triton_per_token_quantization_rounds_every_e4m3_value_and_tie_as_torch_does():
+    x = _e4m3_grid_row()
+    q, scale = quantize_per_token_triton(x.to(DEVICE), 1)
+    expected, _ = quantize_per_token_reference(x)
+    assert scale.item() == 1.0
+    assert torch.equal(q.cpu().view(torch.uint8), expected.view(torch.uint8))
+    assert torch.equal(expected.float(), x.to(torch.float8_e4m3fn).float())  # the reference is torch's own cast
+
+
+def test_triton_per_token_quantization_rejects_fewer_rows_than_x():
+    with pytest.raises(ValueError, match="at least"):
+        quantize_per_token_triton(torch.ones(4, 16).to(DEVICE), 2)
 
 
 def test_dequantize_spreads_block_scales():
