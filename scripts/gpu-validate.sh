@@ -26,6 +26,8 @@
 #   quant         the quantized paths on a LLaMA-3-8B shape in one short call (QUANT_TIMEOUT, default 300 s):
 #                 their GPU kernel tests, benchmarks.gpu_fp8_linear (rows 1 16 64 256), benchmarks.gpu_quant_linear
 #                 --sweep-tiles (rows 1 4 16), and a decode step at batch 64 with bf16 and with fp8 weights
+#   async         decode steps at batch 1, 16, 64, 256 with async_scheduling off and on, back to back (ASYNC_TIMEOUT,
+#                 default 240 s): what scheduling the next step during this one recovers of the GPU's idle time
 #
 # Everything is logged to $OUT/run.log (OUT defaults to ./gpu-out); result files are packed
 # into $OUT/results.tar after each stage.
@@ -145,6 +147,16 @@ stage_quant() {
         mkdir -p "$OUT/res/step-${engine%%|*}"
         timeout "$(left)" $PY -m benchmarks.gpu_step_profile --shape llama-3-8b --batch-sizes 64 --decode-steps 32 \
             --profile-steps 4 --engine-args "${engine#*|}" --out "$OUT/res/step-${engine%%|*}" || rc=1
+    done
+    return $rc
+}
+
+stage_async() {
+    local end=$((SECONDS + ${ASYNC_TIMEOUT:-240})) rc=0 engine
+    for engine in 'sync|{}' 'async|{"async_scheduling": true}'; do
+        mkdir -p "$OUT/res/step-${engine%%|*}"
+        timeout $((end - SECONDS > 5 ? end - SECONDS : 5)) $PY -m benchmarks.gpu_step_profile --shape llama-3-8b \
+            --decode-steps 32 --profile-steps 4 --engine-args "${engine#*|}" --out "$OUT/res/step-${engine%%|*}" || rc=1
     done
     return $rc
 }
