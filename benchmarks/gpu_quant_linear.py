@@ -17,7 +17,7 @@ weights to span ``--working-set-mb`` (4x the L2 by default), and one timed pass 
 copy in turn; the time per call is the pass's over the copies.
 
     python -m benchmarks.gpu_quant_linear                       # llama-7b and qwen2.5-7b, rows 1 4 16
-    python -m benchmarks.gpu_quant_linear --sweep-tiles         # + up to 33 tile sizes, split-K among them, at one row
+    python -m benchmarks.gpu_quant_linear --sweep-tiles         # + up to 49 tile sizes (16 gemv), split-K, at one row
     python -m benchmarks.gpu_quant_linear --list                # the cases and their bytes (no GPU)
 """
 
@@ -113,15 +113,21 @@ def _per_call_us(bench, call, items: list) -> float:
 # the 16x32 tile before split-K; each with every split of K in SWEEP_SPLITS
 SWEEP_BLOCKS = ((32, 256), (64, 128), (64, 256), (64, 512), (128, 128), (128, 256))
 SWEEP_SPLITS = (1, 2, 4, 8)
+# the gemv kernel's (block_n, block_k, warps): 8 or 16 KB of packed 4-bit words a trip, 16 words a
+# thread (8 at 16 warps), block_n under the 32 * warps threads (the kernel's NOTE says why), the
+# K tile inside a group of 128 or holding 2 or 4 (each word gathers its group's scales); one
+# stage, as compiled for sm90 Triton pipelines none of its loads at any number
+GEMV_SWEEP_BLOCKS = ((64, 256, 4), (64, 512, 8), (128, 256, 8), (256, 128, 16))
 
 
 def sweep_tiles(rows: int, k: int, group_size: int) -> list:
     """The tile sizes ``--sweep-tiles`` tries at ``rows`` rows of a ``k``-deep product: each of
     SWEEP_BLOCKS with each split of K, at the warps that hold the dequantized tile at 64 values a
     thread (4 to 8) and 4 stages; 32x256 and 64x256 also at the other warp count and 3 stages;
-    and the 16x32 tile before split-K, to compare in the same run. A split
-    that does not cut K into slices of whole K tiles and whole groups is left out."""
-    from pagedllm.kernels.quant_matmul import Tiles
+    the 16x32 tile before split-K, to compare in the same run; and up to GEMV_MAX_ROWS rows, each
+    of GEMV_SWEEP_BLOCKS with each split for the gemv kernel (unmeasured so far). A split that
+    does not cut K into slices of whole K tiles and whole groups is left out."""
+    from pagedllm.kernels.quant_matmul import GEMV_MAX_ROWS, Tiles
 
     block_m = max(16, 1 << (rows - 1).bit_length())
     tiles = [Tiles(block_m, 32, 128, 4, 4)]
@@ -130,11 +136,17 @@ def sweep_tiles(rows: int, k: int, group_size: int) -> list:
         tiles.append(Tiles(block_m, bn, bk, warps, 4, split_k=split))
         if (bn, bk) in ((32, 256), (64, 256)):
             tiles.append(Tiles(block_m, bn, bk, 8 if warps == 4 else 4, 3, split_k=split))
+    if rows <= GEMV_MAX_ROWS:
+        gemv_rows = 1 << (rows - 1).bit_length()
+        tiles += [Tiles(gemv_rows, bn, bk, warps, 1, split_k=split, kind="gemv")
+                  for (bn, bk, warps), split in itertools.product(GEMV_SWEEP_BLOCKS, SWEEP_SPLITS)]  # fmt: skip
     return [t for t in tiles if k % (t.split_k * math.lcm(t.block_k, group_size)) == 0]
 
 
 def tiles_name(t) -> str:
-    return f"m{t.block_m}-n{t.block_n}-k{t.block_k}-split{t.split_k}-w{t.num_warps}-s{t.num_stages}"
+    """The tiles as a result row names them; gemv tiles start with their kind."""
+    kind = "gemv-" if t.kind == "gemv" else ""
+    return f"{kind}m{t.block_m}-n{t.block_n}-k{t.block_k}-split{t.split_k}-w{t.num_warps}-s{t.num_stages}"
 
 
 def _swept_us(bench, call, items: list) -> float:

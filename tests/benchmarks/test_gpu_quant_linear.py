@@ -1,11 +1,18 @@
-"""The W4A16 GPU benchmark's host-side arithmetic: cases, bytes, copies past the L2, ratios."""
+"""The W4A16 GPU benchmark's host-side arithmetic: cases, bytes, copies past the L2, ratios; and
+its gemv candidates compiled for sm90 (no GPU needed)."""
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from benchmarks.gpu_quant_linear import (
+    GEMV_SWEEP_BLOCKS,
     Case,
     _report,
     cases,
@@ -16,7 +23,9 @@ from benchmarks.gpu_quant_linear import (
     sweep_tiles,
     tiles_name,
 )
-from pagedllm.kernels.quant_matmul import Tiles
+from pagedllm.kernels.quant_matmul import GEMV_MAX_ROWS, Tiles
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_cases_are_the_fused_projections_of_each_shape():
@@ -65,7 +74,8 @@ def test_measure_runs_every_copy_once_per_pass():
         passes.append(len(fn()))  # the number of calls one pass made
         return 2.0  # ms
 
-    sweep = [t for t in sweep_tiles(1, c.k, c.group_size) if t.split_k == 2][:2]
+    tiles = sweep_tiles(1, c.k, c.group_size)
+    sweep = [next(t for t in tiles if t.split_k == 2 and t.kind == kind) for kind in ("dot", "gemv")]
     w4a16_us, bf16_us, swept = measure(c, bench, working_set_mb=0.05, device="cpu", dtype=torch.float32, sweep=sweep)
     w4a16_copies, bf16_copies = copies_for(c.w4a16_bytes(), 0.05), copies_for(c.bf16_bytes(), 0.05)
     assert passes == [w4a16_copies] * 3 + [bf16_copies] and w4a16_copies > 1  # default tiles, two swept, bf16
@@ -95,12 +105,33 @@ def test_sweep_reports_the_fastest_tiles():
 
 def test_sweep_tries_split_k_and_long_k_tiles_within_budget():
     tiles = sweep_tiles(1, 4096, 128)
-    assert len(tiles) == 33 and len({tiles_name(t) for t in tiles}) == 33  # each ~1 s to compile
-    assert {t.split_k for t in tiles} == {1, 2, 4, 8} and {t.block_k for t in tiles} == {128, 256, 512}
-    assert {t.block_n for t in tiles} == {32, 64, 128} and {(t.num_warps, t.num_stages) for t in tiles} > {(4, 4)}
+    assert len(tiles) == 49 and len({tiles_name(t) for t in tiles}) == 49  # each ~1 s to compile
+    dot = [t for t in tiles if t.kind == "dot"]
+    assert len(dot) == 33 and {t.split_k for t in dot} == {1, 2, 4, 8} and {t.block_k for t in dot} == {128, 256, 512}
+    assert {t.block_n for t in dot} == {32, 64, 128} and {(t.num_warps, t.num_stages) for t in dot} > {(4, 4)}
     assert Tiles(16, 32, 128, 4, 4) in tiles  # the tiles before split-K, timed in the same run
-    assert all(t.block_m == 16 for t in tiles) and sweep_tiles(33, 4096, 128)[0].block_m == 64
+    assert all(t.block_m == 16 for t in dot) and sweep_tiles(33, 4096, 128)[0].block_m == 64
     assert "split4" in tiles_name(Tiles(16, 64, 256, 8, 4, split_k=4))
+
+
+@pytest.mark.parametrize("rows", range(1, GEMV_MAX_ROWS + 1))
+def test_sweep_adds_gemv_candidates_up_to_its_rows(rows):
+    gemv = [t for t in sweep_tiles(rows, 4096, 128) if t.kind == "gemv"]
+    assert len(gemv) == 4 * 4 and {t.block_m for t in gemv} == {1 << (rows - 1).bit_length()}
+    assert {t.split_k for t in gemv} == {1, 2, 4, 8} and {(t.block_n, t.block_k) for t in gemv} == {
+        (64, 256), (64, 512), (128, 256), (256, 128)}  # fmt: skip
+    assert all(tiles_name(t).startswith(f"gemv-m{t.block_m}-n{t.block_n}-") for t in gemv)
+
+
+@pytest.mark.parametrize("rows", [GEMV_MAX_ROWS + 1, 16, 64, 65])
+def test_sweep_has_no_gemv_candidates_past_its_rows(rows):
+    assert {t.kind for t in sweep_tiles(rows, 4096, 128)} == {"dot"}
+
+
+def test_gemv_candidates_keep_block_n_under_the_threads_and_16_words_a_thread():
+    for t in (t for t in sweep_tiles(1, 4096, 128) if t.kind == "gemv"):
+        threads = 32 * t.num_warps
+        assert t.block_n < threads and t.block_k // 8 * t.block_n // threads <= 16, tiles_name(t)
 
 
 @pytest.mark.parametrize("k", [4096, 14336, 3584, 11008])
@@ -113,7 +144,8 @@ def test_swept_splits_cut_k_into_whole_tiles_and_groups(k):
 
 def test_sweep_leaves_out_splits_that_cut_a_k_tile():
     tiles = sweep_tiles(1, 14336, 128)
-    assert Tiles(16, 64, 512, 8, 4, split_k=8) not in tiles and len(tiles) == 32  # 14336 / 8 = 1792, not 512s
+    assert Tiles(16, 64, 512, 8, 4, split_k=8) not in tiles and len(tiles) == 32 + 15  # 14336 / 8 = 1792, not 512s
+    assert Tiles(1, 64, 512, 8, 1, split_k=8, kind="gemv") not in tiles
     assert Tiles(16, 64, 128, 4, 4, split_k=8) in tiles
 
 
@@ -123,3 +155,52 @@ def test_report_names_the_best_tiles_when_swept(capsys):
     _report(result_row(c, 4.0, 12.0, c.w4a16_bytes() / 3e3, swept={"m16-n64-k256-w4-s3": 3.5}))
     out = capsys.readouterr().out.splitlines()
     assert len(out) == 3 and "75%" in out[0] and "best tiles m16-n64-k256-w4-s3: 3.5 us (86% of the floor)" in out[2]
+
+
+def print_gemv_loop_conversions() -> None:
+    """Compile each gemv block of the sweep for sm90 at 1 and GEMV_MAX_ROWS rows, as the JIT
+    would see contiguous tensors (unit strides as constants, 16-byte aligned pointers and rows);
+    print ``converts NAME COUNT`` with the layout conversions inside the K loop."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from pagedllm.kernels.quant_matmul import quant_gemv_kernel as fn
+
+    ptrs = dict(x_ptr="bf16", qweight_ptr="i32", scales_ptr="bf16", zeros_ptr="bf16", y_ptr="fp32")
+    aligned = {*ptrs, "stride_xm", "stride_qk", "stride_sg", "stride_zg", "stride_ys", "stride_ym", "N", "K"}
+    for (bn, bk, warps), rows in ((b, r) for b in GEMV_SWEEP_BLOCKS for r in (1, GEMV_MAX_ROWS)):
+        const = dict(BITS=4, TILE_IN_ONE_GROUP=128 % bk == 0, ROWS=rows, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=4,
+                     stride_xk=1, stride_qn=1, stride_sn=1, stride_zn=1, stride_yn=1)  # fmt: skip
+        sig = {a: "constexpr" if a in const else "*" + ptrs[a] if a in ptrs else "i32" for a in fn.arg_names}
+        attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names) if a in aligned}
+        src = ASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs)
+        ttgir = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps)).asm["ttgir"]
+        loop = ttgir.split("scf.for", 1)[1].split("scf.yield", 1)[0]
+        print(f"converts m{rows}-n{bn}-k{bk}-w{warps} {loop.count('ttg.convert_layout')}", flush=True)
+
+
+def _ptxas_available() -> bool:
+    try:
+        import triton
+    except ImportError:
+        return False
+    return (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _ptxas_available(), reason="needs Triton's NVIDIA backend (its bundled ptxas)")
+def test_gemv_candidates_compile_without_a_layout_conversion_in_the_loop():
+    # NOTE: the property the gemv kernel exists for, and the interpreter cannot see it: a trip that
+    # converts a layout goes through shared memory between barriers. In a subprocess, since this
+    # process's kernels were decorated for the interpreter (tests/conftest.py).
+    env = dict(os.environ, TRITON_INTERPRET="0", TRITON_DEFAULT_FP_FUSION="1", PYTHONPATH=str(ROOT))
+    result = subprocess.run([sys.executable, __file__], capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    counts = dict(line.split()[1:] for line in result.stdout.splitlines() if line.startswith("converts "))
+    assert len(counts) == 2 * len(GEMV_SWEEP_BLOCKS), result.stdout
+    assert set(counts.values()) == {"0"}, counts
+
+
+if __name__ == "__main__":
+    print_gemv_loop_conversions()

@@ -1,11 +1,14 @@
-"""quant_matmul: the packing against a hand-built word, the Triton W4A16/W8A16 GEMM against a
-float64 oracle, tile choice, and the launcher's checks."""
+"""quant_matmul: the packing against a hand-built word, the Triton W4A16/W8A16 GEMM and the
+few-row gemv kernel against a float64 oracle, tile choice, and the launcher's checks."""
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 from kernel_factories import DEVICE, gpu_test
 
 from pagedllm.kernels.quant_matmul import (
+    GEMV_MAX_ROWS,
     Tiles,
     choose_tiles,
     dequantize_reference,
@@ -209,6 +212,86 @@ def test_decode_tiles_for_llama_3_8b(proj):
     assert k % t.split_k == 0 and slice_k % t.block_k == 0 and slice_k % 128 == 0  # whole tiles, whole groups
     assert slice_k // t.block_k >= 8, f"{t}: {slice_k // t.block_k} trips a slice"
     assert t.block_k // 8 * t.block_n * 4 == 4096  # packed bytes a trip, twice the 16x32 tile's
+
+
+def _gemv(m, block_n, block_k, split_k=1, num_warps=4):
+    return Tiles(1 << (m - 1).bit_length(), block_n, block_k, num_warps, 1, split_k=split_k, kind="gemv")
+
+
+# (bits, group_size): a K tile inside one group (block_k 128) or holding two (256: each word
+# gathers its group's scales), and one group for all of K
+GEMV_QUANT = [(4, 128), (4, -1), (8, 128), (8, -1)]
+
+
+@pytest.mark.parametrize("bits,group_size", GEMV_QUANT)
+@pytest.mark.parametrize("m", range(1, GEMV_MAX_ROWS + 1))
+@pytest.mark.parametrize("block_k", [128, 256])
+@pytest.mark.parametrize("split_k", [1, 2, 4])
+def test_gemv_matches_reference(seed, poisoned_empty, split_k, block_k, m, bits, group_size):
+    k, n = 1024, 40  # 40 columns: a partial second column tile
+    gs = k if group_size == -1 else group_size
+    x, qw, s, z, _, _ = _random_case(m, k, n, bits, gs, False, torch.float32)
+    y = w4a16_matmul(x, qw, s, z, group_size, bits=bits, tiles=_gemv(m, 32, block_k, split_k))
+    assert y.dtype == torch.float32 and y.shape == (m, n) and y.is_contiguous()
+    expected = w4a16_matmul_reference(x, qw, s, z, group_size, bits=bits)
+    torch.testing.assert_close(y, expected, **TOL[torch.float32], msg=lambda e: f"seed={seed}: {e}")
+
+
+@pytest.mark.parametrize(
+    "k,group_size,block_k,split_k",
+    [
+        (992, 32, 128, 4),  # K not a tile multiple: the last tile runs past K's last group
+        (512, 128, 256, 4),  # the last two splits are empty and must add zeros
+        (1024, 96, 128, 2),  # a group size that is no power of two: tiles straddle groups
+        (256, 8, 64, 1),  # groups of one word
+    ],
+)
+def test_gemv_odd_groups_and_slices(seed, poisoned_empty, k, group_size, block_k, split_k):
+    x, qw, s, z, _, q = _random_case(3, k, 24, 4, group_size, False, torch.float32)
+    y = w4a16_matmul(x, qw, s, z, group_size, tiles=_gemv(3, 16, block_k, split_k))
+    expected = _oracle(x, q, s, z, group_size, None)
+    torch.testing.assert_close(y.cpu().double(), expected, **TOL[torch.float32], msg=lambda e: f"seed={seed}: {e}")
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_gemv_reads_strided_half_x_and_half_scales(seed, poisoned_empty, bits):
+    wide = torch.randn(2, 300).half().to(DEVICE)
+    x = wide[:, 8:264]  # [2, 256], row stride 300
+    _, qw, s, z, _, q = _random_case(2, 256, 48, bits, 64, False, torch.float16)
+    y = w4a16_matmul(x, qw, s.half(), z.half(), 64, bits=bits, tiles=_gemv(2, 16, 128, 2))
+    assert y.dtype == torch.float16
+    expected = _oracle(x.float(), q, s.half().float(), z.half().float(), 64, None)
+    torch.testing.assert_close(y.cpu().double(), expected, **TOL[torch.float16], msg=lambda e: f"seed={seed}: {e}")
+
+
+def test_gemv_block_m_may_exceed_the_rows(seed, poisoned_empty):
+    x, qw, s, z, _, q = _random_case(1, 256, 32, 4, 128, False, torch.float32)
+    y = w4a16_matmul(x, qw, s, z, 128, tiles=Tiles(GEMV_MAX_ROWS, 32, 128, 4, 1, kind="gemv"))
+    torch.testing.assert_close(y.cpu().double(), _oracle(x, q, s, z, 128, None), **TOL[torch.float32])
+
+
+def test_gemv_refuses_what_it_does_not_take():
+    x, qw, s, z, g_idx, _ = _random_case(3, 128, 16, 4, 32, True, torch.float32)
+    with pytest.raises(ValueError, match="a power of two from M = 3 to 4, got block_m 2"):
+        w4a16_matmul(x, qw, s, z, 32, tiles=Tiles(2, 16, 64, 4, 1, kind="gemv"))
+    with pytest.raises(ValueError, match="got block_m 8"):
+        w4a16_matmul(x, qw, s, z, 32, tiles=Tiles(8, 16, 64, 4, 1, kind="gemv"))
+    with pytest.raises(ValueError, match="g_idx"):
+        w4a16_matmul(x, qw, s, z, 32, g_idx, tiles=_gemv(3, 16, 64))
+    x, qw, s, z, _, _ = _random_case(1, 64, 16, 4, 4, False, torch.float32)
+    with pytest.raises(ValueError, match="multiple of the 8 4-bit codes a word packs, got 4"):
+        w4a16_matmul(x, qw, s, z, 4, tiles=_gemv(1, 16, 64))
+    with pytest.raises(ValueError, match="tiles.kind must be one of"):
+        w4a16_matmul(x, qw, s, z, 4, tiles=Tiles(16, 16, 64, 4, 2, kind="mma"))
+    with pytest.raises(ValueError, match="tiles must be"):
+        w4a16_matmul(x, qw, s, z, 4, tiles=Tiles(1, 16, 64, 4, 2))  # block_m 1 is gemv's alone
+
+
+@given(m=st.integers(1, 1024), k_tiles=st.integers(1, 128), group_size=st.sampled_from([32, 64, 128, -1]),
+       has_g_idx=st.booleans())  # fmt: skip
+def test_choose_tiles_never_picks_the_unmeasured_gemv(m, k_tiles, group_size, has_g_idx):
+    k = 128 * k_tiles
+    assert choose_tiles(m, k, k if group_size == -1 else group_size, has_g_idx).kind == "dot"
 
 
 def test_launcher_rejects_bad_arguments():
