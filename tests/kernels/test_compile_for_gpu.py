@@ -21,18 +21,25 @@ FLOATS = {"eps", "scale", "k_scale", "v_scale", "softcap"}  # the kernels' float
 
 
 def _cases():
-    from pagedllm.kernels.fp8_matmul import fp8_matmul_kernel
+    from pagedllm.kernels.fp8_matmul import fp8_matmul_kernel, quantize_per_token_kernel
     from pagedllm.kernels.fused_add_rms_norm import rms_norm_kernel
     from pagedllm.kernels.paged_decode_attention import paged_decode_attention_kernel
-    from pagedllm.kernels.quant_matmul import quant_matmul_kernel
+    from pagedllm.kernels.quant_matmul import quant_gemv_kernel, quant_matmul_kernel, split_k_sum_kernel
     from pagedllm.kernels.rotary_embedding import rotary_embedding_kernel
     from pagedllm.kernels.silu_and_mul import act_and_mul_kernel
 
-    def quant(dt, bits, g_idx, bm, bn, bk, warps, stages):
-        ptrs = dict(x_ptr=dt, qweight_ptr="i32", scales_ptr=dt, zeros_ptr=dt, g_idx_ptr="i32", y_ptr=dt)
-        const = dict(BITS=bits, HAS_G_IDX=g_idx, TILE_IN_ONE_GROUP=not g_idx, PRECISION="tf32",
-                     BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)  # fmt: skip
+    def quant(dt, bits, g_idx, bm, bn, bk, warps, stages, split=1):
+        ptrs = dict(x_ptr=dt, qweight_ptr="i32", scales_ptr=dt, zeros_ptr=dt, g_idx_ptr="i32",
+                    y_ptr=dt if split == 1 else "fp32")  # fmt: skip
+        const = dict(BITS=bits, HAS_G_IDX=g_idx, GROUPS_PER_TILE=0 if g_idx else 1, PRECISION="tf32",
+                     BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split)  # fmt: skip
         return quant_matmul_kernel, ptrs, const, 90, dict(num_warps=warps, num_stages=stages)
+
+    def gemv(bits, rows, bn, bk, warps, split):
+        ptrs = dict(x_ptr="bf16", qweight_ptr="i32", scales_ptr="bf16", zeros_ptr="bf16",
+                    y_ptr="bf16" if split == 1 else "fp32")  # fmt: skip
+        const = dict(BITS=bits, TILE_IN_ONE_GROUP=True, ROWS=rows, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split)
+        return quant_gemv_kernel, ptrs, const, 90, dict(num_warps=warps, num_stages=1)
 
     def fp8(arch, dt, mode, bm, bn, bk, warps):
         ptrs = dict(x_ptr=dt, w_ptr="u8", scale_ptr="fp32", y_ptr=dt)
@@ -53,6 +60,22 @@ def _cases():
     act_ptrs = dict(gate_ptr="bf16", up_ptr="bf16", out_ptr="bf16")
     return {
         "w4a16-decode": quant("bf16", 4, False, 16, 32, 128, 4, 4),
+        "w4a16-decode-split-k": quant("bf16", 4, False, 16, 64, 128, 4, 4, split=4),
+        "split-k-sum": (
+            split_k_sum_kernel,
+            dict(partials_ptr="fp32", y_ptr="bf16"),
+            dict(SPLIT_K=4, BLOCK=1024),
+            90,
+            dict(num_warps=4),
+        ),  # fmt: skip
+        "w4a16-gemv": gemv(4, 1, 64, 256, 4, 2),
+        "fp8-quantize-per-token": (
+            quantize_per_token_kernel,
+            dict(x_ptr="bf16", q_ptr="fp8e4nv", scale_ptr="fp32"),
+            dict(BLOCK_K=1024),
+            90,
+            dict(num_warps=4),
+        ),  # fmt: skip
         "w8a16-prefill-act-order": quant("fp16", 8, True, 128, 128, 64, 8, 3),
         "fp8-block-sm80": fp8(80, "bf16", 2, 16, 64, 128, 4),
         "fp8-channel-sm90": fp8(90, "fp16", 1, 128, 128, 64, 8),
@@ -108,7 +131,7 @@ def test_new_kernels_compile_for_hopper_and_the_fp8_fallback_for_ampere():
     result = subprocess.run([sys.executable, __file__], capture_output=True, text=True, timeout=600, env=env)
     lines = [line for line in result.stdout.splitlines() if line.startswith(("ok ", "FAIL "))]
     assert result.returncode == 0, result.stderr[-3000:]
-    assert len(lines) == 9, result.stdout + result.stderr[-3000:]
+    assert len(lines) == 13, result.stdout + result.stderr[-3000:]
     failures = [line for line in lines if line.startswith("FAIL")]
     assert not failures, "\n".join(failures)
     for line in lines:
