@@ -22,12 +22,10 @@ each ``--rows``, one run times (median over CUDA-graph replays, weights past the
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 from dataclasses import asdict
 
 from benchmarks.common import HelpFormatter
-from benchmarks.gpu_quant_linear import BF16_BYTES, Case, _per_call_us, cases, copies_for
+from benchmarks.gpu_quant_linear import BF16_BYTES, Case, _per_call_us, cases, copies_for, time_cases
 from benchmarks.model_shapes import SHAPES
 
 CANDIDATES = ("bf16", "fp8_torch_quant", "fp8", "fp8_plain", "fp8_swapped", "quantize")
@@ -119,24 +117,13 @@ def main(argv: list[str] | None = None) -> None:
         for c in todo:
             print(f"{c.shape:11s} {c.proj:8s} rows {c.rows:4d}: k {c.k:5d} n {c.n:5d}, {fp8_bytes(c) / 1e6:6.1f} MB")
         return
-    import torch
-
-    from benchmarks.kernels import measure_copy_bandwidth, timer
-
-    if not torch.cuda.is_available():
-        sys.exit("benchmarks.gpu_fp8_linear times CUDA kernels and needs a GPU; --list shows the cases without one")
-    bench = timer(args.timer, args.rep_ms)
-    copy_gbs = measure_copy_bandwidth(timer("do_bench", args.rep_ms), "cuda") / 1e9
-    print(f"{torch.cuda.get_device_name()}: copy {copy_gbs:.0f} GB/s (read + write)")
-    meta = {"device": torch.cuda.get_device_name(), "copy_gbs": round(copy_gbs, 1), "timer": args.timer}
-    rows = []
-    for c in todo:
-        rows.append(result_row(c, measure(c, bench, args.working_set_mb), copy_gbs))
-        _report(rows[-1])
-        if args.out:  # NOTE: after every case, so a run cut short by its time limit keeps what it measured
-            with open(args.out, "w") as f:
-                json.dump(meta | {"rows": rows}, f, indent=2)
-    sys.stdout.flush()
+    time_cases(
+        "benchmarks.gpu_fp8_linear",
+        args,
+        todo,
+        lambda c, bench, copy_gbs: result_row(c, measure(c, bench, args.working_set_mb), copy_gbs),
+        _report,
+    )
 
 
 if __name__ == "__main__":

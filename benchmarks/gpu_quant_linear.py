@@ -217,23 +217,32 @@ def main(argv: list[str] | None = None) -> None:
         for c in todo:
             print(f"{c.shape:11s} {c.proj:8s} rows {c.rows:3d}: k {c.k:5d} n {c.n:5d}, {c.w4a16_bytes() / 1e6:6.1f} MB")
         return
+
+    def row_of(c: Case, bench, copy_gbs: float) -> dict:
+        sweep = sweep_tiles(c.rows, c.k, c.group_size) if args.sweep_tiles and c.rows == 1 else ()
+        w4a16_us, bf16_us, swept = measure(c, bench, args.working_set_mb, sweep=sweep)
+        return result_row(c, w4a16_us, bf16_us, copy_gbs, swept)
+
+    time_cases("benchmarks.gpu_quant_linear", args, todo, row_of, _report)
+
+
+def time_cases(program: str, args: argparse.Namespace, todo: list[Case], row_of, report) -> None:
+    """Measure the copy bandwidth, then ``row_of(case, bench, copy_gbs)`` for each case, reported and
+    written to ``args.out`` (JSON) as each one ends."""
     import torch
 
     from benchmarks.kernels import measure_copy_bandwidth, timer
 
     if not torch.cuda.is_available():
-        sys.exit("benchmarks.gpu_quant_linear times CUDA kernels and needs a GPU; --list shows the cases without one")
-
+        sys.exit(f"{program} times CUDA kernels and needs a GPU; --list shows the cases without one")
     bench = timer(args.timer, args.rep_ms)
     copy_gbs = measure_copy_bandwidth(timer("do_bench", args.rep_ms), "cuda") / 1e9
     print(f"{torch.cuda.get_device_name()}: copy {copy_gbs:.0f} GB/s (read + write)")
     meta = {"device": torch.cuda.get_device_name(), "copy_gbs": round(copy_gbs, 1), "timer": args.timer}
     rows = []
     for c in todo:
-        sweep = sweep_tiles(c.rows, c.k, c.group_size) if args.sweep_tiles and c.rows == 1 else ()
-        w4a16_us, bf16_us, swept = measure(c, bench, args.working_set_mb, sweep=sweep)
-        rows.append(result_row(c, w4a16_us, bf16_us, copy_gbs, swept))
-        _report(rows[-1])
+        rows.append(row_of(c, bench, copy_gbs))
+        report(rows[-1])
         if args.out:  # NOTE: after every case, so a run cut short by its time limit keeps what it measured
             with open(args.out, "w") as f:
                 json.dump(meta | {"rows": rows}, f, indent=2)

@@ -3,16 +3,10 @@ its gemv candidates compiled for sm90 (no GPU needed)."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 from benchmarks.gpu_quant_linear import (
-    GEMV_SWEEP_BLOCKS,
     Case,
     _report,
     cases,
@@ -24,8 +18,6 @@ from benchmarks.gpu_quant_linear import (
     tiles_name,
 )
 from pagedllm.kernels.quant_matmul import GEMV_MAX_ROWS, Tiles
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_cases_are_the_fused_projections_of_each_shape():
@@ -155,52 +147,3 @@ def test_report_names_the_best_tiles_when_swept(capsys):
     _report(result_row(c, 4.0, 12.0, c.w4a16_bytes() / 3e3, swept={"m16-n64-k256-w4-s3": 3.5}))
     out = capsys.readouterr().out.splitlines()
     assert len(out) == 3 and "75%" in out[0] and "best tiles m16-n64-k256-w4-s3: 3.5 us (86% of the floor)" in out[2]
-
-
-def print_gemv_loop_conversions() -> None:
-    """Compile each gemv block of the sweep for sm90 at 1 and GEMV_MAX_ROWS rows, as the JIT
-    would see contiguous tensors (unit strides as constants, 16-byte aligned pointers and rows);
-    print ``converts NAME COUNT`` with the layout conversions inside the K loop."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    from pagedllm.kernels.quant_matmul import quant_gemv_kernel as fn
-
-    ptrs = dict(x_ptr="bf16", qweight_ptr="i32", scales_ptr="bf16", zeros_ptr="bf16", y_ptr="fp32")
-    aligned = {*ptrs, "stride_xm", "stride_qk", "stride_sg", "stride_zg", "stride_ys", "stride_ym", "N", "K"}
-    for (bn, bk, warps), rows in ((b, r) for b in GEMV_SWEEP_BLOCKS for r in (1, GEMV_MAX_ROWS)):
-        const = dict(BITS=4, TILE_IN_ONE_GROUP=128 % bk == 0, ROWS=rows, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=4,
-                     stride_xk=1, stride_qn=1, stride_sn=1, stride_zn=1, stride_yn=1)  # fmt: skip
-        sig = {a: "constexpr" if a in const else "*" + ptrs[a] if a in ptrs else "i32" for a in fn.arg_names}
-        attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names) if a in aligned}
-        src = ASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs)
-        ttgir = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps)).asm["ttgir"]
-        loop = ttgir.split("scf.for", 1)[1].split("scf.yield", 1)[0]
-        print(f"converts m{rows}-n{bn}-k{bk}-w{warps} {loop.count('ttg.convert_layout')}", flush=True)
-
-
-def _ptxas_available() -> bool:
-    try:
-        import triton
-    except ImportError:
-        return False
-    return (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists()
-
-
-@pytest.mark.slow
-@pytest.mark.skipif(not _ptxas_available(), reason="needs Triton's NVIDIA backend (its bundled ptxas)")
-def test_gemv_candidates_compile_without_a_layout_conversion_in_the_loop():
-    # NOTE: the property the gemv kernel exists for, and the interpreter cannot see it: a trip that
-    # converts a layout goes through shared memory between barriers. In a subprocess, since this
-    # process's kernels were decorated for the interpreter (tests/conftest.py).
-    env = dict(os.environ, TRITON_INTERPRET="0", TRITON_DEFAULT_FP_FUSION="1", PYTHONPATH=str(ROOT))
-    result = subprocess.run([sys.executable, __file__], capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
-    assert result.returncode == 0, result.stderr[-3000:]
-    counts = dict(line.split()[1:] for line in result.stdout.splitlines() if line.startswith("converts "))
-    assert len(counts) == 2 * len(GEMV_SWEEP_BLOCKS), result.stdout
-    assert set(counts.values()) == {"0"}, counts
-
-
-if __name__ == "__main__":
-    print_gemv_loop_conversions()

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+ROOT = Path(__file__).resolve().parents[2]
 SHARED_LIMIT = {80: 166912, 90: 232448}  # bytes of shared memory one block may use
 FLOATS = {"eps", "scale", "k_scale", "v_scale", "softcap"}  # the kernels' float scalars (the others: int32)
 
@@ -116,6 +117,31 @@ def compile_all() -> None:
             print(f"FAIL {name} {type(err).__name__}: {err}".replace("\n", " ")[:2000], flush=True)
 
 
+def print_gemv_loop_conversions() -> None:
+    """Compile each gemv block of the sweep for sm90 at 1 and GEMV_MAX_ROWS rows, as the JIT
+    would see contiguous tensors (unit strides as constants, 16-byte aligned pointers and rows);
+    print ``converts NAME COUNT`` with the layout conversions inside the K loop."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from benchmarks.gpu_quant_linear import GEMV_SWEEP_BLOCKS
+    from pagedllm.kernels.quant_matmul import GEMV_MAX_ROWS
+    from pagedllm.kernels.quant_matmul import quant_gemv_kernel as fn
+
+    ptrs = dict(x_ptr="bf16", qweight_ptr="i32", scales_ptr="bf16", zeros_ptr="bf16", y_ptr="fp32")
+    aligned = {*ptrs, "stride_xm", "stride_qk", "stride_sg", "stride_zg", "stride_ys", "stride_ym", "N", "K"}
+    for (bn, bk, warps), rows in ((b, r) for b in GEMV_SWEEP_BLOCKS for r in (1, GEMV_MAX_ROWS)):
+        const = dict(BITS=4, TILE_IN_ONE_GROUP=128 % bk == 0, ROWS=rows, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=4,
+                     stride_xk=1, stride_qn=1, stride_sn=1, stride_zn=1, stride_yn=1)  # fmt: skip
+        sig = {a: "constexpr" if a in const else "*" + ptrs[a] if a in ptrs else "i32" for a in fn.arg_names}
+        attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names) if a in aligned}
+        src = ASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs)
+        ttgir = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps)).asm["ttgir"]
+        loop = ttgir.split("scf.for", 1)[1].split("scf.yield", 1)[0]
+        print(f"converts m{rows}-n{bn}-k{bk}-w{warps} {loop.count('ttg.convert_layout')}", flush=True)
+
+
 def _ptxas_available() -> bool:
     try:
         import triton
@@ -139,5 +165,21 @@ def test_new_kernels_compile_for_hopper_and_the_fp8_fallback_for_ampere():
         assert int(shared) <= SHARED_LIMIT[int(arch)], line
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(not _ptxas_available(), reason="needs Triton's NVIDIA backend (its bundled ptxas)")
+def test_gemv_candidates_compile_without_a_layout_conversion_in_the_loop():
+    # NOTE: the property the gemv kernel exists for, and the interpreter cannot see it: a trip that
+    # converts a layout goes through shared memory between barriers
+    from benchmarks.gpu_quant_linear import GEMV_SWEEP_BLOCKS
+
+    env = dict(os.environ, TRITON_INTERPRET="0", TRITON_DEFAULT_FP_FUSION="1", PYTHONPATH=str(ROOT))
+    result = subprocess.run([sys.executable, __file__, "gemv"], capture_output=True, text=True, timeout=600, env=env,
+                            cwd=ROOT)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    counts = dict(line.split()[1:] for line in result.stdout.splitlines() if line.startswith("converts "))
+    assert len(counts) == 2 * len(GEMV_SWEEP_BLOCKS), result.stdout
+    assert set(counts.values()) == {"0"}, counts
+
+
 if __name__ == "__main__":
-    compile_all()
+    print_gemv_loop_conversions() if sys.argv[1:] == ["gemv"] else compile_all()
