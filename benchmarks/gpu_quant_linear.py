@@ -127,7 +127,8 @@ def sweep_tiles(rows: int, k: int, group_size: int) -> list:
     the 16x32 tile before split-K, to compare in the same run; and up to GEMV_MAX_ROWS rows, each
     of GEMV_SWEEP_BLOCKS with each split for the gemv kernel (unmeasured so far). A split that
     does not cut K into slices of whole K tiles and whole groups is left out."""
-    from pagedllm.kernels.quant_matmul import GEMV_MAX_ROWS, Tiles
+    from pagedllm.kernels.quant_gemv import GEMV_MAX_ROWS
+    from pagedllm.kernels.quant_matmul import Tiles
 
     block_m = max(16, 1 << (rows - 1).bit_length())
     tiles = [Tiles(block_m, 32, 128, 4, 4)]

@@ -17,7 +17,8 @@ from benchmarks.gpu_quant_linear import (
     sweep_tiles,
     tiles_name,
 )
-from pagedllm.kernels.quant_matmul import GEMV_MAX_ROWS, Tiles
+from pagedllm.kernels.quant_gemv import GEMV_MAX_ROWS
+from pagedllm.kernels.quant_matmul import Tiles
 
 
 def test_cases_are_the_fused_projections_of_each_shape():

@@ -25,7 +25,8 @@ def _cases():
     from pagedllm.kernels.fp8_matmul import fp8_matmul_kernel, quantize_per_token_kernel
     from pagedllm.kernels.fused_add_rms_norm import rms_norm_kernel
     from pagedllm.kernels.paged_decode_attention import paged_decode_attention_kernel
-    from pagedllm.kernels.quant_matmul import quant_gemv_kernel, quant_matmul_kernel, split_k_sum_kernel
+    from pagedllm.kernels.quant_gemv import quant_gemv_kernel
+    from pagedllm.kernels.quant_matmul import quant_matmul_kernel, split_k_sum_kernel
     from pagedllm.kernels.rotary_embedding import rotary_embedding_kernel
     from pagedllm.kernels.silu_and_mul import act_and_mul_kernel
 
@@ -126,8 +127,8 @@ def print_gemv_loop_conversions() -> None:
     from triton.compiler import ASTSource
 
     from benchmarks.gpu_quant_linear import GEMV_SWEEP_BLOCKS
-    from pagedllm.kernels.quant_matmul import GEMV_MAX_ROWS
-    from pagedllm.kernels.quant_matmul import quant_gemv_kernel as fn
+    from pagedllm.kernels.quant_gemv import GEMV_MAX_ROWS
+    from pagedllm.kernels.quant_gemv import quant_gemv_kernel as fn
 
     ptrs = dict(x_ptr="bf16", qweight_ptr="i32", scales_ptr="bf16", zeros_ptr="bf16", y_ptr="fp32")
     aligned = {*ptrs, "stride_xm", "stride_qk", "stride_sg", "stride_zg", "stride_ys", "stride_ym", "N", "K"}

@@ -7,8 +7,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 from kernel_factories import DEVICE, gpu_test
 
+from pagedllm.kernels.quant_gemv import GEMV_MAX_ROWS
 from pagedllm.kernels.quant_matmul import (
-    GEMV_MAX_ROWS,
     Tiles,
     choose_tiles,
     dequantize_reference,
