@@ -26,14 +26,19 @@ def test_the_llama_3_8b_floor_counts_every_bf16_weight_and_its_gqa_cache():
 
 @pytest.fixture
 def tiny_llm(tmp_path, monkeypatch):
+    llm = _tiny_llm(tmp_path, monkeypatch)
+    yield llm
+    llm.shutdown()
+
+
+def _tiny_llm(tmp_path, monkeypatch, **engine_args):
     from pagedllm.server import LLM
 
     tiny = dict(SHAPES["bench"], hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4)
     monkeypatch.setitem(SHAPES, "tiny", tiny | dict(num_key_value_heads=4, vocab_size=512))
     write_random_model(str(tmp_path), "tiny", "float32")
-    llm = LLM(model=str(tmp_path), skip_tokenizer_init=True, block_size=16, num_gpu_blocks_override=64, max_num_seqs=8)
-    yield llm
-    llm.shutdown()
+    return LLM(model=str(tmp_path), skip_tokenizer_init=True, block_size=16, num_gpu_blocks_override=64, max_num_seqs=8,
+               **engine_args)  # fmt: skip
 
 
 def test_the_offline_run_counts_every_token_and_stops_at_its_deadline_freeing_the_rest(tiny_llm):
@@ -84,3 +89,15 @@ def test_decode_steps_time_decodes_only_and_free_their_blocks(tiny_llm):
     assert stats["step_ms"] > 0 and 0 <= stats["gpu_busy"]  # no GPU here: no kernel time
     assert not tiny_llm.llm_engine.has_unfinished_requests()
     assert_all_blocks_free(tiny_llm)
+
+
+def test_decode_steps_time_an_engine_that_schedules_ahead(tmp_path, monkeypatch):
+    # NOTE: what scripts/gpu-validate.sh's async stage runs: a step with a step in flight behind it
+    llm = _tiny_llm(tmp_path, monkeypatch, async_scheduling=True)
+    try:
+        stats = decode_steps(llm, batch=3, prompt_len=40, steps=4, profiled=2)
+        assert stats["step_ms"] > 0
+        assert not llm.llm_engine.has_unfinished_requests()
+        assert_all_blocks_free(llm)
+    finally:
+        llm.shutdown()
