@@ -26,9 +26,18 @@ try:
 except ImportError:  # pragma: no cover - numba is a dependency; this keeps the package importable
     numba = None  # type: ignore[assignment]
 
-__all__ = ["AVX512_BF16_CFLAGS", "build_library", "cpu_has_avx512_bf16", "cpu_has_flags", "load_symbol"]
+__all__ = [
+    "AVX2_CFLAGS",
+    "AVX512_BF16_CFLAGS",
+    "build_library",
+    "cpu_has_avx2",
+    "cpu_has_avx512_bf16",
+    "cpu_has_flags",
+    "load_symbol",
+]
 
 AVX512_BF16_CFLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-shared", "-fPIC")
+AVX2_CFLAGS = ("-O3", "-mavx2", "-mfma", "-shared", "-fPIC")
 
 
 def _cpu_flags() -> set[str]:
@@ -53,6 +62,14 @@ def cpu_has_avx512_bf16() -> bool:
     if os.environ.get("PAGEDLLM_CPU_GEMM", "1") == "0" or numba is None:
         return False
     return platform.machine() in ("x86_64", "AMD64") and {"avx512f", "avx512_bf16"} <= _cpu_flags()
+
+
+def cpu_has_avx2() -> bool:
+    """Whether the AVX2 variants of the C kernels can run here: x86-64 with AVX2 and FMA, Numba
+    importable, and ``PAGEDLLM_CPU_GEMM`` not ``0``."""
+    if os.environ.get("PAGEDLLM_CPU_GEMM", "1") == "0" or numba is None:
+        return False
+    return platform.machine() in ("x86_64", "AMD64") and {"avx2", "fma"} <= _cpu_flags()
 
 
 def _cache_dir() -> Path:

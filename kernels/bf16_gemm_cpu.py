@@ -14,10 +14,16 @@ prefill chunks of hundreds (``python -m benchmarks.cpu_linear --variants``).
     call:   gemm(x [.., k], packed, bias) ──► Numba splits the 16-column blocks over the
             threads torch uses; each runs the C kernel on its blocks (no Python per block)
 
+On a CPU with AVX2 and FMA but no AVX-512-BF16 the same layout runs through
+kernels/bf16_gemm_avx2.c: each weight vector is widened to float32 in registers and
+multiplied with FMA, x is widened once per call. oneDNN has no bfloat16 GEMM there at all
+(it needs AVX-512 or AVX-NE-CONVERT), and torch's fallback reads a 9728 x 896 weight at
+under 1 GB/s at 16 rows; :func:`isa` says which variant runs.
+
 The C source is compiled on first use (kernels/_cpu_compile.py: the system's C compiler,
 a cache directory keyed by the source's and flags' hash). :func:`available` is false, and
-callers keep oneDNN, where the CPU lacks AVX-512-BF16, no compiler is found, Numba is
-missing, or ``PAGEDLLM_CPU_GEMM=0``. :func:`gemm_reference` is the oracle.
+callers keep oneDNN or ``F.linear``, where the CPU has neither instruction set, no compiler
+is found, Numba is missing, or ``PAGEDLLM_CPU_GEMM=0``. :func:`gemm_reference` is the oracle.
 """
 
 from __future__ import annotations
@@ -34,11 +40,11 @@ try:
 except ImportError:  # pragma: no cover - numba is a dependency; this keeps the package importable
     numba = None  # type: ignore[assignment]
 
-from ._cpu_compile import AVX512_BF16_CFLAGS, build_library, cpu_has_avx512_bf16, load_symbol
+from ._cpu_compile import AVX2_CFLAGS, AVX512_BF16_CFLAGS, build_library, cpu_has_avx2, cpu_has_avx512_bf16, load_symbol
 from ._cpu_items import _use_threads
 from ._cpu_memory import aligned_empty
 
-__all__ = ["BLOCK", "available", "can_pack", "gemm", "gemm_reference", "pack", "unpack"]
+__all__ = ["BLOCK", "ISAS", "available", "can_pack", "gemm", "gemm_reference", "isa", "pack", "unpack"]
 
 BLOCK = 16
 """Output columns per packed block: the weight's rows must be a multiple of it."""
@@ -48,19 +54,38 @@ PARALLEL_MIN_WORK = 1 << 17
 """Below this many multiply-adds a call runs on the calling thread: starting the pool costs
 more than the product (Qwen2.5-0.5B's smallest projection at one row is 800K)."""
 CFLAGS = AVX512_BF16_CFLAGS
+ISAS = ("avx512-bf16", "avx2")
+"""The kernel's variants, fastest first: (source, symbol, flags) in :data:`VARIANTS`."""
+VARIANTS = {
+    "avx512-bf16": (SOURCE, SYMBOL, CFLAGS),
+    "avx2": (Path(__file__).with_name("bf16_gemm_avx2.c"), "pagedllm_gemm_bf16_avx2", AVX2_CFLAGS),
+}
+_CPU_HAS = {"avx512-bf16": cpu_has_avx512_bf16, "avx2": cpu_has_avx2}
 
 
 @functools.cache
+def isa() -> str | None:
+    """The variant :func:`gemm` runs here (one of :data:`ISAS`), or None: the first whose
+    instructions the CPU has (with Numba and ``PAGEDLLM_CPU_GEMM`` not ``0``) and whose
+    source a C compiler built."""
+    return next((name for name in ISAS if runs(name)), None)
+
+
+def runs(variant: str) -> bool:
+    """Whether ``variant`` can run on this CPU (AVX-512-BF16 CPUs run the AVX2 one too)."""
+    return _CPU_HAS[variant]() and _library(variant) is not None
+
+
 def available() -> bool:
-    """Whether :func:`gemm` runs here: x86-64 with AVX-512-BF16, Numba, a C compiler that
-    built the kernel, and ``PAGEDLLM_CPU_GEMM`` not ``0``."""
-    return cpu_has_avx512_bf16() and _library() is not None
+    """Whether :func:`gemm` runs here (:func:`isa` is not None)."""
+    return isa() is not None
 
 
 @functools.cache
-def _library() -> Path | None:
-    """The compiled kernel's path (built now if not cached), loaded for Numba; None if it cannot be built."""
-    return build_library(SOURCE, CFLAGS)
+def _library(variant: str = "avx512-bf16") -> Path | None:
+    """The compiled variant's path (built now if not cached), loaded for Numba; None if it cannot be built."""
+    source, _, flags = VARIANTS[variant]
+    return build_library(source, flags)
 
 
 def can_pack(weight: torch.Tensor) -> bool:
@@ -100,45 +125,53 @@ def unpack(packed: torch.Tensor) -> torch.Tensor:
     return packed.reshape(n // BLOCK, k // 2, BLOCK, 2).permute(0, 2, 1, 3).reshape(n, k)
 
 
-def gemm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def gemm(
+    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None, variant: str | None = None
+) -> torch.Tensor:
     """``x @ w.T + bias`` for ``packed = pack(w)``, on as many threads as torch uses.
 
     x: [..., k] bfloat16; packed: [n, k]; bias: [n] bfloat16 or None -> [..., n] bfloat16.
-    Sums are float32 (from the bias on), rounded to bfloat16 once.
+    Sums are float32 (from the bias on), rounded to bfloat16 once. ``variant``: one of
+    :data:`ISAS` that :func:`runs` here (default :func:`isa`).
     """
     n, k = packed.shape
     if x.dtype != torch.bfloat16 or x.shape[-1] != k:
         raise ValueError(f"x must be bfloat16 [..., {k}], got {x.dtype} {tuple(x.shape)}")
     if bias is not None and (bias.dtype != torch.bfloat16 or bias.shape != (n,)):
         raise ValueError(f"bias must be bfloat16 [{n}], got {bias.dtype} {tuple(bias.shape)}")
+    variant = variant or isa()
+    if variant is None or not runs(variant):
+        raise ValueError(f"the bf16 GEMM variant {variant!r} does not run on this CPU; it runs {isa()!r}")
     rows = x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, k).contiguous()
     m = rows.shape[0]
     out = torch.empty(m, n, dtype=torch.bfloat16)
     if m > 0 and n > 0:
+        # NOTE: the AVX2 variant multiplies float32 inputs: widened here once, not per weight vector
+        xs = rows.float() if variant == "avx2" else rows
         blocks = n // BLOCK
         threads = min(_use_threads(torch.get_num_threads()), blocks) if m * n * k >= PARALLEL_MIN_WORK else 1
         bias_addr = 0 if bias is None else bias.contiguous().data_ptr()
-        args = (rows.data_ptr(), m, k, packed.data_ptr(), bias_addr, n, blocks, out.data_ptr())
+        args = (xs.data_ptr(), m, k, packed.data_ptr(), bias_addr, n, blocks, out.data_ptr())
         if threads > 1:
-            _parallel()(*args, threads)
+            _parallel(variant)(*args, threads)
         else:
-            _serial()(*args)
+            _serial(variant)(*args)
     return out if rows is x else out.view(*x.shape[:-1], n)
 
 
-def _external():
-    _library()
+def _external(variant: str):
+    _library(variant)
     i64, ptr = types.int64, types.intp
-    return types.ExternalFunction(SYMBOL, types.void(ptr, i64, i64, ptr, ptr, i64, i64, i64, ptr))
+    return types.ExternalFunction(VARIANTS[variant][1], types.void(ptr, i64, i64, ptr, ptr, i64, i64, i64, ptr))
 
 
 @functools.cache
-def _serial():
+def _serial(variant: str):
     """The C function called on the calling thread, through ctypes (no Numba region to start)."""
-    path = _library()
+    path = _library(variant)
     assert path is not None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    fn = load_symbol(path, SYMBOL, (ptr, i64, i64, ptr, ptr, i64, i64, i64, ptr))
+    fn = load_symbol(path, VARIANTS[variant][1], (ptr, i64, i64, ptr, ptr, i64, i64, i64, ptr))
 
     def call(x, m, k, w, bias, n, blocks, y):
         fn(x, m, k, w, bias or None, n, 0, blocks, y)
@@ -147,9 +180,9 @@ def _serial():
 
 
 @functools.cache
-def _parallel():
+def _parallel(variant: str):
     """A Numba function that deals the column blocks out over ``parts`` threads, an even share each."""
-    kernel = _external()
+    kernel = _external(variant)
 
     def run(x, m, k, w, bias, n, blocks, y, parts):
         for t in numba.prange(parts):

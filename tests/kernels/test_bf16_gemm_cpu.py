@@ -1,4 +1,5 @@
-"""The CPU bfloat16 GEMM (kernels/bf16_gemm_cpu.c) against a float64 reference."""
+"""The CPU bfloat16 GEMM (kernels/bf16_gemm_cpu.c, and its AVX2 variant kernels/bf16_gemm_avx2.c)
+against a float64 reference: every variant this CPU runs (an AVX-512-BF16 CPU runs both)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,10 @@ import torch
 from pagedllm.kernels import bf16_gemm_cpu
 
 needs_kernel = pytest.mark.skipif(
-    not bf16_gemm_cpu.available(), reason="needs an x86-64 CPU with AVX-512-BF16, numba and a C compiler"
+    not bf16_gemm_cpu.available(), reason="needs an x86-64 CPU with AVX-512-BF16 or AVX2, numba and a C compiler"
 )
+VARIANTS_HERE = [v for v in bf16_gemm_cpu.ISAS if bf16_gemm_cpu.runs(v)]
+every_variant = pytest.mark.parametrize("variant", VARIANTS_HERE or [None])
 
 
 def close_to_reference(out: torch.Tensor, x, weight, bias=None) -> None:
@@ -43,22 +46,24 @@ def test_pack_is_a_permutation_of_the_weight():
 )
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 16, 37])
 @pytest.mark.parametrize("with_bias", [False, True])
+@every_variant
 @needs_kernel
-def test_gemm_matches_the_reference(shape, rows, with_bias):
+def test_gemm_matches_the_reference(shape, rows, with_bias, variant):
     torch.manual_seed(rows * 1000 + shape[0])
     n, k = shape
     w = torch.randn(n, k).to(torch.bfloat16)
     x = torch.randn(rows, k).to(torch.bfloat16)
     bias = torch.randn(n).to(torch.bfloat16) if with_bias else None
-    out = bf16_gemm_cpu.gemm(x, bf16_gemm_cpu.pack(w), bias)
+    out = bf16_gemm_cpu.gemm(x, bf16_gemm_cpu.pack(w), bias, variant)
     assert out.shape == (rows, n) and out.dtype == torch.bfloat16
     close_to_reference(out, x, w, bias)
     torch.testing.assert_close(out, bf16_gemm_cpu.gemm_reference(x, w, bias), rtol=2**-7, atol=1e-3 * k**0.5)
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3])
+@every_variant
 @needs_kernel
-def test_every_thread_count_writes_every_column(threads):
+def test_every_thread_count_writes_every_column(threads, variant):
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -66,21 +71,45 @@ def test_every_thread_count_writes_every_column(threads):
         x = torch.randn(5, 256).to(torch.bfloat16)
         assert 5 * 16 * 7 * 256 >= bf16_gemm_cpu.PARALLEL_MIN_WORK  # NOTE: large enough to go parallel
         packed = bf16_gemm_cpu.pack(w)
-        out = bf16_gemm_cpu.gemm(x, packed)
+        out = bf16_gemm_cpu.gemm(x, packed, variant=variant)
         close_to_reference(out, x, w)
     finally:
         torch.set_num_threads(previous)
 
 
+@every_variant
 @needs_kernel
-def test_leading_dims_views_and_empty_inputs():
+def test_leading_dims_views_and_empty_inputs(variant):
     w = torch.randn(32, 16).to(torch.bfloat16)
     packed = bf16_gemm_cpu.pack(w)
     x = torch.randn(2, 3, 40).to(torch.bfloat16)[..., 8:24]  # not contiguous
-    out = bf16_gemm_cpu.gemm(x, packed)
+    out = bf16_gemm_cpu.gemm(x, packed, variant=variant)
     assert out.shape == (2, 3, 32)
     close_to_reference(out.reshape(6, 32), x.reshape(6, 16), w)
-    assert bf16_gemm_cpu.gemm(torch.empty(0, 16, dtype=torch.bfloat16), packed).shape == (0, 32)
+    assert bf16_gemm_cpu.gemm(torch.empty(0, 16, dtype=torch.bfloat16), packed, variant=variant).shape == (0, 32)
+
+
+@every_variant
+@needs_kernel
+def test_specials_round_like_torch(variant):
+    # NOTE: sums that overflow, NaN inputs and ties at bfloat16's last bit round as torch's cast does
+    w = torch.zeros(16, 4, dtype=torch.bfloat16)
+    w[:, :2] = 1.0
+    x = torch.tensor(
+        [[float("nan"), 0, 0, 0], [3e38, 3e38, 0, 0], [-3e38, -3e38, 0, 0], [1, 2**-8, 0, 0], [1 + 2**-7, 2**-8, 0, 0]]
+    ).to(torch.bfloat16)
+    out = bf16_gemm_cpu.gemm(x, bf16_gemm_cpu.pack(w), variant=variant)
+    assert out[0].isnan().all()
+    assert (out[1] == float("inf")).all() and (out[2] == float("-inf")).all()
+    # NOTE: 1 + 2^-8 and 1 + 3 * 2^-8 lie halfway between bfloat16 neighbours: to the even one
+    assert (out[3] == 1).all() and (out[4] == 1 + 2**-6).all()
+
+
+def test_an_unavailable_variant_is_refused(monkeypatch):
+    monkeypatch.setattr(bf16_gemm_cpu, "runs", lambda variant: False)
+    packed = bf16_gemm_cpu.pack(torch.zeros(16, 8, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="variant 'avx2' does not run on this CPU"):
+        bf16_gemm_cpu.gemm(torch.zeros(1, 8, dtype=torch.bfloat16), packed, variant="avx2")
 
 
 def test_bad_inputs_are_named():

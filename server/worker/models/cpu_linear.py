@@ -12,6 +12,8 @@ On a CPU with AVX-512-BF16, a bfloat16 weight is packed for the engine's own ker
 instead (kernels/bf16_gemm_cpu.py): it streams the weight while it multiplies, as oneDNN does
 at 1-4 rows but not at the 8-16 rows of a batch's decode step, and matches oneDNN on prefill
 chunks. Its packed tensor is a plain one marked with :data:`TILED` (``[out, in]`` in shape only).
+On a CPU with AVX2 only the same layout runs the kernel's AVX2 variant: oneDNN has no
+bfloat16 GEMM there, and without either a bfloat16 weight stays plain (:func:`can_pack`).
 
 The packed tensor replaces the parameter (same name, shape and dtype; its memory is the
 blocked copy only), so a weight is never held twice. :func:`linear` is the one call every
@@ -65,19 +67,33 @@ def packed_kernel(weight: torch.Tensor) -> str:
 
 
 def can_pack(weight: torch.Tensor) -> bool:
-    """Whether :func:`pack_weight` applies: a plain 2-D CPU weight of :data:`PACKED_DTYPES`, with oneDNN present."""
+    """Whether :func:`pack_weight` applies: a plain 2-D CPU weight of :data:`PACKED_DTYPES`, with oneDNN present
+    and, for bfloat16, a CPU that runs one of the bfloat16 GEMMs (:func:`bf16_packable`)."""
     return (
         torch.backends.mkldnn.is_available()
         and weight.device.type == "cpu"
         and weight.dtype in PACKED_DTYPES
         and weight.dim() == 2
         and not is_packed(weight)
+        and (weight.dtype != torch.bfloat16 or bf16_packable(weight))
     )
+
+
+def bf16_packable(weight: torch.Tensor) -> bool:
+    """Whether a bfloat16 ``weight`` has a packed GEMM here: the C kernel's tiles, or oneDNN's
+    bfloat16 path, which needs AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT. On a CPU with AVX2
+    only, oneDNN refuses to reorder a bfloat16 weight, and the weight stays plain (``F.linear``)."""
+    return (bf16_gemm_cpu.can_pack(weight) and bf16_gemm_cpu.available()) or onednn_bf16()
+
+
+def onednn_bf16() -> bool:
+    """Whether oneDNN runs bfloat16 GEMMs on this CPU (and so reorders bfloat16 weights)."""
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def pack_weight(weight: torch.Tensor) -> nn.Parameter:
     """``weight`` [out, in] reordered for the fastest GEMM here, as a frozen parameter: for
-    kernels/bf16_gemm_cpu.py where it runs (bfloat16, AVX-512-BF16), else oneDNN's blocked layout.
+    kernels/bf16_gemm_cpu.py where it runs (bfloat16; AVX-512-BF16 or AVX2), else oneDNN's blocked layout.
 
     NOTE: no batch size is given: the layout must serve decode steps of any batch and
     prefill chunks alike (measured: as fast as a layout packed for the batch at hand, within

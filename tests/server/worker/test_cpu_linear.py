@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from pagedllm.kernels import bf16_gemm_cpu
 from pagedllm.server.worker.attention import AttentionMetadata, select_attention_ops
+from pagedllm.server.worker.models import cpu_linear
 from pagedllm.server.worker.models.cpu_linear import (
     can_pack,
     is_packed,
@@ -33,6 +34,8 @@ pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason
 @pytest.mark.parametrize("rows", [1, 5, 16, 300])
 @pytest.mark.parametrize("bias", [False, True])
 def test_packed_linear_matches_f_linear(dtype, rows, bias):
+    if dtype == torch.bfloat16 and not cpu_linear.onednn_bf16():
+        pytest.skip("oneDNN runs no bfloat16 GEMM on this CPU (it needs AVX-512 or AVX-NE-CONVERT)")
     g = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, 96, generator=g).to(dtype)
     w = (torch.randn(72, 96, generator=g) * 0.1).to(dtype)
@@ -125,6 +128,27 @@ def _logits(model: DecoderForCausalLM) -> torch.Tensor:
     with torch.inference_mode():
         hidden = model(torch.arange(tokens) % 50, torch.arange(tokens), caches, ops.prepare(meta, 8), ops)
         return model.compute_logits(hidden)
+
+
+def test_bf16_weights_stay_plain_where_no_bf16_gemm_runs(monkeypatch):
+    # NOTE: on a CPU with AVX2 only, oneDNN refuses to reorder a bfloat16 weight (a RuntimeError
+    # at load); such a model must load and run on F.linear.
+    monkeypatch.setattr(cpu_linear, "onednn_bf16", lambda: False)
+    monkeypatch.setattr(bf16_gemm_cpu, "available", lambda: False)
+    model = _tiny_decoder(tie=True, qkv_bias=True).to(torch.bfloat16)
+    assert not can_pack(model.model.layers[0].mlp.down_proj.weight)
+    assert can_pack(torch.zeros(16, 16))  # float32 weights still pack
+    before = _logits(model)
+    assert prepack_linears(model) == 0
+    assert not any(is_packed(p) for p in model.parameters())
+    assert torch.equal(_logits(model), before)
+
+
+@pytest.mark.skipif(not cpu_linear.onednn_bf16(), reason="oneDNN runs no bfloat16 GEMM on this CPU")
+def test_bf16_weights_pack_for_onednn_where_it_runs_bf16(monkeypatch):
+    monkeypatch.setattr(bf16_gemm_cpu, "available", lambda: False)
+    w = torch.randn(80, 96).to(torch.bfloat16)
+    assert can_pack(w) and packed_kernel(pack_weight(w)) == "onednn-packed"
 
 
 @pytest.mark.skipif(not bf16_gemm_cpu.available(), reason="needs AVX-512-BF16, numba and a C compiler")
