@@ -4,11 +4,12 @@ Each variant is a callable ``run(x)`` that multiplies ``x`` [rows, in] by every 
 case (the copies a decode step reads: one per layer, or the single LM head) in turn:
 
   - ``engine``:  what the engine runs: :func:`linear` on :func:`pack_weight`'d weights, i.e.
-    the bfloat16 kernel (kernels/bf16_gemm_cpu.py) where the CPU has AVX-512-BF16, else ``onednn``;
+    the bfloat16 kernel (kernels/bf16_gemm_cpu.py) where the CPU has AVX-512-BF16 or AVX2, else ``onednn``;
   - ``onednn``:  ``torch.ops.mkldnn._linear_pointwise`` on a ``torch.ops.mkldnn._reorder_linear_weight``
-    copy (packed once for any row count);
+    copy (packed once for any row count); not for bfloat16 on a CPU where oneDNN has no bfloat16 GEMM;
   - ``packed-rows``: the same op on weights reordered for the case's row count
-    (``_reorder_linear_weight(w, rows)``, as inductor's freezing does); the engine packs once for all;
+    (``_reorder_linear_weight(w, rows)``, as inductor's freezing does; where ``onednn`` runs);
+    the engine packs once for all;
   - ``plain``:   ``F.linear`` on the plain bfloat16 weight (oneDNN matmul, weight re-blocked per call);
   - ``aten``:    ``F.linear`` on the plain weight with oneDNN switched off (aten's own gemv/gemm);
   - ``inductor``, ``inductor-autotune``, ``inductor-cpp``: ``torch.compile`` with weight freezing,
@@ -30,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.server.worker.models.cpu_linear import linear, pack_weight
+from pagedllm.server.worker.models.cpu_linear import can_pack, linear, onednn_bf16, pack_weight
 
 Variant = Callable[[torch.Tensor], object]
 
@@ -49,21 +50,32 @@ def floor_variant(plain: list[torch.Tensor]) -> Variant:
     return lambda x: [v.sum() for v in views]
 
 
+def onednn_runs(plain: list[torch.Tensor]) -> bool:
+    """Whether oneDNN reorders and multiplies these weights here (no bfloat16 GEMM on a CPU with AVX2 only)."""
+    return all(w.dtype != torch.bfloat16 for w in plain) or onednn_bf16()
+
+
+def _packed(w: torch.Tensor) -> torch.Tensor:
+    """``w`` as the engine keeps it: packed where it can be, else plain."""
+    return pack_weight(w) if can_pack(w) else w
+
+
 def eager_variants(plain: list[torch.Tensor]) -> dict[str, Variant]:
-    """The engine's packed path, oneDNN's packed path, ``F.linear`` on the plain weight, and aten without oneDNN."""
-    packed = [pack_weight(w) for w in plain]
-    onednn = [torch.ops.mkldnn._reorder_linear_weight(w, None) for w in plain]
+    """The engine's packed path, oneDNN's packed path (where it runs), ``F.linear`` on the plain weight, and
+    aten without oneDNN."""
+    packed = [_packed(w) for w in plain]
 
     def aten(x: torch.Tensor) -> object:
         with torch.backends.mkldnn.flags(enabled=False):
             return [F.linear(x, w) for w in plain]
 
-    return {
-        "engine": lambda x: [linear(x, p) for p in packed],
-        "onednn": lambda x: [linear(x, p) for p in onednn],
-        "plain": lambda x: [F.linear(x, w) for w in plain],
-        "aten": aten,
-    }
+    variants: dict[str, Variant] = {"engine": lambda x: [linear(x, p) for p in packed]}
+    if onednn_runs(plain):
+        onednn = [torch.ops.mkldnn._reorder_linear_weight(w, None) for w in plain]
+        variants["onednn"] = lambda x: [linear(x, p) for p in onednn]
+    variants["plain"] = lambda x: [F.linear(x, w) for w in plain]
+    variants["aten"] = aten
+    return variants
 
 
 class _Weights(nn.Module):
@@ -110,7 +122,7 @@ class SplitN:
 
     def __init__(self, plain: list[torch.Tensor], threads: int) -> None:
         self.pool = ThreadPoolExecutor(threads, initializer=torch.set_num_threads, initargs=(1,))
-        self.blocks = [[pack_weight(b.contiguous()) for b in w.tensor_split(threads, dim=0)] for w in plain]
+        self.blocks = [[_packed(b.contiguous()) for b in w.tensor_split(threads, dim=0)] for w in plain]
 
     def __call__(self, x: torch.Tensor) -> object:
         out = []
@@ -135,7 +147,7 @@ def static_variants(plain: list[torch.Tensor], threads: int, names: tuple[str, .
 def row_variants(plain: list[torch.Tensor], x: torch.Tensor, names: tuple[str, ...]) -> dict[str, Variant]:
     """The variants in ``names`` made for ``x``'s row count: ``packed-rows`` and inductor's, compiled now."""
     variants: dict[str, Variant] = {}
-    if "packed-rows" in names:
+    if "packed-rows" in names and onednn_runs(plain):
         packed = [torch.ops.mkldnn._reorder_linear_weight(w, x.shape[0]) for w in plain]
         variants["packed-rows"] = lambda x: [linear(x, p) for p in packed]
     variants.update({name: inductor_variant(plain, x, opts) for name, opts in INDUCTOR.items() if name in names})

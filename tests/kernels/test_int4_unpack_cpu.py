@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedllm.kernels.int4_unpack_cpu import int4_unpack_cpu, int4_unpack_reference
+from pagedllm.kernels import int4_unpack_cpu as int4_unpack
+from pagedllm.kernels.int4_unpack_cpu import int4_unpack_cpu, int4_unpack_reference, torch_block, unpack_levels
 
 
 def packed_weight(n: int, k: int, group: int, dtype: torch.dtype, seed: int = 0):
@@ -48,3 +49,32 @@ def test_what_the_kernel_does_not_take_goes_through_torch():
     assert torch.equal(int4_unpack_cpu(packed, sz, group, torch.empty(k, n, dtype=torch.float64)), want)
     narrow = torch.empty(k, 32, dtype=torch.float32)  # NOTE: not whole blocks of 64 columns
     assert torch.equal(int4_unpack_cpu(packed, sz, group, narrow, 64), want[:, 64:96].float())
+
+
+def test_torch_packs_in_the_block_its_cpu_capability_gives():
+    assert torch_block() == (64 if torch.backends.cpu.get_cpu_capability().startswith("AVX512") else 32)
+
+
+def hand_packed(q: torch.Tensor, block: int) -> torch.Tensor:
+    """torch's layout written out by hand: byte (b, k, i) = q[Bb + i, k] | q[Bb + B/2 + i, k] << 4."""
+    n, k = q.shape
+    rows = q.to(torch.uint8).reshape(n // block, 2, block // 2, k)
+    return (rows[:, 0] | (rows[:, 1] << 4)).transpose(1, 2).contiguous().reshape(n, k // 2)
+
+
+@pytest.mark.parametrize("block", [64, 32])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_either_block_unpacks_to_the_plain_weight(monkeypatch, block, dtype):
+    # NOTE: torch packs blocks of 64 rows on AVX-512 CPUs and of 32 on AVX2 ones; both are unpacked here
+    monkeypatch.setattr(int4_unpack, "torch_block", lambda: block)
+    n, k, group = 192, 128, 32
+    gen = torch.Generator().manual_seed(block)
+    q = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.int32)
+    packed = hand_packed(q, block)
+    assert torch.equal(unpack_levels(packed, block), q.to(torch.uint8))
+    sz = (torch.rand(k // group, n, 2, generator=gen) - 0.5).to(dtype)
+    out = int4_unpack_cpu(packed, sz, group, torch.empty(k, n, dtype=dtype))
+    scales, offsets = sz[..., 0].float(), sz[..., 1].float()
+    plain = (q.float() - 8) * scales.T.repeat_interleave(group, 1) + offsets.T.repeat_interleave(group, 1)
+    assert torch.equal(out, plain.T.to(dtype))
+    assert torch.equal(int4_unpack_reference(packed, sz, group, dtype), out)

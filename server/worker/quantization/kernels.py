@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.kernels.int4_unpack_cpu import int4_unpack_cpu
+from pagedllm.kernels.int4_unpack_cpu import int4_unpack_cpu, torch_block, unpack_levels
 from pagedllm.server.worker.quantization.base import QuantizedWeight, pack_int32
 from pagedllm.server.worker.quantization.fp8_kernels import choose_fp8_kernel
 from pagedllm.server.worker.quantization.w4a16_cpu import W4A16TilesKernel, W8A8TilesKernel
@@ -88,8 +88,9 @@ class Int4CpuKernel(nn.Module):
     NOTE: in float32 that matmul has no fast path (it falls far behind a dense GEMM, more so
     with every row); there the weight is unpacked from the same bytes into float32 for the call
     (:meth:`dense`). torch lays the packed
-    weight out in blocks of 64 output rows: byte ``k * 32 + i`` of block b holds row
-    ``64b + i`` in its low and row ``64b + 32 + i`` in its high nibble; checked at load.
+    weight out in blocks of B output rows (64 on a CPU with AVX-512, 32 with AVX2): byte
+    ``k * B/2 + i`` of block b holds row ``Bb + i`` in its low and row ``Bb + B/2 + i`` in its
+    high nibble; checked at load.
     """
 
     name = "int4-cpu"
@@ -130,13 +131,12 @@ class Int4CpuKernel(nn.Module):
         return w.bits == 4 and w.q.dtype == torch.uint8 and w.zeros is not None and groups_ok and n % 16 == 0
 
     def _unpacks(self, q: torch.Tensor) -> bool:
-        return q.shape[0] % 64 == 0 and torch.equal(self.unpack(), q)
+        block = torch_block()
+        return bool(block) and q.shape[0] % block == 0 and torch.equal(self.unpack(), q)
 
     def unpack(self) -> torch.Tensor:
         """The levels [N, K] (uint8) back out of the packed bytes."""
-        n, k = self.dims
-        blocks = self.packed.view(n // 64, k, 32)
-        return torch.cat([blocks & 15, blocks >> 4], dim=2).transpose(1, 2).reshape(n, k)
+        return unpack_levels(self.packed, torch_block())
 
     def unpacked_mm(self, x: torch.Tensor) -> torch.Tensor:
         """``x @ W.T`` [rows, N] through dense GEMMs: the weight widened to ``x``'s dtype (``(q - 8) * scale +
