@@ -71,8 +71,11 @@ def isa() -> str | None:
     return next((name for name in ISAS if runs(name)), None)
 
 
+@functools.cache
 def runs(variant: str) -> bool:
-    """Whether ``variant`` can run on this CPU (AVX-512-BF16 CPUs run the AVX2 one too)."""
+    """Whether ``variant`` can run on this CPU (AVX-512-BF16 CPUs run the AVX2 one too).
+
+    NOTE: cached: :func:`gemm` asks on every call, and reading the CPU's flags takes ~100 us."""
     return _CPU_HAS[variant]() and _library(variant) is not None
 
 

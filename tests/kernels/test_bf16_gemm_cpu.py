@@ -148,3 +148,19 @@ def test_built_once_into_the_cache(monkeypatch, tmp_path):
         assert [p.name for p in path.parent.iterdir()] == [path.name]  # no partial file left behind
     finally:
         bf16_gemm_cpu._library.cache_clear()
+
+
+@every_variant
+@needs_kernel
+def test_a_call_does_not_read_the_cpu_flags(monkeypatch, variant):
+    # NOTE: reading /proc/cpuinfo takes ~100 us; a decode step makes about a hundred calls
+    from pagedllm.kernels import _cpu_compile
+
+    packed = bf16_gemm_cpu.pack(torch.zeros(16, 8, dtype=torch.bfloat16))
+    bf16_gemm_cpu.gemm(torch.zeros(1, 8, dtype=torch.bfloat16), packed, variant=variant)
+    reads = []
+    monkeypatch.setattr(_cpu_compile, "_cpu_flags", lambda: reads.append(1) or set())
+    for _ in range(3):
+        bf16_gemm_cpu.gemm(torch.zeros(1, 8, dtype=torch.bfloat16), packed, variant=variant)
+        bf16_gemm_cpu.gemm(torch.zeros(1, 8, dtype=torch.bfloat16), packed)
+    assert reads == []
