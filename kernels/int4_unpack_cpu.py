@@ -59,13 +59,10 @@ def int4_unpack_reference(
     dtype: torch.dtype,
 ) -> torch.Tensor:  # [K, N] in dtype
     """The dense ``W.T`` in torch ops: levels out of their nibbles, then ``(q - 8) * scale + offset`` in float32."""
-    n = packed.shape[0]
-    k = packed.shape[1] * 2
     block = torch_block()
     if not block:
         raise ValueError("torch packs int4 CPU weights here in blocks of neither 64 nor 32 rows: cannot unpack them")
-    blocks = packed.view(n // block, k, block // 2)
-    levels = torch.cat([blocks & 15, blocks >> 4], dim=2).permute(1, 0, 2).reshape(k, n).float()
+    levels = unpack_levels(packed, block).T.float()
     scales = scales_and_zeros[..., 0].float().repeat_interleave(group, dim=0)
     offsets = scales_and_zeros[..., 1].float().repeat_interleave(group, dim=0)
     return ((levels - 8) * scales + offsets).to(dtype)

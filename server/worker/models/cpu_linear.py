@@ -83,7 +83,12 @@ def bf16_packable(weight: torch.Tensor) -> bool:
     """Whether a bfloat16 ``weight`` has a packed GEMM here: the C kernel's tiles, or oneDNN's
     bfloat16 path, which needs AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT. On a CPU with AVX2
     only, oneDNN refuses to reorder a bfloat16 weight, and the weight stays plain (``F.linear``)."""
-    return (bf16_gemm_cpu.can_pack(weight) and bf16_gemm_cpu.available()) or onednn_bf16()
+    return takes_tiles(weight) or onednn_bf16()
+
+
+def takes_tiles(weight: torch.Tensor) -> bool:
+    """Whether ``weight`` is packed for kernels/bf16_gemm_cpu.py: bfloat16 of its shape, on a CPU it runs on."""
+    return bf16_gemm_cpu.can_pack(weight) and bf16_gemm_cpu.available()
 
 
 def onednn_bf16() -> bool:
@@ -99,7 +104,7 @@ def pack_weight(weight: torch.Tensor) -> nn.Parameter:
     prefill chunks alike (measured: as fast as a layout packed for the batch at hand, within
     5% at 1-16 rows on Qwen2.5-0.5B's shapes: ``python -m benchmarks.cpu_linear --variants``).
     """
-    if weight.dtype == torch.bfloat16 and bf16_gemm_cpu.can_pack(weight) and bf16_gemm_cpu.available():
+    if takes_tiles(weight):
         tiled = nn.Parameter(bf16_gemm_cpu.pack(weight), requires_grad=False)
         setattr(tiled, TILED, True)
         return tiled

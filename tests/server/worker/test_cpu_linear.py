@@ -151,7 +151,7 @@ def test_bf16_weights_pack_for_onednn_where_it_runs_bf16(monkeypatch):
     assert can_pack(w) and packed_kernel(pack_weight(w)) == "onednn-packed"
 
 
-@pytest.mark.skipif(not bf16_gemm_cpu.available(), reason="needs AVX-512-BF16, numba and a C compiler")
+@pytest.mark.skipif(not bf16_gemm_cpu.available(), reason="needs the bf16 GEMM (AVX-512-BF16 or AVX2)")
 @pytest.mark.parametrize("rows", [1, 16, 300])
 @pytest.mark.parametrize("bias", [False, True])
 def test_bf16_weights_with_16_column_blocks_take_the_bf16_kernel(rows, bias):
@@ -165,7 +165,7 @@ def test_bf16_weights_with_16_column_blocks_take_the_bf16_kernel(rows, bias):
     torch.testing.assert_close(linear(x, packed, b).float(), F.linear(x, w, b).float(), atol=2e-2, rtol=2e-2)
 
 
-@pytest.mark.skipif(not bf16_gemm_cpu.available(), reason="needs AVX-512-BF16, numba and a C compiler")
+@pytest.mark.skipif(not bf16_gemm_cpu.available(), reason="needs the bf16 GEMM (AVX-512-BF16 or AVX2)")
 def test_a_bf16_decoder_runs_on_the_bf16_kernel_with_the_same_logits():
     model = _tiny_decoder(tie=False, qkv_bias=True).to(torch.bfloat16)
     before = _logits(model)
