@@ -1,4 +1,4 @@
-"""A 4-bit weight-only GEMM (W4A16) for CPUs with AVX-512-BF16 (kernels/w4_gemm_cpu.c), for quantized linears.
+"""A 4-bit weight-only GEMM (W4A16) for CPUs with AVX-512-BF16 (kernels/w4_gemm_cpu.c) or AVX2, for quantized linears.
 
 The sibling of bf16_gemm_cpu.py for AWQ / GPTQ / compressed-tensors 4-bit weights with zero
 points: the same tiles of 64 columns, rows four at a time, the next tile prefetched into L2,
@@ -23,10 +23,14 @@ The cost is x's rounding to 8 bits, about 0.7% of a product's size for normally 
 (:func:`gemm` rounds only its result to bfloat16). 8-bit weights (:func:`pack8`) run on the same
 product, their levels laid out so that VPDPBUSD takes them as they are.
 
-Compiled and loaded as bf16_gemm_cpu's kernel is (kernels/_cpu_compile.py). :func:`available`
-is false where that kernel's is (no AVX-512-BF16, compiler or Numba, ``PAGEDLLM_CPU_GEMM=0``);
-:func:`int8_available` also without VNNI or VBMI, or with ``PAGEDLLM_W4A8=0``.
-:func:`w4_gemm_reference` and :func:`w4a8_reference` are the oracles.
+With AVX2 and FMA but no AVX-512-BF16, :func:`gemm` runs kernels/w4_gemm_avx2.c on the same packing
+(levels converted to float32 in registers, FMA; the C file says how). A Qwen2.5-0.5B layer on 2 threads
+of an AVX2 EPYC (Zen 3): 1.05 / 6.2 ms at 1 / 16 rows against 1.62 / 5.1 in bf16 and torch int4's 1.36 / 9.8.
+
+Built as bf16_gemm_cpu's kernel is (kernels/_cpu_compile.py). :func:`isa` names the variant that runs
+(None: no compiler or Numba, neither ISA, or ``PAGEDLLM_CPU_GEMM=0``); :func:`int8_available` needs the
+AVX-512-BF16 one, VNNI, VBMI and ``PAGEDLLM_W4A8`` not ``0``. The oracles: :func:`w4_gemm_reference`,
+:func:`w4a8_reference`.
 """
 
 from __future__ import annotations
@@ -45,21 +49,32 @@ try:
 except ImportError:  # pragma: no cover - numba is a dependency; this keeps the package importable
     numba = None  # type: ignore[assignment]
 
-from ._cpu_compile import AVX512_BF16_CFLAGS, build_library, cpu_has_avx512_bf16, cpu_has_flags, load_symbol
+from ._cpu_compile import (
+    AVX2_CFLAGS,
+    AVX512_BF16_CFLAGS,
+    build_library,
+    cpu_has_avx2,
+    cpu_has_avx512_bf16,
+    cpu_has_flags,
+    load_symbol,
+)
 from ._cpu_items import _use_threads
 from ._cpu_memory import aligned_empty
 
 __all__ = [
     "BLOCK",
+    "ISAS",
     "W4Packed",
     "available",
     "can_pack",
     "gemm",
     "gemm_int8",
     "int8_available",
+    "isa",
     "pack",
     "pack8",
     "quantize_rows",
+    "runs",
     "unpack",
     "w4_gemm_reference",
     "w4a8_reference",
@@ -69,6 +84,13 @@ BLOCK = 16
 """Output columns per packed block: the weight's rows must be a multiple of it."""
 SOURCE = Path(__file__).with_suffix(".c")
 SYMBOL = "pagedllm_gemm_w4"
+ISAS = ("avx512-bf16", "avx2")
+""":func:`gemm`'s variants, fastest first: (source, symbol, flags) in :data:`VARIANTS`."""
+VARIANTS = {
+    "avx512-bf16": (SOURCE, SYMBOL, AVX512_BF16_CFLAGS),
+    "avx2": (Path(__file__).with_name("w4_gemm_avx2.c"), "pagedllm_gemm_w4_avx2", AVX2_CFLAGS),
+}
+_CPU_HAS = {"avx512-bf16": cpu_has_avx512_bf16, "avx2": cpu_has_avx2}
 PARALLEL_MIN_WORK = 1 << 18
 """Below this many multiply-adds a call runs on the calling thread: starting the pool costs more than the product."""
 INT8_SYMBOL = "pagedllm_gemm_w4a8"
@@ -96,11 +118,24 @@ class W4Packed(NamedTuple):
     group: int
 
 
+def isa() -> str | None:
+    """The variant :func:`gemm` runs here (one of :data:`ISAS`), or None: the first whose
+    instructions the CPU has (with Numba and ``PAGEDLLM_CPU_GEMM`` not ``0``) and whose
+    source a C compiler built."""
+    return next((name for name in ISAS if runs(name)), None)
+
+
 @functools.cache
+def runs(variant: str) -> bool:
+    """Whether ``variant`` can run on this CPU (AVX-512-BF16 CPUs run the AVX2 one too).
+
+    NOTE: cached: :func:`gemm` asks on every call, and reading the CPU's flags takes ~100 us."""
+    return _CPU_HAS[variant]() and _library(variant) is not None
+
+
 def available() -> bool:
-    """Whether :func:`gemm` runs here: x86-64 with AVX-512-BF16, Numba, a C compiler that
-    built the kernel, and ``PAGEDLLM_CPU_GEMM`` not ``0``."""
-    return cpu_has_avx512_bf16() and _library() is not None
+    """Whether :func:`gemm` runs here (:func:`isa` is not None)."""
+    return isa() is not None
 
 
 @functools.cache
@@ -109,12 +144,14 @@ def int8_available() -> bool:
     ``PAGEDLLM_W4A8`` not ``0`` (the switch that keeps 4- and 8-bit layers on bfloat16 activations)."""
     if os.environ.get("PAGEDLLM_W4A8", "1") == "0":
         return False
-    return available() and cpu_has_flags("avx512_vnni", "avx512vbmi")
+    return runs("avx512-bf16") and cpu_has_flags("avx512_vnni", "avx512vbmi")
 
 
 @functools.cache
-def _library() -> Path | None:
-    return build_library(SOURCE, AVX512_BF16_CFLAGS)
+def _library(variant: str = "avx512-bf16") -> Path | None:
+    """The compiled variant's path (built now if not cached), loaded for Numba; None if it cannot be built."""
+    source, _, flags = VARIANTS[variant]
+    return build_library(source, flags)
 
 
 def can_pack(q: torch.Tensor, group: int) -> bool:
@@ -181,28 +218,40 @@ def unpack(packed: W4Packed) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return q, scales, offsets - 128.0
 
 
-def gemm(x: torch.Tensor, packed: W4Packed) -> torch.Tensor:
+def gemm(x: torch.Tensor, packed: W4Packed, variant: str | None = None) -> torch.Tensor:
     """``x @ W.T`` for ``W[n, k] = scale * (q - zero)``, on as many threads as torch uses.
 
     x: [..., k] bfloat16 -> [..., n] bfloat16. Sums are float32, rounded to bfloat16 once.
+    ``variant``: one of :data:`ISAS` that :func:`runs` here (default :func:`isa`).
     """
     if packed.weight.shape[-1] != BLOCK:
         raise ValueError("gemm takes 4-bit packing (pack); an 8-bit weight (pack8) runs on gemm_int8")
     rows, n, k, group = _checked(x, packed)
+    variant = variant or isa()
+    if variant is None or not runs(variant):
+        raise ValueError(f"the W4 GEMM variant {variant!r} does not run on this CPU; it runs {isa()!r}")
     blocks, m = n // BLOCK, rows.shape[0]
     out = torch.empty(m, n, dtype=torch.bfloat16)
     if m > 0 and n > 0:
+        # NOTE: the AVX2 variant multiplies float32 inputs, the odd ones divided by 16 (see its C file):
+        # widened here once, in the product that divides them, not per weight vector
+        xs = rows * _odd_divided(k) if variant == "avx2" else rows
         # NOTE: at decode sizes the kernel sums x's groups itself (0): a torch sum costs ~3 us a call
         xsum = 0 if m * (k // group) <= LOCAL_SUMS else rows.view(m, k // group, group).sum(-1, dtype=torch.float32)
         threads = min(_use_threads(torch.get_num_threads()), blocks) if m * n * k >= PARALLEL_MIN_WORK else 1
         w, meta = packed.weight.data_ptr(), packed.meta.data_ptr()
         xsum_at = 0 if isinstance(xsum, int) else xsum.data_ptr()  # [m, groups] float32
-        args = (rows.data_ptr(), m, k, w, meta, xsum_at, group, n, blocks, out.data_ptr())
+        args = (xs.data_ptr(), m, k, w, meta, xsum_at, group, n, blocks, out.data_ptr())
         if threads > 1:
-            _parallel()(*args, threads)
+            _parallel(variant)(*args, threads)
         else:
-            _serial()(*args)
+            _serial(variant)(*args)
     return out if rows is x else out.view(*x.shape[:-1], n)
+
+
+@functools.cache
+def _odd_divided(k: int) -> torch.Tensor:
+    return torch.tensor([1.0, 0.0625]).repeat(k // 2)  # [1, 1/16, 1, 1/16, ...]: the AVX2 variant's x times this
 
 
 def _checked(x: torch.Tensor, packed: W4Packed) -> tuple[torch.Tensor, int, int, int]:
@@ -262,18 +311,18 @@ _ARGS = ("ptr", "i64", "i64", "ptr", "ptr", "ptr", "i64", "i64", "i64", "i64", "
 
 
 @functools.cache
-def _c_function(symbol: str, args: tuple[str, ...]):
-    """The library's ``symbol`` through ctypes, called on the calling thread (no Numba region to start)."""
-    path = _library()
+def _c_function(symbol: str, args: tuple[str, ...], variant: str = "avx512-bf16"):
+    """The variant's ``symbol`` through ctypes, called on the calling thread (no Numba region to start)."""
+    path = _library(variant)
     assert path is not None
     kinds = {"ptr": ctypes.c_void_p, "i64": ctypes.c_int64}
     return load_symbol(path, symbol, tuple(kinds[a] for a in args))
 
 
 @functools.cache
-def _serial():
-    """The C function called on the calling thread, through ctypes (no Numba region to start)."""
-    fn = _c_function(SYMBOL, _ARGS)
+def _serial(variant: str):
+    """The variant's C function called on the calling thread, through ctypes (no Numba region to start)."""
+    fn = _c_function(VARIANTS[variant][1], _ARGS, variant)
 
     def call(x, m, k, w, meta, xsum, group, n, blocks, y):
         fn(x, m, k, w, meta, xsum, group, n, 0, blocks, y)
@@ -282,11 +331,11 @@ def _serial():
 
 
 @functools.cache
-def _parallel():
+def _parallel(variant: str):
     """A Numba function that deals the column blocks out over ``parts`` threads, an even share each."""
-    _library()
+    _library(variant)
     kinds = {"ptr": types.intp, "i64": types.int64}
-    kernel = types.ExternalFunction(SYMBOL, types.void(*(kinds[a] for a in _ARGS)))
+    kernel = types.ExternalFunction(VARIANTS[variant][1], types.void(*(kinds[a] for a in _ARGS)))
 
     def run(x, m, k, w, meta, xsum, group, n, blocks, y, parts):
         for t in numba.prange(parts):

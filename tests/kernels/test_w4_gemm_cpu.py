@@ -1,6 +1,9 @@
-"""The CPU 4-bit weight-only GEMM (kernels/w4_gemm_cpu.c) against a float64 reference on the dequantized weight."""
+"""The CPU 4-bit weight-only GEMM (kernels/w4_gemm_cpu.c, and its AVX2 variant kernels/w4_gemm_avx2.c) against
+a float64 reference on the dequantized weight: every variant this CPU runs (an AVX-512-BF16 CPU runs both)."""
 
 from __future__ import annotations
+
+import functools
 
 import pytest
 import torch
@@ -8,8 +11,10 @@ import torch
 from pagedllm.kernels import w4_gemm_cpu
 
 needs_kernel = pytest.mark.skipif(
-    not w4_gemm_cpu.available(), reason="needs an x86-64 CPU with AVX-512-BF16, numba and a C compiler"
+    not w4_gemm_cpu.available(), reason="needs an x86-64 CPU with AVX-512-BF16 or AVX2, numba and a C compiler"
 )
+VARIANTS_HERE = [v for v in w4_gemm_cpu.ISAS if w4_gemm_cpu.runs(v)]
+every_variant = pytest.mark.parametrize("variant", VARIANTS_HERE or [None])
 GROUPS = [32, 64, 128, 256, "channel"]
 
 
@@ -61,12 +66,13 @@ def test_pack_lays_pairs_of_levels_into_bytes():
 )
 @pytest.mark.parametrize("group", GROUPS)
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 16, 37])
+@every_variant
 @needs_kernel
-def test_gemm_matches_the_reference(n, k, group, rows):
+def test_gemm_matches_the_reference(n, k, group, rows, variant):
     group = k if group == "channel" else group
     q, scales, zeros = random_weight(n, k, group, seed=rows * 1000 + n + group)
     x = torch.randn(rows, k).to(torch.bfloat16)
-    out = w4_gemm_cpu.gemm(x, w4_gemm_cpu.pack(q, scales, zeros, group))
+    out = w4_gemm_cpu.gemm(x, w4_gemm_cpu.pack(q, scales, zeros, group), variant)
     assert out.shape == (rows, n) and out.dtype == torch.bfloat16
     close_to_reference(out, x, q, scales, zeros, group)
 
@@ -76,38 +82,62 @@ def test_gemm_matches_the_reference(n, k, group, rows):
     [(16, 2048, 32), (17, 2048, 32), (1, 4864, 4864), (3, 40, 40), (64, 40, 40)],
     ids=["sums-in-kernel-up-to-the-limit", "sums-from-torch-past-it", "one-long-group", "tail-group", "tail-rows"],
 )
+@every_variant
 @needs_kernel
-def test_group_sums_either_side_of_the_kernels_own(rows, k, group):
+def test_group_sums_either_side_of_the_kernels_own(rows, k, group, variant):
     """The kernel sums x's groups itself up to LOCAL_SUMS of them (16 rows x 64 groups here),
     torch past that; groups not a multiple of 16 inputs end in a scalar tail."""
     assert (rows * (k // group) <= w4_gemm_cpu.LOCAL_SUMS) == (rows != 17)
     q, scales, zeros = random_weight(32, k, group, seed=rows + k)
     x = torch.randn(rows, k).to(torch.bfloat16)
-    out = w4_gemm_cpu.gemm(x, w4_gemm_cpu.pack(q, scales, zeros, group))
+    out = w4_gemm_cpu.gemm(x, w4_gemm_cpu.pack(q, scales, zeros, group), variant)
     close_to_reference(out, x, q, scales, zeros, group)
 
 
 @pytest.mark.parametrize("rows", [1, 16, 37])
+@every_variant
 @needs_kernel
-def test_a_real_projection_shape(rows):
+def test_a_real_projection_shape(rows, variant):
     """Qwen2.5-0.5B's fused q/k/v projection (1152 x 896) in AWQ's group of 128."""
     q, scales, zeros = random_weight(1152, 896, 128, seed=rows)
     x = torch.randn(rows, 896).to(torch.bfloat16)
-    out = w4_gemm_cpu.gemm(x, w4_gemm_cpu.pack(q, scales, zeros, 128))
+    out = w4_gemm_cpu.gemm(x, w4_gemm_cpu.pack(q, scales, zeros, 128), variant)
     close_to_reference(out, x, q, scales, zeros, 128)
     torch.testing.assert_close(out, w4_gemm_cpu.w4_gemm_reference(x, q, scales, zeros, 128), rtol=2**-7, atol=0.05)
 
 
+@every_variant
 @needs_kernel
-def test_levels_as_far_from_their_zero_as_they_go():
+def test_levels_as_far_from_their_zero_as_they_go(variant):
     """q = 15 against zero 0 and q = 0 against zero 15 (all in one weight): the widest (q - zero)."""
     even = torch.arange(64)[:, None] % 2 == 0  # [64, 1]: even columns q = 0, zero 15; odd ones q = 15, zero 0
     q = torch.where(even, 0, 15).expand(64, 128).to(torch.uint8).contiguous()
     zeros = torch.where(even, 15.0, 0.0).expand(64, 2).contiguous()
     scales = torch.full((64, 2), 0.5)
     x = torch.randn(3, 128).to(torch.bfloat16)
-    out = w4_gemm_cpu.gemm(x, w4_gemm_cpu.pack(q, scales, zeros, 64))
+    out = w4_gemm_cpu.gemm(x, w4_gemm_cpu.pack(q, scales, zeros, 64), variant)
     close_to_reference(out, x, q, scales, zeros, 64)
+
+
+@every_variant
+@needs_kernel
+def test_specials_reach_the_output(variant):
+    """A NaN or an infinity in x reaches every output it multiplies into (a NaN stays a NaN); the
+    rest of the row stays finite and exact."""
+    q, scales, zeros = random_weight(32, 128, 64, seed=5)
+    x = torch.randn(3, 128).to(torch.bfloat16)
+    x[0, 7], x[1, 100] = float("nan"), float("inf")
+    out = w4_gemm_cpu.gemm(x, w4_gemm_cpu.pack(q, scales, zeros, 64), variant)
+    assert out[0].isnan().all()
+    assert not out[1].isfinite().any()
+    close_to_reference(out[2:], x[2:], q, scales, zeros, 64)
+
+
+def test_an_unavailable_variant_is_refused(monkeypatch):
+    monkeypatch.setattr(w4_gemm_cpu, "runs", lambda variant: False)
+    packed = w4_gemm_cpu.pack(*random_weight(16, 64, 32, seed=2), 32)
+    with pytest.raises(ValueError, match="variant 'avx2' does not run on this CPU"):
+        w4_gemm_cpu.gemm(torch.zeros(1, 64, dtype=torch.bfloat16), packed, "avx2")
 
 
 def test_bad_inputs_are_named():
@@ -214,7 +244,10 @@ def test_int8_gemm_is_within_the_rounding_of_x_of_the_exact_product(rows):
 
 
 PRODUCTS = [
-    pytest.param((w4_gemm_cpu.gemm, close_to_reference), id="bf16-x", marks=needs_kernel),
+    *(
+        pytest.param((functools.partial(w4_gemm_cpu.gemm, variant=v), close_to_reference), id=f"bf16-x-{v}")
+        for v in VARIANTS_HERE
+    ),
     pytest.param((w4_gemm_cpu.gemm_int8, close_to_int8_reference), id="int8-x", marks=needs_int8),
 ]
 """The two products of a 4-bit packing and the bound each is checked by."""

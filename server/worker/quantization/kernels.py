@@ -20,7 +20,7 @@ projections, 1..64 rows of bfloat16, 1 and 2 threads): the packed int4 matmul re
 the bytes of bfloat16 and wins at decode sizes, but its cost grows with every row; from
 ``dense_rows`` rows (:data:`DENSE_ROWS_BFLOAT16`; always in float32) ``int4-cpu`` widens the
 packed weight a tile at a time (``pagedllm.kernels.int4_unpack_cpu``) and runs oneDNN's GEMM.
-With bfloat16 activations on an AVX-512-BF16 CPU ``w4a16-tiles`` runs instead, at every row count
+With bfloat16 activations on an AVX-512-BF16 or AVX2 CPU ``w4a16-tiles`` runs instead, at every row count
 (faster than both at 1 to 256 rows in one comparison, w4a16_cpu.py); ``int4-cpu`` stays for float32
 activations and where ``w4a16-tiles`` cannot run.
 
@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.kernels.int4_unpack_cpu import int4_unpack_cpu, torch_block, unpack_levels
+from pagedllm.server.worker.models.cpu_linear import onednn_bf16
 from pagedllm.server.worker.quantization.base import QuantizedWeight, pack_int32
 from pagedllm.server.worker.quantization.fp8_kernels import choose_fp8_kernel
 from pagedllm.server.worker.quantization.w4a16_cpu import W4A16TilesKernel, W8A8TilesKernel
@@ -56,7 +57,9 @@ DENSE_ROWS_BFLOAT16 = 64
 each weight again per block of 4 rows and multiplies in float32), the unpacked weight's GEMM hardly does:
 per Qwen2.5-0.5B layer (the four projections), in-process A/B (``benchmarks/quant_linear.py``, a shared
 2-core AVX-512-BF16 EPYC, quiet), they are about even at 32 rows and the widened weight wins at 64:
-11.1 -> 6.6 ms on 1 thread, 5.7 -> 4.5 on 2 (bf16 weights: 4.7 and 2.4)."""
+11.1 -> 6.6 ms on 1 thread, 5.7 -> 4.5 on 2 (bf16 weights: 4.7 and 2.4). Only where oneDNN runs bfloat16
+GEMMs: on an AVX2-only CPU torch's bfloat16 ``mm`` is ~50x slower than the packed matmul (gate/up at 64 rows,
+2 threads, Zen 3: 1030 against 21 ms), so there a bfloat16 call never unpacks."""
 
 
 class DequantizeKernel(nn.Module):
@@ -111,7 +114,8 @@ class Int4CpuKernel(nn.Module):
         offsets = (8.0 - zeros) * scales
         # scales_and_zeros: [K / group, N, 2] in the activation dtype
         self.register_buffer("scales_and_zeros", torch.stack([scales.T, offsets.T], dim=-1).to(dtype).contiguous())
-        dense_rows = {torch.float32: DENSE_ROWS_FLOAT32, torch.bfloat16: DENSE_ROWS_BFLOAT16}.get(dtype)
+        bf16_rows = DENSE_ROWS_BFLOAT16 if onednn_bf16() else None
+        dense_rows = {torch.float32: DENSE_ROWS_FLOAT32, torch.bfloat16: bf16_rows}.get(dtype)
         self.dense_rows = dense_rows if dense_rows is not None and self._unpacks(w.q) else None
         """From how many rows a call unpacks the weight and runs a dense GEMM (None: never)."""
         self.label = self._label(str(dtype).removeprefix("torch."))

@@ -213,6 +213,7 @@ def test_bfloat16_awq_prefill_through_the_widened_weight_matches_transformers_in
     ``test_bfloat16_correctness``: at a first difference the reference's gap is under 0.5 nats (a bfloat16
     logit moves by 1/64 of its size). NOTE: no bound on how many sequences part: on this tiny random model
     transformers in bfloat16 parts from itself in float32 on 4 of these 6 prompts."""
+    from pagedllm.server.worker.quantization import kernels as quant_kernels
     from pagedllm.server.worker.quantization.kernels import DENSE_ROWS_BFLOAT16, Int4CpuKernel
     from pagedllm.server.worker.quantization.w4a16_cpu import W4A16TilesKernel
 
@@ -225,6 +226,7 @@ def test_bfloat16_awq_prefill_through_the_widened_weight_matches_transformers_in
 
     monkeypatch.setattr(Int4CpuKernel, "unpacked_mm", spy)
     monkeypatch.setattr(W4A16TilesKernel, "fits", staticmethod(lambda w: False))
+    monkeypatch.setattr(quant_kernels, "onednn_bf16", lambda: True)  # NOTE: the widened path, on any CPU
     qdir, twin = write_quantized(str(tmp_path), "awq", seed=11)
     llm = LLM(model=qdir, dtype="bfloat16", block_size=16, num_gpu_blocks_override=64, cpu_threads=1)
     assert kernels(llm) == {"int4-cpu"}
@@ -242,7 +244,9 @@ def labels(llm) -> set[str]:
     return {m.kernel.label for m in model.modules() if isinstance(m, QuantLinear)}
 
 
-@pytest.mark.skipif(not w4_gemm_cpu.available(), reason="needs an x86-64 CPU with AVX-512-BF16, numba and a C compiler")
+@pytest.mark.skipif(
+    not w4_gemm_cpu.available(), reason="needs an x86-64 CPU with AVX-512-BF16 or AVX2, numba and a C compiler"
+)
 @pytest.mark.parametrize("case", ["awq-g32", "gptq-4bit-act-order-asym", "ct-w4a16-asym-channel"])
 def test_bfloat16_w4a16_runs_the_tiled_kernel_and_matches_transformers_in_bfloat16(tmp_path, case, monkeypatch):
     """A bfloat16 4-bit model runs ``w4a16-tiles`` in every projection (bfloat16 activations: the

@@ -20,9 +20,11 @@ BFLOAT16_INT4 = (
     else "w4a16-tiles"
     if w4_gemm_cpu.available()
     else "int4-cpu+unpacked-bfloat16-from-64-rows"
+    if onednn_bf16()
+    else "int4-cpu"
 )
-"""What runs a bfloat16 4-bit projection here: the tiled kernel where the CPU has AVX-512-BF16, on int8
-activations where it also has VNNI and VBMI."""
+"""What runs a bfloat16 4-bit projection here: the tiled kernel where the CPU has AVX-512-BF16 or AVX2, on
+int8 activations where it also has VNNI and VBMI."""
 
 
 def quant_config_info(url: str) -> dict[str, str]:

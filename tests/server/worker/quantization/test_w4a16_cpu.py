@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from pagedllm.kernels import w4_gemm_cpu
+from pagedllm.server.worker.quantization import kernels as quant_kernels
 from pagedllm.server.worker.quantization.base import QuantizedWeight, sort_by_groups
 from pagedllm.server.worker.quantization.kernels import (
     DequantizeKernel,
@@ -19,7 +20,7 @@ from pagedllm.server.worker.quantization.w4a16_cpu import W4A16TilesKernel, W8A8
 N, K = 64, 256
 CPU = torch.device("cpu")
 needs_kernel = pytest.mark.skipif(
-    not w4_gemm_cpu.available(), reason="needs an x86-64 CPU with AVX-512-BF16, numba and a C compiler"
+    not w4_gemm_cpu.available(), reason="needs an x86-64 CPU with AVX-512-BF16 or AVX2, numba and a C compiler"
 )
 
 
@@ -102,12 +103,15 @@ def test_what_it_does_not_take_keeps_the_other_kernels():
     assert isinstance(choose_kernel(uneven, CPU, torch.bfloat16), DequantizeKernel)
 
 
-def test_unavailable_leaves_bfloat16_on_int4_cpu(monkeypatch):
+@pytest.mark.parametrize(("onednn", "label"), [(True, "int4-cpu+unpacked-bfloat16-from-64-rows"), (False, "int4-cpu")])
+def test_unavailable_leaves_bfloat16_on_int4_cpu(monkeypatch, onednn, label):
+    """Widened for a dense bfloat16 GEMM only where oneDNN runs one (not on an AVX2-only CPU)."""
     monkeypatch.setattr(w4_gemm_cpu, "available", lambda: False)
+    monkeypatch.setattr(quant_kernels, "onednn_bf16", lambda: onednn)
     w = random_int4(N, K, 64, seed=5)
     kernel = choose_kernel(w, CPU, torch.bfloat16)
     assert isinstance(kernel, Int4CpuKernel)
-    assert kernel.label == "int4-cpu+unpacked-bfloat16-from-64-rows"
+    assert kernel.label == label
 
 
 @needs_kernel

@@ -1,0 +1,183 @@
+/* The 4-bit weight-only GEMM of w4_gemm_cpu.c for x86-64 CPUs with AVX2 and FMA but no AVX-512-BF16:
+ *
+ *     y[m, n] = sum_k x[m, k] * scale[g, n] * (q[n, k] - zero[g, n]),   g = k / group
+ *
+ * on the same packed weight and meta, so one loaded model serves both:
+ *
+ *     packed[b, p, c] = q[16 b + c, 2 p] | q[16 b + c, 2 p + 1] << 4      [n / 16, k / 2, 16]
+ *     meta[b, g, 0 | 1, c] = scale, 128 + zero                            float32
+ *
+ * x comes in as float32, its odd inputs divided by 16 (exact: the caller widens x once, times
+ * [1, 1/16, 1, 1/16, ...]). Eight bytes of a pair (eight columns) widen to 32-bit lanes; the even
+ * input's level is the lane's low nibble, converted to float32 exactly; the odd input's is taken
+ * as the lane's high nibble in place, 16 q, which the divided x undoes, so no weight is shifted.
+ * A 16-column block's pair is two such widenings, four conversions and four FMAs per row. Per group the kernel sums S = sum_k x[k] q[k] in float32
+ * and then folds the zero point in:
+ *
+ *     acc += scale[g] * (S - zero[g] * xsum[g]),    xsum[g] = sum over the group's k of x[k]
+ *
+ * One row (a batch-1 decode step) runs through a tile of up to four blocks in one pass (eight
+ * sums in registers), the weight read once, in order. More rows go four at a time through one
+ * block (eight sums, four widened weight vectors, two broadcasts: 14 of the 16 vector registers),
+ * the next block prefetched into L2 by the first pass. Each output is rounded to bfloat16 once
+ * (nearest even, a NaN stays a NaN). All arguments are integers (pointers as addresses).
+ */
+#include <immintrin.h>
+#include <stdint.h>
+
+#define TILE 4        /* blocks of 16 columns per tile, one row */
+#define ROWS 4        /* rows per pass over a block */
+#define LOCAL_SUMS 1024 /* the most group sums a call computes itself (xsum_addr 0), on its stack */
+
+/* eight float32 sums rounded to bfloat16 (nearest even; NaN as the quiet NaN 0x7FC0) */
+static inline __attribute__((always_inline)) void store8(uint16_t *y, __m256 v) {
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), nan);
+  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0xD8);
+  _mm_storeu_si128((__m128i *)y, _mm256_castsi256_si128(packed));
+}
+
+/* eight columns' levels of one pair (8 bytes at w): the even input's q, and 16 times the odd one's */
+#define WIDEN(even, odd16, w)                                                                  \
+  do {                                                                                         \
+    const __m256i v_ = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(w)));            \
+    even = _mm256_cvtepi32_ps(_mm256_and_si256(v_, _mm256_set1_epi32(0x0F)));                  \
+    odd16 = _mm256_cvtepi32_ps(_mm256_and_si256(v_, _mm256_set1_epi32(0xF0)));                 \
+  } while (0)
+
+/* acc[c] += scale[c] * (s[c] - (offset[c] - 128) * xsum), eight columns of a block's meta */
+static inline __attribute__((always_inline)) __m256 fold(__m256 acc, __m256 s, const float *meta, float xsum) {
+  const __m256 zero = _mm256_sub_ps(_mm256_loadu_ps(meta + 16), _mm256_set1_ps(128.0f));
+  return _mm256_fmadd_ps(_mm256_loadu_ps(meta), _mm256_fnmadd_ps(zero, _mm256_set1_ps(xsum), s), acc);
+}
+
+/* one row over `blocks` blocks (a tile); w and meta at the tile's first block */
+static inline __attribute__((always_inline)) void tile_row(const float *x, int64_t pairs, const int blocks,
+                                                          const uint8_t *w, const float *meta, int64_t groups,
+                                                          int64_t group_pairs, const float *xsum, uint16_t *y) {
+  __m256 acc[TILE][2];
+  for (int j = 0; j < blocks; j++) acc[j][0] = acc[j][1] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; g++) {
+    __m256 s[TILE][2];
+    for (int j = 0; j < blocks; j++) s[j][0] = s[j][1] = _mm256_setzero_ps();
+    for (int64_t p = g * group_pairs; p < (g + 1) * group_pairs; p++) {
+      const __m256 x0 = _mm256_broadcast_ss(x + 2 * p), x1 = _mm256_broadcast_ss(x + 2 * p + 1);
+      for (int j = 0; j < blocks; j++)
+        for (int h = 0; h < 2; h++) {
+          __m256 even, odd16;
+          WIDEN(even, odd16, w + (j * pairs + p) * 16 + 8 * h);
+          s[j][h] = _mm256_fmadd_ps(x1, odd16, _mm256_fmadd_ps(x0, even, s[j][h]));
+        }
+    }
+    for (int j = 0; j < blocks; j++)
+      for (int h = 0; h < 2; h++) acc[j][h] = fold(acc[j][h], s[j][h], meta + (j * groups + g) * 32 + 8 * h, xsum[g]);
+  }
+  for (int j = 0; j < blocks; j++) {
+    store8(y + 16 * j, acc[j][0]);
+    store8(y + 16 * j + 8, acc[j][1]);
+  }
+}
+
+/* `rows` (1-4) rows of x (row stride k) over one block; `prefetch` (or 0): the next block's start */
+static inline __attribute__((always_inline)) void block_rows(const float *x, int64_t k, const int rows,
+                                                            const uint8_t *w, const float *meta, int64_t groups,
+                                                            int64_t group_pairs, const float *xsum, uint16_t *y,
+                                                            int64_t ldy, const char *prefetch) {
+  __m256 acc[ROWS][2];
+  for (int r = 0; r < rows; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; g++) {
+    __m256 s[ROWS][2];
+    for (int r = 0; r < rows; r++) s[r][0] = s[r][1] = _mm256_setzero_ps();
+    for (int64_t p = g * group_pairs; p < (g + 1) * group_pairs; p++) {
+      __m256 even0, odd0, even1, odd1;
+      WIDEN(even0, odd0, w + p * 16);
+      WIDEN(even1, odd1, w + p * 16 + 8);
+      /* NOTE: a pair is 16 bytes: every fourth pair fetches the next block's line at the same offset */
+      if (prefetch && (p & 3) == 0) _mm_prefetch(prefetch + 16 * p, _MM_HINT_T1);
+      for (int r = 0; r < rows; r++) {
+        const __m256 x0 = _mm256_broadcast_ss(x + r * k + 2 * p), x1 = _mm256_broadcast_ss(x + r * k + 2 * p + 1);
+        s[r][0] = _mm256_fmadd_ps(x1, odd0, _mm256_fmadd_ps(x0, even0, s[r][0]));
+        s[r][1] = _mm256_fmadd_ps(x1, odd1, _mm256_fmadd_ps(x0, even1, s[r][1]));
+      }
+    }
+    for (int r = 0; r < rows; r++)
+      for (int h = 0; h < 2; h++) acc[r][h] = fold(acc[r][h], s[r][h], meta + g * 32 + 8 * h, xsum[r * groups + g]);
+  }
+  for (int r = 0; r < rows; r++) {
+    store8(y + r * ldy, acc[r][0]);
+    store8(y + r * ldy + 8, acc[r][1]);
+  }
+}
+
+/* xsum[r, g] = sum of x[r, k] over group g's k, float32, from the divided x (odd inputs times 16 again,
+ * exact), eight lanes at a time (a group's tail pair by pair; a group starts at an even input) */
+static void group_sums(const float *x, int64_t m, int64_t k, int64_t group, float *xsum) {
+  const int64_t groups = k / group;
+  const __m256 undo = _mm256_setr_ps(1.0f, 16.0f, 1.0f, 16.0f, 1.0f, 16.0f, 1.0f, 16.0f);
+  for (int64_t r = 0; r < m; r++)
+    for (int64_t g = 0; g < groups; g++) {
+      const float *v = x + r * k + g * group;
+      __m256 acc = _mm256_setzero_ps();
+      int64_t i = 0;
+      for (; i + 8 <= group; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(v + i), undo, acc);
+      float lanes[8];
+      _mm256_storeu_ps(lanes, acc);
+      float sum = ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5])) + ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7]));
+      for (; i < group; i += 2) sum += v[i] + 16.0f * v[i + 1];
+      xsum[r * groups + g] = sum;
+    }
+}
+
+/* Columns of blocks [block0, block1) of y for all m rows. x: [m, k] contiguous float32, odd inputs
+ * divided by 16 (k even);
+ * w, meta: packed as above; xsum: [m, k / group] float32, or 0 where m * (k / group) <= LOCAL_SUMS
+ * (the call sums x's groups itself); group: even, dividing k; y: [m, n] contiguous bf16. */
+void pagedllm_gemm_w4_avx2(intptr_t x_addr, int64_t m, int64_t k, intptr_t w_addr, intptr_t meta_addr,
+                           intptr_t xsum_addr, int64_t group, int64_t n, int64_t block0, int64_t block1,
+                           intptr_t y_addr) {
+  const float *x = (const float *)x_addr;
+  const uint8_t *w0 = (const uint8_t *)w_addr;
+  const float *meta0 = (const float *)meta_addr;
+  float local[LOCAL_SUMS];
+  const float *xsum = (const float *)xsum_addr;
+  if (!xsum) {
+    group_sums(x, m, k, group, local);
+    xsum = local;
+  }
+  uint16_t *y = (uint16_t *)y_addr;
+  const int64_t pairs = k / 2, groups = k / group, group_pairs = group / 2;
+  if (m == 1) {
+    for (int64_t block = block0; block < block1; block += TILE) {
+      const int blocks = (int)(block1 - block < TILE ? block1 - block : TILE);
+      const uint8_t *w = w0 + block * pairs * 16;
+      const float *meta = meta0 + block * groups * 32;
+      switch (blocks) {
+        case 1: tile_row(x, pairs, 1, w, meta, groups, group_pairs, xsum, y + 16 * block); break;
+        case 2: tile_row(x, pairs, 2, w, meta, groups, group_pairs, xsum, y + 16 * block); break;
+        case 3: tile_row(x, pairs, 3, w, meta, groups, group_pairs, xsum, y + 16 * block); break;
+        default: tile_row(x, pairs, 4, w, meta, groups, group_pairs, xsum, y + 16 * block); break;
+      }
+    }
+    return;
+  }
+  for (int64_t block = block0; block < block1; block++) {
+    const uint8_t *w = w0 + block * pairs * 16;
+    const float *meta = meta0 + block * groups * 32;
+    const char *next = block + 1 < block1 ? (const char *)(w + pairs * 16) : 0;
+    for (int64_t row = 0; row < m; row += ROWS) {
+      const int rows = (int)(m - row < ROWS ? m - row : ROWS);
+      const char *prefetch = row == 0 && m > ROWS ? next : 0;
+      const float *xs = xsum + row * groups;
+      uint16_t *out = y + row * n + 16 * block;
+      switch (rows) {
+        case 1: block_rows(x + row * k, k, 1, w, meta, groups, group_pairs, xs, out, n, prefetch); break;
+        case 2: block_rows(x + row * k, k, 2, w, meta, groups, group_pairs, xs, out, n, prefetch); break;
+        case 3: block_rows(x + row * k, k, 3, w, meta, groups, group_pairs, xs, out, n, prefetch); break;
+        default: block_rows(x + row * k, k, 4, w, meta, groups, group_pairs, xs, out, n, prefetch); break;
+      }
+    }
+  }
+}
