@@ -29,7 +29,7 @@ class ModelConfig:
         default="auto",
         metadata=field_help(
             "Weight and activation dtype; auto = the checkpoint's (on CPU: bfloat16 for 16-bit "
-            "checkpoints where the CPU has AVX-512-BF16 or AMX, else float32).",
+            "checkpoints where the CPU has AVX-512-BF16, AMX or AVX2 and FMA, else float32).",
             choices=DTYPES,
         ),
     )

@@ -19,7 +19,7 @@ import torch
 from engine_factories import TINY_SHAPES, HFReference, assert_greedy_matches, make_prompts
 from family_factories import WINDOW, save_tiny_family
 
-from pagedllm.kernels import decode_scores_cpu, prefill_attention_cpu
+from pagedllm.kernels import bf16_gemm_cpu, decode_scores_cpu, prefill_attention_cpu
 from pagedllm.server import LLM, SamplingParams
 from pagedllm.server.demo import save_tiny_llama
 from pagedllm.server.worker import cpu_attention, dtype_choice
@@ -106,23 +106,33 @@ def save_as(src: str, dst: str, dtype: torch.dtype) -> str:
 
 ZEN4 = "fpu sse avx2 avx512f avx512bw avx512vl avx512_bf16"
 ICE_LAKE = "fpu sse avx2 avx512f avx512bw avx512vl avx512_vnni"
+ZEN3 = "fpu sse avx avx2 fma"
 
 
 @pytest.mark.parametrize(
-    ("stored", "flags", "expected"),
+    ("stored", "flags", "gemm", "expected"),
     [
-        (torch.bfloat16, ZEN4, torch.bfloat16),
-        (torch.float16, ZEN4, torch.bfloat16),
-        (torch.bfloat16, ICE_LAKE, torch.float32),
-        (torch.float32, ZEN4, torch.float32),
+        (torch.bfloat16, ZEN4, None, torch.bfloat16),
+        (torch.float16, ZEN4, None, torch.bfloat16),
+        (torch.bfloat16, ICE_LAKE, None, torch.float32),
+        (torch.float32, ZEN4, None, torch.float32),
+        pytest.param(
+            torch.bfloat16,
+            ZEN3,
+            "avx2",
+            torch.bfloat16,
+            marks=pytest.mark.skipif(not bf16_gemm_cpu.runs("avx2"), reason="needs AVX2, FMA, Numba and a C compiler"),
+        ),
     ],
 )
 def test_auto_dtype_on_cpu_is_chosen_from_checkpoint_and_cpu_and_logged(
-    tiny_llama, tmp_path, monkeypatch, caplog, stored, flags, expected
+    tiny_llama, tmp_path, monkeypatch, caplog, stored, flags, gemm, expected
 ):
+    """``gemm``: the variant of the engine's bf16 GEMM this CPU is made to run (None: none)."""
     cpuinfo = tmp_path / "cpuinfo"
     cpuinfo.write_text(f"processor\t: 0\nflags\t\t: {flags}\n\n")
     monkeypatch.setattr(dtype_choice, "CPUINFO", str(cpuinfo))
+    monkeypatch.setattr(bf16_gemm_cpu, "isa", lambda: gemm)
     model = save_as(tiny_llama, str(tmp_path / "model"), stored)
     with caplog.at_level(logging.INFO, logger="pagedllm.server.worker.model_runner"):
         llm = LLM(model=model, num_gpu_blocks_override=16, cpu_threads=1)

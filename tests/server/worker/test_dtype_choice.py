@@ -11,6 +11,16 @@ CPU, CUDA = torch.device("cpu"), torch.device("cuda", 0)
 ZEN4_FLAGS = "fpu vme sse sse2 avx avx2 avx512f avx512bw avx512vl avx512_bf16 avx512_vnni"
 SAPPHIRE_RAPIDS_FLAGS = "fpu sse avx2 avx512f avx512_bf16 amx_bf16 amx_tile amx_int8"
 ICE_LAKE_FLAGS = "fpu sse avx2 avx512f avx512bw avx512vl avx512_vnni"  # AVX-512, but no bf16 units
+ZEN3_FLAGS = "fpu sse avx avx2 fma"  # AVX2 only
+
+
+def no_gemm() -> None:
+    """The engine's bf16 GEMM runs in no variant (no compiler, no Numba, or a CPU without AVX2)."""
+    return None
+
+
+def avx2_gemm() -> str:
+    return "avx2"
 
 
 def fake_cpuinfo(tmp_path, flags: str) -> str:
@@ -37,24 +47,43 @@ def test_a_flag_name_inside_another_word_does_not_count(tmp_path):
 
 
 @pytest.mark.parametrize(
-    ("stored", "flags", "expected"),
+    ("stored", "flags", "gemm", "expected"),
     [
-        ("bfloat16", ZEN4_FLAGS, torch.bfloat16),
-        ("bfloat16", SAPPHIRE_RAPIDS_FLAGS, torch.bfloat16),
-        ("bfloat16", ICE_LAKE_FLAGS, torch.float32),
-        ("float16", ZEN4_FLAGS, torch.bfloat16),
-        ("float16", ICE_LAKE_FLAGS, torch.float32),
-        ("float32", ZEN4_FLAGS, torch.float32),
-        ("float32", ICE_LAKE_FLAGS, torch.float32),
-        (None, ZEN4_FLAGS, torch.float32),  # no dtype in the config: float32
-        ("float64", ZEN4_FLAGS, torch.float32),
+        ("bfloat16", ZEN4_FLAGS, no_gemm, torch.bfloat16),
+        ("bfloat16", SAPPHIRE_RAPIDS_FLAGS, no_gemm, torch.bfloat16),
+        ("bfloat16", ICE_LAKE_FLAGS, no_gemm, torch.float32),
+        ("bfloat16", ICE_LAKE_FLAGS, avx2_gemm, torch.bfloat16),
+        ("bfloat16", ZEN3_FLAGS, avx2_gemm, torch.bfloat16),
+        ("bfloat16", ZEN3_FLAGS, no_gemm, torch.float32),
+        ("float16", ZEN4_FLAGS, no_gemm, torch.bfloat16),
+        ("float16", ICE_LAKE_FLAGS, no_gemm, torch.float32),
+        ("float16", ZEN3_FLAGS, avx2_gemm, torch.bfloat16),
+        ("float32", ZEN4_FLAGS, no_gemm, torch.float32),
+        ("float32", ICE_LAKE_FLAGS, no_gemm, torch.float32),
+        ("float32", ZEN3_FLAGS, avx2_gemm, torch.float32),
+        (None, ZEN4_FLAGS, no_gemm, torch.float32),  # no dtype in the config: float32
+        ("float64", ZEN4_FLAGS, no_gemm, torch.float32),
+        ("float64", ZEN3_FLAGS, avx2_gemm, torch.float32),
     ],
 )
-def test_auto_on_cpu_follows_the_checkpoint_where_bf16_is_fast(tmp_path, stored, flags, expected):
+def test_auto_on_cpu_follows_the_checkpoint_where_bf16_is_fast(tmp_path, stored, flags, gemm, expected):
     config = {} if stored is None else {"torch_dtype": stored}
-    choice = choose_dtype("auto", config, CPU, cpuinfo=fake_cpuinfo(tmp_path, flags))
+    choice = choose_dtype("auto", config, CPU, cpuinfo=fake_cpuinfo(tmp_path, flags), gemm_isa=gemm)
     assert choice.dtype == expected
     assert choice.reason
+
+
+def test_auto_asks_the_gemm_only_where_the_cpu_has_no_bf16_units(tmp_path):
+    asked = []
+
+    def gemm():
+        asked.append(1)
+        return "avx2"
+
+    choose_dtype("auto", {"dtype": "bfloat16"}, CPU, fake_cpuinfo(tmp_path, ZEN4_FLAGS), gemm_isa=gemm)
+    assert not asked
+    choose_dtype("auto", {"dtype": "bfloat16"}, CPU, fake_cpuinfo(tmp_path, ZEN3_FLAGS), gemm_isa=gemm)
+    assert asked
 
 
 def test_the_reason_names_the_checkpoint_and_the_cpu_unit(tmp_path):
@@ -65,8 +94,11 @@ def test_the_reason_names_the_checkpoint_and_the_cpu_unit(tmp_path):
     assert choose_dtype("auto", {"dtype": "float16"}, CPU, zen4).reason == (
         "float16 checkpoint, run in bfloat16 on a CPU with avx512_bf16"
     )
-    assert choose_dtype("auto", {"dtype": "bfloat16"}, CPU, ice_lake).reason == (
-        "bfloat16 checkpoint, but the CPU has no amx_bf16 or avx512_bf16"
+    assert choose_dtype("auto", {"dtype": "bfloat16"}, CPU, ice_lake, gemm_isa=no_gemm).reason == (
+        "bfloat16 checkpoint, but the CPU has no amx_bf16 or avx512_bf16 and no AVX2 bfloat16 GEMM"
+    )
+    assert choose_dtype("auto", {"dtype": "bfloat16"}, CPU, ice_lake, gemm_isa=avx2_gemm).reason == (
+        "the checkpoint's bfloat16, on a CPU with avx2 (the engine's AVX2 bfloat16 GEMM)"
     )
 
 
