@@ -172,7 +172,11 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=3, help="copies of each projection, own weights, per pass")
     parser.add_argument("--group", type=int, default=128, help="4-bit group size")
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 16, 32, 64], help="rows per pass")
-    runs = {"w4-tiles": w4_gemm_cpu.available(), "w4a8-tiles": w4_gemm_cpu.int8_available()}
+    runs = {
+        "w4-tiles": w4_gemm_cpu.available(),
+        "w4a8-tiles": w4_gemm_cpu.int8_available(),
+        "w8a8-tiles": w4_gemm_cpu.w8_available(),
+    }
     default = [c for c in CANDIDATES[:7] if runs.get(c, True)]
     parser.add_argument("--kernels", nargs="+", default=default, choices=CANDIDATES, help="candidates")
     parser.add_argument("--repeats", type=int, default=21, help="timed passes per case (median reported)")

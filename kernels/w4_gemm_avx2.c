@@ -181,3 +181,148 @@ void pagedllm_gemm_w4_avx2(intptr_t x_addr, int64_t m, int64_t k, intptr_t w_add
     }
   }
 }
+
+/* ---- W4A8 on AVX2: the same packed weight times x rounded to int8 ----
+ *
+ * x is quantized per row and group as w4_gemm_cpu.c's pagedllm_quantize_s8 does (sx = max |x| / 127,
+ * xq = round(x / sx), nearest even, in -127..127; stats [m, k / group, 2]: sx, then the sum of xq).
+ * A block's pair (16 bytes) becomes 32: column c's even level at byte 2c, its odd one at 2c + 1
+ * (a qword permute, two masks and a byte unpack). VPMADDUBSW multiplies those unsigned bytes by a
+ * broadcast of x's int8 pair and adds each column's two products into a 16-bit lane: at most
+ * 2 * 15 * 127 in size, so eight pairs sum in 16 bits without overflow (groups are multiples of 16
+ * inputs). Every eight pairs the 16-bit sums widen into 32-bit ones (exact); per group
+ *
+ *     acc += scale[g] * sx[r, g] * (S - zero[g] * xqsum[r, g]),   S = sum_k q[k] xq[k]
+ *
+ * One row runs through a tile of four blocks; more rows go four at a time through two blocks. */
+#define PAIRS_16 8 /* pairs whose products a 16-bit lane holds */
+
+static inline __attribute__((always_inline)) __m256i nibble_pairs(const uint8_t *w, __m256i mask) {
+  const __m256i t = _mm256_permute4x64_epi64(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)w)), 0x50);
+  return _mm256_unpacklo_epi8(_mm256_and_si256(t, mask), _mm256_and_si256(_mm256_srli_epi16(t, 4), mask));
+}
+
+static inline __attribute__((always_inline)) void tile_s8(const int8_t *xq, int64_t k, const int rows,
+                                                         const int blocks, const uint8_t *w, int64_t pairs,
+                                                         const float *meta, int64_t groups, int64_t group_pairs,
+                                                         const float *xs, uint16_t *y, int64_t ldy) {
+  const __m256i mask = _mm256_set1_epi8(0x0F);
+  __m256 acc[ROWS][TILE][2];
+  for (int r = 0; r < rows; r++)
+    for (int j = 0; j < blocks; j++) acc[r][j][0] = acc[r][j][1] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; g++) {
+    __m256i s32[ROWS][TILE][2];
+    for (int r = 0; r < rows; r++)
+      for (int j = 0; j < blocks; j++) s32[r][j][0] = s32[r][j][1] = _mm256_setzero_si256();
+    for (int64_t p0 = g * group_pairs; p0 < (g + 1) * group_pairs; p0 += PAIRS_16) {
+      __m256i s16[ROWS][TILE];
+      for (int r = 0; r < rows; r++)
+        for (int j = 0; j < blocks; j++) s16[r][j] = _mm256_setzero_si256();
+      for (int64_t p = p0; p < p0 + PAIRS_16; p++) {
+        __m256i xb[ROWS];
+        for (int r = 0; r < rows; r++) {
+          int16_t pair;
+          __builtin_memcpy(&pair, xq + r * k + 2 * p, 2);
+          xb[r] = _mm256_set1_epi16(pair);
+        }
+        for (int j = 0; j < blocks; j++) {
+          const __m256i a = nibble_pairs(w + (j * pairs + p) * 16, mask);
+          for (int r = 0; r < rows; r++) s16[r][j] = _mm256_add_epi16(s16[r][j], _mm256_maddubs_epi16(a, xb[r]));
+        }
+      }
+      for (int r = 0; r < rows; r++)
+        for (int j = 0; j < blocks; j++) {
+          s32[r][j][0] = _mm256_add_epi32(s32[r][j][0], _mm256_cvtepi16_epi32(_mm256_castsi256_si128(s16[r][j])));
+          s32[r][j][1] = _mm256_add_epi32(s32[r][j][1], _mm256_cvtepi16_epi32(_mm256_extracti128_si256(s16[r][j], 1)));
+        }
+    }
+    for (int r = 0; r < rows; r++) {
+      const __m256 sx = _mm256_set1_ps(xs[(r * groups + g) * 2]), qsum = _mm256_set1_ps(xs[(r * groups + g) * 2 + 1]);
+      for (int j = 0; j < blocks; j++)
+        for (int h = 0; h < 2; h++) {
+          const float *mt = meta + (j * groups + g) * 32 + 8 * h;
+          const __m256 zero = _mm256_sub_ps(_mm256_loadu_ps(mt + 16), _mm256_set1_ps(128.0f));
+          const __m256 folded = _mm256_fnmadd_ps(zero, qsum, _mm256_cvtepi32_ps(s32[r][j][h]));
+          acc[r][j][h] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_loadu_ps(mt), sx), folded, acc[r][j][h]);
+        }
+    }
+  }
+  for (int r = 0; r < rows; r++)
+    for (int j = 0; j < blocks; j++) {
+      store8(y + r * ldy + 16 * j, acc[r][j][0]);
+      store8(y + r * ldy + 16 * j + 8, acc[r][j][1]);
+    }
+}
+
+#define CASE_S8(R, B)                                                                                      \
+  case (R) * 8 + (B):                                                                                      \
+    tile_s8(xq + row * k, k, R, B, w, pairs, meta, groups, group_pairs, xs + row * groups * 2,             \
+            y + row * n + 16 * block, n);                                                                  \
+    break;
+
+/* Columns of blocks [block0, block1) of y for all m rows, from xq [m, k] int8 and xs [m, k / group, 2]
+ * float32 as pagedllm_quantize_s8_avx2 writes them; w, meta as above; group a multiple of 16 dividing k;
+ * y: [m, n] contiguous bf16. */
+void pagedllm_gemm_w4a8_avx2(intptr_t xq_addr, intptr_t xs_addr, int64_t m, int64_t k, intptr_t w_addr,
+                             intptr_t meta_addr, int64_t group, int64_t n, int64_t block0, int64_t block1,
+                             intptr_t y_addr) {
+  const int8_t *xq = (const int8_t *)xq_addr;
+  const float *xs = (const float *)xs_addr;
+  const uint8_t *w0 = (const uint8_t *)w_addr;
+  const float *meta0 = (const float *)meta_addr;
+  uint16_t *y = (uint16_t *)y_addr;
+  const int64_t pairs = k / 2, groups = k / group, group_pairs = group / 2;
+  const int tile = m == 1 ? TILE : 2;
+  for (int64_t block = block0; block < block1; block += tile) {
+    const int blocks = (int)(block1 - block < tile ? block1 - block : tile);
+    const uint8_t *w = w0 + block * pairs * 16;
+    const float *meta = meta0 + block * groups * 32;
+    for (int64_t row = 0; row < m; row += ROWS) {
+      const int rows = (int)(m - row < ROWS ? m - row : ROWS);
+      switch (rows * 8 + blocks) {
+        CASE_S8(1, 1) CASE_S8(1, 2) CASE_S8(1, 3) CASE_S8(1, 4)
+        CASE_S8(2, 1) CASE_S8(2, 2) CASE_S8(3, 1) CASE_S8(3, 2) CASE_S8(4, 1) CASE_S8(4, 2)
+      }
+    }
+  }
+}
+
+/* xq [m, k] int8 and xs [m, k / group, 2] float32 (sx, then the sum of the group's xq) from x [m, k]
+ * bfloat16, as pagedllm_quantize_s8 rounds them (nearest even; a group of zeros gets sx = 0, xq = 0);
+ * group a multiple of 16. */
+void pagedllm_quantize_s8_avx2(intptr_t x_addr, int64_t m, int64_t k, int64_t group, intptr_t xq_addr,
+                               intptr_t xs_addr) {
+  const uint16_t *x = (const uint16_t *)x_addr;
+  int8_t *xq = (int8_t *)xq_addr;
+  float *xs = (float *)xs_addr;
+  const int64_t groups = k / group;
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+#define WIDEN_BF16(p) _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))), 16))
+  for (int64_t r = 0; r < m; r++)
+    for (int64_t g = 0; g < groups; g++) {
+      const uint16_t *v = x + r * k + g * group;
+      __m256 amax = _mm256_setzero_ps();
+      for (int64_t i = 0; i < group; i += 8) amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, WIDEN_BF16(v + i)));
+      float lanes[8];
+      _mm256_storeu_ps(lanes, amax);
+      float top = 0.0f;
+      for (int i = 0; i < 8; i++) top = lanes[i] > top ? lanes[i] : top;
+      const __m256 inv = _mm256_set1_ps(top > 0.0f ? 127.0f / top : 0.0f);
+      __m256i total = _mm256_setzero_si256();
+      for (int64_t i = 0; i < group; i += 16) {
+        const __m256i a = _mm256_cvtps_epi32(_mm256_mul_ps(WIDEN_BF16(v + i), inv));
+        const __m256i b = _mm256_cvtps_epi32(_mm256_mul_ps(WIDEN_BF16(v + i + 8), inv));
+        total = _mm256_add_epi32(total, _mm256_add_epi32(a, b));
+        const __m256i q16 = _mm256_permute4x64_epi64(_mm256_packs_epi32(a, b), 0xD8);
+        _mm_storeu_si128((__m128i *)(xq + r * k + g * group + i),
+                         _mm_packs_epi16(_mm256_castsi256_si128(q16), _mm256_extracti128_si256(q16, 1)));
+      }
+      int32_t sums[8];
+      _mm256_storeu_si256((__m256i *)sums, total);
+      int32_t sum = 0;
+      for (int i = 0; i < 8; i++) sum += sums[i];
+      xs[(r * groups + g) * 2] = top / 127.0f;
+      xs[(r * groups + g) * 2 + 1] = (float)sum;
+    }
+#undef WIDEN_BF16
+}

@@ -23,14 +23,11 @@ The cost is x's rounding to 8 bits, about 0.7% of a product's size for normally 
 (:func:`gemm` rounds only its result to bfloat16). 8-bit weights (:func:`pack8`) run on the same
 product, their levels laid out so that VPDPBUSD takes them as they are.
 
-With AVX2 and FMA but no AVX-512-BF16, :func:`gemm` runs kernels/w4_gemm_avx2.c on the same packing
-(levels converted to float32 in registers, FMA; the C file says how). A Qwen2.5-0.5B layer on 2 threads
-of an AVX2 EPYC (Zen 3): 1.05 / 6.2 ms at 1 / 16 rows against 1.62 / 5.1 in bf16 and torch int4's 1.36 / 9.8.
-
-Built as bf16_gemm_cpu's kernel is (kernels/_cpu_compile.py). :func:`isa` names the variant that runs
-(None: no compiler or Numba, neither ISA, or ``PAGEDLLM_CPU_GEMM=0``); :func:`int8_available` needs the
-AVX-512-BF16 one, VNNI, VBMI and ``PAGEDLLM_W4A8`` not ``0``. The oracles: :func:`w4_gemm_reference`,
-:func:`w4a8_reference`.
+With AVX2 and FMA but no AVX-512-BF16, kernels/w4_gemm_avx2.c runs both products on the same packing:
+:func:`gemm` converting levels to float32 in registers (FMA), :func:`gemm_int8` on VPMADDUBSW with
+16-bit partial sums (the C file says how). Built as bf16_gemm_cpu's kernel is (kernels/_cpu_compile.py):
+:func:`isa` and :func:`int8_isa` name the variants that run (None: no compiler or Numba, neither ISA,
+``PAGEDLLM_CPU_GEMM=0``; ``PAGEDLLM_W4A8=0`` for the int8 one). Oracles: kernels/w4_gemm_reference.py.
 """
 
 from __future__ import annotations
@@ -39,7 +36,6 @@ import ctypes
 import functools
 import os
 from pathlib import Path
-from typing import NamedTuple
 
 import torch
 
@@ -59,7 +55,8 @@ from ._cpu_compile import (
     load_symbol,
 )
 from ._cpu_items import _use_threads
-from ._cpu_memory import aligned_empty
+from .w4_gemm_reference import w4_gemm_reference, w4a8_reference
+from .w4_pack import BLOCK, W4Packed, can_pack, pack, pack8, unpack
 
 __all__ = [
     "BLOCK",
@@ -70,6 +67,8 @@ __all__ = [
     "gemm",
     "gemm_int8",
     "int8_available",
+    "int8_isa",
+    "int8_runs",
     "isa",
     "pack",
     "pack8",
@@ -78,10 +77,9 @@ __all__ = [
     "unpack",
     "w4_gemm_reference",
     "w4a8_reference",
+    "w8_available",
 ]
 
-BLOCK = 16
-"""Output columns per packed block: the weight's rows must be a multiple of it."""
 SOURCE = Path(__file__).with_suffix(".c")
 SYMBOL = "pagedllm_gemm_w4"
 ISAS = ("avx512-bf16", "avx2")
@@ -96,6 +94,11 @@ PARALLEL_MIN_WORK = 1 << 18
 INT8_SYMBOL = "pagedllm_gemm_w4a8"
 W8_SYMBOL = "pagedllm_gemm_w8a8"
 QUANTIZE_SYMBOL = "pagedllm_quantize_s8"
+INT8_VARIANTS = {
+    "avx512-bf16": (QUANTIZE_SYMBOL, INT8_SYMBOL),
+    "avx2": ("pagedllm_quantize_s8_avx2", "pagedllm_gemm_w4a8_avx2"),
+}
+""":func:`gemm_int8`'s variants on a 4-bit packing: (quantizer, product) symbols of the variant's library."""
 INT8_GROUP_MULTIPLE = 16
 """:func:`gemm_int8` takes groups of a multiple of this many inputs (x is quantized 16 at a time)."""
 PARALLEL_QUANTIZE_ROWS = 64
@@ -104,18 +107,6 @@ before the product's; below, the calling thread does it alone (16 x 4864 inputs:
 LOCAL_SUMS = 1024
 """The most group sums (rows x groups) the kernel computes itself, on its stack (``LOCAL_SUMS`` in
 the C file); past that, :func:`gemm` sums them with torch and hands them in."""
-
-
-class W4Packed(NamedTuple):
-    """A 4-bit weight in the kernel's layout (both tensors 64-byte aligned, large ones on huge pages)."""
-
-    weight: torch.Tensor
-    """4-bit (:func:`pack`): [n / 16, k / 2, 16] uint8, byte c of pair p of block b holding
-    q[16 b + c, 2 p] | q[16 b + c, 2 p + 1] << 4; 8-bit (:func:`pack8`, :func:`gemm_int8` only):
-    [n / 16, k / 4, 64] uint8, byte 4 c + i of quad t holding q[16 b + c, 4 t + i]."""
-    meta: torch.Tensor
-    """[n / 16, k / group, 2, 16] float32: per block and group, the 16 columns' scales, then 128 + their zeros."""
-    group: int
 
 
 def isa() -> str | None:
@@ -139,12 +130,30 @@ def available() -> bool:
 
 
 @functools.cache
-def int8_available() -> bool:
-    """Whether :func:`gemm_int8` runs here: :func:`available`, AVX-512-VNNI and VBMI, and
-    ``PAGEDLLM_W4A8`` not ``0`` (the switch that keeps 4- and 8-bit layers on bfloat16 activations)."""
+def int8_isa() -> str | None:
+    """The variant :func:`gemm_int8` runs on a 4-bit packing here: ``avx512-bf16`` with AVX-512-VNNI and
+    VBMI (VPDPBUSD), else ``avx2`` (VPMADDUBSW) where that variant runs; None with ``PAGEDLLM_W4A8=0``
+    (the switch that keeps 4- and 8-bit layers on bfloat16 activations)."""
     if os.environ.get("PAGEDLLM_W4A8", "1") == "0":
-        return False
-    return runs("avx512-bf16") and cpu_has_flags("avx512_vnni", "avx512vbmi")
+        return None
+    return next((name for name in ISAS if int8_runs(name)), None)
+
+
+@functools.cache
+def int8_runs(variant: str) -> bool:
+    """Whether :func:`gemm_int8`'s ``variant`` can run here (the AVX-512 one also needs VNNI and VBMI)."""
+    vnni = variant != "avx512-bf16" or cpu_has_flags("avx512_vnni", "avx512vbmi")
+    return vnni and runs(variant)
+
+
+def int8_available() -> bool:
+    """Whether :func:`gemm_int8` runs here on a 4-bit packing (:func:`int8_isa` is not None)."""
+    return int8_isa() is not None
+
+
+def w8_available() -> bool:
+    """Whether :func:`gemm_int8` runs here on an 8-bit packing (:func:`pack8`): the AVX-512 variant only."""
+    return int8_isa() == "avx512-bf16"
 
 
 @functools.cache
@@ -152,70 +161,6 @@ def _library(variant: str = "avx512-bf16") -> Path | None:
     """The compiled variant's path (built now if not cached), loaded for Numba; None if it cannot be built."""
     source, _, flags = VARIANTS[variant]
     return build_library(source, flags)
-
-
-def can_pack(q: torch.Tensor, group: int) -> bool:
-    """Whether :func:`pack` takes levels ``q`` [n, k] in groups of ``group`` inputs: uint8 on the CPU,
-    n a multiple of :data:`BLOCK`, ``group`` even and dividing k."""
-    if q.device.type != "cpu" or q.dtype != torch.uint8 or q.dim() != 2:
-        return False
-    n, k = q.shape
-    return n % BLOCK == 0 and group > 0 and group % 2 == 0 and k % group == 0
-
-
-def pack(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int) -> W4Packed:
-    """Levels ``q`` [n, k] (uint8, 0..15), ``scales`` and ``zeros`` [n, k / group] in the kernel's layout."""
-    if not can_pack(q, group):
-        raise ValueError(
-            f"the CPU W4 GEMM packs uint8 CPU levels [n, k] with n a multiple of {BLOCK} and an even group "
-            f"dividing k, got {tuple(q.shape)} {q.dtype} on {q.device}, group {group}"
-        )
-    n, k = q.shape
-    _check_scales(scales, zeros, n, k // group)
-    pairs = q.reshape(n // BLOCK, BLOCK, k // 2, 2).permute(0, 2, 1, 3)
-    weight = aligned_empty(n * k // 2, torch.uint8).view(n // BLOCK, k // 2, BLOCK)
-    weight.copy_(pairs[..., 0] | (pairs[..., 1] << 4))
-    return W4Packed(weight, _meta(scales, zeros, group), group)
-
-
-def pack8(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int) -> W4Packed:
-    """8-bit levels ``q`` [n, k] (uint8, 0..255), ``scales`` and ``zeros`` [n, k / group] in the layout
-    :func:`gemm_int8` multiplies as it is: weight [n / 16, k / 4, 64], quad t of block b holding
-    ``q[16 b + c, 4 t + i]`` at byte 4 c + i; meta as :func:`pack`'s. k a multiple of 4."""
-    if not can_pack(q, group) or q.shape[1] % 4:
-        raise ValueError(
-            f"the CPU W8 GEMM packs uint8 CPU levels [n, k] with n a multiple of {BLOCK}, k of 4 and an even "
-            f"group dividing k, got {tuple(q.shape)} {q.dtype} on {q.device}, group {group}"
-        )
-    n, k = q.shape
-    _check_scales(scales, zeros, n, k // group)
-    weight = aligned_empty(n * k, torch.uint8).view(n // BLOCK, k // 4, 4 * BLOCK)
-    weight.view(n // BLOCK, k // 4, BLOCK, 4).copy_(q.reshape(n // BLOCK, BLOCK, k // 4, 4).permute(0, 2, 1, 3))
-    return W4Packed(weight, _meta(scales, zeros, group), group)
-
-
-def _check_scales(scales: torch.Tensor, zeros: torch.Tensor, n: int, groups: int) -> None:
-    if scales.shape != (n, groups) or zeros.shape != (n, groups):
-        got = f"{tuple(scales.shape)}, {tuple(zeros.shape)}"
-        raise ValueError(f"scales and zeros must be [{n}, {groups}], got {got}")
-
-
-def _meta(scales: torch.Tensor, zeros: torch.Tensor, group: int) -> torch.Tensor:
-    """[n / 16, groups, 2, 16] float32: per block and group the 16 columns' scales, then 128 + their zeros."""
-    n, groups = scales.shape
-    per_block = [t.float().reshape(n // BLOCK, BLOCK, -1).transpose(1, 2) for t in (scales, 128.0 + zeros.float())]
-    meta = aligned_empty(n * groups * 2, torch.float32).view(n // BLOCK, groups, 2, BLOCK)
-    meta.copy_(torch.stack(per_block, dim=2))
-    return meta
-
-
-def unpack(packed: W4Packed) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The levels [n, k] (uint8), scales and zeros [n, k / group] (float32) that :func:`pack` packed."""
-    blocks, pairs, _ = packed.weight.shape
-    levels = torch.stack([packed.weight & 15, packed.weight >> 4], dim=-1)  # [n/16, k/2, 16, 2]
-    q = levels.permute(0, 2, 1, 3).reshape(blocks * BLOCK, pairs * 2)
-    scales, offsets = (packed.meta[:, :, i].transpose(1, 2).reshape(blocks * BLOCK, -1) for i in (0, 1))
-    return q, scales, offsets - 128.0
 
 
 def gemm(x: torch.Tensor, packed: W4Packed, variant: str | None = None) -> torch.Tensor:
@@ -265,7 +210,7 @@ def _checked(x: torch.Tensor, packed: W4Packed) -> tuple[torch.Tensor, int, int,
     return (x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, k).contiguous()), n, k, group
 
 
-def quantize_rows(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows(x: torch.Tensor, group: int, variant: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """x [m, k] bfloat16 as :func:`gemm_int8` rounds it: levels [m, k] int8 and, per row and group,
     [m, k / group, 2] float32 (the scale max |x| / 127, then the sum of the group's levels)."""
     m, k = x.shape
@@ -276,19 +221,32 @@ def quantize_rows(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tens
         )
     levels = torch.empty(m, k, dtype=torch.int8)
     stats = torch.empty(m, k // group, 2, dtype=torch.float32)
+    variant = _int8_variant(variant)
     if m > 0:
-        quantize = _c_function(QUANTIZE_SYMBOL, _QUANTIZE_ARGS)
+        quantize = _c_function(INT8_VARIANTS[variant][0], _QUANTIZE_ARGS, variant)
         quantize(x.contiguous().data_ptr(), m, k, group, levels.data_ptr(), stats.data_ptr())
     return levels, stats
 
 
-def gemm_int8(x: torch.Tensor, packed: W4Packed) -> torch.Tensor:
+def _int8_variant(variant: str | None) -> str:
+    variant = variant or int8_isa()
+    if variant is None or not int8_runs(variant):
+        raise ValueError(f"the int8 product's variant {variant!r} does not run on this CPU; it runs {int8_isa()!r}")
+    return variant
+
+
+def gemm_int8(x: torch.Tensor, packed: W4Packed, variant: str | None = None) -> torch.Tensor:
     """:func:`gemm` with x rounded to int8 per row and group of the weight (:func:`quantize_rows`) and
     the sums in int32, on as many threads as torch uses. x: [..., k] bfloat16 -> [..., n] bfloat16;
-    the weight's group a multiple of :data:`INT8_GROUP_MULTIPLE`."""
+    the weight's group a multiple of :data:`INT8_GROUP_MULTIPLE`. ``variant``: one of :data:`ISAS` that
+    :func:`int8_runs` (default :func:`int8_isa`); an 8-bit packing runs on the AVX-512 one only."""
     rows, n, k, group = _checked(x, packed)
     if group % INT8_GROUP_MULTIPLE:
         raise ValueError(f"the int8 product takes groups of a multiple of {INT8_GROUP_MULTIPLE} inputs, got {group}")
+    variant, wide = _int8_variant(variant), packed.weight.shape[-1] == 4 * BLOCK
+    if wide and variant != "avx512-bf16":
+        raise ValueError(f"an 8-bit packing runs on the avx512-bf16 int8 product only, not {variant!r}")
+    quantizer, symbol = (QUANTIZE_SYMBOL, W8_SYMBOL) if wide else INT8_VARIANTS[variant]
     blocks, m = n // BLOCK, rows.shape[0]
     out = torch.empty(m, n, dtype=torch.bfloat16)
     if m > 0 and n > 0:
@@ -297,12 +255,13 @@ def gemm_int8(x: torch.Tensor, packed: W4Packed) -> torch.Tensor:
         threads = min(_use_threads(torch.get_num_threads()), blocks) if m * n * k >= PARALLEL_MIN_WORK else 1
         w, meta, y = packed.weight.data_ptr(), packed.meta.data_ptr(), out.data_ptr()
         x_at, levels_at, stats_at = rows.data_ptr(), levels.data_ptr(), stats.data_ptr()
-        symbol = W8_SYMBOL if packed.weight.shape[-1] == 4 * BLOCK else INT8_SYMBOL
         if threads > 1:
-            _parallel_int8(symbol)(x_at, m, k, group, levels_at, stats_at, w, meta, n, blocks, y, threads)
+            _parallel_int8(variant, quantizer, symbol)(
+                x_at, m, k, group, levels_at, stats_at, w, meta, n, blocks, y, threads
+            )
         else:
-            _c_function(QUANTIZE_SYMBOL, _QUANTIZE_ARGS)(x_at, m, k, group, levels_at, stats_at)
-            _c_function(symbol, _INT8_ARGS)(levels_at, stats_at, m, k, w, meta, group, n, 0, blocks, y)
+            _c_function(quantizer, _QUANTIZE_ARGS, variant)(x_at, m, k, group, levels_at, stats_at)
+            _c_function(symbol, _INT8_ARGS, variant)(levels_at, stats_at, m, k, w, meta, group, n, 0, blocks, y)
     return out if rows is x else out.view(*x.shape[:-1], n)
 
 
@@ -352,12 +311,12 @@ block0, block1, y."""
 
 
 @functools.cache
-def _parallel_int8(symbol: str):
+def _parallel_int8(variant: str, quantizer: str, symbol: str):
     """A Numba function that quantizes x (on the calling thread, or a share of rows per thread from
     :data:`PARALLEL_QUANTIZE_ROWS` rows), then deals the column blocks out over ``parts`` threads."""
-    _library()
+    _library(variant)
     kinds = {"ptr": types.intp, "i64": types.int64}
-    quantize = types.ExternalFunction(QUANTIZE_SYMBOL, types.void(*(kinds[a] for a in _QUANTIZE_ARGS)))
+    quantize = types.ExternalFunction(quantizer, types.void(*(kinds[a] for a in _QUANTIZE_ARGS)))
     kernel = types.ExternalFunction(symbol, types.void(*(kinds[a] for a in _INT8_ARGS)))
     parallel_rows = PARALLEL_QUANTIZE_ROWS
 
@@ -372,29 +331,3 @@ def _parallel_int8(symbol: str):
             kernel(levels, stats, m, k, w, meta, group, n, blocks * t // parts, blocks * (t + 1) // parts, y)
 
     return numba.njit(parallel=True, nogil=True, cache=False)(run)
-
-
-def w4_gemm_reference(
-    x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int
-) -> torch.Tensor:
-    """The oracle: ``x @ W.T`` on the dequantized weight ``W = scale * (q - zero)`` in float64, rounded to
-    bfloat16 once. q: [n, k]; scales, zeros: [n, k / group]."""
-    w = (q.double() - zeros.double().repeat_interleave(group, 1)) * scales.double().repeat_interleave(group, 1)
-    return (x.double() @ w.T).to(torch.bfloat16)
-
-
-def w4a8_reference(
-    x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int
-) -> torch.Tensor:
-    """The oracle of :func:`gemm_int8`: x rounded as the kernel rounds it (per row and group, scale
-    max |x| / 127 in float32, levels x * (127 / max) rounded to nearest even), then
-    :func:`w4_gemm_reference` on the dequantized x."""
-    rows = x.float().reshape(-1, x.shape[-1])
-    m, k = rows.shape
-    grouped = rows.view(m, k // group, group)
-    top = grouped.abs().amax(-1, keepdim=True)
-    inverse = torch.where(top > 0, torch.tensor(127.0) / top, torch.zeros_like(top))
-    levels = torch.round(grouped * inverse)
-    dequantized = (levels.double() * (top / 127.0).double()).view(m, k)
-    out = w4_gemm_reference(dequantized, q, scales, zeros, group)
-    return out.view(*x.shape[:-1], out.shape[-1])

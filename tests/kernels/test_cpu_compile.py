@@ -15,7 +15,7 @@ KERNELS = [bf16_gemm_cpu, w4_gemm_cpu, decode_scores_cpu, prefill_attention_cpu]
 
 def forget(kernel) -> None:
     """Clear what the kernel's module cached about this CPU (the bf16 GEMM caches its variants)."""
-    for name in ("available", "isa", "runs"):
+    for name in ("available", "isa", "runs", "int8_isa", "int8_runs"):
         cached = getattr(kernel, name, None)
         if hasattr(cached, "cache_clear"):
             cached.cache_clear()

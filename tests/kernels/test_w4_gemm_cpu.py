@@ -156,8 +156,13 @@ def test_bad_inputs_are_named():
 
 
 needs_int8 = pytest.mark.skipif(
-    not w4_gemm_cpu.int8_available(), reason="needs AVX-512-BF16, VNNI and VBMI, numba and a C compiler"
+    not w4_gemm_cpu.int8_available(), reason="needs AVX-512-BF16 with VNNI and VBMI, or AVX2; numba and a C compiler"
 )
+needs_w8 = pytest.mark.skipif(
+    not w4_gemm_cpu.w8_available(), reason="needs AVX-512-BF16, VNNI and VBMI, numba and a C compiler"
+)
+INT8_VARIANTS_HERE = [v for v in w4_gemm_cpu.ISAS if w4_gemm_cpu.int8_runs(v)]
+every_int8_variant = pytest.mark.parametrize("variant", INT8_VARIANTS_HERE or [None])
 
 
 def rounded_rows(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -188,14 +193,15 @@ def close_to_int8_reference(out: torch.Tensor, x, q, scales, zeros, group: int) 
 
 
 @pytest.mark.parametrize("group", [32, 64, 128, 256, 80])
+@every_int8_variant
 @needs_int8
-def test_rows_round_to_int8_as_the_reference_does(group):
+def test_rows_round_to_int8_as_the_reference_does(group, variant):
     """Levels round x * (127 / max |x|) to nearest even per row and group; the stats hold max / 127 and
     the sum of the levels; a group of zeros has scale 0 and zero levels."""
     k = group * 4
     x = (torch.randn(5, k) * torch.logspace(-3, 3, 5)[:, None]).to(torch.bfloat16)
     x[2, group : 2 * group] = 0
-    levels, stats = w4_gemm_cpu.quantize_rows(x, group)
+    levels, stats = w4_gemm_cpu.quantize_rows(x, group, variant)
     want, sx = rounded_rows(x, group)
     assert torch.equal(levels.float().view_as(want), want)
     assert levels.abs().max() == 127
@@ -211,29 +217,33 @@ def test_rows_round_to_int8_as_the_reference_does(group):
 @pytest.mark.parametrize("group", [32, 64, 128, 256, "channel"])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 16, 37, 70])
 @pytest.mark.parametrize("bits", [4, 8])
+@every_int8_variant
 @needs_int8
-def test_int8_gemm_matches_its_reference(n, k, group, rows, bits):
+def test_int8_gemm_matches_its_reference(n, k, group, rows, bits, variant):
     """Every tile shape (rows 1-4 of a pass, blocks 1-4 of a tile), every group, and from 64 rows x
     quantized a share of rows per thread; 8-bit levels 0..255 against zeros 0..255 take the same bound
     (the 128 + q and 128 + zero sums are exact in int32 and float32 alike)."""
+    if bits == 8 and variant != "avx512-bf16":
+        pytest.skip("8-bit packings run on the AVX-512 int8 product only")
     group = k if group == "channel" else group
     pack = w4_gemm_cpu.pack if bits == 4 else w4_gemm_cpu.pack8
     q, scales, zeros = random_weight(n, k, group, seed=rows * 1000 + n + group, bits=bits)
     x = torch.randn(rows, k).to(torch.bfloat16)
-    out = w4_gemm_cpu.gemm_int8(x, pack(q, scales, zeros, group))
+    out = w4_gemm_cpu.gemm_int8(x, pack(q, scales, zeros, group), variant)
     assert out.shape == (rows, n) and out.dtype == torch.bfloat16
     close_to_int8_reference(out, x, q, scales, zeros, group)
     torch.testing.assert_close(out, w4_gemm_cpu.w4a8_reference(x, q, scales, zeros, group), rtol=2**-7, atol=0.05)
 
 
 @pytest.mark.parametrize("rows", [1, 16, 100])
+@every_int8_variant
 @needs_int8
-def test_int8_gemm_is_within_the_rounding_of_x_of_the_exact_product(rows):
+def test_int8_gemm_is_within_the_rounding_of_x_of_the_exact_product(rows, variant):
     """Against the bfloat16 x's own product: each input moves by at most half its group's step
     (max / 254), so an output by at most that times the weights' sizes summed, plus bfloat16's rounding."""
     q, scales, zeros = random_weight(1152, 896, 128, seed=rows)
     x = torch.randn(rows, 896).to(torch.bfloat16)
-    out = w4_gemm_cpu.gemm_int8(x, w4_gemm_cpu.pack(q, scales, zeros, 128))
+    out = w4_gemm_cpu.gemm_int8(x, w4_gemm_cpu.pack(q, scales, zeros, 128), variant)
     w = (q.double() - zeros.double().repeat_interleave(128, 1)) * scales.double().repeat_interleave(128, 1)
     exact = x.double() @ w.T
     step = x.double().view(rows, 7, 128).abs().amax(-1).repeat_interleave(128, 1) / 254  # [rows, k]
@@ -248,7 +258,10 @@ PRODUCTS = [
         pytest.param((functools.partial(w4_gemm_cpu.gemm, variant=v), close_to_reference), id=f"bf16-x-{v}")
         for v in VARIANTS_HERE
     ),
-    pytest.param((w4_gemm_cpu.gemm_int8, close_to_int8_reference), id="int8-x", marks=needs_int8),
+    *(
+        pytest.param((functools.partial(w4_gemm_cpu.gemm_int8, variant=v), close_to_int8_reference), id=f"int8-x-{v}")
+        for v in INT8_VARIANTS_HERE
+    ),
 ]
 """The two products of a 4-bit packing and the bound each is checked by."""
 
@@ -297,12 +310,26 @@ def test_int8_product_names_what_it_refuses():
 
 def test_w4a8_switch_keeps_bfloat16_activations(monkeypatch):
     monkeypatch.setenv("PAGEDLLM_W4A8", "0")
-    w4_gemm_cpu.int8_available.cache_clear()
+    w4_gemm_cpu.int8_isa.cache_clear()
     try:
-        assert not w4_gemm_cpu.int8_available()
+        assert not w4_gemm_cpu.int8_available() and not w4_gemm_cpu.w8_available()
     finally:
         monkeypatch.undo()
-        w4_gemm_cpu.int8_available.cache_clear()
+        w4_gemm_cpu.int8_isa.cache_clear()
+
+
+@pytest.mark.skipif(not w4_gemm_cpu.int8_runs("avx2"), reason="needs AVX2, numba and a C compiler")
+def test_an_8bit_packing_is_refused_by_the_avx2_int8_product():
+    q, scales, zeros = random_weight(16, 64, 32, seed=0, bits=8)
+    with pytest.raises(ValueError, match="8-bit packing runs on the avx512-bf16 int8 product only, not 'avx2'"):
+        w4_gemm_cpu.gemm_int8(torch.zeros(1, 64, dtype=torch.bfloat16), w4_gemm_cpu.pack8(q, scales, zeros, 32), "avx2")
+
+
+def test_an_int8_variant_that_does_not_run_is_refused(monkeypatch):
+    monkeypatch.setattr(w4_gemm_cpu, "int8_runs", lambda variant: False)
+    packed = w4_gemm_cpu.pack(*random_weight(16, 64, 32, seed=2), 32)
+    with pytest.raises(ValueError, match="variant 'avx2' does not run on this CPU"):
+        w4_gemm_cpu.gemm_int8(torch.zeros(1, 64, dtype=torch.bfloat16), packed, "avx2")
 
 
 def test_pack8_lays_quads_of_levels_into_lanes():
@@ -319,7 +346,7 @@ def test_pack8_lays_quads_of_levels_into_lanes():
         w4_gemm_cpu.gemm(torch.zeros(1, 64, dtype=torch.bfloat16), packed)
 
 
-@needs_int8
+@needs_w8
 def test_int8_gemm_of_8bit_levels_as_far_from_their_zero_as_they_go():
     """q = 255 against zero 0 and q = 0 against zero 255, x at +-max: the largest int32 sums."""
     even = torch.arange(32)[:, None] % 2 == 0

@@ -9,10 +9,14 @@ matmul below 64 rows, the widened weight's GEMM from 64), and 0.10 / 0.18 / 1.3 
 rows on 2 threads against 0.15 / 0.46 / 2.7. ``python -m benchmarks.quant_linear --kernels engine
 w4-tiles bf16`` compares them on weights read from memory.
 
-Where the CPU also has AVX-512-VNNI and VBMI (``w4_gemm_cpu.int8_available``) the same packed weight
-runs against x rounded to int8 per row and group instead (``w4a8-tiles``): about twice as fast from a
-few rows on, where the product, not the weight's bytes, bounds a call (the kernel's module says by how
-much), for x's rounding to 8 bits. ``PAGEDLLM_W4A8=0`` keeps bfloat16 activations.
+Where the int8 product runs (``w4_gemm_cpu.int8_available``: AVX-512-VNNI and VBMI, or AVX2's
+VPMADDUBSW) the same packed weight runs against x rounded to int8 per row and group instead
+(``w4a8-tiles``): about twice as fast from a few rows on with VNNI, where the product, not the
+weight's bytes, bounds a call (the kernel's module says by how much), for x's rounding to 8 bits. On
+an AVX2 EPYC (Zen 3, 2 threads, a Qwen2.5-0.5B layer from memory) it took 0.82 / 3.9 ms at 1 / 16
+rows against bfloat16 activations' 1.00 / 6.0 and bf16 weights' 1.51 / 5.0 (``python -m
+benchmarks.quant_linear --threads 2 --layers 8 --rows 1 4 16 64 --kernels w4-tiles w4a8-tiles bf16``).
+``PAGEDLLM_W4A8=0`` keeps bfloat16 activations.
 
 8-bit weights (:class:`W8A8TilesKernel`) take the same int8 product on the kernel's 8-bit packing:
 per Qwen2.5-0.5B layer, two threads, 8 copies read from memory, 0.42 / 0.56 ms at 1 / 16 rows
@@ -74,7 +78,9 @@ class W4A16TilesKernel(nn.Module):
         self.group_size = group
         fits_int8 = group % w4_gemm_cpu.INT8_GROUP_MULTIPLE == 0
         if int8 and not (fits_int8 and w4_gemm_cpu.int8_available()):
-            raise ValueError(f"int8 activations need AVX-512-VNNI and VBMI and groups of a multiple of 16, got {group}")
+            raise ValueError(
+                f"int8 activations need AVX-512-VNNI and VBMI or AVX2, and groups of a multiple of 16, got {group}"
+            )
         self.int8 = fits_int8 and w4_gemm_cpu.int8_available() if int8 is None else int8
         self.label = "w4a8-tiles" if self.int8 else self.name
 
@@ -129,7 +135,7 @@ class W8A8TilesKernel(nn.Module):
         group = kept_group(w.group_size, k)
         grouped = group % w4_gemm_cpu.INT8_GROUP_MULTIPLE == 0 and k % group == 0
         shaped = w.bits == 8 and levels and not w.int8_activations and n % 16 == 0 and k % 4 == 0 and grouped
-        return shaped and w4_gemm_cpu.int8_available()
+        return shaped and w4_gemm_cpu.w8_available()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [rows, K] bfloat16 -> [rows, N]

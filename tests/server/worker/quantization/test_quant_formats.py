@@ -16,6 +16,7 @@ from tests.support import assert_all_blocks_free
 MAX_TOKENS = 10
 LLM_CONFIG = EngineConfig.from_kwargs()
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+W8 = "needs AVX-512-BF16, VNNI and VBMI, numba and a C compiler (the 8-bit packing's int8 product)"
 
 # (writer format, its options, the CPU kernel every layer must run; these models are float32: bfloat16 4-bit
 # runs w4a16-tiles, tested at the end)
@@ -266,14 +267,16 @@ def test_bfloat16_w4a16_runs_the_tiled_kernel_and_matches_transformers_in_bfloat
     assert_all_blocks_free(llm)
 
 
-@pytest.mark.skipif(not w4_gemm_cpu.int8_available(), reason="needs AVX-512-BF16, VNNI and VBMI, numba and a C")
+@pytest.mark.skipif(not w4_gemm_cpu.int8_available(), reason="needs AVX-512-VNNI and VBMI or AVX2, numba and a C")
 @pytest.mark.parametrize(
     ("case", "group", "label"),
     [
         ("awq-g32", 32, "w4a8-tiles"),
         ("ct-w4a16-asym-channel", None, "w4a8-tiles"),
-        ("gptq-8bit-g32-asym", 32, "w8a8-tiles"),
-        ("gptq-8bit-channel", None, "w8a8-tiles"),
+        *(
+            pytest.param(case, group, "w8a8-tiles", marks=pytest.mark.skipif(not w4_gemm_cpu.w8_available(), reason=W8))
+            for case, group in (("gptq-8bit-g32-asym", 32), ("gptq-8bit-channel", None))
+        ),
     ],
 )
 def test_bfloat16_int8_activations_match_transformers_with_the_same_int8_inputs(tmp_path, case, group, label):

@@ -24,7 +24,7 @@ BFLOAT16_INT4 = (
     else "int4-cpu"
 )
 """What runs a bfloat16 4-bit projection here: the tiled kernel where the CPU has AVX-512-BF16 or AVX2, on
-int8 activations where it also has VNNI and VBMI."""
+int8 activations where its int8 product runs (VNNI and VBMI, or AVX2)."""
 
 
 def quant_config_info(url: str) -> dict[str, str]:

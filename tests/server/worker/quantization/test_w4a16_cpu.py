@@ -131,8 +131,8 @@ def test_int8_activations_only_where_they_run(monkeypatch):
     torch.testing.assert_close(kernel(x), w4_gemm_cpu.gemm(x, w4_gemm_cpu.W4Packed(kernel.weight, kernel.meta, 128)))
 
 
-needs_int8 = pytest.mark.skipif(
-    not w4_gemm_cpu.int8_available(), reason="needs AVX-512-BF16, VNNI and VBMI, numba and a C compiler"
+needs_w8 = pytest.mark.skipif(
+    not w4_gemm_cpu.w8_available(), reason="needs AVX-512-BF16, VNNI and VBMI, numba and a C compiler"
 )
 
 
@@ -156,7 +156,7 @@ def random_int8(n: int, k: int, group: int, seed: int, signed: bool = False) -> 
     ],
 )
 @pytest.mark.parametrize("rows", [1, 5, 16, 64])
-@needs_int8
+@needs_w8
 def test_8bit_weights_run_w8a8_tiles_for_bfloat16(desc, group, signed, kernel_group, rows):
     """GPTQ / compressed-tensors 8-bit levels (unsigned with zeros, or signed: zero 0) in groups or per
     channel (kept in groups of 128): x rounded to int8 per row and group, then exact up to float32 sums."""
@@ -168,7 +168,7 @@ def test_8bit_weights_run_w8a8_tiles_for_bfloat16(desc, group, signed, kernel_gr
     assert_matches(kernel(x), w, as_rounded(kernel, x))
 
 
-@needs_int8
+@needs_w8
 def test_8bit_weights_it_does_not_take_keep_their_kernels():
     w = random_int8(N, 512, 512, seed=1, signed=True)
     assert isinstance(choose_kernel(w, CPU, torch.float32), Int8CpuKernel)  # NOTE: float32 activations
