@@ -21,6 +21,8 @@
 #include <immintrin.h>
 #include <stdint.h>
 
+#include "_avx2_bf16.h" /* store8 */
+
 #define TILE 4 /* blocks of 16 columns per tile, one row */
 #define ROWS 4 /* rows per pass over a block */
 
@@ -28,17 +30,6 @@ static inline __attribute__((always_inline)) __m256 bias8(const uint16_t *bias) 
   if (!bias) return _mm256_setzero_ps();
   __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)bias));
   return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
-}
-
-/* eight float32 sums rounded to bfloat16 (nearest even; NaN as the quiet NaN 0x7FC0) */
-static inline __attribute__((always_inline)) void store8(uint16_t *y, __m256 v) {
-  const __m256i bits = _mm256_castps_si256(v);
-  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
-  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), nan);
-  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0xD8);
-  _mm_storeu_si128((__m128i *)y, _mm256_castsi256_si128(packed));
 }
 
 /* a 32-byte weight load's two float32 vectors: the pairs' first inputs, then their second */
