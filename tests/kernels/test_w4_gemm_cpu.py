@@ -326,10 +326,19 @@ def test_an_8bit_packing_is_refused_by_the_avx2_int8_product():
 
 
 def test_an_int8_variant_that_does_not_run_is_refused(monkeypatch):
+    """NOTE: the error names the variant that does run (int8_isa, cached): the cache is cleared after, so
+    the patched answer does not outlive the test."""
+    before = w4_gemm_cpu.int8_isa()
     monkeypatch.setattr(w4_gemm_cpu, "int8_runs", lambda variant: False)
+    w4_gemm_cpu.int8_isa.cache_clear()
     packed = w4_gemm_cpu.pack(*random_weight(16, 64, 32, seed=2), 32)
-    with pytest.raises(ValueError, match="variant 'avx2' does not run on this CPU"):
-        w4_gemm_cpu.gemm_int8(torch.zeros(1, 64, dtype=torch.bfloat16), packed, "avx2")
+    try:
+        with pytest.raises(ValueError, match="variant 'avx2' does not run on this CPU; it runs None"):
+            w4_gemm_cpu.gemm_int8(torch.zeros(1, 64, dtype=torch.bfloat16), packed, "avx2")
+    finally:
+        monkeypatch.undo()
+        w4_gemm_cpu.int8_isa.cache_clear()
+    assert w4_gemm_cpu.int8_isa() == before
 
 
 def test_pack8_lays_quads_of_levels_into_lanes():
