@@ -12,8 +12,9 @@
       engine's bf16 GEMM (kernels/bf16_gemm_cpu.py) on VDPBF16PS.
     ** AVX2 and FMA, no bf16 units, where the engine's AVX2 bf16 GEMM runs (a C compiler
        and Numba): it widens bfloat16 weights to float32 in registers, so a decode step
-       reads half of float32's bytes (Qwen2.5-0.5B shape, 2 threads, AMD EPYC Zen 3: about
-       twice float32's tokens per second at batch 1; benchmarks/results/avx2-2026-11-28.md).
+       reads half of float32's bytes (Qwen2.5-0.5B shape, 2 threads, AMD EPYC Zen 3: 3.3x
+       float32's decode tokens/s at batch 1, 1.8x at batch 16, prefill ~13% slower;
+       benchmarks/results/avx2-2026-11-28.md).
 
 Where neither runs, torch converts bfloat16 to float32 inside every op and gains little
 or nothing, and float16 matmuls measured several times slower than float32 even on a CPU
