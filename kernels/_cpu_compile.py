@@ -33,6 +33,7 @@ __all__ = [
     "cpu_has_avx2",
     "cpu_has_avx512_bf16",
     "cpu_has_flags",
+    "cpu_has_isa",
     "load_symbol",
 ]
 
@@ -70,6 +71,11 @@ def cpu_has_avx2() -> bool:
     if os.environ.get("PAGEDLLM_CPU_GEMM", "1") == "0" or numba is None:
         return False
     return platform.machine() in ("x86_64", "AMD64") and {"avx2", "fma"} <= _cpu_flags()
+
+
+def cpu_has_isa(variant: str) -> bool:
+    """Whether a C kernel's variant named ``variant`` (``avx512-bf16`` or ``avx2``) can run here."""
+    return {"avx512-bf16": cpu_has_avx512_bf16, "avx2": cpu_has_avx2}[variant]()
 
 
 def _cache_dir() -> Path:

@@ -40,7 +40,7 @@ try:
 except ImportError:  # pragma: no cover - numba is a dependency; this keeps the package importable
     numba = None  # type: ignore[assignment]
 
-from ._cpu_compile import AVX2_CFLAGS, AVX512_BF16_CFLAGS, build_library, cpu_has_avx2, cpu_has_avx512_bf16, load_symbol
+from ._cpu_compile import AVX2_CFLAGS, AVX512_BF16_CFLAGS, build_library, cpu_has_isa, load_symbol
 from ._cpu_items import _use_threads
 from ._cpu_memory import aligned_empty
 
@@ -60,7 +60,6 @@ VARIANTS = {
     "avx512-bf16": (SOURCE, SYMBOL, CFLAGS),
     "avx2": (Path(__file__).with_name("bf16_gemm_avx2.c"), "pagedllm_gemm_bf16_avx2", AVX2_CFLAGS),
 }
-_CPU_HAS = {"avx512-bf16": cpu_has_avx512_bf16, "avx2": cpu_has_avx2}
 
 
 @functools.cache
@@ -76,7 +75,7 @@ def runs(variant: str) -> bool:
     """Whether ``variant`` can run on this CPU (AVX-512-BF16 CPUs run the AVX2 one too).
 
     NOTE: cached: :func:`gemm` asks on every call, and reading the CPU's flags takes ~100 us."""
-    return _CPU_HAS[variant]() and _library(variant) is not None
+    return cpu_has_isa(variant) and _library(variant) is not None
 
 
 def available() -> bool:

@@ -49,9 +49,8 @@ from ._cpu_compile import (
     AVX2_CFLAGS,
     AVX512_BF16_CFLAGS,
     build_library,
-    cpu_has_avx2,
-    cpu_has_avx512_bf16,
     cpu_has_flags,
+    cpu_has_isa,
     load_symbol,
 )
 from ._cpu_items import _use_threads
@@ -88,7 +87,6 @@ VARIANTS = {
     "avx512-bf16": (SOURCE, SYMBOL, AVX512_BF16_CFLAGS),
     "avx2": (Path(__file__).with_name("w4_gemm_avx2.c"), "pagedllm_gemm_w4_avx2", AVX2_CFLAGS),
 }
-_CPU_HAS = {"avx512-bf16": cpu_has_avx512_bf16, "avx2": cpu_has_avx2}
 PARALLEL_MIN_WORK = 1 << 18
 """Below this many multiply-adds a call runs on the calling thread: starting the pool costs more than the product."""
 INT8_SYMBOL = "pagedllm_gemm_w4a8"
@@ -121,7 +119,7 @@ def runs(variant: str) -> bool:
     """Whether ``variant`` can run on this CPU (AVX-512-BF16 CPUs run the AVX2 one too).
 
     NOTE: cached: :func:`gemm` asks on every call, and reading the CPU's flags takes ~100 us."""
-    return _CPU_HAS[variant]() and _library(variant) is not None
+    return cpu_has_isa(variant) and _library(variant) is not None
 
 
 def available() -> bool:
