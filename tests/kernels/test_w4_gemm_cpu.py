@@ -235,6 +235,20 @@ def test_int8_gemm_matches_its_reference(n, k, group, rows, bits, variant):
     torch.testing.assert_close(out, w4_gemm_cpu.w4a8_reference(x, q, scales, zeros, group), rtol=2**-7, atol=0.05)
 
 
+@pytest.mark.parametrize("group", [16, 48, 80])
+@pytest.mark.parametrize("rows", [1, 4, 5])
+@every_int8_variant
+@needs_int8
+def test_int8_gemm_takes_groups_that_end_inside_a_span_of_16_bit_sums(group, rows, variant):
+    """Groups of 8, 24 and 40 pairs: the AVX2 product widens its 16-bit sums every 16 pairs and at a
+    group's end, so a group need not be a multiple of that span."""
+    n, k = 64, group * 6
+    q, scales, zeros = random_weight(n, k, group, seed=group + rows)
+    x = torch.randn(rows, k).to(torch.bfloat16)
+    out = w4_gemm_cpu.gemm_int8(x, w4_gemm_cpu.pack(q, scales, zeros, group), variant)
+    close_to_int8_reference(out, x, q, scales, zeros, group)
+
+
 @pytest.mark.parametrize("rows", [1, 16, 100])
 @every_int8_variant
 @needs_int8
