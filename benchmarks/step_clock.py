@@ -58,6 +58,7 @@ def instrument(engine, clock: Clock) -> None:
     from pagedllm.server.worker.models.fused_linear import FusedLinear
     from pagedllm.server.worker.models.rope import RotaryEmbedding
     from pagedllm.server.worker.models.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from pagedllm.server.worker.quantization.linear import QuantLinear
 
     sched, runner = engine.scheduler, engine.runner
     schedule = clock.timed("schedule", sched.schedule)
@@ -81,7 +82,7 @@ def instrument(engine, clock: Clock) -> None:
     model.compute_logits = clock.timed("LM head (logits)", model.compute_logits)
     model.model.embed_tokens.forward = clock.timed("embedding", model.model.embed_tokens.forward)
     kinds = (
-        ((ColumnParallelLinear, RowParallelLinear, FusedLinear), "linear (q, k, v, o, gate, up, down)"),
+        ((ColumnParallelLinear, RowParallelLinear, FusedLinear, QuantLinear), "linear (q, k, v, o, gate, up, down)"),
         (RMSNorm, "RMSNorm"),
         (RotaryEmbedding, "rotary"),
         (PagedAttention, "attention.forward"),

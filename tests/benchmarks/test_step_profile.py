@@ -56,6 +56,20 @@ def test_an_instrumented_engine_times_every_part_of_its_decode_steps(tmp_path):
     llm.shutdown()
 
 
+def test_quantized_projections_count_as_linear_layers_not_glue(tmp_path):
+    from benchmarks.quant_checkpoint import write_awq_model
+
+    path = str(tmp_path / "awq")
+    write_awq_model(path, "bench", group=32)
+    llm = make_engine(path, batch=2, threads=1, dtype="float32")
+    mean, _, count, _ = clocked(llm.llm_engine, [Request([5, 6, 7, 8], 5), Request([9, 10], 5)], batch=2)
+
+    assert count == 4
+    linear = mean["linear layers (q, k, v, o, gate, up, down)"]
+    assert linear > mean["layer glue (SiLU * up, residual adds, Python)"] > 0
+    llm.shutdown()
+
+
 def test_clock_wrappers_count_time_even_when_the_call_raises():
     clock = Clock()
 
