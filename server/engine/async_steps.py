@@ -16,6 +16,10 @@ prompt logprobs, ``min_tokens`` not met, embeddings) or when the cache might not
 running sequence's next token (lookahead never preempts). Speculative decoding turns it off
 altogether (the engine runs every step in turn).
 
+On a GPU "launch" queues the step's kernels and the copy of its sampled ids to page-locked
+host memory, and "wait for N" waits for that copy alone (:meth:`Executor.submit`): step N+1 is
+on the stream before N's tokens are read, so the device does not idle while the host works.
+
 Rules that keep the outputs those of steps run in turn:
 
 - a request finished by step N (stop, length, failure) gets nothing from step N+1: its rows
@@ -42,7 +46,7 @@ from pagedllm.server.engine.step_end import collect_outputs, step_failed
 from pagedllm.server.engine.step_inputs import PoolRow, SampleRow, SpecRow, StepInputs, StepResult
 from pagedllm.server.executor import WorkerDiedError
 from pagedllm.server.outputs import EngineOutput
-from pagedllm.server.worker.model_step import StepOutputs
+from pagedllm.server.worker.model_step import LaunchedStep, StepOutputs
 
 if TYPE_CHECKING:
     from pagedllm.server.engine.llm_engine import LLMEngine
@@ -56,7 +60,7 @@ class InFlight:
 
     out: ScheduledStep
     inputs: StepInputs | None = None
-    future: Future[StepOutputs] | None = None
+    future: Future[LaunchedStep] | None = None
     """Its outputs (None: nothing was launched: an empty step, or its inputs failed)."""
     error: Exception | None = None
     """Why it failed: its inputs could not be built (then nothing was launched), or the step before
@@ -166,9 +170,10 @@ class AsyncSteps:
 
 
 def _wait(rec: InFlight) -> StepOutputs | None:
-    """The step's outputs once it has run; its ``error`` if it has one (rather than what it raised)."""
+    """The step's outputs once it has run and its tokens reached the host; its ``error`` if it has one
+    (rather than what it raised)."""
     try:
-        outputs = rec.future.result() if rec.future is not None else None
+        outputs = rec.future.result().outputs() if rec.future is not None else None
     except Exception:
         if rec.error is None:
             raise

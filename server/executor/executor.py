@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from pagedllm.server.config import EngineConfig, SpeculativeConfig
 from pagedllm.server.worker.channel_protocol import WorkerDiedError
-from pagedllm.server.worker.model_step import StepOutputs
+from pagedllm.server.worker.model_step import LaunchedStep, StepOutputs
 
 if TYPE_CHECKING:
     from pagedllm.server.core.scheduler_output import SchedulerOutput
@@ -64,7 +64,9 @@ class Executor:
         self.workers: list[Any] = [self.local] if self.remote is None else [self.local, self.remote]
         """Every worker, rank 0 first; each gets every message (:meth:`_all`)."""
         self._stepper: ThreadPoolExecutor | None = None
-        """The one thread that runs steps handed over by :meth:`submit` (made on first use)."""
+        """The one thread that runs steps handed over by :meth:`submit` on a CPU (made on first use)."""
+        self.queues_on_device = device.type == "cuda"
+        """:meth:`submit` queues the step on the device in the caller's thread (no step thread)."""
 
     @staticmethod
     def device_type(name: str) -> str:
@@ -125,17 +127,28 @@ class Executor:
         finally:
             self.remote.step_ended()
 
-    def submit(self, step: SchedulerOutput) -> Future[StepOutputs]:
-        """Start one step and return at once (``async_scheduling``): its outputs come in the future.
+    def submit(self, step: SchedulerOutput) -> Future[LaunchedStep]:
+        """Start one step and return at once (``async_scheduling``): its outputs come in the future,
+        as a :class:`LaunchedStep` whose ``outputs()`` waits for the sampled tokens.
 
-        NOTE: one thread runs the submitted steps, in order, so a step starts only once the one
-        before has returned its tokens: a step scheduled ahead finds them on the device. One rank
-        only (the engine config refuses ``async_scheduling`` with more).
+        On a GPU the step is queued here, in the caller's thread: its kernels and the copy of its
+        tokens to the host go on the stream behind the step before, and nothing waits for the
+        device. On a CPU, where running a step is computing it, one thread runs the submitted
+        steps in order while the caller goes on. Either way a step scheduled ahead finds the
+        tokens of the step before on the device. One rank only (the engine config refuses
+        ``async_scheduling`` with more).
         """
         assert self.remote is None, "steps are submitted on one rank only"
+        if self.queues_on_device:
+            done: Future[LaunchedStep] = Future()
+            try:
+                done.set_result(self._on_rank0(("launch", step)))
+            except Exception as exc:
+                done.set_exception(exc)
+            return done
         if self._stepper is None:
             self._stepper = ThreadPoolExecutor(1, thread_name_prefix="pagedllm-step")
-        return self._stepper.submit(self._on_rank0, ("step", step))
+        return self._stepper.submit(self._on_rank0, ("launch", step))
 
     def start_draft(self, spec: SpeculativeConfig, target_vocab: int, max_model_len: int) -> DraftRunner:
         """The draft model of ``draft_model`` speculation, on rank 0's device, in the target's dtype."""

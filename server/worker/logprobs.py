@@ -7,7 +7,7 @@ reference model's and add up to ``cumulative_logprob``.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -35,6 +35,16 @@ class PendingLogprobs:
     top_values: torch.Tensor | None
     """[rows, max top] the likeliest log-probabilities, best first."""
     top_ids: torch.Tensor | None
+
+    def to_host(self, copy: Callable[[torch.Tensor], torch.Tensor]) -> PendingLogprobs:
+        """These tensors passed through ``copy`` (a queued copy to the host: read them once it has run)."""
+        ranks, values, ids = self.ranks, self.top_values, self.top_ids
+        return PendingLogprobs(
+            copy(self.chosen),
+            copy(ranks) if ranks is not None else None,
+            copy(values) if values is not None else None,
+            copy(ids) if ids is not None else None,
+        )
 
     def tolist(self, counts: Sequence[int], num_top: Sequence[int | None]) -> list[RowLogprobs]:
         """Per row: its first ``counts[i]`` tokens' log-probabilities, ranks and tops (``num_top[i]`` each)."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -24,7 +25,7 @@ from pagedllm.server.worker.input_batch import InputBatch
 from pagedllm.server.worker.kv_scales import apply_kv_scales, split_kv_scales
 from pagedllm.server.worker.lora_model import LoRAModel
 from pagedllm.server.worker.model_loader import init_dummy_weights, iterate_weights
-from pagedllm.server.worker.model_step import ModelStep, StepOutputs
+from pagedllm.server.worker.model_step import LaunchedStep, ModelStep, StepOutputs
 from pagedllm.server.worker.models import model_class
 from pagedllm.server.worker.models.base import CausalLM
 from pagedllm.server.worker.models.fused_linear import finish_linears
@@ -255,18 +256,21 @@ class ModelRunner:
                 else:
                     device_cache[dst.to(self.device)] = host_cache[src].to(self.device, non_blocking=True)
 
-    def _sampled_ids(self, sampled: SamplerOutput) -> torch.Tensor:
-        assert self.sampler is not None
-        last = self.sampler.last_tokens
-        return last if last is not None else _host_ids(sampled, self.device)
-
     def execute(self, out: SchedulerOutput) -> StepOutputs:
         """This rank's part of a step: its diffs into the batch, then the step (:meth:`run`)."""
         return self.run(self.input_batch.step(out))
 
-    @torch.inference_mode()
+    def launch(self, out: SchedulerOutput) -> LaunchedStep:
+        """:meth:`execute` without waiting for the sampled tokens (``async_scheduling``): on a GPU the
+        step is queued and its tokens copied to the host behind it; the next step can be queued at once."""
+        return self._launch(self.input_batch.step(out), defer=True)
+
     def run(self, model_step: ModelStep) -> StepOutputs:
         """A step's arrays on this rank: block moves, the model, then (the driver) sampling."""
+        return self._launch(model_step).outputs()
+
+    @torch.inference_mode()
+    def _launch(self, model_step: ModelStep, defer: bool = False) -> LaunchedStep:
         step = DeviceStep.of(model_step, self.device, pinned=self.lookahead)
         previous, self._sampled = self._sampled, None
         if model_step.placeholders is not None:
@@ -279,7 +283,7 @@ class ModelRunner:
             mapping = torch.tensor(step.copies, dtype=torch.int64, device=self.device)
             self.ops.copy_blocks([k for k, _ in self.kv_caches], [v for _, v in self.kv_caches], mapping)
         if step.input_ids.numel() == 0:
-            return StepOutputs(None, None)
+            return LaunchedStep(lambda: None, None)
         meta = self.ops.prepare(step.meta, self.block_size)
         adapters = self.lora.running(step.lora, self.device) if self.lora is not None else contextlib.nullcontext()
         if self.graphs is not None and step.pool_index is None and self.graphs.fits(step.input_ids, meta):
@@ -290,12 +294,22 @@ class ModelRunner:
         # NOTE: every rank computes the logits (the LM head's slices are gathered on rank 0); the driver samples
         logits = self.model.compute_logits(hidden[step.sample_index])
         prompt_logits = self.model.compute_logits(hidden[step.prompt_index]) if step.prompt_index is not None else None
-        sampled = None
-        if step.sampling is not None and self.sampler is not None:
+        pooled = _pool(hidden, step.pool_index, step.pool_lens)
+        if step.sampling is None or self.sampler is None:
+            return LaunchedStep(lambda: None, pooled)
+        if not defer:
             sampled = self.sampler(logits, prompt_logits, step.sampling)
-            if self.lookahead:
-                self._sampled = self._sampled_ids(sampled)
-        return StepOutputs(sampled, _pool(hidden, step.pool_index, step.pool_lens))
+            read: Callable[[], SamplerOutput | None] = lambda: sampled  # noqa: E731
+        else:
+            read = self.sampler.launch(logits, prompt_logits, step.sampling)
+        if self.lookahead:
+            last = self.sampler.last_tokens
+            if last is None:  # NOTE: rare (a row failed): the ids come from the host lists, read back now
+                done = read()
+                assert done is not None, "the driver sampled"
+                read, last = (lambda: done), _host_ids(done, self.device)
+            self._sampled = last
+        return LaunchedStep(read, pooled)
 
 
 def _host_ids(sampled: SamplerOutput, device: torch.device) -> torch.Tensor:

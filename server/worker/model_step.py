@@ -12,6 +12,7 @@ NOTE: this module imports no torch.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -68,6 +69,18 @@ class StepOutputs(NamedTuple):
     """Tokens and asked log-probabilities of the step's sampling (None: nothing sampled, or not the driver)."""
     pooled: np.ndarray | None
     """[pool rows, hidden] float32 sums, or None without embedding requests."""
+
+
+class LaunchedStep(NamedTuple):
+    """A step whose work is queued on the device and whose tokens are on their way to the host
+    (``async_scheduling``): :meth:`outputs` waits for them. On a CPU the work has already run."""
+
+    read: Callable[[], SamplerOutput | None]
+    """Waits for the read-back; the step's sampling as :attr:`StepOutputs.sampled`."""
+    pooled: np.ndarray | None
+
+    def outputs(self) -> StepOutputs:
+        return StepOutputs(self.read(), self.pooled)
 
 
 @dataclass

@@ -102,8 +102,52 @@ class Sampler:
             )
         return out
 
+    def launch(
+        self, logits: torch.Tensor, prompt_logits: torch.Tensor | None, batch: SamplingBatch
+    ) -> Callable[[], SamplerOutput]:
+        """Draw the step's tokens on the device and start copying them to the host without waiting;
+        the returned call waits for the copy and gives what :meth:`__call__` would (``async_scheduling``).
+
+        NOTE: a step that verifies proposals, scores prompts or has beam rows reads back at once
+        (such steps are never followed ahead). On a GPU the copy goes to page-locked memory behind
+        an event, so the next step can be queued before this one's tokens reach the host.
+        """
+        rows = batch.rows
+        if batch.verify or prompt_logits is not None or not rows or any(row.num_beam_candidates for row in rows):
+            out = self(logits, prompt_logits, batch)
+            return lambda: out
+        self.last_tokens = None
+        try:
+            read = self._launch_rows(logits.float(), rows, list(range(len(rows))), defer=True)
+        except Exception:
+            out = self(logits, prompt_logits, batch)  # NOTE: one row at a time finds the rows that raise
+            return lambda: out
+        if self.last_tokens is not None and self.last_tokens.numel() != batch.num_sample_rows:
+            self.last_tokens = None
+
+        def finish() -> SamplerOutput:
+            out = SamplerOutput([None] * batch.num_sample_rows, [], [None] * len(batch.prompts))
+            try:
+                results = read()
+            except Exception as exc:
+                for row in rows:
+                    _fail(out.errors, row.request_id, exc)
+                return out
+            for unit, tokens in results.items():
+                out.rows[unit] = tokens
+            return out
+
+        return finish
+
     def _sample(self, logits: torch.Tensor, rows: list[RowSampling], units: list[int]) -> dict[int, Tokens]:
         """Tokens (or beam candidates) of the sample rows ``units``."""
+        return self._launch_rows(logits, rows, units)()
+
+    def _launch_rows(
+        self, logits: torch.Tensor, rows: list[RowSampling], units: list[int], defer: bool = False
+    ) -> Callable[[], dict[int, Tokens]]:
+        """The device work of :meth:`_sample`; the returned call reads the results back. ``defer``:
+        the copies to the host are queued now (non-blocking on a GPU) and the call waits for them."""
         picked = [rows[i] for i in units]
         drawn = [k for k, row in enumerate(picked) if not row.num_beam_candidates]
         view = logits if len(units) == logits.shape[0] else logits[_index(units, logits.device)]
@@ -116,15 +160,29 @@ class Sampler:
             raw = torch.log_softmax(view[index], dim=-1)
             pending = gather_logprobs(raw, tokens[index], [picked[k].num_logprobs for k in wanted])
         beams = self._beam_candidates(view, picked)
-        # NOTE: the step's read-back: everything above stays on the device until here.
-        token_lists = tokens.tolist()
-        results = {units[k]: Tokens(token_lists[k][: picked[k].num_samples]) for k in drawn}
-        if pending is not None:
-            counts = [picked[k].num_samples for k in wanted]
-            for k, logprobs in zip(wanted, pending.tolist(counts, [picked[k].num_logprobs for k in wanted])):
-                results[units[k]] = Tokens(results[units[k]].token_ids, logprobs.chosen, logprobs.ranks, logprobs.top)
-        results.update({units[k]: candidates for k, candidates in beams.items()})
-        return results
+        ready = None
+        if defer and tokens.device.type == "cuda":
+            tokens = _to_host(tokens)
+            pending = pending.to_host(_to_host) if pending is not None else None
+            ready = torch.cuda.Event()
+            ready.record()
+
+        def read() -> dict[int, Tokens]:
+            if ready is not None:
+                ready.synchronize()
+            # NOTE: the step's read-back: everything above stays on the device until here.
+            token_lists = tokens.tolist()
+            results = {units[k]: Tokens(token_lists[k][: picked[k].num_samples]) for k in drawn}
+            if pending is not None:
+                counts = [picked[k].num_samples for k in wanted]
+                for k, logprobs in zip(wanted, pending.tolist(counts, [picked[k].num_logprobs for k in wanted])):
+                    results[units[k]] = Tokens(
+                        results[units[k]].token_ids, logprobs.chosen, logprobs.ranks, logprobs.top
+                    )
+            results.update({units[k]: candidates for k, candidates in beams.items()})
+            return results
+
+        return read
 
     def _draw(self, logits: torch.Tensor, rows: list[RowSampling], drawn: list[int]) -> torch.Tensor:
         """[len(rows), most samples] token ids on the device: drawn row k's first ``num_samples`` are
@@ -201,7 +259,15 @@ def _pad(tokens: torch.Tensor, width: int) -> torch.Tensor:
 
 
 def _index(rows: list[int], device: torch.device) -> torch.Tensor:
+    if device.type == "cuda":  # NOTE: page-locked and non-blocking: a copy from pageable memory waits for the stream
+        return torch.tensor(rows, dtype=torch.int64).pin_memory().to(device, non_blocking=True)
     return torch.tensor(rows, dtype=torch.int64, device=device)
+
+
+def _to_host(values: torch.Tensor) -> torch.Tensor:
+    """A page-locked host copy of device ``values``, queued on the stream (valid once the stream passes it)."""
+    host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+    return host.copy_(values, non_blocking=True)
 
 
 def _starts(prompts: list[PromptScoring]) -> list[int]:

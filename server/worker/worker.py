@@ -9,6 +9,8 @@ on this node or another), is a :class:`~pagedllm.server.worker.model_runner.Mode
     ("allocate", device, host) -> allocate this rank's KV cache
     ("step", SchedulerOutput)  -> apply its diffs to this rank's batch, run the step; rank 0 samples
                                   and returns its StepOutputs
+    ("launch", SchedulerOutput) -> the same without waiting for the sampled tokens (rank 0 alone,
+                                  ``async_scheduling``): a LaunchedStep, whose outputs() waits
 
 The executor sends each message to all of its workers and collects their answers; for the
 other ranks the message travels over the rank channel (:mod:`pagedllm.server.worker.tp_rank`).
@@ -37,6 +39,8 @@ def handle(runner: ModelRunner, message: tuple) -> Any:
         return runner.allocate_cache(*args)
     if kind == "step":
         return runner.execute(*args)
+    if kind == "launch":
+        return runner.launch(*args)
     raise ValueError(f"unknown worker message {kind!r}")
 
 

@@ -25,7 +25,7 @@ import torch
 from pagedllm.server.config import ConfigError
 from pagedllm.server.core.scheduler_output import SchedulerOutput
 from pagedllm.server.worker.model_runner import ModelRunner
-from pagedllm.server.worker.model_step import StepOutputs
+from pagedllm.server.worker.model_step import LaunchedStep, StepOutputs
 from pagedllm.server.worker.sampler import Sampler
 from pagedllm.server.worker.sampling_batch import RowSampling
 
@@ -102,6 +102,16 @@ class FaultyWorker(ModelRunner):
             self.sampler = PoisonSampler(self.config.model.seed, self.device, self.faults.sampler)
 
     def execute(self, model_step: SchedulerOutput) -> StepOutputs:
+        self._before_step()
+        return self._poison(super().execute(model_step), model_step)
+
+    def launch(self, model_step: SchedulerOutput) -> LaunchedStep:
+        """The step as ``async_scheduling`` runs it: the faults come where :meth:`execute` has them."""
+        self._before_step()
+        launched = super().launch(model_step)
+        return LaunchedStep(lambda: self._poison(launched.outputs(), model_step).sampled, launched.pooled)
+
+    def _before_step(self) -> None:
         self.num_steps += 1
         if self.faults.die_rank == self.tp.rank:
             os._exit(3)
@@ -109,7 +119,8 @@ class FaultyWorker(ModelRunner):
             time.sleep(3600)
         if self.tp.rank == 0 and self.faults.step_fails(self.num_steps):
             raise InjectedFault(f"injected fault in model step {self.num_steps}")
-        outputs = super().execute(model_step)
+
+    def _poison(self, outputs: StepOutputs, model_step: SchedulerOutput) -> StepOutputs:
         poison, sampled, batch = self.faults.request, outputs.sampled, model_step.sampling
         if poison and sampled is not None and batch is not None:
             for i, row in enumerate(batch.rows[: len(sampled.rows)]):

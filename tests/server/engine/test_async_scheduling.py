@@ -72,6 +72,19 @@ def test_greedy_tokens_are_those_of_steps_in_turn(tiny_llama):
         assert len(on[f"r{i}"][0][0]) == 3 + 5 * i
 
 
+def test_steps_launched_in_the_callers_thread_give_the_same_tokens(tiny_llama):
+    """The GPU's way (:meth:`Executor.submit` queues each step in the engine's thread, no step thread),
+    taken here on the CPU: greedy and seeded random tokens of steps run in turn, every block free."""
+    requests = {f"r{i}": (p, greedy(3 + 5 * i)) for i, p in enumerate(PROMPTS[:6])}
+    seeded = {f"s{i}": SamplingParams(temperature=0.8, seed=i, max_tokens=9, ignore_eos=True) for i in range(10)}
+    requests.update({request_id: (PROMPTS[i], params) for i, (request_id, params) in enumerate(seeded.items())})
+    off = run(engine(tiny_llama, max_num_seqs=4), requests)
+    e = engine(tiny_llama, async_scheduling=True, max_num_seqs=4)
+    e.executor.queues_on_device = True
+    assert run(e, requests) == off
+    assert e.pipeline is not None and e.pipeline.num_ahead > 10 and e.executor._stepper is None
+
+
 def test_seeded_random_tokens_are_those_of_steps_in_turn(tiny_llama):
     def params(i: int) -> SamplingParams:
         return SamplingParams(temperature=0.9, top_p=0.9, top_k=50, seed=100 + i, max_tokens=12, ignore_eos=True)
@@ -230,12 +243,14 @@ def test_a_random_mix_arriving_over_time_with_aborts_and_a_small_cache(tiny_llam
     assert e.pipeline.num_ahead > 0
 
 
+@pytest.mark.parametrize("queued", [False, True], ids=["step-thread", "queued-in-caller"])
 @pytest.mark.parametrize("rules", ["step=4", "request=poison", "sampler=poison"])
-def test_a_fault_fails_its_requests_and_the_engine_goes_on(tiny_llama, monkeypatch, rules):
+def test_a_fault_fails_its_requests_and_the_engine_goes_on(tiny_llama, monkeypatch, rules, queued):
     requests = {f"r{i}": (p, greedy(10)) for i, p in enumerate(PROMPTS[:6])}
     reference = run(engine(tiny_llama), requests)
     monkeypatch.setenv(FAULTS_ENV, rules)
     e = engine(tiny_llama, async_scheduling=True, worker_cls=WORKER)
+    e.executor.queues_on_device = queued  # NOTE: True: as on a GPU, each step is launched in the caller's thread
     poisoned = dict(requests, **{"poison": (PROMPTS[7], greedy(10))})
     for request_id, (prompt, params) in poisoned.items():
         e.add_request(request_id, {"prompt_token_ids": prompt}, params)
@@ -367,3 +382,29 @@ def test_on_cuda_greedy_tokens_match_transformers(tiny_llama):
     for request_id, (prompt, params) in requests.items():
         ours = list(done[request_id][0][0])
         assert_greedy_matches(ref, prompt, ours, ref.greedy(prompt, params.max_tokens))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_a_step_scheduled_ahead_is_queued_without_waiting_for_the_device(tiny_llama, monkeypatch):
+    """Launching a step scheduled ahead never waits for the GPU (torch's sync debug mode raises if
+    it does): its inputs, the model, the draw and the copy of its tokens to the host are queued."""
+    e = LLMEngine(EngineConfig.from_kwargs(model=tiny_llama, device="cuda", dtype="float32", async_scheduling=True))
+    runner, checked = e.executor.driver, []
+    launch, seen = runner.launch, [0]
+
+    def watched(out):
+        ahead = e.pipeline.num_ahead > seen[0]
+        seen[0] = e.pipeline.num_ahead
+        if ahead:
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            return launch(out)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+            checked.append(ahead)
+
+    monkeypatch.setattr(runner, "launch", watched)
+    done = run(e, {f"r{i}": (p, greedy(8)) for i, p in enumerate(PROMPTS[:4])})
+    assert sorted(len(summary[0][0]) for summary in done.values()) == [8] * 4
+    assert sum(checked) > 10

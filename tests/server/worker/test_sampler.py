@@ -223,3 +223,62 @@ def test_verification_accepts_what_plain_decoding_would_emit():
         if emitted[-1] != draft:
             break
     assert out[1].token_ids == emitted
+
+
+def test_a_launched_draw_reads_back_what_a_call_returns():
+    """``launch`` (async scheduling) gives, once read, the tokens, logprobs and device ids a call gives."""
+    rows, logits = mixed_rows(), fresh_logits(len(mixed_rows()))
+    batch = SamplingBatch(rows, len(rows))
+    called, launcher = Sampler(5, CPU), Sampler(5, CPU)
+    expected = called(logits, None, batch)
+    read = launcher.launch(logits, None, batch)
+    assert torch.equal(launcher.last_tokens, called.last_tokens)
+    assert read() == expected and not expected.errors
+
+
+def test_a_launched_draw_with_a_raising_row_fails_that_request_alone():
+    rows = [RowSampling("ok-1", temperature=1.0, seed=1), RowSampling("poison"), RowSampling("ok-2")]
+    logits = fresh_logits(3)
+    out = PoisonSampler(0, CPU, "poison").launch(logits, None, SamplingBatch(rows, 3))()
+    assert out.rows[1] is None and set(out.errors) == {"poison"}
+    assert [out.rows[0], out.rows[2]] == run([rows[0], rows[2]], logits[[0, 2]])
+
+
+def test_a_failed_read_back_fails_every_row_of_the_step(monkeypatch):
+    rows = [RowSampling("a"), RowSampling("b", temperature=1.0, seed=3)]
+
+    def broken_launch(self, logits, rows, units, defer=False):
+        def read():
+            raise RuntimeError("the copy to the host failed")
+
+        return read
+
+    monkeypatch.setattr(Sampler, "_launch_rows", broken_launch)
+    out = Sampler(0, CPU).launch(fresh_logits(2), None, SamplingBatch(rows, 2))()
+    assert out.rows == [None, None] and set(out.errors) == {"a", "b"}
+    assert "the copy to the host failed" in out.errors["a"]
+
+
+def test_beam_rows_launched_are_read_back_at_once():
+    rows = [RowSampling("b", num_beam_candidates=3), RowSampling("g")]
+    logits = fresh_logits(2)
+    expected = Sampler(0, CPU)(logits, None, SamplingBatch(rows, 2))
+    assert Sampler(0, CPU).launch(logits, None, SamplingBatch(rows, 2))() == expected
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_a_launched_draw_does_not_wait_for_the_device():
+    """The draw, its logprobs and the copies to the host are queued; only the read waits (sync debug mode)."""
+    device = torch.device("cuda")
+    rows = [RowSampling("g"), RowSampling("lp", num_logprobs=2, needs_logprobs=True), RowSampling("r", temperature=1.0)]
+    logits = fresh_logits(3).to(device)
+    sampler = Sampler(0, device)
+    expected = Sampler(0, device)(logits, None, SamplingBatch(rows, 3))
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        read = sampler.launch(logits, None, SamplingBatch(rows, 3))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert read() == expected
