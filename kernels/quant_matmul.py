@@ -40,9 +40,13 @@ loading it once per row instead pipelined a tile 8x the size through shared memo
 for sm90: 61 KB against 18 KB at the 16x32 tile, and the larger swept tiles did not fit at
 all).
 
-Few rows: :mod:`pagedllm.kernels.quant_gemv` holds a candidate without ``tl.dot`` for 1 to
-``GEMV_MAX_ROWS`` rows (``Tiles(kind="gemv")``), not yet measured; :func:`choose_tiles` never
-returns it.
+One row: :mod:`pagedllm.kernels.quant_gemv` runs without ``tl.dot`` (``Tiles(kind="gemv")``,
+1 to ``GEMV_MAX_ROWS`` rows). On an H200 it took a 4-bit row of Llama-3-8B's projections 1.8-2.3x
+faster than the tiles above (q/k/v 26.3 -> 14.2 us, o 19.7 -> 11.1, gate/up 102.6 -> 43.8;
+19-34% of the floor), so :func:`choose_tiles` returns it for one row of 4-bit weights without
+act-order: 64 columns, a K tile of 256, 4 warps (the fastest tile on two of the three), K split
+in up to four slices of at least four K tiles. 8-bit weights and 2-64 rows keep the tiles
+above: no GPU has compared the gemv with them there.
 """
 
 from __future__ import annotations
@@ -61,6 +65,8 @@ DECODE_MAX_ROWS = 64
 _SUM_BLOCK = 1024  # outputs per program of the split-K sum
 DECODE_MIN_TRIPS = 8
 """K tiles each split of K keeps at decode: 4-tile slices ran up to 6% slower in the sweep."""
+GEMV_MIN_TRIPS = 4
+"""K tiles each split of K keeps for the gemv kernel at one row: the sweep's winners split K 4096 in four."""
 TileKind = Literal["dot", "gemv"]
 
 
@@ -195,15 +201,17 @@ def split_k_sum_kernel(
     tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=ok)
 
 
-def choose_tiles(m: int, k: int, group_size: int, has_g_idx: bool) -> Tiles:
+def choose_tiles(m: int, k: int, group_size: int, has_g_idx: bool, bits: int = 4) -> Tiles:
     """Tile sizes for ``x [m, k] @ W [k, n]`` (see the module docstring for why these).
 
     The decode tiles are the fastest of one sweep at one row on an H200, where the best tiles
     did not depend on ``n`` (4096 to 28672); the prefill tiles are chosen by reasoning, not yet
     measured. ``group_size`` and ``has_g_idx`` do not change them: the kernel loads a tile's
     scales once per whole group it holds, and act-order gathers per row at any tile size.
-    Never gemv tiles: no GPU has timed them yet, and these are the measured winner.
+    One row of 4-bit weights without act-order takes the gemv kernel (also the sweep's winner).
     """
+    if m == 1 and bits == 4 and not has_g_idx and group_size % (32 // bits) == 0:
+        return _gemv_tiles(k)
     if m <= DECODE_MAX_ROWS:
         return _decode_tiles(m, k)
     if m <= 128:
@@ -220,6 +228,15 @@ def _decode_tiles(m: int, k: int) -> Tiles:
     while k >= 2 * split * block_k * DECODE_MIN_TRIPS and 8 * (2 * split) * m <= k / 2 / 8:
         split *= 2
     return Tiles(block_m, 64, block_k, num_warps=4, num_stages=4, split_k=split)
+
+
+def _gemv_tiles(k: int) -> Tiles:
+    """One row through the gemv kernel: 64 columns, K tile 256, 4 warps, K split in two (up to four
+    slices) while each slice keeps ``GEMV_MIN_TRIPS`` K tiles."""
+    block_k, split = 256, 1
+    while split < 4 and k >= 2 * split * block_k * GEMV_MIN_TRIPS:
+        split *= 2
+    return Tiles(1, 64, block_k, num_warps=4, num_stages=1, split_k=split, kind="gemv")
 
 
 def _groups_per_tile(group_size: int, block_k: int, has_g_idx: bool) -> int:
@@ -295,7 +312,7 @@ def w4a16_matmul(
         return y
     if k == 0:
         return y.zero_()
-    tiles = tiles or choose_tiles(m, k, group_size, g_idx is not None)
+    tiles = tiles or choose_tiles(m, k, group_size, g_idx is not None, bits)
     _check_tiles(tiles, bits, m, group_size, g_idx is not None)
     split = tiles.split_k
     # NOTE: split-K partial sums go to a float32 [split, M, N] buffer that one more small kernel

@@ -179,16 +179,38 @@ def test_long_k_tiles(seed, poisoned_empty, block_k):
 
 
 def test_tiles_for_decode_and_prefill():
-    assert choose_tiles(1, 4096, 128, False) == Tiles(16, 64, 128, 4, 4, split_k=4)  # the swept fastest
+    assert choose_tiles(2, 4096, 128, False) == Tiles(16, 64, 128, 4, 4, split_k=4)  # the swept fastest
     assert choose_tiles(33, 4096, 128, False).block_m == 64
-    assert choose_tiles(1, 4096, 32, False).block_k == 128  # four whole groups, one scale row each
-    assert choose_tiles(1, 4096, 32, True) == choose_tiles(1, 4096, 32, False)
+    assert choose_tiles(2, 4096, 32, False).block_k == 128  # four whole groups, one scale row each
+    assert choose_tiles(2, 4096, 32, True) == choose_tiles(2, 4096, 32, False)
     assert choose_tiles(512, 4096, 128, False).block_m == 128
     assert choose_tiles(512, 14336, 128, False).split_k == 1  # prefill has programs enough
     assert choose_tiles(1, 1024, 128, False).split_k == 1  # two slices would hold 4 K tiles each
 
 
-@pytest.mark.parametrize("m,split_k", [(1, 4), (4, 4), (8, 4), (16, 2), (32, 1), (64, 1)])
+def test_one_row_of_4_bit_weights_takes_the_gemv_kernel():
+    """The sweep's winner at one row on an H200: gemv, 64 columns, K tile 256, 4 warps, up to 4 slices."""
+    assert choose_tiles(1, 4096, 128, False) == Tiles(1, 64, 256, 4, 1, split_k=4, kind="gemv")
+    assert choose_tiles(1, 14336, 128, False).split_k == 4
+    assert choose_tiles(1, 2048, 128, False).split_k == 2
+    assert choose_tiles(1, 896, 128, False).split_k == 1
+    assert choose_tiles(1, 4096, 128, True).kind == "dot"  # act-order
+    assert choose_tiles(1, 4096, 128, False, bits=8).kind == "dot"  # not measured
+    assert choose_tiles(2, 4096, 128, False).kind == "dot"
+
+
+@pytest.mark.parametrize("group_size", [32, 128, 96])
+def test_the_default_one_row_product_matches_the_oracle(seed, poisoned_empty, group_size):
+    """One row by default (the gemv kernel, K split in two): against the float64 oracle, groups
+    that fill, halve or straddle the 256-deep K tile."""
+    x, qw, s, z, _, q = _random_case(1, 2304, 80, 4, group_size, False, torch.float32)
+    assert choose_tiles(1, 2304, group_size, False).kind == "gemv"
+    y = w4a16_matmul(x, qw, s, z, group_size)
+    expected = _oracle(x, q, s, z, group_size, None)
+    torch.testing.assert_close(y.cpu().double(), expected, **TOL[torch.float32], msg=lambda e: f"seed={seed}: {e}")
+
+
+@pytest.mark.parametrize("m,split_k", [(2, 4), (4, 4), (8, 4), (16, 2), (32, 1), (64, 1)])
 def test_decode_split_shrinks_as_partial_sums_grow(m, split_k):
     t = choose_tiles(m, 4096, 128, False)
     assert t.split_k == split_k
@@ -197,14 +219,26 @@ def test_decode_split_shrinks_as_partial_sums_grow(m, split_k):
 
 
 # Llama-3-8B's projections as the engine runs them (fused q/k/v and gate/up): (N, K), and the
-# split the H200 sweep found fastest (or within 3% of it) at one row
+# split the H200 sweep found fastest (or within 3% of it) for the tensor-core tiles at one row
 LLAMA_3_8B = {"qkv": (6144, 4096, 4), "o": (4096, 4096, 4), "gate_up": (28672, 4096, 4), "down": (4096, 14336, 8)}
 
 
 @pytest.mark.parametrize("proj", sorted(LLAMA_3_8B))
-def test_decode_tiles_for_llama_3_8b(proj):
-    n, k, swept_split = LLAMA_3_8B[proj]
+def test_one_row_gemv_tiles_for_llama_3_8b(proj):
+    n, k, _ = LLAMA_3_8B[proj]
     t = choose_tiles(1, k, 128, False)
+    assert t.kind == "gemv" and t.split_k == 4
+    assert -(-n // t.block_n) * t.split_k >= 256  # about two programs per SM of 132 or more
+    slice_k = k // t.split_k
+    assert k % t.split_k == 0 and slice_k % t.block_k == 0 and slice_k % 128 == 0  # whole tiles, whole groups
+    assert slice_k // t.block_k >= 4
+
+
+@pytest.mark.parametrize("proj", sorted(LLAMA_3_8B))
+def test_decode_tiles_for_llama_3_8b(proj):
+    """Two rows keep the tensor-core tiles and the split the sweep found at one row."""
+    n, k, swept_split = LLAMA_3_8B[proj]
+    t = choose_tiles(2, k, 128, False)
     assert t.split_k == swept_split
     programs = -(-n // t.block_n) * t.split_k
     assert programs >= 256, f"{t}: {programs} programs"  # about two per SM of 132 or more
@@ -289,9 +323,10 @@ def test_gemv_refuses_what_it_does_not_take():
 
 @given(m=st.integers(1, 1024), k_tiles=st.integers(1, 128), group_size=st.sampled_from([32, 64, 128, -1]),
        has_g_idx=st.booleans())  # fmt: skip
-def test_choose_tiles_never_picks_the_unmeasured_gemv(m, k_tiles, group_size, has_g_idx):
+def test_choose_tiles_picks_gemv_for_one_row_of_4_bit_weights_alone(m, k_tiles, group_size, has_g_idx):
     k = 128 * k_tiles
-    assert choose_tiles(m, k, k if group_size == -1 else group_size, has_g_idx).kind == "dot"
+    tiles = choose_tiles(m, k, k if group_size == -1 else group_size, has_g_idx)
+    assert tiles.kind == ("gemv" if m == 1 and not has_g_idx else "dot")
 
 
 def test_launcher_rejects_bad_arguments():
