@@ -26,7 +26,8 @@
 #   quant         the quantized paths on a LLaMA-3-8B shape in one short call (QUANT_TIMEOUT, default 300 s):
 #                 their GPU kernel tests, benchmarks.gpu_fp8_linear (rows 1 16 64 256), benchmarks.gpu_quant_linear
 #                 --sweep-tiles (rows 1 4 16), and a decode step at batch 64 with bf16 and with fp8 weights
-#   async         decode steps at batch 1, 16, 64, 256 with async_scheduling off and on, back to back (ASYNC_TIMEOUT,
+#   async         the GPU tests of async scheduling (a step scheduled ahead is queued without waiting for the device),
+#                 then decode steps at batch 1, 16, 64, 256 with async_scheduling off and on, back to back (ASYNC_TIMEOUT,
 #                 default 240 s): what scheduling the next step during this one recovers of the GPU's idle time
 #
 # Everything is logged to $OUT/run.log (OUT defaults to ./gpu-out); result files are packed
@@ -153,6 +154,9 @@ stage_quant() {
 
 stage_async() {
     local end=$((SECONDS + ${ASYNC_TIMEOUT:-240})) rc=0 engine
+    # NOTE: first the checks that launching a step scheduled ahead never waits for the device
+    timeout 90 $PY -m pytest -m gpu tests/server/engine/test_async_scheduling.py tests/server/worker/test_sampler.py \
+        -q -p no:cacheprovider -rfE --junitxml "$OUT/res/async-tests.xml" || rc=1
     for engine in 'sync|{}' 'async|{"async_scheduling": true}'; do
         mkdir -p "$OUT/res/step-${engine%%|*}"
         timeout $((end - SECONDS > 5 ? end - SECONDS : 5)) $PY -m benchmarks.gpu_step_profile --shape llama-3-8b \
