@@ -73,9 +73,14 @@ def cpu_has_avx2() -> bool:
     return platform.machine() in ("x86_64", "AMD64") and {"avx2", "fma"} <= _cpu_flags()
 
 
+def cpu_has_avx512f() -> bool:
+    """Whether the CPU has AVX-512 Foundation (where oneDNN's own float32 GEMM is kept)."""
+    return "avx512f" in _cpu_flags()
+
+
 def cpu_has_isa(variant: str) -> bool:
-    """Whether a C kernel's variant named ``variant`` (``avx512-bf16`` or ``avx2``) can run here."""
-    return {"avx512-bf16": cpu_has_avx512_bf16, "avx2": cpu_has_avx2}[variant]()
+    """Whether a C kernel's variant named ``variant`` (``avx512-bf16``, ``avx2`` or ``avx2-f32``) can run here."""
+    return {"avx512-bf16": cpu_has_avx512_bf16, "avx2": cpu_has_avx2, "avx2-f32": cpu_has_avx2}[variant]()
 
 
 def _cache_dir() -> Path:

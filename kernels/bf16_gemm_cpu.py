@@ -20,6 +20,13 @@ multiplied with FMA, x is widened once per call. oneDNN has no bfloat16 GEMM the
 (it needs AVX-512 or AVX-NE-CONVERT), and torch's fallback reads a 9728 x 896 weight at
 under 1 GB/s at 16 rows; :func:`isa` says which variant runs.
 
+Float32 weights on a CPU with AVX2 and no AVX-512 go through kernels/f32_gemm_avx2.c (the
+same threads and calls, its own layout ``[n/16, k, 16]``; :func:`f32_available`, :func:`pack_f32`,
+:func:`gemm` on a float32 packed weight). There oneDNN's float32 GEMM read the 33.5M test
+LLaMA's weights at 25-40% of the copy rate at 16 rows; this kernel ran its projections 1.3-2.2x
+faster at 1-64 rows and 0.83-1.2x at 256 (2 threads, AMD EPYC Zen 3), near the FMA units'
+peak from 16 rows on. CPUs with AVX-512 keep oneDNN: no comparison was run there.
+
 The C source is compiled on first use (kernels/_cpu_compile.py: the system's C compiler,
 a cache directory keyed by the source's and flags' hash). :func:`available` is false, and
 callers keep oneDNN or ``F.linear``, where the CPU has neither instruction set, no compiler
@@ -40,11 +47,24 @@ try:
 except ImportError:  # pragma: no cover - numba is a dependency; this keeps the package importable
     numba = None  # type: ignore[assignment]
 
-from ._cpu_compile import AVX2_CFLAGS, AVX512_BF16_CFLAGS, build_library, cpu_has_isa, load_symbol
+from ._cpu_compile import AVX2_CFLAGS, AVX512_BF16_CFLAGS, build_library, cpu_has_avx512f, cpu_has_isa, load_symbol
 from ._cpu_items import _use_threads
 from ._cpu_memory import aligned_empty
 
-__all__ = ["BLOCK", "ISAS", "available", "can_pack", "gemm", "gemm_reference", "isa", "pack", "unpack"]
+__all__ = [
+    "BLOCK",
+    "ISAS",
+    "available",
+    "can_pack",
+    "can_pack_f32",
+    "f32_available",
+    "gemm",
+    "gemm_reference",
+    "isa",
+    "pack",
+    "pack_f32",
+    "unpack",
+]
 
 BLOCK = 16
 """Output columns per packed block: the weight's rows must be a multiple of it."""
@@ -59,6 +79,7 @@ ISAS = ("avx512-bf16", "avx2")
 VARIANTS = {
     "avx512-bf16": (SOURCE, SYMBOL, CFLAGS),
     "avx2": (Path(__file__).with_name("bf16_gemm_avx2.c"), "pagedllm_gemm_bf16_avx2", AVX2_CFLAGS),
+    "avx2-f32": (Path(__file__).with_name("f32_gemm_avx2.c"), "pagedllm_gemm_f32_avx2", AVX2_CFLAGS),
 }
 
 
@@ -81,6 +102,13 @@ def runs(variant: str) -> bool:
 def available() -> bool:
     """Whether :func:`gemm` runs here (:func:`isa` is not None)."""
     return isa() is not None
+
+
+@functools.cache
+def f32_available() -> bool:
+    """Whether float32 weights are packed for the float32 kernel here: AVX2 and FMA without AVX-512
+    (where oneDNN's float32 GEMM is the slower one), Numba, a C compiler, ``PAGEDLLM_CPU_GEMM`` not ``0``."""
+    return not cpu_has_avx512f() and runs("avx2-f32")
 
 
 @functools.cache
@@ -121,9 +149,30 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     return out.view(n, k)
 
 
+def can_pack_f32(weight: torch.Tensor) -> bool:
+    """Whether :func:`pack_f32` takes ``weight``: 2-D float32 on the CPU, rows a multiple of :data:`BLOCK`."""
+    on_cpu = weight.device.type == "cpu" and weight.dtype == torch.float32
+    return on_cpu and weight.dim() == 2 and weight.shape[0] % BLOCK == 0
+
+
+def pack_f32(weight: torch.Tensor) -> torch.Tensor:
+    """A float32 ``weight`` [n, k] in the float32 kernel's layout ``[n/16, k, 16]``, shaped [n, k] (as :func:`pack`)."""
+    if not can_pack_f32(weight):
+        raise ValueError(
+            f"the CPU float32 GEMM packs 2-D float32 CPU weights with rows a multiple of {BLOCK}, "
+            f"got {tuple(weight.shape)} {weight.dtype} on {weight.device}"
+        )
+    n, k = weight.shape
+    out = aligned_empty(n * k, torch.float32)
+    out.view(n // BLOCK, k, BLOCK).copy_(weight.detach().reshape(n // BLOCK, BLOCK, k).permute(0, 2, 1))
+    return out.view(n, k)
+
+
 def unpack(packed: torch.Tensor) -> torch.Tensor:
-    """The plain ``[n, k]`` weight that :func:`pack` packed."""
+    """The plain ``[n, k]`` weight that :func:`pack` (or :func:`pack_f32`) packed."""
     n, k = packed.shape
+    if packed.dtype == torch.float32:
+        return packed.reshape(n // BLOCK, k, BLOCK).permute(0, 2, 1).reshape(n, k)
     return packed.reshape(n // BLOCK, k // 2, BLOCK, 2).permute(0, 2, 1, 3).reshape(n, k)
 
 
@@ -134,21 +183,27 @@ def gemm(
 
     x: [..., k] bfloat16; packed: [n, k]; bias: [n] bfloat16 or None -> [..., n] bfloat16.
     Sums are float32 (from the bias on), rounded to bfloat16 once. ``variant``: one of
-    :data:`ISAS` that :func:`runs` here (default :func:`isa`).
+    :data:`ISAS` that :func:`runs` here (default :func:`isa`). For ``packed = pack_f32(w)``
+    everything is float32 and the float32 kernel runs (``variant`` ignored).
     """
     n, k = packed.shape
-    if x.dtype != torch.bfloat16 or x.shape[-1] != k:
-        raise ValueError(f"x must be bfloat16 [..., {k}], got {x.dtype} {tuple(x.shape)}")
-    if bias is not None and (bias.dtype != torch.bfloat16 or bias.shape != (n,)):
-        raise ValueError(f"bias must be bfloat16 [{n}], got {bias.dtype} {tuple(bias.shape)}")
-    variant = variant or isa()
+    dtype = packed.dtype
+    name = str(dtype).removeprefix("torch.")
+    if x.dtype != dtype or x.shape[-1] != k:
+        raise ValueError(f"x must be {name} [..., {k}], got {x.dtype} {tuple(x.shape)}")
+    if bias is not None and (bias.dtype != dtype or bias.shape != (n,)):
+        raise ValueError(f"bias must be {name} [{n}], got {bias.dtype} {tuple(bias.shape)}")
+    if dtype == torch.float32:
+        variant = "avx2-f32"
+    else:
+        variant = variant or isa()
     if variant is None or not runs(variant):
-        raise ValueError(f"the bf16 GEMM variant {variant!r} does not run on this CPU; it runs {isa()!r}")
+        raise ValueError(f"the CPU GEMM variant {variant!r} does not run on this CPU; it runs {isa()!r}")
     rows = x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, k).contiguous()
     m = rows.shape[0]
-    out = torch.empty(m, n, dtype=torch.bfloat16)
+    out = torch.empty(m, n, dtype=dtype)
     if m > 0 and n > 0:
-        # NOTE: the AVX2 variant multiplies float32 inputs: widened here once, not per weight vector
+        # NOTE: the AVX2 bf16 variant multiplies float32 inputs: widened here once, not per weight vector
         xs = rows.float() if variant == "avx2" else rows
         blocks = n // BLOCK
         threads = min(_use_threads(torch.get_num_threads()), blocks) if m * n * k >= PARALLEL_MIN_WORK else 1

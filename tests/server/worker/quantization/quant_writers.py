@@ -14,7 +14,11 @@ import os
 import torch
 from safetensors.torch import save_file
 
+from pagedllm.kernels import bf16_gemm_cpu
 from pagedllm.server.demo import build_byte_tokenizer, demo_llama_config
+
+F32_KERNEL = "f32-tiles" if bf16_gemm_cpu.f32_available() else "onednn-packed"
+"""What multiplies a float32 linear weight on this CPU (the banner's and metrics' name for it)."""
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]
