@@ -23,9 +23,9 @@ under 1 GB/s at 16 rows; :func:`isa` says which variant runs.
 Float32 weights on a CPU with AVX2 and no AVX-512 go through kernels/f32_gemm_avx2.c (the
 same threads and calls, its own layout ``[n/16, k, 16]``; :func:`f32_available`, :func:`pack_f32`,
 :func:`gemm` on a float32 packed weight). There oneDNN's float32 GEMM read the 33.5M test
-LLaMA's weights at 25-40% of the copy rate at 16 rows; this kernel ran its projections 1.3-2.2x
-faster at 1-64 rows and 0.83-1.2x at 256 (2 threads, AMD EPYC Zen 3), near the FMA units'
-peak from 16 rows on. CPUs with AVX-512 keep oneDNN: no comparison was run there.
+LLaMA's weights at 25-40% of the copy rate at 16 rows; this kernel ran its projections 1.2-2.5x
+faster at 1-64 rows and 0.9-1.14x on 512-row prompt chunks (2 threads, AMD EPYC Zen 3), near the
+FMA units' peak from 16 rows on. CPUs with AVX-512 keep oneDNN: no comparison was run there.
 
 The C source is compiled on first use (kernels/_cpu_compile.py: the system's C compiler,
 a cache directory keyed by the source's and flags' hash). :func:`available` is false, and

@@ -15,7 +15,7 @@ chunks. Its packed tensor is a plain one marked with :data:`TILED` (``[out, in]`
 On a CPU with AVX2 only the same layout runs the kernel's AVX2 variant: oneDNN has no
 bfloat16 GEMM there, and without either a bfloat16 weight stays plain (:func:`can_pack`).
 There a float32 weight is packed for the same module's float32 kernel too, which ran the
-float32 projections 1.3-2.2x faster than oneDNN at decode sizes (:func:`takes_tiles`).
+float32 projections 1.2-2.5x faster than oneDNN at decode sizes (:func:`takes_tiles`).
 
 The packed tensor replaces the parameter (same name, shape and dtype; its memory is the
 blocked copy only), so a weight is never held twice. :func:`linear` is the one call every
