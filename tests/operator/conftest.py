@@ -16,7 +16,7 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).parent))  # the helper modules, whatever pytest's import mode
 
-from emulated_scenario import Scenario, emulated_cluster  # noqa: E402
+from emulated_scenario import KIND, Scenario, emulated_cluster  # noqa: E402
 from helm_tools import CHART_DIR, CRD_PATH, INSTALL_SCRIPT, TOOLS_BIN, run_helm  # noqa: E402
 from k8s_emulator import Client  # noqa: E402
 from operator_process import running_operator  # noqa: E402
@@ -90,6 +90,13 @@ def api(cluster) -> Client:
 
 
 @pytest.fixture()
-def scenario(api, operator, request) -> Scenario:
-    """The test's own namespace, the API client and the module's operator."""
-    return Scenario(api, operator, request.node.name.replace("_", "-")[:50].strip("-"))
+def scenario(api, operator, request):
+    """The test's own namespace, the API client and the module's operator.
+
+    The test's resources are deleted afterwards (their children go with them), so the module's
+    one operator does not keep reconciling every earlier test's servers while later tests wait on it.
+    """
+    scenario = Scenario(api, operator, request.node.name.replace("_", "-")[:50].strip("-"))
+    yield scenario
+    for obj in api.list(KIND, scenario.ns):
+        api.delete(KIND, scenario.ns, obj["metadata"]["name"])
