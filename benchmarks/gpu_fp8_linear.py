@@ -9,7 +9,7 @@ each ``--rows``, one run times (median over CUDA-graph replays, weights past the
   - ``fp8_torch_quant``: the activations quantized by torch's ops
     (:func:`~pagedllm.kernels.fp8_matmul.quantize_per_token_reference`), then ``x_q @ w.T``;
   - ``fp8``: :func:`~pagedllm.kernels.fp8_matmul.fp8_scaled_mm` as the engine calls it (its own
-    choice of the swapped product up to ``SWAP_AB_MAX_ROWS`` rows);
+    choice of form, plain unless ``SWAP_AB_MAX_ROWS`` says otherwise);
   - ``fp8_plain`` / ``fp8_swapped``: the same with ``x_q @ w.T`` or ``(w @ x_q.T).T`` forced;
   - ``quantize``: the per-token quantization alone;
   - ``floor``: the fp8 call's bytes (weight, scales, x read, y written) over the device's copy

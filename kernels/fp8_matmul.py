@@ -34,12 +34,14 @@ _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 FP8_MAX = 448.0
 """Largest finite float8_e4m3fn value."""
 PER_TENSOR, PER_CHANNEL, BLOCKWISE = 0, 1, 2
-SWAP_AB_MAX_ROWS = 64
-"""Up to this many tokens :func:`fp8_scaled_mm` multiplies ``weight @ x.T``. For a 64-token
-``x @ weight.T`` on an H200, cuBLAS's fp8 GEMM with row-wise scales ran a kernel of 128 x 128
-tiles (half of each tile's rows idle) and took as long as the bf16 GEMMs of the same LLaMA-3-8B
-decode step. The swapped product puts the weight's N on the long side. It was not timed on a
-GPU yet: ``benchmarks/gpu_fp8_linear.py`` times both forms, to set this bound by measurement."""
+SWAP_AB_MAX_ROWS = 0
+"""Up to this many tokens :func:`fp8_scaled_mm` multiplies ``weight @ x.T`` unless told otherwise:
+none. The swapped product was meant to put the weight's N on the GEMM's long side when cuBLAS
+runs 128-row tiles for a handful of tokens, but on an H200 (``benchmarks.gpu_fp8_linear``,
+``benchmarks/results/gpu/fp8-linear-2026-11-28-h200-run2.json``) it was slower than the plain
+``x_q @ w.T`` in 11 of 12 LLaMA-3-8B projections at 1-64 rows (0.74-0.94x; 1.06x on down at one
+row) and 0.60-0.84x at 256: a batch-64 layer's four projections took 154 us swapped, 124 plain.
+``swap_ab=True`` still asks for it, for the benchmark."""
 
 
 @triton.jit
@@ -235,10 +237,10 @@ def fp8_scaled_mm(x, weight, weight_scale, input_scale=None, *, swap_ab: bool | 
     """The ``torch._scaled_mm`` path of :func:`fp8_linear` (per-tensor or per-channel scales): the
     activations quantized to e4m3 too, per token or by the static ``input_scale``.
 
-    Up to :data:`SWAP_AB_MAX_ROWS` tokens with per-token scales, the product is taken as
-    ``(weight @ x_q.T).T``: the weight's N fills the GEMM's long side and the few tokens its short
-    one, padded to the 16 the fp8 GEMM requires (see the constant); ``swap_ab`` overrides that
-    choice (benchmarks time both).
+    With ``swap_ab`` (by default up to :data:`SWAP_AB_MAX_ROWS` tokens, which is none) and
+    per-token scales, the product is taken as ``(weight @ x_q.T).T``: the weight's N on the GEMM's
+    long side and the few tokens on its short one, padded to the 16 the fp8 GEMM requires
+    (benchmarks time both forms).
 
     NOTE: torch's CPU build runs ``_scaled_mm`` as well, which is how the tests check this path.
     """

@@ -6,7 +6,6 @@ import torch
 from kernel_factories import DEVICE, gpu_test
 
 from pagedllm.kernels.fp8_matmul import (
-    SWAP_AB_MAX_ROWS,
     dequantize_fp8_reference,
     fp8_linear,
     fp8_linear_reference,
@@ -116,16 +115,17 @@ def _emulated_scaled_mm(x, weight, weight_scale, input_scale):
 
 @pytest.mark.parametrize("mode", ["tensor", "channel"])
 @pytest.mark.parametrize("static", [False, True])
-@pytest.mark.parametrize("m", [1, 5, SWAP_AB_MAX_ROWS, SWAP_AB_MAX_ROWS + 3])
-def test_scaled_mm_path_equals_its_emulation(seed, mode, static, m):
+@pytest.mark.parametrize("swap_ab", [None, True, False])
+@pytest.mark.parametrize("m", [1, 5, 64, 67])
+def test_scaled_mm_path_equals_its_emulation(seed, mode, static, m, swap_ab):
     # NOTE: torch runs _scaled_mm on the CPU too; on CUDA sm89+ the same call goes to cuBLAS/CUTLASS.
     # The bound (0.5% of the largest output) is the bf16 output's rounding; leaving the activations
-    # unquantized would be 2-4% off. Up to SWAP_AB_MAX_ROWS dynamic rows take the swapped product.
+    # unquantized would be 2-4% off. Both forms of the product are checked, and the default choice.
     weight = _random_weight(48, 64, device="cpu")
     scale = _scale(mode, 48, 64, None)
     x = (torch.randn(m, 64) * 3).bfloat16()
     input_scale = torch.tensor(0.05) if static else None
-    y = fp8_scaled_mm(x, weight, scale, input_scale)
+    y = fp8_scaled_mm(x, weight, scale, input_scale, swap_ab=swap_ab)
     assert y.dtype == torch.bfloat16 and y.shape == (m, 48) and y.is_contiguous()
     expected = _emulated_scaled_mm(x, weight, scale, input_scale)
     torch.testing.assert_close(y.double(), expected, atol=5e-3 * expected.abs().max().item(), rtol=0,
