@@ -12,6 +12,7 @@ import importlib
 _EXPORTS = {
     "LLM": "pagedllm.server.llm",
     "SamplingParams": "pagedllm.server.sampling_params",
+    "RequestOutputKind": "pagedllm.server.sampling_params",
     "PoolingParams": "pagedllm.server.pooling_params",
     "LoRARequest": "pagedllm.server.lora_request",
     "RequestOutput": "pagedllm.server.outputs",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import TypeVar
 
 from tqdm.auto import tqdm
@@ -13,7 +14,7 @@ from pagedllm.server.engine.llm_engine import LLMEngine
 from pagedllm.server.lora_request import LoRARequest
 from pagedllm.server.outputs import EmbeddingRequestOutput, EngineOutput, RequestOutput
 from pagedllm.server.pooling_params import PoolingParams
-from pagedllm.server.sampling_params import SamplingParams
+from pagedllm.server.sampling_params import RequestOutputKind, SamplingParams
 
 
 class LLM:
@@ -102,8 +103,13 @@ class LLM:
     ) -> list[EngineOutput]:
         engine = self.llm_engine
         ids = []
+        finals: dict[int, SamplingParams] = {}
         try:
             for prompt, p, lora in zip(prompts, params, loras or [None] * len(prompts)):
+                if isinstance(p, SamplingParams) and p.output_kind is RequestOutputKind.CUMULATIVE:
+                    # NOTE: only the last output is kept: the engine builds none for the steps before it
+                    final = finals.get(id(p)) or replace(p, output_kind=RequestOutputKind.FINAL_ONLY)
+                    p = finals.setdefault(id(p), final)
                 request_id = str(self._counter)
                 self._counter += 1
                 engine.add_request(request_id, prompt, p, lora_request=lora)

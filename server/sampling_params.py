@@ -2,12 +2,24 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 
 from pagedllm.server.config import ConfigError
 
 _GREEDY_EPS = 1e-5
 OPENINGS = ("reasoning", "answer", "either")
+
+
+class RequestOutputKind(enum.IntEnum):
+    """Which outputs a request's steps give, as vLLM's ``RequestOutputKind``."""
+
+    CUMULATIVE = 0
+    """After every step that advanced it: everything it has so far."""
+    DELTA = 1
+    """What each step added (not served: refused with a :class:`ConfigError`)."""
+    FINAL_ONLY = 2
+    """One output, when it ends: the engine builds none for its steps before (what ``LLM.generate`` uses)."""
 
 
 @dataclass(frozen=True)
@@ -120,6 +132,8 @@ class SamplingParams:
     """Token id -> a value added to its logit before sampling (-100 bans it, +100 forces it)."""
     guided_decoding: GuidedDecodingParams | None = None
     """Constrain the output to a JSON schema, regex, choice or grammar."""
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    """Outputs after every step (cumulative) or only the last one (``FINAL_ONLY``)."""
 
     stop_list: list[str] = field(init=False, repr=False, default_factory=list)
 
@@ -178,6 +192,8 @@ class SamplingParams:
                 'True, False or "never"',
             ),
         ]
+        kinds = (RequestOutputKind.CUMULATIVE, RequestOutputKind.FINAL_ONLY)
+        checks.append(("output_kind", self.output_kind, self.output_kind in kinds, "CUMULATIVE or FINAL_ONLY"))
         for name, value, ok, allowed in checks:
             if not ok:
                 raise ConfigError(name, value, f"must be {allowed}", problem="is invalid")

@@ -10,11 +10,13 @@ from typing import TYPE_CHECKING
 from pagedllm.server.core.scheduler import ScheduledStep
 from pagedllm.server.core.sequence import SequenceGroup, SequenceStatus
 from pagedllm.server.outputs import EngineOutput
+from pagedllm.server.sampling_params import RequestOutputKind
 
 if TYPE_CHECKING:
     from pagedllm.server.engine.llm_engine import LLMEngine
 
 logger = logging.getLogger("pagedllm.engine")
+FINAL_ONLY = RequestOutputKind.FINAL_ONLY
 
 
 def step_failed(
@@ -43,13 +45,17 @@ def step_failed(
 
 
 def collect_outputs(engine: LLMEngine, touched: dict[int, SequenceGroup], failed: dict[str, str]) -> list[EngineOutput]:
-    """After the scheduler applied a step: the outputs of the requests it ``touched``; those that
-    ended are forgotten."""
+    """After the scheduler applied a step: the outputs of the requests it ``touched`` (a ``FINAL_ONLY``
+    request's only once it ended); those that ended are forgotten."""
     if failed:
         engine._check_invariants()
     engine._publish_kv_events()
     outputs = []
     for group in touched.values():
+        params = group.sampling_params
+        if params is not None and params.output_kind is FINAL_ONLY and not group.is_finished():
+            if group.request_id not in failed:
+                continue  # NOTE: no output built or sent for a step its caller would drop
         output = engine._output(group)
         output.error = failed.get(group.request_id)
         if output.finished:

@@ -6,11 +6,12 @@ from __future__ import annotations
 import gc
 import logging
 import weakref
+from dataclasses import replace
 
 import pytest
 from engine_factories import HFReference, assert_greedy_matches, make_prompts
 
-from pagedllm.server import LLM, SamplingParams
+from pagedllm.server import LLM, RequestOutputKind, SamplingParams
 from pagedllm.server.config import ConfigError, EngineConfig
 from pagedllm.server.engine.llm_engine import EngineClosedError, LLMEngine
 from pagedllm.server.engine.warm_up import WARM_UP_PROMPT_TOKENS
@@ -157,3 +158,41 @@ def test_a_dropped_engine_is_freed_by_reference_counting_alone(tiny_llama):
         assert runner.kv_caches == [], "dropping the engine did not shut it down"
     finally:
         gc.enable()
+
+
+def test_a_final_only_request_gets_one_output_when_it_ends_equal_to_the_cumulative_one(tiny_llama):
+    """Outputs per step for a cumulative request, one at its end for a FINAL_ONLY one, in one batch;
+    the last outputs agree, and a failure is still reported at once."""
+    final_only = replace(greedy(5), output_kind=RequestOutputKind.FINAL_ONLY)
+    with engine(tiny_llama, num_gpu_blocks_override=32) as e:
+        e.add_request("each", {"prompt_token_ids": [5, 6, 7]}, greedy(5))
+        e.add_request("last", {"prompt_token_ids": [5, 6, 7]}, final_only)
+        seen: dict[str, list] = {"each": [], "last": []}
+        while e.has_unfinished_requests():
+            for output in e.step():
+                seen[output.request_id].append(output)
+    assert len(seen["each"]) == 5 and [o.finished for o in seen["last"]] == [True]
+    (each, last) = seen["each"][-1].outputs[0], seen["last"][0].outputs[0]
+    assert (last.token_ids, last.finish_reason) == (each.token_ids, each.finish_reason) == (last.token_ids, "length")
+    assert len(last.token_ids) == 5
+
+
+def test_llm_generate_asks_for_final_outputs_only_and_leaves_the_callers_params_alone(tiny_llama):
+    params = greedy(4)
+    llm = LLM(model=tiny_llama, device="cpu", num_gpu_blocks_override=32)
+    try:
+        engine_params = []
+        add = llm.llm_engine.add_request
+        llm.llm_engine.add_request = lambda rid, prompt, p, **kw: (engine_params.append(p), add(rid, prompt, p, **kw))
+        (out,) = llm.generate([{"prompt_token_ids": [5, 6, 7]}], params)
+    finally:
+        llm.llm_engine.shutdown()
+    assert len(out.outputs[0].token_ids) == 4 and out.finished
+    assert [p.output_kind for p in engine_params] == [RequestOutputKind.FINAL_ONLY]
+    assert params.output_kind is RequestOutputKind.CUMULATIVE
+
+
+def test_delta_outputs_are_refused_by_name():
+    with pytest.raises(ConfigError) as info:
+        SamplingParams(output_kind=RequestOutputKind.DELTA)
+    assert info.value.field == "output_kind" and "CUMULATIVE or FINAL_ONLY" in str(info.value)
