@@ -106,30 +106,37 @@ def _step_profile(llm, bw: float, prompt_len: int = 512, steps: int = 32) -> lis
 
 
 def _offline(llm, num: int, deadline_s: float, vocab: int) -> dict:
+    """``num`` ShareGPT-like requests through the engine's steps, each asking for its last output
+    only as ``LLM.generate`` does; stopped at ``deadline_s``, the tokens of requests still running
+    are counted from the engine's sequences before they are aborted."""
     from tqdm import tqdm
 
     from benchmarks.workloads import sample_requests
-    from pagedllm.server import SamplingParams
+    from pagedllm.server import RequestOutputKind, SamplingParams
 
     engine = llm.llm_engine
     reqs = sample_requests("sharegpt", num, vocab - 10, seed=0)
     for i, r in enumerate(reqs):
         ids = [3 + t for t in r.prompt_token_ids]
-        engine.add_request(
-            f"q{i}", {"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=r.output_len, ignore_eos=True)
+        params = SamplingParams(
+            temperature=0, max_tokens=r.output_len, ignore_eos=True, output_kind=RequestOutputKind.FINAL_ONLY
         )
+        engine.add_request(f"q{i}", {"prompt_token_ids": ids}, params)
     made: dict[str, int] = {}
     finished = 0
     start = time.perf_counter()
     with tqdm(total=sum(r.output_len for r in reqs), desc="offline", mininterval=5) as bar:
         while engine.has_unfinished_requests() and time.perf_counter() - start < deadline_s:
             for out in engine.step():
-                n = len(out.outputs[0].token_ids)
-                bar.update(n - made.get(out.request_id, 0))
-                made[out.request_id] = n
+                made[out.request_id] = len(out.outputs[0].token_ids)
+                bar.update(made[out.request_id])
                 finished += out.finished
     wall = time.perf_counter() - start
-    left = [f"q{i}" for i in range(num)]
+    left = [f"q{i}" for i in range(num) if f"q{i}" not in made]
+    for request_id in left:
+        state = engine._requests.get(request_id)
+        if state is not None:
+            made[request_id] = len(state.group.seqs[0].output_token_ids)
     engine.abort_request(left)
     return {
         "requests": num,

@@ -4,10 +4,11 @@ A 2-layer LLaMA of hidden size 64 makes the forward pass negligible, so the wall
 ``engine.step()`` is what scheduling, building the step's inputs, the worker's input batch,
 sampling bookkeeping, output processing and (with a tokenizer) detokenization cost per step:
 the time a fast device waits on the host. Reports the median µs per decode step at each batch
-size, with token ids only and with text, and the functions with the most own time in a
-cProfile of the decode steps.
+size, with token ids only and with text (and with outputs after every step, or, as
+``LLM.generate`` asks, only the last: ``--output-kinds``), and the functions with the most own
+time in a cProfile of the decode steps.
 
-    python -m benchmarks.host_overhead --batches 64 256 --steps 100
+    python -m benchmarks.host_overhead --batches 64 256 --steps 100 --output-kinds cumulative final_only
 """
 
 from __future__ import annotations
@@ -46,14 +47,22 @@ def write_tiny_model(path: str, vocab: int = TINY["vocab_size"]) -> None:
 
 
 def decode_steps(
-    llm, batch: int, prompt_len: int, steps: int, profile: cProfile.Profile | None, vocab: int = 1003
+    llm,
+    batch: int,
+    prompt_len: int,
+    steps: int,
+    profile: cProfile.Profile | None,
+    vocab: int = 1003,
+    final_only: bool = False,
 ) -> list[float]:
     """Seconds of each ``engine.step()`` once all ``batch`` sequences decode (prefill excluded);
-    prompt ids are drawn below ``vocab``."""
-    from pagedllm.server import SamplingParams
+    prompt ids are drawn below ``vocab``. ``final_only``: the requests ask for their last output
+    only (``RequestOutputKind.FINAL_ONLY``, as ``LLM.generate`` does)."""
+    from pagedllm.server import RequestOutputKind, SamplingParams
 
     engine = llm.llm_engine
-    params = SamplingParams(temperature=0.0, max_tokens=steps + 2, ignore_eos=True)
+    kind = RequestOutputKind.FINAL_ONLY if final_only else RequestOutputKind.CUMULATIVE
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 2, ignore_eos=True, output_kind=kind)
     for i in range(batch):
         prompt = [3 + (i * 7 + j) % (min(vocab, 1003) - 3) for j in range(prompt_len)]
         engine.add_request(f"r{batch}-{i}", {"prompt_token_ids": prompt}, params)
@@ -88,6 +97,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
     p.add_argument("--modes", nargs="+", default=["ids", "text"], choices=["ids", "text"])
+    p.add_argument(
+        "--output-kinds",
+        nargs="+",
+        default=["cumulative"],
+        choices=["cumulative", "final_only"],
+        help="each request's outputs: after every step, or its last only (what LLM.generate asks for)",
+    )
     p.add_argument("--top", type=int, default=15, help="functions listed by own time (0: no profile)")
     p.add_argument("--vocab", type=int, default=TINY["vocab_size"], help="vocabulary of a new model")
     p.add_argument("--model", default=None, help="a model directory: reused if it holds one, else written there")
@@ -117,12 +133,15 @@ def main(argv: list[str] | None = None) -> None:
             vocab = model_vocab(model)
             decode_steps(llm, 4, args.prompt_len, 4, None, vocab)  # warm-up
             for batch in args.batches:
-                profile = cProfile.Profile() if args.top else None
-                times = decode_steps(llm, batch, args.prompt_len, args.steps, profile, vocab)
-                us = statistics.median(times) * 1e6
-                print(f"[{mode}] batch {batch}: {us:.0f} us per decode step (median of {len(times)})")
-                if profile is not None:
-                    pstats.Stats(profile).sort_stats("tottime").print_stats(args.top)
+                for kind in args.output_kinds:
+                    profile = cProfile.Profile() if args.top else None
+                    final = kind == "final_only"
+                    times = decode_steps(llm, batch, args.prompt_len, args.steps, profile, vocab, final)
+                    us = statistics.median(times) * 1e6
+                    label = f"{mode}, final only" if final else mode
+                    print(f"[{label}] batch {batch}: {us:.0f} us per decode step (median of {len(times)})")
+                    if profile is not None:
+                        pstats.Stats(profile).sort_stats("tottime").print_stats(args.top)
             llm.shutdown()
 
 

@@ -41,7 +41,13 @@ def _tiny_llm(tmp_path, monkeypatch, **engine_args):
                **engine_args)  # fmt: skip
 
 
-def test_the_offline_run_counts_every_token_and_stops_at_its_deadline_freeing_the_rest(tiny_llm):
+def _clock_of_steps(engine):
+    """A clock that reads the number of engine steps so far (one second each), from 0."""
+    start = engine._num_steps
+    return lambda: float(engine._num_steps - start)
+
+
+def test_the_offline_run_counts_every_token_and_stops_at_its_deadline_freeing_the_rest(tiny_llm, monkeypatch):
     done = gpu_quick._offline(tiny_llm, 6, deadline_s=600, vocab=512)
     assert done["finished"] == 6 and not done["stopped_at_deadline"]
     from benchmarks.workloads import sample_requests
@@ -49,6 +55,11 @@ def test_the_offline_run_counts_every_token_and_stops_at_its_deadline_freeing_th
     assert done["output_tokens"] == sum(r.output_len for r in sample_requests("sharegpt", 6, 502, seed=0))
     cut = gpu_quick._offline(tiny_llm, 6, deadline_s=0.0, vocab=512)
     assert cut["stopped_at_deadline"] and cut["finished"] < 6
+    # a deadline inside the run: the requests still running count the tokens they made
+    monkeypatch.setattr(gpu_quick.time, "perf_counter", _clock_of_steps(tiny_llm.llm_engine))
+    part = gpu_quick._offline(tiny_llm, 6, deadline_s=5.5, vocab=512)
+    assert part["stopped_at_deadline"] and part["finished"] < 6
+    assert part["output_tokens"] >= 6 * 4, "5 steps: a prefill, then 4 tokens or more for each request"
     assert not tiny_llm.llm_engine.has_unfinished_requests()
     assert_all_blocks_free(tiny_llm)
 
