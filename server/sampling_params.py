@@ -194,6 +194,8 @@ class SamplingParams:
         ]
         kinds = (RequestOutputKind.CUMULATIVE, RequestOutputKind.FINAL_ONLY)
         checks.append(("output_kind", self.output_kind, self.output_kind in kinds, "CUMULATIVE or FINAL_ONLY"))
+        if self.output_kind in kinds:
+            self.output_kind = RequestOutputKind(self.output_kind)  # NOTE: an int given is compared by identity later
         for name, value, ok, allowed in checks:
             if not ok:
                 raise ConfigError(name, value, f"must be {allowed}", problem="is invalid")

@@ -192,7 +192,8 @@ def test_llm_generate_asks_for_final_outputs_only_and_leaves_the_callers_params_
     assert params.output_kind is RequestOutputKind.CUMULATIVE
 
 
-def test_delta_outputs_are_refused_by_name():
+def test_delta_outputs_are_refused_by_name_and_a_kind_given_as_its_number_is_taken():
     with pytest.raises(ConfigError) as info:
         SamplingParams(output_kind=RequestOutputKind.DELTA)
     assert info.value.field == "output_kind" and "CUMULATIVE or FINAL_ONLY" in str(info.value)
+    assert SamplingParams(output_kind=2).output_kind is RequestOutputKind.FINAL_ONLY  # type: ignore[arg-type]
