@@ -52,10 +52,9 @@ def collect_outputs(engine: LLMEngine, touched: dict[int, SequenceGroup], failed
     engine._publish_kv_events()
     outputs = []
     for group in touched.values():
-        params = group.sampling_params
-        if params is not None and params.output_kind is FINAL_ONLY and not group.is_finished():
-            if group.request_id not in failed:
-                continue  # NOTE: no output built or sent for a step its caller would drop
+        final_only = group.sampling_params.output_kind is FINAL_ONLY
+        if final_only and not group.is_finished() and group.request_id not in failed:
+            continue  # NOTE: no output built or sent for a step its caller would drop
         output = engine._output(group)
         output.error = failed.get(group.request_id)
         if output.finished:
