@@ -48,7 +48,9 @@ def test_bfloat16_bitwise_but_at_near_ties(tokens, hidden, with_residual, thread
     s = want_sum.float()
     tie = near_bf16_tie(s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + 1e-6))
     assert torch.equal(out[~tie], want_out[~tie])
-    assert tie.float().mean() < 0.01
+    # NOTE: a window of 8 float32 ulps holds ~1/8000 of the values: one near-tie in the 64-wide
+    # row is chance (1.6% of it), more would mean the exemption is too wide
+    assert int(tie.sum()) <= max(1, 0.01 * tie.numel())
 
 
 @pytest.mark.parametrize("threads", [1, 2])
