@@ -22,6 +22,10 @@ overhead per step (scheduler + block manager, no model) with many running sequen
     python -m benchmarks.throughput --threads 2 --systems ours,vllm --vllm-python ~/vllm/V/bin/python \
         --workloads fixed --batch-sizes 16,64 --num-requests 32,128 --repeats 2
 
+``--vllm-dtype float32`` has vLLM run the same checkpoint in float32 while ours runs ``--dtype``:
+on a CPU without AVX-512, vLLM's bfloat16 path is far slower than its float32 one. Its greedy
+tokens then come from other arithmetic and are not expected to match ours.
+
 ``--quantization awq`` writes the shape as an AWQ checkpoint (4-bit, group 128:
 :mod:`benchmarks.quant_checkpoint`) that both engines load; run it with ``--systems ours,vllm``.
 ``--quantization int8`` has ours quantize the plain checkpoint per channel at load (``LLM(quantization=
@@ -112,7 +116,7 @@ def run_vllm(model_dir: str, requests, batch_size: int, threads: int, args) -> R
     job = Job(
         model=model_dir,
         requests=[(r.prompt_token_ids, r.output_len) for r in requests],
-        dtype=args.dtype,
+        dtype=args.vllm_dtype or args.dtype,
         max_num_seqs=batch_size,
         max_model_len=2048,
         threads=threads,
@@ -224,6 +228,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--kv-cache-dtype", default=None, help="our KV cache's format: auto, fp8, fp8_e5m2, int8")
     parser.add_argument("--kv-cache-memory", type=float, default=None, help="our KV cache's GiB on CPU (1 if unset)")
     parser.add_argument("--vllm-python", default=None, help="python of a venv with vLLM's CPU build: adds vllm")
+    parser.add_argument(
+        "--vllm-dtype",
+        default=None,
+        choices=DTYPES,
+        help="vLLM's dtype, on the same checkpoint (default: --dtype), e.g. float32 where its bfloat16 path is slow",
+    )
     parser.add_argument("--vllm-kv-cache-gib", type=float, default=4.0, help="vLLM's KV cache (VLLM_CPU_KVCACHE_SPACE)")
     parser.add_argument("--fixed-output", type=int, default=128, help="output tokens per request (fixed)")
     parser.add_argument("--max-output", type=int, default=512, help="longest output (sharegpt)")
@@ -239,6 +249,8 @@ def parse_args() -> argparse.Namespace:
     args.systems = _systems(parser, args)
     if args.quantization == "int8" and any(s != "ours" for s in args.systems):
         parser.error("--quantization int8 quantizes at load, which only ours does: run it with --systems ours")
+    if args.vllm_dtype is not None and "vllm" not in args.systems:
+        parser.error(f"--vllm-dtype={args.vllm_dtype} is vLLM's: add vllm to --systems (and --vllm-python)")
     if args.repeats < 1:
         parser.error(f"--repeats={args.repeats} is out of range: must be >= 1")
     return args
@@ -303,6 +315,7 @@ def main() -> None:
         "kv_cache": _cache_args(args),
         "vllm_python": args.vllm_python,
         "vllm_kv_cache_gib": args.vllm_kv_cache_gib if args.vllm_python else None,
+        "vllm_dtype": (args.vllm_dtype or args.dtype) if "vllm" in args.systems else None,
         "fixed_output": args.fixed_output,
         "max_output": args.max_output,
         "cases": [],

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import argparse
+
 import pytest
 
+from benchmarks import throughput
 from benchmarks.throughput import greedy_check, parse_args, ratios, run_ratios, table
+from benchmarks.workloads import Request
 
 
 def test_greedy_check_counts_requests_that_differ_and_where_they_first_diverge():
@@ -49,3 +53,20 @@ def test_online_int8_runs_ours_alone(monkeypatch, capsys):
     assert "only ours does: run it with --systems ours" in capsys.readouterr().err
     monkeypatch.setattr("sys.argv", ["throughput", "--quantization", "int8", "--systems", "ours"])
     assert parse_args().quantization == "int8"
+
+
+def test_vllm_dtype_goes_to_vllm_alone(monkeypatch, capsys, tmp_path):
+    monkeypatch.setattr("sys.argv", ["throughput", "--systems", "ours", "--vllm-dtype", "float32"])
+    with pytest.raises(SystemExit):
+        parse_args()
+    assert "--vllm-dtype=float32 is vLLM's: add vllm to --systems" in capsys.readouterr().err
+    jobs = []
+    monkeypatch.setattr(throughput, "run_offline", lambda python, job, log: jobs.append(job))
+    requests = [Request([5, 6, 7], 4)]
+    for vllm_dtype in ("float32", None):
+        args = argparse.Namespace(
+            dtype="bfloat16", vllm_dtype=vllm_dtype, vllm_python="py", vllm_kv_cache_gib=1.0, vllm_log="log"
+        )
+        throughput.run_vllm(str(tmp_path), requests, 8, 2, args)
+    assert [job.dtype for job in jobs] == ["float32", "bfloat16"]  # the checkpoint's dtype when unset
+    assert jobs[0].requests == [([5, 6, 7], 4)] and jobs[0].max_num_seqs == 8
