@@ -34,6 +34,39 @@ def test_cpu_default_budget_is_4096_and_logged(tiny_llama, caplog):
     assert "4096 tokens per step" in e.describe()
 
 
+def test_cpu_preempts_by_swap_unless_told_and_logs_it(tiny_llama, caplog):
+    with caplog.at_level(logging.INFO, logger="pagedllm.engine"):
+        e = engine(tiny_llama)
+    assert e.config.scheduler.preemption_mode == e.scheduler.config.preemption_mode == "swap"
+    assert "sequences are preempted by swap (the cpu default)" in caplog.text
+    assert engine(tiny_llama, preemption_mode="recompute").scheduler.config.preemption_mode == "recompute"
+
+
+def test_a_tight_cpu_cache_swaps_single_sequences_out_and_back_without_recomputing(tiny_llama):
+    prompts = make_prompts(6, min_len=20, max_len=60, seed=5)
+    roomy, tight = engine(tiny_llama, block_size=8), engine(tiny_llama, block_size=8, num_gpu_blocks_override=16)
+    outputs: dict[str, dict[str, list[int]]] = {"roomy": {}, "tight": {}}
+    computed: dict[int, int] = {}  # NOTE: a recompute would reset a sequence's computed tokens to 0
+    swapped_out = 0
+    for name, e in (("roomy", roomy), ("tight", tight)):
+        for i, prompt in enumerate(prompts):
+            e.add_request(str(i), {"prompt_token_ids": prompt}, greedy(40))
+        while e.has_unfinished_requests():
+            for out in e.step():
+                if out.finished:
+                    outputs[name][out.request_id] = list(out.outputs[0].token_ids)
+            if e is tight:
+                swapped_out = max(swapped_out, len(e.scheduler.swapped))
+                groups = [*e.scheduler.running, *e.scheduler.swapped, *e.scheduler.waiting]
+                for seq in (s for g in groups for s in g.seqs):
+                    assert seq.num_computed_tokens >= computed.get(seq.seq_id, 0), "a sequence was recomputed"
+                    computed[seq.seq_id] = seq.num_computed_tokens
+    assert tight.scheduler.num_preemptions > 0 and swapped_out > 0
+    assert outputs["tight"] == outputs["roomy"]
+    bm = tight.scheduler.block_manager
+    assert bm.gpu.num_free == 16 and bm.cpu.num_free == bm.cpu.num_blocks  # nothing leaked on either side
+
+
 def test_explicit_budget_is_kept(tiny_llama):
     e = engine(tiny_llama, max_num_batched_tokens=96)
     assert e.config.scheduler.token_budget == e.scheduler.token_budget == 96
