@@ -51,9 +51,10 @@ def with_token_budget(config: EngineConfig, device_type: str, max_model_len: int
 
 
 def with_preemption_mode(config: EngineConfig, device_type: str) -> EngineConfig:
-    """``config`` with ``preemption_mode`` resolved for the device it runs on (None stays None on CUDA)."""
+    """``config`` with ``preemption_mode`` resolved for the device it runs on (None stays None on
+    CUDA, and where ``swap_space`` is 0: nothing could be swapped out)."""
     mode = choose_preemption_mode(config.scheduler, device_type)
-    if mode == config.scheduler.preemption_mode:
+    if mode == config.scheduler.preemption_mode or config.cache.swap_space == 0:
         return config
     logger.info("sequences are preempted by %s (the %s default)", mode, device_type)
     return dataclasses.replace(config, scheduler=dataclasses.replace(config.scheduler, preemption_mode=mode))

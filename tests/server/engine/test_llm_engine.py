@@ -40,6 +40,7 @@ def test_cpu_preempts_by_swap_unless_told_and_logs_it(tiny_llama, caplog):
     assert e.config.scheduler.preemption_mode == e.scheduler.config.preemption_mode == "swap"
     assert "sequences are preempted by swap (the cpu default)" in caplog.text
     assert engine(tiny_llama, preemption_mode="recompute").scheduler.config.preemption_mode == "recompute"
+    assert engine(tiny_llama, swap_space=0).scheduler.config.preemption_mode is None  # NOTE: no room to swap to
 
 
 def test_a_tight_cpu_cache_swaps_single_sequences_out_and_back_without_recomputing(tiny_llama):
