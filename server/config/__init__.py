@@ -25,13 +25,11 @@ from pagedllm.server.config.model import (
 )
 from pagedllm.server.config.parallel import ParallelConfig
 from pagedllm.server.config.scheduler import (
-    DEFAULT_PREEMPTION_MODES,
     DEFAULT_PREFILL_WHILE_DECODING,
     DEFAULT_TOKEN_BUDGETS,
     PREEMPTION_MODES,
     SchedulerConfig,
     TokenBudget,
-    choose_preemption_mode,
     choose_token_budget,
 )
 from pagedllm.server.config.speculative import (
@@ -44,7 +42,6 @@ from pagedllm.server.config.speculative import (
 __all__ = [
     "ATTENTION_BACKENDS",
     "DEFAULT_BLOCK_SIZES",
-    "DEFAULT_PREEMPTION_MODES",
     "DEFAULT_PREFILL_WHILE_DECODING",
     "DEFAULT_PROMPT_LOOKUP",
     "DEFAULT_TOKEN_BUDGETS",
@@ -74,7 +71,6 @@ __all__ = [
     "TokenBudget",
     "check_choice",
     "check_range",
-    "choose_preemption_mode",
     "choose_token_budget",
     "engine_fields",
     "field_help",

@@ -32,8 +32,7 @@ class SchedulerConfig:
     preemption_mode: str | None = field(
         default=None,
         metadata=field_help(
-            "How to preempt (default: swap on CPU; on CUDA recompute single sequences, swap groups).",
-            choices=PREEMPTION_MODES,
+            "How to preempt (default: recompute single sequences, swap groups).", choices=PREEMPTION_MODES
         ),
     )
     enable_chunked_prefill: bool = field(
@@ -108,25 +107,6 @@ NOTE: on CPU a step's prompt tokens cost about 0.23 ms each in float32 on 2 core
 GEMMs run at their peak from about 64 rows on), so 256 of them stall every decoding stream
 for about 60 ms on top of its decode step, where a 4096-token step would stall it for ~1 s.
 """
-
-
-DEFAULT_PREEMPTION_MODES: dict[str, str | None] = {"cpu": "swap", "cuda": None}
-"""``preemption_mode`` when unset, by device type; None: recompute single sequences, swap groups.
-
-NOTE: on CPU the host memory a sequence swaps out to is the RAM its cache is in, so a swap is a
-copy of its blocks, where a recompute runs its prompt and output through the model again
-(~4 ms a token for the Qwen2.5-0.5B shape on 2 AVX2 cores). With a KV budget that limits the
-batch, swapping computed 10,258 prompt tokens where recomputing computed 18,331, for 1.16x the
-output tokens/s (``python -m benchmarks.kv_budget --shape qwen2.5-0.5b --threads 2
---kv-cache-memory 0.02 --kv-cache-dtypes auto --num-requests 64 --batch-size 64
---preemption-mode M``). A group that finds the host space (``swap_space``) full is recomputed.
-"""
-
-
-def choose_preemption_mode(config: SchedulerConfig, device_type: str) -> str | None:
-    """``preemption_mode`` on ``device_type``: the one given, else the device's default."""
-    check_choice("device", device_type, [d for d in DEVICES if d != "auto"])
-    return config.preemption_mode or DEFAULT_PREEMPTION_MODES[device_type]
 
 
 @dataclass(frozen=True)

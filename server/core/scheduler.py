@@ -5,7 +5,7 @@ Each call of :meth:`Scheduler.schedule` plans one model step, in this order:
 1. running groups: decodes first, then prompts still being prefilled in chunks;
    when a sequence cannot get a block, the latest-arrived running group is preempted
    (recompute for single-sequence groups, swap for multi-sequence ones, or as
-   ``preemption_mode`` forces: the engine sets swap on CPU, where it is a copy in RAM);
+   ``preemption_mode`` forces);
 2. swapped groups come back, oldest first, if nothing was preempted this step;
 3. waiting prompts are admitted, oldest first, only when no group is swapped out.
 

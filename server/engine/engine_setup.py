@@ -13,7 +13,7 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from pagedllm.server.config import ConfigError, EngineConfig, choose_preemption_mode, choose_token_budget
+from pagedllm.server.config import ConfigError, EngineConfig, choose_token_budget
 from pagedllm.server.core.block_manager import BlockManager
 from pagedllm.server.core.kv_reservation import KVReservation
 from pagedllm.server.core.sequence import Sequence
@@ -48,16 +48,6 @@ def with_token_budget(config: EngineConfig, device_type: str, max_model_len: int
     if budget.prefill_while_decoding is not None:
         logger.info("prompts take up to %d tokens of a step while more sequences decode", budget.prefill_while_decoding)
     return dataclasses.replace(config, scheduler=config.scheduler.with_token_budget(budget))
-
-
-def with_preemption_mode(config: EngineConfig, device_type: str) -> EngineConfig:
-    """``config`` with ``preemption_mode`` resolved for the device it runs on (None stays None on
-    CUDA, and where ``swap_space`` is 0: nothing could be swapped out)."""
-    mode = choose_preemption_mode(config.scheduler, device_type)
-    if mode == config.scheduler.preemption_mode or config.cache.swap_space == 0:
-        return config
-    logger.info("sequences are preempted by %s (the %s default)", mode, device_type)
-    return dataclasses.replace(config, scheduler=dataclasses.replace(config.scheduler, preemption_mode=mode))
 
 
 def check_scheduler_fits(config: EngineConfig, max_model_len: int) -> None:

@@ -89,7 +89,6 @@ class LLMEngine:
         info = read_model_info(config, hf_config, self.tokenizer)
         device_type = Executor.device_type(config.model.device)
         config = setup.with_token_budget(config, device_type, info.max_model_len)
-        config = setup.with_preemption_mode(config, device_type)
         config = self.config = dataclasses.replace(config, cache=config.cache.with_block_size(device_type))
         setup.check_scheduler_fits(config, info.max_model_len)
         setup.check_speculation(config)

@@ -14,7 +14,6 @@ from pagedllm.server.config import (
     KVEventsConfig,
     SchedulerConfig,
     SpeculativeConfig,
-    choose_preemption_mode,
     choose_token_budget,
 )
 
@@ -88,14 +87,6 @@ def test_the_flag_help_names_both_defaults():
     action = next(a for a in parser._actions if a.dest == "max_num_batched_tokens")
     assert action.default is None
     assert "4096 on CPU" in action.help and "2048 on CUDA" in action.help and "(default: None)" not in action.help
-
-
-@pytest.mark.parametrize(("device", "mode"), [("cpu", "swap"), ("cuda", None)])
-def test_an_unset_preemption_mode_is_the_devices_default_and_a_given_one_wins(device, mode):
-    assert choose_preemption_mode(SchedulerConfig(), device) == mode
-    assert choose_preemption_mode(SchedulerConfig(preemption_mode="recompute"), device) == "recompute"
-    with pytest.raises(ConfigError):
-        choose_preemption_mode(SchedulerConfig(), "auto")
 
 
 # -- block size ----------------------------------------------------------------------------------------

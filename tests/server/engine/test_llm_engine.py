@@ -34,18 +34,10 @@ def test_cpu_default_budget_is_4096_and_logged(tiny_llama, caplog):
     assert "4096 tokens per step" in e.describe()
 
 
-def test_cpu_preempts_by_swap_unless_told_and_logs_it(tiny_llama, caplog):
-    with caplog.at_level(logging.INFO, logger="pagedllm.engine"):
-        e = engine(tiny_llama)
-    assert e.config.scheduler.preemption_mode == e.scheduler.config.preemption_mode == "swap"
-    assert "sequences are preempted by swap (the cpu default)" in caplog.text
-    assert engine(tiny_llama, preemption_mode="recompute").scheduler.config.preemption_mode == "recompute"
-    assert engine(tiny_llama, swap_space=0).scheduler.config.preemption_mode is None  # NOTE: no room to swap to
-
-
-def test_a_tight_cpu_cache_swaps_single_sequences_out_and_back_without_recomputing(tiny_llama):
+def test_swap_preemption_takes_single_sequences_out_and_back_without_recomputing(tiny_llama):
     prompts = make_prompts(6, min_len=20, max_len=60, seed=5)
-    roomy, tight = engine(tiny_llama, block_size=8), engine(tiny_llama, block_size=8, num_gpu_blocks_override=16)
+    roomy = engine(tiny_llama, block_size=8)
+    tight = engine(tiny_llama, block_size=8, num_gpu_blocks_override=16, preemption_mode="swap")
     outputs: dict[str, dict[str, list[int]]] = {"roomy": {}, "tight": {}}
     computed: dict[int, int] = {}  # NOTE: a recompute would reset a sequence's computed tokens to 0
     swapped_out = 0
