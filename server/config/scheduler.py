@@ -29,6 +29,15 @@ class SchedulerConfig:
             " which bounds their inter-token stall; needs chunked prefill (default 256 on CPU, none on CUDA)."
         ),
     )
+    prompt_burst_split_tokens: int | None = field(
+        default=None,
+        metadata=field_help(
+            "Prompts that arrive together while nothing decodes, more tokens than this in all, are prefilled"
+            " in two steps: the first half's streams get their first token a step sooner and wait for the"
+            " second half, so the burst decodes together; 0 turns it off (default 512 on CPU; off on CUDA and"
+            " with async scheduling)."
+        ),
+    )
     preemption_mode: str | None = field(
         default=None,
         metadata=field_help(
@@ -62,6 +71,7 @@ class SchedulerConfig:
         check_range("max_num_seqs", self.max_num_seqs, 1)
         check_range("max_num_batched_tokens", self.max_num_batched_tokens, 1)
         check_range("max_prefill_tokens_while_decoding", self.max_prefill_tokens_while_decoding, 1)
+        check_range("prompt_burst_split_tokens", self.prompt_burst_split_tokens, 0)
         if self.max_prefill_tokens_while_decoding is not None and not self.enable_chunked_prefill:
             raise ConfigError(
                 "max_prefill_tokens_while_decoding",
@@ -70,6 +80,13 @@ class SchedulerConfig:
                 problem="is not allowed",
             )
         check_choice("preemption_mode", self.preemption_mode, PREEMPTION_MODES)
+        if self.prompt_burst_split_tokens and self.async_scheduling:
+            raise ConfigError(
+                "prompt_burst_split_tokens",
+                self.prompt_burst_split_tokens,
+                "0 or unset with async_scheduling (a step is planned before the one ahead of it has run)",
+                problem="is not allowed",
+            )
 
     @property
     def token_budget(self) -> int:
@@ -86,7 +103,10 @@ class SchedulerConfig:
     def with_token_budget(self, budget: TokenBudget) -> SchedulerConfig:
         """This config with its token budget resolved (what the engine runs with)."""
         return dataclasses.replace(
-            self, max_num_batched_tokens=budget.tokens, max_prefill_tokens_while_decoding=budget.prefill_while_decoding
+            self,
+            max_num_batched_tokens=budget.tokens,
+            max_prefill_tokens_while_decoding=budget.prefill_while_decoding,
+            prompt_burst_split_tokens=budget.burst_split,
         )
 
 
@@ -96,7 +116,8 @@ DEFAULT_TOKEN_BUDGETS = {"cpu": 4096, "cuda": 2048}
 NOTE: on CPU a step's time grows with its tokens while throughput does not (on 2 cores
 budgets 256-2048 gave the same tokens/s, ``benchmarks/prefill_budget.py``); what the
 budget decides is how prompts that arrive together are batched. A large one prefills them
-in one step, so they decode and finish together, and running streams are stalled only
+in one step (two for a large burst, :data:`DEFAULT_BURST_SPLIT`), so they decode and finish
+together, and running streams are stalled only
 where :data:`DEFAULT_PREFILL_WHILE_DECODING` lets them be. On CUDA it is vLLM's default.
 """
 
@@ -108,6 +129,19 @@ GEMMs run at their peak from about 64 rows on), so 256 of them stall every decod
 for about 60 ms on top of its decode step, where a 4096-token step would stall it for ~1 s.
 """
 
+DEFAULT_BURST_SPLIT: dict[str, int] = {"cpu": 512, "cuda": 0}
+"""``prompt_burst_split_tokens`` when unset, by device type.
+
+NOTE: on CPU a step of prompts is compute-bound: eight 256-token prompts arriving together
+take one step of seconds, and every one of them gets its first token at its end. Prefilled
+in two halves (the GEMMs run at the same rate from a few hundred rows on), the first half
+answers at half that time and no token of any stream comes later: the first half's streams
+wait for the second half's step, so the burst still decodes and finishes together (see
+:data:`DEFAULT_TOKEN_BUDGETS`). More than two parts would answer sooner still, but each
+part adds one first-to-second-token gap to the streams answered before it. Below ~512
+tokens a step is short and splitting gains nothing.
+"""
+
 
 @dataclass(frozen=True)
 class TokenBudget:
@@ -116,6 +150,8 @@ class TokenBudget:
     """Where the number came from, for the start-up log."""
     prefill_while_decoding: int | None = None
     """Prompt tokens per step while more sequences decode than prompts wait (None: the whole budget)."""
+    burst_split: int = 0
+    """Prompt tokens above which a burst that arrives while nothing decodes is prefilled in two steps (0: never)."""
 
 
 def choose_token_budget(config: SchedulerConfig, device_type: str, max_model_len: int) -> TokenBudget:
@@ -130,8 +166,11 @@ def choose_token_budget(config: SchedulerConfig, device_type: str, max_model_len
     cap = config.max_prefill_tokens_while_decoding
     if cap is None and config.enable_chunked_prefill:
         cap = DEFAULT_PREFILL_WHILE_DECODING[device_type]
+    burst = config.prompt_burst_split_tokens
+    if burst is None:
+        burst = 0 if config.async_scheduling else DEFAULT_BURST_SPLIT[device_type]
     if config.max_num_batched_tokens is not None:
-        return TokenBudget(config.max_num_batched_tokens, "set by max_num_batched_tokens", cap)
+        return TokenBudget(config.max_num_batched_tokens, "set by max_num_batched_tokens", cap, burst)
     default = DEFAULT_TOKEN_BUDGETS[device_type]
     tokens, reason = default, f"the {device_type} default"
     if config.max_num_seqs > tokens:
@@ -144,4 +183,4 @@ def choose_token_budget(config: SchedulerConfig, device_type: str, max_model_len
             max_model_len,
             f"max_model_len, chunked prefill being off (the {device_type} default is {default})",
         )
-    return TokenBudget(tokens, reason, cap)
+    return TokenBudget(tokens, reason, cap, burst)

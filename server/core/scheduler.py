@@ -9,6 +9,9 @@ Each call of :meth:`Scheduler.schedule` plans one model step, in this order:
 2. swapped groups come back, oldest first, if nothing was preempted this step;
 3. waiting prompts are admitted, oldest first, only when no group is swapped out.
 
+A large burst of prompts that arrives while nothing decodes is admitted over two steps,
+the first half's streams waiting for the second (:mod:`~pagedllm.server.core.prompt_burst`).
+
 A prompt longer than the step's remaining token budget is prefilled over several
 steps. Admission is strictly first-come-first-served on blocks, so a large prompt
 waits only until enough running sequences finish, never behind later arrivals.
@@ -28,6 +31,7 @@ from dataclasses import dataclass, field
 from pagedllm.server.config import SchedulerConfig
 from pagedllm.server.core.block_manager import AllocStatus, BlockManager
 from pagedllm.server.core.lora_slots import LoRASlots
+from pagedllm.server.core.prompt_burst import PromptBurst, in_first_half, prompt_tokens
 from pagedllm.server.core.sequence import FINISHED, Sequence, SequenceGroup, SequenceStatus
 from pagedllm.server.core.sequence_updates import SequenceUpdater, StepUpdates
 from pagedllm.server.core.step_budget import StepBudget, any_prefill
@@ -82,6 +86,7 @@ class Scheduler:
         """Applies what a step decided to sequences and groups: the one writer of their state."""
         self.worker_view = WorkerView(block_manager)
         """What the workers know of each sequence: each step's output carries only what changed."""
+        self.burst = PromptBurst(config.prompt_burst_split_tokens or 0, config.max_num_seqs)
 
     # -- queues -------------------------------------------------------------------------
     def add(self, group: SequenceGroup) -> None:
@@ -122,12 +127,27 @@ class Scheduler:
     # -- one step -----------------------------------------------------------------------
     def schedule(self) -> ScheduledStep:
         out = ScheduledStep()
-        budget = StepBudget.for_step(self.config, self.token_budget, self.running, self.waiting)
-        self._schedule_running(budget, out)
+        burst, held = self.burst.plan(self.running, self.waiting, self.swapped)
+        held_seqs = sum(len(g.running_seqs()) for g in held)
+        if held:  # NOTE: the burst's rest may be more prompts than the held streams: the whole budget
+            budget = StepBudget(self.token_budget, self.config.max_num_seqs, seqs=held_seqs)  # NOTE: seats stay theirs
+        else:
+            budget = StepBudget.for_step(self.config, self.token_budget, self.running, self.waiting)
+        self._schedule_running(budget, out, held)
         if not out.preempted:
             self._schedule_swapped(budget, out)
+        admitted = []
         if not out.preempted and not self.swapped:
-            self._schedule_waiting(budget, out)
+            admitted = self._schedule_waiting(budget, out, burst)
+        if held and not admitted:  # NOTE: nothing more of the burst could start: its streams go on now
+            budget.seqs -= held_seqs
+            pending = dict.fromkeys(g for g in held if g in self.running)
+            for group in list(pending):
+                if group in pending:
+                    self._take(group, budget, out, group.running_seqs(), pending)
+                    pending.pop(group, None)
+        if burst is not None:
+            self.burst.admitted(admitted)
         out.num_batched_tokens = budget.tokens
         now = time.monotonic()
         for item in out.scheduled:
@@ -139,10 +159,13 @@ class Scheduler:
                 out.lora_slots[lora_id] = self.loras.slot_of[lora_id]
         return out
 
-    def _schedule_running(self, budget: StepBudget, out: ScheduledStep) -> None:
+    def _schedule_running(self, budget: StepBudget, out: ScheduledStep, held: list[SequenceGroup]) -> None:
         decodes: list[tuple[SequenceGroup, list[Sequence]]] = []
         prefills: list[tuple[SequenceGroup, list[Sequence]]] = []
+        skip = set(held)
         for group in self.running:
+            if group in skip:
+                continue
             seqs = group.running_seqs()
             (prefills if any_prefill(seqs) else decodes).append((group, seqs))
         # NOTE: `pending` keeps arrival order, so popitem() yields the latest-arrived group.
@@ -275,9 +298,15 @@ class Scheduler:
             self._insert_running(group)
             self._take(group, budget, out, seqs)
 
-    def _schedule_waiting(self, budget: StepBudget, out: ScheduledStep) -> None:
+    def _schedule_waiting(self, budget: StepBudget, out: ScheduledStep, burst: int | None) -> list[SequenceGroup]:
+        """Admit waiting prompts, oldest first (the first half of a ``burst`` of that many prompt
+        tokens, see :mod:`~pagedllm.server.core.prompt_burst`); return them."""
+        admitted: list[SequenceGroup] = []
+        start = budget.tokens
         while self.waiting and budget.tokens_left > 0:
             group = self.waiting[0]
+            if burst is not None and admitted and not in_first_half(budget.tokens - start, prompt_tokens(group), burst):
+                break
             seqs = group.get_seqs(SequenceStatus.WAITING)
             if budget.seqs + group.max_num_running_seqs > budget.max_seqs:
                 break
@@ -305,6 +334,8 @@ class Scheduler:
             self._insert_running(group)
             if not self._take(group, budget, out, seqs):
                 break
+            admitted.append(group)
+        return admitted
 
     def _give_up(self, group: SequenceGroup, status: SequenceStatus, out: ScheduledStep) -> None:
         """A group larger than the whole cache finishes with what it has ("length")."""

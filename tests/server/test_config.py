@@ -18,14 +18,25 @@ from pagedllm.server.config import (
 )
 
 
-def test_cpu_default_is_4096_with_256_prompt_tokens_while_decoding():
+def test_cpu_default_is_4096_with_256_prompt_tokens_while_decoding_and_bursts_split_over_512():
     budget = choose_token_budget(SchedulerConfig(), "cpu", max_model_len=4096)
     assert (budget.tokens, budget.reason, budget.prefill_while_decoding) == (4096, "the cpu default", 256)
+    assert budget.burst_split == 512
 
 
-def test_cuda_default_is_2048_without_a_bound_while_decoding():
+def test_cuda_default_is_2048_without_a_bound_while_decoding_nor_burst_split():
     budget = choose_token_budget(SchedulerConfig(), "cuda", max_model_len=4096)
     assert (budget.tokens, budget.reason, budget.prefill_while_decoding) == (2048, "the cuda default", None)
+    assert budget.burst_split == 0
+
+
+def test_burst_split_is_off_with_async_scheduling_and_refused_when_asked_for_with_it():
+    assert choose_token_budget(SchedulerConfig(async_scheduling=True), "cpu", 4096).burst_split == 0
+    config = SchedulerConfig(prompt_burst_split_tokens=64)
+    assert config.with_token_budget(choose_token_budget(config, "cpu", 4096)).prompt_burst_split_tokens == 64
+    with pytest.raises(ConfigError) as info:
+        SchedulerConfig(async_scheduling=True, prompt_burst_split_tokens=64)
+    assert (info.value.field, info.value.value) == ("prompt_burst_split_tokens", 64)
 
 
 def test_the_bound_while_decoding_is_kept_when_set_and_off_without_chunked_prefill():

@@ -299,3 +299,52 @@ def test_fork_shares_the_parents_blocks_and_drop_releases_one_reference_each():
     assert bm.gpu.ref_counts[:4] == [1, 1, 0, 0] and group.seqs == [child]
     s.updater.apply_group(group, GroupUpdate("r", drops=(5,)))
     assert bm.tables == {} and bm.gpu.ref_counts == [0] * 16 and bm.gpu.num_free == 16
+
+
+def test_a_large_burst_is_prefilled_in_two_steps_and_then_decodes_together():
+    s = make_scheduler(num_blocks=256, block_size=16)
+    assert s.config.prompt_burst_split_tokens == 512  # the CPU default
+    for i in range(4):
+        s.add(make_request(f"p{i}", 200, i, arrival=float(i)))
+    assert _tokens_by_request(run_step(s)) == {"p0": 200, "p1": 200}  # half the burst's 800 tokens
+    assert _tokens_by_request(run_step(s)) == {"p2": 200, "p3": 200}  # p0 and p1 wait for the rest
+    assert _tokens_by_request(run_step(s)) == {f"p{i}": 1 for i in range(4)}
+    s.add(make_request("late", 600, 4, arrival=5.0))  # not a burst: streams decode, one prompt arrives
+    assert _tokens_by_request(run_step(s)) == {**{f"p{i}": 1 for i in range(4)}, "late": 256}
+
+
+@pytest.mark.parametrize(
+    ("prompts", "config"),
+    [((100, 100, 100), {}), ((200, 200, 200, 200), {"prompt_burst_split_tokens": 0}), ((900,), {})],
+    ids=["below-the-threshold", "turned-off", "a-lone-prompt"],
+)
+def test_bursts_that_are_not_split_take_one_step(prompts, config):
+    s = make_scheduler(num_blocks=256, block_size=16, **config)
+    for i, n in enumerate(prompts):
+        s.add(make_request(f"p{i}", n, i, arrival=float(i)))
+    assert _tokens_by_request(run_step(s)) == {f"p{i}": n for i, n in enumerate(prompts)}
+
+
+def test_held_streams_decode_when_the_rest_of_their_burst_cannot_start():
+    s = make_scheduler(num_blocks=30, block_size=16)  # two 200-token prompts take 26 blocks
+    for i in range(3):
+        s.add(make_request(f"p{i}", 200, i, arrival=float(i)))
+    assert _tokens_by_request(run_step(s)) == {"p0": 200, "p1": 200}
+    assert _tokens_by_request(run_step(s)) == {"p0": 1, "p1": 1}  # p2 has no room: nobody is held
+    assert [g.request_id for g in s.waiting] == ["p2"]
+
+
+def test_a_stream_with_only_its_first_token_waits_for_the_burst_that_follows_it():
+    # NOTE: with a few clients the first of a burst is often prefilled alone, a step before the rest
+    s = make_scheduler(num_blocks=256, block_size=16)
+    s.add(make_request("first", 200, 0, arrival=0.0))
+    run_step(s)
+    for i in range(1, 5):
+        s.add(make_request(f"p{i}", 200, i, arrival=float(i)))
+    assert _tokens_by_request(run_step(s)) == {"p1": 200, "p2": 200}
+    assert _tokens_by_request(run_step(s)) == {"p3": 200, "p4": 200}
+    assert _tokens_by_request(run_step(s)) == {"first": 1, **{f"p{i}": 1 for i in range(1, 5)}}  # in step
+    s.add(make_request("p5", 300, 5, arrival=5.0))
+    s.add(make_request("p6", 300, 6, arrival=6.0))
+    # streams past their first token: no burst, the prompts are bounded beside the decodes
+    assert _tokens_by_request(run_step(s)) == {"first": 1, **{f"p{i}": 1 for i in range(1, 5)}, "p5": 256}

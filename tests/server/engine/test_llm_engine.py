@@ -54,6 +54,23 @@ def test_swap_preemption_takes_single_sequences_out_and_back_without_recomputing
     assert_all_blocks_free(e)
 
 
+def test_a_burst_of_prompts_is_answered_over_two_steps_and_matches_transformers(tiny_llama):
+    e = engine(tiny_llama, block_size=16)
+    prompts = make_prompts(4, min_len=150, max_len=200, seed=7)  # over the CPU's 512-token split
+    for i, prompt in enumerate(prompts):
+        e.add_request(str(i), {"prompt_token_ids": prompt}, greedy(6))
+    outputs, tokens = {}, []
+    while e.has_unfinished_requests():
+        for o in e.step():
+            outputs[o.request_id] = o
+        tokens.append([len(outputs[str(i)].outputs[0].token_ids) if str(i) in outputs else 0 for i in range(4)])
+    assert tokens[:3] == [[1, 1, 0, 0], [1, 1, 1, 1], [2, 2, 2, 2]]  # then the burst decodes together
+    ref = HFReference(tiny_llama)
+    for i, prompt in enumerate(prompts):
+        assert_greedy_matches(ref, prompt, outputs[str(i)].outputs[0].token_ids, ref.greedy(prompt, 6))
+    assert_all_blocks_free(e)
+
+
 def test_explicit_budget_is_kept(tiny_llama):
     e = engine(tiny_llama, max_num_batched_tokens=96)
     assert e.config.scheduler.token_budget == e.scheduler.token_budget == 96
