@@ -32,10 +32,10 @@ class SchedulerConfig:
     prompt_burst_split_tokens: int | None = field(
         default=None,
         metadata=field_help(
-            "Prompts that arrive together while nothing decodes, more tokens than this in all, are prefilled"
-            " in two steps: the first half's streams get their first token a step sooner and wait for the"
-            " second half, so the burst decodes together; 0 turns it off (default 512 on CPU; off on CUDA and"
-            " with async scheduling)."
+            "Prompts that arrive together while nothing decodes, more tokens than this in all (and within the"
+            " token budget), are prefilled in two steps: the first half's streams get their first token a step"
+            " sooner and wait for the second half, so the burst decodes together; 0 turns it off (default 512"
+            " on CPU; off on CUDA and with async scheduling)."
         ),
     )
     preemption_mode: str | None = field(

@@ -1,14 +1,15 @@
 """Prompts that arrive together before anything decodes: prefilled in two steps, decoded together.
 
 On a CPU a step of prompts is compute-bound, so a burst of prompts prefilled in one step
-answers every one of them at that step's end. :class:`PromptBurst` splits a large burst in
-two: the first step admits the oldest prompts, as many as come nearest half the burst's
-tokens (:func:`in_first_half`), and their streams get their first token then; the next
-step admits the rest. Streams that have their first token only (the first half's, and any
-of the burst prefilled alone a step before it, as often happens with a few clients) are
-*held* meanwhile: not scheduled, so the whole burst decodes from the step after on and
-finishes together, and no token comes later than with one step but that held stream's
-second (``prompt_burst_split_tokens``, :data:`~pagedllm.server.config.scheduler.DEFAULT_BURST_SPLIT`).
+answers every one of them at that step's end. :class:`PromptBurst` splits a large burst that
+one step's token budget holds in two: the first step admits the oldest prompts, as many as
+come nearest half the burst's tokens (:func:`in_first_half`), and their streams get their
+first token then; the next step admits the rest. Streams that have their first token only
+(the first half's, and any of the burst prefilled alone a step before it, as often happens
+with a few clients) are *held* meanwhile: not scheduled, so the whole burst decodes from
+the step after on and finishes together, and no token comes later than with one step but
+a stream prefilled before the burst's second (``prompt_burst_split_tokens``,
+:data:`~pagedllm.server.config.scheduler.DEFAULT_BURST_SPLIT`).
 """
 
 from __future__ import annotations
@@ -28,10 +29,14 @@ class PromptBurst:
         """The last step admitted a burst's first half: this one admits the rest."""
 
     def plan(
-        self, running: list[SequenceGroup], waiting: Collection[SequenceGroup], swapped: Collection
+        self, running: list[SequenceGroup], waiting: Collection[SequenceGroup], swapped: Collection, token_budget: int
     ) -> tuple[int | None, list[SequenceGroup]]:
         """The prompt tokens of the burst whose first half this step admits (None: no burst starts),
-        and the groups it holds (streams with only their first token, while a burst is admitted)."""
+        and the groups it holds (streams with only their first token, while a burst is admitted).
+
+        NOTE: only a burst that one step's ``token_budget`` holds is split: a larger one is spread
+        over steps by the budget anyway, and holding streams through all of them would delay
+        their next tokens."""
         second_step, self._second_step = self._second_step, False
         if second_step:
             return None, _fresh(running)
@@ -40,7 +45,7 @@ class PromptBurst:
         seats = max(self.max_num_seqs - len(running), 0)
         burst = [group for _, group in zip(range(seats), waiting, strict=False)]
         tokens = sum(prompt_tokens(group) for group in burst)
-        if len(burst) < 2 or tokens <= self.split_tokens:
+        if len(burst) < 2 or not self.split_tokens < tokens <= token_budget:
             return None, []
         return tokens, _fresh(running)
 

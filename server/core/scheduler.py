@@ -127,7 +127,7 @@ class Scheduler:
     # -- one step -----------------------------------------------------------------------
     def schedule(self) -> ScheduledStep:
         out = ScheduledStep()
-        burst, held = self.burst.plan(self.running, self.waiting, self.swapped)
+        burst, held = self.burst.plan(self.running, self.waiting, self.swapped, self.token_budget)
         held_seqs = sum(len(g.running_seqs()) for g in held)
         if held:  # NOTE: the burst's rest may be more prompts than the held streams: the whole budget
             budget = StepBudget(self.token_budget, self.config.max_num_seqs, seqs=held_seqs)  # NOTE: seats stay theirs

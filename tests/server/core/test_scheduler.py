@@ -315,14 +315,23 @@ def test_a_large_burst_is_prefilled_in_two_steps_and_then_decodes_together():
 
 @pytest.mark.parametrize(
     ("prompts", "config"),
-    [((100, 100, 100), {}), ((200, 200, 200, 200), {"prompt_burst_split_tokens": 0}), ((900,), {})],
-    ids=["below-the-threshold", "turned-off", "a-lone-prompt"],
+    [
+        ((100, 100, 100), {}),
+        ((200, 200, 200, 200), {"prompt_burst_split_tokens": 0}),
+        ((900,), {}),
+        ((300, 300, 300), {"max_num_batched_tokens": 600}),
+    ],
+    ids=["below-the-threshold", "turned-off", "a-lone-prompt", "over-the-token-budget"],
 )
-def test_bursts_that_are_not_split_take_one_step(prompts, config):
+def test_bursts_that_are_not_split_take_as_many_steps_as_the_budget_says(prompts, config):
     s = make_scheduler(num_blocks=256, block_size=16, **config)
     for i, n in enumerate(prompts):
         s.add(make_request(f"p{i}", n, i, arrival=float(i)))
-    assert _tokens_by_request(run_step(s)) == {f"p{i}": n for i, n in enumerate(prompts)}
+    budget = s.token_budget
+    first = _tokens_by_request(run_step(s))
+    assert sum(first.values()) == min(sum(prompts), budget) and first["p0"] == prompts[0]
+    if sum(prompts) > budget:  # chunked by the budget, the streams it answered decoding beside the rest
+        assert _tokens_by_request(run_step(s)) == {"p0": 1, "p1": 1, "p2": 256}
 
 
 def test_held_streams_decode_when_the_rest_of_their_burst_cannot_start():
