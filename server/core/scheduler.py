@@ -128,24 +128,17 @@ class Scheduler:
     def schedule(self) -> ScheduledStep:
         out = ScheduledStep()
         burst, held = self.burst.plan(self.running, self.waiting, self.swapped, self.token_budget)
-        held_seqs = sum(len(g.running_seqs()) for g in held)
-        if held:  # NOTE: the burst's rest may be more prompts than the held streams: the whole budget
-            budget = StepBudget(self.token_budget, self.config.max_num_seqs, seqs=held_seqs)  # NOTE: seats stay theirs
-        else:
-            budget = StepBudget.for_step(self.config, self.token_budget, self.running, self.waiting)
-        self._schedule_running(budget, out, held)
+        budget = StepBudget.for_step(self.config, self.token_budget, self.running, self.waiting, held)
+        skip = set(held)
+        self._take_running([g for g in self.running if g not in skip], budget, out, dict.fromkeys(self.running))
         if not out.preempted:
             self._schedule_swapped(budget, out)
         admitted = []
         if not out.preempted and not self.swapped:
             admitted = self._schedule_waiting(budget, out, burst)
         if held and not admitted:  # NOTE: nothing more of the burst could start: its streams go on now
-            budget.seqs -= held_seqs
-            pending = dict.fromkeys(g for g in held if g in self.running)
-            for group in list(pending):
-                if group in pending:
-                    self._take(group, budget, out, group.running_seqs(), pending)
-                    pending.pop(group, None)
+            budget.seqs -= sum(len(g.running_seqs()) for g in held)
+            self._take_running(held, budget, out, dict.fromkeys(g for g in held if g in self.running))
         if burst is not None:
             self.burst.admitted(admitted)
         out.num_batched_tokens = budget.tokens
@@ -159,20 +152,13 @@ class Scheduler:
                 out.lora_slots[lora_id] = self.loras.slot_of[lora_id]
         return out
 
-    def _schedule_running(self, budget: StepBudget, out: ScheduledStep, held: list[SequenceGroup]) -> None:
-        decodes: list[tuple[SequenceGroup, list[Sequence]]] = []
-        prefills: list[tuple[SequenceGroup, list[Sequence]]] = []
-        skip = set(held)
-        for group in self.running:
-            if group in skip:
-                continue
-            seqs = group.running_seqs()
-            (prefills if any_prefill(seqs) else decodes).append((group, seqs))
-        # NOTE: `pending` keeps arrival order, so popitem() yields the latest-arrived group.
-        pending = dict.fromkeys(self.running)
-        for group, seqs in decodes + prefills:
+    def _take_running(self, groups: list[SequenceGroup], budget: StepBudget, out: ScheduledStep, pending: dict) -> None:
+        """Schedule running ``groups``, decodes first, each in arrival order; a group short of room
+        preempts the latest-arrived group still in ``pending`` (arrival order), itself included."""
+        for group in sorted(groups, key=lambda g: any_prefill(g.running_seqs())):  # NOTE: stable
             if group not in pending:
                 continue  # already preempted this step
+            seqs = group.running_seqs()
             if (
                 len(seqs) == 1
                 and seqs[0].spec_token_ids
@@ -295,7 +281,7 @@ class Scheduler:
             out.blocks_to_swap_in.extend(self.block_manager.swap_in(group))
             for seq in seqs:
                 seq.status = SequenceStatus.RUNNING
-            self._insert_running(group)
+            insert_by_arrival(self.running, group)
             self._take(group, budget, out, seqs)
 
     def _schedule_waiting(self, budget: StepBudget, out: ScheduledStep, burst: int | None) -> list[SequenceGroup]:
@@ -331,7 +317,7 @@ class Scheduler:
             if group.num_cached_tokens is None:
                 # NOTE: right after allocate(), the computed tokens are exactly the cached prefix blocks.
                 group.num_cached_tokens = seqs[0].num_computed_tokens
-            self._insert_running(group)
+            insert_by_arrival(self.running, group)
             if not self._take(group, budget, out, seqs):
                 break
             admitted.append(group)
@@ -348,12 +334,6 @@ class Scheduler:
     def _release_lora(self, group: SequenceGroup) -> None:
         if self.loras is not None:
             self.loras.release(group.request_id)
-
-    def _insert_running(self, group: SequenceGroup) -> None:
-        index = len(self.running)
-        while index > 0 and self.running[index - 1].arrival_time > group.arrival_time:
-            index -= 1
-        self.running.insert(index, group)
 
     # -- around the step: the one place sequences change --------------------------------
     def set_proposals(self, proposals: dict[int, list[int]]) -> None:
@@ -380,3 +360,11 @@ class Scheduler:
     def mark_computed(self, out: ScheduledStep) -> None:
         """Advance every scheduled sequence by its chunk and cache its completed blocks."""
         self.updater.mark_computed(out)
+
+
+def insert_by_arrival(running: list[SequenceGroup], group: SequenceGroup) -> None:
+    """Insert ``group`` into ``running``, which is kept in arrival order."""
+    index = len(running)
+    while index > 0 and running[index - 1].arrival_time > group.arrival_time:
+        index -= 1
+    running.insert(index, group)

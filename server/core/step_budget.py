@@ -22,15 +22,24 @@ class StepBudget:
 
     @classmethod
     def for_step(
-        cls, config: SchedulerConfig, token_budget: int, running: list[SequenceGroup], waiting: Collection
+        cls,
+        config: SchedulerConfig,
+        token_budget: int,
+        running: list[SequenceGroup],
+        waiting: Collection,
+        held: list[SequenceGroup],
     ) -> StepBudget:
         """This step's budget: the whole token budget, or, while more sequences decode than
         prompts wait, their tokens plus at most ``max_prefill_tokens_while_decoding`` prompt tokens.
+        Streams ``held`` while a burst of prompts is admitted (:mod:`~pagedllm.server.core.prompt_burst`)
+        keep their seats, and the burst's rest, however many prompts, has the whole token budget.
 
         NOTE: a step's prompt tokens are what every decoding stream waits for before its next
         token. A few streams are stalled once rather than many prompts trickling in over many
         steps, each of which would stall every stream again.
         """
+        if held:
+            return cls(token_budget, config.max_num_seqs, seqs=sum(len(g.running_seqs()) for g in held))
         return cls(_step_tokens(config, token_budget, running, waiting), config.max_num_seqs)
 
     @property
