@@ -72,5 +72,4 @@ def in_first_half(admitted: int, prompt: int, burst: int) -> bool:
 
 def prompt_tokens(group: SequenceGroup) -> int:
     """The tokens a waiting group's prompt computes."""
-    seq = group.seqs[0]  # NOTE: a group's sequences share their prompt
-    return seq.num_tokens - seq.num_computed_tokens
+    return group.seqs[0].num_uncomputed_tokens  # NOTE: a group's sequences share their prompt
