@@ -194,8 +194,10 @@ def profile_batch(model_dir: str, batch: int, num: int, threads: int, args) -> d
     llm = make_engine(model_dir, batch, threads, args.dtype)
     engine, first = llm.llm_engine, requests[:batch]  # NOTE: passes 0, 2, 3 need only one full batch
     bare = bare_decode_ms(engine, first, batch)
-    groups, top_ops = op_profile(engine, first, batch, args.profile_steps)
-    top_python = python_profile(engine, first, batch, args.profile_steps)
+    groups, top_ops, top_python = {}, [], []
+    if args.profile_steps > 0:  # NOTE: 0 skips passes 2 and 3 (a quicker run of the clocks alone)
+        groups, top_ops = op_profile(engine, first, batch, args.profile_steps)
+        top_python = python_profile(engine, first, batch, args.profile_steps)
     parts, total, count, share = clocked(engine, requests, batch)  # NOTE: last: it instruments the engine
     llm.shutdown()
     vllm = vllm_profile(model_dir, requests, batch, threads, args) if args.vllm_python else {}
@@ -244,7 +246,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--num-requests", default="32,128", help="requests per batch size (same order)")
     p.add_argument("--fixed-output", type=int, default=128, help="output tokens per request")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="the engine's dtype")
-    p.add_argument("--profile-steps", type=int, default=20, help="decode steps under torch.profiler and cProfile")
+    p.add_argument("--profile-steps", type=int, default=20, help="decode steps under torch.profiler and cProfile (0: neither)")
     p.add_argument("--seed", type=int, default=0, help="seed of the workload")
     p.add_argument("--vllm-python", default=None, help="python of vLLM's venv: profile vLLM on the same requests too")
     p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"), help="results directory")
