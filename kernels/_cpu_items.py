@@ -8,6 +8,7 @@ NOTE: Numba's disk cache keys the kernel on its own file: an edit here must also
 from __future__ import annotations
 
 import functools
+import threading
 from collections.abc import Callable
 
 import numpy as np
@@ -142,14 +143,33 @@ def prefetch_block(cache, block):
         _prefetch(cache, block, offset)
 
 
+class _ThreadsSet(threading.local):
+    asked = 0
+    """The count :func:`_use_threads` was last asked for on this thread (0: never)."""
+    got = 0
+    """What it set Numba's count to then."""
+
+
+_threads_set = _ThreadsSet()
+
+
 def _use_threads(threads: int) -> int:
     """Numba's pool follows torch's thread count (the engine sets that from the CPU quota),
-    within the threads it has; returns how many it now uses."""
+    within the threads it has; returns how many it now uses.
+
+    NOTE: Numba's count is per calling thread, and asking it costs ~2 us; every kernel call asks
+    here, so the count last set is remembered per thread and Numba is asked only when it changes
+    (nothing else in the package sets it).
+    """
+    seen = _threads_set
+    if seen.asked == threads:
+        return seen.got
     _launch_pool()
-    threads = min(threads, numba.config.NUMBA_NUM_THREADS)  # type: ignore[attr-defined]
-    if numba.get_num_threads() != threads:
-        numba.set_num_threads(threads)
-    return threads
+    got = min(threads, numba.config.NUMBA_NUM_THREADS)  # type: ignore[attr-defined]
+    if numba.get_num_threads() != got:
+        numba.set_num_threads(got)
+    seen.asked, seen.got = threads, got
+    return got
 
 
 @functools.cache

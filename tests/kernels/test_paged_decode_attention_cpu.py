@@ -263,3 +263,24 @@ for _ in range(2):
 """
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["1", "1", "1", "1"], out
+
+
+def test_numba_follows_each_threads_own_count_when_it_changes():
+    """``_use_threads`` asks Numba only when the count changes, per calling thread: Numba's count is
+    per thread, so a new thread (Numba's default there) still gets the count it asks for."""
+    if (os.cpu_count() or 1) < 2:
+        pytest.skip("needs 2 CPUs to tell 1 thread from 2")
+    script = """
+import threading
+from pagedllm.kernels._cpu_items import _use_threads, numba
+seen = []
+for n in (1, 1, 2, 1):
+    seen.append((_use_threads(n), numba.get_num_threads()))
+def other():
+    seen.append((_use_threads(1), numba.get_num_threads()))
+t = threading.Thread(target=other)
+t.start(); t.join()
+print(seen)
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[(1, 1), (1, 1), (2, 2), (1, 1), (1, 1)]", out
