@@ -246,7 +246,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--num-requests", default="32,128", help="requests per batch size (same order)")
     p.add_argument("--fixed-output", type=int, default=128, help="output tokens per request")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="the engine's dtype")
-    p.add_argument("--profile-steps", type=int, default=20, help="decode steps under torch.profiler and cProfile (0: neither)")
+    p.add_argument(
+        "--profile-steps", type=int, default=20, help="decode steps under torch.profiler and cProfile (0: neither)"
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of the workload")
     p.add_argument("--vllm-python", default=None, help="python of vLLM's venv: profile vLLM on the same requests too")
     p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"), help="results directory")

@@ -60,6 +60,7 @@ from .w4_pack import BLOCK, W4Packed, can_pack, pack, pack8, unpack
 __all__ = [
     "BLOCK",
     "ISAS",
+    "Int8Product",
     "W4Packed",
     "available",
     "can_pack",
@@ -197,15 +198,26 @@ def _odd_divided(k: int) -> torch.Tensor:
     return torch.tensor([1.0, 0.0625]).repeat(k // 2)  # [1, 1/16, 1, 1/16, ...]: the AVX2 variant's x times this
 
 
-def _checked(x: torch.Tensor, packed: W4Packed) -> tuple[torch.Tensor, int, int, int]:
-    """x as contiguous rows [m, k], and n, k, group, or a ValueError naming what does not fit."""
+def _weight_dims(packed: W4Packed) -> tuple[int, int, int]:
+    """n, k and group of a packed weight, or a ValueError naming what does not fit."""
     blocks, runs, width = packed.weight.shape
     n, k, group = blocks * BLOCK, runs * (4 if width == 4 * BLOCK else 2), packed.group
-    if x.dtype != torch.bfloat16 or x.shape[-1] != k:
-        raise ValueError(f"x must be bfloat16 [..., {k}], got {x.dtype} {tuple(x.shape)}")
     if packed.meta.dtype != torch.float32 or packed.meta.shape != (blocks, k // group, 2, BLOCK):
         raise ValueError(f"meta must be float32 [{blocks}, {k // group}, 2, {BLOCK}], got {packed.meta.dtype}")
-    return (x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, k).contiguous()), n, k, group
+    return n, k, group
+
+
+def _x_rows(x: torch.Tensor, k: int) -> torch.Tensor:
+    """x as contiguous rows [m, k], or a ValueError naming what does not fit."""
+    if x.dtype != torch.bfloat16 or x.shape[-1] != k:
+        raise ValueError(f"x must be bfloat16 [..., {k}], got {x.dtype} {tuple(x.shape)}")
+    return x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, k).contiguous()
+
+
+def _checked(x: torch.Tensor, packed: W4Packed) -> tuple[torch.Tensor, int, int, int]:
+    """x as contiguous rows [m, k], and n, k, group, or a ValueError naming what does not fit."""
+    n, k, group = _weight_dims(packed)
+    return _x_rows(x, k), n, k, group
 
 
 def quantize_rows(x: torch.Tensor, group: int, variant: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -238,29 +250,50 @@ def gemm_int8(x: torch.Tensor, packed: W4Packed, variant: str | None = None) -> 
     the sums in int32, on as many threads as torch uses. x: [..., k] bfloat16 -> [..., n] bfloat16;
     the weight's group a multiple of :data:`INT8_GROUP_MULTIPLE`. ``variant``: one of :data:`ISAS` that
     :func:`int8_runs` (default :func:`int8_isa`); an 8-bit packing runs on the AVX-512 one only."""
-    rows, n, k, group = _checked(x, packed)
-    if group % INT8_GROUP_MULTIPLE:
-        raise ValueError(f"the int8 product takes groups of a multiple of {INT8_GROUP_MULTIPLE} inputs, got {group}")
-    variant, wide = _int8_variant(variant), packed.weight.shape[-1] == 4 * BLOCK
-    if wide and variant != "avx512-bf16":
-        raise ValueError(f"an 8-bit packing runs on the avx512-bf16 int8 product only, not {variant!r}")
-    quantizer, symbol = (QUANTIZE_SYMBOL, W8_SYMBOL) if wide else INT8_VARIANTS[variant]
-    blocks, m = n // BLOCK, rows.shape[0]
-    out = torch.empty(m, n, dtype=torch.bfloat16)
-    if m > 0 and n > 0:
-        levels = torch.empty(m, k, dtype=torch.int8)
-        stats = torch.empty(m, k // group, 2, dtype=torch.float32)  # per row and group: scale, sum of levels
-        threads = min(_use_threads(torch.get_num_threads()), blocks) if m * n * k >= PARALLEL_MIN_WORK else 1
-        w, meta, y = packed.weight.data_ptr(), packed.meta.data_ptr(), out.data_ptr()
-        x_at, levels_at, stats_at = rows.data_ptr(), levels.data_ptr(), stats.data_ptr()
-        if threads > 1:
-            _parallel_int8(variant, quantizer, symbol)(
-                x_at, m, k, group, levels_at, stats_at, w, meta, n, blocks, y, threads
-            )
-        else:
-            _c_function(quantizer, _QUANTIZE_ARGS, variant)(x_at, m, k, group, levels_at, stats_at)
-            _c_function(symbol, _INT8_ARGS, variant)(levels_at, stats_at, m, k, w, meta, group, n, 0, blocks, y)
-    return out if rows is x else out.view(*x.shape[:-1], n)
+    return Int8Product(packed, variant)(x)
+
+
+class Int8Product:
+    """:func:`gemm_int8` on one packed weight, what it checks and chooses about the weight settled once,
+    here: a call looks at x only.
+
+    NOTE: a quantized layer keeps one and calls it every step. At one row a call's Python was ~6 us
+    more than the Numba region's on Qwen2.5-0.5B's projections (two threads, weights read from memory).
+    """
+
+    def __init__(self, packed: W4Packed, variant: str | None = None) -> None:
+        self.n, self.k, self.group = _weight_dims(packed)
+        if self.group % INT8_GROUP_MULTIPLE:
+            multiple = INT8_GROUP_MULTIPLE
+            raise ValueError(f"the int8 product takes groups of a multiple of {multiple} inputs, got {self.group}")
+        variant, wide = _int8_variant(variant), packed.weight.shape[-1] == 4 * BLOCK
+        if wide and variant != "avx512-bf16":
+            raise ValueError(f"an 8-bit packing runs on the avx512-bf16 int8 product only, not {variant!r}")
+        quantizer, symbol = (QUANTIZE_SYMBOL, W8_SYMBOL) if wide else INT8_VARIANTS[variant]
+        self.packed, self.blocks = packed, self.n // BLOCK
+        self.parallel = _parallel_int8(variant, quantizer, symbol)
+        self.quantize = _c_function(quantizer, _QUANTIZE_ARGS, variant)
+        self.product = _c_function(symbol, _INT8_ARGS, variant)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        n, k, group, blocks = self.n, self.k, self.group, self.blocks
+        rows = _x_rows(x, k)
+        m = rows.shape[0]
+        out = torch.empty(m, n, dtype=torch.bfloat16)
+        if m > 0 and n > 0:
+            # NOTE: one buffer: x's levels [m, k] int8, then per row and group its scale and the sum of its
+            # levels ([m, k / group, 2] float32; 4-byte aligned, as k is a multiple of 16)
+            work = torch.empty(m * k + m * (k // group) * 8, dtype=torch.int8)
+            threads = min(_use_threads(torch.get_num_threads()), blocks) if m * n * k >= PARALLEL_MIN_WORK else 1
+            w, meta, y = self.packed.weight.data_ptr(), self.packed.meta.data_ptr(), out.data_ptr()
+            x_at, levels_at = rows.data_ptr(), work.data_ptr()
+            stats_at = levels_at + m * k
+            if threads > 1:
+                self.parallel(x_at, m, k, group, levels_at, stats_at, w, meta, n, blocks, y, threads)
+            else:
+                self.quantize(x_at, m, k, group, levels_at, stats_at)
+                self.product(levels_at, stats_at, m, k, w, meta, group, n, 0, blocks, y)
+        return out if rows is x else out.view(*x.shape[:-1], n)
 
 
 _ARGS = ("ptr", "i64", "i64", "ptr", "ptr", "ptr", "i64", "i64", "i64", "i64", "ptr")

@@ -322,6 +322,24 @@ def test_int8_product_names_what_it_refuses():
         w4_gemm_cpu.quantize_rows(torch.zeros(1, 80, dtype=torch.bfloat16), 40)
 
 
+@every_int8_variant
+@needs_int8
+def test_one_prepared_product_serves_calls_of_any_row_count(variant):
+    """An ``Int8Product`` kept across calls (as a layer keeps one) gives what ``gemm_int8`` gives, call
+    after call, whatever the rows: nothing of one call's x stays for the next."""
+    q, scales, zeros = random_weight(48, 256, 64, seed=5)
+    packed = w4_gemm_cpu.pack(q, scales, zeros, 64)
+    product = w4_gemm_cpu.Int8Product(packed, variant)
+    assert (product.n, product.k, product.group) == (48, 256, 64)
+    for rows in (1, 16, 3, 70, 1):
+        x = torch.randn(rows, 256).to(torch.bfloat16)
+        out = product(x)
+        assert torch.equal(out, w4_gemm_cpu.gemm_int8(x, packed, variant))
+        close_to_int8_reference(out, x, q, scales, zeros, 64)
+    with pytest.raises(ValueError, match=r"x must be bfloat16 \[\.\.\., 256\], got torch.bfloat16 \(2, 128\)"):
+        product(torch.zeros(2, 128, dtype=torch.bfloat16))
+
+
 def test_w4a8_switch_keeps_bfloat16_activations(monkeypatch):
     monkeypatch.setenv("PAGEDLLM_W4A8", "0")
     w4_gemm_cpu.int8_isa.cache_clear()

@@ -24,7 +24,6 @@ from pagedllm.server.config import ConfigError
 from pagedllm.server.config.quantization import QuantConfig, WeightsSummary
 from pagedllm.server.worker.quantization import awq, compressed_tensors, fp8, gptq
 from pagedllm.server.worker.quantization.base import QuantizedWeight, TensorSpec, concat_weights
-from pagedllm.server.worker.quantization.kernels import choose_kernel
 
 if TYPE_CHECKING:
     from pagedllm.server.worker.models.tensor_parallel import TPGroup
@@ -96,6 +95,9 @@ class QuantLinear(nn.Module):
 
     def finish(self, device: torch.device, dtype: torch.dtype) -> None:
         """Build the kernel from the loaded (or fused) weight."""
+        # NOTE: imported here: the kernels' module imports the models package, whose decoder imports this one
+        from pagedllm.server.worker.quantization.kernels import choose_kernel
+
         w = self._pending if self.parts else self.quantized_weight()
         self.parts = []
         self.perm = w.perm
@@ -123,8 +125,10 @@ class QuantLinear(nn.Module):
         assert self.kernel is not None, "finish_quantized_layers runs after loading"
         if self.perm is not None:
             x = x.index_select(-1, self.perm)
-        lead = x.shape[:-1]
-        y = self.kernel(x.reshape(-1, x.shape[-1])).reshape(*lead, -1)
+        # NOTE: a decode step makes ~100 of these calls: 2-D x (the model's) skips the reshapes, and the
+        # kernel's forward is called as it is (nothing hooks a kernel module)
+        kernel = self.kernel.forward
+        y = kernel(x) if x.dim() == 2 else kernel(x.reshape(-1, x.shape[-1])).reshape(*x.shape[:-1], -1)
         if self.row_parallel:
             y = self.tp.all_reduce(y)
         if self.bias is not None:

@@ -95,8 +95,9 @@ class W4A16TilesKernel(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [rows, K] bfloat16 -> [rows, N]
-        packed = w4_gemm_cpu.W4Packed(self.weight, self.meta, self.group_size)
-        return w4_gemm_cpu.gemm_int8(x, packed) if self.int8 else w4_gemm_cpu.gemm(x, packed)
+        if self.int8:
+            return int8_product(self)(x)
+        return w4_gemm_cpu.gemm(x, w4_gemm_cpu.W4Packed(self.weight, self.meta, self.group_size))
 
 
 class W8A8TilesKernel(nn.Module):
@@ -139,4 +140,13 @@ class W8A8TilesKernel(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [rows, K] bfloat16 -> [rows, N]
-        return w4_gemm_cpu.gemm_int8(x, w4_gemm_cpu.W4Packed(self.weight, self.meta, self.group_size))
+        return int8_product(self)(x)
+
+
+def int8_product(kernel: W4A16TilesKernel | W8A8TilesKernel) -> w4_gemm_cpu.Int8Product:
+    """The kernel's int8 product, made on its first call (and again where its buffers were replaced)."""
+    product = kernel.__dict__.get("_int8_product")
+    if product is None or product.packed.weight is not kernel.weight or product.packed.meta is not kernel.meta:
+        product = w4_gemm_cpu.Int8Product(w4_gemm_cpu.W4Packed(kernel.weight, kernel.meta, kernel.group_size))
+        kernel.__dict__["_int8_product"] = product
+    return product

@@ -115,6 +115,26 @@ def test_unavailable_leaves_bfloat16_on_int4_cpu(monkeypatch, onednn, label):
 
 
 @needs_kernel
+def test_the_layer_keeps_its_int8_product_until_its_buffers_change():
+    """The int8 product is made on the first call and kept; a kernel whose buffers were replaced
+    (``.to``, a new tensor assigned) makes a new one on the new buffers."""
+    if not w4_gemm_cpu.int8_available():
+        pytest.skip("no int8 product on this CPU")
+    w = random_int4(N, K, 128, seed=9)
+    kernel = choose_kernel(w, CPU, torch.bfloat16)
+    assert isinstance(kernel, W4A16TilesKernel) and kernel.int8
+    x = torch.randn(3, K).to(torch.bfloat16)
+    first = kernel(x)
+    product = kernel.__dict__["_int8_product"]
+    assert torch.equal(kernel(x), first) and kernel.__dict__["_int8_product"] is product
+    kernel.meta = kernel.meta.clone()
+    kernel.meta[:, :, 0] *= 2  # every scale doubled: the output follows the new buffer
+    again = kernel(x)
+    assert kernel.__dict__["_int8_product"] is not product
+    torch.testing.assert_close(again.float(), 2 * first.float(), rtol=2**-7, atol=0)
+
+
+@needs_kernel
 def test_int8_activations_only_where_they_run(monkeypatch):
     """A group not a multiple of 16 inputs (a per-channel weight of K = 40), or ``PAGEDLLM_W4A8=0``
     (``int8_available`` false), keeps the same packed weight on bfloat16 activations."""
