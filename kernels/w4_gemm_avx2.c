@@ -2,7 +2,8 @@
  *
  *     y[m, n] = sum_k x[m, k] * scale[g, n] * (q[n, k] - zero[g, n]),   g = k / group
  *
- * on the same packed weight and meta, so one loaded model serves both:
+ * on the same packed weight and meta, so one loaded model serves both (its W4A8 product, at the end of
+ * this file, reads a layout of its own, w4_pack.pack_spans, with the same meta):
  *
  *     packed[b, p, c] = q[16 b + c, 2 p] | q[16 b + c, 2 p + 1] << 4      [n / 16, k / 2, 16]
  *     meta[b, g, 0 | 1, c] = scale, 128 + zero                            float32
@@ -173,35 +174,30 @@ void pagedllm_gemm_w4_avx2(intptr_t x_addr, int64_t m, int64_t k, intptr_t w_add
   }
 }
 
-/* ---- W4A8 on AVX2: the same packed weight times x rounded to int8 ----
+/* ---- W4A8 on AVX2: a 4-bit weight in spans times x rounded to int8 ----
  *
  * x is quantized per row and group as w4_gemm_cpu.c's pagedllm_quantize_s8 does (sx = max |x| / 127,
  * xq = round(x / sx), nearest even, in -127..127; stats [m, k / group, 2]: sx, then the sum of xq).
- * Two consecutive pairs of a block (32 bytes, one load) split into their low and high nibbles; a
- * byte unpack within each 128-bit lane interleaves them so that column c's (even, odd) levels sit in
- * adjacent bytes: one vector holds columns 0-7 of pair p in its low lane and of pair p + 1 in its
- * high lane, the other columns 8-15 likewise. VPMADDUBSW multiplies those unsigned bytes by x's int8
- * pair (p's in the low lane, p + 1's in the high one: one shuffle of a four-byte broadcast) and adds
- * each column's two products into a 16-bit lane: at most 2 * 15 * 127 in size, so a lane sums eight
- * of them (sixteen pairs) without overflow. Every sixteen pairs the two lanes of a column widen into
- * its 32-bit sum (exact); per group
+ * The weight comes in its own layout (w4_pack.pack_spans, same meta): span t of a block is 32 bytes
+ * for inputs 4t..4t+3 of its 16 columns, byte 2c + e holding q[c, 4t + e] | q[c, 4t + 2 + e] << 4.
+ * A span's low nibbles are pair 2t's levels with column c's two in 16-bit lane c, and its high
+ * nibbles pair 2t + 1's. VPMADDUBSW multiplies each by x's int8 pair broadcast to every lane (a
+ * two-byte broadcast load, no shuffle) and adds a column's two products in its lane; both go into
+ * one 16-bit sum per column, at most 2 * 2 * 15 * 127 in size per span, so four spans (16 inputs)
+ * fit before the sums widen into each column's 32-bit one (exact); per group
  *
  *     acc += scale[g] * sx[r, g] * (S - zero[g] * xqsum[r, g]),   S = sum_k q[k] xq[k]
  *
- * One row runs through a tile of four blocks; more rows go four at a time through one block (eight
- * 16-bit sums in registers; two blocks' sixteen spill, ~10% slower at 4-64 rows).
- * NOTE: the load serves two pairs and no cross-lane permute is needed: at one row that is ~1.8x the
- * speed of a pair per load (16.8 against 9.2 GB/s of weight on one Zen 3 core, from L3). */
-#define PAIRS_16 16 /* pairs whose products a 16-bit lane holds (one VPMADDUBSW per two pairs) */
+ * One row runs through a tile of four blocks; more rows go four at a time through one block.
+ * NOTE: the span layout spares a byte unpack per pair of pairs and a shuffle of x per row against the
+ * pairs layout of pack(), ~20% of the vector work from four rows on, where the product is bound by it. */
+#define SPANS_16 4 /* spans whose products a 16-bit sum holds */
 
 static inline __attribute__((always_inline)) void tile_s8(const int8_t *xq, int64_t k, const int rows,
-                                                         const int blocks, const uint8_t *w, int64_t pairs,
-                                                         const float *meta, int64_t groups, int64_t group_pairs,
+                                                         const int blocks, const uint8_t *w, int64_t spans,
+                                                         const float *meta, int64_t groups, int64_t group_spans,
                                                          const float *xs, uint16_t *y, int64_t ldy) {
   const __m256i mask = _mm256_set1_epi8(0x0F);
-  /* x's four bytes (pair p, pair p + 1) to pair p's two in every 16-bit lane of the low half, p + 1's in the high */
-  const __m256i halves = _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1,  //
-                                          2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3);
   __m256 acc[ROWS][TILE][2];
   for (int r = 0; r < rows; r++)
     for (int j = 0; j < blocks; j++) acc[r][j][0] = acc[r][j][1] = _mm256_setzero_ps();
@@ -209,37 +205,32 @@ static inline __attribute__((always_inline)) void tile_s8(const int8_t *xq, int6
     __m256i s32[ROWS][TILE][2];
     for (int r = 0; r < rows; r++)
       for (int j = 0; j < blocks; j++) s32[r][j][0] = s32[r][j][1] = _mm256_setzero_si256();
-    const int64_t group_end = (g + 1) * group_pairs;
-    for (int64_t p0 = g * group_pairs; p0 < group_end; p0 += PAIRS_16) {
-      __m256i s16[ROWS][TILE][2];
+    for (int64_t t0 = g * group_spans; t0 < (g + 1) * group_spans; t0 += SPANS_16) {
+      __m256i s16[ROWS][TILE];
       for (int r = 0; r < rows; r++)
-        for (int j = 0; j < blocks; j++) s16[r][j][0] = s16[r][j][1] = _mm256_setzero_si256();
-      const int64_t p1 = p0 + PAIRS_16 < group_end ? p0 + PAIRS_16 : group_end;
-      for (int64_t p = p0; p < p1; p += 2) {
-        __m256i xb[ROWS];
+        for (int j = 0; j < blocks; j++) s16[r][j] = _mm256_setzero_si256();
+      for (int64_t t = t0; t < t0 + SPANS_16; t++) {
+        __m256i x0[ROWS], x1[ROWS];
         for (int r = 0; r < rows; r++) {
-          int32_t quad;
-          __builtin_memcpy(&quad, xq + r * k + 2 * p, 4);
-          xb[r] = _mm256_shuffle_epi8(_mm256_set1_epi32(quad), halves);
+          int16_t a, b;
+          __builtin_memcpy(&a, xq + r * k + 4 * t, 2);
+          __builtin_memcpy(&b, xq + r * k + 4 * t + 2, 2);
+          x0[r] = _mm256_set1_epi16(a);
+          x1[r] = _mm256_set1_epi16(b);
         }
         for (int j = 0; j < blocks; j++) {
-          const __m256i v = _mm256_loadu_si256((const __m256i *)(w + (j * pairs + p) * 16));
+          const __m256i v = _mm256_loadu_si256((const __m256i *)(w + (j * spans + t) * 32));
           const __m256i lo = _mm256_and_si256(v, mask), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
-          const __m256i a = _mm256_unpacklo_epi8(lo, hi), b = _mm256_unpackhi_epi8(lo, hi);
-          for (int r = 0; r < rows; r++) {
-            s16[r][j][0] = _mm256_add_epi16(s16[r][j][0], _mm256_maddubs_epi16(a, xb[r]));
-            s16[r][j][1] = _mm256_add_epi16(s16[r][j][1], _mm256_maddubs_epi16(b, xb[r]));
-          }
+          for (int r = 0; r < rows; r++)
+            s16[r][j] = _mm256_add_epi16(
+                s16[r][j], _mm256_add_epi16(_mm256_maddubs_epi16(lo, x0[r]), _mm256_maddubs_epi16(hi, x1[r])));
         }
       }
       for (int r = 0; r < rows; r++)
-        for (int j = 0; j < blocks; j++)
-          for (int h = 0; h < 2; h++) {
-            const __m256i both = s16[r][j][h];
-            const __m256i sum = _mm256_add_epi32(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(both)),
-                                                 _mm256_cvtepi16_epi32(_mm256_extracti128_si256(both, 1)));
-            s32[r][j][h] = _mm256_add_epi32(s32[r][j][h], sum);
-          }
+        for (int j = 0; j < blocks; j++) {
+          s32[r][j][0] = _mm256_add_epi32(s32[r][j][0], _mm256_cvtepi16_epi32(_mm256_castsi256_si128(s16[r][j])));
+          s32[r][j][1] = _mm256_add_epi32(s32[r][j][1], _mm256_cvtepi16_epi32(_mm256_extracti128_si256(s16[r][j], 1)));
+        }
     }
     for (int r = 0; r < rows; r++) {
       const __m256 sx = _mm256_set1_ps(xs[(r * groups + g) * 2]), qsum = _mm256_set1_ps(xs[(r * groups + g) * 2 + 1]);
@@ -261,13 +252,13 @@ static inline __attribute__((always_inline)) void tile_s8(const int8_t *xq, int6
 
 #define CASE_S8(R, B)                                                                                      \
   case (R) * 8 + (B):                                                                                      \
-    tile_s8(xq + row * k, k, R, B, w, pairs, meta, groups, group_pairs, xs + row * groups * 2,             \
+    tile_s8(xq + row * k, k, R, B, w, spans, meta, groups, group_spans, xs + row * groups * 2,             \
             y + row * n + 16 * block, n);                                                                  \
     break;
 
 /* Columns of blocks [block0, block1) of y for all m rows, from xq [m, k] int8 and xs [m, k / group, 2]
- * float32 as pagedllm_quantize_s8_avx2 writes them; w, meta as above; group a multiple of 16 dividing k;
- * y: [m, n] contiguous bf16. */
+ * float32 as pagedllm_quantize_s8_avx2 writes them; w in spans (pack_spans), meta as above; group a
+ * multiple of 16 dividing k; y: [m, n] contiguous bf16. */
 void pagedllm_gemm_w4a8_avx2(intptr_t xq_addr, intptr_t xs_addr, int64_t m, int64_t k, intptr_t w_addr,
                              intptr_t meta_addr, int64_t group, int64_t n, int64_t block0, int64_t block1,
                              intptr_t y_addr) {
@@ -276,11 +267,11 @@ void pagedllm_gemm_w4a8_avx2(intptr_t xq_addr, intptr_t xs_addr, int64_t m, int6
   const uint8_t *w0 = (const uint8_t *)w_addr;
   const float *meta0 = (const float *)meta_addr;
   uint16_t *y = (uint16_t *)y_addr;
-  const int64_t pairs = k / 2, groups = k / group, group_pairs = group / 2;
+  const int64_t spans = k / 4, groups = k / group, group_spans = group / 4;
   const int tile = m == 1 ? TILE : 1;
   for (int64_t block = block0; block < block1; block += tile) {
     const int blocks = (int)(block1 - block < tile ? block1 - block : tile);
-    const uint8_t *w = w0 + block * pairs * 16;
+    const uint8_t *w = w0 + block * spans * 32;
     const float *meta = meta0 + block * groups * 32;
     for (int64_t row = 0; row < m; row += ROWS) {
       const int rows = (int)(m - row < ROWS ? m - row : ROWS);

@@ -23,9 +23,10 @@ The cost is x's rounding to 8 bits, about 0.7% of a product's size for normally 
 (:func:`gemm` rounds only its result to bfloat16). 8-bit weights (:func:`pack8`) run on the same
 product, their levels laid out so that VPDPBUSD takes them as they are.
 
-With AVX2 and FMA but no AVX-512-BF16, kernels/w4_gemm_avx2.c runs both products on the same packing:
-:func:`gemm` converting levels to float32 in registers (FMA), :func:`gemm_int8` on VPMADDUBSW with
-16-bit partial sums (the C file says how). Built as bf16_gemm_cpu's kernel is (kernels/_cpu_compile.py):
+With AVX2 and FMA but no AVX-512-BF16, kernels/w4_gemm_avx2.c runs both products: :func:`gemm` on the
+same packing, converting levels to float32 in registers (FMA), and :func:`gemm_int8` on VPMADDUBSW with
+16-bit partial sums, on a packing of its own (:func:`pack_spans`, the same bytes in another order:
+:func:`int8_pack` packs for the variant that runs; the C file says why). Built as bf16_gemm_cpu's kernel is (kernels/_cpu_compile.py):
 :func:`isa` and :func:`int8_isa` name the variants that run (None: no compiler or Numba, neither ISA,
 ``PAGEDLLM_CPU_GEMM=0``; ``PAGEDLLM_W4A8=0`` for the int8 one). Oracles: kernels/w4_gemm_reference.py.
 """
@@ -55,7 +56,7 @@ from ._cpu_compile import (
 )
 from ._cpu_items import _use_threads
 from .w4_gemm_reference import w4_gemm_reference, w4a8_reference
-from .w4_pack import BLOCK, W4Packed, can_pack, pack, pack8, unpack
+from .w4_pack import BLOCK, W4Packed, can_pack, pack, pack8, pack_spans, unpack
 
 __all__ = [
     "BLOCK",
@@ -68,10 +69,12 @@ __all__ = [
     "gemm_int8",
     "int8_available",
     "int8_isa",
+    "int8_pack",
     "int8_runs",
     "isa",
     "pack",
     "pack8",
+    "pack_spans",
     "quantize_rows",
     "runs",
     "unpack",
@@ -201,7 +204,7 @@ def _odd_divided(k: int) -> torch.Tensor:
 def _weight_dims(packed: W4Packed) -> tuple[int, int, int]:
     """n, k and group of a packed weight, or a ValueError naming what does not fit."""
     blocks, runs, width = packed.weight.shape
-    n, k, group = blocks * BLOCK, runs * (4 if width == 4 * BLOCK else 2), packed.group
+    n, k, group = blocks * BLOCK, runs * (2 if width == BLOCK else 4), packed.group
     if packed.meta.dtype != torch.float32 or packed.meta.shape != (blocks, k // group, 2, BLOCK):
         raise ValueError(f"meta must be float32 [{blocks}, {k // group}, 2, {BLOCK}], got {packed.meta.dtype}")
     return n, k, group
@@ -245,6 +248,18 @@ def _int8_variant(variant: str | None) -> str:
     return variant
 
 
+def int8_pack(
+    q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int, variant: str | None = None
+) -> W4Packed:
+    """4-bit levels packed for the int8 product of ``variant`` (default :func:`int8_isa`): :func:`pack_spans`
+    for the AVX2 one, :func:`pack` for the AVX-512 one (which :func:`gemm` reads too)."""
+    return (pack_spans if _int8_variant(variant) == "avx2" else pack)(q, scales, zeros, group)
+
+
+_INT8_WIDTHS = {"avx512-bf16": BLOCK, "avx2": 2 * BLOCK}
+"""The last size of the 4-bit packing each int8 variant reads (:func:`pack`'s, :func:`pack_spans`')."""
+
+
 def gemm_int8(x: torch.Tensor, packed: W4Packed, variant: str | None = None) -> torch.Tensor:
     """:func:`gemm` with x rounded to int8 per row and group of the weight (:func:`quantize_rows`) and
     the sums in int32, on as many threads as torch uses. x: [..., k] bfloat16 -> [..., n] bfloat16;
@@ -266,9 +281,13 @@ class Int8Product:
         if self.group % INT8_GROUP_MULTIPLE:
             multiple = INT8_GROUP_MULTIPLE
             raise ValueError(f"the int8 product takes groups of a multiple of {multiple} inputs, got {self.group}")
-        variant, wide = _int8_variant(variant), packed.weight.shape[-1] == 4 * BLOCK
+        variant, width = _int8_variant(variant), packed.weight.shape[-1]
+        wide = width == 4 * BLOCK
         if wide and variant != "avx512-bf16":
             raise ValueError(f"an 8-bit packing runs on the avx512-bf16 int8 product only, not {variant!r}")
+        if not wide and width != _INT8_WIDTHS[variant]:
+            packer = "pack_spans" if variant == "avx2" else "pack"
+            raise ValueError(f"the {variant} int8 product takes a 4-bit weight packed by {packer}")
         quantizer, symbol = (QUANTIZE_SYMBOL, W8_SYMBOL) if wide else INT8_VARIANTS[variant]
         self.packed, self.blocks = packed, self.n // BLOCK
         self.parallel = _parallel_int8(variant, quantizer, symbol)

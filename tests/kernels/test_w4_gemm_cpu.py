@@ -46,6 +46,21 @@ def close_to_reference(out: torch.Tensor, x, q, scales, zeros, group: int) -> No
     assert (error <= bound).all(), (error - bound).max()
 
 
+def test_pack_spans_lays_two_pairs_of_levels_into_each_column_pair_of_bytes():
+    """Byte 2c + e of span t holds q[c, 4t + e] | q[c, 4t + 2 + e] << 4; unpack gives the levels back."""
+    q, scales, zeros = random_weight(32, 64, 32, seed=3)
+    packed = w4_gemm_cpu.pack_spans(q, scales, zeros, 32)
+    assert packed.weight.shape == (2, 16, 32) and packed.weight.data_ptr() % 64 == 0
+    for b, t, c, e in [(0, 0, 0, 0), (1, 3, 5, 1), (1, 15, 15, 0), (0, 7, 9, 1)]:
+        byte = packed.weight[b, t, 2 * c + e].item()
+        assert byte == q[16 * b + c, 4 * t + e].item() | q[16 * b + c, 4 * t + 2 + e].item() << 4
+    assert torch.equal(packed.meta, w4_gemm_cpu.pack(q, scales, zeros, 32).meta)
+    levels, got_scales, got_zeros = w4_gemm_cpu.unpack(packed)
+    assert torch.equal(levels, q) and torch.equal(got_scales, scales.float()) and torch.equal(got_zeros, zeros.float())
+    with pytest.raises(ValueError, match="k of 4"):
+        w4_gemm_cpu.pack_spans(torch.zeros(16, 6, dtype=torch.uint8), torch.ones(16, 3), torch.zeros(16, 3), 2)
+
+
 def test_pack_lays_pairs_of_levels_into_bytes():
     q, scales, zeros = random_weight(48, 64, 32, seed=0)
     packed = w4_gemm_cpu.pack(q, scales, zeros, 32)
@@ -226,7 +241,7 @@ def test_int8_gemm_matches_its_reference(n, k, group, rows, bits, variant):
     if bits == 8 and variant != "avx512-bf16":
         pytest.skip("8-bit packings run on the AVX-512 int8 product only")
     group = k if group == "channel" else group
-    pack = w4_gemm_cpu.pack if bits == 4 else w4_gemm_cpu.pack8
+    pack = functools.partial(w4_gemm_cpu.int8_pack, variant=variant) if bits == 4 else w4_gemm_cpu.pack8
     q, scales, zeros = random_weight(n, k, group, seed=rows * 1000 + n + group, bits=bits)
     x = torch.randn(rows, k).to(torch.bfloat16)
     out = w4_gemm_cpu.gemm_int8(x, pack(q, scales, zeros, group), variant)
@@ -245,7 +260,7 @@ def test_int8_gemm_takes_groups_that_end_inside_a_span_of_16_bit_sums(group, row
     n, k = 64, group * 6
     q, scales, zeros = random_weight(n, k, group, seed=group + rows)
     x = torch.randn(rows, k).to(torch.bfloat16)
-    out = w4_gemm_cpu.gemm_int8(x, w4_gemm_cpu.pack(q, scales, zeros, group), variant)
+    out = w4_gemm_cpu.gemm_int8(x, w4_gemm_cpu.int8_pack(q, scales, zeros, group, variant), variant)
     close_to_int8_reference(out, x, q, scales, zeros, group)
 
 
@@ -257,7 +272,7 @@ def test_int8_gemm_is_within_the_rounding_of_x_of_the_exact_product(rows, varian
     (max / 254), so an output by at most that times the weights' sizes summed, plus bfloat16's rounding."""
     q, scales, zeros = random_weight(1152, 896, 128, seed=rows)
     x = torch.randn(rows, 896).to(torch.bfloat16)
-    out = w4_gemm_cpu.gemm_int8(x, w4_gemm_cpu.pack(q, scales, zeros, 128), variant)
+    out = w4_gemm_cpu.gemm_int8(x, w4_gemm_cpu.int8_pack(q, scales, zeros, 128, variant), variant)
     w = (q.double() - zeros.double().repeat_interleave(128, 1)) * scales.double().repeat_interleave(128, 1)
     exact = x.double() @ w.T
     step = x.double().view(rows, 7, 128).abs().amax(-1).repeat_interleave(128, 1) / 254  # [rows, k]
@@ -269,15 +284,24 @@ def test_int8_gemm_is_within_the_rounding_of_x_of_the_exact_product(rows, varian
 
 PRODUCTS = [
     *(
-        pytest.param((functools.partial(w4_gemm_cpu.gemm, variant=v), close_to_reference), id=f"bf16-x-{v}")
+        pytest.param(
+            (functools.partial(w4_gemm_cpu.gemm, variant=v), close_to_reference, w4_gemm_cpu.pack), id=f"bf16-x-{v}"
+        )
         for v in VARIANTS_HERE
     ),
     *(
-        pytest.param((functools.partial(w4_gemm_cpu.gemm_int8, variant=v), close_to_int8_reference), id=f"int8-x-{v}")
+        pytest.param(
+            (
+                functools.partial(w4_gemm_cpu.gemm_int8, variant=v),
+                close_to_int8_reference,
+                functools.partial(w4_gemm_cpu.int8_pack, variant=v),
+            ),
+            id=f"int8-x-{v}",
+        )
         for v in INT8_VARIANTS_HERE
     ),
 ]
-"""The two products of a 4-bit packing and the bound each is checked by."""
+"""The two products of a 4-bit weight, the bound each is checked by and the packing each reads."""
 
 
 @pytest.mark.parametrize("product", PRODUCTS)
@@ -285,7 +309,7 @@ PRODUCTS = [
 @pytest.mark.parametrize("rows", [5, 70])
 def test_every_thread_count_writes_every_column(product, threads, rows):
     """From 64 rows the int8 product's threads also quantize x a share of rows each."""
-    gemm, check = product
+    gemm, check, pack = product
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -293,16 +317,16 @@ def test_every_thread_count_writes_every_column(product, threads, rows):
         x = torch.randn(rows, 512).to(torch.bfloat16)
         assert 5 * 16 * 7 * 512 >= w4_gemm_cpu.PARALLEL_MIN_WORK  # NOTE: large enough to go parallel
         assert (rows >= w4_gemm_cpu.PARALLEL_QUANTIZE_ROWS) == (rows == 70)
-        check(gemm(x, w4_gemm_cpu.pack(q, scales, zeros, 64)), x, q, scales, zeros, 64)
+        check(gemm(x, pack(q, scales, zeros, 64)), x, q, scales, zeros, 64)
     finally:
         torch.set_num_threads(previous)
 
 
 @pytest.mark.parametrize("product", PRODUCTS)
 def test_leading_dims_views_and_empty_inputs(product):
-    gemm, check = product
+    gemm, check, pack = product
     q, scales, zeros = random_weight(32, 64, 32, seed=1)
-    packed = w4_gemm_cpu.pack(q, scales, zeros, 32)
+    packed = pack(q, scales, zeros, 32)
     x = torch.randn(2, 3, 80).to(torch.bfloat16)[..., 8:72]  # not contiguous
     out = gemm(x, packed)
     assert out.shape == (2, 3, 32)
@@ -315,9 +339,13 @@ def test_int8_product_names_what_it_refuses():
     q, scales, zeros = random_weight(16, 80, 40, seed=2)
     with pytest.raises(ValueError, match="groups of a multiple of 16 inputs, got 40"):
         w4_gemm_cpu.gemm_int8(torch.zeros(1, 80, dtype=torch.bfloat16), w4_gemm_cpu.pack(q, scales, zeros, 40))
-    packed = w4_gemm_cpu.pack(*random_weight(32, 64, 32, seed=1), 32)
+    packed = w4_gemm_cpu.int8_pack(*random_weight(32, 64, 32, seed=1), 32)
     with pytest.raises(ValueError, match=r"x must be bfloat16 \[\.\.\., 64\], got torch.float32"):
         w4_gemm_cpu.gemm_int8(torch.zeros(2, 64), packed)
+    other = w4_gemm_cpu.pack if w4_gemm_cpu.int8_isa() == "avx2" else w4_gemm_cpu.pack_spans
+    wanted = "pack_spans" if w4_gemm_cpu.int8_isa() == "avx2" else "pack"
+    with pytest.raises(ValueError, match=f"takes a 4-bit weight packed by {wanted}$"):
+        w4_gemm_cpu.gemm_int8(torch.zeros(2, 64, dtype=torch.bfloat16), other(*random_weight(32, 64, 32, seed=1), 32))
     with pytest.raises(ValueError, match="group 40"):
         w4_gemm_cpu.quantize_rows(torch.zeros(1, 80, dtype=torch.bfloat16), 40)
 
@@ -328,7 +356,7 @@ def test_one_prepared_product_serves_calls_of_any_row_count(variant):
     """An ``Int8Product`` kept across calls (as a layer keeps one) gives what ``gemm_int8`` gives, call
     after call, whatever the rows: nothing of one call's x stays for the next."""
     q, scales, zeros = random_weight(48, 256, 64, seed=5)
-    packed = w4_gemm_cpu.pack(q, scales, zeros, 64)
+    packed = w4_gemm_cpu.int8_pack(q, scales, zeros, 64, variant)
     product = w4_gemm_cpu.Int8Product(packed, variant)
     assert (product.n, product.k, product.group) == (48, 256, 64)
     for rows in (1, 16, 3, 70, 1):

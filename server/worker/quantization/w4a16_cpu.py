@@ -10,13 +10,14 @@ rows on 2 threads against 0.15 / 0.46 / 2.7. ``python -m benchmarks.quant_linear
 w4-tiles bf16`` compares them on weights read from memory.
 
 Where the int8 product runs (``w4_gemm_cpu.int8_available``: AVX-512-VNNI and VBMI, or AVX2's
-VPMADDUBSW) the same packed weight runs against x rounded to int8 per row and group instead
-(``w4a8-tiles``): about twice as fast from a few rows on with VNNI, where the product, not the
-weight's bytes, bounds a call (the kernel's module says by how much), for x's rounding to 8 bits. On
-an AVX2 EPYC (Zen 3, 2 threads, a Qwen2.5-0.5B layer from memory) it took 0.82 / 3.9 ms at 1 / 16
-rows against bfloat16 activations' 1.00 / 6.0 and bf16 weights' 1.51 / 5.0 (``python -m
-benchmarks.quant_linear --threads 2 --layers 8 --rows 1 4 16 64 --kernels w4-tiles w4a8-tiles bf16``).
-``PAGEDLLM_W4A8=0`` keeps bfloat16 activations.
+VPMADDUBSW) the weight runs against x rounded to int8 per row and group instead (``w4a8-tiles``;
+on AVX2 packed in spans, ``w4_gemm_cpu.int8_pack``): about twice as fast from a few rows on with
+VNNI, where the product, not the weight's bytes, bounds a call (the kernel's module says by how
+much), for x's rounding to 8 bits. On an AVX2 EPYC (Zen 3, 2 threads, a Qwen2.5-0.5B layer from
+memory) it took 0.37 / 1.92 / 7.3 ms at 1 / 16 / 64 rows against bfloat16 activations' 0.58 / 3.4 /
+13.2 and bf16 weights' 0.89 / 3.1 / 11.6 in one run (``python -m benchmarks.quant_linear --threads 2
+--layers 8 --rows 1 4 16 64 --kernels w4-tiles w4a8-tiles bf16``). ``PAGEDLLM_W4A8=0`` keeps
+bfloat16 activations.
 
 8-bit weights (:class:`W8A8TilesKernel`) take the same int8 product on the kernel's 8-bit packing:
 per Qwen2.5-0.5B layer, two threads, 8 copies read from memory, 0.42 / 0.56 ms at 1 / 16 rows
@@ -71,11 +72,6 @@ class W4A16TilesKernel(nn.Module):
         super().__init__()
         assert w.zeros is not None
         scales, zeros, group = split_channels(w.scales, w.zeros, w.group_size, w.shape[1])
-        packed = w4_gemm_cpu.pack(w.q, scales, zeros, group)
-        # weight: [N / 16, K / 2, 16] uint8; meta: [N / 16, K / group, 2, 16] float32 (scale, 128 + zero)
-        self.register_buffer("weight", packed.weight)
-        self.register_buffer("meta", packed.meta)
-        self.group_size = group
         fits_int8 = group % w4_gemm_cpu.INT8_GROUP_MULTIPLE == 0
         if int8 and not (fits_int8 and w4_gemm_cpu.int8_available()):
             raise ValueError(
@@ -83,6 +79,14 @@ class W4A16TilesKernel(nn.Module):
             )
         self.int8 = fits_int8 and w4_gemm_cpu.int8_available() if int8 is None else int8
         self.label = "w4a8-tiles" if self.int8 else self.name
+        # NOTE: the AVX2 int8 product reads a layout of its own (pack_spans); the others read pack()'s
+        pack = w4_gemm_cpu.int8_pack if self.int8 else w4_gemm_cpu.pack
+        packed = pack(w.q, scales, zeros, group)
+        # weight: [N / 16, K / 2, 16] (or [N / 16, K / 4, 32] in spans) uint8;
+        # meta: [N / 16, K / group, 2, 16] float32 (scale, 128 + zero)
+        self.register_buffer("weight", packed.weight)
+        self.register_buffer("meta", packed.meta)
+        self.group_size = group
 
     @staticmethod
     def fits(w: QuantizedWeight) -> bool:
