@@ -63,13 +63,7 @@ def pack8(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int
     """8-bit levels ``q`` [n, k] (uint8, 0..255), ``scales`` and ``zeros`` [n, k / group] in the layout
     :func:`gemm_int8` multiplies as it is: weight [n / 16, k / 4, 64], quad t of block b holding
     ``q[16 b + c, 4 t + i]`` at byte 4 c + i; meta as :func:`pack`'s. k a multiple of 4."""
-    if not can_pack(q, group) or q.shape[1] % 4:
-        raise ValueError(
-            f"the CPU W8 GEMM packs uint8 CPU levels [n, k] with n a multiple of {BLOCK}, k of 4 and an even "
-            f"group dividing k, got {tuple(q.shape)} {q.dtype} on {q.device}, group {group}"
-        )
-    n, k = q.shape
-    _check_scales(scales, zeros, n, k // group)
+    n, k = _checked_in_fours(q, scales, zeros, group, "the CPU W8 GEMM")
     weight = aligned_empty(n * k, torch.uint8).view(n // BLOCK, k // 4, 4 * BLOCK)
     weight.view(n // BLOCK, k // 4, BLOCK, 4).copy_(q.reshape(n // BLOCK, BLOCK, k // 4, 4).permute(0, 2, 1, 3))
     return W4Packed(weight, _meta(scales, zeros, group), group)
@@ -80,17 +74,25 @@ def pack_spans(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group
     weight [n / 16, k / 4, 32], span t of block b holding inputs 4t..4t+3 of its 16 columns, byte 2 c + e
     ``q[16 b + c, 4 t + e] | q[16 b + c, 4 t + 2 + e] << 4``. A span's low nibbles are then pair 2t's levels,
     column c's two side by side, and its high nibbles pair 2t + 1's (kernels/w4_gemm_avx2.c says why)."""
-    if not can_pack(q, group) or q.shape[1] % 4:
-        raise ValueError(
-            f"the AVX2 int8 product packs uint8 CPU levels [n, k] with n a multiple of {BLOCK}, k of 4 and an even "
-            f"group dividing k, got {tuple(q.shape)} {q.dtype} on {q.device}, group {group}"
-        )
-    n, k = q.shape
-    _check_scales(scales, zeros, n, k // group)
+    n, k = _checked_in_fours(q, scales, zeros, group, "the AVX2 int8 product")
     spans = q.reshape(n // BLOCK, BLOCK, k // 4, 2, 2).permute(0, 2, 1, 4, 3)  # [n/16, k/4, 16, e, low | high]
     weight = aligned_empty(n * k // 2, torch.uint8).view(n // BLOCK, k // 4, 2 * BLOCK)
     weight.view(n // BLOCK, k // 4, BLOCK, 2).copy_(spans[..., 0] | (spans[..., 1] << 4))
     return W4Packed(weight, _meta(scales, zeros, group), group)
+
+
+def _checked_in_fours(
+    q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int, packer: str
+) -> tuple[int, int]:
+    """n and k of levels a layout in fours of inputs takes, or a ValueError naming what does not fit."""
+    if not can_pack(q, group) or q.shape[1] % 4:
+        raise ValueError(
+            f"{packer} packs uint8 CPU levels [n, k] with n a multiple of {BLOCK}, k of 4 and an even "
+            f"group dividing k, got {tuple(q.shape)} {q.dtype} on {q.device}, group {group}"
+        )
+    n, k = q.shape
+    _check_scales(scales, zeros, n, k // group)
+    return n, k
 
 
 def _check_scales(scales: torch.Tensor, zeros: torch.Tensor, n: int, groups: int) -> None:
