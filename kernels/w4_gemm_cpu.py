@@ -26,9 +26,10 @@ product, their levels laid out so that VPDPBUSD takes them as they are.
 With AVX2 and FMA but no AVX-512-BF16, kernels/w4_gemm_avx2.c runs both products: :func:`gemm` on the
 same packing, converting levels to float32 in registers (FMA), and :func:`gemm_int8` on VPMADDUBSW with
 16-bit partial sums, on a packing of its own (:func:`pack_spans`, the same bytes in another order:
-:func:`int8_pack` packs for the variant that runs; the C file says why). Built as bf16_gemm_cpu's kernel is (kernels/_cpu_compile.py):
-:func:`isa` and :func:`int8_isa` name the variants that run (None: no compiler or Numba, neither ISA,
-``PAGEDLLM_CPU_GEMM=0``; ``PAGEDLLM_W4A8=0`` for the int8 one). Oracles: kernels/w4_gemm_reference.py.
+:func:`int8_pack` packs for the variant that runs; the C file says why). Built as bf16_gemm_cpu's kernel
+is (kernels/_cpu_compile.py): :func:`isa` and :func:`int8_isa` name the variants that run (None: no
+compiler or Numba, neither ISA, ``PAGEDLLM_CPU_GEMM=0``; ``PAGEDLLM_W4A8=0`` for the int8 one).
+Oracles: kernels/w4_gemm_reference.py.
 """
 
 from __future__ import annotations
