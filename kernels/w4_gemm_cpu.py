@@ -173,7 +173,9 @@ def gemm(x: torch.Tensor, packed: W4Packed, variant: str | None = None) -> torch
     ``variant``: one of :data:`ISAS` that :func:`runs` here (default :func:`isa`).
     """
     if packed.weight.shape[-1] != BLOCK:
-        raise ValueError("gemm takes 4-bit packing (pack); an 8-bit weight (pack8) runs on gemm_int8")
+        raise ValueError(
+            "gemm takes pack()'s 4-bit layout; an 8-bit weight (pack8) or one packed by pack_spans runs on gemm_int8"
+        )
     rows, n, k, group = _checked(x, packed)
     variant = variant or isa()
     if variant is None or not runs(variant):

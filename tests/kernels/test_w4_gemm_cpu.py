@@ -59,6 +59,9 @@ def test_pack_spans_lays_two_pairs_of_levels_into_each_column_pair_of_bytes():
     assert torch.equal(levels, q) and torch.equal(got_scales, scales.float()) and torch.equal(got_zeros, zeros.float())
     with pytest.raises(ValueError, match="k of 4"):
         w4_gemm_cpu.pack_spans(torch.zeros(16, 6, dtype=torch.uint8), torch.ones(16, 3), torch.zeros(16, 3), 2)
+    if w4_gemm_cpu.available():
+        with pytest.raises(ValueError, match="one packed by pack_spans runs on gemm_int8"):
+            w4_gemm_cpu.gemm(torch.zeros(1, 64, dtype=torch.bfloat16), packed)
 
 
 def test_pack_lays_pairs_of_levels_into_bytes():
