@@ -41,7 +41,7 @@ def _flag_rows(parser: argparse.ArgumentParser) -> list[str]:
     for action in parser._actions:
         if isinstance(action, (argparse._HelpAction, argparse._SubParsersAction)):
             continue
-        names = ", ".join(f"`{s}`" for s in action.option_strings) or f"`{action.dest}` (positional)"
+        names = ", ".join(f"`{s}`" for s in action.option_strings) or f"`{action.metavar or action.dest}` (positional)"
         default = action.default
         if default in (None, argparse.SUPPRESS) or isinstance(action, argparse._StoreTrueAction) and not default:
             default = ""

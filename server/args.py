@@ -67,8 +67,16 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def engine_kwargs(namespace: argparse.Namespace) -> dict[str, Any]:
-    """The engine keyword arguments held by a parsed namespace."""
-    return {f.name: getattr(namespace, f.name) for f in engine_fields()}
+    """The engine keyword arguments held by a parsed namespace (``serve MODEL``'s positional model in ``model``)."""
+    kwargs = {f.name: getattr(namespace, f.name) for f in engine_fields()}
+    tag = getattr(namespace, "model_tag", None)
+    if tag is not None:
+        if kwargs["model"] is not None and kwargs["model"] != tag:
+            problem = f"differs from --model {kwargs['model']!r}"
+            subject = f"the positional MODEL {tag!r}"
+            raise ConfigError("model", tag, "give one model, as MODEL or --model", problem=problem, subject=subject)
+        kwargs["model"] = tag
+    return kwargs
 
 
 def engine_config_from_args(namespace: argparse.Namespace) -> EngineConfig:

@@ -49,9 +49,21 @@ def read_model_info(config: EngineConfig, hf_config: dict[str, Any], tokenizer: 
 
 
 def load_tokenizer(path: str) -> Any:
+    """The tokenizer at ``path``, or a ValueError where there is none to load.
+
+    NOTE: from a directory without tokenizer files, transformers builds the config's tokenizer class
+    with a vocabulary of one token, which turns every text into no tokens: a server would then
+    answer every prompt as if it were empty.
+    """
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(path)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    if len(tokenizer) <= 1:
+        raise ValueError(
+            f"no tokenizer at {path!r} (its vocabulary has {len(tokenizer)} token): point --tokenizer at a "
+            "directory or Hub id that holds one, or pass --skip-tokenizer-init and send token ids"
+        )
+    return tokenizer
 
 
 def _generation_config(model_dir: str) -> dict[str, Any]:

@@ -64,6 +64,13 @@ def add_serve_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
         # flag the operator renders from the spec (and renders again after it).
         allow_abbrev=False,
     )
+    p.add_argument(
+        "model_tag",
+        nargs="?",
+        default=None,
+        metavar="MODEL",
+        help="The model to serve, as `vllm serve MODEL` takes it: the same as --model (give one of them).",
+    )
     add_server_args(p)
     add_headless_arg(p.add_argument_group("nodes"))
     add_engine_args(p)

@@ -15,7 +15,7 @@ from transformers import (
 )
 
 from pagedllm.server.config import ConfigError, EngineConfig
-from pagedllm.server.engine.model_info import kv_window, max_model_len
+from pagedllm.server.engine.model_info import kv_window, load_tokenizer, max_model_len
 
 
 def _saved(config) -> dict:
@@ -68,3 +68,11 @@ def test_a_window_does_not_cap_the_length():
     assert max_model_len(EngineConfig.from_kwargs(max_model_len=100), mistral) == 100
     with pytest.raises(ConfigError, match="at most the model's limit of 512"):
         max_model_len(EngineConfig.from_kwargs(max_model_len=513), mistral)
+
+
+def test_a_model_directory_without_tokenizer_files_is_refused_by_name(tmp_path):
+    """transformers builds the config's tokenizer class from no files at all, with one token that every
+    text turns into nothing; the engine refuses it instead of answering every prompt as empty."""
+    Qwen2Config(vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"no tokenizer at .* --tokenizer .* --skip-tokenizer-init"):
+        load_tokenizer(str(tmp_path))

@@ -165,6 +165,16 @@ def test_operator_without_kopf_says_what_is_missing(monkeypatch, capsys):
     assert "kopf is not installed" in err and "pagedllm[operator]" in err
 
 
+def test_the_model_may_be_given_as_vllm_serve_takes_it():
+    """``pagedllm serve MODEL`` is ``--model MODEL``; both at once must name the same model."""
+    assert engine_config_from_args(build_parser().parse_args(["serve", "/models/m"])).model.model == "/models/m"
+    both = build_parser().parse_args(["serve", "/models/m", "--model", "/models/m", "--port", "9000"])
+    assert engine_config_from_args(both).model.model == "/models/m" and both.port == 9000
+    assert engine_config_from_args(build_parser().parse_args(["serve"])).model.model is None  # the demo model
+    with pytest.raises(ValueError, match=r"^the positional MODEL '/models/m' differs from --model '/models/other'"):
+        engine_config_from_args(build_parser().parse_args(["serve", "/models/m", "--model", "/models/other"]))
+
+
 def test_config_errors_name_the_flag_not_the_field():
     with pytest.raises(ValueError, match=r"^--block-size=12 is not allowed"):
         engine_config_from_args(build_parser().parse_args(["serve", "--block-size", "12"]))
