@@ -60,8 +60,9 @@ def load_tokenizer(path: str) -> Any:
     tokenizer = AutoTokenizer.from_pretrained(path)
     if len(tokenizer) <= 1:
         raise ValueError(
-            f"no tokenizer at {path!r} (its vocabulary has {len(tokenizer)} token): point --tokenizer at a "
-            "directory or Hub id that holds one, or pass --skip-tokenizer-init and send token ids"
+            f"no tokenizer at {path!r} (its vocabulary has {len(tokenizer)} token): point --tokenizer "
+            "(tokenizer=) at a directory or Hub id that holds one, or pass --skip-tokenizer-init "
+            "(skip_tokenizer_init=True) and send token ids"
         )
     return tokenizer
 
