@@ -309,7 +309,7 @@ def test_every_flag_any_rendering_emits_is_owned(spec):
         (["--enable-chunked-prefill", "--num-gpu-blocks-override", "x"], 1, "invalid int value: 'x'"),
         (["--num-gpu-blocks-override=many"], 0, "invalid int value: 'many'"),
         (["--cache-salt-policy", "sometimes"], 0, "invalid choice: 'sometimes'"),
-        (["--enable-chunked-prefill", "stray"], 1, "unrecognized arguments: stray"),
+        (["--enable-chunked-prefill", "stray"], 1, "the positional MODEL 'stray' differs from --model"),
         (["--cpu-threads", "0"], 0, "--cpu-threads=0"),
     ],
 )
