@@ -256,11 +256,11 @@ def int8_pack(
 ) -> W4Packed:
     """4-bit levels packed for the int8 product of ``variant`` (default :func:`int8_isa`): :func:`pack_spans`
     for the AVX2 one, :func:`pack` for the AVX-512 one (which :func:`gemm` reads too)."""
-    return (pack_spans if _int8_variant(variant) == "avx2" else pack)(q, scales, zeros, group)
+    return _INT8_PACKINGS[_int8_variant(variant)][0](q, scales, zeros, group)
 
 
-_INT8_WIDTHS = {"avx512-bf16": BLOCK, "avx2": 2 * BLOCK}
-"""The last size of the 4-bit packing each int8 variant reads (:func:`pack`'s, :func:`pack_spans`')."""
+_INT8_PACKINGS = {"avx512-bf16": (pack, BLOCK), "avx2": (pack_spans, 2 * BLOCK)}
+"""The 4-bit packing each int8 variant reads, and that packing's last size."""
 
 
 def gemm_int8(x: torch.Tensor, packed: W4Packed, variant: str | None = None) -> torch.Tensor:
@@ -288,9 +288,9 @@ class Int8Product:
         wide = width == 4 * BLOCK
         if wide and variant != "avx512-bf16":
             raise ValueError(f"an 8-bit packing runs on the avx512-bf16 int8 product only, not {variant!r}")
-        if not wide and width != _INT8_WIDTHS[variant]:
-            packer = "pack_spans" if variant == "avx2" else "pack"
-            raise ValueError(f"the {variant} int8 product takes a 4-bit weight packed by {packer}")
+        packer, packed_width = _INT8_PACKINGS[variant]
+        if not wide and width != packed_width:
+            raise ValueError(f"the {variant} int8 product takes a 4-bit weight packed by {packer.__name__}")
         quantizer, symbol = (QUANTIZE_SYMBOL, W8_SYMBOL) if wide else INT8_VARIANTS[variant]
         self.packed, self.blocks = packed, self.n // BLOCK
         self.parallel = _parallel_int8(variant, quantizer, symbol)
