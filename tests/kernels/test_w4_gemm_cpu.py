@@ -4,6 +4,7 @@ a float64 reference on the dequantized weight: every variant this CPU runs (an A
 from __future__ import annotations
 
 import functools
+import threading
 
 import pytest
 import torch
@@ -369,6 +370,33 @@ def test_one_prepared_product_serves_calls_of_any_row_count(variant):
         close_to_int8_reference(out, x, q, scales, zeros, 64)
     with pytest.raises(ValueError, match=r"x must be bfloat16 \[\.\.\., 256\], got torch.bfloat16 \(2, 128\)"):
         product(torch.zeros(2, 128, dtype=torch.bfloat16))
+
+
+@every_int8_variant
+@needs_int8
+def test_threads_calling_one_product_at_once_each_get_their_own_rows(variant):
+    """Each thread keeps its own work buffer for x's levels (a call leaves the GIL inside the product), and a
+    call past :data:`SCRATCH_BYTES` of them gets one of its own."""
+    q, scales, zeros = random_weight(64, 512, 128, seed=6)
+    product = w4_gemm_cpu.Int8Product(w4_gemm_cpu.int8_pack(q, scales, zeros, 128, variant), variant)
+    xs = [torch.randn(rows, 512).to(torch.bfloat16) for rows in (1, 3, 2, 5)]
+    wanted = [w4_gemm_cpu.gemm_int8(x, product.packed, variant) for x in xs]
+    wrong: list[int] = []
+
+    def call(i: int) -> None:
+        for _ in range(200):
+            if not torch.equal(product(xs[i]), wanted[i]):
+                wrong.append(i)
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(len(xs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not wrong
+    rows = w4_gemm_cpu.SCRATCH_BYTES // 512 + 1
+    x = torch.randn(rows, 512).to(torch.bfloat16)
+    close_to_int8_reference(product(x), x, q, scales, zeros, 128)
 
 
 def test_w4a8_switch_keeps_bfloat16_activations(monkeypatch):

@@ -46,7 +46,7 @@ class FusedLinear(PackableLinear):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         # x: [tokens, in] -> one [tokens, size] view per part
-        return linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
+        return linear(x, self.weight, self.bias).split_with_sizes(self.sizes, -1)
 
 
 def fuse_linears(parts: list[nn.Module]) -> nn.Module | None:
