@@ -12,6 +12,8 @@ sixteen (4-5% less time with the large weights on huge pages).
 :func:`aligned_empty` is the one allocator the packed layouts use: 64-byte aligned always;
 from :data:`HUGE_MIN_BYTES` on, aligned to 2 MiB with the advice given before anything
 writes the buffer. The padding is never written, so it costs address space, not memory.
+:func:`thread_scratch` is a work buffer a kernel call fills and reads before it returns, kept
+per thread between calls (a decode step's calls are many and small).
 The advice is a hint: where the kernel has huge pages off (``never``) or memory is too
 fragmented, the buffer is ordinary pages and nothing else changes.
 ``PAGEDLLM_HUGE_PAGES=0`` skips the advice.
@@ -21,10 +23,11 @@ from __future__ import annotations
 
 import mmap
 import os
+import threading
 
 import torch
 
-__all__ = ["HUGE_MIN_BYTES", "HUGE_PAGE", "aligned_empty", "huge_pages_enabled"]
+__all__ = ["HUGE_MIN_BYTES", "HUGE_PAGE", "SCRATCH_BYTES", "aligned_empty", "huge_pages_enabled", "thread_scratch"]
 
 HUGE_PAGE = 2 << 20
 """The x86-64 huge page size."""
@@ -60,3 +63,27 @@ def aligned_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
         align = ALIGN
     skip = -raw.data_ptr() % align
     return raw[skip : skip + nbytes].view(dtype)
+
+
+class _Scratch(threading.local):
+    work: torch.Tensor | None = None
+
+
+_SCRATCH = _Scratch()
+SCRATCH_BYTES = 1 << 20
+"""The most bytes of work buffer a thread keeps between calls (a decode step's); a larger one (a long
+prompt's) is allocated for its call."""
+
+
+def thread_scratch(size: int) -> torch.Tensor:
+    """``size`` bytes of int8 the calling thread's kernel call may write until it returns: the thread's kept
+    buffer where that holds them.
+
+    NOTE: one buffer per thread (a kernel call may leave the GIL while it works): a call must be done
+    with it before the thread asks again, so no call may ask twice."""
+    if size > SCRATCH_BYTES:
+        return torch.empty(size, dtype=torch.int8)
+    work = _SCRATCH.work
+    if work is None:
+        work = _SCRATCH.work = torch.empty(SCRATCH_BYTES, dtype=torch.int8)
+    return work

@@ -37,7 +37,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
-import threading
 from pathlib import Path
 
 import torch
@@ -57,6 +56,7 @@ from ._cpu_compile import (
     load_symbol,
 )
 from ._cpu_items import _use_threads
+from ._cpu_memory import thread_scratch
 from .w4_gemm_reference import w4_gemm_reference, w4a8_reference
 from .w4_pack import BLOCK, W4Packed, can_pack, pack, pack8, pack_spans, unpack
 
@@ -306,7 +306,7 @@ class Int8Product:
         if m > 0 and n > 0:
             # NOTE: one buffer: x's levels [m, k] int8, then per row and group its scale and the sum of its
             # levels ([m, k / group, 2] float32; 4-byte aligned, as k is a multiple of 16)
-            work = _work_buffer(m * k + m * (k // group) * 8)
+            work = thread_scratch(m * k + m * (k // group) * 8)
             threads = min(_use_threads(torch.get_num_threads()), blocks) if m * n * k >= PARALLEL_MIN_WORK else 1
             w, meta, y = self.packed.weight.data_ptr(), self.packed.meta.data_ptr(), out.data_ptr()
             x_at, levels_at = rows.data_ptr(), work.data_ptr()
@@ -317,27 +317,6 @@ class Int8Product:
                 self.quantize(x_at, m, k, group, levels_at, stats_at)
                 self.product(levels_at, stats_at, m, k, w, meta, group, n, 0, blocks, y)
         return out if rows is x else out.view(*x.shape[:-1], n)
-
-
-class _Scratch(threading.local):
-    work: torch.Tensor | None = None
-
-
-_SCRATCH = _Scratch()
-SCRATCH_BYTES = 1 << 20
-"""The most bytes of :class:`Int8Product`'s work buffer a thread keeps between calls (a decode step's);
-a larger one (a long prompt's) is allocated for its call."""
-
-
-def _work_buffer(size: int) -> torch.Tensor:
-    """``size`` bytes of int8 the calling thread may write until its call returns: its kept buffer where that
-    holds them. NOTE: per thread, as a call leaves the GIL inside its product; a call never re-enters one."""
-    if size > SCRATCH_BYTES:
-        return torch.empty(size, dtype=torch.int8)
-    work = _SCRATCH.work
-    if work is None:
-        work = _SCRATCH.work = torch.empty(SCRATCH_BYTES, dtype=torch.int8)
-    return work
 
 
 _ARGS = ("ptr", "i64", "i64", "ptr", "ptr", "ptr", "i64", "i64", "i64", "i64", "ptr")

@@ -9,7 +9,7 @@ import threading
 import pytest
 import torch
 
-from pagedllm.kernels import w4_gemm_cpu
+from pagedllm.kernels import _cpu_memory, w4_gemm_cpu
 
 needs_kernel = pytest.mark.skipif(
     not w4_gemm_cpu.available(), reason="needs an x86-64 CPU with AVX-512-BF16 or AVX2, numba and a C compiler"
@@ -376,7 +376,7 @@ def test_one_prepared_product_serves_calls_of_any_row_count(variant):
 @needs_int8
 def test_threads_calling_one_product_at_once_each_get_their_own_rows(variant):
     """Each thread keeps its own work buffer for x's levels (a call leaves the GIL inside the product), and a
-    call past :data:`SCRATCH_BYTES` of them gets one of its own."""
+    call past ``_cpu_memory.SCRATCH_BYTES`` of them gets one of its own."""
     q, scales, zeros = random_weight(64, 512, 128, seed=6)
     product = w4_gemm_cpu.Int8Product(w4_gemm_cpu.int8_pack(q, scales, zeros, 128, variant), variant)
     xs = [torch.randn(rows, 512).to(torch.bfloat16) for rows in (1, 3, 2, 5)]
@@ -394,7 +394,7 @@ def test_threads_calling_one_product_at_once_each_get_their_own_rows(variant):
     for t in threads:
         t.join()
     assert not wrong
-    rows = w4_gemm_cpu.SCRATCH_BYTES // 512 + 1
+    rows = _cpu_memory.SCRATCH_BYTES // 512 + 1
     x = torch.randn(rows, 512).to(torch.bfloat16)
     close_to_int8_reference(product(x), x, q, scales, zeros, 128)
 
