@@ -1,5 +1,7 @@
 """Work items of the compiled CPU decode kernel (kernels/paged_decode_attention_cpu.py):
-how many per sequence, which thread runs which, and the prefetch of a sequence's next block.
+how many per sequence, which thread runs which, the prefetch of a sequence's next block, and
+the steps of an item that no specialised copy of the kernel changes (visible blocks, soft-cap,
+softmax).
 
 NOTE: Numba's disk cache keys the kernel on its own file: an edit here must also touch
 ``paged_decode_attention_cpu.py`` (as for ``_fast_exp.py``).
@@ -13,6 +15,8 @@ from collections.abc import Callable
 
 import numpy as np
 import torch
+
+from ._fast_exp import exp
 
 try:
     import numba
@@ -44,6 +48,43 @@ region that waits for a busy core costs a time slice. The plan is now also its o
 def _device_function(fn):
     """A helper the kernel calls: compiled into it by Numba (inlined), plain Python without numba."""
     return numba.njit(inline="always", fastmath=True, boundscheck=False)(fn) if HAS_NUMBA else fn
+
+
+@_device_function
+def visible_blocks(start, end, block_size):
+    """The logical blocks that hold positions ``start .. end - 1``: ``range(first, last)``."""
+    if end <= start:
+        return 0, 0
+    return start // block_size, (end + block_size - 1) // block_size
+
+
+@_device_function
+def soft_cap(scores, cap):
+    """In place: ``cap * tanh(score / cap)``."""
+    heads, length = scores.shape
+    for i in range(heads):
+        for p in range(length):
+            scores[i, p] = cap * np.tanh(scores[i, p] / cap)
+
+
+@_device_function
+def softmax_rows(scores):
+    """In place: each row of scores becomes probabilities (an empty row stays empty).
+
+    NOTE: :data:`exp` vectorises where ``np.exp`` calls the C library once per score; it
+    differs from it in the last bit now and then.
+    """
+    for i in range(scores.shape[0]):
+        row = scores[i]
+        if len(row) == 0:
+            continue
+        top = row.max()
+        total = np.float32(0.0)
+        for p in range(len(row)):
+            e = exp(row[p] - top)
+            row[p] = e
+            total += e
+        row *= np.float32(1.0) / total
 
 
 def choose_kv_splits(num_seqs: int, num_kv_heads: int, threads: int) -> int:

@@ -22,6 +22,9 @@ array they are given, what that means when the kernel is compiled::
 so the float32 kernel compiles to exactly what it would without them. Rounding is
 torch's (c10's ``round_to_nearest_even``): ``(bits + 0x7FFF + ((bits >> 16) & 1)) >> 16``,
 and any NaN becomes the quiet NaN ``0x7FC0``.
+
+NOTE: the decode kernel (kernels/paged_decode_attention_cpu.py) inlines ``load`` and ``store_like``,
+and Numba's disk cache keys it on its own file: an edit to them must also touch that file.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from types import FunctionType
 import numpy as np
 import torch
 
-from .paged_decode_attention_cpu import HAS_NUMBA, _use_threads
+from ._cpu_items import HAS_NUMBA, _use_threads
 
 if HAS_NUMBA:
     import numba
@@ -100,8 +103,12 @@ def _cache_name(kernel: Callable, parallel: bool) -> Callable:
     from here. The name keeps the serial and parallel builds apart and changes with this
     file, so that no build ever loads machine code compiled from other source.
     """
-    name = f"{kernel.__name__}_{'parallel' if parallel else 'serial'}_{_source_digest()}"
-    copy = FunctionType(kernel.__code__, kernel.__globals__, name, kernel.__defaults__, kernel.__closure__)
+    return renamed_copy(kernel, f"{kernel.__name__}_{'parallel' if parallel else 'serial'}_{_source_digest()}")
+
+
+def renamed_copy(fn: Callable, name: str, names: dict | None = None) -> Callable:
+    """``fn`` named ``name``, its globals those of its module with ``names`` in place of theirs."""
+    copy = FunctionType(fn.__code__, fn.__globals__ | (names or {}), name, fn.__defaults__, fn.__closure__)
     copy.__qualname__ = name
     return copy
 

@@ -38,23 +38,22 @@ is widened exactly as it is read (kernels/_cpu_widen.py); an int8 row's scale mu
 its dot product and its weight, an fp8 cache's per-tensor scales the score scale and the
 output, so an 8-bit cache streams half the bytes of a 16-bit one for the same work.
 
-:func:`paged_decode_attention_reference` (same signature) is the oracle.
+:func:`paged_decode_attention_reference` (same signature) is the oracle. The engine checks and
+converts a step's tables and lengths once (:class:`DecodeRows`) for every layer's call.
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from types import FunctionType
 
 import numpy as np
 import torch
 
-from . import _cpu_widen, decode_scores_cpu
+from . import _cpu_items, _cpu_widen, decode_scores_cpu
 from ._cpu_items import ITEMS_PER_THREAD, PRANGE_ONLY, _use_threads, choose_kv_splits, thread_items
 from ._cpu_items import prefetch_block as _prefetch_block
 from ._cpu_widen import E4M3_FACTOR
-from ._fast_exp import exp
 from ._paged import check_block_tables, check_int_vector, check_kv_caches, check_query, check_window
 from .paged_decode_attention import paged_decode_attention_reference
 
@@ -65,6 +64,8 @@ except ImportError:  # pragma: no cover - numba is a dependency; this keeps the 
 
 HAS_NUMBA = numba is not None
 _prange = numba.prange if HAS_NUMBA else range
+if HAS_NUMBA:
+    from ._numba_cpu import load, renamed_copy, store_like
 
 __all__ = [
     "CACHE_DTYPES",
@@ -101,23 +102,6 @@ def _device_function(fn):
     return numba.njit(inline="always", fastmath=True, boundscheck=False)(fn) if HAS_NUMBA else fn
 
 
-@_device_function
-def _soft_cap(scores, cap):
-    """In place: ``cap * tanh(score / cap)``."""
-    heads, length = scores.shape
-    for i in range(heads):
-        for p in range(length):
-            scores[i, p] = cap * np.tanh(scores[i, p] / cap)
-
-
-@_device_function
-def _visible_blocks(start, end, block_size):
-    """The logical blocks that hold positions ``start .. end - 1``: ``range(first, last)``."""
-    if end <= start:
-        return 0, 0
-    return start // block_size, (end + block_size - 1) // block_size
-
-
 _widen = _cpu_widen.widen
 ROW_SCALED = False
 """Whether cache rows end with their float16 scale (int8): a constant in each specialised copy."""
@@ -144,7 +128,7 @@ def _scores(query, key_cache, block_table, start, end, kv0, group, scale):
     block_size = key_cache.shape[1]
     scores = np.empty((heads, max(end - start, 0)), np.float32)
     row = np.empty(head_dim, np.float32)
-    first, last = _visible_blocks(start, end, block_size)
+    first, last = _cpu_items.visible_blocks(start, end, block_size)
     for b in range(first, last):
         if b + 1 < last:
             _prefetch_block(key_cache, block_table[b + 1])
@@ -173,32 +157,19 @@ def _scores(query, key_cache, block_table, start, end, kv0, group, scale):
 
 
 @_device_function
-def _softmax_rows(scores):
-    """In place: each row of scores becomes probabilities (an empty row stays empty).
-
-    NOTE: :data:`exp` vectorises where ``np.exp`` calls the C library once per score; it
-    differs from it in the last bit now and then.
-    """
-    for i in range(scores.shape[0]):
-        row = scores[i]
-        if len(row) == 0:
-            continue
-        top = row.max()
-        total = np.float32(0.0)
-        for p in range(len(row)):
-            e = exp(row[p] - top)
-            row[p] = e
-            total += e
-        row *= np.float32(1.0) / total
-
-
-@_device_function
 def _attend(query, key_cache, value_cache, block_table, start, end, kv0, group, scale, softcap, out_scale, out):
-    """One item: ``out`` = out_scale x attention over ``start .. end - 1``, head i on KV head ``kv0 + i // group``."""
-    probs = _scores(query, key_cache, block_table, start, end, kv0, group, scale)
+    """One item: ``out`` = out_scale x attention over ``start .. end - 1``, head i on KV head ``kv0 + i // group``;
+    ``query`` and ``out`` ``[heads, head_dim]`` float32, or bfloat16 bits (uint16: widened once here, rounded
+    once as written)."""
+    heads, head_dim = query.shape[0], HEAD_DIM or query.shape[1]
+    q = np.empty((heads, head_dim), np.float32)
+    for i in range(heads):
+        for d in range(head_dim):
+            q[i, d] = load(query[i, d])
+    probs = _scores(q, key_cache, block_table, start, end, kv0, group, scale)
     if softcap > 0:
-        _soft_cap(probs, softcap)
-    _softmax_rows(probs)
+        _cpu_items.soft_cap(probs, softcap)
+    _cpu_items.softmax_rows(probs)
     _weighted_values(probs, value_cache, block_table, start, end, kv0, group, out_scale, out)
 
 
@@ -211,7 +182,7 @@ def _weighted_values(probs, value_cache, block_table, start, end, kv0, group, ou
     block_size = value_cache.shape[1]
     acc = np.zeros((heads, head_dim), np.float32)
     row = np.empty(head_dim, np.float32)
-    first, last = _visible_blocks(start, end, block_size)
+    first, last = _cpu_items.visible_blocks(start, end, block_size)
     for b in range(first, last):
         if b + 1 < last:
             _prefetch_block(value_cache, block_table[b + 1])
@@ -234,8 +205,9 @@ def _weighted_values(probs, value_cache, block_table, start, end, kv0, group, ou
                     w = probs[i, col] * row_scale
                     for d in range(head_dim):
                         acc[i, d] += w * row[d]
-    acc *= out_scale
-    out[:, :] = acc
+    for i in range(heads):
+        for d in range(head_dim):
+            out[i, d] = store_like(acc[i, d] * out_scale, out)
 
 
 def paged_decode_attention_cpu_kernel(
@@ -314,20 +286,13 @@ def _specialised(
     tag = f"_d{head_dim}" + ("_int8" if row_scaled else "" if widening == "widen" else f"_{widening[6:]}")
     tag += ("" if parallel else "_serial") + ("" if widen_once else "_direct") + ("", "_cscores", "_citem")[c_path]
     for fn in (_row_scale.py_func, _scores.py_func, _weighted_values.py_func):
-        names[fn.__name__] = _device_function(_copy(fn, f"{fn.__name__}{tag}", names))
+        names[fn.__name__] = _device_function(renamed_copy(fn, f"{fn.__name__}{tag}", names))
     if c_path:  # NOTE: pass 1 (1) or the whole item (2) in C (kernels/decode_scores_cpu.c), same signatures
         names["_scores"] = decode_scores_cpu.scores
-    attend = _device_function(_copy(_attend.py_func, f"_attend{tag}", names))
+    attend = _device_function(renamed_copy(_attend.py_func, f"_attend{tag}", names))
     c_item = c_path == 2 and decode_scores_cpu.attend_for(torch.int8 if row_scaled else _ITEM_DTYPES[widening])
     names["_attend"] = c_item or attend
-    return _copy(paged_decode_attention_cpu_kernel, f"paged_decode_attention_cpu_kernel{tag}", names)
-
-
-def _copy(fn: Callable, name: str, names: dict) -> Callable:
-    """``fn`` named ``name``, its globals those of its module with ``names`` in place of theirs."""
-    copy = FunctionType(fn.__code__, fn.__globals__ | names, name, fn.__defaults__, fn.__closure__)
-    copy.__qualname__ = name
-    return copy
+    return renamed_copy(paged_decode_attention_cpu_kernel, f"paged_decode_attention_cpu_kernel{tag}", names)
 
 
 def _jit(kernel: Callable, cache: bool, parallel: bool = True):
@@ -357,44 +322,78 @@ def paged_decode_attention_cpu(
     ``sliding_window`` those before the window's first block, are never read. An empty
     context gives zeros.
     """
-    if not HAS_NUMBA:
-        raise RuntimeError("the compiled CPU decode kernel needs numba: pip install numba")
+    rows = DecodeRows(block_tables, context_lens)
+    return decode_rows_attention(
+        query, key_cache, value_cache, rows, scale, sliding_window, logit_softcap, k_scale, v_scale
+    )
+
+
+class DecodeRows:
+    """A step's decode rows as the kernel reads them, checked and converted once for all its layers: block
+    tables [num_seqs, max_blocks] int32 and context lengths [num_seqs] int32 on the CPU. NOTE: at batch 1
+    (Qwen2.5-0.5B shape, 2 threads) the work around a call (checks, arrays, the query's widening and the
+    output's rounding in torch) had taken ~50 us of ~70."""
+
+    def __init__(self, block_tables: torch.Tensor, context_lens: torch.Tensor) -> None:
+        if not HAS_NUMBA:
+            raise RuntimeError("the compiled CPU decode kernel needs numba: pip install numba")
+        check_block_tables(block_tables, block_tables.shape[0] if block_tables.dim() == 2 else -1)
+        check_int_vector(context_lens, "context_lens", block_tables.shape[0])
+        if not (block_tables.is_cpu and context_lens.is_cpu):
+            raise ValueError(f"block_tables and context_lens must be on the CPU, got {block_tables.device}")
+        self.num_seqs, self.max_blocks = block_tables.shape
+        self.tables, self.lens = block_tables.contiguous().numpy(), context_lens.contiguous().numpy()
+
+
+def decode_rows_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    rows: DecodeRows,
+    scale: float,
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
+    """:func:`paged_decode_attention_cpu` (same tensors) for the rows of a :class:`DecodeRows`: a layer of a step."""
     check_kv_caches(key_cache, value_cache)
     check_query(query, key_cache)
-    check_block_tables(block_tables, query.shape[0])
-    check_int_vector(context_lens, "context_lens", query.shape[0])
     check_window(sliding_window, logit_softcap)
-    tensors = dict(query=query, key_cache=key_cache, value_cache=value_cache, block_tables=block_tables)
-    for name, t in (*tensors.items(), ("context_lens", context_lens)):
-        if t.device.type != "cpu":
-            raise ValueError(f"{name} must be on the CPU, got {t.device}")
-    out = torch.empty(query.shape, dtype=torch.float32)
+    if query.shape[0] != rows.num_seqs:
+        raise ValueError(
+            f"block_tables must have a row per sequence of the query ({query.shape[0]}), got {rows.num_seqs}"
+        )
+    if not (query.is_cpu and key_cache.is_cpu and value_cache.is_cpu):
+        raise ValueError(f"query and caches must be on the CPU, got {query.device} and {key_cache.device}")
+    # NOTE: a bfloat16 query and output reach the kernel as their bits (widened and rounded there); others
+    # in float32, the output rounded to the query's dtype after
+    bits = query.dtype == torch.bfloat16
+    out = torch.empty(query.shape, dtype=query.dtype if bits else torch.float32)
     if query.shape[0] == 0:
         return out.to(query.dtype)
     cache_view, widening, factor = _FORMATS.get(key_cache.dtype) or (_KERNEL_VIEWS[key_cache.dtype], "widen", 1.0)
     threads = _use_threads(torch.get_num_threads())
     # NOTE: the tables' width bounds every context: no pass over the lengths needed
-    most = block_tables.shape[0] * block_tables.shape[1] * key_cache.shape[1] * query.shape[1] * query.shape[2]
+    most = rows.num_seqs * rows.max_blocks * key_cache.shape[1] * query.shape[1] * query.shape[2]
     parallel = threads > 1 and most >= PARALLEL_MIN_WORK
     threads = threads if parallel else 1
-    splits = choose_kv_splits(query.shape[0], key_cache.shape[2], threads)
+    splits = choose_kv_splits(rows.num_seqs, key_cache.shape[2], threads)
     fp8, widen_once = widening != "widen", cache_view != torch.float32
     c_path = decode_scores_cpu.c_path(query, key_cache, value_cache, logit_softcap)
-    if c_path == 2:  # NOTE: the C item reads the query's bfloat16 bits and writes the output's
-        out = torch.empty(query.shape, dtype=query.dtype)
-    q = query.contiguous().view(torch.uint16) if c_path == 2 else query.float().contiguous()
+    q = query.contiguous().view(torch.uint16) if bits else query.float().contiguous()
     _compiled_kernel(query.shape[2], widening, key_cache.dtype == torch.int8, parallel, widen_once, c_path)(
         q.numpy(),
         key_cache.view(cache_view).numpy(),
         value_cache.view(cache_view).numpy(),
-        block_tables.numpy(),
-        context_lens.numpy(),
+        rows.tables,
+        rows.lens,
         np.float32(scale * (k_scale * factor if fp8 else 1.0)),
         sliding_window or 0,
         np.float32(logit_softcap or 0.0),
         np.float32(v_scale * factor if fp8 else 1.0),
         splits,
         threads,
-        (out.view(torch.uint16) if c_path == 2 else out).numpy(),
+        (out.view(torch.uint16) if bits else out).numpy(),
     )
-    return out.to(query.dtype)
+    return out if bits else out.to(query.dtype)

@@ -49,7 +49,7 @@ import torch.nn.functional as F
 
 from pagedllm.kernels.kv_quant import UNIT_SCALES, KVScales, dequantize, is_quantized, raw
 from pagedllm.kernels.kv_write_cpu import write_kv_quantized_cpu
-from pagedllm.kernels.paged_decode_attention_cpu import paged_decode_attention_cpu
+from pagedllm.kernels.paged_decode_attention_cpu import DecodeRows, decode_rows_attention
 from pagedllm.kernels.prefill_attention_cpu import applies as compiled_prefill_applies
 from pagedllm.kernels.prefill_attention_cpu import prefill_attention_cpu
 
@@ -88,14 +88,6 @@ class PrefillChunk:
 
 
 @dataclass(frozen=True)
-class CompiledDecode:
-    """The decode rows as the compiled kernel reads them: straight through the block tables."""
-
-    block_tables: torch.Tensor  # [num_decodes, max_blocks] int32
-    context_lens: torch.Tensor  # [num_decodes] int32
-
-
-@dataclass(frozen=True)
 class AttentionPlan:
     """What every layer's attention reuses within one step."""
 
@@ -104,8 +96,9 @@ class AttentionPlan:
     block_size: int
     max_pad_tokens: int
     prefills: list[PrefillChunk]
-    compiled: CompiledDecode | None = None
-    """Set when decode runs the compiled kernel (which needs no groups)."""
+    compiled: DecodeRows | None = None
+    """Set when decode runs the compiled kernel (which needs no groups): the rows it reads, checked and
+    converted once for every layer of the step."""
     _grouped: dict[int | None, GroupedDecodes] = field(default_factory=dict, compare=False, repr=False)
 
     def grouped(self, sliding_window: int | None = None) -> GroupedDecodes:
@@ -144,7 +137,7 @@ def plan_attention(
     ]
     compiled = None
     if compiled_decode:
-        compiled = CompiledDecode(decode_block_tables.contiguous(), decode_context_lens.contiguous())
+        compiled = DecodeRows(decode_block_tables, decode_context_lens)
     decode_lens = decode_context_lens.tolist()
     return AttentionPlan(decode_block_tables, decode_lens, block_size, max_pad_tokens, prefills, compiled)
 
@@ -286,11 +279,9 @@ def compiled_decode_attention(
 ) -> torch.Tensor:  # [num_decodes, num_heads, head_dim]
     """Decode through the compiled CPU kernel, which reads the cache in place (no gather)."""
     assert plan.compiled is not None, "the plan was made with compiled_decode=True"
-    decode = plan.compiled
-    tables, lens = decode.block_tables, decode.context_lens
-    window, cap = sliding_window, logit_softcap
-    return paged_decode_attention_cpu(
-        query, key_cache, value_cache, tables, lens, scale, window, cap, scales.k_scale, scales.v_scale
+    window, cap, rows = sliding_window, logit_softcap, plan.compiled
+    return decode_rows_attention(
+        query, key_cache, value_cache, rows, scale, window, cap, scales.k_scale, scales.v_scale
     )
 
 

@@ -22,7 +22,9 @@ from pagedllm.kernels import paged_decode_attention_reference
 from pagedllm.kernels.kv_quant import quantize
 from pagedllm.kernels.paged_decode_attention_cpu import (
     ITEMS_PER_THREAD,
+    DecodeRows,
     choose_kv_splits,
+    decode_rows_attention,
     paged_decode_attention_cpu,
 )
 
@@ -199,6 +201,25 @@ def test_refuses_what_it_cannot_run():
         _run(paged_decode_attention_cpu, query, kv, 1.0, window=-3)
     with pytest.raises(ValueError, match="logit_softcap must be > 0"):
         _run(paged_decode_attention_cpu, query, kv, 1.0, softcap=-1.0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_one_step_s_rows_serve_every_layer(dtype):
+    """A step's tables and lengths, checked and converted once (``DecodeRows``), read by each layer's call
+    over its own caches: what the one-call entry gives, exactly, and rows of another step are refused."""
+    query, kv = _case([9, 30, 17], 8, 4, 32, 8, dtype=dtype)
+    rows = DecodeRows(kv.block_tables, kv.context_lens)
+    for layer in range(3):
+        keys, values = (torch.randn_like(c, dtype=torch.float32).to(dtype) for c in (kv.key_cache, kv.value_cache))
+        layer_kv = dataclasses.replace(kv, key_cache=keys, value_cache=values)
+        q = torch.randn_like(query, dtype=torch.float32).to(dtype)
+        out = decode_rows_attention(q, keys, values, rows, 0.2, None, 5.0 if layer else None)
+        assert torch.equal(out, _run(paged_decode_attention_cpu, q, layer_kv, 0.2, None, 5.0 if layer else None))
+        _assert_matches(out, _float32_reference(q, layer_kv, 0.2, None, 5.0 if layer else None), dtype)
+    with pytest.raises(ValueError, match=r"a row per sequence of the query \(2\), got 3"):
+        decode_rows_attention(query[:2], kv.key_cache, kv.value_cache, rows, 0.2)
+    with pytest.raises(ValueError, match="context_lens must be torch.int32 \\[3\\]"):
+        DecodeRows(kv.block_tables, kv.context_lens[:2])
 
 
 @pytest.mark.parametrize("quantized", [False, True])
