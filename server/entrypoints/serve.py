@@ -260,9 +260,16 @@ def keep_torch_out() -> None:
     helpers), which would cost this process hundreds of MB and seconds of start-up; with
     ``sys.modules["torch"] = None`` it finds torch unavailable and leaves it out. The engine core
     is a spawned interpreter with modules of its own. Nothing changes if torch is already loaded.
+    Transformers' notice that it found no PyTorch, which would open every server's log, is dropped.
     """
     if "torch" not in sys.modules:
         sys.modules["torch"] = None  # type: ignore[assignment]
+        logging.getLogger("transformers").addFilter(_drop_torch_absent_notice)
+
+
+def _drop_torch_absent_notice(record: logging.LogRecord) -> bool:
+    """False for transformers' import-time notice that PyTorch was not found (left out on purpose here)."""
+    return not record.getMessage().startswith("PyTorch was not found")
 
 
 def run_serve(args: argparse.Namespace) -> int:
