@@ -310,16 +310,18 @@ PRODUCTS = [
 
 @pytest.mark.parametrize("product", PRODUCTS)
 @pytest.mark.parametrize("threads", [1, 2, 3])
-@pytest.mark.parametrize("rows", [5, 70])
+@pytest.mark.parametrize("rows", [1, 5, 70])
 def test_every_thread_count_writes_every_column(product, threads, rows):
-    """From 64 rows the int8 product's threads also quantize x a share of rows each."""
+    """From 64 rows the int8 product's threads also quantize x a share of rows each; one row (a tile of
+    four blocks a pass) over seven blocks gives two or three threads shares that start inside a tile."""
     gemm, check, pack = product
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        q, scales, zeros = random_weight(16 * 7, 512, 64, seed=threads)
-        x = torch.randn(rows, 512).to(torch.bfloat16)
-        assert 5 * 16 * 7 * 512 >= w4_gemm_cpu.PARALLEL_MIN_WORK  # NOTE: large enough to go parallel
+        k = 2560
+        q, scales, zeros = random_weight(16 * 7, k, 64, seed=threads)
+        x = torch.randn(rows, k).to(torch.bfloat16)
+        assert rows * 16 * 7 * k >= w4_gemm_cpu.PARALLEL_MIN_WORK  # NOTE: large enough to go parallel
         assert (rows >= w4_gemm_cpu.PARALLEL_QUANTIZE_ROWS) == (rows == 70)
         check(gemm(x, pack(q, scales, zeros, 64)), x, q, scales, zeros, 64)
     finally:
