@@ -29,7 +29,13 @@ tokens then come from other arithmetic and are not expected to match ours.
 ``--quantization awq`` writes the shape as an AWQ checkpoint (4-bit, group 128:
 :mod:`benchmarks.quant_checkpoint`) that both engines load; run it with ``--systems ours,vllm``.
 ``--quantization int8`` has ours quantize the plain checkpoint per channel at load (``LLM(quantization=
-"int8")``), with ``--systems ours`` only.
+"int8")``), with ``--systems ours`` only. ``ours_plain`` is our engine on the same shape unquantized
+(a plain checkpoint in ``--dtype`` beside the AWQ one; for int8 the checkpoint ours quantizes), run in
+turn with the others, so the quantized model's speed-up is a ratio within one run (``ours/ours_plain``,
+each repeat's in brackets):
+
+    python -m benchmarks.throughput --threads 2 --systems ours,ours_plain --quantization awq --repeats 3 \
+        --shape qwen2.5-0.5b --dtype bfloat16 --workloads fixed --batch-sizes 1,16 --num-requests 4,16
 
 ``--shape`` picks the model (:mod:`benchmarks.model_shapes`): the small LLaMA by default, a
 real size people serve on CPUs (``qwen2.5-0.5b``, ``qwen2.5-1.5b``, ``llama-3.2-1b``: random
@@ -63,7 +69,9 @@ from benchmarks.vllm_baseline import Job, Result, check_python, run_offline
 from benchmarks.workloads import Request, sample_requests
 
 MODEL_SHAPE = BENCH_LLAMA
-SYSTEMS = ("ours", "vllm", "hf_static", "hf_continuous", "ceiling")
+SYSTEMS = ("ours", "ours_plain", "vllm", "hf_static", "hf_continuous", "ceiling")
+PEERS = ("vllm", "ours_plain")
+"""The systems whose speed is quoted as ours over theirs run by run (:func:`run_ratios`)."""
 DTYPES = ("float32", "bfloat16")
 
 
@@ -150,6 +158,7 @@ def run_case(model_dir: str, requests: list[Request], batch: int, systems: list[
         "ours": lambda: run_pagedllm(
             model_dir, requests, batch, threads, args.dtype, quantization=args.quantization, **_cache_args(args)
         ),
+        "ours_plain": lambda: run_pagedllm(args.plain_model, requests, batch, threads, args.dtype, **_cache_args(args)),
         "vllm": vllm,
         "hf_static": lambda: Measured(run_hf_static(model_dir, requests, batch, dtype)),
         "hf_continuous": lambda: Measured(run_hf_continuous(model_dir, requests, batch, dtype=dtype)),
@@ -247,8 +256,10 @@ def parse_args() -> argparse.Namespace:
     )
     args = parser.parse_args()
     args.systems = _systems(parser, args)
-    if args.quantization == "int8" and any(s != "ours" for s in args.systems):
+    if args.quantization == "int8" and any(s not in ("ours", "ours_plain") for s in args.systems):
         parser.error("--quantization int8 quantizes at load, which only ours does: run it with --systems ours")
+    if "ours_plain" in args.systems and (args.quantization is None or (args.model and args.quantization == "awq")):
+        parser.error("--systems includes ours_plain, the unquantized peer of --quantization's model on a --shape")
     if args.vllm_dtype is not None and "vllm" not in args.systems:
         parser.error(f"--vllm-dtype={args.vllm_dtype} is vLLM's: add vllm to --systems (and --vllm-python)")
     if args.repeats < 1:
@@ -257,7 +268,7 @@ def parse_args() -> argparse.Namespace:
 
 
 def _systems(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[str]:
-    default = [s for s in SYSTEMS if s != "vllm" or args.vllm_python]
+    default = [s for s in SYSTEMS if (s != "vllm" or args.vllm_python) and (s != "ours_plain" or args.quantization)]
     systems = args.systems.split(",") if args.systems else default
     unknown = [s for s in systems if s not in SYSTEMS]
     if unknown:
@@ -333,12 +344,20 @@ def main() -> None:
     path = os.path.join(args.out, name)
     batches = [int(b) for b in args.batch_sizes.split(",")]
     counts = [int(n) for n in args.num_requests.split(",")]
-    with tempfile.TemporaryDirectory() as model_dir, tempfile.TemporaryDirectory(prefix="vllm-logs-") as logs:
+    with (
+        tempfile.TemporaryDirectory() as model_dir,
+        tempfile.TemporaryDirectory(prefix="vllm-logs-") as logs,
+        tempfile.TemporaryDirectory() as plain_dir,
+    ):
         args.vllm_log = os.path.join(logs, "vllm.log")
         if args.model is None:
             result["model_params"] = write_model(model_dir, args.shape, args.dtype, args.quantization)
         else:
             model_dir = args.model
+        args.plain_model = model_dir
+        if "ours_plain" in args.systems and args.quantization == "awq":
+            write_model(plain_dir, args.shape, args.dtype)
+            args.plain_model = plain_dir
         args.vocab = model_vocab(model_dir)
         for name in args.workloads.split(","):
             for batch, num in zip(batches, counts):
@@ -363,10 +382,13 @@ def run_workload(model_dir: str, name: str, batch: int, num: int, threads: int, 
 
 
 def run_ratios(runs: list[dict]) -> dict:
-    """Ours over vLLM in each repeat: the two ran minutes apart, so these drift least."""
-    if not runs or not {"ours", "vllm"} <= runs[0]["tokens_per_s"].keys():
+    """Ours over each of :data:`PEERS` in each repeat: the two ran minutes apart, so these drift least."""
+    if not runs or "ours" not in runs[0]["tokens_per_s"]:
         return {}
-    return {"ours_over_vllm_per_run": [run["tokens_per_s"]["ours"] / run["tokens_per_s"]["vllm"] for run in runs]}
+    peers = [p for p in PEERS if p in runs[0]["tokens_per_s"]]
+    return {
+        f"ours_over_{p}_per_run": [run["tokens_per_s"]["ours"] / run["tokens_per_s"][p] for run in runs] for p in peers
+    }
 
 
 def table(result: dict) -> str:
@@ -382,7 +404,7 @@ def table(result: dict) -> str:
         cells = [case["workload"], str(case["batch_size"]), str(case["num_requests"])]
         cells += [f"{case['tokens_per_s'][s]:.1f}" for s in systems]
         for s in others:
-            per_run = case.get("ours_over_vllm_per_run") if s == "vllm" else None
+            per_run = case.get(f"ours_over_{s}_per_run")
             spread = f" ({', '.join(f'{r:.2f}' for r in per_run)})" if per_run and len(per_run) > 1 else ""
             cells.append(f"{case[f'ours_over_{s}']:.2f}{spread}")
         cells += [f"{case['cpu_ms_per_token'][s]:.2f}" for s in cpu]

@@ -70,3 +70,33 @@ def test_vllm_dtype_goes_to_vllm_alone(monkeypatch, capsys, tmp_path):
         throughput.run_vllm(str(tmp_path), requests, 8, 2, args)
     assert [job.dtype for job in jobs] == ["float32", "bfloat16"]  # the checkpoint's dtype when unset
     assert jobs[0].requests == [([5, 6, 7], 4)] and jobs[0].max_num_seqs == 8
+
+
+def test_ours_plain_is_the_unquantized_peer_of_a_quantized_shape(monkeypatch, capsys):
+    """``ours_plain`` runs beside ``--quantization``'s model (by default too), never without one, and not
+    beside an AWQ ``--model``, whose plain twin the benchmark cannot write."""
+    monkeypatch.setattr("sys.argv", ["throughput", "--quantization", "awq"])
+    assert "ours_plain" in parse_args().systems
+    monkeypatch.setattr("sys.argv", ["throughput"])
+    assert "ours_plain" not in parse_args().systems
+    for argv in (
+        ["--systems", "ours,ours_plain"],
+        ["--systems", "ours_plain", "--quantization", "awq", "--model", "m"],
+    ):
+        monkeypatch.setattr("sys.argv", ["throughput", *argv])
+        with pytest.raises(SystemExit):
+            parse_args()
+        assert "ours_plain, the unquantized peer of --quantization's model" in capsys.readouterr().err
+    monkeypatch.setattr("sys.argv", ["throughput", "--quantization", "int8", "--systems", "ours,ours_plain"])
+    assert parse_args().systems == ["ours", "ours_plain"]
+
+
+def test_each_repeat_gives_ours_over_the_plain_model_as_over_vllm():
+    runs = [{"tokens_per_s": {"ours": 30.0, "ours_plain": 20.0}}, {"tokens_per_s": {"ours": 36.0, "ours_plain": 20.0}}]
+    assert run_ratios(runs) == {"ours_over_ours_plain_per_run": [1.5, 1.8]}
+    rates = {"ours": 33.0, "ours_plain": 20.0}
+    case = dict(workload="fixed", batch_size=1, num_requests=4, tokens_per_s=rates, runs=runs)
+    case |= ratios(rates) | run_ratios(runs)
+    lines = table({"systems": ["ours", "ours_plain"], "cases": [case]}).splitlines()
+    assert lines[0] == "| outputs | batch | requests | ours tok/s | ours_plain tok/s | ours/ours_plain |"
+    assert lines[2] == "| fixed | 1 | 4 | 33.0 | 20.0 | 1.65 (1.50, 1.80) |"
