@@ -65,13 +65,12 @@ from benchmarks.common import HelpFormatter, set_threads
 from benchmarks.hf_baselines import forward_ceiling, run_hf_continuous, run_hf_static
 from benchmarks.model_shapes import BENCH_LLAMA, SHAPES, model_vocab, save_random_llama, write_random_model
 from benchmarks.scheduler_overhead import scheduling_overhead_us
+from benchmarks.throughput_report import greedy_check, ratios, run_ratios, table
 from benchmarks.vllm_baseline import Job, Result, check_python, run_offline
 from benchmarks.workloads import Request, sample_requests
 
 MODEL_SHAPE = BENCH_LLAMA
 SYSTEMS = ("ours", "ours_plain", "vllm", "hf_static", "hf_continuous", "ceiling")
-PEERS = ("vllm", "ours_plain")
-"""The systems whose speed is quoted as ours over theirs run by run (:func:`run_ratios`)."""
 DTYPES = ("float32", "bfloat16")
 
 
@@ -189,26 +188,6 @@ def _cache_args(args) -> dict:
     """Our engine's KV cache flags, as given (unset: the engine's defaults)."""
     given = {"kv_cache_dtype": args.kv_cache_dtype, "kv_cache_memory": args.kv_cache_memory}
     return {k: v for k, v in given.items() if v is not None}
-
-
-def greedy_check(outputs: dict[str, list[list[int]]]) -> dict:
-    """Requests whose greedy tokens differ between our engine and vLLM, and where the first few diverge."""
-    if "ours" not in outputs or "vllm" not in outputs:
-        return {}
-    diverge = [
-        {"request": i, "position": next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))}
-        for i, (a, b) in enumerate(zip(outputs["ours"], outputs["vllm"]))
-        if a != b
-    ]
-    print(f"  greedy tokens: {len(diverge)} of {len(outputs['ours'])} requests differ between ours and vLLM")
-    return {"greedy_checked": len(outputs["ours"]), "greedy_mismatches": len(diverge), "first_divergences": diverge[:5]}
-
-
-def ratios(rates: dict[str, float]) -> dict[str, float]:
-    ours = rates.get("ours")
-    if ours is None:
-        return {}
-    return {f"ours_over_{name}": ours / rate for name, rate in rates.items() if name != "ours"}
 
 
 def parse_args() -> argparse.Namespace:
@@ -379,37 +358,6 @@ def run_workload(model_dir: str, name: str, batch: int, num: int, threads: int, 
     measured = run_case(model_dir, requests, batch, args.systems, threads, args)
     case = dict(workload=name, batch_size=batch, num_requests=num, output_tokens=out_tokens, mean_input=mean_input)
     return case | measured | ratios(measured["tokens_per_s"]) | run_ratios(measured["runs"])
-
-
-def run_ratios(runs: list[dict]) -> dict:
-    """Ours over each of :data:`PEERS` in each repeat: the two ran minutes apart, so these drift least."""
-    if not runs or "ours" not in runs[0]["tokens_per_s"]:
-        return {}
-    peers = [p for p in PEERS if p in runs[0]["tokens_per_s"]]
-    return {
-        f"ours_over_{p}_per_run": [run["tokens_per_s"]["ours"] / run["tokens_per_s"][p] for run in runs] for p in peers
-    }
-
-
-def table(result: dict) -> str:
-    """The cases as a markdown table: median tokens/s of every system, ours over each (each run's
-    ratio to vLLM in brackets), and CPU ms per output token where measured."""
-    systems = result["systems"]
-    others = [s for s in systems if s != "ours"] if "ours" in systems else []
-    cpu = [s for s in systems if s in result["cases"][0].get("cpu_ms_per_token", {})] if result["cases"] else []
-    head = ["outputs", "batch", "requests", *[f"{s} tok/s" for s in systems], *[f"ours/{s}" for s in others]]
-    head += [f"{s} CPU ms/tok" for s in cpu]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for case in result["cases"]:
-        cells = [case["workload"], str(case["batch_size"]), str(case["num_requests"])]
-        cells += [f"{case['tokens_per_s'][s]:.1f}" for s in systems]
-        for s in others:
-            per_run = case.get(f"ours_over_{s}_per_run")
-            spread = f" ({', '.join(f'{r:.2f}' for r in per_run)})" if per_run and len(per_run) > 1 else ""
-            cells.append(f"{case[f'ours_over_{s}']:.2f}{spread}")
-        cells += [f"{case['cpu_ms_per_token'][s]:.2f}" for s in cpu]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
 
 
 def save(result: dict, path: str) -> None:

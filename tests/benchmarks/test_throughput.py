@@ -7,7 +7,8 @@ import argparse
 import pytest
 
 from benchmarks import throughput
-from benchmarks.throughput import greedy_check, parse_args, ratios, run_ratios, table
+from benchmarks.throughput import parse_args
+from benchmarks.throughput_report import greedy_check, ratios, run_ratios, table
 from benchmarks.workloads import Request
 
 
